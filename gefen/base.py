@@ -1,0 +1,239 @@
+"""What every compressed Gefen optimizer shares: parameter checks, the first-step decisions
+(periods and the optimizer-wide codebook), and a state_dict round trip that never casts the
+uint8 codes and fails before it mutates anything.
+
+Subclasses supply ``contract()``, ``_state_fields(group, shape)``, ``_check_group(group)``,
+``_init_param_state(...)`` and the step math.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from gefen.codebook import learn_codebook
+from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
+from gefen.geometry import as_blocks, block_shape, period_candidates, period_statistics, pick_period, rows_and_row_numel
+from gefen.reduce import LocalReducer, Reducer
+from gefen.validation import check_grad, check_params, param_label
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local part of a (possibly DTensor) parameter or gradient."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def global_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """Logical shape of the whole parameter (a DTensor reports its global shape)."""
+    return tuple(p.shape)
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, defaults: dict, *, codebook_size: int, bins_per_code: int):
+        if not isinstance(codebook_size, int) or not 4 <= codebook_size <= 256:
+            raise ValueError(f"codebook_size must be an int in [4, 256] (codes are uint8), got {codebook_size!r}")
+        if not isinstance(bins_per_code, int) or bins_per_code < 1:
+            raise ValueError(f"bins_per_code must be a positive int, got {bins_per_code!r}")
+        self.codebook_size = codebook_size
+        self.bins_per_code = bins_per_code
+        self.codebook: torch.Tensor | None = None
+        self.reducer: Reducer = LocalReducer()
+        super().__init__(params, defaults)
+        self.register_state_dict_post_hook(_add_global_state, prepend=True)
+
+    # ----- hooks for subclasses -------------------------------------------------------------
+    def contract(self) -> OptimizerContract:
+        raise NotImplementedError
+
+    def _check_group(self, group: dict) -> None:
+        raise NotImplementedError
+
+    def _state_fields(self, group: dict, shape: tuple[int, ...]) -> tuple[str, ...]:
+        """The fields a parameter of global ``shape`` in ``group`` must have."""
+        raise NotImplementedError
+
+    def _init_param_state(self, group: dict, param: torch.Tensor, period: int) -> dict:
+        raise NotImplementedError
+
+    # ----- parameters -----------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        probe = dict(param_group)
+        for name, default in self.defaults.items():
+            probe.setdefault(name, default)
+        self._check_group(probe)
+        super().add_param_group(param_group)
+        group = self.param_groups.pop()  # re-appended only once it passes the checks
+        check_params(group, self.param_groups)
+        self.param_groups.append(group)
+
+    def _grads(self) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
+        """(group, param, grad) for every parameter that has a gradient, after checking it."""
+        out = []
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    check_grad(p.grad, param_label(group, i))
+                    out.append((group, p, p.grad))
+        return out
+
+    # ----- the first step with a gradient ---------------------------------------------------
+    def _initialise_new(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
+        """Decide periods (and, once, the codebook) for parameters seen for the first time.
+
+        Statistics of every new parameter go through one reduction, so all ranks decide alike.
+        """
+        new = [(g, p, local_tensor(grad)) for g, p, grad in work if p not in self.state]
+        if not new:
+            return
+        candidates = [period_candidates(global_shape(p)) for _, p, _ in new]
+        choose = [i for i, c in enumerate(candidates) if len(c) > 1]
+        periods = [c[0] for c in candidates]
+        if choose:
+            stats = torch.cat([period_statistics(new[i][2], candidates[i]) for i in choose])
+            self.reducer.sum_(stats)
+            for i, chunk in zip(choose, stats.split([len(candidates[i]) for i in choose])):
+                periods[i] = pick_period(candidates[i], chunk)
+        if self.codebook is None:
+            blocks = [as_blocks(grad.float(), P) for (_, _, grad), P in zip(new, periods) if P > 1]
+            codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=self.reducer.sum_)
+            self.codebook = codebook.to(new[0][1].device)
+        staged = {p: self._init_param_state(g, p, P) for (g, p, _), P in zip(new, periods)}
+        self.state.update(staged)
+
+    # ----- state_dict -----------------------------------------------------------------------
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load state saved by ``state_dict()``: validate and stage everything, then publish.
+
+        On any error the optimizer is left bit-for-bit untouched. uint8 codes are never cast.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups, state, codebook = self._stage(state_dict)
+        self.__setstate__({"state": state, "param_groups": groups})
+        self.codebook = codebook
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _stage(self, sd: dict):
+        contract = self.contract()
+        for key in ("state", "param_groups"):
+            if key not in sd:
+                raise ValueError(f"not an optimizer state_dict: missing {key!r}")
+        saved_groups = sd["param_groups"]
+        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has {len(saved_groups) if isinstance(saved_groups, (list, tuple)) else '?'} param "
+                f"groups, the optimizer has {len(self.param_groups)}"
+            )
+        groups, index = [], {}
+        for gi, (live, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if not isinstance(saved, dict) or len(saved.get("params", ())) != len(live["params"]):
+                raise ValueError(f"param group {gi} of the state_dict does not match the optimizer's group in size")
+            live_names, saved_names = live.get("param_names"), saved.get("param_names")
+            if live_names and saved_names and list(live_names) != list(saved_names):
+                bad = next(a for a, b in zip(live_names, saved_names) if a != b)
+                raise ValueError(f"param group {gi}: state_dict names differ from the optimizer's (first: {bad!r})")
+            missing = [h for h in contract.hyperparameters if h not in saved]
+            if missing:
+                raise ValueError(f"param group {gi} of the state_dict lacks hyperparameters {missing}")
+            new_group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+            new_group["params"] = live["params"]
+            if live_names:
+                new_group["param_names"] = live_names
+            self._check_group(new_group)
+            groups.append(new_group)
+            for i, key in enumerate(saved["params"]):
+                index[key] = (new_group, i)
+
+        state = defaultdict(dict)
+        for key, entry in sd["state"].items():
+            if key not in index:
+                raise ValueError(f"state_dict holds state for unknown parameter index {key!r}")
+            group, i = index[key]
+            state[group["params"][i]] = self._stage_param(contract, group, i, entry)
+        codebook = self._stage_codebook(sd.get(GLOBAL_STATE_KEY) or {}, bool(state))
+        return groups, state, codebook
+
+    def _stage_param(self, contract: OptimizerContract, group: dict, i: int, entry) -> dict:
+        param, label = group["params"][i], param_label(group, i)
+        if not isinstance(entry, dict):
+            raise ValueError(f"state of parameter {label} is not a dict")
+        shape = global_shape(param)
+        required = set(self._state_fields(group, shape))
+        known = {f.name for f in contract.fields}
+        if set(entry) - known:
+            raise ValueError(
+                f"state of parameter {label} has fields {sorted(set(entry) - known)} unknown to "
+                f"{contract.implementation} (a checkpoint of another optimizer?)"
+            )
+        if set(entry) != required:
+            raise ValueError(
+                f"state of parameter {label} has fields {sorted(entry)}, expected {sorted(required)} "
+                "(different factored_v_2d setting or optimizer?)"
+            )
+        period_t = entry["period"]
+        if not isinstance(period_t, torch.Tensor) or period_t.numel() != 1:
+            raise ValueError(f"parameter {label}: period must be a one-element tensor")
+        period = int(period_t)
+        if period not in period_candidates(shape):
+            raise ValueError(f"parameter {label}: period {period} is not a valid block length for shape {shape}")
+        local = local_tensor(param)
+        staged = {}
+        for name in required:
+            value, spec = entry[name], contract.field(name)
+            want = _local_shape(spec.geometry, local.shape, shape, period)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"parameter {label}: field {name!r} is a {type(value).__name__}, not a tensor")
+            if str(value.dtype).removeprefix("torch.") != spec.dtype:
+                raise TypeError(f"parameter {label}: field {name!r} has dtype {value.dtype}, expected {spec.dtype}")
+            if tuple(value.shape) != want:
+                raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
+            device = value.device if spec.geometry == "scalar" else local.device
+            staged[name] = value.detach().to(device=device, copy=True)
+        return staged
+
+    def _stage_codebook(self, global_state: dict, needed: bool) -> torch.Tensor | None:
+        codebook = global_state.get("codebook")
+        if codebook is None:
+            if needed:
+                raise ValueError("state_dict has parameter state but no codebook")
+            return None
+        if not isinstance(codebook, torch.Tensor) or codebook.dtype != torch.float32:
+            raise TypeError("codebook must be a float32 tensor")
+        if tuple(codebook.shape) != (self.codebook_size,):
+            raise ValueError(f"codebook has shape {tuple(codebook.shape)}, expected ({self.codebook_size},)")
+        if not torch.isfinite(codebook).all() or codebook[0] != -1 or codebook[-1] != 1:
+            raise ValueError("codebook must be finite with codebook[0] == -1 and codebook[-1] == +1")
+        if (codebook[1:] < codebook[:-1]).any():
+            raise ValueError("codebook must be sorted ascending")
+        device = self.param_groups[0]["params"][0].device if self.param_groups else codebook.device
+        return codebook.detach().to(device=device, copy=True)
+
+
+def _local_shape(geometry: str, local: torch.Size, shape: tuple[int, ...], period: int) -> tuple[int, ...]:
+    """Shape of a field on this rank, from its geometry (SPEC 4)."""
+    local_rows = local[0] if len(local) else 1
+    if geometry == "scalar":
+        return ()
+    if geometry == "param":
+        return tuple(local)
+    if geometry == "block":
+        return (local_rows, block_shape(shape, period)[1])
+    if geometry == "row":
+        return (local_rows,)
+    if geometry == "col":
+        return (rows_and_row_numel(shape)[1],)
+    raise ValueError(f"geometry {geometry!r} is not per-parameter")
+
+
+def _add_global_state(optimizer: CompressedOptimizer, state_dict: dict) -> dict:
+    state_dict[GLOBAL_STATE_KEY] = {} if optimizer.codebook is None else {"codebook": optimizer.codebook.clone()}
+    return state_dict

@@ -1,0 +1,248 @@
+"""The optimizer-wide codebook: histogram, exact pinned 1-D k-means, nearest-code lookup.
+
+SPEC 3.1 "Learning the codebook".  Pure functions, no optimizer state.  The k-means solver
+runs a native divide-and-conquer DP (``gefen/csrc/kmeans_dp.c``, built as
+``gefen._kmeans_dp`` and loaded with ctypes) and falls back to a vectorised numpy version
+of the same algorithm, with identical floating-point results, when the library is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import warnings
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+
+# Elements per histogram chunk: bounds the fp32/int64 temporaries on huge gradients.
+_HIST_CHUNK = 1 << 22
+
+
+def _load_native() -> Callable | None:
+    """Return the C solver, or None when the extension was not built (plain source tree)."""
+    try:
+        spec = importlib.util.find_spec("gefen._kmeans_dp")
+    except ImportError:
+        return None
+    if spec is None or not spec.origin:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError:
+        return None
+    fn = lib.gefen_kmeans_dp
+    dbl = ctypes.POINTER(ctypes.c_double)
+    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, dbl, dbl, dbl, dbl, dbl, ctypes.POINTER(ctypes.c_int64)]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_native = _load_native()
+_warned_fallback = False
+
+
+def histogram_normalised_blocks(blocks: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """Histogram of block-normalised values over [-1, 1]; int64 counts ``[num_bins]``.
+
+    Each block (last dim) is divided by its max-abs in fp32 (an all-zero block stays 0), and
+    value x goes to bin ``clamp(floor((x + 1) / 2 * num_bins), 0, num_bins - 1)`` evaluated
+    in fp32 in that order.  IEEE fp32 makes the counts identical on every device and rank,
+    so all-reduced histograms (exact integer sums) agree everywhere.
+    """
+    counts = torch.zeros(num_bins, dtype=torch.int64, device=blocks.device)
+    if blocks.numel() == 0:
+        return counts
+    flat = blocks.detach().reshape(-1, blocks.shape[-1])
+    step = max(1, _HIST_CHUNK // flat.shape[1])
+    for start in range(0, flat.shape[0], step):
+        chunk = flat[start : start + step].float()
+        scale = chunk.abs().amax(dim=1, keepdim=True)
+        scale.masked_fill_(scale == 0, 1.0)
+        x = chunk.div(scale).add_(1.0).div_(2.0).mul_(num_bins)
+        idx = x.to(torch.int64).clamp_(0, num_bins - 1)  # truncation == floor: x >= 0
+        counts += torch.bincount(idx.view(-1), minlength=num_bins)
+    return counts
+
+
+def _prefix(values: np.ndarray) -> np.ndarray:
+    """float64 prefix sums with a leading 0, so a range sum is one subtraction."""
+    return np.concatenate(([0.0], np.cumsum(values)))
+
+
+def _segment_cost(prev: np.ndarray, W, S1, S2, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """prev[i] + weighted SSE of bins [i, j); same operation order as split_cost in C."""
+    w = W[j] - W[i]
+    s1 = S1[j] - S1[i]
+    s2 = S2[j] - S2[i]
+    return prev[i] + (s2 - s1 * s1 / w)
+
+
+def _layer_numpy(prev, prev_arg, prev_end: int, W, S1, S2, jlo: int, jhi: int, ilo: int, ihi: int):
+    """One DP layer by divide and conquer, all nodes of a recursion depth in one batch.
+
+    A node (j range, argmin range) depends only on its ancestors, so walking the recursion
+    tree level by level scans exactly the candidates the C solver scans, including its
+    lower bound ``argmin_t(j) >= argmin_{t-1}(j)`` (more free segments end later).
+    """
+    cur = np.empty_like(prev)
+    arg = np.zeros(len(prev), dtype=np.int64)
+    lo, hi = np.array([jlo]), np.array([jhi])
+    a, b = np.array([ilo]), np.array([ihi])
+    while len(lo):
+        mid = (lo + hi) // 2
+        top = np.minimum(b, mid - 1)
+        start = a
+        if prev_arg is not None:
+            bound = np.where(mid <= prev_end, prev_arg[np.minimum(mid, prev_end)], a)
+            start = np.where(bound > a, np.minimum(bound, top), a)
+        lengths = top - start + 1
+        starts = np.cumsum(lengths) - lengths
+        i = np.arange(starts[-1] + lengths[-1]) + np.repeat(start - starts, lengths)
+        cost = _segment_cost(prev, W, S1, S2, i, np.repeat(mid, lengths))
+        best_cost = np.minimum.reduceat(cost, starts)
+        # leftmost argmin: the smallest i among exact minima, as the strict < scan in C
+        ties = cost == np.repeat(best_cost, lengths)
+        best = np.minimum.reduceat(np.where(ties, i, len(prev)), starts)
+        cur[mid], arg[mid] = best_cost, best
+        left, right = lo < mid, mid < hi
+        lo = np.concatenate((lo[left], mid[right] + 1))
+        hi = np.concatenate((mid[left] - 1, hi[right]))
+        a, b = np.concatenate((a[left], best[right])), np.concatenate((best[left], b[right]))
+    return cur, arg
+
+
+def _cuts_numpy(n: int, m: int, W, S1, S2, L, R) -> np.ndarray:
+    """Pure-numpy twin of gefen_kmeans_dp in kmeans_dp.c (same inputs, identical cuts)."""
+    prev, args = L, [None]
+    for t in range(1, m + 1):
+        jhi = n - (m - t)
+        prev, arg = _layer_numpy(prev, args[-1], jhi - 1, W, S1, S2, t, jhi, t - 1, jhi - 1)
+        args.append(arg)
+    final = prev[m:] + R[m:]
+    cuts = np.empty(m + 1, dtype=np.int64)
+    cuts[m] = m + int(np.argmin(final))  # argmin returns the first (leftmost) minimum
+    for t in range(m, 0, -1):
+        cuts[t - 1] = args[t][cuts[t]]
+    return cuts
+
+
+def _cuts_native(n: int, m: int, W, S1, S2, L, R) -> np.ndarray:
+    cuts = np.empty(m + 1, dtype=np.int64)
+    arrays = [np.ascontiguousarray(a, dtype=np.float64) for a in (W, S1, S2, L, R)]
+    ptrs = [a.ctypes.data_as(ctypes.POINTER(ctypes.c_double)) for a in arrays]
+    if _native(n, m, *ptrs, cuts.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))) != 0:
+        raise MemoryError("gefen._kmeans_dp: out of memory")
+    return cuts
+
+
+def _optimal_cuts(x: np.ndarray, w: np.ndarray, m: int) -> np.ndarray:
+    """Segment boundaries of the optimal pinned k-means with m free centres (n >= m >= 1)."""
+    global _warned_fallback
+    W, S1, S2 = _prefix(w), _prefix(w * x), _prefix(w * x * x)
+    L = _prefix(w * (x + 1.0) ** 2)
+    R = _prefix((w * (x - 1.0) ** 2)[::-1])[::-1].copy()
+    if _native is not None:
+        return _cuts_native(len(x), m, W, S1, S2, L, R)
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(
+            "gefen._kmeans_dp is not built; using the slower numpy codebook solver "
+            "(reinstall with `pip install -e .` to build it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return _cuts_numpy(len(x), m, W, S1, S2, L, R)
+
+
+def solve_codebook(counts: torch.Tensor, codebook_size: int) -> torch.Tensor:
+    """Optimal sorted fp32 codebook for a histogram over [-1, 1], ends pinned to -1 and +1.
+
+    Exact weighted 1-D k-means over the active bins (count > 0, at their bin centres): a
+    possibly empty prefix maps to -1, a possibly empty suffix to +1, and K - 2 non-empty
+    middle segments to their weighted means.  Deterministic: DP ties go to the smaller split.
+    With at most K - 2 active bins every bin is its own centre and the tail is padded with
+    +1 (the last centre).  An all-zero histogram carries no information, so the codebook is
+    uniform, ``linspace(-1, 1, K)``.
+    """
+    if codebook_size < 2:
+        raise ValueError(f"codebook_size must be >= 2 (both ends are pinned), got {codebook_size}")
+    num_bins = counts.numel()
+    c = counts.detach().cpu().to(torch.int64).numpy()
+    active = np.flatnonzero(c > 0)
+    if len(active) == 0:
+        return torch.linspace(-1.0, 1.0, codebook_size, dtype=torch.float32)
+    x = -1.0 + (active + 0.5) * (2.0 / num_bins)
+    w = c[active].astype(np.float64)
+    m = codebook_size - 2
+    if len(active) <= m:
+        middle = x
+    else:
+        cuts = _optimal_cuts(x, w, m)
+        S0, S1 = _prefix(w), _prefix(w * x)
+        lo, hi = cuts[:-1], cuts[1:]
+        middle = (S1[hi] - S1[lo]) / (S0[hi] - S0[lo])
+    book = np.full(codebook_size, 1.0)
+    book[0] = -1.0
+    book[1 : 1 + len(middle)] = middle
+    return torch.from_numpy(book).to(torch.float32)
+
+
+def learn_codebook(
+    blocks_list: Iterable[torch.Tensor],
+    codebook_size: int = 256,
+    bins_per_code: int = 16,
+    all_reduce: Callable[[torch.Tensor], object] | None = None,
+) -> torch.Tensor:
+    """Histogram every ``[..., P]`` block tensor, sum (all-reduce under sharding), solve.
+
+    ``all_reduce(counts)`` must sum the int64 counts in place across ranks; integer sums
+    are exact, so every rank solves the same histogram and gets the same codebook.
+    """
+    num_bins = bins_per_code * codebook_size
+    counts = None
+    for blocks in blocks_list:
+        h = histogram_normalised_blocks(blocks, num_bins)
+        counts = h if counts is None else counts + h.to(counts.device)
+    if counts is None:
+        counts = torch.zeros(num_bins, dtype=torch.int64)
+    if all_reduce is not None:
+        all_reduce(counts)
+    return solve_codebook(counts, codebook_size)
+
+
+def code_thresholds(codebook: torch.Tensor) -> torch.Tensor:
+    """fp32 decision thresholds: ``t_i`` = largest fp32 <= the exact midpoint of c_i, c_{i+1}.
+
+    The fp32 sum c_i + c_{i+1} can round, which would misplace values a half-ulp from the
+    midpoint.  Rounding the exact midpoint (an error-free two-sum in float64) *down* to fp32
+    instead gives, for every fp32 x, ``x <= t_i  <=>  x <= (c_i + c_{i+1}) / 2`` exactly.
+    """
+    a = codebook[:-1].detach().to(torch.float64)
+    b = codebook[1:].detach().to(torch.float64)
+    s = a + b
+    bv = s - a
+    err = (a - (s - bv)) + (b - bv)  # Knuth two-sum: a + b == s + err exactly
+    mid, mid_err = s * 0.5, err * 0.5
+    t = mid.to(torch.float32)
+    t64 = t.to(torch.float64)
+    above = (t64 > mid) | ((t64 == mid) & (mid_err < 0))
+    return torch.where(above, torch.nextafter(t, torch.full_like(t, -float("inf"))), t)
+
+
+def nearest_code(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """uint8 index of the nearest codebook entry for each x (normalised into [-1, 1]).
+
+    Exactly ``argmin_i |x - c_i|`` for a sorted codebook, with exact ties (x precisely on a
+    midpoint) going to the lower code: the result is the number of thresholds strictly
+    below x, i.e. ``torch.searchsorted(code_thresholds(codebook), x, right=False)``.
+    Fused kernels must compare against the same ``code_thresholds`` to reproduce it.
+    x is compared in fp32 (upcast if needed); NaN maps to the last code.  Only one int32
+    temporary of x's size is allocated besides the uint8 result.
+    """
+    if codebook.numel() > 256:
+        raise ValueError(f"uint8 codes hold at most 256 entries, codebook has {codebook.numel()}")
+    thresholds = code_thresholds(codebook).to(x.device)
+    idx = torch.searchsorted(thresholds, x.float(), right=False, out_int32=True)
+    return idx.to(torch.uint8)

@@ -1,0 +1,141 @@
+"""Contracts: how the checkpoint subsystem sees an optimizer's state (SPEC section 4).
+
+A contract is a frozen, msgpack-able description of every state field: its name, dtype and
+*geometry*, which says how the field is laid out relative to the parameter and therefore how
+it shards along dim 0. ``gefen_ckpt`` slices, assembles and validates state only through
+these, so supporting a new optimizer means writing its contract, nothing else.
+
+Every optimizer with a contract exposes its state through ``state_dict()`` in torch's usual
+form (``state`` keyed by index, ``param_groups`` with ``params`` and optional
+``param_names``); optimizer-wide fields live under ``state_dict()[GLOBAL_STATE_KEY]`` and the
+children of a composite optimizer under ``state_dict()[CHILDREN_KEY][name]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: The canonical-state schema this code writes and reads.
+SCHEMA_VERSION = 1
+GLOBAL_STATE_KEY = "global_state"
+CHILDREN_KEY = "children"
+
+#: geometry -> does it follow the parameter's dim-0 slice (True) or stay replicated (False)
+GEOMETRIES = {
+    "scalar": False,  # shape (), replicated
+    "param": True,  # the parameter's shape, same slice
+    "block": True,  # [rows, row_numel // P], same row slice
+    "row": True,  # [rows], same row slice
+    "col": False,  # [cols], a global reduction: replicated
+    "global": False,  # optimizer-wide (e.g. the codebook), one copy
+}
+#: dtype placeholder for fields stored in the parameter's own dtype (torch AdamW's moments)
+LIKE_PARAM = "like_param"
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    name: str
+    dtype: str
+    geometry: str
+    optional: bool = False
+
+    def __post_init__(self):
+        if self.geometry not in GEOMETRIES:
+            raise ValueError(f"field {self.name!r}: unknown geometry {self.geometry!r}")
+
+    @property
+    def row_sharded(self) -> bool:
+        return GEOMETRIES[self.geometry]
+
+
+@dataclass(frozen=True)
+class OptimizerContract:
+    implementation: str
+    version: str
+    hyperparameters: tuple[str, ...]
+    fields: tuple[FieldSpec, ...]
+    global_fields: tuple[FieldSpec, ...] = ()
+    children: tuple[tuple[str, OptimizerContract], ...] = ()
+    schema_version: int = SCHEMA_VERSION
+
+    def field(self, name: str) -> FieldSpec:
+        for f in self.fields + self.global_fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"{self.implementation} has no state field {name!r}")
+
+    def child(self, name: str) -> OptimizerContract:
+        for child_name, contract in self.children:
+            if child_name == name:
+                return contract
+        raise KeyError(f"{self.implementation} has no child optimizer {name!r}")
+
+    def to_dict(self) -> dict:
+        """Plain dict of str/int/list only (msgpack- and JSON-able)."""
+        return {
+            "implementation": self.implementation,
+            "version": self.version,
+            "schema_version": self.schema_version,
+            "hyperparameters": list(self.hyperparameters),
+            "fields": [_field_to_dict(f) for f in self.fields],
+            "global_fields": [_field_to_dict(f) for f in self.global_fields],
+            "children": [[name, c.to_dict()] for name, c in self.children],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> OptimizerContract:
+        try:
+            return cls(
+                implementation=str(data["implementation"]),
+                version=str(data["version"]),
+                schema_version=int(data["schema_version"]),
+                hyperparameters=tuple(str(h) for h in data["hyperparameters"]),
+                fields=tuple(FieldSpec(**f) for f in data["fields"]),
+                global_fields=tuple(FieldSpec(**f) for f in data.get("global_fields", ())),
+                children=tuple((str(n), cls.from_dict(c)) for n, c in data.get("children", ())),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed optimizer contract: {exc}") from exc
+
+
+def _field_to_dict(f: FieldSpec) -> dict:
+    return {"name": f.name, "dtype": f.dtype, "geometry": f.geometry, "optional": f.optional}
+
+
+_TORCH_VERSION = torch.__version__.split("+")[0]
+_ADAM_FIELDS = (
+    FieldSpec("step", "float32", "scalar"),
+    FieldSpec("exp_avg", LIKE_PARAM, "param"),
+    FieldSpec("exp_avg_sq", LIKE_PARAM, "param"),
+    FieldSpec("max_exp_avg_sq", LIKE_PARAM, "param", optional=True),
+)
+_ADAM_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+_TORCH_CONTRACTS = {
+    torch.optim.AdamW: OptimizerContract("torch.optim.AdamW", _TORCH_VERSION, _ADAM_HYPER, _ADAM_FIELDS),
+    torch.optim.Adam: OptimizerContract("torch.optim.Adam", _TORCH_VERSION, _ADAM_HYPER, _ADAM_FIELDS),
+    torch.optim.SGD: OptimizerContract(
+        "torch.optim.SGD",
+        _TORCH_VERSION,
+        ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+        (FieldSpec("momentum_buffer", LIKE_PARAM, "param", optional=True),),
+    ),
+}
+
+
+def contract_of(optimizer: torch.optim.Optimizer) -> OptimizerContract:
+    """The contract of a Gefen optimizer or of a supported torch optimizer."""
+    own = getattr(optimizer, "contract", None)
+    if callable(own):
+        return own()
+    contract = _TORCH_CONTRACTS.get(type(optimizer))
+    if contract is None:
+        supported = ", ".join(sorted(c.implementation for c in _TORCH_CONTRACTS.values()))
+        raise TypeError(
+            f"no contract for {type(optimizer).__module__}.{type(optimizer).__qualname__}; "
+            f"supported: Gefen optimizers, {supported}"
+        )
+    return contract
+

@@ -1,0 +1,99 @@
+"""Block geometry: where the compressed state's blocks lie inside a parameter.
+
+Every block is a contiguous run of ``P`` elements inside one row of the *global* parameter
+(``rows = shape[0]``, ``row_numel = prod(shape[1:])``), so ``P`` always divides ``row_numel``.
+Any split along dim 0 therefore hands every rank whole blocks: that is what makes the
+compressed state reshardable bit-exactly (SPEC section 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+#: Below this block length the per-block scale costs more than it saves (4 B per block).
+MIN_PERIOD = 8
+#: Increment credited to the first candidate so a flat curve prefers the smallest period.
+FIRST_INCREMENT = 1e-12
+
+
+def rows_and_row_numel(shape: Sequence[int]) -> tuple[int, int]:
+    """Split a global shape into (rows, elements per row); a 0-D tensor is one row of one."""
+    if len(shape) == 0:
+        return 1, 1
+    return int(shape[0]), math.prod(int(s) for s in shape[1:])
+
+
+def block_shape(shape: Sequence[int], period: int) -> tuple[int, int]:
+    """Global shape of per-block state (scales, block second moment) for period ``period``."""
+    rows, row_numel = rows_and_row_numel(shape)
+    if period <= 0 or row_numel % period:
+        raise ValueError(f"period {period} does not divide the row length {row_numel} of shape {tuple(shape)}")
+    return rows, row_numel // period
+
+
+def as_blocks(tensor: torch.Tensor, period: int) -> torch.Tensor:
+    """View a (row-sharded) parameter-shaped tensor as ``[rows, blocks_per_row, period]``."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    return tensor.reshape(rows, -1, period)
+
+
+def uses_row_period(shape: Sequence[int]) -> bool:
+    """1-D and 0-D tensors keep per-element state (P = 1): lossless and a negligible share."""
+    return len(shape) >= 2
+
+
+def period_candidates(shape: Sequence[int]) -> list[int]:
+    """Every divisor of ``row_numel``, ascending (the only block lengths the invariant allows)."""
+    if not uses_row_period(shape):
+        return [1]
+    _, n = rows_and_row_numel(shape)
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def period_statistics(grad: torch.Tensor, candidates: Sequence[int]) -> torch.Tensor:
+    """Per candidate p: (sum over blocks of the population variance of g^2, block count).
+
+    Returned as float64 ``[len(candidates), 2]`` so that shards can simply all-reduce the sums
+    and every rank (and a single process) decides from the same global numbers.
+    Uses ``var = mean(x^2) - mean(x)^2`` with block sums built hierarchically from the largest
+    smaller candidate that divides p, so all candidates cost about one pass over the gradient.
+    """
+    rows = grad.shape[0] if grad.dim() else 1
+    sq = grad.detach().reshape(rows, -1).to(torch.float64).square_()
+    fourth = sq.square().sum()
+    stats = torch.zeros(len(candidates), 2, dtype=torch.float64, device=grad.device)
+    sums: dict[int, torch.Tensor] = {1: sq}
+    for i, p in enumerate(candidates):
+        if p not in sums:
+            q = max(c for c in sums if p % c == 0)
+            sums[p] = sums[q].reshape(rows, -1, p // q).sum(-1)
+        block_sums = sums[p]
+        stats[i, 0] = fourth / p - block_sums.square().sum() / (p * p)
+        stats[i, 1] = block_sums.numel()
+    return stats
+
+
+def pick_period(candidates: Sequence[int], stats: torch.Tensor) -> int:
+    """The SPEC 3.1 rule: the candidate with the smallest increase of the block error.
+
+    ``err(p) = sqrt(mean over blocks of var(g^2))``; walking candidates in ascending order we take
+    the smallest increment (ties to the smaller p). A result below ``MIN_PERIOD`` falls back to one
+    block per row, because flat error curves would otherwise collapse to P = 1 (9 B/param).
+    """
+    row_numel = max(candidates)
+    if len(candidates) == 1:
+        return candidates[0]
+    values = stats.tolist()
+    err = [math.sqrt(max(s, 0.0) / c) if c else 0.0 for s, c in values]
+    best, best_inc = candidates[0], FIRST_INCREMENT
+    for k in range(1, len(candidates)):
+        inc = err[k] - err[k - 1]
+        if inc < best_inc:
+            best, best_inc = candidates[k], inc
+    if best < MIN_PERIOD:
+        return row_numel if row_numel >= MIN_PERIOD else 1
+    return best

@@ -1,0 +1,27 @@
+"""gefen_ckpt: portable, reshardable checkpoints of optimizer state (SPEC sections 4-10)."""
+
+from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
+from gefen_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+    UnsupportedLayoutError,
+)
+from gefen_ckpt.exchange import export_canonical, import_canonical
+
+__all__ = [
+    "CanonicalState",
+    "ParamState",
+    "TensorSource",
+    "EagerSource",
+    "export_canonical",
+    "import_canonical",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointCorruptError",
+    "CheckpointIncompleteError",
+    "CheckpointMismatchError",
+    "UnsupportedLayoutError",
+]

@@ -1,0 +1,124 @@
+"""The canonical state: an optimizer's state with no topology left in it (SPEC section 5).
+
+Every per-parameter field is a *global logical tensor* (what a single process would hold),
+keyed by the parameter's FQN. Tensors are ``TensorSource`` objects, so a field can be a live
+tensor, a region of a memory-mapped file or a remote range read: offline tools read only the
+rows they need and never hold a whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from gefen.contract import OptimizerContract
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """A global tensor that can hand out any range of rows (dim 0) on demand."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` (the whole tensor for a 0-D source, whatever the range)."""
+
+
+class EagerSource:
+    """A tensor already in memory (it is not copied: a live optimizer's tensor stays live)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        if self.tensor.dim() == 0:
+            return self.tensor
+        return self.tensor[start:stop]
+
+    def __repr__(self) -> str:
+        return f"EagerSource(shape={self.shape}, dtype={self.dtype})"
+
+
+def as_source(value) -> TensorSource:
+    return value if isinstance(value, TensorSource) and not isinstance(value, torch.Tensor) else EagerSource(value)
+
+
+def nbytes(source: TensorSource) -> int:
+    numel = 1
+    for s in source.shape:
+        numel *= s
+    return numel * source.dtype.itemsize
+
+
+@dataclass
+class ParamState:
+    """One parameter's state: its global shape and dtype, and each field as a global tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fields: dict[str, TensorSource]
+    child: str | None = None  # which child optimizer owns it (composite optimizers only)
+
+
+@dataclass
+class CanonicalState:
+    """Topology-free optimizer state.
+
+    * ``contract``: the optimizer's contract (implementation, version, fields, children).
+    * ``param_groups``: hyperparameters plus ``"params"``: the member FQNs, in order; groups of
+      a composite optimizer also carry ``"child"``.
+    * ``params``: FQN -> ``ParamState`` for every parameter that has state.
+    * ``global_fields``: optimizer-wide fields (e.g. the codebook), keyed by field name, or by
+      ``"<child>/<field>"`` for a composite optimizer's children.
+    * ``metadata``: informational (source topology, creation time, library versions).
+    """
+
+    contract: OptimizerContract
+    param_groups: list[dict]
+    params: dict[str, ParamState]
+    global_fields: dict[str, TensorSource] = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)
+
+    def fqns(self) -> list[str]:
+        """Every parameter FQN of the optimizer (with or without state), in group order."""
+        return [fqn for group in self.param_groups for fqn in group["params"]]
+
+    def tensors(self) -> Iterator[tuple[str, TensorSource]]:
+        """("<fqn>/<field>" or global key, source) for every tensor, in a stable order."""
+        for key in sorted(self.global_fields):
+            yield key, self.global_fields[key]
+        for fqn, entry in self.params.items():
+            for name in sorted(entry.fields):
+                yield f"{fqn}/{name}", entry.fields[name]
+
+    def total_bytes(self) -> int:
+        return sum(nbytes(src) for _, src in self.tensors())
+
+    def materialize(self) -> CanonicalState:
+        """A copy whose every tensor is in memory and owned (safe across optimizer steps)."""
+        return CanonicalState(
+            contract=self.contract,
+            param_groups=[dict(g, params=list(g["params"])) for g in self.param_groups],
+            params={
+                fqn: ParamState(e.shape, e.dtype, {k: EagerSource(s.read().clone()) for k, s in e.fields.items()},
+                                e.child)
+                for fqn, e in self.params.items()
+            },
+            global_fields={k: EagerSource(s.read().clone()) for k, s in self.global_fields.items()},
+            metadata=dict(self.metadata),
+        )

@@ -1,0 +1,25 @@
+"""The documented exception types: every gefen_ckpt failure is a ``CheckpointError``."""
+
+
+class CheckpointError(Exception):
+    """Base class of every error gefen_ckpt raises on bad input or bad data."""
+
+
+class CheckpointFormatError(CheckpointError, ValueError):
+    """The manifest or a data file's header is malformed, hostile, or of an unsupported version."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """Stored bytes do not match the manifest: a checksum, size or file is wrong or missing."""
+
+
+class CheckpointIncompleteError(CheckpointError):
+    """No committed checkpoint at that location (absent, or a save that never finished)."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A valid checkpoint that does not fit the live optimizer (FQNs, shapes, optimizer type)."""
+
+
+class UnsupportedLayoutError(CheckpointError, ValueError):
+    """A parameter is sharded in a way the block geometry cannot slice exactly (e.g. Shard(1))."""

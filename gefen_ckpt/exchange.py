@@ -1,0 +1,226 @@
+"""``export_canonical`` / ``import_canonical``: between a live optimizer and ``CanonicalState``.
+
+Both work only through the optimizer's contract (SPEC 4) and its ``state_dict()`` /
+``load_state_dict()``, so Gefen, GefenMuon, the hybrid and torch's AdamW/Adam/SGD share one
+path. Import validates everything against the live optimizer (FQNs, global shapes, dtypes,
+contract and schema version, hyperparameters, group membership) and builds the complete local
+state_dict before the optimizer sees any of it; the optimizer's own ``load_state_dict`` then
+stages and publishes atomically.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gefen.contract import CHILDREN_KEY, GLOBAL_STATE_KEY, LIKE_PARAM, SCHEMA_VERSION, OptimizerContract, contract_of
+from gefen_ckpt.canonical import CanonicalState, ParamState, TensorSource, as_source
+from gefen_ckpt.errors import CheckpointMismatchError
+from gefen_ckpt.layout import local_rows
+
+
+# ----- naming -------------------------------------------------------------------------------
+def _names_from_model(model: torch.nn.Module | None) -> dict[int, str]:
+    if model is None:
+        return {}
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _group_fqns(group: dict, names: dict[int, str], implementation: str) -> list[str]:
+    if group.get("param_names"):
+        return list(group["param_names"])
+    try:
+        return [names[id(p)] for p in group["params"]]
+    except KeyError:
+        raise CheckpointMismatchError(
+            f"{implementation} was built without parameter names: pass model=... (or build it from "
+            "model.named_parameters()) so the state can be keyed by FQN"
+        ) from None
+
+
+def _leaves(optimizer, contract: OptimizerContract, child: str | None = None):
+    """(child name, optimizer, contract) for every non-composite optimizer inside ``optimizer``."""
+    if not contract.children:
+        yield child, optimizer, contract
+        return
+    children = getattr(optimizer, "children", None)
+    if not isinstance(children, dict):
+        raise TypeError(f"{contract.implementation} declares children but has no `children` dict")
+    for name, child_contract in contract.children:
+        yield from _leaves(children[name], child_contract, name)
+
+
+def _plain(value):
+    """Hyperparameter values as msgpack-able plain data (tensors -> numbers, tuples -> lists)."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _global_key(child: str | None, name: str) -> str:
+    return f"{child}/{name}" if child else name
+
+
+# ----- export -------------------------------------------------------------------------------
+def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None) -> CanonicalState:
+    """The optimizer's state as a topology-free ``CanonicalState``.
+
+    Tensors are *not* copied: the result is valid until the optimizer's next step (call
+    ``.materialize()`` for an owned snapshot). ``model`` supplies FQNs for optimizers built
+    from bare tensors.
+    """
+    contract = contract_of(optimizer)
+    names = _names_from_model(model)
+    groups: list[dict] = []
+    params: dict[str, ParamState] = {}
+    global_fields: dict[str, TensorSource] = {}
+    for child, opt, leaf in _leaves(optimizer, contract):
+        sd = opt.state_dict()
+        for key, value in (sd.get(GLOBAL_STATE_KEY) or {}).items():
+            global_fields[_global_key(child, key)] = as_source(value)
+        for live, saved in zip(opt.param_groups, sd["param_groups"]):
+            fqns = _group_fqns(live, names, leaf.implementation)
+            group = {h: _plain(saved[h]) for h in leaf.hyperparameters if h in saved}
+            group["params"] = fqns
+            if child is not None:
+                group["child"] = child
+            groups.append(group)
+            for index, fqn, p in zip(saved["params"], fqns, live["params"]):
+                if fqn in params:
+                    raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
+                entry = sd["state"].get(index)
+                if entry:
+                    fields = {k: as_source(v if isinstance(v, torch.Tensor) else torch.tensor(v)) for k, v in entry.items()}
+                    params[fqn] = ParamState(tuple(p.shape), p.dtype, fields, child)
+    return CanonicalState(contract, groups, params, global_fields, metadata={"source_topology": {"kind": "single"}})
+
+
+# ----- import -------------------------------------------------------------------------------
+def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
+    """The checkpoint must come from the same optimizer implementation and a readable schema."""
+    if saved.schema_version > SCHEMA_VERSION:
+        raise CheckpointMismatchError(
+            f"checkpoint schema version {saved.schema_version} is newer than this gefen_ckpt ({SCHEMA_VERSION})"
+        )
+    if saved.implementation != live.implementation:
+        raise CheckpointMismatchError(
+            f"checkpoint holds {saved.implementation} state, the live optimizer is {live.implementation}"
+        )
+    if [n for n, _ in saved.children] != [n for n, _ in live.children]:
+        raise CheckpointMismatchError(
+            f"checkpoint children {[n for n, _ in saved.children]} differ from the optimizer's "
+            f"{[n for n, _ in live.children]}"
+        )
+    for (name, a), (_, b) in zip(live.children, saved.children):
+        check_contract(a, b)
+    live_fields = {f.name: f for f in live.fields + live.global_fields}
+    for f in saved.fields + saved.global_fields:
+        if f.name not in live_fields or live_fields[f.name].geometry != f.geometry:
+            raise CheckpointMismatchError(
+                f"field {f.name!r} ({f.geometry}) of the checkpoint is not part of {live.implementation}'s state"
+            )
+
+
+def expected_field_shape(geometry: str, shape: tuple[int, ...], value_shape: tuple[int, ...]) -> bool:
+    """Is ``value_shape`` a valid global shape for a field of ``geometry`` on a param of ``shape``?"""
+    rows = shape[0] if shape else 1
+    row_numel = math.prod(shape[1:]) if shape else 1
+    if geometry == "scalar":
+        return value_shape == ()
+    if geometry == "param":
+        return value_shape == tuple(shape)
+    if geometry == "block":
+        return len(value_shape) == 2 and value_shape[0] == rows and value_shape[1] > 0 and row_numel % value_shape[1] == 0
+    if geometry == "row":
+        return value_shape == (rows,)
+    if geometry == "col":
+        return value_shape == (row_numel,)
+    return True  # global: any shape
+
+
+def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: OptimizerContract) -> None:
+    if tuple(entry.shape) != tuple(param.shape):
+        raise CheckpointMismatchError(
+            f"{fqn}: checkpoint shape {tuple(entry.shape)} differs from the live parameter's {tuple(param.shape)}"
+        )
+    for name, source in entry.fields.items():
+        try:
+            spec = contract.field(name)
+        except KeyError:
+            raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {contract.implementation}") from None
+        want_dtype = param.dtype if spec.dtype == LIKE_PARAM else getattr(torch, spec.dtype)
+        if source.dtype != want_dtype:
+            raise CheckpointMismatchError(f"{fqn}/{name}: dtype {source.dtype}, expected {want_dtype}")
+        if not expected_field_shape(spec.geometry, entry.shape, tuple(source.shape)):
+            raise CheckpointMismatchError(
+                f"{fqn}/{name}: shape {tuple(source.shape)} is not a valid {spec.geometry} shape for {entry.shape}"
+            )
+
+
+def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: CanonicalState,
+                      names: dict[int, str]) -> dict:
+    """The state_dict ``opt`` would have saved on this rank, cut from the canonical state."""
+    saved_groups = [g for g in state.param_groups if g.get("child") == child]
+    if len(saved_groups) != len(opt.param_groups):
+        raise CheckpointMismatchError(
+            f"checkpoint has {len(saved_groups)} param groups{f' for {child!r}' if child else ''}, "
+            f"the optimizer has {len(opt.param_groups)}"
+        )
+    sd_state, sd_groups, index = {}, [], 0
+    for gi, (live, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        fqns = _group_fqns(live, names, leaf.implementation)
+        if sorted(saved["params"]) != sorted(fqns):
+            raise CheckpointMismatchError(f"param group {gi}{f' of {child!r}' if child else ''} has different members")
+        missing = [h for h in leaf.hyperparameters if h not in saved]
+        if missing:
+            raise CheckpointMismatchError(f"param group {gi} of the checkpoint lacks hyperparameters {missing}")
+        group = {k: v for k, v in live.items() if k != "params"}
+        group.update({h: tuple(saved[h]) if isinstance(saved[h], list) else saved[h] for h in leaf.hyperparameters})
+        group["params"] = list(range(index, index + len(fqns)))
+        sd_groups.append(group)
+        for fqn, p in zip(fqns, live["params"]):
+            entry = state.params.get(fqn)
+            if entry is not None:
+                _check_param(fqn, entry, p, leaf)
+                start, stop = local_rows(p)
+                sd_state[index] = {
+                    name: src.read(start, stop) if leaf.field(name).row_sharded else src.read()
+                    for name, src in entry.fields.items()
+                }
+            index += 1
+    prefix = f"{child}/" if child else ""
+    global_state = {k[len(prefix):]: src.read() for k, src in state.global_fields.items()
+                    if k.startswith(prefix) and "/" not in k[len(prefix):]}
+    return {"state": sd_state, "param_groups": sd_groups, GLOBAL_STATE_KEY: global_state}
+
+
+def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
+                     model: torch.nn.Module | None = None) -> None:
+    """Load ``state`` into ``optimizer``, each rank taking the slices it owns.
+
+    Fails before mutation: on any error (``CheckpointMismatchError`` naming the FQN/field) the
+    optimizer is untouched.
+    """
+    contract = contract_of(optimizer)
+    check_contract(contract, state.contract)
+    names = _names_from_model(model)
+    live_fqns = [fqn for _, opt, leaf in _leaves(optimizer, contract)
+                 for g in opt.param_groups for fqn in _group_fqns(g, names, leaf.implementation)]
+    missing, extra = set(live_fqns) - set(state.fqns()), set(state.fqns()) - set(live_fqns)
+    if missing or extra:
+        raise CheckpointMismatchError(
+            "parameters differ between checkpoint and optimizer: "
+            f"missing from checkpoint {sorted(missing)[:5]}, unknown to optimizer {sorted(extra)[:5]}"
+        )
+    unowned = set(state.params) - set(state.fqns())
+    if unowned:
+        raise CheckpointMismatchError(f"checkpoint has state for parameters in no group: {sorted(unowned)[:5]}")
+    sds = {child: _local_state_dict(opt, leaf, child, state, names) for child, opt, leaf in _leaves(optimizer, contract)}
+    if contract.children:
+        sd = {"state": {}, "param_groups": [], CHILDREN_KEY: sds}
+    else:
+        sd = sds[None]
+    optimizer.load_state_dict(sd)

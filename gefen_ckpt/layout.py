@@ -1,0 +1,37 @@
+"""Where a rank's part of a parameter lies in the global tensor.
+
+Block geometry is defined inside rows, so every supported layout (single process, DDP
+replicas, FSDP2 ``Shard(0)`` with uneven or empty shards, HSDP replicate x shard) gives each
+rank one contiguous range of global rows; that range is all the checkpoint code needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gefen_ckpt.errors import UnsupportedLayoutError
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "placements") and hasattr(t, "device_mesh")
+
+
+def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
+    """``[start, stop)`` of the global rows this rank holds (0-D tensors are one row)."""
+    rows = param.shape[0] if param.dim() else 1
+    if not _is_dtensor(param):
+        return 0, rows
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for placement in param.placements:
+        if placement.is_shard() and placement.dim != 0:
+            raise UnsupportedLayoutError(
+                f"{name}: layout {param.placements} shards dim {placement.dim}; only Shard(0) and Replicate "
+                "keep whole blocks on every rank"
+            )
+        if placement.is_partial():
+            raise UnsupportedLayoutError(f"{name}: Partial placements hold no definite values")
+    if param.dim() == 0:
+        return 0, 1
+    local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return offset[0], offset[0] + local_shape[0]
