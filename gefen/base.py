@@ -9,13 +9,14 @@ Subclasses supply ``contract()``, ``_state_fields(group, shape)``, ``_check_grou
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
 from gefen.codebook import learn_codebook
 from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
 from gefen.geometry import as_blocks, block_shape, period_candidates, period_statistics, pick_period, rows_and_row_numel
-from gefen.reduce import LocalReducer, Reducer
+from gefen.distributed import ReductionPlan, plan_reduction
 from gefen.validation import check_grad, check_params, param_label
 
 
@@ -39,7 +40,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.codebook_size = codebook_size
         self.bins_per_code = bins_per_code
         self.codebook: torch.Tensor | None = None
-        self.reducer: Reducer = LocalReducer()
+        self._plan: tuple[tuple[int, ...], ReductionPlan] | None = None
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(_add_global_state, prepend=True)
 
@@ -78,6 +79,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     out.append((group, p, p.grad))
         return out
 
+    @property
+    def reducer(self):
+        return self.reduction_plan().reducer
+
+    def reduction_plan(self) -> ReductionPlan:
+        """Which ranks to sum global statistics over (recomputed when the parameters change)."""
+        key = tuple(id(p) for g in self.param_groups for p in g["params"])
+        if self._plan is None or self._plan[0] != key:
+            named = [(param_label(g, i), p) for g in self.param_groups for i, p in enumerate(g["params"])]
+            self._plan = (key, plan_reduction(named))
+        return self._plan[1]
+
     # ----- the first step with a gradient ---------------------------------------------------
     def _initialise_new(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
         """Decide periods (and, once, the codebook) for parameters seen for the first time.
@@ -90,14 +103,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
         candidates = [period_candidates(global_shape(p)) for _, p, _ in new]
         choose = [i for i, c in enumerate(candidates) if len(c) > 1]
         periods = [c[0] for c in candidates]
+        plan = self.reduction_plan()
         if choose:
-            stats = torch.cat([period_statistics(new[i][2], candidates[i]) for i in choose])
-            self.reducer.sum_(stats)
+            stats = torch.cat([period_statistics(new[i][2], candidates[i]) * plan.counts(new[i][1]) for i in choose])
+            plan.reducer.sum_(stats)
             for i, chunk in zip(choose, stats.split([len(candidates[i]) for i in choose])):
                 periods[i] = pick_period(candidates[i], chunk)
         if self.codebook is None:
-            blocks = [as_blocks(grad.float(), P) for (_, _, grad), P in zip(new, periods) if P > 1]
-            codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=self.reducer.sum_)
+            blocks = [as_blocks(grad.float(), P) for (_, p, grad), P in zip(new, periods) if P > 1 and plan.counts(p)]
+            codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_)
             self.codebook = codebook.to(new[0][1].device)
         staged = {p: self._init_param_state(g, p, P) for (g, p, _), P in zip(new, periods)}
         self.state.update(staged)
@@ -109,6 +123,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
         On any error the optimizer is left bit-for-bit untouched. uint8 codes are never cast.
         """
+        self._prepare_load(state_dict)()
+
+    def _prepare_load(self, state_dict: dict) -> Callable[[], None]:
+        """Validate and stage ``state_dict`` without touching the optimizer; the returned callable
+        publishes it. Composite optimizers stage every child before publishing any."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         state_dict = state_dict.copy()
@@ -117,10 +136,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         groups, state, codebook = self._stage(state_dict)
-        self.__setstate__({"state": state, "param_groups": groups})
-        self.codebook = codebook
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+
+        def publish() -> None:
+            self.__setstate__({"state": state, "param_groups": groups})
+            self.codebook = codebook
+            for hook in self._optimizer_load_state_dict_post_hooks.values():
+                hook(self)
+
+        return publish
 
     def _stage(self, sd: dict):
         contract = self.contract()
@@ -177,7 +200,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if set(entry) != required:
             raise ValueError(
                 f"state of parameter {label} has fields {sorted(entry)}, expected {sorted(required)} "
-                "(different factored_v_2d setting or optimizer?)"
+                "(saved with other settings, e.g. factored_v_2d or normuon, or by another optimizer?)"
             )
         period_t = entry["period"]
         if not isinstance(period_t, torch.Tensor) or period_t.numel() != 1:
@@ -196,6 +219,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"parameter {label}: field {name!r} has dtype {value.dtype}, expected {spec.dtype}")
             if tuple(value.shape) != want:
                 raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
+            if spec.dtype == "uint8" and value.numel() and int(value.max()) >= self.codebook_size:
+                raise ValueError(f"parameter {label}: field {name!r} holds code {int(value.max())}, "
+                                 f"the codebook has {self.codebook_size} entries")
             device = value.device if spec.geometry == "scalar" else local.device
             staged[name] = value.detach().to(device=device, copy=True)
         return staged

@@ -138,7 +138,7 @@ def _cuts_native(n: int, m: int, W, S1, S2, L, R) -> np.ndarray:
 
 
 def _optimal_cuts(x: np.ndarray, w: np.ndarray, m: int) -> np.ndarray:
-    """Segment boundaries of the optimal pinned k-means with m free centres (n >= m >= 1)."""
+    """Segment boundaries of the optimal pinned k-means with m free centres (n >= m >= 0)."""
     global _warned_fallback
     W, S1, S2 = _prefix(w), _prefix(w * x), _prefix(w * x * x)
     L = _prefix(w * (x + 1.0) ** 2)

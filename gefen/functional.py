@@ -31,17 +31,24 @@ def is_factored(global_shape: tuple[int, ...], factored_v_2d: bool) -> bool:
     return factored_v_2d and len(global_shape) == 2
 
 
+def init_momentum_state(param: torch.Tensor, global_shape: tuple[int, ...], period: int) -> dict:
+    """Zero step count and compressed first moment (shared by Gefen and GefenMuon)."""
+    local_rows = param.shape[0] if param.dim() else 1
+    dev = param.device
+    return {
+        "step": torch.zeros((), dtype=torch.int64),
+        "period": torch.tensor(period, dtype=torch.int64),
+        "m_code": torch.zeros(param.shape, dtype=torch.uint8, device=dev),
+        "m_scale": torch.zeros(local_rows, block_shape(global_shape, period)[1], dtype=torch.float32, device=dev),
+    }
+
+
 def init_state(param: torch.Tensor, global_shape: tuple[int, ...], period: int, factored: bool) -> dict:
     """Zero state for one parameter; ``param`` is the local (row-sharded) tensor."""
     local_rows = param.shape[0] if param.dim() else 1
     blocks_per_row = block_shape(global_shape, period)[1]
     dev = param.device
-    state = {
-        "step": torch.zeros((), dtype=torch.int64),
-        "period": torch.tensor(period, dtype=torch.int64),
-        "m_code": torch.zeros(param.shape, dtype=torch.uint8, device=dev),
-        "m_scale": torch.zeros(local_rows, blocks_per_row, dtype=torch.float32, device=dev),
-    }
+    state = init_momentum_state(param, global_shape, period)
     if factored:
         state["v_row"] = torch.zeros(local_rows, dtype=torch.float32, device=dev)
         state["v_col"] = torch.zeros(global_shape[1], dtype=torch.float32, device=dev)
@@ -96,20 +103,28 @@ def gefen_update_(
 
     # 2. step count and decoupled weight decay
     state["step"].fill_(step)
-    work = param if param.dtype == torch.float32 else param.float()
+    work = param if param.dtype in (torch.float32, torch.float64) else param.float()
     if h.weight_decay:
         work.mul_(1 - h.lr * h.weight_decay)
 
     # 3. momentum: dequantise, EMA, re-quantise
-    m = dequantise(state["m_code"], state["m_scale"], codebook, period)
-    m.lerp_(g, 1 - h.beta1)
-    codes, scales = quantise(m, codebook, period)
-    state["m_code"].copy_(codes)
-    state["m_scale"].copy_(scales)
+    update = update_momentum_(state, g, h.beta1, codebook)
 
     # 4. update with the re-quantised momentum
-    update = dequantise(codes, scales, codebook, period).div_(bias1)
+    update.div_(bias1)
     as_blocks(update, period).div_(denom)
     work.add_(update, alpha=-h.lr)
     if work is not param:
         param.copy_(work)
+
+
+def update_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor:
+    """``m = lerp(m, g, 1 - beta)`` stored re-quantised; returns the *re-quantised* momentum (fp32),
+    so the update uses exactly the state it leaves behind (shared by Gefen and GefenMuon)."""
+    period = int(state["period"])
+    m = dequantise(state["m_code"], state["m_scale"], codebook, period)
+    m.lerp_(grad, 1 - beta)
+    codes, scales = quantise(m, codebook, period)
+    state["m_code"].copy_(codes)
+    state["m_scale"].copy_(scales)
+    return dequantise(codes, scales, codebook, period)

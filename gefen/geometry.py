@@ -35,9 +35,9 @@ def block_shape(shape: Sequence[int], period: int) -> tuple[int, int]:
 
 
 def as_blocks(tensor: torch.Tensor, period: int) -> torch.Tensor:
-    """View a (row-sharded) parameter-shaped tensor as ``[rows, blocks_per_row, period]``."""
-    rows = tensor.shape[0] if tensor.dim() else 1
-    return tensor.reshape(rows, -1, period)
+    """View a (row-sharded, possibly empty) parameter-shaped tensor as ``[rows, blocks_per_row, period]``."""
+    rows, row_numel = rows_and_row_numel(tensor.shape)
+    return tensor.reshape(rows, row_numel // period, period)
 
 
 def uses_row_period(shape: Sequence[int]) -> bool:
@@ -62,15 +62,15 @@ def period_statistics(grad: torch.Tensor, candidates: Sequence[int]) -> torch.Te
     Uses ``var = mean(x^2) - mean(x)^2`` with block sums built hierarchically from the largest
     smaller candidate that divides p, so all candidates cost about one pass over the gradient.
     """
-    rows = grad.shape[0] if grad.dim() else 1
-    sq = grad.detach().reshape(rows, -1).to(torch.float64).square_()
+    rows, row_numel = rows_and_row_numel(grad.shape)
+    sq = grad.detach().reshape(rows, row_numel).to(torch.float64, copy=True).square_()
     fourth = sq.square().sum()
     stats = torch.zeros(len(candidates), 2, dtype=torch.float64, device=grad.device)
     sums: dict[int, torch.Tensor] = {1: sq}
     for i, p in enumerate(candidates):
         if p not in sums:
             q = max(c for c in sums if p % c == 0)
-            sums[p] = sums[q].reshape(rows, -1, p // q).sum(-1)
+            sums[p] = sums[q].reshape(rows, row_numel // p, p // q).sum(-1)
         block_sums = sums[p]
         stats[i, 0] = fourth / p - block_sums.square().sum() / (p * p)
         stats[i, 1] = block_sums.numel()

@@ -77,12 +77,16 @@ class Gefen(CompressedOptimizer):
         self._initialise_new(work)
 
         # phase 1: what the factored second moments must sum over all rows (one reduction)
-        factored = [(i, *second_moment_partials(local_tensor(grad), self.state[p], group["betas"][1]))
-                    for i, (group, p, grad) in enumerate(work) if "v_row" in self.state[p]]
+        plan = self.reduction_plan()
+        factored = []
+        for i, (group, p, grad) in enumerate(work):
+            if "v_row" in self.state[p]:
+                v_row, parts = second_moment_partials(local_tensor(grad), self.state[p], group["betas"][1])
+                factored.append((i, v_row, parts if plan.counts(p) else parts.zero_()))
         pending = {}
         if factored:
             flat = torch.cat([parts for _, _, parts in factored])
-            self.reducer.sum_(flat)
+            plan.reducer.sum_(flat)
             sums = flat.split([parts.numel() for _, _, parts in factored])
             pending = {i: (v_row, total) for (i, v_row, _), total in zip(factored, sums)}
 

@@ -10,13 +10,15 @@
  *   L[i]        cost of sending bins [0, i) to the pinned centre -1,
  *   R[j]        cost of sending bins [j, n) to the pinned centre +1.
  * With m = K - 2 free centres, D_t(j) = min_{i<j} D_{t-1}(i) + sse(i, j), D_0 = L, and the
- * answer is min_j D_m(j) + R(j).  sse satisfies the quadrangle inequality, so the leftmost
- * argmin of each layer is monotone in j and divide and conquer finds it in O(n log n) per
- * layer instead of O(n^2).  Ties go to the smaller split index everywhere; the Python
- * fallback evaluates the identical expression so both backends return identical cuts.
+ * answer is min_j D_m(j) + R(j).  sse satisfies the quadrangle inequality (also against
+ * the pinned -1 prefix), so the leftmost argmin a_t(j) is monotone in j, which lets divide
+ * and conquer solve a layer in O(n log n) instead of O(n^2), and a_{t-1}(j) <= a_t(j),
+ * which prunes each scan from below (2.2x fewer evaluations for 4096 bins x 256 codes).
+ * Ties go to the smaller split index everywhere.  The numpy fallback walks the same
+ * recursion tree and evaluates the identical expression, so both return identical cuts.
  *
  * Output: cuts[0..m] with prefix = [0, cuts[0]), free segment t = [cuts[t], cuts[t+1]),
- * suffix = [cuts[m], n).  Requires n >= m >= 1.  Returns 0, or -1 if out of memory.
+ * suffix = [cuts[m], n).  Requires n >= m >= 0.  Returns 0, or -1 if out of memory.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -1,0 +1,201 @@
+"""``GefenMuon``: Muon whose momentum is stored like Gefen's first moment (SPEC 3.2).
+
+The momentum keeps Gefen's compressed form (uint8 codes into the optimizer-wide codebook plus
+one scale per block, blocks inside rows of the global matrix), so it row-shards and reshards
+exactly like Gefen's state. Everything in a step is rank-local except Newton-Schulz, which
+needs whole matrices: it goes through the ``LocalGather`` seam.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from gefen.base import CompressedOptimizer, global_shape, local_tensor
+from gefen.contract import FieldSpec, OptimizerContract
+from gefen.functional import init_momentum_state, update_momentum_
+from gefen.newton_schulz import orthogonalise, resolve_schedule
+from gefen.validation import check_range, param_label
+
+__all__ = ["GefenMuon", "LocalGather", "lr_scale"]
+
+ADJUST_LR = ("original", "match_rms_adamw")
+_CONTRACT = OptimizerContract(
+    implementation="gefen.GefenMuon",
+    version="1",
+    hyperparameters=("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_schedule", "normuon", "beta2",
+                     "eps", "adjust_lr"),
+    fields=(
+        FieldSpec("step", "int64", "scalar"),
+        FieldSpec("period", "int64", "scalar"),
+        FieldSpec("m_code", "uint8", "param"),
+        FieldSpec("m_scale", "float32", "block"),
+        FieldSpec("v_row", "float32", "row", optional=True),  # NorMuon only
+    ),
+    global_fields=(FieldSpec("codebook", "float32", "global"),),
+)
+
+
+class LocalGather:
+    """The seam between row-sharded momentum and Newton-Schulz, which needs whole matrices.
+
+    ``orthogonalise_rows(params, rows, fn)`` receives each parameter's rank-local rows of the
+    update input and must return this rank's rows of ``fn(full matrices)``. One process holds
+    every row, so it simply applies ``fn``; the distributed issue swaps in a gatherer that
+    all-gathers along dim 0 (or sends each matrix to one owner rank) and keeps its own rows.
+    """
+
+    def orthogonalise_rows(self, params: list[torch.Tensor], rows: list[torch.Tensor],
+                           fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
+        return fn(rows)
+
+
+def lr_scale(shape: tuple[int, int], adjust_lr: str) -> float:
+    """Multiplier on the learning rate for a ``rows x cols`` matrix (global shape).
+
+    ``original`` (Keller Jordan): ``sqrt(max(1, rows/cols))``. ``match_rms_adamw`` (Moonlight):
+    ``0.2 * sqrt(max(rows, cols))`` gives the update AdamW's typical RMS, so AdamW's LR carries over.
+    """
+    rows, cols = shape
+    if adjust_lr == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def normuon_(o: torch.Tensor, state: dict, beta2: float, eps: float) -> torch.Tensor:
+    """Divide each row of ``o`` (fp32, in place) by the bias-corrected RMS of its EMA (NorMuon).
+
+    Returns the float64 local sums ``[|O|^2, |O_normalised|^2]``: their *global* ratio restores the
+    Frobenius norm, so callers reduce them over ranks before ``o *= sqrt(ratio)``.
+    """
+    before = o.square().sum(dtype=torch.float64)
+    state["v_row"].mul_(beta2).add_(o.square().mean(1), alpha=1 - beta2)
+    denom = state["v_row"].div(1 - beta2 ** int(state["step"])).sqrt_().add_(eps)
+    o.div_(denom.unsqueeze(1))
+    return torch.stack([before, o.square().sum(dtype=torch.float64)])
+
+
+class GefenMuon(CompressedOptimizer):
+    """Muon (momentum, then Newton-Schulz orthogonalisation) for 2-D parameters, with the momentum
+    compressed to ~1 byte per parameter exactly like ``Gefen``'s first moment.
+
+    Defaults follow Keller Jordan's reference Muon, so published Muon recipes carry over:
+    ``lr=0.02`` with ``adjust_lr="original"`` (``sqrt(max(1, rows/cols))``), ``momentum=0.95``,
+    Nesterov, 5 ``"standard"`` Newton-Schulz steps, no weight decay. Choose
+    ``adjust_lr="match_rms_adamw"`` to reuse an AdamW learning rate (``GefenMuonHybrid``'s default).
+    ``ns_schedule`` is ``"standard"`` (``ns_steps`` steps), ``"tuned3"``, ``"tuned4"`` or a list of
+    ``(a, b, c)``; the tuned and custom schedules fix their own step count. ``normuon=True`` adds
+    NorMuon's per-row normalisation (``beta2``, ``eps``). Weight decay is decoupled and uses the
+    unscaled ``lr``. Embeddings, heads and 1-D tensors belong to a backup optimizer.
+    """
+
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.0, ns_steps: int = 5, ns_schedule="standard", normuon: bool = False,
+                 beta2: float = 0.95, eps: float = 1e-8, adjust_lr: str = "original", codebook_size: int = 256,
+                 bins_per_code: int = 16):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
+                        ns_schedule=ns_schedule, normuon=normuon, beta2=beta2, eps=eps, adjust_lr=adjust_lr)
+        self._check_group(defaults)
+        self.gather = LocalGather()
+        super().__init__(params, defaults, codebook_size=codebook_size, bins_per_code=bins_per_code)
+
+    def contract(self) -> OptimizerContract:
+        return _CONTRACT
+
+    def _check_group(self, group: dict) -> None:
+        check_range("lr", group["lr"], 0.0)
+        check_range("momentum", group["momentum"], 0.0, 1.0, high_open=True)
+        check_range("weight_decay", group["weight_decay"], 0.0)
+        check_range("beta2", group["beta2"], 0.0, 1.0, high_open=True)
+        check_range("eps", group["eps"], 0.0)
+        for flag in ("nesterov", "normuon"):
+            if not isinstance(group[flag], bool):
+                raise TypeError(f"{flag} must be a bool, got {group[flag]!r}")
+        if group["adjust_lr"] not in ADJUST_LR:
+            raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {group['adjust_lr']!r}")
+        resolve_schedule(group["ns_schedule"], group["ns_steps"])
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for i, p in enumerate(group["params"]):
+            if p.dim() != 2:
+                self.param_groups.pop()
+                raise ValueError(
+                    f"GefenMuon takes 2-D parameters only; parameter {param_label(group, i)} has shape "
+                    f"{tuple(p.shape)} (give embeddings, heads and other tensors to a backup optimizer, "
+                    "e.g. with GefenMuonHybrid)"
+                )
+
+    def _state_fields(self, group: dict, shape: tuple[int, ...]) -> tuple[str, ...]:
+        return ("step", "period", "m_code", "m_scale") + (("v_row",) if group["normuon"] else ())
+
+    def _init_param_state(self, group: dict, param: torch.Tensor, period: int) -> dict:
+        local = local_tensor(param)
+        state = init_momentum_state(local, global_shape(param), period)
+        if group["normuon"]:
+            state["v_row"] = torch.zeros(local.shape[0], dtype=torch.float32, device=local.device)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = self._grads()
+        if not work:
+            return loss
+        self._initialise_new(work)
+
+        # 1. compressed momentum and the Newton-Schulz input (rank-local)
+        inputs = []
+        for group, p, grad in work:
+            state, g, mu = self.state[p], local_tensor(grad).float(), group["momentum"]
+            state["step"].add_(1)
+            m = update_momentum_(state, g, mu, self.codebook)
+            inputs.append(m.mul_(mu).add_(g, alpha=1 - mu) if group["nesterov"] else m)
+
+        # 2. orthogonalise: the one step that needs whole matrices
+        schedules = [resolve_schedule(group["ns_schedule"], group["ns_steps"]) for group, _, _ in work]
+        ortho = self.gather.orthogonalise_rows([p for _, p, _ in work], inputs,
+                                               lambda full: orthogonalise_batched(full, schedules))
+
+        # 3. NorMuon: rows normalised locally, Frobenius norms restored with one reduction
+        normed = [i for i, (group, _, _) in enumerate(work) if group["normuon"]]
+        if normed:
+            partials = []
+            for i in normed:
+                group, p, _ = work[i]
+                ortho[i] = ortho[i].float()
+                partials.append(normuon_(ortho[i], self.state[p], group["beta2"], group["eps"]))
+            sums = self.reducer.sum_(torch.stack(partials)).tolist()
+            for i, (before, after) in zip(normed, sums):
+                ortho[i].mul_(math.sqrt(before / after) if after > 0 else 0.0)
+
+        # 4. decoupled weight decay with the plain lr, then the scaled orthogonal step
+        for (group, p, _), o in zip(work, ortho):
+            param = local_tensor(p)
+            work_p = param if param.dtype == torch.float32 else param.float()
+            if group["weight_decay"]:
+                work_p.mul_(1 - group["lr"] * group["weight_decay"])
+            work_p.add_(o, alpha=-group["lr"] * lr_scale(global_shape(p), group["adjust_lr"]))
+            if work_p is not param:
+                param.copy_(work_p)
+        return loss
+
+
+def orthogonalise_batched(matrices: list[torch.Tensor], schedules: list[tuple]) -> list[torch.Tensor]:
+    """Newton-Schulz of every matrix; equal shapes and schedules run as one batched iteration."""
+    batches = defaultdict(list)
+    for i, (m, schedule) in enumerate(zip(matrices, schedules)):
+        batches[(tuple(m.shape), m.device, schedule)].append(i)
+    out: list[torch.Tensor] = [None] * len(matrices)
+    for (_, _, schedule), idx in batches.items():
+        result = orthogonalise(torch.stack([matrices[i] for i in idx]), list(schedule), len(schedule))
+        for i, o in zip(idx, result.unbind(0)):
+            out[i] = o
+    return out

@@ -1,0 +1,96 @@
+"""Optimizers on real gloo process groups: the state does not depend on the world size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run
+from gefen import Gefen, contract_of
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+# uneven rows (7 on 4 ranks), an empty shard (3 rows on 4 ranks), 1-D, 3-D
+SHAPES = {"emb": (24, 16), "proj": (7, 32), "tiny": (3, 8), "norm": (16,), "conv": (8, 4, 3)}
+STEPS = 4
+
+
+def _global_grads(step: int) -> dict[str, torch.Tensor]:
+    """The same per-parameter gradients on every world size, with row/column structure."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = {}
+    for name, shape in SHAPES.items():
+        scale = torch.rand(shape[0], generator=g).add(0.1).view(-1, *([1] * (len(shape) - 1)))
+        out[name] = torch.randn(shape, generator=g) * scale
+    return out
+
+
+def _initial_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
+
+
+def _train(make_param, to_grad, local, factored: bool):
+    params = {name: make_param(t) for name, t in _initial_params().items()}
+    opt = Gefen(list(params.items()), lr=1e-2, weight_decay=0.1, factored_v_2d=factored)
+    for step in range(STEPS):
+        for name, grad in _global_grads(step).items():
+            params[name].grad = to_grad(grad)
+        opt.step()
+    fields = contract_of(opt)
+    state = {}
+    for name, p in params.items():
+        for key, value in opt.state[p].items():
+            state[f"{name}/{key}"] = (fields.field(key).row_sharded, value.clone())
+    return {"state": state, "params": {n: local(p).clone() for n, p in params.items()}, "codebook": opt.codebook}
+
+
+def _sharded_worker(rank: int, world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {
+        factored: _train(
+            lambda t: torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])),
+            lambda g: distribute_tensor(g, mesh, [Shard(0)]),
+            lambda p: p.to_local(),
+            factored,
+        )
+        for factored in (True, False)
+    }
+
+
+def _assemble(results: list[dict], part: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for key in results[0][part]:
+        values = [r[part][key] for r in results]
+        if part == "state":
+            row_sharded = values[0][0]
+            values = [v for _, v in values]
+            out[key] = torch.cat(values) if row_sharded and values[0].dim() else values[0]
+        else:
+            out[key] = torch.cat(values) if values[0].dim() else values[0]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_state_is_world_size_invariant(world_size: int):
+    """Block and factored state after several steps on N ranks == one process, bit for bit."""
+    runs = run(_sharded_worker, world_size)
+    for factored in (True, False):
+        _check_same(runs, factored)
+
+
+def _check_same(runs: list[dict], factored: bool) -> None:
+    single = _train(lambda t: torch.nn.Parameter(t.clone()), lambda g: g, lambda p: p.detach(), factored)
+    results = [r[factored] for r in runs]
+    for r in results[1:]:
+        assert torch.equal(r["codebook"], results[0]["codebook"])
+    assert torch.equal(results[0]["codebook"], single["codebook"])
+    state = _assemble(results, "state")
+    for key, (_, value) in single["state"].items():
+        assert torch.equal(state[key], value), key
+    params = _assemble(results, "params")
+    for key, value in single["params"].items():
+        assert torch.equal(params[key], value), key
