@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 2
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile setup.py $(wildcard gefen/csrc/*.c)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0"
@@ -32,4 +32,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check gefen gefen_ckpt cli tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache gefen/_*.so

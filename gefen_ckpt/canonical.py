@@ -54,6 +54,47 @@ class EagerSource:
         return f"EagerSource(shape={self.shape}, dtype={self.dtype})"
 
 
+class LocalPart:
+    """The rows a rank holds of a global tensor: ``tensor`` is rows ``[row_start, row_start + len)``.
+
+    What ``export_canonical`` produces under a process group: each rank contributes its slices
+    and no rank holds more. ``writer`` marks the one rank that stores these rows when saving
+    (replicas hold the same rows). Reading rows this rank does not hold is an error: move state
+    between ranks with ``gefen_ckpt.transport``.
+    """
+
+    def __init__(self, tensor: torch.Tensor, row_start: int, shape: tuple[int, ...], writer: bool):
+        self.tensor, self.row_start, self._shape, self.writer = tensor, row_start, tuple(shape), writer
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def row_stop(self) -> int:
+        return self.row_start + (self.tensor.shape[0] if self.tensor.dim() else 1)
+
+    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        if self.tensor.dim() == 0:
+            return self.tensor
+        stop = self._shape[0] if stop is None else stop
+        if start < self.row_start or stop > self.row_stop:
+            from gefen_ckpt.errors import CheckpointError
+
+            raise CheckpointError(
+                f"rows [{start}, {stop}) are not held by this rank (it holds [{self.row_start}, {self.row_stop})); "
+                "use gefen_ckpt.transport.gather to collect them"
+            )
+        return self.tensor[start - self.row_start:stop - self.row_start]
+
+    def __repr__(self) -> str:
+        return f"LocalPart(rows={self.row_start}:{self.row_stop}, shape={self.shape}, dtype={self.dtype})"
+
+
 def as_source(value) -> TensorSource:
     return value if isinstance(value, TensorSource) and not isinstance(value, torch.Tensor) else EagerSource(value)
 

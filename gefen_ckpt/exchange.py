@@ -14,10 +14,18 @@ import math
 
 import torch
 
-from gefen.contract import CHILDREN_KEY, GLOBAL_STATE_KEY, LIKE_PARAM, SCHEMA_VERSION, OptimizerContract, contract_of
-from gefen_ckpt.canonical import CanonicalState, ParamState, TensorSource, as_source
+from gefen.contract import (
+    CHILDREN_KEY,
+    GLOBAL_STATE_KEY,
+    LIKE_PARAM,
+    SCHEMA_VERSION,
+    OptimizerContract,
+    contract_of,
+)
+from gefen_ckpt import layout
+from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState, TensorSource
+from gefen_ckpt.collective import agree
 from gefen_ckpt.errors import CheckpointMismatchError
-from gefen_ckpt.layout import local_rows
 
 
 # ----- naming -------------------------------------------------------------------------------
@@ -70,17 +78,20 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
 
     Tensors are *not* copied: the result is valid until the optimizer's next step (call
     ``.materialize()`` for an owned snapshot). ``model`` supplies FQNs for optimizers built
-    from bare tensors.
+    from bare tensors. Under a process group each field is this rank's ``LocalPart`` of the
+    global tensor (no communication): ``gefen_ckpt.save`` writes the parts in parallel and
+    ``gefen_ckpt.transport.gather`` assembles them on one rank.
     """
     contract = contract_of(optimizer)
     names = _names_from_model(model)
+    rank0 = layout.rank() == 0
     groups: list[dict] = []
     params: dict[str, ParamState] = {}
     global_fields: dict[str, TensorSource] = {}
     for child, opt, leaf in _leaves(optimizer, contract):
         sd = opt.state_dict()
         for key, value in (sd.get(GLOBAL_STATE_KEY) or {}).items():
-            global_fields[_global_key(child, key)] = as_source(value)
+            global_fields[_global_key(child, key)] = LocalPart(value, 0, tuple(value.shape), rank0)
         for live, saved in zip(opt.param_groups, sd["param_groups"]):
             fqns = _group_fqns(live, names, leaf.implementation)
             group = {h: _plain(saved[h]) for h in leaf.hyperparameters if h in saved}
@@ -93,9 +104,19 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
                     raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
                 entry = sd["state"].get(index)
                 if entry:
-                    fields = {k: as_source(v if isinstance(v, torch.Tensor) else torch.tensor(v)) for k, v in entry.items()}
+                    fields = {k: _local_part(fqn, p, leaf.field(k).row_sharded, v) for k, v in entry.items()}
                     params[fqn] = ParamState(tuple(p.shape), p.dtype, fields, child)
     return CanonicalState(contract, groups, params, global_fields, metadata={"source_topology": {"kind": "single"}})
+
+
+def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value) -> LocalPart:
+    """A field of this rank's state as a slice of the global field."""
+    value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    if row_sharded and value.dim():
+        start, _ = layout.local_rows(param, fqn)
+        rows = param.shape[0] if param.dim() else 1
+        return LocalPart(value, start, (rows, *value.shape[1:]), layout.writes_rows(param))
+    return LocalPart(value, 0, tuple(value.shape), layout.writes_replicated(param))
 
 
 # ----- import -------------------------------------------------------------------------------
@@ -114,7 +135,7 @@ def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
             f"checkpoint children {[n for n, _ in saved.children]} differ from the optimizer's "
             f"{[n for n, _ in live.children]}"
         )
-    for (name, a), (_, b) in zip(live.children, saved.children):
+    for (_, a), (_, b) in zip(live.children, saved.children):
         check_contract(a, b)
     live_fields = {f.name: f for f in live.fields + live.global_fields}
     for f in saved.fields + saved.global_fields:
@@ -185,7 +206,7 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
             entry = state.params.get(fqn)
             if entry is not None:
                 _check_param(fqn, entry, p, leaf)
-                start, stop = local_rows(p)
+                start, stop = layout.local_rows(p, fqn)
                 sd_state[index] = {
                     name: src.read(start, stop) if leaf.field(name).row_sharded else src.read()
                     for name, src in entry.fields.items()
@@ -201,9 +222,21 @@ def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
                      model: torch.nn.Module | None = None) -> None:
     """Load ``state`` into ``optimizer``, each rank taking the slices it owns.
 
-    Fails before mutation: on any error (``CheckpointMismatchError`` naming the FQN/field) the
-    optimizer is untouched.
+    Fails before mutation: everything is read and validated first; on any error
+    (``CheckpointMismatchError`` naming the FQN/field, or a read error) the optimizer is
+    untouched. Under a process group it is a collective and every rank raises together.
     """
+    error, sd = None, None
+    try:
+        sd = _prepare_import(optimizer, state, model)
+    except Exception as exc:  # re-raised on this rank by agree(), after every rank has reported
+        error = exc
+    agree(error, "import_canonical")
+    optimizer.load_state_dict(sd)
+
+
+def _prepare_import(optimizer: torch.optim.Optimizer, state: CanonicalState, model) -> dict:
+    """The optimizer's local state_dict cut from ``state``, after checking that they fit."""
     contract = contract_of(optimizer)
     check_contract(contract, state.contract)
     names = _names_from_model(model)
@@ -220,7 +253,5 @@ def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
         raise CheckpointMismatchError(f"checkpoint has state for parameters in no group: {sorted(unowned)[:5]}")
     sds = {child: _local_state_dict(opt, leaf, child, state, names) for child, opt, leaf in _leaves(optimizer, contract)}
     if contract.children:
-        sd = {"state": {}, "param_groups": [], CHILDREN_KEY: sds}
-    else:
-        sd = sds[None]
-    optimizer.load_state_dict(sd)
+        return {"state": {}, "param_groups": [], CHILDREN_KEY: sds}
+    return sds[None]

@@ -35,3 +35,24 @@ def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
         return 0, 1
     local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return offset[0], offset[0] + local_shape[0]
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def writes_rows(param: torch.Tensor) -> bool:
+    """Does this rank write its rows of ``param``? Only one replica of each row range does."""
+    if not _is_dtensor(param):
+        return rank() == 0
+    mesh = param.device_mesh
+    return all(mesh.get_local_rank(i) == 0 for i, pl in enumerate(param.placements) if pl.is_replicate())
+
+
+def writes_replicated(param: torch.Tensor) -> bool:
+    """Does this rank write ``param``'s replicated fields (scalars, columns)? Exactly one rank does."""
+    if not _is_dtensor(param):
+        return rank() == 0
+    return all(param.device_mesh.get_local_rank(i) == 0 for i in range(param.device_mesh.ndim))
