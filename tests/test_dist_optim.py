@@ -94,3 +94,71 @@ def _check_same(runs: list[dict], factored: bool) -> None:
     params = _assemble(results, "params")
     for key, value in single["params"].items():
         assert torch.equal(params[key], value), key
+
+
+# ----- real wrappers: FSDP2, HSDP, DDP -------------------------------------------------------
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(32, 24), torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.LayerNorm(48),
+        torch.nn.Linear(48, 5),
+    )
+
+
+def _batches(n: int = 6):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, 32, (16,), generator=g), torch.randn(16, 5, generator=g)) for _ in range(n)]
+
+
+def _fit(model: torch.nn.Module, opt) -> list[float]:
+    losses = []
+    for x, y in _batches():
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _wrapper_worker(rank: int, world_size: int, kinds: tuple[str, ...]):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    out = {}
+    for kind in kinds:
+        model = _model()
+        if kind == "ddp":
+            wrapped = DistributedDataParallel(model)
+        else:
+            if kind == "hsdp":
+                mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+            else:
+                mesh = init_device_mesh("cpu", (world_size,))
+            for layer in model:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=mesh)
+            wrapped = fully_shard(model, mesh=mesh)
+        opt = Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.01)
+        losses = _fit(wrapped, opt)
+        out[kind] = {"losses": losses, "params": _full_params(model)}
+    return out
+
+
+@pytest.mark.parametrize("world_size,kinds", [(2, ("fsdp", "ddp")), (4, ("hsdp", "fsdp"))])
+def test_wrappers_match_single_process(world_size: int, kinds: tuple[str, ...]):
+    """FSDP2 (uneven/empty shards), HSDP 2x2 and DDP train like one process (up to reduction order)."""
+    model = _model()
+    reference = {"losses": _fit(model, Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.01)),
+                 "params": _full_params(model)}
+    results = run(_wrapper_worker, world_size, kinds)
+    for kind in kinds:
+        for r in results:
+            assert r[kind]["losses"] == pytest.approx(reference["losses"], rel=1e-4), kind
+            for name, value in reference["params"].items():
+                torch.testing.assert_close(r[kind]["params"][name], value, rtol=1e-4, atol=1e-5, msg=f"{kind} {name}")
