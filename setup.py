@@ -1,13 +1,36 @@
-"""Only declares the C extension; all metadata lives in pyproject.toml.
+"""Only declares the C extensions; all metadata lives in pyproject.toml.
 
-gefen._kmeans_dp is plain C99 (no Python C-API) loaded with ctypes by gefen.codebook;
-setuptools merely compiles it next to the package (in place for editable installs).
+gefen._kmeans_dp and gefen._gefen_step are plain C99 (no Python C-API) loaded with ctypes by
+gefen.codebook and gefen.native; setuptools merely compiles them next to the package (in place
+for editable installs).  _gefen_step uses OpenMP when the compiler has it (else it is built
+serial), and is optional: without it gefen runs the eager torch step.
 """
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildExt(build_ext):
+    """Retry an extension without OpenMP when the compiler rejects -fopenmp."""
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception:
+            if "-fopenmp" not in ext.extra_compile_args:
+                raise
+            ext.extra_compile_args = [a for a in ext.extra_compile_args if a != "-fopenmp"]
+            ext.extra_link_args = [a for a in ext.extra_link_args if a != "-fopenmp"]
+            super().build_extension(ext)
+
 
 setup(
     ext_modules=[
         Extension("gefen._kmeans_dp", ["gefen/csrc/kmeans_dp.c"], extra_compile_args=["-O3"]),
-    ]
+        # -ffp-contract=off: no implicit fused multiply-adds; bit-parity with torch depends on it.
+        Extension("gefen._gefen_step", ["gefen/csrc/gefen_step.c"], optional=True,
+                  extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
+                  extra_link_args=["-fopenmp"]),
+    ],
+    cmdclass={"build_ext": BuildExt},
 )

@@ -1,0 +1,138 @@
+"""What every ``gefen-ckpt`` command shares: consoles, error reporting, sizes, opening checkpoints."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import click
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+# gefen_ckpt (and with it torch) is imported inside the commands, so `--help` stays fast.
+
+#: exit codes (documented in docs/cli.md)
+EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
+
+PORTABLE, TORCH = "portable", "torch"
+
+
+def out() -> Console:
+    """Console for results (stdout). Wide when not a terminal, so piped tables keep their FQNs."""
+    terminal = sys.stdout.isatty()
+    return Console(soft_wrap=False, width=None if terminal else 200, highlight=False)
+
+
+def err() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def fail(message: str, code: int = EXIT_ERROR):
+    """Print a one-line red error on stderr and exit with ``code``."""
+    line = " ".join(str(message).split()) or "unknown error"
+    err().print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def handled() -> Iterator[None]:
+    """Turn documented failures into one red line and exit code 2 (``GEFEN_CKPT_TRACEBACK=1``
+    re-raises them, for debugging)."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort, click.ClickException):
+        raise
+    except Exception as exc:
+        from gefen_ckpt.errors import CheckpointError
+
+        if not isinstance(exc, (CheckpointError, OSError, ImportError)) or os.environ.get("GEFEN_CKPT_TRACEBACK"):
+            raise
+        if isinstance(exc, FileNotFoundError) and exc.filename:
+            fail(f"{exc.filename}: no such file or directory")
+        fail(str(exc) or type(exc).__name__)
+
+
+def progress(transfer: bool = True) -> Progress:
+    """A progress bar on stderr (drawn only on a terminal; removed when done)."""
+    console = err()
+    columns = [TextColumn("[progress.description]{task.description}"), BarColumn()]
+    columns += [DownloadColumn(), TransferSpeedColumn()] if transfer else [TextColumn("{task.completed}/{task.total}")]
+    columns.append(TimeRemainingColumn())
+    return Progress(*columns, console=console, transient=True, disable=not console.is_terminal)
+
+
+def want_progress() -> bool:
+    return err().is_terminal
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | None) -> int | None:
+    """``"2GiB"``, ``"256MiB"``, ``"1e9"``, ``"500mb"`` -> bytes (``None`` stays ``None``)."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise typer.BadParameter(f"{text!r} is not a size (examples: 2GiB, 256MiB, 1000000)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise typer.BadParameter(f"{text!r} must be positive")
+    return value
+
+
+# ----- opening checkpoints ------------------------------------------------------------------
+def detect_format(url: str) -> str:
+    """``"portable"`` for a directory (our manifest is checked when it is read), ``"torch"``
+    for a ``torch.save`` file; a clear error for anything else."""
+    import fsspec
+
+    from gefen_ckpt.errors import CheckpointFormatError, CheckpointIncompleteError
+    from gefen_ckpt.torch_format import is_torch_file
+
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.isdir(path):
+        return PORTABLE
+    if not fs.exists(path):
+        raise CheckpointIncompleteError(f"{url}: no such file or directory")
+    if is_torch_file(url):
+        return TORCH
+    raise CheckpointFormatError(f"{url}: not a checkpoint (neither a gefen_ckpt directory nor a torch.save file)")
+
+
+def api():
+    """The portable-format API of gefen_ckpt (imported lazily: --help must stay fast)."""
+    import gefen_ckpt
+
+    return gefen_ckpt
+
+
+def open_state(url: str, fmt: str | None = None, optimizer: str | None = None):
+    """(format, CanonicalState) of a checkpoint: lazy for the portable format, in memory for torch."""
+    fmt = fmt or detect_format(url)
+    if fmt == TORCH:
+        from gefen_ckpt.torch_format import read_torch
+
+        return fmt, read_torch(url, optimizer)
+    state = api().read(url)
+    if optimizer is not None:
+        from gefen_ckpt.errors import CheckpointMismatchError
+        from gefen_ckpt.torch_format import resolve_contract
+
+        wanted = resolve_contract(optimizer).implementation
+        if wanted != state.contract.implementation:
+            raise CheckpointMismatchError(f"{url} holds {state.contract.implementation} state, not {wanted}")
+    return fmt, state

@@ -1,0 +1,482 @@
+"""Conversions between ``CanonicalState`` and a ``torch.save``d ``optimizer.state_dict()``.
+
+A torch-format checkpoint is one file holding what ``optimizer.state_dict()`` returns: ``state``
+keyed by parameter index, ``param_groups`` with ``params`` (indices) and ``param_names``
+(FQNs), plus ``global_state`` (optimizer-wide fields, e.g. Gefen's codebook) and ``children``
+(composite optimizers) as the contract conventions in :mod:`gefen.contract` say.
+
+* :func:`canonical_from_state_dict` keys the state by FQN (from the groups' ``param_names``),
+  takes each parameter's global shape from a field of ``param`` geometry and validates every
+  field against the contract (given, recorded in the file, or inferred from the field and
+  hyperparameter names).
+* :func:`state_dict_from_canonical` builds the dict ``optimizer.load_state_dict`` accepts.
+  Besides torch's own keys it records, under ``"gefen_ckpt"``, the contract and the
+  parameters' dtypes (plain strings and lists: ``weights_only``-safe). Optimizers ignore
+  unknown top-level keys, and the record makes ``torch -> portable`` exact (e.g. Adam vs AdamW,
+  a bf16 model's dtype under Gefen, a composite optimizer's contract).
+
+Files are read only with ``torch.load(..., map_location="cpu", weights_only=True)`` (no pickled
+code runs) through fsspec, so any URL works. The format is not lazy: a torch file is read
+whole, and writing one materialises every tensor (that is what ``torch.save`` needs).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import uuid
+import zipfile
+
+import fsspec
+import torch
+
+from gefen.contract import (
+    _TORCH_CONTRACTS,
+    CHILDREN_KEY,
+    GLOBAL_STATE_KEY,
+    LIKE_PARAM,
+    OptimizerContract,
+)
+from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
+from gefen_ckpt.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+)
+from gefen_ckpt.exchange import expected_field_shape
+
+__all__ = [
+    "TORCH_META_KEY",
+    "canonical_from_state_dict",
+    "state_dict_from_canonical",
+    "known_contracts",
+    "resolve_contract",
+    "infer_contract",
+    "composite_contract",
+    "load_torch_state_dict",
+    "save_torch_state_dict",
+    "read_torch",
+    "write_torch",
+    "is_torch_file",
+]
+
+#: top-level key of our record (contract + parameter dtypes) in a state_dict we write
+TORCH_META_KEY = "gefen_ckpt"
+TORCH_META_VERSION = 1
+
+#: preference when several contracts fit a state_dict equally well
+_PREFERENCE = ("gefen.Gefen", "gefen.GefenMuon", "torch.optim.AdamW", "torch.optim.Adam", "torch.optim.SGD")
+
+
+# ----- contracts ----------------------------------------------------------------------------
+def known_contracts() -> dict[str, OptimizerContract]:
+    """implementation name -> contract, for torch's AdamW/Adam/SGD and every gefen optimizer
+    whose module exposes a parameter-independent contract (``CONTRACT`` or ``_CONTRACT``)."""
+    out = {c.implementation: c for c in _TORCH_CONTRACTS.values()}
+    import gefen
+
+    for name in getattr(gefen, "__all__", dir(gefen)):
+        cls = getattr(gefen, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            continue
+        module = sys.modules.get(cls.__module__)
+        for attr in ("CONTRACT", "_CONTRACT"):
+            contract = getattr(module, attr, None)
+            if isinstance(contract, OptimizerContract) and not contract.children:
+                out.setdefault(contract.implementation, contract)
+                break
+    return out
+
+
+def resolve_contract(name: str | OptimizerContract) -> OptimizerContract:
+    """A contract from its implementation name; short, case-insensitive names also work
+    (``"adamw"``, ``"Gefen"``, ``"sgd"``)."""
+    if isinstance(name, OptimizerContract):
+        return name
+    known = known_contracts()
+    if name in known:
+        return known[name]
+    wanted = name.lower()
+    matches = [c for impl, c in known.items() if wanted in (impl.lower(), impl.rsplit(".", 1)[-1].lower())]
+    if len(matches) == 1:
+        return matches[0]
+    raise CheckpointMismatchError(f"unknown optimizer {name!r}; known: {', '.join(sorted(known))}")
+
+
+def _required(contract: OptimizerContract) -> set[str]:
+    return {f.name for f in contract.fields if not f.optional}
+
+
+def infer_contract(state_dict: dict) -> OptimizerContract:
+    """The contract that fits a (non-composite) state_dict's field and hyperparameter names.
+
+    A contract fits when every stored field is one of its fields, each parameter's state has
+    its required fields and every group has its hyperparameters. Adam and AdamW store the same
+    fields: ``decoupled_weight_decay: False`` in the groups means Adam, anything else AdamW.
+    """
+    _check_state_dict(state_dict)
+    observed: set[str] = set()
+    entries = [e for e in state_dict["state"].values() if isinstance(e, dict) and e]
+    for entry in entries:
+        observed.update(k for k, v in entry.items() if v is not None)
+    groups = state_dict["param_groups"]
+    fits = []
+    for contract in known_contracts().values():
+        names = {f.name for f in contract.fields}
+        if not observed <= names:
+            continue
+        if any(not _required(contract) <= set(k for k, v in e.items() if v is not None) for e in entries):
+            continue
+        if any(not set(contract.hyperparameters) <= set(g) for g in groups):
+            continue
+        fits.append(contract)
+    impls = {c.implementation for c in fits}
+    if {"torch.optim.Adam", "torch.optim.AdamW"} <= impls:
+        drop = "torch.optim.AdamW" if groups and all(g.get("decoupled_weight_decay") is False for g in groups) \
+            else "torch.optim.Adam"
+        fits = [c for c in fits if c.implementation != drop]
+    if not fits:
+        raise CheckpointMismatchError(
+            f"cannot tell which optimizer wrote this state_dict (fields {sorted(observed)}, group keys "
+            f"{sorted(set().union(*map(set, groups))) if groups else []}); pass the optimizer explicitly "
+            f"(known: {', '.join(sorted(known_contracts()))})"
+        )
+    fits.sort(key=lambda c: _PREFERENCE.index(c.implementation) if c.implementation in _PREFERENCE else len(_PREFERENCE))
+    return fits[0]
+
+
+def composite_contract(name: str, sd: dict) -> OptimizerContract:
+    """The contract of a composite optimizer called ``name`` whose children's contracts are
+    inferred from their state_dicts (in their stored order). Its ``version`` is
+    ``"unrecorded"``: only the file written by :func:`state_dict_from_canonical` knows it."""
+    import gefen
+
+    try:
+        leaf = resolve_contract(name)
+    except CheckpointMismatchError:
+        pass
+    else:
+        raise CheckpointMismatchError(f"{leaf.implementation} is not a composite optimizer, but the state_dict "
+                                      f"has child optimizers {sorted(map(str, sd[CHILDREN_KEY]))}")
+    lowered = name.lower().removeprefix("gefen.")
+    for attr in getattr(gefen, "__all__", ()):
+        if attr.lower() == lowered and isinstance(getattr(gefen, attr, None), type):
+            name = f"gefen.{attr}"
+            break
+    children = []
+    for child, child_sd in sd[CHILDREN_KEY].items():
+        try:
+            children.append((str(child), infer_contract(child_sd)))
+        except CheckpointError as exc:
+            raise type(exc)(f"child {child!r}: {exc}") from None
+    return OptimizerContract(name, "unrecorded", (), (), children=tuple(children))
+
+
+# ----- state_dict -> canonical --------------------------------------------------------------
+def _check_state_dict(sd, where: str = "state_dict") -> None:
+    if not isinstance(sd, dict):
+        raise CheckpointFormatError(f"{where} is a {type(sd).__name__}, not an optimizer state_dict")
+    for key, kind in (("state", dict), ("param_groups", (list, tuple))):
+        if not isinstance(sd.get(key), kind):
+            raise CheckpointFormatError(f"{where} is not an optimizer state_dict: {key!r} missing or malformed")
+    for gi, g in enumerate(sd["param_groups"]):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), (list, tuple)):
+            raise CheckpointFormatError(f"{where}: param group {gi} has no 'params' list")
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _recorded(sd: dict) -> dict:
+    meta = sd.get(TORCH_META_KEY)
+    return meta if isinstance(meta, dict) else {}
+
+
+def _dtype(name: str, what: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointFormatError(f"{what}: unknown dtype {name!r}")
+    return dtype
+
+
+def _leaves(contract: OptimizerContract, sd: dict, child: str | None = None, where: str = "state_dict"):
+    """(child name, contract, state_dict) of every non-composite optimizer inside ``sd``."""
+    if not contract.children:
+        yield child, contract, sd
+        return
+    children = sd.get(CHILDREN_KEY)
+    if not isinstance(children, dict):
+        raise CheckpointMismatchError(
+            f"{contract.implementation} is a composite optimizer but the state_dict has no {CHILDREN_KEY!r} dict"
+        )
+    for name, child_contract in contract.children:
+        if name not in children:
+            raise CheckpointMismatchError(f"{where}: child optimizer {name!r} of {contract.implementation} is missing")
+        yield from _leaves(child_contract, children[name], name, f"{where}[{CHILDREN_KEY}][{name!r}]")
+
+
+def _field_tensor(value, spec, fqn: str, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (bool, int, float)) and spec.geometry == "scalar":  # old torch: step as a number
+        dtype = torch.float32 if spec.dtype == LIKE_PARAM else _dtype(spec.dtype, f"{fqn}/{name}")
+        return torch.tensor(value, dtype=dtype)
+    raise CheckpointFormatError(f"{fqn}/{name}: a {type(value).__name__}, not a tensor")
+
+
+def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None = None) -> CanonicalState:
+    """A ``CanonicalState`` from an ``optimizer.state_dict()`` (tensors are not copied).
+
+    ``contract``: an ``OptimizerContract`` or an implementation name; when omitted, the one
+    recorded by :func:`state_dict_from_canonical`, else one inferred from the field names
+    (Gefen's fields -> ``gefen.Gefen``, ``exp_avg``/``exp_avg_sq`` -> ``torch.optim.AdamW``,
+    ``momentum_buffer`` -> ``torch.optim.SGD``).
+    """
+    _check_state_dict(sd)
+    meta = _recorded(sd)
+    composite = isinstance(sd.get(CHILDREN_KEY), dict) and bool(sd[CHILDREN_KEY])
+    if isinstance(contract, str) and composite:
+        contract = composite_contract(contract, sd)
+    elif contract is not None:
+        contract = resolve_contract(contract)
+    elif isinstance(meta.get("contract"), dict):
+        try:
+            contract = OptimizerContract.from_dict(meta["contract"])
+        except ValueError as exc:
+            raise CheckpointFormatError(f"recorded {TORCH_META_KEY!r} contract: {exc}") from None
+    elif composite:
+        raise CheckpointMismatchError(
+            f"a composite optimizer's state_dict (children {sorted(map(str, sd[CHILDREN_KEY]))}) records no "
+            "contract: name the optimizer (e.g. gefen.GefenMuonHybrid) or pass contract_of(optimizer)"
+        )
+    else:
+        contract = infer_contract(sd)
+    if composite and not contract.children:
+        raise CheckpointMismatchError(f"{contract.implementation} is not a composite optimizer, but the state_dict "
+                                      f"has child optimizers {sorted(map(str, sd[CHILDREN_KEY]))}")
+    dtypes = meta.get("param_dtypes") if isinstance(meta.get("param_dtypes"), dict) else {}
+
+    groups: list[dict] = []
+    seen: set[str] = set()
+    params: dict[str, ParamState] = {}
+    global_fields: dict[str, TensorSource] = {}
+    for child, leaf, leaf_sd in _leaves(contract, sd):
+        where = f"{CHILDREN_KEY}/{child}" if child else "state_dict"
+        _check_state_dict(leaf_sd, where)
+        for key, value in (leaf_sd.get(GLOBAL_STATE_KEY) or {}).items():
+            try:
+                spec = leaf.field(key)
+            except KeyError:
+                raise CheckpointMismatchError(
+                    f"{where}: optimizer-wide field {key!r} is unknown to {leaf.implementation}") from None
+            global_fields[f"{child}/{key}" if child else key] = EagerSource(_field_tensor(value, spec, "global", key))
+        owner: dict = {}
+        for gi, saved in enumerate(leaf_sd["param_groups"]):
+            names = saved.get("param_names")
+            if not names:
+                raise CheckpointMismatchError(
+                    f"{where}: param group {gi} has no 'param_names', so its state cannot be keyed by parameter "
+                    "name; build the optimizer from model.named_parameters() (e.g. "
+                    "torch.optim.AdamW(model.named_parameters())) and save its state_dict again"
+                )
+            if len(names) != len(saved["params"]):
+                raise CheckpointFormatError(f"{where}: param group {gi} has {len(saved['params'])} params but "
+                                            f"{len(names)} param_names")
+            group = {h: _plain(saved[h]) for h in leaf.hyperparameters if h in saved}
+            group["params"] = [str(n) for n in names]
+            if child is not None:
+                group["child"] = child
+            groups.append(group)
+            for index, fqn in zip(saved["params"], group["params"]):
+                if fqn in seen:
+                    raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the state_dict")
+                seen.add(fqn)
+                owner[index] = fqn
+        for index, entry in leaf_sd["state"].items():
+            if index not in owner:
+                raise CheckpointFormatError(f"{where}: state for parameter index {index!r}, which is in no param group")
+            fqn = owner[index]
+            if not isinstance(entry, dict):
+                raise CheckpointFormatError(f"{fqn}: state is a {type(entry).__name__}, not a dict")
+            entry = {k: v for k, v in entry.items() if v is not None}  # SGD without momentum: None buffers
+            if not entry:
+                continue
+            params[fqn] = _param_state(fqn, entry, leaf, child, dtypes.get(fqn))
+    return CanonicalState(contract, groups, params, global_fields,
+                          metadata={"source_topology": {"kind": "single"}, "source_format": "torch"})
+
+
+def _param_state(fqn: str, entry: dict, leaf: OptimizerContract, child: str | None, dtype_name) -> ParamState:
+    fields: dict[str, torch.Tensor] = {}
+    for name, value in entry.items():
+        try:
+            spec = leaf.field(str(name))
+        except KeyError:
+            raise CheckpointMismatchError(
+                f"{fqn}: field {name!r} is unknown to {leaf.implementation} (a checkpoint of another optimizer? "
+                "pass the optimizer explicitly)") from None
+        fields[spec.name] = _field_tensor(value, spec, fqn, spec.name)
+    missing = _required(leaf) - set(fields)
+    if missing:
+        raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {sorted(missing)}")
+    like = [n for n in fields if leaf.field(n).geometry == "param"]
+    if not like:
+        raise CheckpointMismatchError(f"{fqn}: no field of 'param' geometry, so the parameter's shape is unknown")
+    shape = tuple(fields[like[0]].shape)
+    if dtype_name is not None:
+        dtype = _dtype(dtype_name, fqn)
+    else:
+        like_param = [n for n in fields if leaf.field(n).dtype == LIKE_PARAM]
+        dtype = fields[like_param[0]].dtype if like_param else torch.float32
+    for name, t in fields.items():
+        spec = leaf.field(name)
+        if spec.dtype != LIKE_PARAM and t.dtype != _dtype(spec.dtype, f"{fqn}/{name}"):
+            raise CheckpointMismatchError(f"{fqn}/{name}: dtype {t.dtype}, {leaf.implementation} stores {spec.dtype}")
+        if spec.dtype == LIKE_PARAM and t.dtype != dtype:
+            raise CheckpointMismatchError(f"{fqn}/{name}: dtype {t.dtype} differs from the parameter's {dtype}")
+        if not expected_field_shape(spec.geometry, shape, tuple(t.shape)):
+            raise CheckpointMismatchError(
+                f"{fqn}/{name}: shape {tuple(t.shape)} is not a valid {spec.geometry} shape for a parameter of "
+                f"shape {shape}")
+    return ParamState(shape, dtype, {n: EagerSource(t) for n, t in fields.items()}, child)
+
+
+# ----- canonical -> state_dict --------------------------------------------------------------
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor that owns exactly its bytes (torch.save writes whole storages)."""
+    t = t.detach()
+    if (t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset() != 0
+            or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+        t = t.to("cpu", copy=True).contiguous()
+    return t
+
+
+def _leaf_contracts(contract: OptimizerContract, child: str | None = None):
+    if not contract.children:
+        yield child, contract
+        return
+    for name, c in contract.children:
+        yield from _leaf_contracts(c, name)
+
+
+def state_dict_from_canonical(state: CanonicalState) -> dict:
+    """The ``optimizer.state_dict()`` a single process would hold for ``state``.
+
+    Index-keyed ``state``; groups with their hyperparameters, ``params`` (indices, numbered in
+    group order) and ``param_names`` (FQNs); ``global_state`` for optimizers with global fields
+    and ``children`` for composite ones; every tensor read into memory. The result loads with
+    ``optimizer.load_state_dict`` into an optimizer built like the original.
+    """
+    contract = state.contract
+    leaves = {}
+    for child, leaf in _leaf_contracts(contract):
+        groups = [g for g in state.param_groups if g.get("child") == child]
+        sd_state, sd_groups, index = {}, [], 0
+        for g in groups:
+            fqns = [str(f) for f in g["params"]]
+            group = {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k not in ("params", "child")}
+            group["param_names"] = fqns
+            group["params"] = list(range(index, index + len(fqns)))
+            sd_groups.append(group)
+            for fqn in fqns:
+                entry = state.params.get(fqn)
+                if entry is not None and entry.fields:
+                    sd_state[index] = {name: _owned(src.read()) for name, src in entry.fields.items()}
+                index += 1
+        leaf_sd = {"state": sd_state, "param_groups": sd_groups}
+        if leaf.global_fields:
+            prefix = f"{child}/" if child else ""
+            leaf_sd[GLOBAL_STATE_KEY] = {k[len(prefix):]: _owned(src.read()) for k, src in state.global_fields.items()
+                                         if k.startswith(prefix) and "/" not in k[len(prefix):]}
+        leaves[child] = leaf_sd
+    known = {c for c, _ in _leaf_contracts(contract)}
+    stray = [g.get("child") for g in state.param_groups if g.get("child") not in known]
+    if stray:
+        raise CheckpointMismatchError(f"param groups name child optimizers {sorted(set(map(str, stray)))} "
+                                      f"that {contract.implementation} does not have")
+    sd = {"state": {}, "param_groups": [], CHILDREN_KEY: leaves} if contract.children else leaves[None]
+    sd[TORCH_META_KEY] = {
+        "version": TORCH_META_VERSION,
+        "contract": contract.to_dict(),
+        "param_dtypes": {fqn: str(e.dtype).removeprefix("torch.") for fqn, e in state.params.items()},
+    }
+    return sd
+
+
+# ----- files --------------------------------------------------------------------------------
+def _fs(url: str):
+    try:
+        return fsspec.core.url_to_fs(url)
+    except (ValueError, ImportError) as exc:
+        raise CheckpointFormatError(f"{url}: {exc}") from None
+
+
+def is_torch_file(url: str) -> bool:
+    """Does ``url`` name a file that starts like a ``torch.save`` output (zip or legacy pickle)?"""
+    fs, path = _fs(url)
+    try:
+        if not fs.isfile(path):
+            return False
+        with fs.open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
+
+
+def load_torch_state_dict(url: str) -> dict:
+    """``torch.load(url, map_location="cpu", weights_only=True)`` of any fsspec URL."""
+    fs, path = _fs(url)
+    if not fs.exists(path):
+        raise CheckpointIncompleteError(f"{url}: no such file")
+    if fs.isdir(path):
+        raise CheckpointFormatError(f"{url}: a directory, not a torch.save file")
+    try:
+        with fs.open(path, "rb") as f:
+            sd = torch.load(f, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, zipfile.BadZipFile, EOFError, ValueError, KeyError,
+            AttributeError, TypeError, IndexError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointFormatError(f"{url}: not a loadable torch.save file of plain tensors ({first})") from None
+    _check_state_dict(sd, url)
+    return sd
+
+
+def save_torch_state_dict(sd: dict, url: str) -> None:
+    """``torch.save(sd, url)``; on a local filesystem via a temporary file and an atomic rename."""
+    fs, path = _fs(url)
+    parent = fs._parent(path)
+    if parent and not fs.exists(parent):
+        fs.makedirs(parent, exist_ok=True)
+    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    else:  # object stores publish an object only when its upload completes
+        with fs.open(path, "wb") as f:
+            torch.save(sd, f)
+
+
+def read_torch(url: str, contract: OptimizerContract | str | None = None) -> CanonicalState:
+    """``canonical_from_state_dict`` of a torch file (read whole: the format is not lazy)."""
+    return canonical_from_state_dict(load_torch_state_dict(url), contract)
+
+
+def write_torch(state: CanonicalState, url: str) -> None:
+    """Write ``state`` as a ``torch.save``d ``optimizer.state_dict()``."""
+    save_torch_state_dict(state_dict_from_canonical(state), url)
+
