@@ -9,6 +9,11 @@ Every optimizer with a contract exposes its state through ``state_dict()`` in to
 form (``state`` keyed by index, ``param_groups`` with ``params`` and optional
 ``param_names``); optimizer-wide fields live under ``state_dict()[GLOBAL_STATE_KEY]`` and the
 children of a composite optimizer under ``state_dict()[CHILDREN_KEY][name]``.
+
+A composite optimizer (``GefenMuonHybrid``) exposes ``children: dict[str, Optimizer]`` named
+as in its contract's ``children``; its own ``state`` and ``param_groups`` in ``state_dict()``
+are empty, each parameter's FQN is owned by the child whose groups name it, and
+``load_state_dict`` validates every child before it changes any.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ class OptimizerContract:
     global_fields: tuple[FieldSpec, ...] = ()
     children: tuple[tuple[str, OptimizerContract], ...] = ()
     schema_version: int = SCHEMA_VERSION
+    #: torch optimizers keep a DTensor parameter's row-sharded state as DTensors; Gefen's
+    #: optimizers keep plain rank-local tensors (cheaper per-step dispatch)
+    dtensor_state: bool = False
 
     def field(self, name: str) -> FieldSpec:
         for f in self.fields + self.global_fields:
@@ -83,6 +91,7 @@ class OptimizerContract:
             "fields": [_field_to_dict(f) for f in self.fields],
             "global_fields": [_field_to_dict(f) for f in self.global_fields],
             "children": [[name, c.to_dict()] for name, c in self.children],
+            "dtensor_state": self.dtensor_state,
         }
 
     @classmethod
@@ -96,6 +105,7 @@ class OptimizerContract:
                 fields=tuple(FieldSpec(**f) for f in data["fields"]),
                 global_fields=tuple(FieldSpec(**f) for f in data.get("global_fields", ())),
                 children=tuple((str(n), cls.from_dict(c)) for n, c in data.get("children", ())),
+                dtensor_state=bool(data.get("dtensor_state", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed optimizer contract: {exc}") from exc
@@ -114,13 +124,16 @@ _ADAM_FIELDS = (
 )
 _ADAM_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 _TORCH_CONTRACTS = {
-    torch.optim.AdamW: OptimizerContract("torch.optim.AdamW", _TORCH_VERSION, _ADAM_HYPER, _ADAM_FIELDS),
-    torch.optim.Adam: OptimizerContract("torch.optim.Adam", _TORCH_VERSION, _ADAM_HYPER, _ADAM_FIELDS),
+    torch.optim.AdamW: OptimizerContract("torch.optim.AdamW", _TORCH_VERSION, _ADAM_HYPER, _ADAM_FIELDS,
+                                           dtensor_state=True),
+    torch.optim.Adam: OptimizerContract("torch.optim.Adam", _TORCH_VERSION, _ADAM_HYPER, _ADAM_FIELDS,
+                                           dtensor_state=True),
     torch.optim.SGD: OptimizerContract(
         "torch.optim.SGD",
         _TORCH_VERSION,
         ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
         (FieldSpec("momentum_buffer", LIKE_PARAM, "param", optional=True),),
+        dtensor_state=True,
     ),
 }
 

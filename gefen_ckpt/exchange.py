@@ -112,6 +112,8 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
 def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value) -> LocalPart:
     """A field of this rank's state as a slice of the global field."""
     value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    if layout.is_dtensor(value):  # torch optimizers keep DTensor state for DTensor params
+        value = value.to_local()
     if row_sharded and value.dim():
         start, _ = layout.local_rows(param, fqn)
         rows = param.shape[0] if param.dim() else 1
@@ -207,10 +209,14 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
             if entry is not None:
                 _check_param(fqn, entry, p, leaf)
                 start, stop = layout.local_rows(p, fqn)
-                sd_state[index] = {
-                    name: src.read(start, stop) if leaf.field(name).row_sharded else src.read()
-                    for name, src in entry.fields.items()
-                }
+                sd_state[index] = {}
+                for name, src in entry.fields.items():
+                    if not leaf.field(name).row_sharded or not src.shape:
+                        sd_state[index][name] = src.read()
+                    elif leaf.dtensor_state and layout.is_dtensor(p):
+                        sd_state[index][name] = layout.as_dtensor_like(src.read(start, stop), p, src.shape)
+                    else:
+                        sd_state[index][name] = src.read(start, stop)
             index += 1
     prefix = f"{child}/" if child else ""
     global_state = {k[len(prefix):]: src.read() for k, src in state.global_fields.items()

@@ -12,14 +12,14 @@ import torch
 from gefen_ckpt.errors import UnsupportedLayoutError
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "placements") and hasattr(t, "device_mesh")
 
 
 def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
     """``[start, stop)`` of the global rows this rank holds (0-D tensors are one row)."""
     rows = param.shape[0] if param.dim() else 1
-    if not _is_dtensor(param):
+    if not is_dtensor(param):
         return 0, rows
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -45,7 +45,7 @@ def rank() -> int:
 
 def writes_rows(param: torch.Tensor) -> bool:
     """Does this rank write its rows of ``param``? Only one replica of each row range does."""
-    if not _is_dtensor(param):
+    if not is_dtensor(param):
         return rank() == 0
     mesh = param.device_mesh
     return all(mesh.get_local_rank(i) == 0 for i, pl in enumerate(param.placements) if pl.is_replicate())
@@ -53,6 +53,17 @@ def writes_rows(param: torch.Tensor) -> bool:
 
 def writes_replicated(param: torch.Tensor) -> bool:
     """Does this rank write ``param``'s replicated fields (scalars, columns)? Exactly one rank does."""
-    if not _is_dtensor(param):
+    if not is_dtensor(param):
         return rank() == 0
     return all(param.device_mesh.get_local_rank(i) == 0 for i in range(param.device_mesh.ndim))
+
+
+def as_dtensor_like(local: torch.Tensor, param: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``local`` rows of a global tensor of ``shape``, as a DTensor laid out like ``param``."""
+    from torch.distributed.tensor import DTensor
+
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return DTensor.from_local(local.contiguous(), param.device_mesh, param.placements, run_check=False,
+                              shape=torch.Size(shape), stride=tuple(stride))

@@ -1,0 +1,145 @@
+"""The public checkpoint calls: ``save``/``load`` an optimizer, ``write``/``read`` a canonical
+state, ``read_manifest`` and ``verify`` (SPEC 7, 11). Any fsspec URL works: local paths,
+``file://``, ``memory://``, ``s3://``...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from gefen.contract import contract_of
+from gefen_ckpt import collective
+from gefen_ckpt.canonical import CanonicalState
+from gefen_ckpt.errors import CheckpointError, CheckpointMismatchError
+from gefen_ckpt.exchange import check_contract, export_canonical, import_canonical
+from gefen_ckpt.format.manifest import total_tensor_bytes
+from gefen_ckpt.format.reader import (
+    lazy_state,
+    open_checkpoint,
+    parse_manifest,
+    read_manifest_bytes,
+    stage_state,
+)
+from gefen_ckpt.format.verify import VerifyReport, verify_checkpoint
+from gefen_ckpt.format.writer import write_state
+from gefen_ckpt.sharded_io import load_sharded, save_sharded
+from gefen_ckpt.storage import Store
+
+__all__ = ["save", "load", "read", "write", "read_manifest", "verify", "VerifyReport"]
+
+MAX_FILE_BYTES = 2**31
+MEMORY_BUDGET = 256 * 2**20
+
+
+@contextmanager
+def _progress(enabled: bool, description: str, total: int) -> Iterator[Callable[[int], None] | None]:
+    """A rich byte-progress bar on stderr (stdout stays clean for ``--json`` output)."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def write(state: CanonicalState, url: str, world_size: int | None = None, *, max_file_bytes: int = MAX_FILE_BYTES,
+          memory_budget: int = MEMORY_BUDGET, progress: bool = False) -> None:
+    """Write ``state`` to ``url`` and commit it atomically.
+
+    ``world_size`` None writes the canonical layout (global tensors); an int writes the
+    sharded layout, row-sharded fields split like ``torch.chunk`` on dim 0 and replicated ones
+    stored once. Tensors are streamed: extra memory stays within ``memory_budget``.
+    """
+    store = Store(url)
+    with _progress(progress, f"writing {url}", state.total_bytes()) as on_bytes:
+        write_state(state, store, world_size=world_size, max_file_bytes=max_file_bytes,
+                    memory_budget=memory_budget, on_bytes=on_bytes)
+
+
+def save(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Module | None = None,
+         max_file_bytes: int = MAX_FILE_BYTES, memory_budget: int = MEMORY_BUDGET, progress: bool = False) -> None:
+    """Save ``optimizer``'s state to ``url``; the previous checkpoint there stays loadable until
+    the new one is committed. ``model`` names parameters of optimizers built from bare tensors.
+
+    Under a process group this is a collective: every rank writes its own rows in parallel
+    (the sharded layout) and rank 0 commits the manifest once every rank has succeeded.
+    """
+    if collective.active():
+        save_sharded(optimizer, url, model=model, max_file_bytes=max_file_bytes, memory_budget=memory_budget)
+        return
+    write(export_canonical(optimizer, model=model), url, max_file_bytes=max_file_bytes,
+          memory_budget=memory_budget, progress=progress)
+
+
+def read(url: str) -> CanonicalState:
+    """The checkpoint at ``url`` as a lazy ``CanonicalState``: tensors are read (and verified)
+    only when asked for, and only the pieces holding the requested rows."""
+    store = Store(url)
+    return lazy_state(store, open_checkpoint(store))
+
+
+def read_manifest(url: str) -> dict:
+    """The validated manifest (plain msgpack data); reads no tensor data."""
+    store = Store(url)
+    return parse_manifest(store, read_manifest_bytes(store)).raw
+
+
+def load(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Module | None = None) -> None:
+    """Load the checkpoint at ``url`` into ``optimizer``.
+
+    Everything is read and verified into memory, then imported; on any error (a
+    ``CheckpointError`` naming the file or FQN) the optimizer is untouched. Under a process
+    group this is a collective: each rank reads only the pieces holding its rows, whatever
+    world size or layout wrote the checkpoint, and all ranks raise together on any error.
+    """
+    if collective.active():
+        with _naming(url):
+            load_sharded(optimizer, url, model=model)
+        return
+    store = Store(url)
+    manifest = open_checkpoint(store)
+    with _naming(url):
+        check_contract(contract_of(optimizer), manifest.contract)  # refuse before reading any data
+    state = stage_state(store, manifest)
+    with _naming(url):
+        import_canonical(optimizer, state, model=model)
+
+
+@contextmanager
+def _naming(url: str) -> Iterator[None]:
+    """Mismatch errors name the checkpoint; the optimizer's own refusals become mismatch errors."""
+    try:
+        yield
+    except CheckpointMismatchError as exc:
+        raise CheckpointMismatchError(f"{url}: {exc}") from exc
+    except (ValueError, TypeError) as exc:
+        raise CheckpointMismatchError(f"{url}: {exc}") from exc
+
+
+def verify(url: str, progress: bool = False) -> VerifyReport:
+    """Check every checksum, the coverage of every tensor and every data file's header; all
+    problems go into the report (``ok`` False), none is raised."""
+    store = Store(url)
+    total = 0
+    if progress:
+        try:
+            total = total_tensor_bytes(open_checkpoint(store))
+        except CheckpointError:
+            pass
+    with _progress(progress, f"verifying {url}", total) as on_bytes:
+        return verify_checkpoint(store, on_bytes)

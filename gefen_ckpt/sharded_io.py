@@ -1,0 +1,87 @@
+"""``save``/``load`` under a process group: every rank writes and reads only its own rows.
+
+Save: each rank writes the rows it owns (one replica per row range) into its own data files,
+in parallel; the ranks agree that every write succeeded; rank 0 builds the manifest from
+every rank's piece records and commits it. Until that commit the previous checkpoint at the
+URL stays the committed one, so a failure anywhere leaves it intact (the orphaned data files
+are removed by the next successful save).
+
+Load: every rank opens the checkpoint lazily and reads only the pieces that overlap its rows
+(checksums verified), whatever layout or world size wrote it: that is the reshard.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import torch
+
+from gefen.contract import contract_of
+from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
+from gefen_ckpt.collective import agree, all_gather_bytes, broadcast_bytes
+from gefen_ckpt.exchange import check_contract, export_canonical, import_canonical
+from gefen_ckpt.format.manifest import FileRecord, PieceRecord, build
+from gefen_ckpt.format.reader import lazy_state, open_checkpoint
+from gefen_ckpt.format.writer import WriteItem, commit, data_stem, new_token, write_pieces
+from gefen_ckpt.storage import Store
+
+
+def _own_items(state: CanonicalState) -> list[WriteItem]:
+    """The pieces this rank writes: the rows it owns as the designated replica, nothing else."""
+    def item(fqn, name, part):
+        if not isinstance(part, LocalPart):
+            raise TypeError(f"{fqn or 'global'}/{name}: expected a rank-local part, got {type(part).__name__}")
+        return WriteItem(fqn, name, part.row_start, EagerSource(part.tensor))
+
+    out = [item(None, key, part) for key, part in state.global_fields.items() if part.writer]
+    for fqn, entry in state.params.items():
+        for name, part in entry.fields.items():
+            if part.writer and (part.tensor.dim() == 0 or part.tensor.shape[0] > 0):
+                out.append(item(fqn, name, part))
+    return out
+
+
+def _records_payload(pieces: list[PieceRecord], files: list[FileRecord]) -> bytes:
+    return msgpack.packb({"pieces": [p.to_dict() for p in pieces], "files": [[f.name, f.nbytes] for f in files]},
+                         use_bin_type=True)
+
+
+def save_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, max_file_bytes: int,
+                 memory_budget: int) -> None:
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    state = export_canonical(optimizer, model=model)
+    state.metadata["source_topology"] = {"kind": "sharded", "world_size": world_size}
+    token = broadcast_bytes(new_token().encode() if rank == 0 else None).decode()
+    store = Store(url)
+    error, pieces, files = None, [], []
+    try:
+        store.makedirs()
+        pieces, files = write_pieces(store, data_stem(token, rank), _own_items(state),
+                                     max_file_bytes=max_file_bytes, memory_budget=memory_budget)
+    except Exception as exc:  # every rank learns of it in agree()
+        error = exc
+    agree(error, f"save to {url}")
+
+    gathered = [msgpack.unpackb(b, raw=False) for b in all_gather_bytes(_records_payload(pieces, files))]
+    if rank == 0:
+        try:
+            manifest = build(state, [PieceRecord.from_dict(p) for g in gathered for p in g["pieces"]],
+                             [FileRecord(n, b) for g in gathered for n, b in g["files"]],
+                             layout="sharded", world_size=world_size)
+            commit(store, manifest, token)
+        except Exception as exc:
+            error = exc
+    agree(error, f"committing {url}")
+
+
+def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model) -> None:
+    error, state = None, None
+    try:
+        store = Store(url)
+        state = lazy_state(store, open_checkpoint(store))
+        check_contract(contract_of(optimizer), state.contract)  # refuse before reading any data
+    except Exception as exc:
+        error = exc
+    agree(error, f"load from {url}")
+    import_canonical(optimizer, state, model=model)
