@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml constraints.txt Makefile setup.py $(wildcard gefen/csrc
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	$(BIN)/python examples/compare_adamw.py
+	$(BIN)/python examples/train_reshard_resume.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

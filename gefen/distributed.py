@@ -70,7 +70,7 @@ def plan_reduction(named_params: Iterable[tuple[str, torch.Tensor]]) -> Reductio
         if dim is None:
             replicated.append(p)
         else:
-            groups[(id(p.device_mesh), dim)] = (p.device_mesh, dim, name)
+            groups[(p.device_mesh, dim)] = (p.device_mesh, dim, name)  # equal meshes compare equal
     if not groups:
         return ReductionPlan(LocalReducer())
     if len(groups) > 1:

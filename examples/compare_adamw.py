@@ -1,6 +1,6 @@
-"""Quick-start demo: train a small model with Gefen next to AdamW on CPU.
+"""Train a small model with Gefen next to AdamW on CPU; print both losses and state sizes.
 
-Prints both losses and both optimizer-state sizes. Run with `make demo`.
+The first half of `make demo` (the second is train_reshard_resume.py).
 """
 
 from __future__ import annotations
