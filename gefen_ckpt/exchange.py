@@ -10,6 +10,7 @@ stages and publishes atomically.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -232,13 +233,17 @@ def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
     (``CheckpointMismatchError`` naming the FQN/field, or a read error) the optimizer is
     untouched. Under a process group it is a collective and every rank raises together.
     """
-    error, sd = None, None
+    error, publish = None, None
     try:
         sd = _prepare_import(optimizer, state, model)
+        # Gefen optimizers stage (validate + copy) without publishing, so a refusal on any rank
+        # is known before every rank publishes; torch optimizers load what gefen_ckpt checked.
+        stage = getattr(optimizer, "_prepare_load", None)
+        publish = stage(sd) if stage is not None else functools.partial(optimizer.load_state_dict, sd)
     except Exception as exc:  # re-raised on this rank by agree(), after every rank has reported
         error = exc
     agree(error, "import_canonical")
-    optimizer.load_state_dict(sd)
+    publish()
 
 
 def _prepare_import(optimizer: torch.optim.Optimizer, state: CanonicalState, model) -> dict:
