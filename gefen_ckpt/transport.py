@@ -1,0 +1,825 @@
+"""Moving optimizer state between ranks, in chunks under a byte budget (SPEC 9).
+
+* ``gather``: the canonical state assembled on one rank (e.g. to write a canonical checkpoint
+  or inspect it), every row coming from the one rank that writes it;
+* ``scatter``: a canonical state held by one rank (read from a file, or gathered) into a
+  sharded optimizer, each rank receiving only the rows it owns;
+* ``redistribute``: state exported on one layout (mesh/sharding) loaded into an optimizer on
+  another layout over the same ranks, without a file and without a whole copy anywhere.
+
+Why it is shaped like this:
+
+* **Everything is a plan of row ranges.** Block geometry lives inside rows (SPEC 1), so every
+  layout gives each rank one contiguous range of global rows of each field. Moving state is
+  therefore "for each tensor and each receiving rank, which rows come from which holder": a
+  pure function of row ranges (``assign_rows``, ``chunk_elements``, ``plan_moves``,
+  ``plan_rounds``), computed identically on every rank from all-gathered descriptions, unit
+  tested without a process group.
+* **Chunks, not tensors.** Each move is cut to at most ``budget_bytes`` (whole rows when a
+  row fits, pieces of one row otherwise) and the moves are grouped into rounds in which no
+  rank sends, receives and copies more than the budget in all. Rows are sent straight from
+  the holder's tensor and received straight into the receiver's final tensor, so the only
+  extra memory is what must be copied (a lazy source's read, a non-contiguous or off-device
+  chunk): at most one round, i.e. the budget (or one row of a lazy source whose rows exceed
+  it, since ``TensorSource.read`` hands out whole rows). ``last_stats()`` reports what a call
+  moved and its peak staging bytes. The descriptions exchanged before the data (shapes,
+  dtypes, row ranges: a few bytes per tensor and rank) are not chunked.
+* **All ranks fail together.** Every call is a collective. Local work that can fail (export,
+  validation against the live optimizer, reads of a source) is caught, and the error travels
+  in the next collective; during the data phase a rank whose read fails sends zeros instead
+  and keeps the protocol in lockstep, so nobody waits for a message that never comes. Every
+  rank then raises (the failing rank its own error, the others a ``CheckpointError`` naming
+  it) before any optimizer is touched; ``import_canonical`` itself also validates and agrees
+  before it loads.
+* **No pickle crosses ranks**: descriptions travel as msgpack, tensors as raw bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+from gefen.contract import OptimizerContract
+from gefen_ckpt import collective
+from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
+from gefen_ckpt.errors import CheckpointError
+
+__all__ = ["gather", "scatter", "redistribute", "last_stats", "TransportStats"]
+
+DEFAULT_BUDGET = 256 * 2**20
+_MIN_BUDGET = 16  # one element of any dtype must fit in a message
+
+Range = tuple[int, int]
+
+
+# ===== pure planning ==========================================================================
+@dataclass(frozen=True)
+class Move:
+    """Elements ``[start, stop)`` of the flattened global tensor number ``tensor``, ``src`` -> ``dst``."""
+
+    tensor: int
+    src: int
+    dst: int
+    start: int
+    stop: int
+
+
+def chunk_ranges(rows: int, parts: int) -> list[Range]:
+    """How ``torch.chunk`` (and so FSDP2 ``Shard(0)``) splits ``rows`` over ``parts`` ranks:
+    ``ceil(rows/parts)`` rows each, trailing ranks possibly short or empty."""
+    if parts < 1 or rows < 0:
+        raise ValueError(f"cannot split {rows} rows over {parts} parts")
+    size = -(-rows // parts) if rows else 0
+    return [(min(rows, r * size), min(rows, (r + 1) * size)) for r in range(parts)]
+
+
+def assign_rows(rows: int, have: Sequence[Range | None], want: Sequence[Range | None], *,
+                load: list[int] | None = None, row_bytes: int = 1, label: str = "tensor") -> list[tuple[int, int, int, int]]:
+    """Which rows each receiving rank gets from which holder: ``[(src, dst, start, stop)]``.
+
+    ``have[r]`` / ``want[r]`` are the global rows rank ``r`` holds / needs (None: nothing). A
+    receiver takes rows it already holds from itself (no traffic); other rows come from the
+    holder that has been given the fewest bytes so far (``load``, shared across tensors, so
+    replicas share the sending), ties to the lowest rank. Wanted rows that no rank holds are
+    an error: the source state does not cover the tensor.
+    """
+    load = [0] * len(have) if load is None else load
+    for what, ranges in (("held", have), ("wanted", want)):
+        for r, span in enumerate(ranges):
+            if span is not None and not 0 <= span[0] <= span[1] <= rows:
+                raise CheckpointError(f"{label}: rank {r} {what} rows {list(span)} outside [0, {rows})")
+    out: list[tuple[int, int, int, int]] = []
+    for dst, span in enumerate(want):
+        if span is None or span[0] == span[1]:
+            continue
+        lo, hi = span
+        cuts = {lo, hi}
+        for h in have:
+            if h is not None:
+                cuts.update(c for c in h if lo < c < hi)
+        edges = sorted(cuts)
+        for a, b in zip(edges, edges[1:]):
+            holders = [r for r, h in enumerate(have) if h is not None and h[0] <= a and b <= h[1]]
+            if not holders:
+                raise CheckpointError(f"{label}: rows [{a}, {b}) are held by no rank (the state does not cover it)")
+            src = dst if dst in holders else min(holders, key=lambda r: (load[r], r))
+            if src != dst:
+                load[src] += (b - a) * row_bytes
+            if out and out[-1][0] == src and out[-1][1] == dst and out[-1][3] == a:
+                out[-1] = (src, dst, out[-1][2], b)
+            else:
+                out.append((src, dst, a, b))
+    return out
+
+
+def chunk_elements(start: int, stop: int, row_numel: int, itemsize: int, budget: int) -> list[Range]:
+    """Rows ``[start, stop)`` as flat element ranges of at most ``budget`` bytes each.
+
+    Whole rows per chunk when a row fits in the budget (so a lazy source reads each row once);
+    a row larger than the budget is sent as consecutive pieces of itself.
+    """
+    if budget < itemsize:
+        raise ValueError(f"budget of {budget} bytes cannot hold one {itemsize}-byte element")
+    if row_numel == 0 or start >= stop:
+        return []
+    row_bytes = row_numel * itemsize
+    if row_bytes <= budget:
+        step = budget // row_bytes
+        return [(r * row_numel, min(r + step, stop) * row_numel) for r in range(start, stop, step)]
+    piece = budget // itemsize
+    return [(r * row_numel + e, r * row_numel + min(e + piece, row_numel))
+            for r in range(start, stop) for e in range(0, row_numel, piece)]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the planner needs of a global tensor (0-D tensors are one row of one element)."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    label: str = "tensor"
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+
+def plan_moves(tensors: Sequence[TensorInfo], have: Sequence[Sequence[Range | None]],
+               want: Sequence[Sequence[Range | None]], budget: int) -> list[Move]:
+    """Every chunk to move, in one global order (identical on all ranks).
+
+    ``have[t][r]`` / ``want[t][r]``: rows of tensor ``t`` rank ``r`` holds / needs.
+    """
+    moves: list[Move] = []
+    load = [0] * (len(have[0]) if have else 0)
+    for t, info in enumerate(tensors):
+        row_bytes = info.row_numel * info.itemsize
+        for src, dst, a, b in assign_rows(info.rows, have[t], want[t], load=load, row_bytes=row_bytes,
+                                          label=info.label):
+            moves.extend(Move(t, src, dst, s, e) for s, e in chunk_elements(a, b, info.row_numel, info.itemsize,
+                                                                            budget))
+    return moves
+
+
+def plan_rounds(moves: Sequence[Move], itemsizes: Sequence[int], budget: int) -> list[list[Move]]:
+    """Consecutive moves grouped so that in each round no rank touches more than ``budget``
+    bytes: what it sends, receives and copies to itself together (a copy of its own rows can
+    need a staged read too). So every buffer a round can stage on a rank fits in the budget.
+    Each round is posted as non-blocking sends/receives and completed before the next, so no
+    order of moves can deadlock."""
+    rounds: list[list[Move]] = []
+    current: list[Move] = []
+    busy: dict[int, int] = {}
+    for m in moves:
+        n = (m.stop - m.start) * itemsizes[m.tensor]
+        ranks = {m.src, m.dst}
+        if current and any(busy.get(r, 0) + n > budget for r in ranks):
+            rounds.append(current)
+            current, busy = [], {}
+        current.append(m)
+        for r in ranks:
+            busy[r] = busy.get(r, 0) + n
+    if current:
+        rounds.append(current)
+    return rounds
+
+
+# ===== statistics =============================================================================
+@dataclass
+class TransportStats:
+    """What the last transport call on this rank moved, and the extra memory it staged."""
+
+    operation: str = ""
+    budget_bytes: int = 0
+    rounds: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    largest_message: int = 0
+    staging_bytes: int = 0  # currently held copies (0 after a call)
+    peak_staging_bytes: int = 0  # the most bytes held at once in copies made for sending/receiving
+    local_copies: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def stage(self, nbytes: int) -> None:
+        self.staging_bytes += nbytes
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes)
+
+    def unstage(self, nbytes: int) -> None:
+        self.staging_bytes -= nbytes
+
+
+_LAST = TransportStats()
+
+
+def last_stats() -> TransportStats:
+    """Statistics of this rank's most recent ``gather``/``scatter``/``redistribute`` call."""
+    return _LAST
+
+
+# ===== descriptions (msgpack) =================================================================
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name) -> torch.dtype:
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in a transported state description")
+    return value
+
+
+def _pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True, default=_plain)
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (tuple, set, frozenset)):
+        return list(value)
+    if isinstance(value, torch.dtype):
+        return _dtype_name(value)
+    return str(value)
+
+
+def _unpack(data: bytes):
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def _describe(state: CanonicalState) -> dict:
+    """The state without its tensor data: what receivers need to allocate and validate."""
+    if not isinstance(state, CanonicalState):
+        raise TypeError(f"expected a CanonicalState, got {type(state).__name__}")
+
+    def tensor(src: TensorSource) -> list:
+        return [[int(s) for s in src.shape], _dtype_name(src.dtype)]
+
+    return {
+        "contract": state.contract.to_dict(),
+        "groups": state.param_groups,
+        "params": [[fqn, [int(s) for s in e.shape], _dtype_name(e.dtype), e.child,
+                    [[name, *tensor(e.fields[name])] for name in sorted(e.fields)]]
+                   for fqn, e in state.params.items()],
+        "globals": [[key, *tensor(state.global_fields[key])] for key in sorted(state.global_fields)],
+    }
+
+
+def _digest(description: dict) -> bytes:
+    return hashlib.sha256(_pack(description)).digest()
+
+
+class _Skeleton:
+    """A tensor known by shape and dtype only; it records which rows an import reads.
+
+    ``import_canonical``'s own preparation is run against skeletons, so the rows a rank is
+    sent are by construction exactly the rows its import will read, and every structural
+    check (FQNs, groups, shapes, dtypes, contract) runs before any data moves. The returned
+    value is a zero-strided view: no memory.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        self._shape, self._dtype, self.wanted = tuple(shape), dtype, None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        rows = self._shape[0] if self._shape else 1
+        stop = rows if stop is None else stop
+        if self.wanted is not None:
+            start, stop = min(start, self.wanted[0]), max(stop, self.wanted[1])
+        self.wanted = (start, stop)
+        if not self._shape:
+            return torch.zeros((), dtype=self._dtype)
+        return torch.zeros((), dtype=self._dtype).expand(stop - start, *self._shape[1:])
+
+
+class _Absent:
+    """A tensor this rank was not sent because its import does not read it."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, label: str):
+        self._shape, self._dtype, self.label = tuple(shape), dtype, label
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        raise CheckpointError(f"{self.label} was not transported to this rank")
+
+
+def _rebuild(description: dict, make) -> tuple[CanonicalState, list[tuple[str, object]]]:
+    """A CanonicalState from a description, each tensor ``make(label, shape, dtype)``; also the
+    (label, source) list in the order of ``CanonicalState.tensors()``."""
+    contract = OptimizerContract.from_dict(description["contract"])
+    ordered: list[tuple[str, object]] = []
+    global_fields = {}
+    for key, shape, dtype in description["globals"]:
+        global_fields[key] = make(key, tuple(shape), _dtype(dtype))
+        ordered.append((key, global_fields[key]))
+    params = {}
+    for fqn, shape, dtype, child, fields in description["params"]:
+        sources = {}
+        for name, fshape, fdtype in fields:
+            sources[name] = make(f"{fqn}/{name}", tuple(fshape), _dtype(fdtype))
+            ordered.append((f"{fqn}/{name}", sources[name]))
+        params[fqn] = ParamState(tuple(shape), _dtype(dtype), sources, child)
+    groups = [dict(g) for g in description["groups"]]
+    return CanonicalState(contract, groups, params, global_fields), ordered
+
+
+def _infos(ordered: Sequence[tuple[str, object]]) -> list[TensorInfo]:
+    return [TensorInfo(tuple(src.shape), src.dtype.itemsize, label) for label, src in ordered]
+
+
+def _wanted_rows(optimizer, description: dict, model) -> tuple[list[tuple[str, _Skeleton]], list[Range | None]]:
+    """The described tensors (as skeletons, in order) and the rows of each that this rank's
+    ``import_canonical`` will read, after running all of its validation against the live
+    optimizer."""
+    from gefen_ckpt.exchange import _prepare_import
+
+    skeleton, ordered = _rebuild(description, lambda label, shape, dtype: _Skeleton(shape, dtype))
+    _prepare_import(optimizer, skeleton, model)
+    return ordered, [src.wanted for _, src in ordered]
+
+
+# ===== collectives ============================================================================
+def _world() -> tuple[int, int]:
+    if not collective.active():
+        return 0, 1
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _exchange(payload: dict, error: BaseException | None, what: str) -> list[dict]:
+    """All-gather every rank's ``payload``; raise on every rank if any rank reported an error."""
+    payload = dict(payload, error=None if error is None else _describe_error(error))
+    try:
+        data = _pack(payload)
+    except Exception as exc:  # an unpackable payload must not leave the other ranks waiting
+        error = error or exc
+        data = _pack({"error": _describe_error(exc)})
+    everyone = [_unpack(b) for b in collective.all_gather_bytes(data)]
+    _raise_if_failed([p.get("error") for p in everyone], error, what)
+    return everyone
+
+
+def _raise_if_failed(errors: Sequence[str | None], mine: BaseException | None, what: str) -> None:
+    if mine is not None:
+        raise mine
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        raise CheckpointError(f"{what} failed on rank(s) {[r for r, _ in failed]} ({detail}); "
+                              "nothing was changed on this rank")
+
+
+def _agree(error: BaseException | None, what: str) -> None:
+    _exchange({}, error, what)
+
+
+def _check_same(values: Sequence, what: str, name: str) -> None:
+    if any(v != values[0] for v in values):
+        raise CheckpointError(f"{what}: ranks passed different {name}: {list(values)}")
+
+
+def _check_budget(budget_bytes) -> int:
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < _MIN_BUDGET:
+        raise ValueError(f"budget_bytes must be an int >= {_MIN_BUDGET}, got {budget_bytes!r}")
+    return budget_bytes
+
+
+# ===== the data phase =========================================================================
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _normalise(source):
+    """A LocalPart over a DTensor (torch optimizers' state on FSDP2 params) as one over the
+    local tensor: slicing the DTensor itself would be a collective."""
+    if isinstance(source, LocalPart) and hasattr(source.tensor, "to_local"):
+        return LocalPart(_local(source.tensor), source.row_start, source.shape, source.writer)
+    return source
+
+
+def _is_view_source(source) -> bool:
+    return isinstance(source, (LocalPart, EagerSource))
+
+
+class _Mover:
+    """Runs the rounds of a plan on this rank.
+
+    ``sources[t]``: this rank's readable source of tensor ``t`` (or None); ``outputs[t]``:
+    ``(flat tensor, first global element)`` where received elements of ``t`` land (or None).
+    Failures of this rank's reads are recorded in ``self.error`` and zeros are sent instead,
+    so the protocol stays in lockstep; the caller agrees on ``error`` afterwards.
+    """
+
+    def __init__(self, infos: Sequence[TensorInfo], dtypes: Sequence[torch.dtype], sources, outputs, stats,
+                 budget: int, error: BaseException | None = None):
+        self.infos, self.dtypes, self.sources, self.outputs, self.stats = infos, dtypes, sources, outputs, stats
+        self.budget = budget
+        self.error = error
+        self.rank, _ = _world()
+        self.device = collective._device() if collective.active() else torch.device("cpu")
+        self._window: tuple[int, int, int] | None = None
+        self._window_flat: torch.Tensor | None = None
+        self._window_bytes = 0
+        self._retired = 0  # bytes of windows replaced this round: sends may still reference them
+        self._window_pinned = False
+
+    # -- reading ------------------------------------------------------------------------------
+    def _release_window(self) -> None:
+        if self._window_pinned:  # an isend of this round may still read it: freed at the round's end
+            self._retired += self._window_bytes
+        else:
+            self.stats.unstage(self._window_bytes)
+        self._window, self._window_flat, self._window_bytes, self._window_pinned = None, None, 0, False
+
+    def _end_round(self, staged: int) -> None:
+        self.stats.unstage(staged + self._retired)
+        self._retired, self._window_pinned = 0, False
+
+    def _rows(self, t: int, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of tensor t from this rank's source, flat (cached: the pieces of a row
+        larger than the budget are cut from one read)."""
+        if self._window == (t, r0, r1):
+            return self._window_flat
+        self._release_window()
+        info, source = self.infos[t], self.sources[t]
+        if source is None:
+            raise CheckpointError(f"{info.label}: this rank holds no rows of it (planning error)")
+        value = source.read(r0, r1)
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{info.label}: source returned {type(value).__name__}, not a tensor")
+        value = _local(value)
+        expected = tuple(info.shape) if not info.shape else (r1 - r0, *info.shape[1:])
+        if tuple(value.shape) != expected or value.dtype != self.dtypes[t]:
+            raise CheckpointError(f"{info.label}: source returned rows {r0}:{r1} as {tuple(value.shape)} "
+                                  f"{value.dtype}, expected {expected} {self.dtypes[t]}")
+        copied = not _is_view_source(source)
+        if not value.is_contiguous():
+            value, copied = value.contiguous(), True
+        flat = value.reshape(-1)
+        self._window, self._window_flat = (t, r0, r1), flat
+        self._window_bytes = flat.numel() * flat.element_size() if copied else 0
+        self.stats.stage(self._window_bytes)
+        return flat
+
+    def _piece(self, m: Move) -> torch.Tensor:
+        rn = self.infos[m.tensor].row_numel
+        r0, r1 = m.start // rn, -(-m.stop // rn)
+        return self._rows(m.tensor, r0, r1)[m.start - r0 * rn:m.stop - r0 * rn]
+
+    # -- one round ----------------------------------------------------------------------------
+    def run(self, rounds: Sequence[Sequence[Move]]) -> None:
+        import torch.distributed as dist
+
+        for moves in rounds:
+            works, keep, landings, staged = [], [], [], 0
+            for tag, m in enumerate(moves):
+                nbytes = (m.stop - m.start) * self.infos[m.tensor].itemsize
+                if m.src == self.rank and m.dst == self.rank:
+                    self._copy_local(m)
+                elif m.src == self.rank:
+                    buf, extra = self._send_buffer(m, nbytes)
+                    staged += extra
+                    keep.append(buf)
+                    works.append(dist.isend(buf, m.dst, tag=tag))
+                    self.stats.messages_sent += 1
+                    self.stats.bytes_sent += nbytes
+                    self.stats.largest_message = max(self.stats.largest_message, nbytes)
+                elif m.dst == self.rank:
+                    buf, target, extra = self._recv_buffer(m, nbytes)
+                    staged += extra
+                    works.append(dist.irecv(buf, m.src, tag=tag))
+                    landings.append((buf, target))
+                    self.stats.messages_received += 1
+                    self.stats.bytes_received += nbytes
+                    self.stats.largest_message = max(self.stats.largest_message, nbytes)
+            for work in works:
+                work.wait()
+            for buf, target in landings:
+                if target is not None:
+                    target.copy_(buf.to(target.device))
+            del keep, landings
+            if self._window_flat is not None and self._window_flat.numel() * self.infos[self._window[0]].itemsize \
+                    <= self.budget:
+                self._release_window()  # keep only a row larger than the budget: its next pieces need it
+            self._end_round(staged)
+            self.stats.rounds += 1
+        self._release_window()
+        self._end_round(0)
+
+    def _send_buffer(self, m: Move, nbytes: int) -> tuple[torch.Tensor, int]:
+        if self.error is None:
+            try:
+                piece = self._piece(m)
+                self._window_pinned = True
+                raw = piece.view(torch.uint8)
+                if raw.device != self.device:
+                    raw = raw.to(self.device)
+                    self.stats.stage(nbytes)
+                    return raw, nbytes
+                return raw, 0
+            except Exception as exc:  # keep the protocol going; every rank raises after the data phase
+                self.error = exc
+                self._release_window()
+        self.stats.stage(nbytes)
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device), nbytes
+
+    def _target(self, m: Move) -> torch.Tensor | None:
+        out = self.outputs[m.tensor]
+        if out is None:
+            return None
+        flat, first = out
+        return flat[m.start - first:m.stop - first].view(torch.uint8)
+
+    def _recv_buffer(self, m: Move, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        target = self._target(m) if self.error is None else None
+        if target is not None and target.device == self.device:
+            return target, None, 0
+        self.stats.stage(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device), target, nbytes
+
+    def _copy_local(self, m: Move) -> None:
+        if self.error is not None:
+            return
+        try:
+            target = self._target(m)
+            if target is not None:
+                target.copy_(self._piece(m).view(torch.uint8))
+            self.stats.local_copies += 1
+        except Exception as exc:
+            self.error = exc
+            self._release_window()
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, rows: Range, device) -> torch.Tensor:
+    if not shape:
+        return torch.empty((), dtype=dtype, device=device)
+    return torch.empty((rows[1] - rows[0], *shape[1:]), dtype=dtype, device=device)
+
+
+def _move(infos, dtypes, sources, have, want, budget: int, rank: int, out_device,
+          stats: TransportStats, error: BaseException | None):
+    """Plan (identically everywhere), allocate this rank's outputs, run the rounds.
+
+    Returns (outputs, error): ``outputs[t]`` the tensor of rows ``want[t][rank]`` (None where
+    this rank wants nothing), and this rank's error, if any (the caller agrees on it).
+    """
+    moves = plan_moves(infos, have, want, budget)  # deterministic: raises alike on every rank
+    rounds = plan_rounds(moves, [i.itemsize for i in infos], budget)
+    stats.extra.update(moves=len(moves), planned_rounds=len(rounds))
+    outputs: list[torch.Tensor | None] = [None] * len(infos)
+    flats: list[tuple[torch.Tensor, int] | None] = [None] * len(infos)
+    if error is None:
+        try:
+            for t, info in enumerate(infos):
+                span = want[t][rank]
+                if span is not None:
+                    outputs[t] = _allocate(info.shape, dtypes[t], span, out_device)
+                    flats[t] = (outputs[t].reshape(-1), span[0] * info.row_numel)
+        except Exception as exc:
+            error, outputs, flats = exc, [None] * len(infos), [None] * len(infos)
+    mover = _Mover(infos, dtypes, sources, flats, stats, budget, error)
+    mover.run(rounds)
+    return outputs, mover.error
+
+
+def _begin(operation: str, budget_bytes) -> TransportStats:
+    global _LAST
+    _LAST = TransportStats(operation=operation, budget_bytes=budget_bytes if isinstance(budget_bytes, int) else 0)
+    return _LAST
+
+
+# ===== gather =================================================================================
+def _held(source, writers_only: bool) -> Range | None:
+    """The rows this rank can send of a tensor (a LocalPart: its rows if it is their writer, or
+    any of them for ``redistribute``; any other source: the whole tensor)."""
+    rows = source.shape[0] if source.shape else 1
+    if isinstance(source, LocalPart):
+        if writers_only and not source.writer:
+            return None
+        if not source.shape:
+            return (0, 1)
+        return (source.row_start, source.row_stop)
+    return (0, rows)
+
+
+def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = None,
+           budget_bytes: int = DEFAULT_BUDGET) -> CanonicalState | None:
+    """The canonical state assembled on rank ``dst`` (global, owned tensors); None elsewhere.
+
+    ``optimizer_or_state``: a live optimizer (exported here, ``model`` naming its parameters
+    if needed) or a ``CanonicalState`` of ``LocalPart`` s from ``export_canonical``. Every row
+    comes from the rank flagged as its writer (one per row range, whatever the replication),
+    in messages of at most ``budget_bytes``; ranks other than ``dst`` send views of their own
+    tensors, so they hold nothing extra. A collective: all ranks call it with the same ``dst``.
+    """
+    stats = _begin("gather", budget_bytes)
+    rank, world = _world()
+    error, description, ordered, payload = None, None, [], {}
+    try:
+        budget = _check_budget(budget_bytes)
+        if not isinstance(dst, int) or not 0 <= dst < world:
+            raise ValueError(f"dst must be a rank in [0, {world}), got {dst!r}")
+        state = optimizer_or_state
+        if not isinstance(state, CanonicalState):
+            from gefen_ckpt.exchange import export_canonical
+
+            state = export_canonical(optimizer_or_state, model=model)
+        description = _describe(state)
+        ordered = [(label, _normalise(src)) for label, src in state.tensors()]
+        payload = {"budget": budget, "root": dst, "digest": _digest(description),
+                   "held": [_held(src, writers_only=True) for _, src in ordered]}
+    except Exception as exc:
+        error = exc
+    everyone = _exchange(payload, error, "gather")
+    _check_same([p["root"] for p in everyone], "gather", "dst ranks")
+    _check_same([p["digest"] for p in everyone], "gather",
+                "states (contract, param groups, FQNs, shapes or dtypes differ)")
+    budget = min(p["budget"] for p in everyone)
+    stats.budget_bytes = budget
+    infos = _infos(ordered)
+    have = [[_range(p["held"][t]) for p in everyone] for t in range(len(infos))]
+    want = [[(0, info.rows) if r == dst else None for r in range(world)] for info in infos]
+    outputs, error = _move(infos, [src.dtype for _, src in ordered], [src for _, src in ordered],
+                           have, want, budget, rank, torch.device("cpu"), stats, None)
+    result = None
+    if rank == dst and error is None:
+        try:
+            result = _assembled(state, outputs)
+        except Exception as exc:
+            error = exc
+    _agree(error, "gather")
+    return result
+
+
+def _range(value) -> Range | None:
+    return None if value is None else (int(value[0]), int(value[1]))
+
+
+def _assembled(state: CanonicalState, outputs: list[torch.Tensor]) -> CanonicalState:
+    it = iter(outputs)
+    global_fields = {key: EagerSource(next(it)) for key in sorted(state.global_fields)}
+    params = {}
+    for fqn, e in state.params.items():
+        params[fqn] = ParamState(tuple(e.shape), e.dtype, {name: EagerSource(next(it)) for name in sorted(e.fields)},
+                                 e.child)
+    return CanonicalState(state.contract, [dict(g, params=list(g["params"])) for g in state.param_groups], params,
+                          global_fields, metadata=dict(state.metadata))
+
+
+# ===== scatter ================================================================================
+def _local_state(description: dict, metadata: dict, outputs: list[torch.Tensor | None],
+                 want: list[Range | None]) -> CanonicalState:
+    """This rank's received rows as a CanonicalState of LocalParts (what import_canonical reads)."""
+    it = iter(zip(outputs, want))
+
+    def make(label, shape, dtype):
+        tensor, span = next(it)
+        if tensor is None:
+            return _Absent(shape, dtype, label)
+        return LocalPart(tensor, span[0] if shape else 0, shape, False)
+
+    state, _ = _rebuild(description, make)
+    state.metadata = dict(metadata)
+    return state
+
+
+def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: torch.nn.Module | None = None,
+            budget_bytes: int = DEFAULT_BUDGET) -> None:
+    """Load the ``CanonicalState`` held by rank ``src`` into ``optimizer`` on every rank.
+
+    ``state`` matters on ``src`` only (e.g. ``gefen_ckpt.read(url)`` there: its lazy sources
+    are read chunk by chunk, or a gathered state). Its description (contract, groups, shapes,
+    dtypes) is broadcast first; each rank checks it against its live optimizer and reports the
+    rows its import will read; all ranks agree (one rank's shape mismatch raises everywhere);
+    then each rank receives exactly those rows, in messages of at most ``budget_bytes``, and
+    ``import_canonical`` loads them. Nothing changes unless every rank staged successfully.
+    """
+    stats = _begin("scatter", budget_bytes)
+    rank, world = _world()
+    error = None
+    try:
+        budget = _check_budget(budget_bytes)
+        if not isinstance(src, int) or not 0 <= src < world:
+            raise ValueError(f"src must be a rank in [0, {world}), got {src!r}")
+    except Exception as exc:
+        error, budget = exc, 0
+    everyone = _exchange({"budget": budget, "root": src}, error, "scatter")
+    _check_same([p["root"] for p in everyone], "scatter", "src ranks")
+    budget = min(p["budget"] for p in everyone)
+    stats.budget_bytes = budget
+
+    # 1. the description, from src
+    header, ordered = None, []
+    if rank == src:
+        try:
+            header = {"description": _describe(state), "metadata": dict(state.metadata)}
+            ordered = [(label, _normalise(s)) for label, s in state.tensors()]
+            data = _pack(header)
+        except Exception as exc:
+            error = exc
+            data = _pack({"error": _describe_error(exc)})
+    received = _unpack(collective.broadcast_bytes(data if rank == src else None, src))
+    if "error" in received:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"scatter: the state on rank {src} cannot be sent ({received['error']}); "
+                              "nothing was changed on this rank")
+    description = received["description"]
+
+    # 2. every rank checks the description against its optimizer and says which rows it needs
+    skeleton, wanted = [], []
+    try:
+        skeleton, wanted = _wanted_rows(optimizer, description, model)
+    except Exception as exc:
+        error = exc
+    everyone = _exchange({"want": wanted}, error, "scatter")
+    infos = _infos(skeleton)
+    dtypes = [s.dtype for _, s in skeleton]
+    have = [[(0, info.rows) if r == src else None for r in range(world)] for info in infos]
+    want = [[_range(p["want"][t]) for p in everyone] for t in range(len(infos))]
+
+    # 3. the rows, then the import (which validates again and agrees before it loads)
+    sources = [s for _, s in ordered] if rank == src else [None] * len(infos)
+    outputs, error = _move(infos, dtypes, sources, have, want, budget, rank, _out_device(), stats, None)
+    _agree(error, "scatter")
+    from gefen_ckpt.exchange import import_canonical
+
+    import_canonical(optimizer, _local_state(description, received["metadata"], outputs,
+                                             [want[t][rank] for t in range(len(infos))]), model=model)
+
+
+def _out_device() -> torch.device:
+    return collective._device() if collective.active() else torch.device("cpu")
+
+
+# ===== redistribute ===========================================================================
+def redistribute(state: CanonicalState, optimizer: torch.optim.Optimizer, *,
+                 model: torch.nn.Module | None = None, budget_bytes: int = DEFAULT_BUDGET) -> None:
+    """Load ``state`` (this rank's ``LocalPart`` s of a state exported on another layout over
+    the same ranks) into ``optimizer`` (its own layout), moving only the rows that change rank.
+
+    Each rank reports the rows it holds and, after checking the state against its optimizer,
+    the rows its import will read; rows it already holds are copied locally, the rest come
+    from a holder (replicas share the sending), in messages of at most ``budget_bytes``. No
+    rank materialises a tensor it does not own whole in the target layout. All ranks fail
+    together and nothing changes unless every rank staged successfully.
+    """
+    stats = _begin("redistribute", budget_bytes)
+    rank, world = _world()
+    error, description, ordered, payload = None, None, [], {}
+    try:
+        budget = _check_budget(budget_bytes)
+        description = _describe(state)
+        ordered = [(label, _normalise(src)) for label, src in state.tensors()]
+        _, wanted = _wanted_rows(optimizer, description, model)
+        payload = {"budget": budget, "digest": _digest(description),
+                   "held": [_held(src, writers_only=False) for _, src in ordered], "want": wanted}
+    except Exception as exc:
+        error = exc
+    everyone = _exchange(payload, error, "redistribute")
+    _check_same([p["digest"] for p in everyone], "redistribute",
+                "states (contract, param groups, FQNs, shapes or dtypes differ)")
+    budget = min(p["budget"] for p in everyone)
+    stats.budget_bytes = budget
+    infos = _infos(ordered)
+    have = [[_range(p["held"][t]) for p in everyone] for t in range(len(infos))]
+    want = [[_range(p["want"][t]) for p in everyone] for t in range(len(infos))]
+    outputs, error = _move(infos, [s.dtype for _, s in ordered], [s for _, s in ordered], have,
+                           want, budget, rank, _out_device(), stats, None)
+    _agree(error, "redistribute")
+    from gefen_ckpt.exchange import import_canonical
+
+    import_canonical(optimizer, _local_state(description, state.metadata, outputs,
+                                             [want[t][rank] for t in range(len(infos))]), model=model)
+
