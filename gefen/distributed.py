@@ -57,9 +57,54 @@ class ReductionPlan:
 
     reducer: Reducer
     silent: set[int] = field(default_factory=set)  # ids of params whose rows another rank counts
+    group: object = None  # the process group of the row-shard mesh dimension (None: one process)
 
     def counts(self, p: torch.Tensor) -> bool:
         return id(p) not in self.silent
+
+
+def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
+    """Each rank's rows under ``Shard(0)`` (``torch.chunk`` semantics; trailing ranks may be empty)."""
+    size = -(-rows // parts) if parts else 0
+    return [(min(r * size, rows), min((r + 1) * size, rows)) for r in range(parts)]
+
+
+class RowGather:
+    """Whole matrices for the one computation that needs them (Muon's Newton-Schulz).
+
+    Every row-sharded matrix's local rows go into one flat buffer, one ``all_gather`` moves
+    them all, every rank runs ``fn`` on the whole matrices and keeps its own rows. Matrices
+    that are not row-sharded are already whole.
+    """
+
+    def __init__(self, group):
+        self.group = group
+
+    def orthogonalise_rows(self, params: list[torch.Tensor], rows: list[torch.Tensor], fn) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        world, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        sharded = [i for i, p in enumerate(params) if is_dtensor(p) and any(pl.is_shard() for pl in p.placements)]
+        bounds = {i: chunk_bounds(params[i].shape[0], world) for i in sharded}
+        cols = {i: rows[i].shape[1] for i in sharded}
+        sizes = [sum((bounds[i][r][1] - bounds[i][r][0]) * cols[i] for i in sharded) for r in range(world)]
+        mine = torch.zeros(max(sizes, default=0), dtype=torch.float32, device=rows[0].device if rows else None)
+        if sharded:
+            flat = torch.cat([rows[i].reshape(-1).float() for i in sharded])
+            mine[: flat.numel()] = flat
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine, group=self.group)
+        full = list(rows)
+        offsets = [0] * world
+        for i in sharded:
+            parts = []
+            for r in range(world):
+                n = (bounds[i][r][1] - bounds[i][r][0]) * cols[i]
+                parts.append(everyone[r][offsets[r]:offsets[r] + n].view(-1, cols[i]))
+                offsets[r] += n
+            full[i] = torch.cat(parts).to(rows[i].dtype)
+        out = fn(full)
+        return [o[bounds[i][me][0]:bounds[i][me][1]] if i in bounds else o for i, o in enumerate(out)]
 
 
 def plan_reduction(named_params: Iterable[tuple[str, torch.Tensor]]) -> ReductionPlan:
@@ -79,4 +124,5 @@ def plan_reduction(named_params: Iterable[tuple[str, torch.Tensor]]) -> Reductio
     mesh, dim, _ = next(iter(groups.values()))
     local_rank = mesh.get_local_rank(dim)
     silent = {id(p) for p in replicated} if local_rank != 0 else set()
-    return ReductionPlan(ProcessGroupReducer(mesh.get_group(dim)), silent)
+    group = mesh.get_group(dim)
+    return ReductionPlan(ProcessGroupReducer(group), silent, group)

@@ -1,0 +1,1040 @@
+"""``torch.distributed.checkpoint`` (DCP) integration (SPEC 8, ``docs/dcp.md``).
+
+``GefenDCPState(optimizer)`` is a DCP ``Stateful`` that presents an optimizer's state with
+*global* shapes, so stock ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` reshard it natively,
+still compressed (uint8 codes stay uint8) and bit-exact:
+
+* row-sharded fields (geometries ``param``, ``block``, ``row``) of a DTensor parameter become
+  DTensors built with ``DTensor.from_local`` on the parameter's mesh and placements, so each
+  rank writes and reads only its own rows (uneven and empty shards included);
+* replicated fields (``scalar``, ``col``, optimizer-wide ``global`` fields such as the codebook)
+  are plain tensors, which DCP writes once;
+* the namespace is flat: ``"<fqn>/<field>"``, ``"__global__/<key>"`` and ``"__gefen__"``, a
+  uint8 tensor holding msgpack (never pickle) with the contract, the param groups and each
+  parameter's global shape/dtype/owning child.
+
+``GefenSavePlanner`` additionally records that description in DCP's metadata, so that
+``GefenLoadPlanner`` can check the contract and schema version and the FQNs and shapes against
+the live optimizer *before any tensor is read*, and allocate destination buffers for an
+optimizer that has no state yet (block shapes depend on periods stored in the checkpoint).
+``GefenDCPState.load_state_dict`` then assembles a ``CanonicalState`` and imports it: every rank
+validates and stages first, the ranks agree (one all-reduce), and only then does any rank
+publish, so a failure anywhere raises everywhere and leaves every optimizer untouched.
+
+Plain ``dcp.load`` without ``GefenLoadPlanner`` works only into an optimizer that already has
+state of the same geometry (DCP then reads in place into the live state, so only DCP's own
+pre-read checks come before mutation); into a fresh optimizer it raises
+``CheckpointMismatchError`` asking for the planner, and changes nothing.
+
+``read_dcp(path)`` / ``write_dcp(state, path)`` convert between this layout and a
+``CanonicalState`` offline, with no process group and memory bounded by one stored chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import pickle
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.stateful import Stateful
+
+from gefen.contract import (
+    CHILDREN_KEY,
+    LIKE_PARAM,
+    SCHEMA_VERSION,
+    FieldSpec,
+    OptimizerContract,
+    contract_of,
+)
+from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
+from gefen_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+)
+from gefen_ckpt.exchange import (
+    _group_fqns,
+    _leaves,
+    _names_from_model,
+    _plain,
+    _prepare_import,
+    check_contract,
+    expected_field_shape,
+)
+from gefen_ckpt.layout import local_rows
+
+__all__ = [
+    "GefenDCPState",
+    "GefenSavePlanner",
+    "GefenLoadPlanner",
+    "read_dcp",
+    "write_dcp",
+    "find_gefen_keys",
+    "safe_load_dcp_metadata",
+    "DCPSource",
+    "META_KEY",
+    "GLOBAL_PREFIX",
+    "PLANNER_DATA_KEY",
+    "DCP_FORMAT",
+    "DCP_FORMAT_VERSION",
+]
+
+#: key (inside the Stateful's namespace) of the uint8 msgpack description
+META_KEY = "__gefen__"
+#: prefix of optimizer-wide fields: ``"__global__/codebook"``, ``"__global__/<child>/codebook"``
+GLOBAL_PREFIX = "__global__/"
+#: key under ``Metadata.planner_data`` where ``GefenSavePlanner`` records each optimizer
+PLANNER_DATA_KEY = "gefen_ckpt.dcp"
+DCP_FORMAT = "gefen-dcp"
+DCP_FORMAT_VERSION = 1
+
+_MAGIC = b"GEFNDCP\x01"
+_HEADER = len(_MAGIC) + 8
+#: the description tensor is padded to a multiple of this, so that the same optimizer encodes
+#: to the same size whatever its hyperparameter values (needed by plain ``dcp.load``)
+_META_PAD = 4096
+_MAX_META = 1 << 30
+
+
+# ----- the msgpack description ---------------------------------------------------------------
+def _encode_meta(meta: dict) -> torch.Tensor:
+    body = msgpack.packb(meta, use_bin_type=True)
+    size = -(-(_HEADER + len(body)) // _META_PAD) * _META_PAD
+    buf = bytearray(size)
+    buf[: len(_MAGIC)] = _MAGIC
+    buf[len(_MAGIC):_HEADER] = len(body).to_bytes(8, "little")
+    buf[_HEADER:_HEADER + len(body)] = body
+    return torch.frombuffer(buf, dtype=torch.uint8).clone()
+
+
+def _meta_bytes(tensor: torch.Tensor) -> bytes:
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        raise CheckpointFormatError(f"the {META_KEY!r} entry is not a 1-D uint8 tensor")
+    data = tensor.detach().cpu().numpy().tobytes()
+    if len(data) < _HEADER or data[: len(_MAGIC)] != _MAGIC:
+        raise CheckpointFormatError(f"the {META_KEY!r} entry is not a gefen DCP description (bad magic)")
+    length = int.from_bytes(data[len(_MAGIC):_HEADER], "little")
+    if length > len(data) - _HEADER:
+        raise CheckpointFormatError(f"the {META_KEY!r} entry claims {length} bytes but holds {len(data) - _HEADER}")
+    return data[_HEADER:_HEADER + length]
+
+
+def _unpack(body: bytes, what: str) -> Any:
+    if len(body) > _MAX_META:
+        raise CheckpointFormatError(f"{what} is implausibly large ({len(body)} bytes)")
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise CheckpointFormatError(f"{what} is not valid msgpack: {exc}") from None
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise CheckpointFormatError(f"malformed gefen DCP description: {msg}")
+
+
+def _is_shape(value) -> bool:
+    return isinstance(value, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value)
+
+
+def _check_meta(meta: Any) -> dict:
+    """Structural validation of a decoded description (hostile input gets CheckpointFormatError)."""
+    _need(isinstance(meta, dict), "not a map")
+    _need(meta.get("format") == DCP_FORMAT, f"format {meta.get('format')!r}, expected {DCP_FORMAT!r}")
+    version = meta.get("format_version")
+    _need(isinstance(version, int), "format_version missing")
+    if version > DCP_FORMAT_VERSION:
+        raise CheckpointFormatError(
+            f"gefen DCP format version {version} is newer than this gefen_ckpt ({DCP_FORMAT_VERSION})"
+        )
+    schema = meta.get("schema_version")
+    _need(isinstance(schema, int), "schema_version missing")
+    if schema > SCHEMA_VERSION:
+        raise CheckpointMismatchError(
+            f"checkpoint schema version {schema} is newer than this gefen_ckpt ({SCHEMA_VERSION})"
+        )
+    _need(isinstance(meta.get("contract"), dict), "contract missing")
+    try:
+        meta["contract"] = OptimizerContract.from_dict(meta["contract"])
+    except ValueError as exc:
+        raise CheckpointFormatError(str(exc)) from None
+    groups = meta.get("param_groups")
+    _need(isinstance(groups, list) and all(isinstance(g, dict) for g in groups), "param_groups must be a list of maps")
+    for g in groups:
+        _need(isinstance(g.get("params"), list) and all(isinstance(f, str) for f in g["params"]),
+              "a param group's params must be a list of FQNs")
+    params = meta.get("params")
+    _need(isinstance(params, list), "params must be a list")
+    out = {}
+    for entry in params:
+        _need(isinstance(entry, list) and len(entry) == 5, "a param entry must be [fqn, shape, dtype, child, state]")
+        fqn, shape, dtype, child, has_state = entry
+        _need(isinstance(fqn, str), "param FQN must be a string")
+        _need(shape is None or _is_shape(shape), f"{fqn}: bad shape {shape!r}")
+        _need(dtype is None or (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)),
+              f"{fqn}: bad dtype {dtype!r}")
+        _need(child is None or isinstance(child, str), f"{fqn}: bad child {child!r}")
+        _need(isinstance(has_state, bool), f"{fqn}: bad state flag")
+        _need(not has_state or (shape is not None and dtype is not None), f"{fqn}: has state but no shape/dtype")
+        _need(fqn not in out, f"parameter {fqn!r} listed twice")
+        out[fqn] = (None if shape is None else tuple(shape), None if dtype is None else getattr(torch, dtype),
+                    child, has_state)
+    meta["params"] = out
+    return meta
+
+
+def _meta_dict(contract: OptimizerContract, groups: list[dict], params: list[list]) -> dict:
+    return {
+        "format": DCP_FORMAT,
+        "format_version": DCP_FORMAT_VERSION,
+        "schema_version": contract.schema_version,
+        "contract": contract.to_dict(),
+        "param_groups": groups,
+        "params": params,
+    }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ----- the live optimizer, seen through its contract ----------------------------------------
+@dataclasses.dataclass
+class _LiveParam:
+    param: torch.Tensor
+    child: str | None
+    contract: OptimizerContract
+    state: dict | None  # field -> tensor (this rank's rows), None if the parameter has no state
+
+
+@dataclasses.dataclass
+class _Live:
+    contract: OptimizerContract
+    groups: list[dict]
+    params: dict[str, _LiveParam]
+    global_fields: dict[str, torch.Tensor]
+
+    def meta(self) -> dict:
+        params = [[fqn, list(lp.param.shape), _dtype_name(lp.param.dtype), lp.child, lp.state is not None]
+                  for fqn, lp in self.params.items()]
+        return _meta_dict(self.contract, self.groups, params)
+
+    def global_spec(self, key: str) -> FieldSpec:
+        contract, name = self.contract, key
+        if "/" in key:
+            child, name = key.split("/", 1)
+            contract = self.contract.child(child)
+        for f in contract.global_fields:
+            if f.name == name:
+                return f
+        raise KeyError(key)
+
+
+def _describe(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> _Live:
+    """The optimizer's groups, parameters and rank-local state, without copying any tensor."""
+    contract = contract_of(optimizer)
+    names = _names_from_model(model)
+    groups: list[dict] = []
+    params: dict[str, _LiveParam] = {}
+    global_fields: dict[str, torch.Tensor] = {}
+    for child, opt, leaf in _leaves(optimizer, contract):
+        sd = opt.state_dict()
+        for key, value in (sd.get("global_state") or {}).items():
+            if isinstance(value, torch.Tensor):
+                global_fields[f"{child}/{key}" if child else key] = value
+        for live, saved in zip(opt.param_groups, sd["param_groups"]):
+            fqns = _group_fqns(live, names, leaf.implementation)
+            group = {h: _plain(saved[h]) for h in leaf.hyperparameters if h in saved}
+            group["params"] = fqns
+            if child is not None:
+                group["child"] = child
+            groups.append(group)
+            for index, fqn, p in zip(saved["params"], fqns, live["params"]):
+                if fqn in params:
+                    raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
+                entry = sd["state"].get(index)
+                state = None
+                if entry:
+                    state = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                             for k, v in entry.items() if v is not None}
+                params[fqn] = _LiveParam(p, child, leaf, state)
+    return _Live(contract, groups, params, global_fields)
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "placements") and hasattr(t, "device_mesh")
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _field_global_shape(param: torch.Tensor, local: torch.Tensor) -> tuple[int, ...]:
+    rows = param.shape[0] if param.dim() else 1
+    return (rows,) + tuple(local.shape[1:])
+
+
+def _as_global(fqn: str, name: str, value: torch.Tensor, lp: _LiveParam, spec: FieldSpec) -> torch.Tensor:
+    """A rank-local field as DCP should see it: a DTensor of the global shape when row-sharded."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor) or not spec.row_sharded or not _is_dtensor(lp.param) or value.dim() == 0:
+        return value
+    start, stop = local_rows(lp.param, fqn)
+    if value.shape[0] != stop - start:
+        raise CheckpointMismatchError(
+            f"{fqn}/{name}: this rank holds {value.shape[0]} rows but owns rows [{start}, {stop}) of the parameter"
+        )
+    shape = _field_global_shape(lp.param, value)
+    return DTensor.from_local(value, lp.param.device_mesh, lp.param.placements, run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
+
+
+# ----- sources over what dcp.load filled in --------------------------------------------------
+def _source_of(value: torch.Tensor) -> TensorSource:
+    if _is_dtensor(value):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = value.to_local()
+        if value.dim() == 0:
+            return EagerSource(local)
+        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        return LocalPart(local, offset[0], tuple(value.shape), True)
+    return EagerSource(value)
+
+
+def _split_key(key: str) -> tuple[str, str] | None:
+    """``"<fqn>/<field>"`` -> (fqn, field); None for the description and global fields."""
+    if key == META_KEY or key.startswith(GLOBAL_PREFIX) or "/" not in key:
+        return None
+    fqn, name = key.rsplit("/", 1)
+    return fqn, name
+
+
+def _canonical(meta: dict, entries: Mapping[str, Any], *, what: str) -> CanonicalState:
+    """A CanonicalState from a checked description and ``key -> tensor/source`` entries."""
+    params: dict[str, ParamState] = {}
+    global_fields: dict[str, TensorSource] = {}
+    described = meta["params"]
+    for key, value in entries.items():
+        if key == META_KEY:
+            continue
+        source = value if not isinstance(value, torch.Tensor) else _source_of(value)
+        if key.startswith(GLOBAL_PREFIX):
+            global_fields[key[len(GLOBAL_PREFIX):]] = source
+            continue
+        split = _split_key(key)
+        if split is None or split[0] not in described or not described[split[0]][3]:
+            raise CheckpointFormatError(f"{what}: entry {key!r} belongs to no parameter with state")
+        fqn, name = split
+        shape, dtype, child, _ = described[fqn]
+        entry = params.setdefault(fqn, ParamState(shape, dtype, {}, child))
+        entry.fields[name] = source
+    return CanonicalState(meta["contract"], meta["param_groups"], params, global_fields,
+                          metadata={"source_format": "dcp"})
+
+
+# ----- fail-before-mutation import, agreed by every rank -------------------------------------
+def _prepare(optimizer, state: CanonicalState, model) -> Callable[[], None]:
+    """Validate ``state`` against ``optimizer`` and stage it, without publishing: the returned
+    callable publishes. The checks are ``import_canonical``'s; optimizers that can stage without
+    publishing (``_prepare_load``: Gefen, GefenMuon, the hybrid) also validate every tensor here."""
+    sd = _prepare_import(optimizer, state, model)
+    _like_param_as_dtensor(optimizer, sd)
+    prepare = getattr(optimizer, "_prepare_load", None)
+    if callable(prepare):
+        try:
+            return prepare(sd)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CheckpointMismatchError(
+                f"{contract_of(optimizer).implementation} refused the checkpoint state: {exc}") from exc
+    return lambda: optimizer.load_state_dict(sd)
+
+
+def _like_param_as_dtensor(optimizer, sd: dict) -> None:
+    """Fields stored like the parameter (contract dtype ``like_param``, geometry ``param``: torch
+    AdamW's moments) become DTensors again when the live parameter is one, as torch optimizers
+    keep them; the canonical import hands every rank plain local rows."""
+    from torch.distributed.tensor import DTensor
+
+    contract = contract_of(optimizer)
+    for child, opt, leaf in _leaves(optimizer, contract):
+        leaf_sd = sd[CHILDREN_KEY][child] if contract.children else sd
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for index, entry in leaf_sd["state"].items():
+            p = params[index]
+            if not _is_dtensor(p):
+                continue
+            for name, value in entry.items():
+                spec = leaf.field(name)
+                if spec.dtype == LIKE_PARAM and spec.geometry == "param" and isinstance(value, torch.Tensor) \
+                        and not _is_dtensor(value) and value.dim() == p.dim():
+                    entry[name] = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                                     shape=p.shape, stride=p.stride())
+
+
+def _failed_ranks(failed: bool, group) -> list[int]:
+    """Every rank learns which ranks failed (one all-reduce); [] or [0] without a process group."""
+    if group is False or not (dist.is_available() and dist.is_initialized()):
+        return [0] if failed else []
+    world = dist.get_world_size(group)
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    flags = torch.zeros(world, dtype=torch.int32, device=device)
+    flags[dist.get_rank(group)] = int(failed)
+    dist.all_reduce(flags, group=group)
+    return [i for i, f in enumerate(flags.tolist()) if f]
+
+
+# ----- the Stateful ------------------------------------------------------------------------------
+class _GefenStateDict(dict):
+    """The dict ``GefenDCPState.state_dict()`` returns; ``GefenLoadPlanner`` finds it by type.
+
+    Copies and pickles are plain dicts (DCP's async stager copies state dicts)."""
+
+    __slots__ = ("owner", "planned")
+
+    def __init__(self, owner: GefenDCPState):
+        super().__init__()
+        self.owner = owner
+        self.planned = False
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return copy.deepcopy(dict(self), memo)
+
+    def copy(self) -> dict:
+        return dict(self)
+
+
+class GefenDCPState(Stateful):
+    """An optimizer's state as a DCP ``Stateful`` with global shapes.
+
+    Save::
+
+        dcp.save({"model": model.state_dict(), "optim": GefenDCPState(opt)}, checkpoint_id=path,
+                 planner=GefenSavePlanner())
+
+    Load (any world size or mesh; the optimizer may be fresh)::
+
+        dcp.load({"model": model.state_dict(), "optim": GefenDCPState(opt)}, checkpoint_id=path,
+                 planner=GefenLoadPlanner())
+
+    ``model`` supplies FQNs for optimizers built from bare tensors. Under a process group,
+    ``load_state_dict`` agrees with the other ranks of ``process_group`` (default: the world)
+    before it publishes; pass ``no_dist=True`` when only this process calls ``dcp.load``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
+                 process_group=None, no_dist: bool = False):
+        self.optimizer = optimizer
+        self.model = model
+        self.process_group = process_group
+        self.no_dist = no_dist
+        contract_of(optimizer)  # fail now for an optimizer without a contract
+
+    def _live(self) -> _Live:
+        return _describe(self.optimizer, self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Live views (no copy): rank-local rows as DTensors of the global shape where the field is
+        row-sharded along a DTensor parameter, plain tensors otherwise, plus the description."""
+        live = self._live()
+        out = _GefenStateDict(self)
+        out[META_KEY] = _encode_meta(live.meta())
+        for key in sorted(live.global_fields):
+            out[GLOBAL_PREFIX + key] = live.global_fields[key]
+        for fqn, lp in live.params.items():
+            for name in sorted(lp.state or {}):
+                try:
+                    spec = lp.contract.field(name)
+                except KeyError:
+                    raise CheckpointMismatchError(f"{fqn}: state field {name!r} is not in the contract") from None
+                out[f"{fqn}/{name}"] = _as_global(fqn, name, lp.state[name], lp, spec)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Import what ``dcp.load`` read into ``state_dict`` (fail before mutation, on all ranks)."""
+        group = False if self.no_dist else self.process_group
+        error: BaseException | None = None
+        publish = None
+        try:
+            state = self._to_canonical(state_dict)
+            publish = _prepare(self.optimizer, state, self.model)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
+            error = exc
+        failed = _failed_ranks(error is not None, group)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(
+                f"loading the optimizer state failed on rank(s) {failed}; this rank's optimizer is unchanged"
+            )
+        publish()
+
+    def _to_canonical(self, state_dict: Mapping[str, Any]) -> CanonicalState:
+        if META_KEY not in state_dict:
+            raise CheckpointMismatchError(
+                "nothing was loaded into GefenDCPState: the checkpoint has no gefen description under "
+                "this key, or the optimizer has no state yet and dcp.load ran without "
+                "planner=GefenLoadPlanner() (which allocates the buffers a fresh optimizer lacks)"
+            )
+        meta = _check_meta(_unpack(_meta_bytes(state_dict[META_KEY]), "the gefen DCP description"))
+        planned = getattr(state_dict, "planned", False)
+        present = {fqn for key in state_dict if (s := _split_key(key)) is not None for fqn in [s[0]]}
+        lacking = [fqn for fqn, (_, _, _, has) in meta["params"].items() if has and fqn not in present]
+        if lacking:
+            if not planned:
+                raise CheckpointMismatchError(
+                    f"the checkpoint has state for {lacking[:3]} but this optimizer has no state buffers for "
+                    "them: load with dcp.load(..., planner=GefenLoadPlanner()) (plain dcp.load only works "
+                    "into an optimizer that already has state of the same geometry)"
+                )
+            raise CheckpointFormatError(f"the checkpoint describes state for {lacking[:3]} but stores none")
+        return _canonical(meta, state_dict, what="DCP checkpoint")
+
+
+# ----- planners ---------------------------------------------------------------------------------
+def _find_gefen_dicts(state_dict: Mapping, path: tuple = ()) -> Iterator[tuple[tuple, _GefenStateDict]]:
+    for key, value in state_dict.items():
+        if isinstance(value, _GefenStateDict):
+            yield path + (str(key),), value
+        elif isinstance(value, Mapping):
+            yield from _find_gefen_dicts(value, path + (str(key),))
+
+
+def _topology() -> dict:
+    if dist.is_available() and dist.is_initialized():
+        return {"world_size": dist.get_world_size()}
+    return {"world_size": 1}
+
+
+class GefenSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` that records each ``GefenDCPState``'s description (contract, schema
+    version, param groups, shapes) in ``Metadata.planner_data[PLANNER_DATA_KEY]``, where
+    ``GefenLoadPlanner`` checks it before any tensor is read.
+
+    Memory: ``GefenDCPState.state_dict()`` hands DCP live views of each rank's own rows, so
+    saving allocates nothing beyond DCP's own write buffers (no gather, no copy of the state)."""
+
+    def set_up_planner(self, state_dict, storage_meta: StorageMeta | None = None, is_coordinator: bool = False):
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        # found by key, not by type: async_save hands the planner a staged (copied) state dict
+        self._gefen_records = {}
+        for key, value in self.state_dict.items():
+            if key == META_KEY or key.endswith("." + META_KEY):
+                body = _meta_bytes(value)
+                record = {"meta": body, "topology": _topology()}
+                self._gefen_records[key[: -len(META_KEY) - 1] if key != META_KEY else ""] = msgpack.packb(
+                    record, use_bin_type=True)
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = super().create_global_plan(all_plans)
+        planner_data = dict(metadata.planner_data or {})
+        planner_data[PLANNER_DATA_KEY] = dict(getattr(self, "_gefen_records", {}))
+        self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
+        return plans, self.metadata
+
+
+class GefenLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that, for every ``GefenDCPState`` in the state dict, checks the
+    checkpoint against the live optimizer (contract, schema version, FQNs, shapes, dtypes)
+    before anything is read, and allocates fresh destination buffers of the stored global
+    shapes (this rank's rows only), so loading works into a fresh optimizer and never writes
+    into live state. Errors are ``CheckpointMismatchError``/``CheckpointFormatError``; ``dcp.load``
+    delivers them wrapped in its ``CheckpointException`` (on every rank)."""
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        if metadata is not None:
+            for path, target in _find_gefen_dicts(state_dict):
+                self._allocate(".".join(path), target, metadata)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def _allocate(self, name: str, target: _GefenStateDict, metadata: Metadata) -> None:
+        prefix = name + "."
+        meta_key = prefix + META_KEY
+        entries = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+        if META_KEY not in entries:
+            found = find_gefen_keys(metadata)
+            raise CheckpointMismatchError(
+                f"the checkpoint has no gefen optimizer state under {name!r}"
+                + (f" (it has some under {found})" if found else " (it holds no GefenDCPState at all)")
+            )
+        live = target.owner._live()
+        record = ((metadata.planner_data or {}).get(PLANNER_DATA_KEY) or {}).get(name) \
+            if isinstance(metadata.planner_data, dict) else None
+        if record is not None:
+            rec = _unpack(record, f"the planner record of {name!r}")
+            if not isinstance(rec, dict) or not isinstance(rec.get("meta"), bytes):
+                raise CheckpointFormatError(f"the planner record of {name!r} is malformed")
+            _check_against_live(_check_meta(_unpack(rec["meta"], "the gefen DCP description")), live)
+        fresh = _GefenStateDict(target.owner)
+        for key, md in entries.items():
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointFormatError(f"{meta_key[:-len(META_KEY)]}{key}: not a tensor entry")
+            fresh[key] = _allocate_entry(key, md, live)
+        target.clear()
+        target.update(fresh)
+        target.planned = True
+
+
+def _check_against_live(meta: dict, live: _Live) -> None:
+    """Contract, schema, FQNs and shapes of a checkpoint's description vs the live optimizer."""
+    check_contract(live.contract, meta["contract"])
+    saved_fqns = {fqn for g in meta["param_groups"] for fqn in g["params"]}
+    missing, extra = set(live.params) - saved_fqns, saved_fqns - set(live.params)
+    if missing or extra:
+        raise CheckpointMismatchError(
+            "parameters differ between checkpoint and optimizer: "
+            f"missing from checkpoint {sorted(missing)[:5]}, unknown to optimizer {sorted(extra)[:5]}"
+        )
+    for fqn, (shape, _, _, has_state) in meta["params"].items():
+        if not has_state:
+            continue
+        lp = live.params.get(fqn)
+        if lp is None:
+            raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
+        if tuple(shape) != tuple(lp.param.shape):
+            raise CheckpointMismatchError(
+                f"{fqn}: checkpoint shape {tuple(shape)} differs from the live parameter's {tuple(lp.param.shape)}"
+            )
+
+
+def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.Tensor:
+    """An empty destination for one stored entry: this rank's rows of it, on the right device."""
+    from torch.distributed.tensor import DTensor
+
+    shape, dtype = tuple(md.size), md.properties.dtype
+    if key == META_KEY:
+        if dtype != torch.uint8 or len(shape) != 1 or shape[0] > _MAX_META:
+            raise CheckpointFormatError(f"{META_KEY!r}: not a plausible description tensor ({dtype}, {shape})")
+        return torch.empty(shape, dtype=dtype)
+    if key.startswith(GLOBAL_PREFIX):
+        name = key[len(GLOBAL_PREFIX):]
+        try:
+            spec = live.global_spec(name)
+        except KeyError:
+            raise CheckpointMismatchError(
+                f"optimizer-wide field {name!r} of the checkpoint is not part of {live.contract.implementation}'s state"
+            ) from None
+        if _dtype_name(dtype) != spec.dtype:
+            raise CheckpointMismatchError(f"optimizer-wide field {name!r}: dtype {dtype}, expected {spec.dtype}")
+        return torch.empty(shape, dtype=dtype)
+    split = _split_key(key)
+    if split is None:
+        raise CheckpointMismatchError(f"checkpoint entry {key!r} is not gefen optimizer state")
+    fqn, name = split
+    lp = live.params.get(fqn)
+    if lp is None:
+        raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
+    try:
+        spec = lp.contract.field(name)
+    except KeyError:
+        raise CheckpointMismatchError(
+            f"{fqn}: field {name!r} of the checkpoint is not part of {lp.contract.implementation}'s state"
+        ) from None
+    param = lp.param
+    want = param.dtype if spec.dtype == LIKE_PARAM else getattr(torch, spec.dtype)
+    if dtype != want:
+        raise CheckpointMismatchError(f"{fqn}/{name}: checkpoint dtype {dtype}, expected {want}")
+    if not expected_field_shape(spec.geometry, tuple(param.shape), shape):
+        raise CheckpointMismatchError(
+            f"{fqn}/{name}: checkpoint shape {shape} is not a valid {spec.geometry} shape for the live "
+            f"parameter's {tuple(param.shape)}"
+        )
+    local_param = param.to_local() if _is_dtensor(param) else param
+    device = torch.device("cpu") if spec.geometry == "scalar" else local_param.device
+    if spec.row_sharded and _is_dtensor(param) and shape:
+        start, stop = local_rows(param, fqn)
+        local = torch.empty((stop - start,) + shape[1:], dtype=dtype, device=device)
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ----- offline: read and write the layout without a process group ------------------------------
+_SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # maps a layout's name to the layout
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict", "bytes", "bytearray", "complex", "slice"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle; this refuses every global except DCP's metadata
+    dataclasses, ``torch.Size``, dtypes, layouts and memory formats (no code execution)."""
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                        torch.memory_format)):
+            return getattr(torch, name)
+        if name in _SAFE_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise CheckpointFormatError(f"DCP metadata references {module}.{name}, which a safe reader refuses")
+
+
+def safe_load_dcp_metadata(stream) -> Metadata:
+    """Unpickle a DCP ``.metadata`` stream with an allowlist (``CheckpointFormatError`` otherwise)."""
+    try:
+        metadata = _MetadataUnpickler(stream).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointFormatError(f"unreadable DCP metadata: {exc}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointFormatError("DCP metadata does not hold a Metadata object")
+    return metadata
+
+
+def _storage_reader(path: str | os.PathLike):
+    """A DCP storage reader (local or fsspec) whose metadata load is the allowlisted unpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    base = FileSystemReader
+    if "://" in str(path) and not str(path).startswith("file://"):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        base = FsspecReader
+    elif str(path).startswith("file://"):
+        path = str(path)[len("file://"):]
+
+    class SafeReader(base):
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            mpath = self._get_metadata_path(kwargs.get("rank"))
+            try:
+                with self.fs.create_stream(mpath, "rb") as f:
+                    metadata = safe_load_dcp_metadata(f)
+            except FileNotFoundError:
+                raise CheckpointIncompleteError(f"{path}: no DCP .metadata (not a committed DCP checkpoint)") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def _storage_writer(path: str | os.PathLike):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if "://" in str(path) and not str(path).startswith("file://"):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(path)
+    if str(path).startswith("file://"):
+        path = str(path)[len("file://"):]
+    return FileSystemWriter(path)
+
+
+def find_gefen_keys(metadata: Metadata) -> list[str]:
+    """The state-dict keys under which a DCP checkpoint holds a ``GefenDCPState`` ('' = top level)."""
+    out = []
+    for key in metadata.state_dict_metadata:
+        if key == META_KEY:
+            out.append("")
+        elif key.endswith("." + META_KEY):
+            out.append(key[: -len(META_KEY) - 1])
+    return sorted(out)
+
+
+class _RowsLoadPlanner(LoadPlanner):
+    """Feeds ``StorageReader.read_data`` a destination tensor that holds rows ``[start, ...)``."""
+
+    def __init__(self, dest: torch.Tensor):
+        self.dest = dest
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):  # pragma: no cover - unused
+        pass
+
+    def create_local_plan(self) -> LoadPlan:  # pragma: no cover - unused
+        return LoadPlan([])
+
+    def create_global_plan(self, global_plan):  # pragma: no cover - unused
+        return global_plan
+
+    def finish_plan(self, central_plan):  # pragma: no cover - unused
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a pickled entry where a tensor was expected")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        return narrow_tensor_by_index(self.dest, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+class _DCPReader:
+    """One DCP checkpoint opened for reading: metadata once, then row-range reads."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        self.reader = _storage_reader(path)
+        self.metadata = self.reader.read_metadata()
+        if self.metadata.storage_data is None:
+            raise CheckpointFormatError(f"{self.path}: DCP metadata has no storage index")
+        self.reader.set_up_storage_reader(self.metadata, True)
+
+    def read(self, key: str, start: int, stop: int | None) -> torch.Tensor:
+        md = self.metadata.state_dict_metadata[key]
+        shape, dtype = tuple(md.size), md.properties.dtype
+        if not shape:
+            dest = torch.empty((), dtype=dtype)
+            chunk = ChunkStorageMetadata(offsets=torch.Size(()), sizes=torch.Size(()))
+        else:
+            stop = shape[0] if stop is None else min(stop, shape[0])
+            start = max(0, min(start, stop))
+            dest = torch.empty((stop - start,) + shape[1:], dtype=dtype)
+            if dest.numel() == 0:
+                return dest
+            chunk = ChunkStorageMetadata(offsets=torch.Size((start,) + (0,) * (len(shape) - 1)),
+                                         sizes=dest.shape)
+        items = create_read_items_for_chunk_list(key, md, [chunk])
+        covered = sum(math.prod(it.lengths) for it in items)
+        if covered != dest.numel():
+            raise CheckpointCorruptError(
+                f"{self.path}: stored chunks of {key!r} cover {covered} of the {dest.numel()} elements requested"
+            )
+        try:
+            self.reader.read_data(LoadPlan(items), _RowsLoadPlanner(dest)).wait()
+        except CheckpointError:
+            raise
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"{self.path}: a data file of {key!r} is missing: {exc}") from None
+        except Exception as exc:
+            raise CheckpointCorruptError(f"{self.path}: reading {key!r} failed: {exc}") from None
+        return dest
+
+
+class DCPSource:
+    """A lazy global tensor inside a DCP checkpoint: ``read(start, stop)`` reads those rows only
+    (DCP's reader loads each overlapping stored chunk, i.e. at most one rank's shard, at a time)."""
+
+    def __init__(self, reader: _DCPReader, key: str):
+        self._reader, self.key = reader, key
+        md = reader.metadata.state_dict_metadata[key]
+        self._shape, self._dtype = tuple(md.size), md.properties.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return self._reader.read(self.key, start, stop)
+
+    def __repr__(self) -> str:
+        return f"DCPSource({self.key!r}, shape={self._shape}, dtype={self._dtype})"
+
+
+def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
+    """The ``CanonicalState`` of a ``GefenDCPState`` saved in the DCP checkpoint at ``path``.
+
+    ``key`` is the state-dict key it was saved under (e.g. ``"optim"``); by default the only one
+    present. No process group; tensors are lazy ``DCPSource`` objects that read only the rows
+    asked for. DCP's ``.metadata`` pickle is loaded with an allowlist (no code execution)."""
+    reader = _DCPReader(path)
+    found = find_gefen_keys(reader.metadata)
+    if key is None:
+        if len(found) != 1:
+            raise CheckpointMismatchError(
+                f"{path}: " + (f"several GefenDCPState entries {found}: pass key=" if found
+                               else "this DCP checkpoint holds no GefenDCPState")
+            )
+        key = found[0]
+    elif key not in found:
+        raise CheckpointMismatchError(f"{path}: no GefenDCPState under {key!r} (found: {found})")
+    prefix = f"{key}." if key else ""
+    smd = reader.metadata.state_dict_metadata
+    meta_md = smd[prefix + META_KEY]
+    if not isinstance(meta_md, TensorStorageMetadata) or meta_md.properties.dtype != torch.uint8 \
+            or len(meta_md.size) != 1 or meta_md.size[0] > _MAX_META:
+        raise CheckpointFormatError(f"{path}: {prefix + META_KEY!r} is not a plausible description tensor")
+    meta = _check_meta(_unpack(_meta_bytes(reader.read(prefix + META_KEY, 0, None)), "the gefen DCP description"))
+    entries = {}
+    for full, md in smd.items():
+        if not full.startswith(prefix):
+            continue
+        sub = full[len(prefix):]
+        if sub == META_KEY:
+            continue
+        if not key and not sub.startswith(GLOBAL_PREFIX):
+            split = _split_key(sub)
+            if split is None or split[0] not in meta["params"]:
+                continue  # a top-level GefenDCPState shares the namespace with other entries
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointFormatError(f"{path}: {full!r} is not a tensor entry")
+        entries[sub] = DCPSource(reader, full)
+    state = _canonical(meta, entries, what=str(path))
+    for fqn, entry in state.params.items():
+        for name, src in entry.fields.items():
+            _check_stored_field(state.contract, fqn, entry, name, src)
+    record = ((reader.metadata.planner_data or {}).get(PLANNER_DATA_KEY) or {}).get(key) \
+        if isinstance(reader.metadata.planner_data, dict) else None
+    if record is not None:
+        rec = _unpack(record, "the planner record")
+        if isinstance(rec, dict) and isinstance(rec.get("topology"), dict):
+            state.metadata["source_topology"] = rec["topology"]
+    state.metadata.update({"source_format": "dcp", "path": str(path), "key": key})
+    return state
+
+
+def _check_stored_field(contract: OptimizerContract, fqn: str, entry: ParamState, name: str, src) -> None:
+    leaf = contract.child(entry.child) if entry.child else contract
+    try:
+        spec = leaf.field(name)
+    except KeyError:
+        raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {leaf.implementation}") from None
+    want = entry.dtype if spec.dtype == LIKE_PARAM else getattr(torch, spec.dtype)
+    if src.dtype != want:
+        raise CheckpointFormatError(f"{fqn}/{name}: stored dtype {src.dtype}, expected {want}")
+    if not expected_field_shape(spec.geometry, tuple(entry.shape), tuple(src.shape)):
+        raise CheckpointFormatError(f"{fqn}/{name}: stored shape {tuple(src.shape)} is not a valid "
+                                    f"{spec.geometry} shape for {tuple(entry.shape)}")
+
+
+class _CanonicalSavePlanner(SavePlanner):
+    """Writes a CanonicalState in GefenDCPState's layout, one bounded row-chunk at a time."""
+
+    def __init__(self, state: CanonicalState, key: str, chunk_bytes: int):
+        self.canonical, self.key, self.chunk_bytes = state, key, max(1, int(chunk_bytes))
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        prefix = f"{self.key}." if self.key else ""
+        state = self.canonical
+        shapes = {fqn: e for fqn, e in state.params.items()}
+        childs = {fqn: g.get("child") for g in state.param_groups for fqn in g["params"]}
+        params = []
+        for fqn in state.fqns():
+            e = shapes.get(fqn)
+            params.append([fqn, None if e is None else list(e.shape), None if e is None else _dtype_name(e.dtype),
+                           childs.get(fqn), e is not None])
+        meta = _meta_dict(state.contract, [_plain_group(g) for g in state.param_groups], params)
+        meta_tensor = _encode_meta(meta)
+        self.sources: dict[str, TensorSource] = {prefix + META_KEY: EagerSource(meta_tensor)}
+        for k in sorted(state.global_fields):
+            self.sources[prefix + GLOBAL_PREFIX + k] = state.global_fields[k]
+        for fqn, entry in state.params.items():
+            for name in sorted(entry.fields):
+                self.sources[f"{prefix}{fqn}/{name}"] = entry.fields[name]
+        path = (self.key,) if self.key else ()
+        self.mappings = {k: path + (k[len(prefix):],) for k in self.sources}
+        record = {"meta": _meta_bytes(meta_tensor), "topology": {"world_size": None, "writer": "write_dcp"}}
+        self.record = {self.key: msgpack.packb(record, use_bin_type=True)}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, src in self.sources.items():
+            shape = tuple(src.shape)
+            props = TensorProperties(dtype=src.dtype)
+            size = torch.Size(shape)
+            if not shape:
+                items.append(WriteItem(MetadataIndex(key, ()), WriteItemType.TENSOR, tensor_data=TensorWriteData(
+                    ChunkStorageMetadata(torch.Size(()), torch.Size(())), props, size)))
+                continue
+            row_bytes = max(1, math.prod(shape[1:]) * src.dtype.itemsize)
+            step = max(1, self.chunk_bytes // row_bytes)
+            starts = list(range(0, shape[0], step)) or [0]
+            kind = WriteItemType.TENSOR if len(starts) == 1 else WriteItemType.SHARD
+            for start in starts:
+                rows = min(step, shape[0] - start)
+                offsets = torch.Size((start,) + (0,) * (len(shape) - 1))
+                items.append(WriteItem(MetadataIndex(key, offsets), kind, tensor_data=TensorWriteData(
+                    ChunkStorageMetadata(offsets, torch.Size((rows,) + shape[1:])), props, size)))
+        self.plan = SavePlan(items, planner_data=self.mappings)
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+        plans, metadata = create_default_global_save_plan(all_plans)
+        planner_data = dict(self.mappings)
+        planner_data[PLANNER_DATA_KEY] = self.record
+        self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
+        return plans, self.metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = new_plan
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem):
+        src = self.sources[write_item.index.fqn]
+        chunk = write_item.tensor_data.chunk
+        if not chunk.offsets:
+            return src.read().detach().reshape(())
+        start = chunk.offsets[0]
+        return src.read(start, start + chunk.sizes[0]).detach().contiguous()
+
+
+def _plain_group(group: dict) -> dict:
+    return {k: (list(v) if k == "params" else _plain(v)) for k, v in group.items()}
+
+
+def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "optim",
+              chunk_bytes: int = 256 << 20) -> None:
+    """Write ``state`` as a DCP checkpoint in ``GefenDCPState``'s layout under ``key``, so that
+    ``dcp.load({key: GefenDCPState(opt)}, planner=GefenLoadPlanner())`` loads it on any world size.
+
+    No process group; each tensor is written in row chunks of at most ``chunk_bytes`` (at least one
+    row), read lazily from ``state``'s sources, so memory stays bounded by one chunk."""
+    from torch.distributed.checkpoint import save
+
+    if "." in key:
+        raise ValueError(f"key {key!r}: use a top-level name without dots (DCP flattens nested keys with '.')")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+        save({}, storage_writer=_storage_writer(path), planner=_CanonicalSavePlanner(state, key, chunk_bytes),
+             no_dist=True)
