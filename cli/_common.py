@@ -26,7 +26,7 @@ from rich.progress import (
 #: exit codes (documented in docs/cli.md)
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
-PORTABLE, TORCH = "portable", "torch"
+PORTABLE, TORCH, DCP = "portable", "torch", "dcp"
 
 
 def out() -> Console:
@@ -96,7 +96,8 @@ def parse_size(text: str | None) -> int | None:
 
 # ----- opening checkpoints ------------------------------------------------------------------
 def detect_format(url: str) -> str:
-    """``"portable"`` for a directory (our manifest is checked when it is read), ``"torch"``
+    """``"dcp"`` for a torch.distributed.checkpoint directory (it has ``.metadata``),
+    ``"portable"`` for another directory (our manifest is checked when it is read), ``"torch"``
     for a ``torch.save`` file; a clear error for anything else."""
     import fsspec
 
@@ -105,7 +106,7 @@ def detect_format(url: str) -> str:
 
     fs, path = fsspec.core.url_to_fs(url)
     if fs.isdir(path):
-        return PORTABLE
+        return DCP if fs.exists(path.rstrip("/") + "/.metadata") else PORTABLE
     if not fs.exists(path):
         raise CheckpointIncompleteError(f"{url}: no such file or directory")
     if is_torch_file(url):
@@ -127,7 +128,12 @@ def open_state(url: str, fmt: str | None = None, optimizer: str | None = None):
         from gefen_ckpt.torch_format import read_torch
 
         return fmt, read_torch(url, optimizer)
-    state = api().read(url)
+    if fmt == DCP:
+        from gefen_ckpt.dcp import read_dcp
+
+        state = read_dcp(url)
+    else:
+        state = api().read(url)
     if optimizer is not None:
         from gefen_ckpt.errors import CheckpointMismatchError
         from gefen_ckpt.torch_format import resolve_contract
@@ -136,3 +142,18 @@ def open_state(url: str, fmt: str | None = None, optimizer: str | None = None):
         if wanted != state.contract.implementation:
             raise CheckpointMismatchError(f"{url} holds {state.contract.implementation} state, not {wanted}")
     return fmt, state
+
+
+def write_state(state, url: str, fmt: str, sizes: dict, world_size: int | None = None) -> None:
+    """Write ``state`` to ``url`` as ``fmt`` (portable: sharded over ``world_size`` if given)."""
+    if fmt == DCP:
+        from gefen_ckpt.dcp import write_dcp
+
+        budget = sizes.get("memory_budget")
+        write_dcp(state, url, **({"chunk_bytes": budget // 4} if budget else {}))
+    elif fmt == TORCH:
+        from gefen_ckpt.torch_format import write_torch
+
+        write_torch(state, url)
+    else:
+        api().write(state, url, world_size=world_size, progress=want_progress(), **sizes)

@@ -15,8 +15,15 @@ import torch
 
 from gefen.codebook import learn_codebook
 from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
-from gefen.geometry import as_blocks, block_shape, period_candidates, period_statistics, pick_period, rows_and_row_numel
 from gefen.distributed import ReductionPlan, plan_reduction
+from gefen.geometry import (
+    as_blocks,
+    block_shape,
+    period_candidates,
+    period_statistics,
+    pick_period,
+    rows_and_row_numel,
+)
 from gefen.validation import check_grad, check_params, param_label
 
 

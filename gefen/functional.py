@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gefen import native
 from gefen.geometry import as_blocks, block_shape
 from gefen.quant import dequantise, quantise
 
@@ -60,6 +61,8 @@ def init_state(param: torch.Tensor, global_shape: tuple[int, ...], period: int, 
 def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
     """For a factored tensor: the new ``v_row`` (rank-local) and the float64 partial sums that
     need a global reduction, ``[column sums of g^2..., sum of the new v_row]``."""
+    if (fused := native.fused_partials(grad, state, beta2)) is not None:  # same numbers, one C call
+        return fused
     sq = grad.float().square()
     v_row = state["v_row"] * beta2 + sq.mean(1) * (1 - beta2)
     partials = torch.cat([sq.sum(0, dtype=torch.float64), v_row.sum(dtype=torch.float64).reshape(1)])
@@ -82,6 +85,8 @@ def gefen_update_(
     ``v_row``/``partials`` are the factored tensor's results of ``second_moment_partials`` after
     the global sum; block-path tensors pass neither.
     """
+    if native.fused_update_(param, grad, state, codebook, h, global_rows=global_rows, v_row=v_row, partials=partials):
+        return  # the fused C step (gefen/native.py): bit-identical, used when it applies
     period = int(state["period"])
     g = grad.float()
     step = int(state["step"]) + 1

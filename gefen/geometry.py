@@ -50,6 +50,8 @@ def period_candidates(shape: Sequence[int]) -> list[int]:
     if not uses_row_period(shape):
         return [1]
     _, n = rows_and_row_numel(shape)
+    if n == 0:  # empty rows (e.g. shape (5, 0)): nothing to block; P = 1 keeps block_shape valid
+        return [1]
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
@@ -64,7 +66,7 @@ def period_statistics(grad: torch.Tensor, candidates: Sequence[int]) -> torch.Te
     """
     rows, row_numel = rows_and_row_numel(grad.shape)
     sq = grad.detach().reshape(rows, row_numel).to(torch.float64, copy=True).square_()
-    fourth = sq.square().sum()
+    fourth = _sum_of_squares(sq)
     stats = torch.zeros(len(candidates), 2, dtype=torch.float64, device=grad.device)
     sums: dict[int, torch.Tensor] = {1: sq}
     for i, p in enumerate(candidates):
@@ -72,9 +74,15 @@ def period_statistics(grad: torch.Tensor, candidates: Sequence[int]) -> torch.Te
             q = max(c for c in sums if p % c == 0)
             sums[p] = sums[q].reshape(rows, row_numel // p, p // q).sum(-1)
         block_sums = sums[p]
-        stats[i, 0] = fourth / p - block_sums.square().sum() / (p * p)
+        stats[i, 0] = fourth / p - _sum_of_squares(block_sums) / (p * p)
         stats[i, 1] = block_sums.numel()
     return stats
+
+
+def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """``sum(x^2)`` as one dot product: no temporary as large as ``x``."""
+    flat = x.reshape(-1)
+    return torch.dot(flat, flat) if flat.numel() else flat.new_zeros(())
 
 
 def pick_period(candidates: Sequence[int], stats: torch.Tensor) -> int:
