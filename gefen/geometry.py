@@ -66,7 +66,7 @@ def period_statistics(grad: torch.Tensor, candidates: Sequence[int]) -> torch.Te
     """
     rows, row_numel = rows_and_row_numel(grad.shape)
     sq = grad.detach().reshape(rows, row_numel).to(torch.float64, copy=True).square_()
-    fourth = _sum_of_squares(sq)
+    fourth = sq.square().sum()
     stats = torch.zeros(len(candidates), 2, dtype=torch.float64, device=grad.device)
     sums: dict[int, torch.Tensor] = {1: sq}
     for i, p in enumerate(candidates):
@@ -74,15 +74,10 @@ def period_statistics(grad: torch.Tensor, candidates: Sequence[int]) -> torch.Te
             q = max(c for c in sums if p % c == 0)
             sums[p] = sums[q].reshape(rows, row_numel // p, p // q).sum(-1)
         block_sums = sums[p]
-        stats[i, 0] = fourth / p - _sum_of_squares(block_sums) / (p * p)
+        stats[i, 0] = fourth / p - block_sums.square().sum() / (p * p)
         stats[i, 1] = block_sums.numel()
     return stats
 
-
-def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
-    """``sum(x^2)`` as one dot product: no temporary as large as ``x``."""
-    flat = x.reshape(-1)
-    return torch.dot(flat, flat) if flat.numel() else flat.new_zeros(())
 
 
 def pick_period(candidates: Sequence[int], stats: torch.Tensor) -> int:
