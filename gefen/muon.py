@@ -16,6 +16,7 @@ import torch
 
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.contract import FieldSpec, OptimizerContract
+from gefen.distributed import RowGather
 from gefen.functional import init_momentum_state, update_momentum_
 from gefen.newton_schulz import orthogonalise, resolve_schedule
 from gefen.validation import check_range, param_label
@@ -44,8 +45,8 @@ class LocalGather:
 
     ``orthogonalise_rows(params, rows, fn)`` receives each parameter's rank-local rows of the
     update input and must return this rank's rows of ``fn(full matrices)``. One process holds
-    every row, so it simply applies ``fn``; the distributed issue swaps in a gatherer that
-    all-gathers along dim 0 (or sends each matrix to one owner rank) and keeps its own rows.
+    every row, so it simply applies ``fn``; under a row-sharding process group the step uses
+    ``gefen.distributed.RowGather``, which all-gathers along dim 0 and keeps its own rows.
     """
 
     def orthogonalise_rows(self, params: list[torch.Tensor], rows: list[torch.Tensor],
@@ -71,8 +72,9 @@ def normuon_(o: torch.Tensor, state: dict, beta2: float, eps: float) -> torch.Te
     Returns the float64 local sums ``[|O|^2, |O_normalised|^2]``: their *global* ratio restores the
     Frobenius norm, so callers reduce them over ranks before ``o *= sqrt(ratio)``.
     """
-    before = o.square().sum(dtype=torch.float64)
-    state["v_row"].mul_(beta2).add_(o.square().mean(1), alpha=1 - beta2)
+    sq = o.square()
+    before = sq.sum(dtype=torch.float64)
+    state["v_row"].mul_(beta2).add_(sq.mean(1), alpha=1 - beta2)
     denom = state["v_row"].div(1 - beta2 ** int(state["step"])).sqrt_().add_(eps)
     o.div_(denom.unsqueeze(1))
     return torch.stack([before, o.square().sum(dtype=torch.float64)])
@@ -161,25 +163,28 @@ class GefenMuon(CompressedOptimizer):
 
         # 2. orthogonalise: the one step that needs whole matrices
         schedules = [resolve_schedule(group["ns_schedule"], group["ns_steps"]) for group, _, _ in work]
-        ortho = self.gather.orthogonalise_rows([p for _, p, _ in work], inputs,
-                                               lambda full: orthogonalise_batched(full, schedules))
+        group = self.reduction_plan().group
+        gather = RowGather(group) if group is not None else self.gather
+        ortho = gather.orthogonalise_rows([p for _, p, _ in work], inputs,
+                                          lambda full: orthogonalise_batched(full, schedules))
 
         # 3. NorMuon: rows normalised locally, Frobenius norms restored with one reduction
         normed = [i for i, (group, _, _) in enumerate(work) if group["normuon"]]
         if normed:
-            partials = []
+            plan, partials = self.reduction_plan(), []
             for i in normed:
                 group, p, _ = work[i]
                 ortho[i] = ortho[i].float()
-                partials.append(normuon_(ortho[i], self.state[p], group["beta2"], group["eps"]))
-            sums = self.reducer.sum_(torch.stack(partials)).tolist()
+                sums = normuon_(ortho[i], self.state[p], group["beta2"], group["eps"])
+                partials.append(sums if plan.counts(p) else sums.zero_())  # replicated: one rank counts
+            sums = plan.reducer.sum_(torch.stack(partials)).tolist()
             for i, (before, after) in zip(normed, sums):
                 ortho[i].mul_(math.sqrt(before / after) if after > 0 else 0.0)
 
         # 4. decoupled weight decay with the plain lr, then the scaled orthogonal step
         for (group, p, _), o in zip(work, ortho):
             param = local_tensor(p)
-            work_p = param if param.dtype == torch.float32 else param.float()
+            work_p = param if param.dtype in (torch.float32, torch.float64) else param.float()
             if group["weight_decay"]:
                 work_p.mul_(1 - group["lr"] * group["weight_decay"])
             work_p.add_(o, alpha=-group["lr"] * lr_scale(global_shape(p), group["adjust_lr"]))

@@ -162,3 +162,42 @@ def test_wrappers_match_single_process(world_size: int, kinds: tuple[str, ...]):
             assert r[kind]["losses"] == pytest.approx(reference["losses"], rel=1e-4), kind
             for name, value in reference["params"].items():
                 torch.testing.assert_close(r[kind]["params"][name], value, rtol=1e-4, atol=1e-5, msg=f"{kind} {name}")
+
+
+# ----- GefenMuon: row-sharded momentum, whole matrices only for Newton-Schulz -------------------
+MUON_SHAPES = {"a": (24, 16), "b": (7, 32), "tiny": (3, 8)}  # uneven rows, an empty shard on 4 ranks
+
+
+def _muon_run(make_param, to_grad, local, normuon: bool):
+    from gefen import GefenMuon
+
+    g = torch.Generator().manual_seed(0)
+    params = {n: make_param(torch.randn(s, generator=g)) for n, s in MUON_SHAPES.items()}
+    opt = GefenMuon(list(params.items()), lr=0.02, weight_decay=0.01, normuon=normuon)
+    for step in range(3):
+        gg = torch.Generator().manual_seed(50 + step)
+        for n, s in MUON_SHAPES.items():
+            params[n].grad = to_grad(torch.randn(s, generator=gg) * torch.rand(s[0], 1, generator=gg))
+        opt.step()
+    return {n: local(p).clone() for n, p in params.items()}, {n: opt.state[p]["m_code"].clone() for n, p in params.items()}
+
+
+def _muon_worker(rank: int, world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
+    return {normuon: _muon_run(lambda t: torch.nn.Parameter(shard(t)), shard, lambda p: p.to_local(), normuon)
+            for normuon in (False, True)}
+
+
+def test_muon_sharded_matches_single_process():
+    """Sharded GefenMuon (incl. NorMuon) == one process within bf16 tolerance; codes row-sharded."""
+    results = run(_muon_worker, 4)
+    for normuon in (False, True):
+        params, codes = _muon_run(lambda t: torch.nn.Parameter(t.clone()), lambda g: g, lambda p: p.detach(), normuon)
+        for name in MUON_SHAPES:
+            got = torch.cat([r[normuon][0][name] for r in results])
+            torch.testing.assert_close(got, params[name], rtol=2e-2, atol=2e-3, msg=f"normuon={normuon} {name}")
+            assert sum(r[normuon][1][name].shape[0] for r in results) == codes[name].shape[0]

@@ -1,0 +1,1010 @@
+/*
+ * Fused Gefen step on CPU (SPEC 3.1 "Step"), bit-identical to the eager reference in
+ * gefen/functional.py (second_moment_partials + gefen_update_).
+ *
+ * Plain C99 + optional OpenMP, no Python C-API and no torch headers: gefen.native loads this
+ * shared object with ctypes (same pattern as kmeans_dp.c).  Built by setup.py as
+ * gefen._gefen_step; without OpenMP it still builds and runs single-threaded.
+ *
+ * Why the code looks the way it does: "identical state" means reproducing every fp32
+ * rounding of the eager torch ops, in the same order:
+ *   - elementwise ops are emulated one rounding at a time; torch's CPU kernels use a fused
+ *     multiply-add for lerp (fma(w, end - self, self)) and for add(..., alpha)
+ *     (fma(other, alpha, self)), so we call fmaf() there and nowhere else (the file must be
+ *     compiled with -ffp-contract=off so that the compiler adds no other contraction);
+ *   - sums (block mean of g^2, row means of g^2, float64 column sums, the float64 sum of
+ *     v_row) reproduce ATen's cascade_sum (aten/src/ATen/native/cpu/SumKernel.cpp): the
+ *     4-level chunked accumulation, its 4-way ILP, its vector width W (8 floats on AVX2 and
+ *     the default build, 16 on AVX512), the contiguous-outer column grouping, and how
+ *     TensorIterator::parallel_reduce splits work over `T` torch threads (two-pass reductions
+ *     for single outputs, 128-byte-rounded column ranges).  gefen.native checks this against
+ *     torch at first use and falls back to eager when it does not match;
+ *   - the nearest code is the count of fp32 thresholds (gefen.codebook.code_thresholds)
+ *     strictly below x, NaN -> last code, i.e. torch.searchsorted(right=False).  It is found
+ *     with a uniform bucket LUT whose buckets hold <= 2 thresholds (exact: the bucket map is
+ *     monotone, see gefen_build_lut), or by binary search when no LUT fits.
+ * Work is split over blocks / rows with OpenMP; any split gives the same result because each
+ * output is computed by exactly one thread in a fixed order.
+ *
+ * Memory traffic of one step: param read + write, grad read (twice for factored tensors:
+ * phase 1 reads it for the row/column statistics), codes read + write, per-block state.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GEFEN_X86 1
+#include <immintrin.h>
+#else
+#define GEFEN_X86 0
+#endif
+
+#if defined(_WIN32)
+#define GEFEN_EXPORT __declspec(dllexport)
+#else
+#define GEFEN_EXPORT __attribute__((visibility("default")))
+#endif
+
+#define GEFEN_ABI 7
+#define GRAIN 32768   /* at::internal::GRAIN_SIZE */
+#define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
+#define MAX_T 1024    /* largest torch thread count we emulate */
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+static int force_portable = 0;
+
+/* ----- scalar helpers ------------------------------------------------------------------- */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* c10::BFloat16 round-to-nearest-even (NaN -> 0x7FC0). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    if (f != f) return 0x7FC0;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
+
+static inline float ld_g(const void *g, int dt, int64_t i) {
+    return dt == DT_F32 ? ((const float *)g)[i] : bf16_to_f32(((const uint16_t *)g)[i]);
+}
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline int64_t divup(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* utils::CeilLog2 and multi_row_sum's level power. */
+static inline int64_t ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    return 64 - __builtin_clzll((unsigned long long)(x - 1));
+}
+static inline int level_power(int64_t size) {
+    int64_t c = ceil_log2(size) / 4;
+    return c > 4 ? (int)c : 4;
+}
+
+/* ----- ATen cascade_sum, reproduced ------------------------------------------------------
+ * For each element type LOAD(x, i) (the i-th summand, e.g. g[i]^2 in fp32):
+ *   rowsum_X(x, off, stride, n): row_sum<acc_t, ScalarLoadPolicy> (4-way ILP over n strided
+ *       elements, each a 4-level cascade), used for short rows and "B"-order columns;
+ *   inner_X(x, off, n, W): vectorized_inner_sum over a contiguous run of n >= W elements:
+ *       row_sum over W-lane vectors, then the scalar tail, then the lanes.
+ * A result is stored by torch as `out(=0) += value`, hence the `0 +` at the call sites.
+ */
+#define LD_SQ_F32(x, i) (((const float *)(x))[i] * ((const float *)(x))[i])
+#define LD_SQ_BF16(x, i) (bf16_to_f32(((const uint16_t *)(x))[i]) * bf16_to_f32(((const uint16_t *)(x))[i]))
+#define LD_SQD_F32(x, i) ((double)LD_SQ_F32(x, i))
+#define LD_SQD_BF16(x, i) ((double)LD_SQ_BF16(x, i))
+#define LD_F32(x, i) (((const float *)(x))[i])
+#define LD_D_F32(x, i) ((double)((const float *)(x))[i])
+#define LD_F64(x, i) (((const double *)(x))[i])
+
+#define DEF_SUMS(SUF, ACC, LOAD)                                                                \
+    static ACC rowsum_##SUF(const void *x, int64_t off, int64_t stride, int64_t n) {            \
+        const int64_t sz = n / 4;                                                               \
+        const int lp = level_power(sz);                                                         \
+        const int64_t step = (int64_t)1 << lp, mask = step - 1;                                 \
+        ACC acc[4][4];                                                                          \
+        memset(acc, 0, sizeof acc);                                                             \
+        int64_t i = 0;                                                                          \
+        while (i + step <= sz) {                                                                \
+            for (int64_t j = 0; j < step; ++j, ++i)                                             \
+                for (int k = 0; k < 4; ++k) acc[0][k] += LOAD(x, off + (4 * i + k) * stride);   \
+            for (int lv = 1; lv < 4; ++lv) {                                                    \
+                for (int k = 0; k < 4; ++k) {                                                   \
+                    acc[lv][k] += acc[lv - 1][k];                                               \
+                    acc[lv - 1][k] = 0;                                                         \
+                }                                                                               \
+                if (i & (mask << (lv * lp))) break;                                             \
+            }                                                                                   \
+        }                                                                                       \
+        for (; i < sz; ++i)                                                                     \
+            for (int k = 0; k < 4; ++k) acc[0][k] += LOAD(x, off + (4 * i + k) * stride);       \
+        for (int lv = 1; lv < 4; ++lv)                                                          \
+            for (int k = 0; k < 4; ++k) acc[0][k] += acc[lv][k];                                \
+        for (int64_t e = sz * 4; e < n; ++e) acc[0][0] += LOAD(x, off + e * stride);            \
+        for (int k = 1; k < 4; ++k) acc[0][0] += acc[0][k];                                     \
+        return acc[0][0];                                                                       \
+    }                                                                                           \
+    static inline __attribute__((always_inline)) ACC inner_##SUF##_w(const void *x, int64_t off, \
+                                                                     int64_t n, const int W) { \
+        if (n < W) return rowsum_##SUF(x, off, 1, n);                                           \
+        const int L = 4 * W;                                                                    \
+        const int64_t vs = n / W, sz = vs / 4;                                                  \
+        const int lp = level_power(sz);                                                         \
+        const int64_t step = (int64_t)1 << lp, mask = step - 1;                                 \
+        ACC acc[4][64];                                                                         \
+        for (int lv = 0; lv < 4; ++lv)                                                          \
+            for (int e = 0; e < L; ++e) acc[lv][e] = 0;                                         \
+        int64_t i = 0;                                                                          \
+        while (i + step <= sz) {                                                                \
+            for (int64_t j = 0; j < step; ++j, ++i) {                                           \
+                const int64_t base = off + i * L;                                               \
+                for (int e = 0; e < L; ++e) acc[0][e] += LOAD(x, base + e);                     \
+            }                                                                                   \
+            for (int lv = 1; lv < 4; ++lv) {                                                    \
+                for (int e = 0; e < L; ++e) {                                                   \
+                    acc[lv][e] += acc[lv - 1][e];                                               \
+                    acc[lv - 1][e] = 0;                                                         \
+                }                                                                               \
+                if (i & (mask << (lv * lp))) break;                                             \
+            }                                                                                   \
+        }                                                                                       \
+        for (; i < sz; ++i) {                                                                   \
+            const int64_t base = off + i * L;                                                   \
+            for (int e = 0; e < L; ++e) acc[0][e] += LOAD(x, base + e);                         \
+        }                                                                                       \
+        for (int lv = 1; lv < 4; ++lv)                                                          \
+            for (int e = 0; e < L; ++e) acc[0][e] += acc[lv][e];                                \
+        for (int64_t v = sz * 4; v < vs; ++v)                                                   \
+            for (int l = 0; l < W; ++l) acc[0][l] += LOAD(x, off + v * W + l);                  \
+        for (int k = 1; k < 4; ++k)                                                             \
+            for (int l = 0; l < W; ++l) acc[0][l] += acc[0][k * W + l];                         \
+        ACC fin = 0;                                                                            \
+        for (int64_t e = vs * W; e < n; ++e) fin += LOAD(x, off + e);                           \
+        for (int l = 0; l < W; ++l) fin += acc[0][l];                                           \
+        return fin;                                                                             \
+    }                                                                                           \
+    static ACC inner_##SUF(const void *x, int64_t off, int64_t n, int W) {                      \
+        switch (W) {                                                                            \
+        case 4: return inner_##SUF##_w(x, off, n, 4);                                           \
+        case 8: return inner_##SUF##_w(x, off, n, 8);                                           \
+        default: return inner_##SUF##_w(x, off, n, 16);                                         \
+        }                                                                                       \
+    }
+
+DEF_SUMS(sq_f32, float, LD_SQ_F32)
+DEF_SUMS(sq_bf16, float, LD_SQ_BF16)
+DEF_SUMS(sqd_f32, double, LD_SQD_F32)
+DEF_SUMS(sqd_bf16, double, LD_SQD_BF16)
+DEF_SUMS(f32, float, LD_F32)
+DEF_SUMS(d_f32, double, LD_D_F32)
+DEF_SUMS(f64, double, LD_F64)
+
+#if GEFEN_X86
+/* ----- AVX2 + FMA helpers (the same roundings, 8 lanes at a time) -------------------------- */
+#define AVX2 __attribute__((target("avx2,fma")))
+#define CLONES __attribute__((target_clones("avx2", "default")))
+
+static int cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+static AVX2 inline __m256 ld8_g(const void *g, int dt, int64_t i) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)g + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)g + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* inner_sq_*_w(.., 8) with 8-lane registers: one multi_row_sum cascade over quads of vectors. */
+static AVX2 float inner_sq_avx2(const void *g, int dt, int64_t off, int64_t n) {
+    if (n < 8) return dt == DT_F32 ? rowsum_sq_f32(g, off, 1, n) : rowsum_sq_bf16(g, off, 1, n);
+    const int64_t vs = n / 8, sz = vs / 4;
+    const int lp = level_power(sz);
+    const int64_t step = (int64_t)1 << lp, mask = step - 1;
+    const __m256 z = _mm256_setzero_ps();
+    __m256 a0[4] = {z, z, z, z}, a1[4] = {z, z, z, z}, a2[4] = {z, z, z, z}, a3[4] = {z, z, z, z};
+    int64_t i = 0;
+    while (i + step <= sz) {
+        for (int64_t j = 0; j < step; ++j, ++i) {
+            const int64_t base = off + i * 32;
+            for (int k = 0; k < 4; ++k) {
+                __m256 x = ld8_g(g, dt, base + 8 * k);
+                a0[k] = _mm256_add_ps(a0[k], _mm256_mul_ps(x, x));
+            }
+        }
+        for (int k = 0; k < 4; ++k) {
+            a1[k] = _mm256_add_ps(a1[k], a0[k]);
+            a0[k] = z;
+        }
+        if (i & (mask << lp)) continue;
+        for (int k = 0; k < 4; ++k) {
+            a2[k] = _mm256_add_ps(a2[k], a1[k]);
+            a1[k] = z;
+        }
+        if (i & (mask << (2 * lp))) continue;
+        for (int k = 0; k < 4; ++k) {
+            a3[k] = _mm256_add_ps(a3[k], a2[k]);
+            a2[k] = z;
+        }
+    }
+    for (; i < sz; ++i) {
+        const int64_t base = off + i * 32;
+        for (int k = 0; k < 4; ++k) {
+            __m256 x = ld8_g(g, dt, base + 8 * k);
+            a0[k] = _mm256_add_ps(a0[k], _mm256_mul_ps(x, x));
+        }
+    }
+    for (int k = 0; k < 4; ++k) a0[k] = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0[k], a1[k]), a2[k]), a3[k]);
+    for (int64_t v = sz * 4; v < vs; ++v) {
+        __m256 x = ld8_g(g, dt, off + v * 8);
+        a0[0] = _mm256_add_ps(a0[0], _mm256_mul_ps(x, x));
+    }
+    a0[0] = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0[0], a0[1]), a0[2]), a0[3]);
+    float lanes[8], fin = 0.0f;
+    _mm256_storeu_ps(lanes, a0[0]);
+    for (int64_t e = vs * 8; e < n; ++e) {
+        float x = ld_g(g, dt, off + e);
+        fin += x * x;
+    }
+    for (int l = 0; l < 8; ++l) fin += lanes[l];
+    return fin;
+}
+#else
+#define CLONES
+static int cpu_has_avx2(void) { return 0; }
+#endif
+
+static int use_avx2 = -1; /* resolved once: CPU support and not forced off */
+
+static inline int avx2_on(void) {
+    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
+    return use_avx2 && !force_portable;
+}
+
+/* sum of g[off .. off+n)^2 over one contiguous run, as vectorized_inner_sum computes it */
+static inline float inner_sq(const void *g, int dt, int64_t off, int64_t n, int W) {
+#if GEFEN_X86
+    if (W == 8 && avx2_on()) return inner_sq_avx2(g, dt, off, n);
+#endif
+    return dt == DT_F32 ? inner_sq_f32(g, off, n, W) : inner_sq_bf16(g, off, n, W);
+}
+
+/* fp32 sum of g[off .. off+n)^2 as torch sums it; `single` = the reduction has one output
+ * (then TensorIterator::parallel_reduce may use its two-pass, per-thread-chunk strategy). */
+static float tsum_sq(const void *g, int dt, int64_t off, int64_t n, int W, int T, int single) {
+    if (!single || n < GRAIN || T <= 1) return 0.0f + inner_sq(g, dt, off, n, W);
+    float buf[MAX_T];
+    int64_t nt = min64(T, divup(n, GRAIN)), chunk = divup(n, nt);
+    for (int t = 0; t < T; ++t) buf[t] = 0.0f;
+    for (int64_t t = 0; t < nt; ++t) {
+        int64_t b = t * chunk;
+        if (b >= n) break;
+        buf[t] = 0.0f + inner_sq(g, dt, off + b, min64(chunk, n - b), W);
+    }
+    return 0.0f + inner_f32(buf, 0, T, W);
+}
+
+/* float64 sum of (double)x[i] over a float array (v_row.sum(dtype=float64)), one output. */
+static double tsum_d_f32(const float *x, int64_t n, int Wd, int T) {
+    if (n < GRAIN || T <= 1) return 0.0 + inner_d_f32(x, 0, n, Wd);
+    double buf[MAX_T];
+    int64_t nt = min64(T, divup(n, GRAIN)), chunk = divup(n, nt);
+    for (int t = 0; t < T; ++t) buf[t] = 0.0;
+    for (int64_t t = 0; t < nt; ++t) {
+        int64_t b = t * chunk;
+        if (b >= n) break;
+        buf[t] = 0.0 + inner_d_f32(x, b, min64(chunk, n - b), Wd);
+    }
+    return 0.0 + inner_f64(buf, 0, T, Wd);
+}
+
+/* float64 sum of (double)(g^2) over a contiguous run, one output (column sums when cols == 1). */
+static double tsum_sqd(const void *g, int dt, int64_t n, int Wd, int T) {
+    if (n < GRAIN || T <= 1) return 0.0 + (dt == DT_F32 ? inner_sqd_f32(g, 0, n, Wd) : inner_sqd_bf16(g, 0, n, Wd));
+    double buf[MAX_T];
+    int64_t nt = min64(T, divup(n, GRAIN)), chunk = divup(n, nt);
+    for (int t = 0; t < T; ++t) buf[t] = 0.0;
+    for (int64_t t = 0; t < nt; ++t) {
+        int64_t b = t * chunk;
+        if (b >= n) break;
+        int64_t len = min64(chunk, n - b);
+        buf[t] = 0.0 + (dt == DT_F32 ? inner_sqd_f32(g, b, len, Wd) : inner_sqd_bf16(g, b, len, Wd));
+    }
+    return 0.0 + inner_f64(buf, 0, T, Wd);
+}
+
+/* ----- column sums: sq.sum(0, dtype=float64) of a [rows, cols] matrix --------------------
+ * cascade_sum's contiguous-outer path sums, per thread range of columns, the first columns in
+ * groups of 4 vectors with multi_row_sum ("A": one cascade down the rows per column) and the
+ * remaining < 4 vectors' worth of columns with row_sum ("B": 4-way ILP down the rows).
+ */
+static int col_ranges(int64_t rows, int64_t cols, int T, int64_t *rb, int64_t *re) {
+    if (rows * cols < GRAIN || T <= 1) {
+        rb[0] = 0;
+        re[0] = cols;
+        return 1;
+    }
+    /* parallel_dim_reduction: at::parallel_for(0, cols, 1) then round to 128 bytes (16 doubles) */
+    int64_t nt = min64(T, cols), chunk = divup(cols, nt);
+    int n = 0;
+    for (int64_t t = 0; t < nt; ++t) {
+        int64_t b = t * chunk;
+        if (b >= cols) break;
+        int64_t e = min64(cols, b + chunk);
+        b = min64((b + 15) / 16 * 16, cols);
+        e = min64((e + 15) / 16 * 16, cols);
+        if (b == e) continue;
+        rb[n] = b;
+        re[n] = e;
+        ++n;
+    }
+    return n;
+}
+
+static int64_t a_columns(int64_t n, int Wd) {
+    return n >= Wd ? n / (4 * Wd) * (4 * Wd) : n / 4 * 4;
+}
+
+/* "A" order for columns [c0, c1): acc holds 4 levels x (c1 - c0) doubles. */
+static CLONES void colsum_A(const void *g, int dt, int64_t rows, int64_t cols, int64_t c0, int64_t c1,
+                     double *acc, double *out) {
+    const int64_t nc = c1 - c0;
+    double *a0 = acc, *lvl[4] = {acc, acc + nc, acc + 2 * nc, acc + 3 * nc};
+    memset(acc, 0, (size_t)(4 * nc) * sizeof(double));
+    const int lp = level_power(rows);
+    const int64_t step = (int64_t)1 << lp, mask = step - 1;
+    int64_t i = 0;
+#define GEFEN_ADD_ROW(row)                                                             \
+    do {                                                                               \
+        if (dt == DT_F32) {                                                            \
+            const float *src = (const float *)g + (row) * cols + c0;                   \
+            for (int64_t c = 0; c < nc; ++c) a0[c] += (double)(src[c] * src[c]);       \
+        } else {                                                                       \
+            const uint16_t *src = (const uint16_t *)g + (row) * cols + c0;             \
+            for (int64_t c = 0; c < nc; ++c) {                                         \
+                float v = bf16_to_f32(src[c]);                                         \
+                a0[c] += (double)(v * v);                                              \
+            }                                                                          \
+        }                                                                              \
+    } while (0)
+    while (i + step <= rows) {
+        for (int64_t j = 0; j < step; ++j, ++i) GEFEN_ADD_ROW(i);
+        for (int lv = 1; lv < 4; ++lv) {
+            double *hi = lvl[lv], *lo = lvl[lv - 1];
+            for (int64_t c = 0; c < nc; ++c) {
+                hi[c] += lo[c];
+                lo[c] = 0.0;
+            }
+            if (i & (mask << (lv * lp))) break;
+        }
+    }
+    for (; i < rows; ++i) GEFEN_ADD_ROW(i);
+#undef GEFEN_ADD_ROW
+    for (int lv = 1; lv < 4; ++lv)
+        for (int64_t c = 0; c < nc; ++c) a0[c] += lvl[lv][c];
+    for (int64_t c = 0; c < nc; ++c) out[c0 + c] = 0.0 + a0[c];
+}
+
+static void column_sums(const void *g, int dt, int64_t rows, int64_t cols, int Wd, int T, double *out,
+                        int nthreads) {
+    if (cols == 1) {
+        out[0] = tsum_sqd(g, dt, rows, Wd, T);
+        return;
+    }
+    int64_t rb[MAX_T], re[MAX_T];
+    int nr = col_ranges(rows, cols, T, rb, re);
+    /* B columns: few (< 4 vectors per torch range), strided, serial */
+    for (int r = 0; r < nr; ++r) {
+        for (int64_t j = rb[r] + a_columns(re[r] - rb[r], Wd); j < re[r]; ++j)
+            out[j] = 0.0 + (dt == DT_F32 ? rowsum_sqd_f32(g, j, cols, rows) : rowsum_sqd_bf16(g, j, cols, rows));
+    }
+    /* A columns: split into pieces of <= `piece` columns, pieces spread over threads */
+    int64_t piece = cols / (nthreads > 0 ? nthreads : 1);
+    piece = (piece + 15) / 16 * 16;
+    if (piece > 1024) piece = 1024;
+    if (piece < 16) piece = 16;
+    int64_t npieces = 0;
+    for (int r = 0; r < nr; ++r) npieces += divup(a_columns(re[r] - rb[r], Wd), piece);
+    int par = rows * cols >= PAR_MIN && nthreads > 1;
+    (void)par;
+#pragma omp parallel if (par)
+    {
+        double *acc = (double *)malloc((size_t)(4 * piece) * sizeof(double));
+        int64_t k = 0;
+#pragma omp for schedule(static)
+        for (k = 0; k < npieces; ++k) {
+            /* locate piece k */
+            int64_t kk = k;
+            for (int r = 0; r < nr; ++r) {
+                int64_t na = a_columns(re[r] - rb[r], Wd), np = divup(na, piece);
+                if (kk < np) {
+                    int64_t c0 = rb[r] + kk * piece, c1 = min64(c0 + piece, rb[r] + na);
+                    if (acc) {
+                        colsum_A(g, dt, rows, cols, c0, c1, acc, out);
+                    } else { /* out of memory: per-column, same order, no buffer */
+                        for (int64_t c = c0; c < c1; ++c) {
+                            double one[4];
+                            colsum_A(g, dt, rows, cols, c, c + 1, one, out);
+                        }
+                    }
+                    break;
+                }
+                kk -= np;
+            }
+        }
+        free(acc);
+    }
+}
+
+static int max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* ----- phase 1: second_moment_partials ---------------------------------------------------
+ * v_row_new = v_row * b2 + mean_cols(g^2) * (1 - b2)          (fp32, two products and a sum)
+ * partials  = [sum_rows(g^2) as float64..., sum(v_row_new) as float64]
+ */
+GEFEN_EXPORT int gefen_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols,
+                                const float *v_row_old, float *v_row_new, double *partials,
+                                double beta2, double omb2, int32_t W, int32_t T) {
+    if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0) return -2;
+    const float b2 = (float)beta2, o2 = (float)omb2, fcols = (float)cols;
+    const int single = rows == 1, nthreads = max_threads();
+    int64_t r = 0;
+#pragma omp parallel for schedule(static) if (rows * cols >= PAR_MIN)
+    for (r = 0; r < rows; ++r) {
+        float mean = tsum_sq(grad, gdt, r * cols, cols, W, T, single) / fcols;
+        v_row_new[r] = v_row_old[r] * b2 + mean * o2;
+    }
+    column_sums(grad, gdt, rows, cols, W / 2, T, partials, nthreads);
+    partials[cols] = tsum_d_f32(v_row_new, rows, W / 2, T);
+    return 0;
+}
+
+/* ----- the quantiser ------------------------------------------------------------------------ */
+
+/* Bucket of x in [-1, 1]: monotone non-decreasing in x (fp32 add, exact power-of-two scale,
+ * truncation), so a threshold in a lower bucket is < x and one in a higher bucket is > x. */
+static inline int32_t bucket_of(float x, float hm, int32_t M) {
+    float y = (x + 1.0f) * hm;
+    int32_t b = (int32_t)y;
+    return b > M - 1 ? M - 1 : (b < 0 ? 0 : b);
+}
+
+/* The LUT, one uint16 per bucket b < M: lo | (mixed << 8), where lo = number of thresholds (< 1)
+ * in buckets below b and mixed = bucket b holds a threshold; entry M (NaN) = K - 1.  For x in
+ * bucket b the code is lo when the bucket is not mixed, else
+ *     lo + (thr[lo] < x) + (thr[lo + 1] < x)
+ * (exact with at most 2 thresholds per bucket: thr is sorted, so thr[lo] is the first threshold
+ * in bucket b or above, and any threshold in a higher bucket, >= 1, or the +inf padding is > x).
+ * With M = 16384 a learned codebook (centres >= 2/4096 apart) has <= 1 threshold per bucket and
+ * ~1% of the buckets are mixed.  Returns the largest number of thresholds (< 1) in one bucket
+ * (the LUT is usable when <= 2), or -1 (out of memory). */
+GEFEN_EXPORT int gefen_build_lut(const float *thr, int32_t nthr, int32_t M, int32_t K, uint16_t *lut) {
+    const float hm = (float)(M / 2);
+    int32_t *cnt = (int32_t *)calloc((size_t)M, sizeof(int32_t));
+    if (!cnt) return -1;
+    for (int32_t i = 0; i < nthr; ++i)
+        if (thr[i] < 1.0f) cnt[bucket_of(thr[i], hm, M)]++;
+    int32_t run = 0, most = 0;
+    for (int32_t b = 0; b < M; ++b) {
+        lut[b] = (uint16_t)(run | (cnt[b] ? 0x100 : 0));
+        run += cnt[b];
+        if (cnt[b] > most) most = cnt[b];
+    }
+    lut[M] = (uint16_t)(K - 1);
+    free(cnt);
+    return most;
+}
+
+/* ----- phase 2: the update ------------------------------------------------------------------ */
+
+typedef struct {
+    void *param;
+    const void *grad;
+    uint8_t *codes;
+    float *scales;
+    float *v;               /* block second moment [rows*bpr] (block path) */
+    const float *v_row_new; /* factored: phase-1 result */
+    float *v_row;           /* factored: state, overwritten with v_row_new */
+    float *v_col;           /* factored: state, EMA updated here */
+    const double *partials; /* factored: globally summed [cols + 1] */
+    int64_t *step_ptr;      /* state["step"], or NULL (caller writes it) */
+    const float *codebook;  /* [K] */
+    const float *thr;       /* [258]: code_thresholds padded with +inf */
+    const uint16_t *lut;    /* [lut_M + 1] (gefen_build_lut), unused when lut_M == 0 (binary search) */
+    int64_t rows, bpr, period, global_rows, step;
+    double omb1, beta2, omb2, bias1, bias2_sqrt, eps, neg_lr, decay;
+    int32_t param_dtype, grad_dtype, K, lut_M, W, T, has_wd, factored;
+    int32_t scale_mode; /* 0: torch.maximum(amax, -amin) (gefen.quant today); 1: abs().amax() */
+    int32_t reserved;
+} gefen_step_args;
+
+typedef struct {
+    const gefen_step_args *a;
+    int64_t P, NB, cols;
+    float w1, b2, o2, b1, b2s, eps, nlr, decay, rm, hm;
+    float lerp_coeff; /* lerp weight, or weight - 1 when |weight| >= 0.5 (ATen's lerp) */
+    int lerp_small;   /* |weight| < 0.5: lerp = fma(w, end - self, self), else fma(w - 1, end - self, end) */
+    int vec2;         /* 2 * W: torch's elementwise vector step */
+} kctx;
+
+/* The block scale as gefen.quant.quantise forms it.  scale_mode 0: torch.maximum(amax, -amin)
+ * on the [rows, bpr] scale tensor: x86 max_ps semantics in the vectorised part of each thread
+ * chunk (ties such as (+0, -0) give the second operand, NaN gives all-ones), std::max in the
+ * scalar tail (ties give the first, NaN the canonical NaN). */
+static inline float block_scale(const kctx *c, int64_t bi, float amax, float amin, int nan) {
+    float nm = -amin;
+    if (c->a->scale_mode == 1) { /* |m|.amax(): NaN propagates, zeros are +0 */
+        if (nan) return bits_f32(0x7FC00000u);
+        float r = amax > nm ? amax : nm;
+        return r == 0.0f ? 0.0f : r;
+    }
+    int64_t b0 = 0, e0 = c->NB;
+    if (c->NB >= GRAIN && c->a->T > 1) {
+        int64_t nt = min64(c->a->T, divup(c->NB, GRAIN)), chunk = divup(c->NB, nt);
+        b0 = bi / chunk * chunk;
+        e0 = min64(c->NB, b0 + chunk);
+    }
+    int vec = (bi - b0) < (e0 - b0) / c->vec2 * c->vec2;
+    if (nan) return vec ? bits_f32(0xFFFFFFFFu) : bits_f32(0x7FC00000u);
+    if (amax == nm) return vec ? nm : amax;
+    return amax > nm ? amax : nm;
+}
+
+/* m = lerp(m0, g, w) exactly as ATen computes it (both in its vector body and scalar tail). */
+static inline float lerp_m(const kctx *c, float m0, float g) {
+    return fmaf(c->lerp_coeff, g - m0, c->lerp_small ? m0 : g);
+}
+
+/* Number of thresholds below x (NaN -> K - 1), through bucket b of the LUT or by binary search. */
+static inline int32_t code_of(const kctx *c, float x, int32_t b) {
+    const gefen_step_args *a = c->a;
+    if (a->lut_M) {
+        const int32_t lo = a->lut[b] & 0xFF;
+        return lo + (a->thr[lo] < x) + (a->thr[lo + 1] < x);
+    }
+    if (x != x) return a->K - 1;
+    int32_t idx = 0;
+    for (int32_t s = 128; s; s >>= 1)
+        if (a->thr[idx + s - 1] < x) idx += s;
+    return idx;
+}
+
+static inline int32_t bucket_or_nan(const kctx *c, float x) {
+    return x != x ? c->a->lut_M : bucket_of(x, c->hm, c->a->lut_M);
+}
+
+static inline float load_p(const gefen_step_args *a, int64_t i) {
+    return a->param_dtype == DT_F32 ? ((float *)a->param)[i] : bf16_to_f32(((uint16_t *)a->param)[i]);
+}
+static inline void store_p(const gefen_step_args *a, int64_t i, float v) {
+    if (a->param_dtype == DT_F32) ((float *)a->param)[i] = v;
+    else ((uint16_t *)a->param)[i] = f32_to_bf16(v);
+}
+
+/* ----- square roots ---------------------------------------------------------------------------
+ * torch.sqrt on CPU is MKL's vmsSqrt (VML_HA) when torch is built with MKL, which is not always
+ * correctly rounded (about 0.75 ulp here).  gefen.native hands us the very function torch calls
+ * (exported by libtorch_cpu) so both paths round alike; without it we use IEEE sqrtf, which is
+ * what torch's own vectorised sqrt computes.  Calibration checks whichever is in use. */
+typedef void (*vms_sqrt_fn)(int n, const float *a, float *r, long long mode);
+static vms_sqrt_fn vms_sqrt = NULL;
+#define VML_MODE 0x140102LL /* VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as ATen's vml.h */
+
+static void sqrt_n(float *x, int64_t n) {
+    if (vms_sqrt) {
+        while (n > 0) {
+            int k = n > (1 << 30) ? (1 << 30) : (int)n;
+            vms_sqrt(k, x, x, VML_MODE);
+            x += k;
+            n -= k;
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) x[i] = sqrtf(x[i]);
+}
+
+static CLONES void scale_shift(float *q, int64_t n, float b2s, float eps) {
+    for (int64_t i = 0; i < n; ++i) q[i] = q[i] / b2s + eps;
+}
+
+/* den[i] = sqrt(q[i]) / sqrt(1 - b2^t) + eps, in place. */
+static void finish_denominators(const kctx *c, float *q, int64_t n) {
+    sqrt_n(q, n);
+    scale_shift(q, n, c->b2s, c->eps);
+}
+
+/* Block path: update v for blocks [b0, b1) and write their denominators to den. */
+static void block_denominators(const kctx *c, int64_t b0, int64_t b1, float *den) {
+    const gefen_step_args *a = c->a;
+    for (int64_t bi = b0; bi < b1; ++bi) {
+        float bs = tsum_sq(a->grad, a->grad_dtype, bi * c->P, c->P, a->W, a->T, c->NB == 1) / (float)c->P;
+        float v = fmaf(bs, c->o2, a->v[bi] * c->b2);
+        a->v[bi] = v;
+        den[bi - b0] = v;
+    }
+    finish_denominators(c, den, b1 - b0);
+}
+
+static CLONES void outer_over(float *den, const float *vc, int64_t n, float vr, float rm) {
+    for (int64_t j = 0; j < n; ++j) den[j] = (vr * vc[j]) / rm;
+}
+
+/* Factored path: denominators of row r, columns [j0, j1): sqrt(v_row * v_col / mean(v_row)). */
+static void row_denominators(const kctx *c, int64_t r, int64_t j0, int64_t j1, float *den) {
+    outer_over(den, c->a->v_col + j0, j1 - j0, c->a->v_row[r], c->rm);
+    finish_denominators(c, den, j1 - j0);
+}
+
+/* ----- one block ------------------------------------------------------------------------------
+ * Pass 1: m = lerp(codebook[code] * scale, g) for the block, its max-abs -> the new scale.
+ * Pass 2: code = nearest(m / scale), u = codebook[code] * scale / (1 - b1^t) / den,
+ *         p = p * (1 - lr wd) - lr u  (one fused multiply-add, as torch's add(alpha)).
+ * Buffers (P entries each): mbuf (m, then m / scale), cbuf (codebook values), bbuf (buckets). */
+typedef struct {
+    float *mbuf, *cbuf;
+    int32_t *bbuf;
+} block_bufs;
+
+/* One block, portable C. den is the block's denominator (one value on the block path,
+ * den_stride = 0) or one per element (factored, den_stride = 1). */
+static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, const float *den, int den_stride) {
+    const gefen_step_args *a = c->a;
+    const int64_t P = c->P, off = bi * P;
+    const float *cb = a->codebook;
+    float *mbuf = B->mbuf;
+    uint8_t *code = a->codes + off;
+    const float s_old = a->scales[bi];
+    float amax = -INFINITY, amin = INFINITY;
+    int nan = 0;
+    for (int64_t e = 0; e < P; ++e) {
+        float m0 = cb[code[e]] * s_old;
+        float m = lerp_m(c, m0, ld_g(a->grad, a->grad_dtype, off + e));
+        mbuf[e] = m;
+        nan |= m != m;
+        amax = m > amax ? m : amax;
+        amin = m < amin ? m : amin;
+    }
+    const float scale = block_scale(c, bi, amax, amin, nan);
+    const int zero = scale == 0.0f;
+    for (int64_t e = 0; e < P; ++e) {
+        int32_t q = 0;
+        if (!zero) {
+            float x = mbuf[e] / scale;
+            q = code_of(c, x, a->lut_M ? bucket_or_nan(c, x) : 0);
+        }
+        float u = cb[q] * scale;
+        u = u / c->b1;
+        u = u / den[e * den_stride];
+        float p = load_p(a, off + e);
+        if (a->has_wd) p = p * c->decay;
+        store_p(a, off + e, fmaf(u, c->nlr, p));
+        code[e] = (uint8_t)q;
+    }
+    a->scales[bi] = scale;
+}
+
+/* P == 1, block path: every element is its own block (1-D / 0-D tensors).  den: i1 - i0 floats. */
+static void elementwise_portable(const kctx *c, int64_t i0, int64_t i1, float *den) {
+    const gefen_step_args *a = c->a;
+    const float *cb = a->codebook;
+    for (int64_t i = i0; i < i1; ++i) {
+        float g = ld_g(a->grad, a->grad_dtype, i);
+        float v = fmaf(0.0f + g * g, c->o2, a->v[i] * c->b2);
+        a->v[i] = v;
+        den[i - i0] = v;
+    }
+    finish_denominators(c, den, i1 - i0);
+    for (int64_t i = i0; i < i1; ++i) {
+        float m0 = cb[a->codes[i]] * a->scales[i];
+        float m = lerp_m(c, m0, ld_g(a->grad, a->grad_dtype, i));
+        float scale = block_scale(c, i, m, m, m != m);
+        int32_t q = 0;
+        if (scale != 0.0f) {
+            float x = m / scale;
+            q = code_of(c, x, a->lut_M ? bucket_or_nan(c, x) : 0);
+        }
+        float u = cb[q] * scale;
+        u = u / c->b1;
+        u = u / den[i - i0];
+        float p = load_p(a, i);
+        if (a->has_wd) p = p * c->decay;
+        store_p(a, i, fmaf(u, c->nlr, p));
+        a->codes[i] = (uint8_t)q;
+        a->scales[i] = scale;
+    }
+}
+
+/* Table lookups stay scalar: AVX2 gathers are several times slower than plain loads on the
+ * CPUs we measured, and these loops are load-port bound (2-5 loads per element). */
+#define NOVEC __attribute__((noinline, optimize("no-tree-vectorize")))
+
+static NOVEC void lookup_values(const uint8_t *code, const float *cb, float *out, int64_t n) {
+    int64_t e = 0;
+    for (; e + 4 <= n; e += 4) {
+        out[e] = cb[code[e]];
+        out[e + 1] = cb[code[e + 1]];
+        out[e + 2] = cb[code[e + 2]];
+        out[e + 3] = cb[code[e + 3]];
+    }
+    for (; e < n; ++e) out[e] = cb[code[e]];
+}
+
+/* codes of x[0 .. n) (already divided by the scale, bucketed in b) and their codebook values */
+static NOVEC void lookup_codes(const kctx *c, const float *x, const int32_t *b, uint8_t *code, float *out,
+                               int64_t n) {
+    const float *cb = c->a->codebook, *thr = c->a->thr;
+    const uint16_t *lut = c->a->lut;
+    if (c->a->lut_M) {
+        for (int64_t e = 0; e < n; ++e) {
+            const uint32_t E = lut[b[e]];
+            int32_t q = (int32_t)(E & 0xFF);
+            if (__builtin_expect(E >> 8, 0)) q += (thr[q] < x[e]) + (thr[q + 1] < x[e]);
+            code[e] = (uint8_t)q;
+            out[e] = cb[q];
+        }
+        return;
+    }
+    for (int64_t e = 0; e < n; ++e) {
+        int32_t q = code_of(c, x[e], 0);
+        code[e] = (uint8_t)q;
+        out[e] = cb[q];
+    }
+}
+
+#if GEFEN_X86
+static AVX2 inline __m256 ld8_p(const gefen_step_args *a, int64_t i) { return ld8_g(a->param, a->param_dtype, i); }
+
+static AVX2 inline void st8_p(const gefen_step_args *a, int64_t i, __m256 v) {
+    if (a->param_dtype == DT_F32) {
+        _mm256_storeu_ps((float *)a->param + i, v);
+        return;
+    }
+    /* round to nearest even, NaN -> 0x7FC0 (c10::BFloat16) */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(isnan));
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)a->param + i), packed);
+}
+
+static AVX2 float hmax8(__m256 v) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    float m = t[0];
+    for (int i = 1; i < 8; ++i) m = t[i] > m ? t[i] : m;
+    return m;
+}
+static AVX2 float hmin8(__m256 v) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    float m = t[0];
+    for (int i = 1; i < 8; ++i) m = t[i] < m ? t[i] : m;
+    return m;
+}
+
+static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, const float *den, int den_stride) {
+    const gefen_step_args *a = c->a;
+    const int64_t P = c->P, off = bi * P;
+    const int64_t P8 = P & ~(int64_t)7;
+    const float *cb = a->codebook;
+    float *mbuf = B->mbuf, *cbuf = B->cbuf;
+    int32_t *bbuf = B->bbuf;
+    uint8_t *code = a->codes + off;
+    const float s_old = a->scales[bi];
+
+    /* pass 1 */
+    lookup_values(code, cb, cbuf, P);
+    const __m256 vs_old = _mm256_set1_ps(s_old), w = _mm256_set1_ps(c->lerp_coeff);
+    __m256 vmax = _mm256_set1_ps(-INFINITY), vmin = _mm256_set1_ps(INFINITY), vnan = _mm256_setzero_ps();
+    int64_t e = 0;
+    for (; e < P8; e += 8) {
+        __m256 m0 = _mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vs_old);
+        __m256 g = ld8_g(a->grad, a->grad_dtype, off + e);
+        __m256 m = _mm256_fmadd_ps(w, _mm256_sub_ps(g, m0), c->lerp_small ? m0 : g);
+        _mm256_storeu_ps(mbuf + e, m);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(m, m, _CMP_UNORD_Q));
+        vmax = _mm256_max_ps(vmax, m);
+        vmin = _mm256_min_ps(vmin, m);
+    }
+    float amax = hmax8(vmax), amin = hmin8(vmin);
+    int nan = _mm256_movemask_ps(vnan) != 0;
+    for (; e < P; ++e) {
+        float m = lerp_m(c, cbuf[e] * s_old, ld_g(a->grad, a->grad_dtype, off + e));
+        mbuf[e] = m;
+        nan |= m != m;
+        amax = m > amax ? m : amax;
+        amin = m < amin ? m : amin;
+    }
+    const float scale = block_scale(c, bi, amax, amin, nan);
+    const __m256 vscale = _mm256_set1_ps(scale);
+
+    /* pass 2: normalise and bucket (vector), look up codes (scalar), update (vector) */
+    if (scale == 0.0f) {
+        memset(code, 0, (size_t)P);
+        for (e = 0; e < P; ++e) cbuf[e] = cb[0];
+    } else {
+        const int32_t M = a->lut_M;
+        const __m256 one = _mm256_set1_ps(1.0f), hm = _mm256_set1_ps(c->hm);
+        const __m256i top = _mm256_set1_epi32(M - 1), nanb = _mm256_set1_epi32(M), zero = _mm256_setzero_si256();
+        for (e = 0; e < P8; e += 8) {
+            __m256 x = _mm256_div_ps(_mm256_loadu_ps(mbuf + e), vscale);
+            _mm256_storeu_ps(mbuf + e, x);
+            __m256 isnan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+            __m256i b = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_add_ps(_mm256_andnot_ps(isnan, x), one), hm));
+            b = _mm256_max_epi32(_mm256_min_epi32(b, top), zero);
+            _mm256_storeu_si256((__m256i *)(bbuf + e), _mm256_blendv_epi8(b, nanb, _mm256_castps_si256(isnan)));
+        }
+        for (; e < P; ++e) {
+            float x = mbuf[e] / scale;
+            mbuf[e] = x;
+            bbuf[e] = M ? bucket_or_nan(c, x) : 0;
+        }
+        lookup_codes(c, mbuf, bbuf, code, cbuf, P);
+    }
+    const __m256 b1 = _mm256_set1_ps(c->b1), nlr = _mm256_set1_ps(c->nlr), decay = _mm256_set1_ps(c->decay);
+    const __m256 vden_b = _mm256_set1_ps(den[0]);
+    for (e = 0; e < P8; e += 8) {
+        __m256 u = _mm256_div_ps(_mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale), b1);
+        u = _mm256_div_ps(u, den_stride ? _mm256_loadu_ps(den + e) : vden_b);
+        __m256 p = ld8_p(a, off + e);
+        if (a->has_wd) p = _mm256_mul_ps(p, decay);
+        st8_p(a, off + e, _mm256_fmadd_ps(u, nlr, p));
+    }
+    for (; e < P; ++e) {
+        float u = cbuf[e] * scale;
+        u = u / c->b1;
+        u = u / den[e * den_stride];
+        float p = load_p(a, off + e);
+        if (a->has_wd) p = p * c->decay;
+        store_p(a, off + e, fmaf(u, c->nlr, p));
+    }
+    a->scales[bi] = scale;
+}
+#endif
+
+static inline void one_block(const kctx *c, int64_t bi, const block_bufs *B, const float *den, int den_stride,
+                             int avx2) {
+#if GEFEN_X86
+    if (avx2 && c->P >= 8) {
+        block_avx2(c, bi, B, den, den_stride);
+        return;
+    }
+#endif
+    (void)avx2;
+    block_portable(c, bi, B, den, den_stride);
+}
+
+#define BLOCK_CHUNK_ELEMS 16384 /* block path: blocks whose denominators are batched together */
+#define ELEM_CHUNK 4096         /* P == 1: elements per batch */
+
+/* Blocks [b0, b1) of one thread. den: den_len floats. */
+static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *B, float *den, int avx2) {
+    const gefen_step_args *a = c->a;
+    if (!a->factored && c->P == 1) {
+        for (int64_t i = b0; i < b1; i += ELEM_CHUNK) elementwise_portable(c, i, min64(i + ELEM_CHUNK, b1), den);
+        return;
+    }
+    if (!a->factored) {
+        int64_t per = BLOCK_CHUNK_ELEMS / c->P;
+        per = per < 1 ? 1 : (per > ELEM_CHUNK ? ELEM_CHUNK : per);
+        for (int64_t k0 = b0; k0 < b1; k0 += per) {
+            int64_t k1 = min64(k0 + per, b1);
+            block_denominators(c, k0, k1, den);
+            for (int64_t bi = k0; bi < k1; ++bi) one_block(c, bi, B, den + (bi - k0), 0, avx2);
+        }
+        return;
+    }
+    /* factored: the denominators of each row segment, then its blocks */
+    const int64_t bpr = a->bpr, P = c->P;
+    for (int64_t bi = b0; bi < b1;) {
+        int64_t r = bi / bpr, end = min64((r + 1) * bpr, b1);
+        int64_t j0 = (bi - r * bpr) * P, j1 = (end - r * bpr) * P;
+        row_denominators(c, r, j0, j1, den);
+        for (int64_t k = bi; k < end; ++k) one_block(c, k, B, den + ((k - r * bpr) * P - j0), 1, avx2);
+        bi = end;
+    }
+}
+
+/* One Gefen step for one (rank-local) parameter; see gefen.functional.gefen_update_.
+ * Returns 0, -1 when out of memory (nothing modified), -2 on bad arguments (nothing modified). */
+GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
+    if (a->T < 1 || a->T > MAX_T || (a->W != 8 && a->W != 16) || a->period < 1 || a->K < 2 || a->K > 256 ||
+        (a->lut_M && !a->lut))
+        return -2;
+    kctx c;
+    c.a = a;
+    c.P = a->period;
+    c.NB = a->rows * a->bpr;
+    c.cols = a->bpr * a->period;
+    c.w1 = (float)a->omb1;
+    c.lerp_small = fabsf(c.w1) < 0.5f;
+    c.lerp_coeff = c.lerp_small ? c.w1 : c.w1 - 1.0f;
+    c.b2 = (float)a->beta2;
+    c.o2 = (float)a->omb2;
+    c.b1 = (float)a->bias1;
+    c.b2s = (float)a->bias2_sqrt;
+    c.eps = (float)a->eps;
+    c.nlr = (float)a->neg_lr;
+    c.decay = (float)a->decay;
+    c.hm = (float)(a->lut_M / 2);
+    c.vec2 = 2 * a->W;
+    c.rm = 0.0f;
+    const int64_t numel = c.NB * c.P;
+    const int nthreads = max_threads();
+    const int par = numel >= PAR_MIN && nthreads > 1;
+    const int avx2 = avx2_on();
+    const int64_t den_len = a->factored ? c.cols : ELEM_CHUNK;
+    const int64_t stride = (c.P + 15) / 16 * 16 + 48; /* floats; odd multiple of 64 B apart (no 4K aliasing) */
+    const int64_t per_thread = 3 * stride + den_len + 48;
+
+    float *bufs = (float *)malloc((size_t)nthreads * (size_t)per_thread * sizeof(float));
+    if (!bufs) return -1;
+    if (a->factored) { /* finish the second moment (tiny) */
+        if (a->rows) memcpy(a->v_row, a->v_row_new, (size_t)a->rows * sizeof(float));
+        const double R = (double)a->global_rows;
+        for (int64_t j = 0; j < c.cols; ++j) {
+            float cm = (float)(a->partials[j] / R);
+            a->v_col[j] = fmaf(cm, c.o2, a->v_col[j] * c.b2);
+        }
+        float rm = (float)(a->partials[c.cols] / R);
+        c.rm = rm < FLT_MIN ? FLT_MIN : rm;
+    }
+    if (a->step_ptr) *a->step_ptr = a->step;
+
+#pragma omp parallel if (par)
+    {
+        int tid = 0, nt = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int64_t per = c.NB / nt, extra = c.NB % nt;
+        int64_t b0 = tid * per + (tid < extra ? tid : extra);
+        int64_t b1 = b0 + per + (tid < extra ? 1 : 0);
+        float *mine = bufs + (size_t)tid * (size_t)per_thread;
+        block_bufs B = {mine, mine + stride, (int32_t *)(mine + 2 * stride)};
+        run_blocks(&c, b0, b1, &B, mine + 3 * stride, avx2);
+    }
+    free(bufs);
+    return 0;
+}
+
+GEFEN_EXPORT int gefen_native_abi(void) { return GEFEN_ABI; }
+GEFEN_EXPORT int gefen_native_avx2(void) { return cpu_has_avx2(); }
+GEFEN_EXPORT void gefen_force_portable(int on) { force_portable = on; }
+GEFEN_EXPORT void gefen_set_sqrt(void *fn) { vms_sqrt = (vms_sqrt_fn)fn; }
+GEFEN_EXPORT int gefen_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,348 @@
+"""``GefenMuonHybrid``: Muon on hidden matrices, a backup optimizer on the rest (SPEC 3.2).
+
+Muon only suits hidden 2-D weights: embeddings and output heads (tied or not) see sparse or
+very skewed gradients, and 1-D or conv tensors are not matrices to orthogonalise. The hybrid
+routes parameters with ``split_params_for_muon`` and presents its two child optimizers as one
+torch optimizer (param groups, step, zero_grad, hooks, schedulers, GradScaler, state_dict).
+Checkpoint code sees it through the composite convention of ``gefen.contract``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from gefen.base import local_tensor
+from gefen.contract import CHILDREN_KEY, LIKE_PARAM, OptimizerContract, contract_of
+from gefen.muon import GefenMuon
+from gefen.optimizer import Gefen
+from gefen.validation import param_label
+
+__all__ = ["GefenMuonHybrid", "split_params_for_muon"]
+
+Named = list[tuple[str, torch.Tensor]]
+
+EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
+#: Name fragments of embeddings and output heads (lower-cased substring match on the FQN).
+HEAD_PATTERNS = ("embed", "wte", "wpe", "lm_head", "classifier", "score")
+BACKUPS = {"gefen": Gefen, "adamw": torch.optim.AdamW}
+
+
+def split_params_for_muon(model_or_named_params) -> tuple[Named, Named]:
+    """``(muon, backup)`` lists of ``(name, tensor)``: hidden 2-D matrices go to Muon; embeddings
+    (by module type and tensor identity, so a tied LM head is caught under any name), names
+    matching ``HEAD_PATTERNS``, and every tensor that is not 2-D go to the backup.
+
+    Given a model, only trainable parameters (``requires_grad``) are routed. Given named
+    parameters there are no modules to inspect, so embeddings are recognised by name only.
+    """
+    if isinstance(model_or_named_params, nn.Module):
+        model = model_or_named_params
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, EMBEDDING_TYPES)}
+    else:
+        named, embeddings = _named(model_or_named_params), set()
+    _check_unique(named)
+    muon, backup = [], []
+    for name, p in named:
+        (muon if _is_hidden_matrix(name, p, embeddings) else backup).append((name, p))
+    return muon, backup
+
+
+def _is_hidden_matrix(name: str, p: torch.Tensor, embeddings: set[int]) -> bool:
+    lowered = name.lower()
+    return p.dim() == 2 and id(p) not in embeddings and not any(pat in lowered for pat in HEAD_PATTERNS)
+
+
+def _named(items) -> Named:
+    """A list of ``(str, tensor)`` pairs, or a TypeError that says what was wrong."""
+    out = []
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise TypeError(
+                "GefenMuonHybrid needs a model, (name, tensor) pairs or (muon, backup) lists of pairs; got an item "
+                f"of type {type(item).__name__}"
+            )
+        out.append((item[0], item[1]))
+    return out
+
+
+def _check_unique(named: Named) -> None:
+    names, ids = {}, {}
+    for name, p in named:
+        if name in names:
+            raise ValueError(f"duplicate parameter name {name!r}")
+        if id(p) in ids:
+            raise ValueError(f"parameters {ids[id(p)]!r} and {name!r} are the same tensor")
+        names[name], ids[id(p)] = p, name
+
+
+def _is_explicit_split(params) -> bool:
+    """``(muon, backup)``: two sequences of pairs, as opposed to a sequence of two pairs."""
+    return (isinstance(params, (tuple, list)) and len(params) == 2
+            and all(isinstance(half, (list, tuple)) and not (half and isinstance(half[0], str)) for half in params))
+
+
+def _resolve_split(params, model: nn.Module | None) -> tuple[Named, Named]:
+    if not _is_explicit_split(params):
+        if model is not None:
+            raise TypeError("model= only checks explicit (muon, backup) lists; pass the model itself instead")
+        return split_params_for_muon(params)
+    muon, backup = _named(params[0]), _named(params[1])
+    backup_ids = {id(p): n for n, p in backup}
+    for name, p in muon:
+        if id(p) in backup_ids:
+            raise ValueError(f"parameter {name!r} is in both the Muon and the backup list (as {backup_ids[id(p)]!r})")
+    _check_unique(muon + backup)
+    if model is not None:
+        listed = {id(p) for _, p in muon + backup}
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in listed]
+        if missing:
+            raise ValueError(f"trainable parameters in neither the Muon nor the backup list: {missing}")
+    return muon, backup
+
+
+def _keywords(cls) -> set[str]:
+    return set(inspect.signature(cls).parameters) - {"params", "lr", "weight_decay"}
+
+
+def _route_kwargs(kwargs: dict, backup_cls) -> tuple[dict, dict]:
+    """Each keyword goes to every child whose constructor takes it (``eps`` may reach both)."""
+    muon_keys, backup_keys = _keywords(GefenMuon), _keywords(backup_cls)
+    unknown = sorted(set(kwargs) - muon_keys - backup_keys)
+    if unknown:
+        raise TypeError(f"GefenMuonHybrid got keyword arguments neither GefenMuon nor {backup_cls.__name__} takes: "
+                        f"{unknown}")
+    return ({k: v for k, v in kwargs.items() if k in muon_keys}, {k: v for k, v in kwargs.items() if k in backup_keys})
+
+
+def _pick(override, default):
+    return default if override is None else override
+
+
+class GefenMuonHybrid(torch.optim.Optimizer):
+    """GefenMuon for hidden 2-D matrices plus a backup (``"gefen"`` or ``"adamw"``) for the rest.
+
+    ``model_or_named_params`` is a model, an iterable of ``(name, tensor)`` pairs, or explicit
+    ``(muon_pairs, backup_pairs)`` lists (pass ``model=`` to check that they cover every
+    trainable parameter). ``lr`` and ``weight_decay`` apply to both halves unless
+    ``muon_lr``/``muon_weight_decay``/``backup_lr``/``backup_weight_decay`` override them. Other
+    keywords go to every child whose constructor takes them (``momentum``, ``ns_schedule``,
+    ``normuon`` -> Muon; ``betas``, ``factored_v_2d``, ``foreach`` -> backup; ``eps``,
+    ``codebook_size`` -> each that accepts it).
+
+    Defaults: ``lr=1e-3`` (an AdamW learning rate) with Muon's ``adjust_lr="match_rms_adamw"``,
+    which scales Muon's update to AdamW's RMS so one learning rate serves both halves;
+    ``weight_decay=0.0`` as in ``Gefen``; ``backup="gefen"`` (~1 byte/param everywhere).
+
+    Composite convention (``gefen.contract``): ``children = {"muon": ..., "backup": ...}``; the
+    state_dict is ``{"state": {}, "param_groups": [], "children": {name: child.state_dict()}}``.
+    """
+
+    def __init__(self, model_or_named_params, lr: float = 1e-3, backup: str = "gefen", muon_lr: float | None = None,
+                 muon_weight_decay: float | None = None, backup_lr: float | None = None,
+                 backup_weight_decay: float | None = None, *, weight_decay: float = 0.0,
+                 model: nn.Module | None = None, **kwargs):
+        if backup not in BACKUPS:
+            raise ValueError(f"backup must be one of {sorted(BACKUPS)}, got {backup!r}")
+        muon, rest = _resolve_split(model_or_named_params, model)
+        if not muon:
+            raise ValueError("no parameter was routed to Muon (no hidden 2-D matrix): use Gefen or AdamW alone")
+        if not rest:
+            raise ValueError("no parameter was routed to the backup optimizer: use GefenMuon alone")
+        muon_kwargs, backup_kwargs = _route_kwargs(kwargs, BACKUPS[backup])
+        muon_kwargs.setdefault("adjust_lr", "match_rms_adamw")
+        self.children: dict[str, torch.optim.Optimizer] = {
+            "muon": GefenMuon(muon, lr=_pick(muon_lr, lr), weight_decay=_pick(muon_weight_decay, weight_decay),
+                              **muon_kwargs),
+            "backup": BACKUPS[backup](rest, lr=_pick(backup_lr, lr),
+                                      weight_decay=_pick(backup_weight_decay, weight_decay), **backup_kwargs),
+        }
+        # Optimizer.__init__ would own param_groups/state; the children own them, so only the
+        # hook machinery is set up (the same path torch uses when unpickling an optimizer).
+        torch.optim.Optimizer.__setstate__(self, {"defaults": dict(lr=lr, weight_decay=weight_decay, backup=backup)})
+
+    def __getstate__(self) -> dict:
+        return self.__dict__.copy()  # torch's version keeps only defaults/state/param_groups
+
+    # ----- one optimizer over the children --------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        """The children's group dicts themselves, so LR schedulers and GradScaler act on them."""
+        return [group for child in self.children.values() for group in child.param_groups]
+
+    @property
+    def state(self) -> defaultdict:
+        """A merged view of the children's per-parameter state (the inner dicts are live)."""
+        merged = defaultdict(dict)
+        for child in self.children.values():
+            merged.update(child.state)
+        return merged
+
+    def contract(self) -> OptimizerContract:
+        return OptimizerContract(
+            implementation="gefen.GefenMuonHybrid",
+            version="1",
+            hyperparameters=(),
+            fields=(),
+            children=tuple((name, contract_of(child)) for name, child in self.children.items()),
+        )
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for child in self.children.values():
+            child.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for child in self.children.values():
+            child.zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Route a new group with the constructor's rules; its parameters must be named
+        (``(name, tensor)`` pairs or ``"param_names"``). Each child gets the keys it knows."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if "param_names" in param_group:
+            params = list(zip(param_group["param_names"], params))
+        if any(not isinstance(p, (tuple, list)) for p in params):
+            raise TypeError("GefenMuonHybrid routes new parameters by name: pass (name, tensor) pairs or 'param_names'")
+        muon, rest = split_params_for_muon(params)
+        known = {id(p) for group in self.param_groups for p in group["params"]}
+        for name, p in muon + rest:
+            if id(p) in known:
+                raise ValueError(f"parameter {name!r} is already optimised by this GefenMuonHybrid")
+        hyper = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
+        unknown = sorted(set(hyper) - set(self.children["muon"].defaults) - set(self.children["backup"].defaults))
+        if unknown:
+            raise ValueError(f"param group keys unknown to both children: {unknown}")
+        added = []
+        try:
+            for name, part in (("muon", muon), ("backup", rest)):
+                if part:
+                    child = self.children[name]
+                    child.add_param_group({"params": part, **{k: v for k, v in hyper.items() if k in child.defaults}})
+                    added.append(child)
+        except Exception:
+            for child in added:
+                child.param_groups.pop()
+            raise
+
+    # ----- state_dict -----------------------------------------------------------------------
+    @torch._disable_dynamo
+    def state_dict(self) -> dict:
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        sd = {"state": {}, "param_groups": [], CHILDREN_KEY: {n: c.state_dict() for n, c in self.children.items()}}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Stage and validate both children, then publish both: on any error neither changes."""
+        self._prepare_load(state_dict)()
+
+    def _prepare_load(self, state_dict: dict) -> Callable[[], None]:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved = state_dict.get(CHILDREN_KEY)
+        if not isinstance(saved, dict):
+            raise ValueError(f"not a GefenMuonHybrid state_dict: no {CHILDREN_KEY!r} entry (saved by another optimizer?)")
+        if set(saved) != set(self.children):
+            raise ValueError(f"state_dict has children {sorted(saved)}, expected {sorted(self.children)}")
+        if state_dict.get("state") or state_dict.get("param_groups"):
+            raise ValueError("a GefenMuonHybrid state_dict keeps everything in its children; top-level state must be empty")
+        staged = []
+        for name, child in self.children.items():
+            try:
+                staged.append(_prepare_child_load(child, saved[name]))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"child {name!r}: {exc}") from exc
+        # a torch child's own load can still refuse (it checks group structure), so it goes first
+        staged.sort(key=lambda s: not s[0])
+
+        def publish() -> None:
+            for _, publish_child in staged:
+                publish_child()
+            for hook in self._optimizer_load_state_dict_post_hooks.values():
+                hook(self)
+
+        return publish
+
+
+def _prepare_child_load(child: torch.optim.Optimizer, sd) -> tuple[bool, Callable[[], None]]:
+    """``(may_still_fail, publish)`` for one child, after validating ``sd`` completely.
+
+    A torch optimizer keeps the very tensors it is given; it gets a copy, as Gefen children do.
+    """
+    prepare = getattr(child, "_prepare_load", None)
+    if prepare is not None:
+        return False, prepare(sd)
+    _check_plain_state_dict(child, sd)
+    return True, functools.partial(child.load_state_dict, copy.deepcopy(sd))
+
+
+def _check_plain_state_dict(opt: torch.optim.Optimizer, sd) -> None:
+    """torch optimizers check group structure but load any state shape: check the state against
+    the contract so a bad checkpoint fails before either child is touched."""
+    contract = contract_of(opt)
+    if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("param_groups"), list):
+        raise ValueError(f"not a {contract.implementation} state_dict")
+    saved_groups = sd["param_groups"]
+    if len(saved_groups) != len(opt.param_groups) or any(
+        not isinstance(s, dict) or len(s.get("params", ())) != len(g["params"]) for s, g in zip(saved_groups, opt.param_groups)
+    ):
+        raise ValueError(f"the state_dict's param groups do not match the {contract.implementation}'s in number or size")
+    index = {}
+    for gi, (saved, live) in enumerate(zip(saved_groups, opt.param_groups)):
+        missing = [h for h in contract.hyperparameters if h not in saved]
+        if missing:
+            raise ValueError(f"param group {gi} of the state_dict lacks hyperparameters {missing}")
+        if saved.get("param_names") and live.get("param_names") and list(saved["param_names"]) != live["param_names"]:
+            raise ValueError(f"param group {gi}: state_dict names differ from the optimizer's")
+        index.update({key: (live, i) for i, key in enumerate(saved["params"])})
+    fields = {f.name: f for f in contract.fields}
+    required = {f.name for f in contract.fields if not f.optional}
+    for key, entry in sd["state"].items():
+        if key not in index:
+            raise ValueError(f"state_dict holds state for unknown parameter index {key!r}")
+        group, i = index[key]
+        label = param_label(group, i)
+        if not isinstance(entry, dict) or set(entry) - set(fields) or required - set(entry):
+            got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise ValueError(f"state of parameter {label} has fields {got}, but {contract.implementation} keeps "
+                             f"{sorted(required)} (+ optional {sorted(set(fields) - required)}); another optimizer's?")
+        for name, value in entry.items():
+            _check_plain_field(label, name, value, fields[name].dtype, fields[name].geometry, group["params"][i])
+
+
+def _check_plain_field(label: str, name: str, value, dtype: str, geometry: str, param: torch.Tensor) -> None:
+    """torch optimizers' fields are per-parameter tensors or scalars (``param``/``scalar`` geometry)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"parameter {label}: field {name!r} is a {type(value).__name__}, not a tensor")
+    ok_dtype = value.is_floating_point() if dtype == LIKE_PARAM else str(value.dtype).removeprefix("torch.") == dtype
+    if not ok_dtype:
+        raise TypeError(f"parameter {label}: field {name!r} has dtype {value.dtype}, expected {dtype}")
+    want = () if geometry == "scalar" else tuple(local_tensor(param).shape)
+    if tuple(value.shape) != want:
+        raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")

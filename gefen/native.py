@@ -1,0 +1,349 @@
+"""The fused CPU Gefen step: a ctypes binding to ``gefen/csrc/gefen_step.c`` (``gefen._gefen_step``).
+
+``fused_partials`` and ``fused_update_`` take the arguments of ``gefen.functional``'s
+``second_moment_partials`` and ``gefen_update_`` and produce bit-identical results (codes, scales,
+second moments and parameters) in one C call per parameter; they return ``None`` / ``False``
+when they do not apply (not CPU, not contiguous, dtype other than fp32/bf16, library missing or
+disabled), and the caller then runs the eager reference.  Nothing is modified in that case.
+
+The C code reproduces the rounding order of the eager torch ops, including ATen's cascade
+summation, whose vector width depends on torch's CPU capability.  At first use the two paths are
+run side by side on a few small problems (``calibrate``); on any mismatch the native path stays off
+and a warning says so.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``native.enabled = False``
+forces the eager path; both paths compute the same numbers, so this only changes speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import math
+import os
+import warnings
+
+import torch
+
+from gefen.codebook import code_thresholds
+from gefen.geometry import rows_and_row_numel
+
+__all__ = ["available", "enabled", "fused_partials", "fused_update_", "calibrate"]
+
+#: Module switch (tests and benchmarks); the environment variable sets its initial value.
+enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
+
+_ABI = 7
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+_P = ctypes.c_void_p
+
+
+class _StepArgs(ctypes.Structure):
+    """Mirror of ``gefen_step_args`` in gefen_step.c (field order and types must match)."""
+
+    _fields_ = [
+        ("param", _P), ("grad", _P), ("codes", _P), ("scales", _P), ("v", _P), ("v_row_new", _P),
+        ("v_row", _P), ("v_col", _P), ("partials", _P), ("step_ptr", _P), ("codebook", _P),
+        ("thr", _P), ("lut", _P),
+        ("rows", ctypes.c_int64), ("bpr", ctypes.c_int64), ("period", ctypes.c_int64),
+        ("global_rows", ctypes.c_int64), ("step", ctypes.c_int64),
+        ("omb1", ctypes.c_double), ("beta2", ctypes.c_double), ("omb2", ctypes.c_double),
+        ("bias1", ctypes.c_double), ("bias2_sqrt", ctypes.c_double), ("eps", ctypes.c_double),
+        ("neg_lr", ctypes.c_double), ("decay", ctypes.c_double),
+        ("param_dtype", ctypes.c_int32), ("grad_dtype", ctypes.c_int32), ("K", ctypes.c_int32),
+        ("lut_M", ctypes.c_int32), ("W", ctypes.c_int32), ("T", ctypes.c_int32),
+        ("has_wd", ctypes.c_int32), ("factored", ctypes.c_int32),
+        ("scale_mode", ctypes.c_int32), ("reserved", ctypes.c_int32),
+    ]
+
+
+def _load():
+    """The C library, or None (plain source tree, failed build, foreign ABI)."""
+    try:
+        spec = importlib.util.find_spec("gefen._gefen_step")
+    except ImportError:
+        return None
+    if spec is None or not spec.origin:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        if lib.gefen_native_abi() != _ABI:
+            return None
+    except (OSError, AttributeError):
+        return None
+    i32, i64, dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_double
+    lib.gefen_partials.argtypes = [_P, i32, i64, i64, _P, _P, _P, dbl, dbl, i32, i32]
+    lib.gefen_partials.restype = ctypes.c_int
+    lib.gefen_build_lut.argtypes = [_P, i32, i32, i32, _P]
+    lib.gefen_build_lut.restype = ctypes.c_int
+    lib.gefen_step.argtypes = [ctypes.POINTER(_StepArgs)]
+    lib.gefen_step.restype = ctypes.c_int
+    lib.gefen_force_portable.argtypes = [ctypes.c_int]
+    lib.gefen_set_sqrt.argtypes = [_P]
+    return lib
+
+
+def _torch_vml_sqrt() -> int | None:
+    """Address of MKL's ``vmsSqrt``, which torch.sqrt calls on CPU when torch is built with MKL
+    (exported by libtorch_cpu); None otherwise (torch then uses an IEEE sqrt)."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll"):
+        path = os.path.join(lib_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            fn = getattr(ctypes.CDLL(path), "vmsSqrt", None)
+        except (OSError, AttributeError):
+            fn = None
+        if fn is not None:
+            return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
+_lib = _load()
+_width: int | None = None  # torch's Vectorized<float>::size() as found by calibrate(); 0 = failed
+_scale_mode = 0  # how gefen.quant signs the scale of an all-zero block (see _probe_scale_mode)
+_quant_cache: dict = {}
+
+
+def available() -> bool:
+    """True when the fused path is built, enabled and verified against torch on this machine."""
+    return _lib is not None and enabled and _vector_width() > 0
+
+
+def _vector_width() -> int:
+    global _width
+    if _width is None:
+        _width = 0
+        _width = calibrate()
+    return _width
+
+
+class _Quantiser:
+    """fp32 thresholds (padded to 258 with +inf) and the bucket LUT for one codebook.
+
+    ``lut`` is uint16 ``[M + 1]``: per uniform bucket of [-1, 1] the number ``lo`` of thresholds in
+    lower buckets, plus 256 when a threshold lies inside the bucket (row M serves NaN); the code of
+    x is ``lo + (thr[lo] < x) + (thr[lo + 1] < x)``, exact when no bucket holds more than two
+    thresholds.  ``M == 0``: no LUT fits (centres closer than 2/65536), the kernel binary-searches
+    the thresholds instead.
+    """
+
+    def __init__(self, codebook: torch.Tensor):
+        self.codebook = codebook  # identity + _version is the cache key
+        self.version = codebook._version
+        self.values = codebook.detach().contiguous().clone()
+        thr = code_thresholds(self.values).contiguous()
+        self.thr = torch.full((258,), float("inf"), dtype=torch.float32)
+        self.thr[: thr.numel()] = thr
+        self.M, self.lut = 0, torch.zeros(1, dtype=torch.int16)
+        for M in (16384, 65536):
+            lut = torch.empty(M + 1, dtype=torch.int16)
+            most = _lib.gefen_build_lut(self.thr.data_ptr(), thr.numel(), M, self.values.numel(), lut.data_ptr())
+            if 0 <= most <= 2:
+                self.M, self.lut = M, lut
+                break
+
+    @property
+    def lo(self) -> torch.Tensor:
+        """Thresholds below each bucket (the LUT without its flag bit), int64."""
+        return self.lut[: self.M].long() & 0xFF
+
+
+def _quantiser(codebook: torch.Tensor) -> _Quantiser | None:
+    q = _quant_cache.get(id(codebook))
+    if q is not None and q.codebook is codebook and q.version == codebook._version:
+        return q
+    if codebook.dtype != torch.float32 or codebook.device.type != "cpu" or not 2 <= codebook.numel() <= 256:
+        return None
+    if len(_quant_cache) > 16:
+        _quant_cache.clear()
+    q = _quant_cache[id(codebook)] = _Quantiser(codebook)
+    return q
+
+
+def _cpu_contiguous(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def fused_partials(grad: torch.Tensor, state: dict, beta2: float):
+    """``second_moment_partials`` in one C call, or None when the fused path does not apply."""
+    gdt = _DT.get(grad.dtype)
+    v_row_old = state["v_row"]
+    if (gdt is None or grad.dim() != 2 or not enabled or _lib is None or v_row_old.dtype != torch.float32
+            or not _cpu_contiguous(grad, v_row_old) or v_row_old.shape != grad.shape[:1] or grad.shape[1] < 1):
+        return None
+    W = _vector_width()
+    if not W:
+        return None
+    rows, cols = grad.shape
+    v_row = torch.empty(rows, dtype=torch.float32)
+    partials = torch.empty(cols + 1, dtype=torch.float64)
+    rc = _lib.gefen_partials(grad.data_ptr(), gdt, rows, cols, v_row_old.data_ptr(), v_row.data_ptr(),
+                             partials.data_ptr(), beta2, 1 - beta2, W, torch.get_num_threads())
+    return (v_row, partials) if rc == 0 else None
+
+
+def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
+                  global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None) -> bool:
+    """``gefen_update_`` in one C call; returns False (touching nothing) when it does not apply."""
+    pdt, gdt = _DT.get(param.dtype), _DT.get(grad.dtype)
+    if pdt is None or gdt is None or not enabled or _lib is None or param.shape != grad.shape:
+        return False
+    codes, scales = state["m_code"], state["m_scale"]
+    factored = "v_row" in state
+    if factored:
+        if v_row is None or partials is None or partials.dtype != torch.float64 or v_row.dtype != torch.float32:
+            return False
+        extra = (state["v_row"], state["v_col"], v_row, partials)
+    else:
+        extra = (state["v"],)
+    if not _cpu_contiguous(param, grad, codes, scales, *extra) or codes.dtype != torch.uint8:
+        return False
+    if any(t.dtype != torch.float32 for t in (scales, *extra[:2])):
+        return False
+    W = _vector_width()
+    q = _quantiser(codebook) if W else None
+    if q is None:
+        return False
+    period = int(state["period"])
+    rows, row_numel = rows_and_row_numel(param.shape)
+    if period < 1 or row_numel % period or scales.numel() != rows * (row_numel // period):
+        return False
+    if factored and (partials.numel() != row_numel + 1 or v_row.numel() != rows or state["v_col"].numel() != row_numel):
+        return False
+    step_t = state["step"]
+    step = int(step_t) + 1
+    a = _StepArgs()
+    a.param, a.grad, a.codes, a.scales = param.data_ptr(), grad.data_ptr(), codes.data_ptr(), scales.data_ptr()
+    if factored:
+        a.v_row, a.v_col, a.v_row_new, a.partials = (t.data_ptr() for t in extra)
+    else:
+        a.v = extra[0].data_ptr()
+    direct_step = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
+    a.step_ptr = step_t.data_ptr() if direct_step else None
+    a.codebook, a.thr = q.values.data_ptr(), q.thr.data_ptr()
+    a.lut, a.lut_M = q.lut.data_ptr(), q.M
+    a.rows, a.bpr, a.period, a.global_rows, a.step = rows, row_numel // period, period, global_rows, step
+    # scalars exactly as gefen_update_ forms them (Python floats, cast to fp32 in C like torch does)
+    a.omb1, a.beta2, a.omb2 = 1 - h.beta1, h.beta2, 1 - h.beta2
+    a.bias1, a.bias2_sqrt = 1 - h.beta1**step, math.sqrt(1 - h.beta2**step)
+    a.eps, a.neg_lr, a.decay, a.has_wd = h.eps, -h.lr, 1 - h.lr * h.weight_decay, bool(h.weight_decay)
+    a.param_dtype, a.grad_dtype, a.K, a.W, a.T = pdt, gdt, q.values.numel(), W, torch.get_num_threads()
+    a.factored, a.scale_mode = factored, _scale_mode
+    if _lib.gefen_step(ctypes.byref(a)) != 0:
+        return False
+    if not direct_step:
+        step_t.fill_(step)
+    return True
+
+
+# ----- calibration: the C emulation of torch's rounding order, checked against torch ------------
+def _problems():
+    """Small (shape, period, factored) cases that reach every summation path of the kernel
+    (vectorised and short rows, A/B column orders, two-pass single outputs, P = 1)."""
+    return [
+        ((37, 33), 11, True), ((260, 130), 130, True), ((1, 33000), 33000, True), ((33000, 1), 1, True),
+        ((45, 29), 29, True), ((3, 5, 8), 40, False), ((56, 24, 25), 600, False), ((1, 33000), 33000, False),
+        ((5000,), 1, False), ((), 1, False), ((12, 6), 2, False), ((70, 480), 240, False),
+    ]
+
+
+def _run_problem(shape, period, factored, use_native: bool, W: int):
+    global enabled
+    saved = enabled
+    enabled = use_native  # the reference run must take the eager path
+    try:
+        return _run_problem_inner(shape, period, factored, use_native, W)
+    finally:
+        enabled = saved
+
+
+def _run_problem_inner(shape, period, factored, use_native: bool, W: int):
+    from gefen.functional import Hyper, gefen_update_, init_state, second_moment_partials
+
+    gen = torch.Generator().manual_seed(1234 + len(shape) + period)
+    p = torch.randn(shape, generator=gen)
+    state = init_state(p, tuple(shape), period, factored)
+    codebook = torch.cat([torch.tensor([-1.0]), torch.sort(torch.rand(62, generator=gen) * 2 - 1).values,
+                          torch.tensor([1.0])])
+    # beta1 <= 0.5 takes ATen's other lerp formula (|weight| >= 0.5): check both
+    h = Hyper(lr=1e-2, beta1=0.9 if period % 2 else 0.4, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    rows = shape[0] if shape else 1
+    for _ in range(1 if p.numel() >= 32768 else 2):  # big ones only test the parallel split rules
+        g = torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)
+        if len(shape) == 2 and shape[0] > 2:
+            g[1] = 0  # all-zero blocks: zero scales (and their sign)
+        v_row = partials = None
+        if factored:
+            out = _partials_with(W, g, state, h.beta2) if use_native else None
+            v_row, partials = out if out is not None else second_moment_partials(g, state, h.beta2)
+        if use_native:
+            if not _update_with(W, p, g, state, codebook, h, rows, v_row, partials):
+                return None
+        else:
+            gefen_update_(p, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
+    return p, state
+
+
+def _partials_with(W, g, state, beta2):
+    global _width
+    saved, _width = _width, W
+    try:
+        return fused_partials(g, state, beta2)
+    finally:
+        _width = saved
+
+
+def _update_with(W, *args):
+    global _width
+    saved, _width = _width, W
+    p, g, state, codebook, h, rows, v_row, partials = args
+    try:
+        return fused_update_(p, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
+    finally:
+        _width = saved
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (fp32 compared as int32, so -0.0 != +0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.float32:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    return torch.equal(a, b)
+
+
+def _matches(case, ref, W: int) -> bool:
+    got = _run_problem(*case, use_native=True, W=W)
+    return got is not None and _same(got[0], ref[0]) and all(_same(got[1][k], ref[1][k]) for k in ref[1])
+
+
+def _probe_scale_mode() -> int:
+    """0 when gefen.quant's all-zero blocks get torch.maximum(+0, -0)'s sign (-0 in the vectorised
+    part), 1 when they get +0 (a max of |m|)."""
+    from gefen.quant import quantise
+
+    scales = quantise(torch.zeros(1, 40 * 8), torch.linspace(-1.0, 1.0, 16), 8)[1]
+    return 0 if torch.signbit(scales).any() else 1
+
+
+def calibrate() -> int:
+    """torch's float vector width that makes the C step reproduce the eager step bit for bit on
+    ``_problems()`` with the current thread count, or 0 (native path off) when none does."""
+    global _scale_mode
+    if _lib is None:
+        return 0
+    _scale_mode = _probe_scale_mode()
+    capability = torch.backends.cpu.get_cpu_capability()
+    widths = (16, 8) if "512" in capability else (8, 16)
+    vml = _torch_vml_sqrt()
+    with torch.no_grad():
+        reference = [_run_problem(*case, use_native=False, W=0) for case in _problems()]
+        for sqrt_fn in ([vml] if vml else []) + [None]:
+            _lib.gefen_set_sqrt(sqrt_fn)
+            for W in widths:
+                if all(_matches(case, ref, W) for case, ref in zip(_problems(), reference)):
+                    return W
+    warnings.warn("gefen._gefen_step does not reproduce torch's eager Gefen step on this machine "
+                  f"(torch {torch.__version__}, CPU capability {capability}); using the eager step",
+                  RuntimeWarning, stacklevel=2)
+    return 0
