@@ -1,5 +1,6 @@
 """gefen_ckpt: portable, reshardable checkpoints of optimizer state (SPEC sections 4-10)."""
 
+from gefen_ckpt.api import VerifyReport, load, read, read_manifest, save, verify, write
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
@@ -18,6 +19,13 @@ __all__ = [
     "EagerSource",
     "export_canonical",
     "import_canonical",
+    "save",
+    "load",
+    "read",
+    "write",
+    "read_manifest",
+    "verify",
+    "VerifyReport",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointCorruptError",

@@ -1,0 +1,11 @@
+"""The portable wire format (SPEC 7, ``docs/format.md``): a directory of aligned safetensors
+data files and one msgpack manifest, published last.
+
+One module per job: ``dtypes`` (names), ``checksum``, ``datafile`` (safetensors headers),
+``manifest`` (schema, validation, msgpack), ``writer`` / ``reader`` (streaming I/O, commit
+protocol) and ``verify``.
+"""
+
+from gefen_ckpt.format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME"]

@@ -1,0 +1,120 @@
+"""safetensors data files whose every tensor starts on an ``ALIGNMENT``-byte boundary.
+
+The stock safetensors format demands that tensors tile the data section without gaps, so
+alignment uses only what its validator accepts: the JSON header is padded with trailing
+spaces until the data section starts on a boundary, and a zero-filled ``U8`` tensor named
+``__pad__/<n>`` fills each gap between tensors. ``safetensors.torch.load_file`` and
+``safe_open`` read these files as they are (the padding tensors come along, zero-filled).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
+
+from gefen_ckpt.format.dtypes import DTYPES, safetensors_code
+
+#: Every tensor's data starts at a multiple of this many bytes from the file's start.
+ALIGNMENT = 64
+PAD_PREFIX = "__pad__/"
+#: safetensors' own limit on the JSON header.
+MAX_HEADER_BYTES = 100 * 2**20
+_CODES = {code: name for name, (_, code, _) in DTYPES.items()}
+_BIG = 10**16  # a data offset no file reaches: sizes headers conservatively
+_PAD_ENTRY_BOUND = len(json.dumps({f"{PAD_PREFIX}{_BIG}": {"dtype": "U8", "shape": [_BIG],
+                                                           "data_offsets": [_BIG, _BIG]}}))
+_ENTRY_FIXED = len(json.dumps({"": {"dtype": "F8_E4M3", "shape": [], "data_offsets": [_BIG, _BIG]}}))
+_DIM_BOUND = len(str(_BIG)) + 2  # digits, comma, space
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    dtype: str  # manifest dtype name
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _entry_json(key: str, code: str, shape, begin: int, end: int) -> dict:
+    return {key: {"dtype": code, "shape": list(shape), "data_offsets": [begin, end]}}
+
+
+def entry_bound(entry: Entry) -> int:
+    """Bytes an entry can cost in a file: header text, its padding tensor and padding bytes."""
+    text = len(encode_basestring_ascii(entry.key)) + _ENTRY_FIXED + _DIM_BOUND * len(entry.shape)
+    return text + _PAD_ENTRY_BOUND + 2 * ALIGNMENT + entry.nbytes
+
+
+#: Bytes of a file beyond its entries' bounds (length prefix, braces, metadata, alignment).
+FILE_OVERHEAD = 8 + ALIGNMENT + 256
+
+
+def build(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes, list[int], int]:
+    """(length prefix + padded JSON header, absolute data offset of each entry, file size)."""
+    header: dict = {"__metadata__": dict(metadata)}
+    relative, pos = [], 0
+    for i, e in enumerate(entries):
+        gap = -pos % ALIGNMENT
+        if gap:
+            header.update(_entry_json(f"{PAD_PREFIX}{i}", "U8", [gap], pos, pos + gap))
+            pos += gap
+        if e.key in header or e.key.startswith(PAD_PREFIX):
+            raise ValueError(f"duplicate or reserved tensor key {e.key!r} in one data file")
+        header.update(_entry_json(e.key, safetensors_code(e.dtype), e.shape, pos, pos + e.nbytes))
+        relative.append(pos)
+        pos += e.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGNMENT)
+    start = 8 + len(text)
+    return struct.pack("<Q", len(text)) + text, [start + r for r in relative], start + pos
+
+
+def padding(nbytes: int) -> bytes:
+    return bytes(nbytes)
+
+
+def parse_header(prefix: bytes, file_size: int) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """key -> (safetensors dtype code, shape, absolute begin, absolute end), checked the way the
+    stock safetensors validator checks it (raises ``ValueError``). ``prefix`` must hold at
+    least the length prefix and the whole header."""
+    if len(prefix) < 8:
+        raise ValueError("shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise ValueError(f"header length {n} exceeds the file or safetensors' limit")
+    if len(prefix) < 8 + n:
+        raise ValueError("header truncated")
+    try:
+        header = json.loads(prefix[8:8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    header.pop("__metadata__", None)
+    out, spans = {}, []
+    for key, info in header.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"tensor {key!r}: malformed entry")
+        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if code not in _CODES or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise ValueError(f"tensor {key!r}: bad dtype or shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"tensor {key!r}: bad data_offsets")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if numel * DTYPES[_CODES[code]][2] != offsets[1] - offsets[0]:
+            raise ValueError(f"tensor {key!r}: data_offsets do not match its shape and dtype")
+        out[key] = (code, tuple(shape), 8 + n + offsets[0], 8 + n + offsets[1])
+        spans.append((offsets[0], offsets[1], key))
+    pos = 0
+    for begin, end, key in sorted(spans):
+        if begin != pos:
+            raise ValueError(f"tensor {key!r}: data does not follow the previous tensor (gap or overlap)")
+        pos = end
+    if 8 + n + pos != file_size:
+        raise ValueError(f"tensors end at byte {8 + n + pos}, the file has {file_size}")
+    return out

@@ -1,0 +1,430 @@
+"""The manifest: schema, strict validation, and msgpack encoding (``docs/format.md``).
+
+``validate`` checks everything a reader will act on -- types, ranges, shapes against the
+contract's geometries, piece sizes, file bounds, and that the pieces of every tensor cover
+each of its rows exactly once without overlapping in any file -- *before* anything it
+describes is allocated, so a hostile or corrupt manifest costs no more memory than the
+files it points at. Unknown keys are ignored: minor versions may add optional keys.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from gefen.contract import LIKE_PARAM, OptimizerContract
+from gefen_ckpt.canonical import CanonicalState, TensorSource
+from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
+from gefen_ckpt.exchange import expected_field_shape
+from gefen_ckpt.format import checksum
+from gefen_ckpt.format.datafile import ALIGNMENT
+from gefen_ckpt.format.dtypes import DTYPES, dtype_name, itemsize
+
+FORMAT_NAME = "gefen-ckpt"
+#: (major, minor). Readers accept any minor of their major and refuse other majors.
+FORMAT_VERSION = (1, 0)
+MANIFEST_NAME = "manifest.msgpack"
+LAYOUTS = ("canonical", "sharded")
+MAX_MANIFEST_BYTES = 256 * 2**20
+_MAX_INT = 2**62
+_MAX_NDIM = 16
+_MAX_DEPTH = 24
+_MAX_STR = 65536
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+# ----- records ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PieceRecord:
+    """Rows ``[rows[0], rows[1])`` of one tensor, stored as tensor ``key`` of data file ``file``.
+
+    ``fqn`` is None for optimizer-wide fields. Records are plain data (``to_dict``/``from_dict``)
+    so ranks can send theirs to the rank that commits the manifest.
+    """
+
+    fqn: str | None
+    field: str
+    rows: tuple[int, int]
+    file: str
+    key: str
+    offset: int
+    nbytes: int
+    checksum: int
+
+    def to_dict(self) -> dict:
+        return {"fqn": self.fqn, "field": self.field, "rows": list(self.rows), "file": self.file, "key": self.key,
+                "offset": self.offset, "bytes": self.nbytes, "checksum": self.checksum}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PieceRecord:
+        return cls(d["fqn"], d["field"], tuple(d["rows"]), d["file"], d["key"], d["offset"], d["bytes"], d["checksum"])
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    fqn: str | None
+    field: str
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[PieceRecord, ...]  # sorted by rows, covering every row once
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * itemsize(self.dtype)
+
+    @property
+    def label(self) -> str:
+        return tensor_label(self.fqn, self.field)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated manifest: the decoded map plus the parsed pieces a reader needs."""
+
+    raw: dict
+    contract: OptimizerContract
+    files: tuple[FileRecord, ...]
+    tensors: dict[tuple[str | None, str], TensorRecord]
+
+
+def tensor_label(fqn: str | None, field: str) -> str:
+    return f"global field {field!r}" if fqn is None else f"{fqn}/{field}"
+
+
+# ----- building -----------------------------------------------------------------------------
+def _plain(value, what: str):
+    """``value`` as msgpack-able plain data (tuples become lists); anything else is an error."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, what) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _plain(v, what) for k, v in value.items()}
+    raise ValueError(f"{what}: {type(value).__name__} values cannot be stored in a manifest")
+
+
+def _created() -> dict:
+    from gefen import __version__
+
+    return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "writer": f"gefen {__version__}", "torch": torch.__version__.split("+")[0]}
+
+
+def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[FileRecord], *,
+          layout: str, world_size: int) -> dict:
+    """The manifest of ``state`` stored as ``pieces`` in ``files`` (reads no tensor data)."""
+    files = list(files)
+    index = {f.name: i for i, f in enumerate(files)}
+    by_tensor: dict[tuple, list[PieceRecord]] = defaultdict(list)
+    for p in pieces:
+        by_tensor[(p.fqn, p.field)].append(p)
+
+    def tensor(fqn: str | None, field: str, source: TensorSource) -> dict:
+        stored = sorted(by_tensor.pop((fqn, field), ()), key=lambda p: p.rows)
+        return {"dtype": dtype_name(source.dtype), "shape": list(source.shape),
+                "pieces": [{"file": index[p.file], "key": p.key, "rows": list(p.rows), "offset": p.offset,
+                            "bytes": p.nbytes, "checksum": p.checksum} for p in stored]}
+
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": list(FORMAT_VERSION),
+        "layout": layout,
+        "world_size": world_size,
+        "alignment": ALIGNMENT,
+        "checksum": checksum.ALGORITHM,
+        "contract": state.contract.to_dict(),
+        "param_groups": _plain(state.param_groups, "param_groups"),
+        "files": [{"name": f.name, "bytes": f.nbytes} for f in files],
+        "globals": {k: tensor(None, k, s) for k, s in state.global_fields.items()},
+        "params": {
+            fqn: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "child": e.child,
+                  "fields": {name: tensor(fqn, name, s) for name, s in e.fields.items()}}
+            for fqn, e in state.params.items()
+        },
+        "topology": _plain(state.metadata.get("source_topology", {}), "metadata"),
+        "created": _created(),
+        "metadata": _plain({k: v for k, v in state.metadata.items() if k not in ("source_topology", "created")},
+                           "metadata"),
+    }
+    if by_tensor:
+        raise ValueError(f"pieces for tensors the state does not have: {sorted(map(str, by_tensor))[:5]}")
+    return manifest
+
+
+def encode(manifest: dict) -> bytes:
+    return msgpack.packb(manifest, use_bin_type=True)
+
+
+def decode(data: bytes) -> dict:
+    """msgpack -> dict; any malformation (bad bytes, non-str keys, ext types, depth) is a format error."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointFormatError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
+    except Exception as exc:  # msgpack raises many types (ValueError, StackError, ExtraData, ...)
+        raise CheckpointFormatError(f"manifest is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(f"manifest is a msgpack {type(raw).__name__}, not a map")
+    return raw
+
+
+def _no_ext(code, data):
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+# ----- validation helpers -------------------------------------------------------------------
+def _fail(path: str, message: str):
+    raise CheckpointFormatError(f"manifest {path}: {message}")
+
+
+def _map(x, path: str, required: tuple[str, ...] = ()) -> dict:
+    if not isinstance(x, dict):
+        _fail(path, f"expected a map, got {type(x).__name__}")
+    for key in required:
+        if key not in x:
+            _fail(path, f"missing key {key!r}")
+    return x
+
+
+def _list(x, path: str) -> list:
+    if not isinstance(x, list):
+        _fail(path, f"expected an array, got {type(x).__name__}")
+    return x
+
+
+def _int(x, path: str, lo: int = 0, hi: int = _MAX_INT) -> int:
+    if type(x) is not int or not lo <= x <= hi:
+        _fail(path, f"expected an integer in [{lo}, {hi}], got {x!r}"[:200])
+    return x
+
+
+def _str(x, path: str) -> str:
+    if not isinstance(x, str) or not x or len(x) > _MAX_STR:
+        _fail(path, f"expected a non-empty string, got {type(x).__name__}")
+    return x
+
+
+def _free(x, path: str, depth: int = 0):
+    """Free-form plain data (informational fields, hyperparameters), depth-limited."""
+    if depth > _MAX_DEPTH:
+        _fail(path, "nested too deeply")
+    if isinstance(x, list):
+        for i, v in enumerate(x):
+            _free(v, f"{path}[{i}]", depth + 1)
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            _free(v, f"{path}.{k}", depth + 1)
+    elif not (x is None or isinstance(x, (bool, int, float, str))):
+        _fail(path, f"unexpected {type(x).__name__} value")
+    return x
+
+
+def _shape(x, path: str) -> tuple[int, ...]:
+    dims = _list(x, path)
+    if len(dims) > _MAX_NDIM:
+        _fail(path, f"{len(dims)} dimensions (at most {_MAX_NDIM})")
+    shape = tuple(_int(d, f"{path}[{i}]") for i, d in enumerate(dims))
+    if math.prod(shape) > _MAX_INT:
+        _fail(path, "too many elements")
+    return shape
+
+
+def _dtype(x, path: str) -> str:
+    if not isinstance(x, str) or x not in DTYPES:
+        _fail(path, f"unknown dtype {x!r}"[:200])
+    return x
+
+
+# ----- validation ---------------------------------------------------------------------------
+def check_version(raw: dict) -> None:
+    fmt = raw.get("format")
+    if fmt != FORMAT_NAME:
+        raise CheckpointFormatError(f"not a {FORMAT_NAME} manifest (format {fmt!r})"[:300])
+    version = raw.get("version")
+    if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
+        raise CheckpointFormatError(f"manifest version {version!r} is not [major, minor]"[:300])
+    major, minor = version
+    if major > FORMAT_VERSION[0]:
+        raise CheckpointFormatError(
+            f"checkpoint format version {major}.{minor} is newer than this gefen_ckpt reads "
+            f"({FORMAT_VERSION[0]}.x): upgrade gefen to load it"
+        )
+    if major < FORMAT_VERSION[0]:
+        raise CheckpointFormatError(f"checkpoint format version {major}.{minor} is not supported "
+                                    f"(this gefen_ckpt reads {FORMAT_VERSION[0]}.x)")
+
+
+def _contract(x) -> OptimizerContract:
+    _free(_map(x, "contract"), "contract")
+    try:
+        return OptimizerContract.from_dict(x)
+    except Exception as exc:  # a hostile contract can fail in many ways; all are format errors
+        raise CheckpointFormatError(f"manifest contract: {exc}"[:500]) from None
+
+
+def _files(x) -> tuple[FileRecord, ...]:
+    out, seen = [], set()
+    for i, f in enumerate(_list(x, "files")):
+        path = f"files[{i}]"
+        _map(f, path, ("name", "bytes"))
+        name = _str(f["name"], f"{path}.name")
+        if not _FILE_NAME.fullmatch(name) or name == MANIFEST_NAME:
+            _fail(f"{path}.name", f"{name!r} is not a plain data-file name"[:300])
+        if name in seen:
+            _fail(f"{path}.name", f"{name!r} is listed twice")
+        seen.add(name)
+        out.append(FileRecord(name, _int(f["bytes"], f"{path}.bytes")))
+    return tuple(out)
+
+
+def _groups(x) -> dict[str, str | None]:
+    """FQN -> owning child, for every FQN of every group."""
+    owner: dict[str, str | None] = {}
+    for i, g in enumerate(_list(x, "param_groups")):
+        path = f"param_groups[{i}]"
+        _free(_map(g, path, ("params",)), path)
+        child = g.get("child")
+        if child is not None:
+            _str(child, f"{path}.child")
+        for j, fqn in enumerate(_list(g["params"], f"{path}.params")):
+            _str(fqn, f"{path}.params[{j}]")
+            if fqn in owner:
+                _fail(f"{path}.params[{j}]", f"parameter {fqn!r} is in two groups"[:300])
+            owner[fqn] = child
+    return owner
+
+
+def _tensor(x, path: str, fqn: str | None, field: str, files: tuple[FileRecord, ...],
+            spans: dict[int, list]) -> TensorRecord:
+    _map(x, path, ("dtype", "shape", "pieces"))
+    dtype, shape = _dtype(x["dtype"], f"{path}.dtype"), _shape(x["shape"], f"{path}.shape")
+    rows = shape[0] if shape else 1
+    row_bytes = math.prod(shape[1:]) * itemsize(dtype)
+    pieces = []
+    for i, p in enumerate(_list(x["pieces"], f"{path}.pieces")):
+        pp = f"{path}.pieces[{i}]"
+        _map(p, pp, ("file", "key", "rows", "offset", "bytes", "checksum"))
+        file = _int(p["file"], f"{pp}.file", 0, len(files) - 1)
+        r = _list(p["rows"], f"{pp}.rows")
+        if len(r) != 2:
+            _fail(f"{pp}.rows", "expected [start, stop]")
+        start = _int(r[0], f"{pp}.rows[0]", 0, rows)
+        stop = _int(r[1], f"{pp}.rows[1]", start + 1, rows)
+        offset, nbytes = _int(p["offset"], f"{pp}.offset"), _int(p["bytes"], f"{pp}.bytes")
+        if nbytes != (stop - start) * row_bytes:
+            _fail(f"{pp}.bytes", f"{nbytes} bytes for rows [{start}, {stop}) of {dtype} {list(shape)}")
+        if offset + nbytes > files[file].nbytes:
+            _fail(pp, f"bytes [{offset}, {offset + nbytes}) lie beyond the end of {files[file].name} "
+                      f"({files[file].nbytes} bytes)")
+        spans[file].append((offset, offset + nbytes, pp))
+        pieces.append(PieceRecord(fqn, field, (start, stop), files[file].name, _str(p["key"], f"{pp}.key"),
+                                  offset, nbytes, _int(p["checksum"], f"{pp}.checksum", 0, 2**32 - 1)))
+    pieces.sort(key=lambda q: q.rows)
+    covered = 0
+    for q in pieces:
+        if q.rows[0] != covered:
+            what = "overlap" if q.rows[0] < covered else "are missing"
+            _fail(f"{path}.pieces", f"rows {min(covered, q.rows[0])}..{max(covered, q.rows[0])} {what}")
+        covered = q.rows[1]
+    if covered != rows:
+        _fail(f"{path}.pieces", f"rows [{covered}, {rows}) are missing")
+    return TensorRecord(fqn, field, dtype, shape, tuple(pieces))
+
+
+def _spec(contract: OptimizerContract, child: str | None, field: str, path: str):
+    try:
+        leaf = contract.child(child) if child is not None else contract
+        return leaf.field(field)
+    except KeyError as exc:
+        _fail(path, str(exc)[:300])
+
+
+def validate(raw: dict) -> Manifest:
+    """Check a decoded manifest completely; raises ``CheckpointFormatError`` naming the bad entry."""
+    _map(raw, "")
+    check_version(raw)
+    _map(raw, "", ("layout", "world_size", "contract", "param_groups", "files", "globals", "params"))
+    if raw["layout"] not in LAYOUTS:
+        _fail("layout", f"{raw['layout']!r} is not one of {LAYOUTS}"[:300])
+    _int(raw["world_size"], "world_size", 1, 2**31)
+    _int(raw.get("alignment", ALIGNMENT), "alignment", 1, 2**30)
+    if raw.get("checksum", checksum.ALGORITHM) != checksum.ALGORITHM:
+        _fail("checksum", f"unsupported algorithm {raw['checksum']!r}"[:300])
+    for key in ("topology", "created", "metadata"):
+        _free(_map(raw.get(key, {}), key), key)
+    contract = _contract(raw["contract"])
+    files = _files(raw["files"])
+    owner = _groups(raw["param_groups"])
+    spans: dict[int, list] = defaultdict(list)
+    tensors: dict[tuple[str | None, str], TensorRecord] = {}
+
+    for key, t in _map(raw["globals"], "globals").items():
+        child, _, name = _str(key, "globals key").rpartition("/")
+        spec = _spec(contract, child or None, name, f"globals[{key!r}]")
+        if spec.geometry != "global":
+            _fail(f"globals[{key!r}]", f"field has geometry {spec.geometry!r}, not 'global'")
+        rec = _tensor(t, f"globals[{key!r}]", None, key, files, spans)
+        if spec.dtype != LIKE_PARAM and rec.dtype != spec.dtype:
+            _fail(f"globals[{key!r}].dtype", f"{rec.dtype}, the contract says {spec.dtype}")
+        tensors[(None, key)] = rec
+
+    for fqn, e in _map(raw["params"], "params").items():
+        path = f"params[{_str(fqn, 'params key')!r}]"[:300]
+        _map(e, path, ("shape", "dtype", "fields"))
+        if fqn not in owner:
+            _fail(path, "parameter is in no param group")
+        child = e.get("child")
+        if child != owner[fqn]:
+            _fail(f"{path}.child", f"{child!r}, but its param group belongs to {owner[fqn]!r}"[:300])
+        shape, dtype = _shape(e["shape"], f"{path}.shape"), _dtype(e["dtype"], f"{path}.dtype")
+        for name, t in _map(e["fields"], f"{path}.fields").items():
+            fpath = f"{path}.fields[{_str(name, f'{path}.fields key')!r}]"[:400]
+            spec = _spec(contract, child, name, fpath)
+            rec = _tensor(t, fpath, fqn, name, files, spans)
+            want = dtype if spec.dtype == LIKE_PARAM else spec.dtype
+            if rec.dtype != want:
+                _fail(f"{fpath}.dtype", f"{rec.dtype}, expected {want}")
+            if spec.geometry == "global" or not expected_field_shape(spec.geometry, shape, rec.shape):
+                _fail(f"{fpath}.shape", f"{list(rec.shape)} is not a {spec.geometry} shape for {list(shape)}")
+            tensors[(fqn, name)] = rec
+
+    for i, found in spans.items():
+        found.sort()
+        for (_, end, a), (begin, _, b) in zip(found, found[1:]):
+            if begin < end:
+                _fail(b, f"overlaps {a} in {files[i].name}")
+    return Manifest(raw, contract, files, tensors)
+
+
+def check_files(manifest: Manifest, listing: dict[str, int], where: str) -> None:
+    """Every data file exists with the size the manifest records (else ``CheckpointCorruptError``
+    naming the file and the tensors stored in it). Runs before any tensor is allocated."""
+    for f in manifest.files:
+        size = listing.get(f.name)
+        if size == f.nbytes:
+            continue
+        held = sorted({t.label for t in manifest.tensors.values() for p in t.pieces if p.file == f.name})
+        what = "is missing" if size is None else f"has {size} bytes, the manifest says {f.nbytes} (truncated?)"
+        raise CheckpointCorruptError(f"{where}: data file {f.name} {what}; it holds {', '.join(held[:4])}"
+                                     f"{f' and {len(held) - 4} more' if len(held) > 4 else ''}")
+
+
+def total_tensor_bytes(manifest: Manifest) -> int:
+    return sum(p.nbytes for t in manifest.tensors.values() for p in t.pieces)

@@ -1,0 +1,203 @@
+"""Reading a committed checkpoint: the validated manifest, lazy sources, and eager staging.
+
+Nothing a manifest describes is allocated before the manifest is fully validated and every
+data file is found with the size it records, so allocations never exceed the files' bytes.
+A piece is the checksum unit: every read, partial or whole, reads and verifies the entire
+pieces it overlaps (``CheckpointCorruptError`` names the file, the tensor and the rows).
+Reads go into freshly allocated tensors (``os.preadv`` locally, range requests elsewhere),
+never into views of a mapped file, so a later save that replaces the files cannot change or
+invalidate a tensor already read.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
+from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
+from gefen_ckpt.format import checksum
+from gefen_ckpt.format.dtypes import torch_dtype
+from gefen_ckpt.format.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    PieceRecord,
+    TensorRecord,
+    check_files,
+    decode,
+    validate,
+)
+from gefen_ckpt.storage import RangeReader, Store
+
+
+# ----- the manifest -------------------------------------------------------------------------
+def read_manifest_bytes(store: Store, listing: dict[str, int] | None = None) -> bytes:
+    """The committed manifest's bytes; ``CheckpointIncompleteError`` when there is none."""
+    listing = store.listing() if listing is None else listing
+    size = listing.get(MANIFEST_NAME)
+    if size is None:
+        leftovers = sum(1 for name in listing if name.endswith(".safetensors"))
+        hint = f" ({leftovers} data files of a save that never committed)" if leftovers else ""
+        raise CheckpointIncompleteError(f"no committed checkpoint at {store.url}: {MANIFEST_NAME} is missing{hint}")
+    if size > MAX_MANIFEST_BYTES:
+        raise CheckpointFormatError(f"{store.url}: {MANIFEST_NAME} is {size} bytes, over the "
+                                    f"{MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        return store.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise CheckpointIncompleteError(f"no committed checkpoint at {store.url}") from None
+
+
+def parse_manifest(store: Store, data: bytes) -> Manifest:
+    try:
+        return validate(decode(data))
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(f"{store.path(MANIFEST_NAME)}: {exc}") from None
+
+
+def open_checkpoint(store: Store) -> Manifest:
+    """The validated manifest, after checking that every data file exists with its recorded size."""
+    listing = store.listing()
+    manifest = parse_manifest(store, read_manifest_bytes(store, listing))
+    check_files(manifest, listing, store.url)
+    return manifest
+
+
+# ----- pieces -------------------------------------------------------------------------------
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's storage."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _stored_shape(tensor: TensorRecord, piece: PieceRecord) -> tuple[int, ...]:
+    return (piece.rows[1] - piece.rows[0], *tensor.shape[1:]) if tensor.shape else ()
+
+
+@contextmanager
+def _reading(store: Store, name: str) -> Iterator[RangeReader]:
+    """``store.reader(name)``, with a file that vanished reported as corruption."""
+    try:
+        with store.reader(name) as reader:
+            yield reader
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{store.path(name)}: data file is missing (deleted, or replaced by a "
+                                     "newer save while this checkpoint was being read)") from None
+
+
+def _fill(reader: RangeReader, store: Store, tensor: TensorRecord, piece: PieceRecord, buffer: memoryview) -> None:
+    got = reader.read_into(piece.offset, buffer)
+    if got != piece.nbytes:
+        raise CheckpointCorruptError(f"{store.path(piece.file)}: {tensor.label} rows {list(piece.rows)} end after "
+                                     f"{got} of {piece.nbytes} bytes (truncated file)")
+
+
+def _check(store: Store, tensor: TensorRecord, piece: PieceRecord, value: int) -> None:
+    if value != piece.checksum:
+        raise CheckpointCorruptError(f"{store.path(piece.file)}: checksum mismatch in {tensor.label} rows "
+                                     f"{list(piece.rows)} (tensor {piece.key!r}): the data is corrupt")
+
+
+def read_piece(store: Store, tensor: TensorRecord, piece: PieceRecord, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One whole piece, verified, into ``out`` (contiguous, of the piece's shape) or a new tensor."""
+    if out is None:
+        out = torch.empty(_stored_shape(tensor, piece), dtype=torch_dtype(tensor.dtype))
+    buffer = byte_view(out)
+    with _reading(store, piece.file) as reader:
+        _fill(reader, store, tensor, piece, buffer)
+    _check(store, tensor, piece, checksum.update(0, buffer))
+    return out
+
+
+class PieceSource:
+    """A stored tensor as a lazy ``TensorSource``: ``read`` fetches and verifies only the pieces
+    that overlap the requested rows."""
+
+    def __init__(self, store: Store, tensor: TensorRecord):
+        self.store, self.tensor = store, tensor
+        self._starts = [p.rows[0] for p in tensor.pieces]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tensor.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.tensor.dtype)
+
+    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        t = self.tensor
+        if not t.shape:
+            return read_piece(self.store, t, t.pieces[0])
+        stop = t.rows if stop is None else stop
+        if not 0 <= start <= stop <= t.rows:
+            raise IndexError(f"{t.label}: rows [{start}, {stop}) are outside [0, {t.rows})")
+        out = torch.empty((stop - start, *t.shape[1:]), dtype=self.dtype)
+        first = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        for piece in t.pieces[first:]:
+            lo, hi = max(start, piece.rows[0]), min(stop, piece.rows[1])
+            if lo >= hi:
+                break
+            dst = out[lo - start:hi - start]
+            if (lo, hi) == piece.rows:
+                read_piece(self.store, t, piece, dst)
+            else:
+                dst.copy_(read_piece(self.store, t, piece)[lo - piece.rows[0]:hi - piece.rows[0]])
+        return out
+
+    def __repr__(self) -> str:
+        return f"PieceSource({self.tensor.label}, shape={self.shape}, dtype={self.dtype})"
+
+
+# ----- a CanonicalState ---------------------------------------------------------------------
+def _state(manifest: Manifest, sources: dict[tuple[str | None, str], TensorSource]) -> CanonicalState:
+    raw = manifest.raw
+    params = {
+        fqn: ParamState(tuple(e["shape"]), torch_dtype(e["dtype"]),
+                        {name: sources[(fqn, name)] for name in e["fields"]}, e.get("child"))
+        for fqn, e in raw["params"].items()
+    }
+    metadata = {**raw.get("metadata", {}), "source_topology": raw.get("topology", {}), "created": raw.get("created", {})}
+    return CanonicalState(
+        contract=manifest.contract,
+        param_groups=[dict(g, params=list(g["params"])) for g in raw["param_groups"]],
+        params=params,
+        global_fields={key: sources[(None, key)] for key in raw["globals"]},
+        metadata=metadata,
+    )
+
+
+def lazy_state(store: Store, manifest: Manifest) -> CanonicalState:
+    """A ``CanonicalState`` whose tensors are read from the files on demand."""
+    return _state(manifest, {k: PieceSource(store, t) for k, t in manifest.tensors.items()})
+
+
+def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None] | None = None) -> CanonicalState:
+    """Every tensor read and verified into memory, file by file in offset order, hashing one
+    piece in a helper thread while the next is read."""
+    tensors = {k: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for k, t in manifest.tensors.items()}
+    by_file: dict[str, list[tuple[PieceRecord, TensorRecord, torch.Tensor]]] = {}
+    for key, t in manifest.tensors.items():
+        for piece in t.pieces:
+            dst = tensors[key] if not t.shape else tensors[key][piece.rows[0]:piece.rows[1]]
+            by_file.setdefault(piece.file, []).append((piece, t, dst))
+    with ThreadPoolExecutor(1, thread_name_prefix="gefen-ckpt-hash") as hasher:
+        for name in sorted(by_file):
+            pending: list[tuple[Future, TensorRecord, PieceRecord]] = []
+            with _reading(store, name) as reader:
+                for piece, t, dst in sorted(by_file[name], key=lambda x: x[0].offset):
+                    buffer = byte_view(dst)
+                    _fill(reader, store, t, piece, buffer)
+                    if piece.nbytes < checksum.READ_THREAD_MIN_BYTES:
+                        _check(store, t, piece, checksum.update(0, buffer))
+                    else:  # hashed while the next piece is read
+                        pending.append((hasher.submit(checksum.update, 0, buffer), t, piece))
+                    if on_bytes is not None:
+                        on_bytes(piece.nbytes)
+            for future, t, piece in pending:
+                _check(store, t, piece, future.result())
+    return _state(manifest, {k: EagerSource(v) for k, v in tensors.items()})

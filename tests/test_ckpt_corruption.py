@@ -1,0 +1,190 @@
+"""Damaged, foreign or mismatched checkpoints: a documented ``CheckpointError`` that names the
+file or FQN, and the live optimizer bit-for-bit untouched."""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import pytest
+from ckpt_util import Tiny, fresh_like, same, snapshot, train, trained
+
+import gefen
+import gefen_ckpt
+from gefen_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def source():
+    return trained("gefen_factored", steps=3, seed=0)
+
+
+@pytest.fixture
+def ck(tmp_path, source):
+    model, opt = source
+    url = str(tmp_path / "ck")
+    gefen_ckpt.save(opt, url, model=model, max_file_bytes=4096)
+    return url
+
+
+@pytest.fixture
+def target(source):
+    """A live optimizer with state of its own (different data), to prove it stays untouched."""
+    model, opt = fresh_like(source[0], "gefen_factored")
+    train(model, opt, 2, seed=99)
+    return model, opt
+
+
+def refused(target, url, error, *names):
+    model, opt = target
+    before = snapshot(opt, model)
+    with pytest.raises(error) as info:
+        gefen_ckpt.load(opt, url, model=model)
+    for name in names:
+        assert name in str(info.value), (name, str(info.value))
+    assert same(before, snapshot(opt, model)), "the optimizer changed"
+    return str(info.value)
+
+
+def piece(url, fqn="up.weight", field="m_code"):
+    m = gefen_ckpt.read_manifest(url)
+    p = m["params"][fqn]["fields"][field]["pieces"][0]
+    return os.path.join(url, m["files"][p["file"]]["name"]), p
+
+
+def rewrite_manifest(url, change):
+    path = os.path.join(url, "manifest.msgpack")
+    with open(path, "rb") as f:
+        m = msgpack.unpackb(f.read())
+    change(m)
+    with open(path, "wb") as f:
+        f.write(msgpack.packb(m))
+
+
+def test_truncated_data_file(ck, target):
+    path, _ = piece(ck)
+    os.truncate(path, os.path.getsize(path) - 7)
+    refused(target, ck, CheckpointCorruptError, os.path.basename(path), "up.weight/m_code", "truncated")
+    assert not gefen_ckpt.verify(ck).ok
+
+
+def test_flipped_byte_names_file_and_fqn(ck, target):
+    path, p = piece(ck)
+    with open(path, "r+b") as f:
+        f.seek(p["offset"] + p["bytes"] // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    refused(target, ck, CheckpointCorruptError, os.path.basename(path), "up.weight/m_code", "checksum")
+    report = gefen_ckpt.verify(ck)
+    assert not report.ok and any("up.weight/m_code" in m and "checksum" in m for m in report.problems)
+    with pytest.raises(CheckpointCorruptError, match="up.weight/m_code"):  # lazy partial reads verify too
+        gefen_ckpt.read(ck).params["up.weight"].fields["m_code"].read(0, 1)
+
+
+def test_flipped_byte_in_safetensors_header_is_found_by_verify(ck):
+    path, _ = piece(ck)
+    with open(path, "r+b") as f:
+        f.seek(9)
+        f.write(b"\x00")
+    report = gefen_ckpt.verify(ck)
+    assert not report.ok and any(os.path.basename(path) in m for m in report.problems)
+
+
+def test_missing_data_file(ck, target):
+    path, _ = piece(ck)
+    os.remove(path)
+    refused(target, ck, CheckpointCorruptError, os.path.basename(path), "missing", "up.weight/m_code")
+    assert any("missing" in m for m in gefen_ckpt.verify(ck).problems)
+
+
+def test_extra_file_is_ignored_by_load_and_reported_by_verify(ck, target, source):
+    """Files no manifest references are what an interrupted save leaves: they must not stop
+    the committed checkpoint from loading (docs/decisions.md), but verify names them."""
+    stray = os.path.join(ck, "data-0123456789abcdef-r00000-00000.safetensors")
+    with open(stray, "wb") as f:
+        f.write(b"garbage")
+    model, opt = target
+    gefen_ckpt.load(opt, ck, model=model)
+    assert same(snapshot(opt, model), snapshot(source[1], source[0]))
+    report = gefen_ckpt.verify(ck)
+    assert report.ok and any(os.path.basename(stray) in w for w in report.warnings)
+
+
+def test_no_manifest_is_incomplete(ck, target):
+    os.remove(os.path.join(ck, "manifest.msgpack"))
+    refused(target, ck, CheckpointIncompleteError, "manifest.msgpack", "never committed")
+    assert not gefen_ckpt.verify(ck).ok
+    with pytest.raises(CheckpointIncompleteError):
+        gefen_ckpt.read_manifest(str(ck) + "-nonexistent")
+
+
+@pytest.mark.parametrize("cut", [1, 100, -1])
+def test_truncated_or_garbage_manifest(ck, target, cut):
+    path = os.path.join(ck, "manifest.msgpack")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:cut] if cut > 0 else b"\xc1garbage")
+    refused(target, ck, CheckpointFormatError, "manifest.msgpack")
+
+
+@pytest.mark.parametrize("version, words", [([2, 0], "newer"), ([1, 7], None), ([0, 9], "not supported"),
+                                            ("1.0", "[major, minor]")])
+def test_format_versions(ck, target, source, version, words):
+    rewrite_manifest(ck, lambda m: m.update(version=version))
+    if words is None:  # same major, newer minor: readable (minor versions only add optional keys)
+        model, opt = target
+        gefen_ckpt.load(opt, ck, model=model)
+        assert same(snapshot(opt, model), snapshot(source[1], source[0]))
+    else:
+        refused(target, ck, CheckpointFormatError, words)
+
+
+def test_not_our_format(ck, target):
+    rewrite_manifest(ck, lambda m: m.update(format="someone-else"))
+    refused(target, ck, CheckpointFormatError, "not a gefen-ckpt manifest")
+
+
+def test_coverage_gap_and_overlap_are_format_errors(ck, target):
+    def drop(m):
+        m["params"]["embed.weight"]["fields"]["m_code"]["pieces"][0]["rows"][0] += 1
+
+    rewrite_manifest(ck, drop)
+    refused(target, ck, CheckpointFormatError, "embed.weight", "m_code")
+
+
+def test_fqn_mismatch(ck, source):
+    model = Tiny()
+    opt = gefen.Gefen([("model." + n, p) for n, p in model.named_parameters()], lr=1e-2)
+    train(model, opt, 1)
+    refused((model, opt), ck, CheckpointMismatchError, "model.down.weight", "embed.weight")
+
+
+def test_shape_mismatch(ck):
+    model = Tiny(hidden=32)
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-2)
+    train(model, opt, 1)
+    refused((model, opt), ck, CheckpointMismatchError, "up.weight", "(48, 16)")
+
+
+def test_foreign_optimizer_checkpoint(tmp_path, target):
+    model, opt = trained("adamw")
+    gefen_ckpt.save(opt, str(tmp_path / "adamw"), model=model)
+    refused(target, str(tmp_path / "adamw"), CheckpointMismatchError, "torch.optim.AdamW", "gefen.Gefen")
+
+
+def test_state_the_optimizer_refuses_is_a_mismatch(ck, target):
+    rewrite_manifest(ck, lambda m: m["param_groups"][0].update(lr=-1.0))
+    refused(target, ck, CheckpointMismatchError, "lr")
+
+
+def test_every_refusal_is_a_checkpoint_error(ck):
+    with pytest.raises(CheckpointError):
+        gefen_ckpt.read(ck + "/nothing-here")

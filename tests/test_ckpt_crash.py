@@ -1,0 +1,90 @@
+"""Crash safety (SPEC 13): a process SIGKILLed at a random instant while saving never costs
+the previous checkpoint, and an interrupted save is never taken for a complete one."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import signal
+import time
+
+import pytest
+from ckpt_util import CRASH_SHAPES, canonical_equal, crash_worker, synthetic_gefen
+
+import gefen_ckpt
+from gefen_ckpt.errors import CheckpointIncompleteError
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    """Children fork from a server that has already imported torch, so a trial costs
+    milliseconds of start-up instead of seconds, yet each is a real, separate process."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "gefen", "gefen_ckpt"])  # importable from any cwd
+    return ctx
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Two different complete Gefen states A and B (B: A with every code changed), saved as
+    source checkpoints; their canonical states; and an optimizer to load checkpoints into."""
+    root = tmp_path_factory.mktemp("sources")
+    _, opt = synthetic_gefen(CRASH_SHAPES, 1)
+    a = gefen_ckpt.export_canonical(opt).materialize()
+    b = a.materialize()
+    for entry in b.params.values():
+        entry.fields["m_code"].tensor.bitwise_xor_(0x5A)
+    urls = [str(root / "a"), str(root / "b")]
+    for state, url in zip((a, b), urls):
+        gefen_ckpt.write(state, url)
+    return urls, [a, b], opt
+
+
+def _run_trials(tmp_path, ctx, sources, trials: int, seed: int) -> dict:
+    urls, states, opt = sources
+    url = str(tmp_path / "ck")
+    start = time.perf_counter()
+    gefen_ckpt.write(gefen_ckpt.read(urls[0]), url)  # the checkpoint each trial must not lose
+    save_s = time.perf_counter() - start
+    rng = random.Random(seed)
+    outcomes = {"fresh_incomplete": 0, "fresh_complete": 0, "A": 0, "B": 0}
+    for trial in range(trials):
+        fresh = str(tmp_path / f"fresh{trial}")
+        ready = ctx.Event()
+        child = ctx.Process(target=crash_worker, args=(urls, url, fresh, ready), daemon=True)
+        child.start()
+        assert ready.wait(60), "worker never became ready"
+        time.sleep(rng.uniform(0, 2.5 * save_s))  # in the fresh save, in a save over url, or between
+        child.kill()
+        child.join(30)
+        assert child.exitcode == -signal.SIGKILL, "the worker ended before it was killed"
+
+        # the previous checkpoint (or the one just committed, never a mix) reads back complete
+        back = gefen_ckpt.read(url)
+        which = [i for i, state in enumerate(states) if canonical_equal(back, state)]
+        assert len(which) == 1, f"trial {trial}: {url} holds neither complete state"
+        outcomes["AB"[which[0]]] += 1
+        if trial % 5 == 0:  # and loads into a live optimizer, bitwise
+            gefen_ckpt.load(opt, url)
+            assert canonical_equal(gefen_ckpt.export_canonical(opt), states[which[0]])
+        try:
+            fresh_state = gefen_ckpt.read(fresh)
+        except CheckpointIncompleteError:
+            outcomes["fresh_incomplete"] += 1
+        else:
+            assert canonical_equal(fresh_state, states[0])
+            outcomes["fresh_complete"] += 1
+    return outcomes
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_during_save_never_costs_the_previous_checkpoint(tmp_path, forkserver, sources):
+    outcomes = _run_trials(tmp_path, forkserver, sources, trials=20, seed=0)
+    assert outcomes["fresh_incomplete"] > 0, outcomes  # some kills landed inside a save
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_sigkill_during_save_many_trials(tmp_path, forkserver, sources):
+    outcomes = _run_trials(tmp_path, forkserver, sources, trials=150, seed=1)
+    assert min(outcomes.values()) > 0, outcomes  # every outcome happened

@@ -1,0 +1,107 @@
+"""Data files are plain safetensors (the stock library reads them) with aligned tensor data."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+from ckpt_util import trained
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import gefen_ckpt
+from gefen_ckpt.format import checksum, datafile
+from gefen_ckpt.format.dtypes import DTYPES
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    model, opt = trained("hybrid_adamw")
+    state = gefen_ckpt.export_canonical(opt, model=model)
+    url = str(tmp_path_factory.mktemp("df") / "ck")
+    gefen_ckpt.write(state, url, world_size=2, max_file_bytes=8192)
+    return url, state, gefen_ckpt.read_manifest(url)
+
+
+def _pieces(manifest):
+    tensors = list(manifest["globals"].values())
+    tensors += [t for e in manifest["params"].values() for t in e["fields"].values()]
+    return [(t, p) for t in tensors for p in t["pieces"]]
+
+
+def test_stock_safetensors_loads_every_file(written):
+    url, _, manifest = written
+    by_key = {}
+    for f in manifest["files"]:
+        path = os.path.join(url, f["name"])
+        tensors = load_file(path)  # the stock validator: contiguous offsets, sizes, dtypes
+        with safe_open(path, "pt") as sf:
+            assert set(sf.keys()) == set(tensors)
+            assert sf.metadata() == {"format": "gefen-ckpt", "version": "1.0"}
+        by_key.update({(f["name"], k): v for k, v in tensors.items()})
+    for t, p in _pieces(manifest):
+        stored = by_key[(manifest["files"][p["file"]]["name"], p["key"])]
+        assert str(stored.dtype).removeprefix("torch.") == t["dtype"]
+        assert zlib.crc32(stored.contiguous().reshape(-1).view(torch.uint8).numpy()) == p["checksum"]
+    pads = [v for (_, k), v in by_key.items() if k.startswith(datafile.PAD_PREFIX)]
+    assert pads and all(v.dtype == torch.uint8 and not v.any() for v in pads)
+
+
+def test_every_tensor_starts_aligned(written):
+    _, _, manifest = written
+    assert manifest["alignment"] == datafile.ALIGNMENT >= 64
+    fp32 = [p for t, p in _pieces(manifest) if t["dtype"] == "float32"]
+    assert fp32 and all(p["offset"] % datafile.ALIGNMENT == 0 for _, p in _pieces(manifest))
+
+
+def test_headers_agree_with_stock_parser(written):
+    url, _, manifest = written
+    for f in manifest["files"]:
+        path = os.path.join(url, f["name"])
+        with open(path, "rb") as fh:
+            data = fh.read()
+        header = datafile.parse_header(data, len(data))
+        assert (8 + int.from_bytes(data[:8], "little")) % datafile.ALIGNMENT == 0
+        with safe_open(path, "pt") as sf:
+            for key in sf.keys():
+                assert list(sf.get_slice(key).get_shape()) == list(header[key][1])
+
+
+def test_build_rejects_reserved_and_duplicate_keys():
+    with pytest.raises(ValueError):
+        datafile.build([datafile.Entry("a", "uint8", (1,), 1), datafile.Entry("a", "uint8", (1,), 1)], {})
+    with pytest.raises(ValueError):
+        datafile.build([datafile.Entry(datafile.PAD_PREFIX + "0", "uint8", (1,), 1)], {})
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_every_dtype_round_trips_through_stock_safetensors(tmp_path, dtype):
+    torch_dtype = DTYPES[dtype][0]
+    value = torch.arange(12).reshape(3, 4).to(torch_dtype) if dtype != "bool" else torch.eye(3, 4, dtype=torch.bool)
+    entries = [datafile.Entry("x", dtype, (3, 4), value.numel() * value.element_size()),
+               datafile.Entry("s", dtype, (), value.element_size())]
+    prefix, offsets, size = datafile.build(entries, {})
+    blob = bytearray(size)
+    blob[:len(prefix)] = prefix
+    for off, t in zip(offsets, [value, value[0, 0]]):
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        blob[off:off + len(raw)] = raw
+        assert off % datafile.ALIGNMENT == 0
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(bytes(blob))
+    try:
+        loaded = load_file(str(path))
+    except (TypeError, ValueError) as exc:  # an old safetensors without this dtype
+        pytest.skip(f"safetensors cannot load {dtype}: {exc}")
+    assert torch.equal(loaded["x"].view(torch.uint8), value.view(torch.uint8))
+    assert loaded["s"].shape == ()
+
+
+def test_checksum_is_standard_crc32():
+    data = os.urandom(100_000)
+    assert checksum.update(checksum.update(0, data[:777]), data[777:]) == zlib.crc32(data)
+    assert checksum.update(0, b"123456789") == 0xCBF43926  # the CRC-32/ISO-HDLC check value

@@ -1,0 +1,345 @@
+"""The fused C step (gefen/native.py, gefen/csrc/gefen_step.c) against the eager reference.
+
+Both paths run on identical inputs; codes, scales, second moments, step counts AND parameters
+must be bit-for-bit identical (fp32 compared as integers, so even the sign of a zero counts)
+after several steps, on the block and factored paths, for 0-D/1-D/2-D/3-D and empty shards,
+odd sizes, fp32 and bf16, with and without weight decay, at several thread counts.
+CUDA has no fused path yet; its tests would skip without a GPU (there are none here).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gefen.native as native
+from gefen import Gefen
+from gefen.codebook import code_thresholds, learn_codebook, nearest_code
+from gefen.functional import Hyper, gefen_update_, init_state, second_moment_partials
+from gefen.geometry import as_blocks, rows_and_row_numel
+
+HYPER = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    threads, enabled = torch.get_num_threads(), native.enabled
+    yield
+    torch.set_num_threads(threads)
+    native.enabled = enabled
+    native._lib.gefen_force_portable(0)
+
+
+def test_native_library_is_built_and_verified():
+    assert native._lib is not None, "gefen._gefen_step is not built: run `pip install -e .`"
+    assert native.available(), "the fused step does not reproduce the eager step on this machine"
+
+
+# ----- helpers ----------------------------------------------------------------------------------
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def assert_identical(a: torch.Tensor, b: torch.Tensor, what: str):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    diff = (bits(a) != bits(b)).sum().item()
+    assert diff == 0, f"{what}: {diff} of {a.numel()} elements differ"
+
+
+def make_codebook(kind: str, gen: torch.Generator, grads=None) -> torch.Tensor:
+    if kind == "learned":
+        return learn_codebook([as_blocks(g.float(), rows_and_row_numel(g.shape)[1]) for g in grads], 256)
+    if kind == "uniform":  # the all-zero-histogram fallback
+        return torch.linspace(-1.0, 1.0, 256)
+    if kind == "small":
+        return torch.cat([torch.tensor([-1.0]), torch.sort(torch.rand(14, generator=gen) * 2 - 1).values, torch.tensor([1.0])])
+    if kind == "crowded":  # centres closer than any LUT bucket: forces the binary-search quantiser
+        mid = 0.3 + torch.arange(200, dtype=torch.float32) * 1e-7
+        rest = torch.sort(torch.rand(54, generator=gen) * 2 - 1).values
+        return torch.sort(torch.cat([torch.tensor([-1.0, 1.0]), mid, rest])).values
+    if kind == "padded":  # few active bins: the tail is padded with +1
+        return torch.cat([torch.tensor([-1.0]), torch.linspace(-0.5, 0.5, 20), torch.ones(235)])
+    raise ValueError(kind)
+
+
+def grads_for(shape, dtype, gen, steps):
+    out = []
+    for _ in range(steps):
+        g = torch.randn(shape, generator=gen) * torch.rand(shape[:1] + (1,) * (len(shape) - 1), generator=gen) \
+            if shape else torch.randn((), generator=gen)
+        if len(shape) >= 1 and shape[0] > 2:
+            g[1] = 0.0  # an all-zero row: zero scales, zero second moments
+        out.append(g.to(dtype))
+    return out
+
+
+def run(shape, period, factored, *, use_native, dtype=torch.float32, grad_dtype=None, steps=3, h=HYPER,
+        codebook_kind="learned", global_rows=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    param = (torch.randn(shape, generator=gen)).to(dtype)
+    grads = grads_for(shape, grad_dtype or dtype, gen, steps)
+    codebook = make_codebook(codebook_kind, gen, grads)
+    rows = global_rows if global_rows is not None else (shape[0] if shape else 1)
+    state = init_state(param, (rows,) + tuple(shape[1:]) if shape else (), period, factored)
+    native.enabled = use_native
+    for g in grads:
+        v_row = partials = None
+        if factored:
+            if use_native:
+                out = native.fused_partials(g, state, h.beta2)
+                assert out is not None, "fused_partials did not apply"
+                v_row, partials = out
+            else:
+                v_row, partials = second_moment_partials(g, state, h.beta2)
+        if use_native:
+            assert native.fused_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
+        else:
+            gefen_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
+    return param, state
+
+
+def check_parity(*args, **kwargs):
+    p_ref, s_ref = run(*args, use_native=False, **kwargs)
+    p_nat, s_nat = run(*args, use_native=True, **kwargs)
+    assert set(s_ref) == set(s_nat)
+    for key in s_ref:
+        assert_identical(s_nat[key], s_ref[key], key)
+    assert_identical(p_nat, p_ref, "param")
+    return p_nat, s_nat
+
+
+# ----- parity ------------------------------------------------------------------------------------
+FACTORED = [((64, 48), 48), ((33, 40), 8), ((300, 130), 13), ((1, 40000), 40000), ((45, 29), 29),
+            ((40000, 2), 1), ((7, 3), 1), ((130, 300), 300)]
+BLOCK = [((4, 6, 10), 60), ((64, 24, 25), 600), ((8, 3, 5), 5), ((777,), 1), ((40000,), 1), ((), 1),
+         ((70, 1000), 500), ((1, 40000), 40000), ((9, 16), 16), ((3, 2, 2, 7), 28)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape,period", FACTORED)
+def test_factored_parity(shape, period, threads):
+    torch.set_num_threads(threads)
+    check_parity(shape, period, True)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape,period", BLOCK)
+def test_block_parity(shape, period, threads):
+    torch.set_num_threads(threads)
+    check_parity(shape, period, False)
+
+
+@pytest.mark.parametrize("shape,period,factored", [((64, 48), 48, True), ((300, 130), 130, True),
+                                                   ((4, 6, 10), 60, False), ((777,), 1, False)])
+def test_three_threads(shape, period, factored):
+    """torch splits reductions by its thread count; the C emulation must follow any count."""
+    torch.set_num_threads(3)
+    check_parity(shape, period, factored)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.3])
+@pytest.mark.parametrize("beta1", [0.8, 0.5, 0.2])  # 1 - beta1 >= 0.5 switches ATen's lerp formula
+@pytest.mark.parametrize("shape,period,factored", [((48, 64), 16, True), ((5, 4, 12), 12, False), ((33,), 1, False)])
+def test_weight_decay_and_hyperparameters(shape, period, factored, weight_decay, beta1):
+    h = Hyper(lr=3e-3, beta1=beta1, beta2=0.95, eps=1e-6, weight_decay=weight_decay)
+    check_parity(shape, period, factored, h=h, steps=4)
+
+
+@pytest.mark.parametrize("kind", ["learned", "uniform", "small", "crowded", "padded"])
+def test_codebooks(kind):
+    check_parity((40, 96), 32, True, codebook_kind=kind)
+    check_parity((6, 5, 16), 16, False, codebook_kind=kind)
+
+
+@pytest.mark.parametrize("shape,period,factored", [((64, 48), 48, True), ((300, 130), 13, True),
+                                                   ((4, 6, 10), 60, False), ((777,), 1, False),
+                                                   ((70, 1000), 500, False)])
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)])
+def test_bf16(shape, period, factored, dtypes):
+    check_parity(shape, period, factored, dtype=dtypes[0], grad_dtype=dtypes[1])
+
+
+@pytest.mark.parametrize("shape,period,factored", [((0, 32), 8, True), ((0, 4, 8), 32, False), ((0,), 1, False)])
+def test_empty_local_shard(shape, period, factored):
+    """A rank can hold 0 rows; the factored column EMA still advances with the global sums."""
+    p, st = check_parity(shape, period, factored, global_rows=10)
+    assert int(st["step"]) == 3
+    if factored:
+        assert st["v_col"].shape == (32,)
+
+
+def test_row_sharded_matches_between_paths():
+    """Two row shards with summed partials (what the optimizer's all-reduce does), both paths."""
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(50, 64, generator=gen)
+    grads = [torch.randn(50, 64, generator=gen) for _ in range(3)]
+    codebook = make_codebook("learned", gen, grads)
+    results = {}
+    for use_native in (False, True):
+        native.enabled = use_native
+        shards = [full[:23].clone(), full[23:].clone()]
+        states = [init_state(s, (50, 64), 16, True) for s in shards]
+        for g in grads:
+            parts = [second_moment_partials(gs, st, HYPER.beta2) for gs, st in zip(g.split([23, 27]), states)]
+            total = parts[0][1] + parts[1][1]
+            for s, gs, st, (v_row, _) in zip(shards, g.split([23, 27]), states, parts):
+                gefen_update_(s, gs, st, codebook, HYPER, global_rows=50, v_row=v_row, partials=total)
+        results[use_native] = (shards, states)
+    for i in range(2):
+        assert_identical(results[True][0][i], results[False][0][i], f"shard {i} param")
+        for key in results[False][1][i]:
+            assert_identical(results[True][1][i][key], results[False][1][i][key], f"shard {i} {key}")
+
+
+def test_avx2_and_portable_kernels_agree():
+    for shape, period, factored in [((64, 48), 48, True), ((70, 1000), 500, False), ((9, 16), 16, False)]:
+        p1, s1 = run(shape, period, factored, use_native=True, dtype=torch.bfloat16)
+        native._lib.gefen_force_portable(1)
+        p2, s2 = run(shape, period, factored, use_native=True, dtype=torch.bfloat16)
+        native._lib.gefen_force_portable(0)
+        assert_identical(p1, p2, "param")
+        for key in s1:
+            assert_identical(s1[key], s2[key], key)
+
+
+def test_special_values():
+    """inf/NaN gradients: both paths agree on codes and second moments, and on where NaNs are."""
+    gen = torch.Generator().manual_seed(5)
+    shape = (16, 32)
+    grads = [torch.randn(shape, generator=gen) for _ in range(2)]
+    grads[1][3, 5] = float("nan")
+    grads[1][7, 0] = float("inf")
+    codebook = make_codebook("small", gen)
+    out = {}
+    for use_native in (False, True):
+        native.enabled = use_native
+        p = torch.randn(shape, generator=torch.Generator().manual_seed(9))
+        st = init_state(p, shape, 8, False)
+        for g in grads:
+            gefen_update_(p, g, st, codebook, HYPER, global_rows=16)
+        out[use_native] = (p, st)
+    (p0, s0), (p1, s1) = out[False], out[True]
+    assert torch.equal(s0["m_code"], s1["m_code"])
+    assert torch.equal(s0["v"].isnan(), s1["v"].isnan()) and torch.equal(s0["v"].nan_to_num(), s1["v"].nan_to_num())
+    assert torch.equal(s0["m_scale"].isnan(), s1["m_scale"].isnan())
+    assert torch.equal(s0["m_scale"].nan_to_num(), s1["m_scale"].nan_to_num())
+    assert torch.equal(p0.isnan(), p1.isnan()) and torch.equal(p0.nan_to_num(), p1.nan_to_num())
+
+
+# ----- the quantiser LUT -------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["learned", "uniform", "small", "padded"])
+def test_lut_is_exact_at_every_threshold(kind):
+    gen = torch.Generator().manual_seed(1)
+    codebook = make_codebook(kind, gen, [torch.randn(64, 64, generator=gen)])
+    q = native._Quantiser(codebook)
+    assert q.M > 0
+    thr = code_thresholds(codebook)
+    inside = thr[(thr > -1) & (thr < 1)]
+    down = torch.nextafter(inside, torch.full_like(inside, -2.0))
+    up = torch.nextafter(inside, torch.full_like(inside, 2.0))
+    x = torch.cat([inside, down, up, torch.linspace(-1, 1, 100001), torch.tensor([-1.0, 1.0, 0.0, -0.0])])
+    x = x.clamp(-1, 1)
+    b = ((x + 1.0) * (q.M // 2)).to(torch.int32).clamp(0, q.M - 1).long()
+    lo = q.lo[b]
+    got = lo + (q.thr[lo] < x).long() + (q.thr[lo + 1] < x).long()
+    assert torch.equal(got, nearest_code(x, codebook).long())
+
+
+def test_crowded_codebook_uses_binary_search():
+    q = native._Quantiser(make_codebook("crowded", torch.Generator().manual_seed(0)))
+    assert q.M == 0
+
+
+# ----- the optimizer ------------------------------------------------------------------------------
+def _model_params(seed):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"emb": (100, 32), "q": (32, 32), "up": (32, 128), "down": (128, 32), "norm": (32,),
+              "bias": (128,), "conv": (8, 4, 3, 3), "scalar": ()}
+    return [(name, torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1)) for name, s in shapes.items()]
+
+
+@pytest.mark.parametrize("factored_v_2d", [True, False])
+def test_optimizer_uses_fused_path_and_matches_eager(factored_v_2d):
+    runs = {}
+    for use_native in (False, True):
+        native.enabled = use_native
+        params = _model_params(0)
+        opt = Gefen(params, lr=1e-2, weight_decay=0.05, factored_v_2d=factored_v_2d)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            for _, p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs[use_native] = (params, opt.state_dict())
+    (pa, sa), (pb, sb) = runs[False], runs[True]
+    for (name, a), (_, b) in zip(pa, pb):
+        assert_identical(b.detach(), a.detach(), name)
+    for key, entry in sa["state"].items():
+        for field, value in entry.items():
+            assert_identical(sb["state"][key][field], value, f"{key}.{field}")
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_per_parameter_overhead_is_one_call():
+    """Many small tensors: the fused step must not pay ~15-25 torch op launches per tensor."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(16, 16), (16,), (4, 4, 4)] * 40]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    counts = {}
+    for use_native in (False, True):
+        native.enabled = use_native
+        opt = Gefen([p.detach().clone().requires_grad_() for p in params], lr=1e-3)
+        for q, p in zip(opt.param_groups[0]["params"], params):
+            q.grad = p.grad.clone()
+        opt.step()  # first step: periods and codebook
+        with _CountOps() as mode:
+            opt.step()
+        counts[use_native] = mode.ops / len(params)
+    assert counts[True] <= 6, counts  # int(step), int(period), 2 small allocations (factored), cat/split
+    assert counts[True] * 3 < counts[False], counts
+
+
+def test_disable_environment_variable():
+    code = "import gefen.native as n; print(n.enabled)"
+    env = dict(os.environ, GEFEN_DISABLE_NATIVE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_unsupported_inputs_fall_back_without_touching_state():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(8, 16, generator=gen).t()  # not contiguous
+    g = torch.randn(16, 8, generator=gen)
+    st = init_state(p, (16, 8), 8, False)
+    before = {k: v.clone() for k, v in st.items()}
+    codebook = torch.linspace(-1, 1, 256)
+    assert not native.fused_update_(p, g, st, codebook, HYPER, global_rows=16)
+    assert not native.fused_update_(p.double().contiguous(), g.double(), st, codebook, HYPER, global_rows=16)
+    for k in st:
+        assert torch.equal(st[k], before[k])
+    gefen_update_(p, g, st, codebook, HYPER, global_rows=16)  # eager still works
+    assert int(st["step"]) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_uses_the_eager_path():
+    p = torch.randn(8, 16, device="cuda")
+    st = init_state(p, (8, 16), 16, False)
+    assert not native.fused_update_(p, torch.randn_like(p), st, torch.linspace(-1, 1, 256, device="cuda"), HYPER,
+                                    global_rows=8)
