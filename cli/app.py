@@ -310,7 +310,10 @@ def reshard(
                                ("memory_budget", common.parse_size(memory_budget))) if v is not None}
     with common.handled():
         if mesh is not None:
-            target = Mesh.parse(mesh)
+            try:
+                target = Mesh.parse(mesh)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from None
             if world_size is not None and world_size != target.world_size:
                 raise typer.BadParameter(f"--world-size {world_size} contradicts --mesh {mesh}")
         elif world_size is not None:

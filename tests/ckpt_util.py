@@ -157,13 +157,16 @@ def synthetic_gefen(shapes: dict[str, tuple[int, ...]], seed: int):
 CRASH_SHAPES = transformer_shapes(dim=512, layers=6, vocab=8000)  # ~23M params: ~24 MB of state
 
 
-def crash_worker(sources: list[str], url: str, fresh_url: str, ready) -> None:
+def crash_worker(sources: list[str], url: str, fresh_url: str, ready, saves) -> None:
     """Copy checkpoint ``sources[0]`` into the empty ``fresh_url``, then write the sources in
-    turn over ``url`` forever (streamed from the source files), until killed."""
+    turn over ``url`` forever (streamed from the source files), until killed; ``saves``
+    counts the completed saves."""
     torch.set_num_threads(1)
     ready.set()
     gefen_ckpt.write(gefen_ckpt.read(sources[0]), fresh_url)
+    saves.value += 1
     i = 1
     while True:
         gefen_ckpt.write(gefen_ckpt.read(sources[i % 2]), url)
+        saves.value += 1
         i += 1

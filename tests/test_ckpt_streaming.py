@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import threading
 
-import psutil
 import pytest
 import torch
 from ckpt_util import bits_equal, canonical_equal, fresh_like, same, snapshot, trained
@@ -16,6 +15,7 @@ from gefen.contract import FieldSpec, OptimizerContract
 from gefen_ckpt import CanonicalState, EagerSource, ParamState
 from gefen_ckpt.errors import CheckpointCorruptError
 
+psutil = pytest.importorskip("psutil", reason="psutil (the bench extra) measures RSS")
 pytestmark = pytest.mark.timeout(120)
 CONTRACT = OptimizerContract("test.Streaming", "1", (), (FieldSpec("m", "uint8", "param"),
                                                           FieldSpec("s", "float32", "row")))

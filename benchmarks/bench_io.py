@@ -1,0 +1,357 @@
+"""Portable-format save/load throughput vs torch.save, safetensors and DCP, with the disk's limit.
+
+State: Gefen over transformer-shaped tensors (``common.transformer_shapes``, ~25M and ~42M
+parameters) after two steps on random gradients with row/column structure. For each size, and
+for model + optimizer at the smaller size, every method saves and loads the same state in
+interleaved rounds (so load drift on a shared machine hits all alike); numbers are medians.
+
+* save: to a fresh location, ``fsync``'d (gefen_ckpt and DCP sync their files; torch.save and
+  safetensors get an explicit ``fsync``). Model + optimizer with gefen_ckpt is
+  ``gefen_ckpt.save(opt)`` plus ``safetensors.save_file(model)``.
+* load (cold): page cache dropped for the checkpoint's files first (``posix_fadvise
+  DONTNEED`` after ``fsync``); the state is read into memory: gefen_ckpt reads and verifies
+  every checksum (what ``gefen_ckpt.load`` stages), torch.load (``weights_only=True``),
+  safetensors ``load_file``, DCP ``dcp.load`` into a preallocated state dict (allocation not
+  timed, to DCP's advantage).
+* ``load -> optimizer``: end to end into a live Gefen: ``gefen_ckpt.load`` vs
+  ``opt.load_state_dict(torch.load(...))``.
+* disk limit: ``dd if=/dev/zero bs=16M conv=fdatasync`` of the same byte count.
+* peak RSS: extra resident memory during each operation (psutil, sampled every 2 ms).
+* size: checkpoint bytes / in-memory compressed state bytes.
+
+Writes ``benchmarks/out/io.json`` and ``benchmarks/out/io.png``; ``run(quick)`` returns the
+``run_all`` section. Run alone with ``python -m benchmarks.bench_io [--quick]``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # `python benchmarks/bench_io.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psutil
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+import gefen_ckpt
+from benchmarks.common import (
+    machine_limits,
+    md_table,
+    plot,
+    structured_tensor,
+    transformer_shapes,
+    write_json,
+)
+from gefen import Gefen
+from gefen_ckpt.format.reader import open_checkpoint, stage_state
+from gefen_ckpt.storage import Store
+
+SIZES = (25, 42)
+METHODS = ("gefen_ckpt", "torch.save", "safetensors", "DCP")
+SCRATCH = Path(__file__).resolve().parent / "scratch"
+
+
+# ----- the state --------------------------------------------------------------------------------
+def gefen_state(size: int) -> tuple[list[tuple[str, torch.nn.Parameter]], Gefen]:
+    gen = torch.Generator().manual_seed(size)
+    params = [(n, torch.nn.Parameter(structured_tensor(s, gen, 0.02))) for n, s in transformer_shapes(size)]
+    opt = Gefen(params, lr=1e-3)
+    for _ in range(2):
+        for _, p in params:
+            p.grad = structured_tensor(tuple(p.shape), gen)
+        opt.step()
+    for _, p in params:
+        p.grad = None
+    return params, opt
+
+
+def flat(sd: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state dict under a '/'-joined key (for safetensors)."""
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}/"))
+        elif isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v.contiguous()
+    return out
+
+
+# ----- file-system helpers ----------------------------------------------------------------------
+def files_of(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+
+
+def fsync(path: Path) -> None:
+    for f in files_of(path):
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def drop_cache(path: Path) -> None:
+    for f in files_of(path):
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def size_of(path: Path) -> int:
+    return sum(f.stat().st_size for f in files_of(path))
+
+
+def dd_bandwidth(nbytes: int, where: Path) -> float:
+    """bytes/s of ``dd if=/dev/zero bs=16M conv=fdatasync`` writing ``nbytes`` (rounded up)."""
+    count = max(1, -(-nbytes // (16 * 2**20)))
+    target = where / "dd.bin"
+    start = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={count}", "conv=fdatasync"],
+                   check=True, capture_output=True)
+    seconds = time.perf_counter() - start
+    target.unlink()
+    return count * 16 * 2**20 / seconds
+
+
+class PeakRSS:
+    """Extra resident memory (bytes) while the block runs, sampled in a thread."""
+
+    def __enter__(self):
+        self.proc = psutil.Process()
+        self.base = self.peak = self.proc.memory_info().rss
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.done.wait(0.002):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.extra = self.peak - self.base
+
+
+# ----- the methods ------------------------------------------------------------------------------
+def methods(opt: Gefen, model_sd: dict | None) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (save(path), load(path) -> state in memory) for the optimizer (+ model) state."""
+    osd = opt.state_dict()
+    both = {"model": model_sd, "optim": osd} if model_sd is not None else osd
+    template = {"model": {k: torch.empty_like(v) for k, v in model_sd.items()}} if model_sd is not None else {}
+
+    def ours_save(path: Path):
+        gefen_ckpt.save(opt, str(path / "optim"))
+        if model_sd is not None:
+            save_file(model_sd, str(path / "model.safetensors"))
+            fsync(path / "model.safetensors")
+
+    def ours_load(path: Path):
+        store = Store(str(path / "optim"))
+        state = stage_state(store, open_checkpoint(store))
+        return state, load_file(str(path / "model.safetensors")) if model_sd is not None else None
+
+    def torch_save(path: Path):
+        with open(path / "state.pt", "wb") as f:
+            torch.save(both, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def st_save(path: Path):
+        save_file(flat(both), str(path / "state.safetensors"))
+        fsync(path / "state.safetensors")
+
+    def dcp_load(path: Path):
+        sd = {**template, "optim": {"state": {i: {k: torch.empty_like(v) for k, v in s.items()}
+                                              for i, s in osd["state"].items()},
+                                    "param_groups": osd["param_groups"],
+                                    "global_state": {k: torch.empty_like(v) for k, v in osd["global_state"].items()}}}
+        if model_sd is None:
+            sd = sd["optim"]
+        start = time.perf_counter()
+        dcp.load(sd, checkpoint_id=str(path / "dcp"), no_dist=True)
+        return time.perf_counter() - start
+
+    return {
+        "gefen_ckpt": (ours_save, ours_load),
+        "torch.save": (torch_save, lambda path: torch.load(path / "state.pt", weights_only=True)),
+        "safetensors": (st_save, lambda path: load_file(str(path / "state.safetensors"))),
+        "DCP": (lambda path: dcp.save(both, checkpoint_id=str(path / "dcp"), no_dist=True), dcp_load),
+    }
+
+
+def touch(obj) -> None:
+    """Read one byte per 4 KiB page of every tensor in ``obj``: a load that maps files lazily
+    (safetensors) must really have read the data by the time the clock stops."""
+    if isinstance(obj, torch.Tensor):
+        if obj.numel():
+            obj.reshape(-1).view(torch.uint8)[::4096].sum()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            touch(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            touch(v)
+    elif isinstance(obj, gefen_ckpt.CanonicalState):
+        for _, src in obj.tensors():
+            touch(src.read())
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand freed heap back to the OS (glibc ``malloc_trim``), so the next
+    operation's RSS growth shows its own allocations rather than reuse of earlier ones."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def timed(fn: Callable, *args) -> tuple[float, int]:
+    """(seconds, extra peak RSS bytes) of ``fn(*args)``, including touching what it returns;
+    a float it returns is its own timing."""
+    release_freed_memory()
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        result = fn(*args)
+        touch(result)
+        seconds = time.perf_counter() - start
+    return (result if isinstance(result, float) else seconds), rss.extra
+
+
+def measure(label: str, opt: Gefen, model_sd: dict | None, state_bytes: int, reps: int, root: Path) -> dict:
+    impls = methods(opt, model_sd)
+    times = {m: {"save": [], "load": []} for m in METHODS}
+    rss = {m: {"save": 0, "load": 0} for m in METHODS}
+    sizes = {}
+    for rep in range(reps):
+        for m in METHODS:  # interleaved: every method once per round
+            save, load = impls[m]
+            path = root / f"{label}-{m}-{rep}".replace(" ", "_").replace("+", "")
+            path.mkdir(parents=True)
+            seconds, extra = timed(save, path)
+            times[m]["save"].append(seconds)
+            rss[m]["save"] = max(rss[m]["save"], extra)
+            sizes[m] = size_of(path)
+            drop_cache(path)
+            seconds, extra = timed(load, path)
+            times[m]["load"].append(seconds)
+            rss[m]["load"] = max(rss[m]["load"], extra)
+            shutil.rmtree(path)
+    out = {"state_bytes": state_bytes, "checkpoint_bytes": sizes, "peak_extra_rss": rss, "seconds": times}
+    out["save_MBps"] = {m: state_bytes / statistics.median(t["save"]) / 1e6 for m, t in times.items()}
+    out["load_MBps"] = {m: state_bytes / statistics.median(t["load"]) / 1e6 for m, t in times.items()}
+    return out
+
+
+def _torch_load_into(opt: Gefen, path: Path) -> None:
+    opt.load_state_dict(torch.load(path, weights_only=True))
+
+
+def end_to_end_load(opt: Gefen, reps: int, root: Path, state_bytes: int) -> dict:
+    """Cold load into the live optimizer: gefen_ckpt.load vs load_state_dict(torch.load())."""
+    ours, pt = root / "e2e-ours", root / "e2e.pt"
+    gefen_ckpt.save(opt, str(ours))
+    with open(pt, "wb") as f:
+        torch.save(opt.state_dict(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    runs = {"gefen_ckpt.load": [], "torch.load + load_state_dict": []}
+    for _ in range(reps):
+        drop_cache(ours)
+        runs["gefen_ckpt.load"].append(timed(gefen_ckpt.load, opt, str(ours))[0])
+        drop_cache(pt)
+        runs["torch.load + load_state_dict"].append(timed(_torch_load_into, opt, pt)[0])
+    shutil.rmtree(ours)
+    pt.unlink()
+    return {k: state_bytes / statistics.median(v) / 1e6 for k, v in runs.items()}
+
+
+# ----- run --------------------------------------------------------------------------------------
+def run(quick: bool) -> dict:
+    torch.set_num_threads(2)
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(dir=SCRATCH))
+    sizes, reps = ((25,), 2) if quick else (SIZES, 3)
+    results, e2e = {}, {}
+    try:
+        dd = []
+        for size in sizes:
+            params, opt = gefen_state(size)
+            state_bytes = gefen_ckpt.export_canonical(opt).total_bytes()
+            results[f"{size}M optimizer"] = measure(f"{size}M", opt, None, state_bytes, reps, root)
+            e2e[f"{size}M"] = end_to_end_load(opt, reps, root, state_bytes)
+            dd.append(dd_bandwidth(state_bytes, root))
+            if size == sizes[0]:
+                model_sd = {n: p.detach() for n, p in params}
+                both = state_bytes + sum(p.numel() * p.element_size() for p in model_sd.values())
+                results[f"{size}M model+optimizer"] = measure(f"{size}M-model", opt, model_sd, both, reps, root)
+                dd.append(dd_bandwidth(both, root))
+            del params, opt
+            gc.collect()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    dd_MBps = statistics.median(dd) / 1e6
+    data = {"results": results, "end_to_end_load_MBps": e2e, "dd_MBps": dd_MBps, "dd_samples_MBps": [d / 1e6 for d in dd],
+            "machine": machine_limits(), "reps": reps, "quick": quick}
+    write_json("io", data)
+    return {"title": "Checkpoint I/O: portable format vs torch.save, safetensors, DCP",
+            "markdown": _markdown(data), "plots": [str(_plot(data))], "data": data}
+
+
+def _plot(data: dict) -> Path:
+    groups = {}
+    for label, r in data["results"].items():
+        groups[f"{label}\nsave"] = r["save_MBps"]
+        groups[f"{label}\nload (cold)"] = r["load_MBps"]
+    return plot("io", groups, ylabel="MB/s (state bytes / median time)", hline=data["dd_MBps"],
+                hline_label="dd conv=fdatasync", title="Checkpoint save/load throughput (higher is better)")
+
+
+def _markdown(data: dict) -> str:
+    dd, rows, targets = data["dd_MBps"], [], []
+    for label, r in data["results"].items():
+        for op in ("save", "load"):
+            speeds = r[f"{op}_MBps"]
+            rows.append([label, op] + [f"{speeds[m]:.0f} ({speeds[m] / dd:.2f}x dd)" for m in METHODS]
+                        + [" / ".join(f"{r['peak_extra_rss'][m][op] / 2**20:.0f}" for m in METHODS)])
+        ours = {op: r[f"{op}_MBps"]["gefen_ckpt"] for op in ("save", "load")}
+        best_peer = {op: max(v for m, v in r[f"{op}_MBps"].items() if m != "gefen_ckpt") for op in ("save", "load")}
+        ratio = r["checkpoint_bytes"]["gefen_ckpt"] / r["state_bytes"]
+        targets.append([label, f"{ours['save'] / dd:.2f}x / {ours['load'] / dd:.2f}x",
+                        f"{ours['save'] / best_peer['save']:.2f}x / {ours['load'] / best_peer['load']:.2f}x",
+                        f"{ratio:.4f}" if "model" not in label else "n/a (model in safetensors)"])
+    e2e = [[k] + [f"{v:.0f}" for v in speeds.values()] for k, speeds in data["end_to_end_load_MBps"].items()]
+    e2e_header = ["state"] + list(next(iter(data["end_to_end_load_MBps"].values())))
+    return "\n\n".join([
+        f"Disk limit (`dd bs=16M conv=fdatasync`, same byte counts): **{dd:.0f} MB/s** "
+        f"(samples {', '.join(f'{d:.0f}' for d in data['dd_samples_MBps'])}). Medians of {data['reps']} "
+        "interleaved rounds; MB/s = bytes of state (optimizer, or model + optimizer) / time.",
+        md_table(["state", "op"] + [f"{m} MB/s" for m in METHODS] + ["peak extra RSS MiB (" + " / ".join(METHODS) + ")"],
+                 rows),
+        "Targets (SPEC 12): save/load >= 0.8x dd, faster than every peer, checkpoint <= 1.05x the compressed state.",
+        md_table(["state", "gefen_ckpt vs dd (save / load)", "vs best peer (save / load)",
+                  "checkpoint / in-memory state"], targets),
+        "Cold load straight into a live Gefen optimizer (MB/s of state):",
+        md_table(e2e_header, e2e),
+    ])
+
+
+if __name__ == "__main__":
+    result = run("--quick" in sys.argv)
+    print(result["markdown"])
