@@ -26,7 +26,7 @@ def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
     for placement in param.placements:
         if placement.is_shard() and placement.dim != 0:
             raise UnsupportedLayoutError(
-                f"{name}: layout {param.placements} shards dim {placement.dim}; only Shard(0) and Replicate "
+                f"{name}: unsupported layout {param.placements} shards dim {placement.dim}; only Shard(0) and Replicate "
                 "keep whole blocks on every rank"
             )
         if placement.is_partial():
