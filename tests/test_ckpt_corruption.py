@@ -7,7 +7,6 @@ import os
 
 import msgpack
 import pytest
-from ckpt_util import Tiny, fresh_like, same, snapshot, train, trained
 
 import gefen
 import gefen_ckpt
@@ -18,6 +17,8 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
+
+from ckpt_util import Tiny, fresh_like, same, snapshot, train, trained
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,10 +9,11 @@ import signal
 import time
 
 import pytest
-from ckpt_util import CRASH_SHAPES, canonical_equal, crash_worker, synthetic_gefen
 
 import gefen_ckpt
 from gefen_ckpt.errors import CheckpointIncompleteError
+
+from ckpt_util import CRASH_SHAPES, canonical_equal, crash_worker, synthetic_gefen
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,14 @@ import zlib
 
 import pytest
 import torch
-from ckpt_util import trained
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import gefen_ckpt
 from gefen_ckpt.format import checksum, datafile
 from gefen_ckpt.format.dtypes import DTYPES
+
+from ckpt_util import trained
 
 pytestmark = pytest.mark.timeout(120)
 

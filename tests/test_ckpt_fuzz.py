@@ -12,13 +12,14 @@ import uuid
 import fsspec
 import msgpack
 import pytest
-from ckpt_util import fresh_like, trained
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gefen_ckpt
 from gefen_ckpt.errors import CheckpointError
 from gefen_ckpt.format.dtypes import itemsize
+
+from ckpt_util import fresh_like, trained
 
 pytestmark = pytest.mark.timeout(300)
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ckpt_util import OPTIMIZERS, canonical_equal, fresh_like, same, snapshot, train, trained
 
 import gefen_ckpt
+
+from ckpt_util import OPTIMIZERS, canonical_equal, fresh_like, same, snapshot, train, trained
 
 pytestmark = pytest.mark.timeout(120)
 

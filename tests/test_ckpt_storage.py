@@ -7,10 +7,11 @@ import uuid
 
 import fsspec
 import pytest
-from ckpt_util import fresh_like, same, snapshot, trained
 
 import gefen_ckpt
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointIncompleteError
+
+from ckpt_util import fresh_like, same, snapshot, trained
 
 pytestmark = pytest.mark.timeout(180)
 

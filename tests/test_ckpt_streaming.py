@@ -8,12 +8,13 @@ import threading
 
 import pytest
 import torch
-from ckpt_util import bits_equal, canonical_equal, fresh_like, same, snapshot, trained
 
 import gefen_ckpt
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen_ckpt import CanonicalState, EagerSource, ParamState
 from gefen_ckpt.errors import CheckpointCorruptError
+
+from ckpt_util import bits_equal, canonical_equal, fresh_like, same, snapshot, trained
 
 psutil = pytest.importorskip("psutil", reason="psutil (the bench extra) measures RSS")
 pytestmark = pytest.mark.timeout(120)

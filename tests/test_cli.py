@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from gefen_cli.app import app
 from typer.testing import CliRunner
 
 import gefen_ckpt
 from gefen import Gefen
+from gefen_cli.app import app
 
 runner = CliRunner()
 COMMANDS = ["inspect", "verify", "diff", "convert", "reshard"]

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-from gefen_cli.app import app
 from typer.testing import CliRunner
 
 import gefen_ckpt
 from gefen import Gefen
+from gefen_cli.app import app
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,7 +13,6 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from distributed import run
 from torch.distributed.checkpoint.api import CheckpointException
 
 from gefen import Gefen, GefenMuon, GefenMuonHybrid, contract_of
@@ -27,6 +26,8 @@ from gefen_ckpt import (
 from gefen_ckpt.canonical import LocalPart
 from gefen_ckpt.dcp import GefenDCPState, GefenLoadPlanner, GefenSavePlanner, read_dcp, write_dcp
 from gefen_ckpt.layout import local_rows
+
+from distributed import run
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

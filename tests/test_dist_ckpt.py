@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import gefen_ckpt
-from distributed import run
 from gefen import Gefen
+
+from distributed import run
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run
 from gefen import Gefen, contract_of
+
+from distributed import run
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

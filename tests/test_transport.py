@@ -14,12 +14,13 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from distributed import run
 
 from gefen import Gefen
 from gefen_ckpt import CheckpointError, CheckpointMismatchError, export_canonical
 from gefen_ckpt import transport as T
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState
+
+from distributed import run
 
 # uneven rows on 2/3/4 ranks, empty shards ("pair" on 3 ranks, "tiny" on 4), 1-D, 3-D
 SHAPES = {"emb": (24, 16), "proj": (7, 32), "tiny": (3, 8), "pair": (2, 8), "norm": (16,), "conv": (8, 4, 3)}
