@@ -344,5 +344,5 @@ def _check_plain_field(label: str, name: str, value, dtype: str, geometry: str, 
     if not ok_dtype:
         raise TypeError(f"parameter {label}: field {name!r} has dtype {value.dtype}, expected {dtype}")
     want = () if geometry == "scalar" else tuple(local_tensor(param).shape)
-    if tuple(value.shape) != want:
+    if tuple(local_tensor(value).shape) != want:  # a torch optimizer keeps DTensor state for DTensor params
         raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
