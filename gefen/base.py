@@ -51,6 +51,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(_add_global_state, prepend=True)
 
+    def __getstate__(self) -> dict:
+        """torch pickles only defaults/state/param_groups; the codebook and sizes travel too
+        (the reduction plan is rebuilt on demand)."""
+        state = super().__getstate__()
+        state.update(codebook=self.codebook, codebook_size=self.codebook_size, bins_per_code=self.bins_per_code,
+                     _plan=None)
+        return state
+
     # ----- hooks for subclasses -------------------------------------------------------------
     def contract(self) -> OptimizerContract:
         raise NotImplementedError

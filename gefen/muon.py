@@ -101,8 +101,9 @@ class GefenMuon(CompressedOptimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
                         ns_schedule=ns_schedule, normuon=normuon, beta2=beta2, eps=eps, adjust_lr=adjust_lr)
         self._check_group(defaults)
-        self.gather = LocalGather()
         super().__init__(params, defaults, codebook_size=codebook_size, bins_per_code=bins_per_code)
+
+    gather = LocalGather()  # stateless; replaced by RowGather under a row-sharding process group
 
     def contract(self) -> OptimizerContract:
         return _CONTRACT

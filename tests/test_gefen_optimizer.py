@@ -583,3 +583,24 @@ def test_contract_errors():
     plain["fields"][0]["geometry"] = "diagonal"
     with pytest.raises(ValueError, match="diagonal"):
         OptimizerContract.from_dict(plain)
+
+
+def test_deepcopy_keeps_codebook_and_continues_identically():
+    """copy.deepcopy (used by e.g. model-averaging code) carries the codebook and settings."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 16)
+    opt = Gefen(model.named_parameters(), lr=1e-2, codebook_size=64)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    twin_model = copy.deepcopy(model)
+    twin = copy.deepcopy(opt)
+    assert twin.codebook_size == 64 and torch.equal(twin.codebook, opt.codebook)
+    twin = Gefen(twin_model.named_parameters(), lr=1e-2, codebook_size=64)
+    twin.load_state_dict(opt.state_dict())
+    for m, o in ((model, opt), (twin_model, twin)):
+        torch.manual_seed(1)
+        m(torch.randn(4, 8)).sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
