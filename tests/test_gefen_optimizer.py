@@ -594,6 +594,7 @@ def test_deepcopy_keeps_codebook_and_continues_identically():
     opt = Gefen(model.named_parameters(), lr=1e-2, codebook_size=64)
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
+    opt.zero_grad()
     twin_model = copy.deepcopy(model)
     twin = copy.deepcopy(opt)
     assert twin.codebook_size == 64 and torch.equal(twin.codebook, opt.codebook)
