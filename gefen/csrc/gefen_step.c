@@ -22,9 +22,13 @@
  *   - the nearest code is the count of fp32 thresholds (gefen.codebook.code_thresholds)
  *     strictly below x, NaN -> last code, i.e. torch.searchsorted(right=False).  It is found
  *     with a uniform bucket LUT whose buckets hold <= 2 thresholds (exact: the bucket map is
- *     monotone, see gefen_build_lut), or by binary search when no LUT fits.
- * Work is split over blocks / rows with OpenMP; any split gives the same result because each
- * output is computed by exactly one thread in a fixed order.
+ *     monotone, see gefen_build_lut), or by binary search when no LUT fits;
+ *   - torch's CPU sqrt is MKL's vmsSqrt (not correctly rounded): gefen.native passes us its
+ *     address (see sqrt_n).
+ * Work is split over blocks / rows / 256-row chunks with OpenMP; any split gives the same result
+ * because each output is computed by exactly one thread in a fixed order.  Table lookups stay
+ * scalar (AVX2 gathers measured slower); the arithmetic is AVX2 when the CPU has it, with a
+ * portable twin (gefen_force_portable) that produces identical bits.
  *
  * Memory traffic of one step: param read + write, grad read (twice for factored tensors:
  * phase 1 reads it for the row/column statistics), codes read + write, per-block state.
@@ -52,7 +56,7 @@
 #define GEFEN_EXPORT __attribute__((visibility("default")))
 #endif
 
-#define GEFEN_ABI 7
+#define GEFEN_ABI 8
 #define GRAIN 32768   /* at::internal::GRAIN_SIZE */
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 #define MAX_T 1024    /* largest torch thread count we emulate */
@@ -468,19 +472,146 @@ static int max_threads(void) {
  * v_row_new = v_row * b2 + mean_cols(g^2) * (1 - b2)          (fp32, two products and a sum)
  * partials  = [sum_rows(g^2) as float64..., sum(v_row_new) as float64]
  */
+/* ----- phase 1 in one pass --------------------------------------------------------------------
+ * Column sums in "A" order are one cascade down all rows per column: level-1 chunks of S rows,
+ * level-2 chunks of S^2 rows, ... (S = 2^level_power(rows)).  A thread that owns whole level-2
+ * chunks computes their sums exactly as the sequential cascade would (both levels start from 0
+ * at a chunk boundary), and so can also compute the row sums of the rows it streams.  The
+ * levels above are then combined per column, in order, by combine_chunks. */
+typedef struct {
+    const void *g;
+    int dt, W, T;
+    int64_t rows, cols, S, S2, nfull;
+    const float *v_row_old;
+    float *v_row_new;
+    float b2, o2, fcols;
+    double *c2;   /* [nfull][cols]: level-2 chunk sums */
+    double *tail; /* [2][cols]: the last, partial chunk's level-1 sum and trailing rows */
+} p1ctx;
+
+static CLONES void add_sq_row(double *acc, const void *g, int dt, int64_t off, int64_t n) {
+    if (dt == DT_F32) {
+        const float *src = (const float *)g + off;
+        for (int64_t c = 0; c < n; ++c) acc[c] += (double)(src[c] * src[c]);
+    } else {
+        const uint16_t *src = (const uint16_t *)g + off;
+        for (int64_t c = 0; c < n; ++c) {
+            float v = bf16_to_f32(src[c]);
+            acc[c] += (double)(v * v);
+        }
+    }
+}
+
+static CLONES void flush_into(double *hi, double *lo, int64_t n) {
+    for (int64_t c = 0; c < n; ++c) {
+        hi[c] += lo[c];
+        lo[c] = 0.0;
+    }
+}
+
+/* Level-2 chunks [k0, k1) (the partial last chunk is index nfull); acc: 2 * cols doubles. */
+static void phase1_chunks(const p1ctx *x, int64_t k0, int64_t k1, double *acc) {
+    const int64_t cols = x->cols;
+    double *a0 = acc, *a1 = acc + cols;
+    for (int64_t k = k0; k < k1; ++k) {
+        const int64_t r0 = k * x->S2, r1 = min64(r0 + x->S2, x->rows);
+        memset(acc, 0, (size_t)(2 * cols) * sizeof(double));
+        int64_t in_chunk1 = 0;
+        for (int64_t r = r0; r < r1; ++r) {
+            float mean = (0.0f + inner_sq(x->g, x->dt, r * cols, cols, x->W)) / x->fcols;
+            x->v_row_new[r] = x->v_row_old[r] * x->b2 + mean * x->o2;
+            add_sq_row(a0, x->g, x->dt, r * cols, cols);
+            if (++in_chunk1 == x->S) {
+                flush_into(a1, a0, cols);
+                in_chunk1 = 0;
+            }
+        }
+        if (k < x->nfull) {
+            memcpy(x->c2 + k * cols, a1, (size_t)cols * sizeof(double));
+        } else {
+            memcpy(x->tail, a1, (size_t)cols * sizeof(double));
+            memcpy(x->tail + cols, a0, (size_t)cols * sizeof(double));
+        }
+    }
+}
+
+/* The levels above 2, per column, in multi_row_sum's order: out = 0 + (((a0 + a1) + a2) + a3). */
+static void combine_chunks(const p1ctx *x, int lp, int has_tail, int64_t c0, int64_t c1, double *out) {
+    const int64_t cols = x->cols, mask = x->S - 1;
+    for (int64_t c = c0; c < c1; ++c) {
+        double a2 = 0.0, a3 = 0.0;
+        for (int64_t k = 0; k < x->nfull; ++k) {
+            a2 += x->c2[k * cols + c];
+            const int64_t i = (k + 1) * x->S2;
+            if (!(i & (mask << (2 * lp)))) {
+                a3 += a2;
+                a2 = 0.0;
+            }
+        }
+        double a0 = has_tail ? x->tail[cols + c] : 0.0, a1 = has_tail ? x->tail[c] : 0.0;
+        out[c] = 0.0 + (((a0 + a1) + a2) + a3);
+    }
+}
+
+/* Returns 0, or -1 when it does not apply / is out of memory (then nothing useful was written). */
+static int phase1_one_pass(const void *grad, int dt, int64_t rows, int64_t cols, const float *v_row_old,
+                           float *v_row_new, double *partials, float b2, float o2, int W, int T, int nthreads) {
+    const int lp = level_power(rows);
+    const int64_t S = (int64_t)1 << lp, S2 = S * S;
+    const int64_t nfull = rows / S2, nchunks = divup(rows, S2);
+    if (cols < 2 || nchunks < nthreads || (rows == 1 && cols >= GRAIN && T > 1)) return -1;
+    p1ctx x = {grad, dt, W, T, rows, cols, S, S2, nfull, v_row_old, v_row_new, b2, o2, (float)cols, NULL, NULL};
+    x.c2 = (double *)malloc((size_t)(nfull * cols + 2 * cols) * sizeof(double));
+    double *accs = (double *)malloc((size_t)nthreads * (size_t)(2 * cols) * sizeof(double));
+    if (!x.c2 || !accs) {
+        free(x.c2);
+        free(accs);
+        return -1;
+    }
+    x.tail = x.c2 + nfull * cols;
+    const int has_tail = nchunks > nfull;
+#pragma omp parallel
+    {
+        int tid = 0, nt = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int64_t per = nchunks / nt, extra = nchunks % nt;
+        int64_t k0 = tid * per + (tid < extra ? tid : extra), k1 = k0 + per + (tid < extra ? 1 : 0);
+        phase1_chunks(&x, k0, k1, accs + (size_t)tid * (size_t)(2 * cols));
+#pragma omp barrier
+        int64_t cper = cols / nt, cextra = cols % nt;
+        int64_t c0 = tid * cper + (tid < cextra ? tid : cextra), c1 = c0 + cper + (tid < cextra ? 1 : 0);
+        combine_chunks(&x, lp, has_tail, c0, c1, partials);
+    }
+    free(x.c2);
+    free(accs);
+    /* columns that torch sums in "B" order (< 4 vectors per torch column range): redo them */
+    int64_t rb[MAX_T], re[MAX_T];
+    const int Wd = W / 2, nr = col_ranges(rows, cols, T, rb, re);
+    for (int r = 0; r < nr; ++r)
+        for (int64_t j = rb[r] + a_columns(re[r] - rb[r], Wd); j < re[r]; ++j)
+            partials[j] = 0.0 + (dt == DT_F32 ? rowsum_sqd_f32(grad, j, cols, rows) : rowsum_sqd_bf16(grad, j, cols, rows));
+    return 0;
+}
+
 GEFEN_EXPORT int gefen_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols,
                                 const float *v_row_old, float *v_row_new, double *partials,
                                 double beta2, double omb2, int32_t W, int32_t T) {
     if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0) return -2;
     const float b2 = (float)beta2, o2 = (float)omb2, fcols = (float)cols;
     const int single = rows == 1, nthreads = max_threads();
-    int64_t r = 0;
+    if (rows * cols < PAR_MIN || phase1_one_pass(grad, gdt, rows, cols, v_row_old, v_row_new, partials, b2, o2, W, T,
+                                                 nthreads) != 0) {
+        int64_t r = 0;
 #pragma omp parallel for schedule(static) if (rows * cols >= PAR_MIN)
-    for (r = 0; r < rows; ++r) {
-        float mean = tsum_sq(grad, gdt, r * cols, cols, W, T, single) / fcols;
-        v_row_new[r] = v_row_old[r] * b2 + mean * o2;
+        for (r = 0; r < rows; ++r) {
+            float mean = tsum_sq(grad, gdt, r * cols, cols, W, T, single) / fcols;
+            v_row_new[r] = v_row_old[r] * b2 + mean * o2;
+        }
+        column_sums(grad, gdt, rows, cols, W / 2, T, partials, nthreads);
     }
-    column_sums(grad, gdt, rows, cols, W / 2, T, partials, nthreads);
     partials[cols] = tsum_d_f32(v_row_new, rows, W / 2, T);
     return 0;
 }
@@ -613,7 +744,11 @@ static inline void store_p(const gefen_step_args *a, int64_t i, float v) {
  * (exported by libtorch_cpu) so both paths round alike; without it we use IEEE sqrtf, which is
  * what torch's own vectorised sqrt computes.  Calibration checks whichever is in use. */
 typedef void (*vms_sqrt_fn)(int n, const float *a, float *r, long long mode);
+typedef int (*mkl_threads_fn)(int n);
 static vms_sqrt_fn vms_sqrt = NULL;
+/* MKL_Set_Num_Threads_Local (C ABI: the lowercase symbol is the Fortran one): our OpenMP threads call MKL one row at a time; left to itself MKL
+ * would try to thread each call (2 threads ran at 1.4x instead of 2x). */
+static mkl_threads_fn mkl_threads_local = NULL;
 #define VML_MODE 0x140102LL /* VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as ATen's vml.h */
 
 static void sqrt_n(float *x, int64_t n) {
@@ -655,10 +790,10 @@ static CLONES void outer_over(float *den, const float *vc, int64_t n, float vr, 
     for (int64_t j = 0; j < n; ++j) den[j] = (vr * vc[j]) / rm;
 }
 
-/* Factored path: denominators of row r, columns [j0, j1): sqrt(v_row * v_col / mean(v_row)). */
+/* Factored path: sqrt(v_row * v_col / mean(v_row)) for row r, columns [j0, j1). */
 static void row_denominators(const kctx *c, int64_t r, int64_t j0, int64_t j1, float *den) {
     outer_over(den, c->a->v_col + j0, j1 - j0, c->a->v_row[r], c->rm);
-    finish_denominators(c, den, j1 - j0);
+    sqrt_n(den, j1 - j0); /* "/ sqrt(1 - b2^t) + eps" happens in the block kernels (den_stride 1) */
 }
 
 /* ----- one block ------------------------------------------------------------------------------
@@ -672,7 +807,8 @@ typedef struct {
 } block_bufs;
 
 /* One block, portable C. den is the block's denominator (one value on the block path,
- * den_stride = 0) or one per element (factored, den_stride = 1). */
+ * den_stride = 0) or, factored (den_stride = 1), one square root per element that still needs
+ * "/ sqrt(1 - b2^t) + eps". */
 static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, const float *den, int den_stride) {
     const gefen_step_args *a = c->a;
     const int64_t P = c->P, off = bi * P;
@@ -700,7 +836,7 @@ static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, const
         }
         float u = cb[q] * scale;
         u = u / c->b1;
-        u = u / den[e * den_stride];
+        u = u / (den_stride ? den[e] / c->b2s + c->eps : den[0]);
         float p = load_p(a, off + e);
         if (a->has_wd) p = p * c->decay;
         store_p(a, off + e, fmaf(u, c->nlr, p));
@@ -742,7 +878,7 @@ static void elementwise_portable(const kctx *c, int64_t i0, int64_t i1, float *d
 
 /* Table lookups stay scalar: AVX2 gathers are several times slower than plain loads on the
  * CPUs we measured, and these loops are load-port bound (2-5 loads per element). */
-#define NOVEC __attribute__((noinline, optimize("no-tree-vectorize")))
+#define NOVEC __attribute__((noinline, optimize("no-tree-vectorize", "unroll-loops")))
 
 static NOVEC void lookup_values(const uint8_t *code, const float *cb, float *out, int64_t n) {
     int64_t e = 0;
@@ -870,10 +1006,10 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, cons
         lookup_codes(c, mbuf, bbuf, code, cbuf, P);
     }
     const __m256 b1 = _mm256_set1_ps(c->b1), nlr = _mm256_set1_ps(c->nlr), decay = _mm256_set1_ps(c->decay);
-    const __m256 vden_b = _mm256_set1_ps(den[0]);
+    const __m256 vden_b = _mm256_set1_ps(den[0]), b2s = _mm256_set1_ps(c->b2s), eps = _mm256_set1_ps(c->eps);
     for (e = 0; e < P8; e += 8) {
         __m256 u = _mm256_div_ps(_mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale), b1);
-        u = _mm256_div_ps(u, den_stride ? _mm256_loadu_ps(den + e) : vden_b);
+        u = _mm256_div_ps(u, den_stride ? _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(den + e), b2s), eps) : vden_b);
         __m256 p = ld8_p(a, off + e);
         if (a->has_wd) p = _mm256_mul_ps(p, decay);
         st8_p(a, off + e, _mm256_fmadd_ps(u, nlr, p));
@@ -881,7 +1017,7 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, cons
     for (; e < P; ++e) {
         float u = cbuf[e] * scale;
         u = u / c->b1;
-        u = u / den[e * den_stride];
+        u = u / (den_stride ? den[e] / c->b2s + c->eps : den[0]);
         float p = load_p(a, off + e);
         if (a->has_wd) p = p * c->decay;
         store_p(a, off + e, fmaf(u, c->nlr, p));
@@ -961,6 +1097,7 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
     const int nthreads = max_threads();
     const int par = numel >= PAR_MIN && nthreads > 1;
     const int avx2 = avx2_on();
+    (void)par;
     const int64_t den_len = a->factored ? c.cols : ELEM_CHUNK;
     const int64_t stride = (c.P + 15) / 16 * 16 + 48; /* floats; odd multiple of 64 B apart (no 4K aliasing) */
     const int64_t per_thread = 3 * stride + den_len + 48;
@@ -989,9 +1126,11 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
         int64_t per = c.NB / nt, extra = c.NB % nt;
         int64_t b0 = tid * per + (tid < extra ? tid : extra);
         int64_t b1 = b0 + per + (tid < extra ? 1 : 0);
+        const int mkl_prev = mkl_threads_local ? mkl_threads_local(1) : 0;
         float *mine = bufs + (size_t)tid * (size_t)per_thread;
         block_bufs B = {mine, mine + stride, (int32_t *)(mine + 2 * stride)};
         run_blocks(&c, b0, b1, &B, mine + 3 * stride, avx2);
+        if (mkl_threads_local) mkl_threads_local(mkl_prev);
     }
     free(bufs);
     return 0;
@@ -1000,7 +1139,10 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
 GEFEN_EXPORT int gefen_native_abi(void) { return GEFEN_ABI; }
 GEFEN_EXPORT int gefen_native_avx2(void) { return cpu_has_avx2(); }
 GEFEN_EXPORT void gefen_force_portable(int on) { force_portable = on; }
-GEFEN_EXPORT void gefen_set_sqrt(void *fn) { vms_sqrt = (vms_sqrt_fn)fn; }
+GEFEN_EXPORT void gefen_set_sqrt(void *fn, void *threads_local) {
+    vms_sqrt = (vms_sqrt_fn)fn;
+    mkl_threads_local = fn ? (mkl_threads_fn)threads_local : NULL;
+}
 GEFEN_EXPORT int gefen_has_openmp(void) {
 #ifdef _OPENMP
     return 1;
