@@ -91,7 +91,8 @@ from gefen_ckpt.exchange import (
     check_contract,
     expected_field_shape,
 )
-from gefen_ckpt.layout import local_rows
+from gefen_ckpt.layout import as_dtensor_like, local_rows
+from gefen_ckpt.layout import is_dtensor as _is_dtensor
 
 __all__ = [
     "GefenDCPState",
@@ -291,18 +292,6 @@ def _describe(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -
     return _Live(contract, groups, params, global_fields)
 
 
-def _is_dtensor(t) -> bool:
-    return hasattr(t, "placements") and hasattr(t, "device_mesh")
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
-
-
 def _field_global_shape(param: torch.Tensor, local: torch.Tensor) -> tuple[int, ...]:
     rows = param.shape[0] if param.dim() else 1
     return (rows,) + tuple(local.shape[1:])
@@ -320,8 +309,7 @@ def _as_global(fqn: str, name: str, value: torch.Tensor, lp: _LiveParam, spec: F
             f"{fqn}/{name}: this rank holds {value.shape[0]} rows but owns rows [{start}, {stop}) of the parameter"
         )
     shape = _field_global_shape(lp.param, value)
-    return DTensor.from_local(value, lp.param.device_mesh, lp.param.placements, run_check=False,
-                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
+    return as_dtensor_like(value, lp.param, shape)
 
 
 # ----- sources over what dcp.load filled in --------------------------------------------------
@@ -641,7 +629,6 @@ def _check_against_live(meta: dict, live: _Live) -> None:
 
 def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.Tensor:
     """An empty destination for one stored entry: this rank's rows of it, on the right device."""
-    from torch.distributed.tensor import DTensor
 
     shape, dtype = tuple(md.size), md.properties.dtype
     if key == META_KEY:
@@ -686,8 +673,7 @@ def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.T
     if spec.row_sharded and _is_dtensor(param) and shape:
         start, stop = local_rows(param, fqn)
         local = torch.empty((stop - start,) + shape[1:], dtype=dtype, device=device)
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+        return as_dtensor_like(local, param, shape)
     return torch.empty(shape, dtype=dtype, device=device)
 
 

@@ -64,6 +64,6 @@ def as_dtensor_like(local: torch.Tensor, param: torch.Tensor, shape: tuple[int, 
 
     stride = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
-        stride[i] = stride[i + 1] * shape[i + 1]
+        stride[i] = stride[i + 1] * max(shape[i + 1], 1)  # torch's contiguous strides
     return DTensor.from_local(local.contiguous(), param.device_mesh, param.placements, run_check=False,
                               shape=torch.Size(shape), stride=tuple(stride))
