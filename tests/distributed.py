@@ -3,12 +3,18 @@
 ``run(fn, world_size, *args)`` spawns ``world_size`` processes; each calls ``fn(rank,
 world_size, *args)`` inside an initialised process group and its return value (anything
 torch.save can write) comes back in rank order. A rank that raises makes ``run`` raise with
-that rank's traceback; a hang past ``timeout`` kills every rank and fails.
+that rank's traceback (the other ranks are killed at once rather than left waiting in a
+collective); a rank that dies without a result, or a run past ``timeout``, fails too.
+
+A rank leaves with ``os._exit`` once its result is on disk and its process group destroyed:
+gloo's worker threads can abort the interpreter's own teardown (``terminate called without
+an active exception``), a crash after the tested code finished that says nothing about it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -17,38 +23,60 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+POLL_SECONDS = 0.05
+
 
 def _entry(rank: int, world_size: int, workdir: str, fn, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size)
     out = os.path.join(workdir, f"result{rank}.pt")
     try:
-        torch.save({"ok": fn(rank, world_size, *args)}, out)
+        result = {"ok": fn(rank, world_size, *args)}
     except BaseException:
-        torch.save({"error": traceback.format_exc()}, out)
-    finally:
+        result = {"error": traceback.format_exc()}
+    torch.save(result, out + ".tmp")
+    os.replace(out + ".tmp", out)  # a result file is complete or absent
+    if "ok" in result:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _result(workdir: str, rank: int) -> dict | None:
+    path = os.path.join(workdir, f"result{rank}.pt")
+    return torch.load(path, weights_only=False) if os.path.exists(path) else None
 
 
 def run(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     with tempfile.TemporaryDirectory() as workdir:
         ctx = mp.start_processes(_entry, args=(world_size, workdir, fn, args), nprocs=world_size, join=False,
                                  start_method="spawn")
-        deadline = time.monotonic() + timeout
+        procs, deadline = ctx.processes, time.monotonic() + timeout
         try:
-            while not ctx.join(max(0.0, deadline - time.monotonic())):
+            while any(p.is_alive() for p in procs):
+                for rank, p in enumerate(procs):
+                    if p.is_alive():
+                        continue
+                    res = _result(workdir, rank)
+                    if res is None:
+                        raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result "
+                                           f"(exit code {p.exitcode})")
+                    if "error" in res:
+                        raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{res['error']}")
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks exceeded {timeout}s")
+                time.sleep(POLL_SECONDS)
         finally:
-            for p in ctx.processes:
+            for p in procs:
                 if p.is_alive():
                     p.kill()
+                p.join()
         results = []
-        for rank in range(world_size):
-            path = os.path.join(workdir, f"result{rank}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result")
-            res = torch.load(path, weights_only=False)
+        for rank, p in enumerate(procs):
+            res = _result(workdir, rank)
+            if res is None:
+                raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result (exit code {p.exitcode})")
             if "error" in res:
                 raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{res['error']}")
             results.append(res["ok"])
