@@ -43,27 +43,23 @@ def _entry(rank: int, world_size: int, workdir: str, fn, args) -> None:
     os._exit(0)
 
 
-def _result(workdir: str, rank: int) -> dict | None:
-    path = os.path.join(workdir, f"result{rank}.pt")
-    return torch.load(path, weights_only=False) if os.path.exists(path) else None
+def _result(workdir: str, rank: int, cache: dict) -> dict | None:
+    if rank not in cache:
+        path = os.path.join(workdir, f"result{rank}.pt")
+        if not os.path.exists(path):
+            return None
+        cache[rank] = torch.load(path, weights_only=False)
+    return cache[rank]
 
 
 def run(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     with tempfile.TemporaryDirectory() as workdir:
         ctx = mp.start_processes(_entry, args=(world_size, workdir, fn, args), nprocs=world_size, join=False,
                                  start_method="spawn")
-        procs, deadline = ctx.processes, time.monotonic() + timeout
+        procs, deadline, cache = ctx.processes, time.monotonic() + timeout, {}
         try:
             while any(p.is_alive() for p in procs):
-                for rank, p in enumerate(procs):
-                    if p.is_alive():
-                        continue
-                    res = _result(workdir, rank)
-                    if res is None:
-                        raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result "
-                                           f"(exit code {p.exitcode})")
-                    if "error" in res:
-                        raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{res['error']}")
+                _raise_for_failures(fn, workdir, procs, cache)
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks exceeded {timeout}s")
                 time.sleep(POLL_SECONDS)
@@ -72,12 +68,17 @@ def run(fn, world_size: int, *args, timeout: float = 120.0) -> list:
                 if p.is_alive():
                     p.kill()
                 p.join()
-        results = []
-        for rank, p in enumerate(procs):
-            res = _result(workdir, rank)
-            if res is None:
-                raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result (exit code {p.exitcode})")
-            if "error" in res:
-                raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{res['error']}")
-            results.append(res["ok"])
-        return results
+        _raise_for_failures(fn, workdir, procs, cache)
+        return [_result(workdir, rank, cache)["ok"] for rank in range(world_size)]
+
+
+def _raise_for_failures(fn, workdir: str, procs, cache: dict) -> None:
+    """Raise for a finished rank without a result (the likeliest root cause: report it first)
+    or with an error."""
+    done = [(rank, p.exitcode, _result(workdir, rank, cache)) for rank, p in enumerate(procs) if not p.is_alive()]
+    for rank, code, res in done:
+        if res is None:
+            raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result (exit code {code})")
+    for rank, _, res in done:
+        if "error" in res:
+            raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{res['error']}")
