@@ -1,6 +1,6 @@
 """Only declares the C extensions; all metadata lives in pyproject.toml.
 
-gefen._kmeans_dp and gefen._gefen_step are plain C99 (no Python C-API) loaded with ctypes by
+gefen._kmeans_dp and gefen._gefen_step (the fused step and the first step's statistics) are plain C99 (no Python C-API) loaded with ctypes by
 gefen.codebook and gefen.native; setuptools merely compiles them next to the package (in place
 for editable installs).  _gefen_step uses OpenMP when the compiler has it (else it is built
 serial), and is optional: without it gefen runs the eager torch step.
@@ -28,7 +28,7 @@ setup(
     ext_modules=[
         Extension("gefen._kmeans_dp", ["gefen/csrc/kmeans_dp.c"], extra_compile_args=["-O3"]),
         # -ffp-contract=off: no implicit fused multiply-adds; bit-parity with torch depends on it.
-        Extension("gefen._gefen_step", ["gefen/csrc/gefen_step.c"], optional=True,
+        Extension("gefen._gefen_step", ["gefen/csrc/gefen_step.c", "gefen/csrc/first_step.c"], optional=True,
                   extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
                   extra_link_args=["-fopenmp"]),
     ],

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from gefen import native
 from gefen.codebook import learn_codebook
 from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
 from gefen.distributed import ReductionPlan, plan_reduction
@@ -25,6 +26,12 @@ from gefen.geometry import (
     rows_and_row_numel,
 )
 from gefen.validation import check_grad, check_params, param_label
+
+
+def _period_statistics(grad: torch.Tensor, candidates: list[int]) -> torch.Tensor:
+    """The C pass when it applies, else the torch reference (same block sums)."""
+    stats = native.period_statistics(grad, candidates)
+    return period_statistics(grad, candidates) if stats is None else stats
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -120,13 +127,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         periods = [c[0] for c in candidates]
         plan = self.reduction_plan()
         if choose:
-            stats = torch.cat([period_statistics(new[i][2], candidates[i]) * plan.counts(new[i][1]) for i in choose])
+            stats = torch.cat([_period_statistics(new[i][2], candidates[i]) * plan.counts(new[i][1]) for i in choose])
             plan.reducer.sum_(stats)
             for i, chunk in zip(choose, stats.split([len(candidates[i]) for i in choose])):
                 periods[i] = pick_period(candidates[i], chunk)
         if self.codebook is None:
-            blocks = [as_blocks(grad.float(), P) for (_, p, grad), P in zip(new, periods) if P > 1 and plan.counts(p)]
-            codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_)
+            blocks = [as_blocks(grad, P) for (_, p, grad), P in zip(new, periods) if P > 1 and plan.counts(p)]
+            codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_,
+                                      histogram=native.block_histogram)
             self.codebook = codebook.to(new[0][1].device)
         staged = {p: self._init_param_state(g, p, P) for (g, p, _), P in zip(new, periods)}
         self.state.update(staged)

@@ -62,7 +62,7 @@ def histogram_normalised_blocks(blocks: torch.Tensor, num_bins: int) -> torch.Te
         scale.masked_fill_(scale == 0, 1.0)
         x = chunk.div(scale).add_(1.0).div_(2.0).mul_(num_bins)
         idx = x.to(torch.int64).clamp_(0, num_bins - 1)  # truncation == floor: x >= 0
-        counts += torch.bincount(idx.view(-1), minlength=num_bins)
+        counts += torch.bincount(idx.reshape(-1), minlength=num_bins)
     return counts
 
 
@@ -194,16 +194,18 @@ def learn_codebook(
     codebook_size: int = 256,
     bins_per_code: int = 16,
     all_reduce: Callable[[torch.Tensor], object] | None = None,
+    histogram: Callable[[torch.Tensor, int], torch.Tensor] = histogram_normalised_blocks,
 ) -> torch.Tensor:
     """Histogram every ``[..., P]`` block tensor, sum (all-reduce under sharding), solve.
 
     ``all_reduce(counts)`` must sum the int64 counts in place across ranks; integer sums
     are exact, so every rank solves the same histogram and gets the same codebook.
+    ``histogram`` computes one tensor's counts (``gefen.native.block_histogram``: the same counts).
     """
     num_bins = bins_per_code * codebook_size
     counts = None
     for blocks in blocks_list:
-        h = histogram_normalised_blocks(blocks, num_bins)
+        h = histogram(blocks, num_bins)
         counts = h if counts is None else counts + h.to(counts.device)
     if counts is None:
         counts = torch.zeros(num_bins, dtype=torch.int64)

@@ -61,23 +61,38 @@ def period_statistics(grad: torch.Tensor, candidates: Sequence[int]) -> torch.Te
 
     Returned as float64 ``[len(candidates), 2]`` so that shards can simply all-reduce the sums
     and every rank (and a single process) decides from the same global numbers.
-    Uses ``var = mean(x^2) - mean(x)^2`` with block sums built hierarchically from the largest
-    smaller candidate that divides p, so all candidates cost about one pass over the gradient.
+
+    Hierarchical, so all candidates cost about one pass over the gradient: the blocks of p are
+    made of the blocks ("children") of the largest smaller candidate q dividing p, and the
+    spread ``T(p) = sum over blocks of sum_j (x_j - block mean)^2`` of x = g^2 is
+    ``T(q) + sum over blocks of sum_k (c_k - C / f)^2 / q`` (children sums c_k, block sum C
+    = c_1 + ... + c_f left to right, f = p / q). Every term is non-negative -- no
+    ``E[x^2] - E[x]^2`` cancellation -- and a block whose children are equal adds exactly 0, so
+    flat regions give exactly flat error curves in any summation order.
+    ``gefen.native.period_statistics`` computes the same terms in C.
     """
     rows, row_numel = rows_and_row_numel(grad.shape)
-    sq = grad.detach().reshape(rows, row_numel).to(torch.float64, copy=True).square_()
-    fourth = sq.square().sum()
+    x = grad.detach().reshape(rows, row_numel).to(torch.float64, copy=True).square_()  # exact
     stats = torch.zeros(len(candidates), 2, dtype=torch.float64, device=grad.device)
-    sums: dict[int, torch.Tensor] = {1: sq}
+    sums = {1: x}
+    spread = {1: torch.zeros((), dtype=torch.float64, device=grad.device)}
     for i, p in enumerate(candidates):
         if p not in sums:
             q = max(c for c in sums if p % c == 0)
-            sums[p] = sums[q].reshape(rows, row_numel // p, p // q).sum(-1)
-        block_sums = sums[p]
-        stats[i, 0] = fourth / p - block_sums.square().sum() / (p * p)
-        stats[i, 1] = block_sums.numel()
+            children = sums[q].reshape(rows, row_numel // p, p // q)
+            block = children[..., 0].clone()
+            for j in range(1, p // q):
+                block += children[..., j]
+            if p // q == 2:  # equal children give a mean equal to both: exactly 0, no mask needed
+                mean = block / 2
+                between = (children[..., 0] - mean).square_() + (children[..., 1] - mean).square_()
+            else:
+                between = (children - (block / (p // q)).unsqueeze(-1)).square_().sum(-1)
+                between.masked_fill_((children == children[..., :1]).all(-1), 0.0)
+            sums[p], spread[p] = block, spread[q] + between.sum() / q
+        stats[i, 0] = spread[p] / p
+        stats[i, 1] = rows * (row_numel // p)
     return stats
-
 
 
 def pick_period(candidates: Sequence[int], stats: torch.Tensor) -> int:

@@ -23,15 +23,15 @@ import warnings
 
 import torch
 
-from gefen.codebook import code_thresholds
+from gefen.codebook import code_thresholds, histogram_normalised_blocks
 from gefen.geometry import rows_and_row_numel
 
-__all__ = ["available", "enabled", "fused_partials", "fused_update_", "calibrate"]
+__all__ = ["available", "enabled", "fused_partials", "fused_update_", "calibrate", "period_statistics", "block_histogram"]
 
 #: Module switch (tests and benchmarks); the environment variable sets its initial value.
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 
-_ABI = 8
+_ABI = 9
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _P = ctypes.c_void_p
 
@@ -76,6 +76,10 @@ def _load():
     lib.gefen_build_lut.restype = ctypes.c_int
     lib.gefen_step.argtypes = [ctypes.POINTER(_StepArgs)]
     lib.gefen_step.restype = ctypes.c_int
+    lib.gefen_period_stats.argtypes = [_P, i32, i64, i64, _P, _P, i32, _P]
+    lib.gefen_period_stats.restype = ctypes.c_int
+    lib.gefen_block_histogram.argtypes = [_P, i32, i64, i64, i64, _P]
+    lib.gefen_block_histogram.restype = ctypes.c_int
     lib.gefen_force_portable.argtypes = [ctypes.c_int]
     lib.gefen_set_sqrt.argtypes = [_P, _P]
     return lib
@@ -237,6 +241,45 @@ def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
     if not direct_step:
         step_t.fill_(step)
     return True
+
+
+# ----- the first step: period statistics and the codebook histogram ---------------------------
+def _first_step_input(x: torch.Tensor) -> int | None:
+    """The C dtype code of ``x`` when the first-step kernels can read it in place, else None."""
+    dt = _DT.get(x.dtype)
+    if dt is None or not enabled or _lib is None or not _cpu_contiguous(x):
+        return None
+    return dt
+
+
+def period_statistics(grad: torch.Tensor, candidates: list[int]) -> torch.Tensor | None:
+    """``geometry.period_statistics`` in one pass (same block sums; the two fp64 totals per
+    candidate summed in another order, see first_step.c), or None when it does not apply."""
+    dt = _first_step_input(grad)
+    if dt is None or not candidates or candidates[0] != 1:
+        return None
+    rows, n = rows_and_row_numel(grad.shape)
+    if n < 1:
+        return None
+    parent = [0] + [max(j for j in range(i) if candidates[i] % candidates[j] == 0) for i in range(1, len(candidates))]
+    cands = torch.tensor(candidates, dtype=torch.int64)
+    parents = torch.tensor(parent, dtype=torch.int32)
+    out = torch.empty(len(candidates), 2, dtype=torch.float64)
+    rc = _lib.gefen_period_stats(grad.data_ptr(), dt, rows, n, cands.data_ptr(), parents.data_ptr(), len(candidates),
+                                 out.data_ptr())
+    return out if rc == 0 else None
+
+
+def block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """``codebook.histogram_normalised_blocks`` (identical counts) in one C pass, falling back
+    to it when the C path does not apply."""
+    dt = _first_step_input(blocks)
+    if dt is not None and blocks.dim() >= 1 and blocks.shape[-1] >= 1 and num_bins >= 1:
+        counts = torch.zeros(num_bins, dtype=torch.int64)
+        P = blocks.shape[-1]
+        if _lib.gefen_block_histogram(blocks.data_ptr(), dt, blocks.numel() // P, P, num_bins, counts.data_ptr()) == 0:
+            return counts
+    return histogram_normalised_blocks(blocks, num_bins)
 
 
 # ----- calibration: the C emulation of torch's rounding order, checked against torch ------------

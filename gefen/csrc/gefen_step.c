@@ -56,7 +56,7 @@
 #define GEFEN_EXPORT __attribute__((visibility("default")))
 #endif
 
-#define GEFEN_ABI 8
+#define GEFEN_ABI 9
 #define GRAIN 32768   /* at::internal::GRAIN_SIZE */
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 #define MAX_T 1024    /* largest torch thread count we emulate */

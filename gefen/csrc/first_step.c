@@ -1,0 +1,335 @@
+/*
+ * The one-time work of Gefen's first step on CPU: period statistics (SPEC 3.1 "Choosing P")
+ * and the block-normalised histogram the codebook is learned from.  Part of gefen._gefen_step
+ * (loaded with ctypes by gefen.native); the torch reference is gefen.geometry.period_statistics
+ * and gefen.codebook.histogram_normalised_blocks.
+ *
+ * Why it exists: the reference spends ~10 fp64 passes (and their allocations) over every
+ * gradient, ~8x a fused step.  Here one pass per row keeps the row's block sums in a small
+ * per-thread buffer.
+ *
+ * What matches the reference, and how exactly:
+ *   - the histogram counts are identical: max-abs, one fp32 division, +1, /2, *bins and
+ *     truncation are each one IEEE rounding in both (NaN -> bin 0, as torch's float -> int64
+ *     cast and clamp give on x86; a block holding a NaN has a NaN scale, so all of it);
+ *   - every block sum is identical (g^2 in fp64 is exact; a block of p elements is the
+ *     left-to-right sum of its children, the blocks of the largest smaller candidate q | p, as
+ *     the reference builds them), and so is every "block of equal children adds exactly 0";
+ *   - the spread totals (sums of non-negative squared deviations, no cancellation) are fp64
+ *     sums in another order than torch's: equal to within a few ulps, and independent of the
+ *     thread count here (fixed 64-row chunks, added in order).  pick_period compares
+ *     increments of sqrt(variance); only increments within rounding of each other (or of its
+ *     1e-12 threshold) could be decided differently -- the same sensitivity the rule already
+ *     has to the all-reduce order under sharding (docs/decisions.md).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(_WIN32)
+#define GEFEN_EXPORT __declspec(dllexport)
+#else
+#define GEFEN_EXPORT __attribute__((visibility("default")))
+#endif
+
+enum { FS_F32 = 0, FS_BF16 = 1 };
+#define STATS_CHUNK_ROWS 64
+#define HIST_PAR_MIN 65536 /* elements below which one thread does the histogram */
+
+static inline float fs_load(const void *x, int dt, int64_t i) {
+    if (dt == FS_F32) return ((const float *)x)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ----- period statistics ------------------------------------------------------------- */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(_WIN32)
+#define FS_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define FS_CLONES
+#endif
+
+/* Four independent partial sums (vectorisable without reassociation), added pairwise. */
+#define LANES 4
+
+/* x[j] = g[j]^2 in fp64 (exact). */
+static FS_CLONES void squares_f32(const float *g, int64_t n, double *x) {
+    for (int64_t j = 0; j < n; j++) x[j] = (double)g[j] * (double)g[j];
+}
+
+static void squares_bf16(const uint16_t *g, int64_t n, double *x) {
+    for (int64_t j = 0; j < n; j++) {
+        double v = (double)fs_load(g, FS_BF16, j);
+        x[j] = v * v;
+    }
+}
+
+/* Blocks of f children: dst[k] = src[k f] + ... + src[k f + f - 1] (left to right); returns
+ * sum over blocks of sum_i (child_i - dst[k] / f)^2, a block of equal children adding 0. */
+static FS_CLONES double block_spread(const double *src, int64_t f, int64_t blocks, double *dst) {
+    double acc[LANES] = {0.0, 0.0, 0.0, 0.0};
+    const double df = (double)f;
+    int64_t k = 0;
+    if (f == 2) /* the common case, branch-free: equal children give m == c exactly, so 0 */
+        for (; k + LANES <= blocks; k += LANES)
+            for (int l = 0; l < LANES; l++) {
+                const double *c = src + 2 * (k + l);
+                double b = c[0] + c[1], m = b / 2.0;
+                dst[k + l] = b;
+                acc[l] += (c[0] - m) * (c[0] - m) + (c[1] - m) * (c[1] - m);
+            }
+    for (; k < blocks; k++) {
+        const double *c = src + k * f;
+        double b = c[0];
+        int equal = 1;
+        for (int64_t j = 1; j < f; j++) {
+            b += c[j];
+            equal &= c[j] == c[0];
+        }
+        dst[k] = b;
+        if (equal) continue;
+        double m = b / df, d = 0.0;
+        for (int64_t j = 0; j < f; j++) d += (c[j] - m) * (c[j] - m);
+        acc[k % LANES] += d;
+    }
+    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+/* One row: per candidate i >= 1 (parent[i] < i: the candidate whose blocks are its children),
+ * add its blocks' between-children spread to acc[i].  buf holds every level's block sums. */
+static void stats_row(const void *g, int dt, int64_t off, int64_t n, const int64_t *cands,
+                      const int32_t *parent, const int64_t *level_off, int ncand, double *buf,
+                      double *acc) {
+    if (dt == FS_F32) squares_f32((const float *)g + off, n, buf);
+    else squares_bf16((const uint16_t *)g + off, n, buf);
+    for (int i = 1; i < ncand; i++)
+        acc[i] += block_spread(buf + level_off[parent[i]], cands[i] / cands[parent[i]], n / cands[i],
+                               buf + level_off[i]);
+}
+
+/*
+ * grad: rows x n (contiguous fp32 or bf16); cands ascending with cands[0] == 1, parent[i] the
+ * index of the largest earlier candidate dividing cands[i].  out: [ncand][2] =
+ * (sum over blocks of the population variance of g^2, number of blocks), the reference's
+ * layout and formula (gefen.geometry.period_statistics).
+ * Returns 0, or -1 when out of memory (nothing written).
+ */
+GEFEN_EXPORT int gefen_period_stats(const void *grad, int dt, int64_t rows, int64_t n, const int64_t *cands,
+                                    const int32_t *parent, int ncand, double *out) {
+    if (ncand < 1 || cands[0] != 1 || n < 1) return -2;
+    int64_t *level_off = malloc(sizeof(int64_t) * (size_t)ncand);
+    int64_t nchunks = (rows + STATS_CHUNK_ROWS - 1) / STATS_CHUNK_ROWS;
+    double *part = calloc((size_t)(nchunks > 0 ? nchunks : 1) * (size_t)ncand, sizeof(double));
+    double *spread = malloc(sizeof(double) * (size_t)ncand);
+    if (!level_off || !part || !spread) {
+        free(level_off);
+        free(part);
+        free(spread);
+        return -1;
+    }
+    int64_t total = 0;
+    for (int i = 0; i < ncand; i++) {
+        level_off[i] = total;
+        total += n / cands[i];
+    }
+    int failed = 0;
+#pragma omp parallel if (rows * n >= HIST_PAR_MIN)
+    {
+        double *buf = malloc(sizeof(double) * (size_t)total);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < nchunks; c++) {
+            if (!buf) continue;
+            int64_t r1 = (c + 1) * STATS_CHUNK_ROWS < rows ? (c + 1) * STATS_CHUNK_ROWS : rows;
+            for (int64_t r = c * STATS_CHUNK_ROWS; r < r1; r++)
+                stats_row(grad, dt, r * n, n, cands, parent, level_off, ncand, buf, part + c * ncand);
+        }
+        free(buf);
+    }
+    if (!failed) {
+        spread[0] = 0.0; /* p = 1: single-element blocks have no spread */
+        for (int i = 0; i < ncand; i++) {
+            if (i > 0) {
+                double b = 0.0;
+                for (int64_t c = 0; c < nchunks; c++) b += part[c * ncand + i];
+                spread[i] = spread[parent[i]] + b / (double)cands[parent[i]];
+            }
+            out[2 * i] = spread[i] / (double)cands[i];
+            out[2 * i + 1] = (double)(rows * (n / cands[i]));
+        }
+    }
+    free(level_off);
+    free(part);
+    free(spread);
+    return failed ? -1 : 0;
+}
+
+/* ----- block-normalised histogram ---------------------------------------------------- */
+
+#define HIST_RUN 1024 /* elements binned per pass over a block (bounds the index buffer) */
+
+/* max |x| over x[0..n) in fp32; *nan set when any element is NaN. */
+static float block_amax_portable(const float *x, int64_t n, int *nan) {
+    float m = 0.0f;
+    int bad = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float a = fabsf(x[j]);
+        bad |= a != a;
+        m = a > m ? a : m;
+    }
+    *nan = bad;
+    return m;
+}
+
+/* The bin of every x[j] / scale: clamp(trunc(((x / scale + 1) / 2) * bins), 0, bins - 1), NaN -> 0. */
+static void bin_run_portable(const float *x, int64_t n, float scale, float fbins, int32_t last, int32_t *idx) {
+    for (int64_t j = 0; j < n; j++) {
+        float v = x[j] / scale;
+        int32_t i = 0;
+        if (v == v) {
+            i = (int32_t)(((v + 1.0f) / 2.0f) * fbins);
+            i = i > last ? last : (i < 0 ? 0 : i);
+        }
+        idx[j] = i;
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(_WIN32)
+#include <immintrin.h>
+#define FS_AVX2 __attribute__((target("avx2")))
+
+/* The same operations eight lanes at a time (each an IEEE rounding, so the same bits). */
+static FS_AVX2 float block_amax_avx2(const float *x, int64_t n, int *nan) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+        m = _mm256_max_ps(a, m); /* a NaN lane keeps m; NaNs are reported through bad */
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    float out = 0.0f;
+    for (int l = 0; l < 8; l++) out = lanes[l] > out ? lanes[l] : out;
+    int tail_nan = 0;
+    float tail = block_amax_portable(x + j, n - j, &tail_nan);
+    *nan = tail_nan || _mm256_movemask_ps(bad) != 0;
+    return tail > out ? tail : out;
+}
+
+static FS_AVX2 void bin_run_avx2(const float *x, int64_t n, float scale, float fbins, int32_t last, int32_t *idx) {
+    const __m256 s = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f),
+                 b = _mm256_set1_ps(fbins);
+    const __m256i hi = _mm256_set1_epi32(last), lo = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + j), s);
+        __m256 ok = _mm256_cmp_ps(v, v, _CMP_ORD_Q);
+        __m256 t = _mm256_mul_ps(_mm256_div_ps(_mm256_add_ps(v, one), two), b);
+        __m256i i = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvttps_epi32(t), hi), lo);
+        _mm256_storeu_si256((__m256i *)(idx + j), _mm256_and_si256(i, _mm256_castps_si256(ok)));
+    }
+    bin_run_portable(x + j, n - j, scale, fbins, last, idx + j);
+}
+
+static int fs_avx2(void) {
+    static int has = -1;
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return has;
+}
+#define block_amax(x, n, nan) (fs_avx2() ? block_amax_avx2(x, n, nan) : block_amax_portable(x, n, nan))
+#define bin_run(x, n, s, f, l, i) (fs_avx2() ? bin_run_avx2(x, n, s, f, l, i) : bin_run_portable(x, n, s, f, l, i))
+#else
+#define block_amax block_amax_portable
+#define bin_run bin_run_portable
+#endif
+
+static void hist_blocks(const void *x, int dt, int64_t b0, int64_t b1, int64_t P, int64_t bins, int64_t *counts,
+                        float *conv, int32_t *idx) {
+    const float fbins = (float)bins;
+    for (int64_t b = b0; b < b1; b++) {
+        const float *blk = (const float *)x + b * P;
+        if (dt == FS_BF16) { /* widen the block once (exact), then share the fp32 code */
+            for (int64_t j = 0; j < P; j++) conv[j] = fs_load(x, dt, b * P + j);
+            blk = conv;
+        }
+        int nan;
+        float scale = block_amax(blk, P, &nan);
+        if (nan) { /* torch: a NaN max-abs makes every value of the block NaN -> bin 0 */
+            counts[0] += P;
+            continue;
+        }
+        if (scale == 0.0f) scale = 1.0f;
+        for (int64_t j = 0; j < P; j += HIST_RUN) {
+            int64_t len = P - j < HIST_RUN ? P - j : HIST_RUN;
+            bin_run(blk + j, len, scale, fbins, (int32_t)(bins - 1), idx);
+            int64_t k = 0; /* four interleaved histograms: repeated bins do not chain on one counter */
+            for (; k + 4 <= len; k += 4) {
+                counts[idx[k]]++;
+                counts[bins + idx[k + 1]]++;
+                counts[2 * bins + idx[k + 2]]++;
+                counts[3 * bins + idx[k + 3]]++;
+            }
+            for (; k < len; k++) counts[idx[k]]++;
+        }
+    }
+}
+
+/*
+ * x: nblocks x P (contiguous fp32 or bf16).  Adds each normalised value's bin to counts[bins]
+ * (int64, not cleared).  Returns 0, or -1 when out of memory (counts untouched).
+ */
+GEFEN_EXPORT int gefen_block_histogram(const void *x, int dt, int64_t nblocks, int64_t P, int64_t bins,
+                                       int64_t *counts) {
+    if (bins < 1 || P < 1) return -2;
+    int nt = 1;
+#ifdef _OPENMP
+    if (nblocks * P >= HIST_PAR_MIN) nt = omp_get_max_threads();
+#endif
+    if (bins > INT32_MAX) return -2;
+    int64_t *local = calloc((size_t)nt * 4 * (size_t)bins, sizeof(int64_t));
+    int failed = 0;
+    if (!local) return -1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        T = omp_get_num_threads();
+#endif
+        int64_t per = (nblocks + T - 1) / T, b0 = t * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;
+        float *conv = dt == FS_BF16 ? malloc(sizeof(float) * (size_t)P) : NULL;
+        int32_t *idx = malloc(sizeof(int32_t) * HIST_RUN);
+        if (!idx || (dt == FS_BF16 && !conv)) {
+#pragma omp atomic write
+            failed = 1;
+        } else if (b0 < b1) {
+            hist_blocks(x, dt, b0, b1, P, bins, local + (int64_t)t * 4 * bins, conv, idx);
+        }
+        free(conv);
+        free(idx);
+    }
+    if (failed) {
+        free(local);
+        return -1;
+    }
+    for (int64_t c = 0; c < (int64_t)nt * 4; c++)
+        for (int64_t i = 0; i < bins; i++) counts[i] += local[c * bins + i];
+    free(local);
+    return 0;
+}
