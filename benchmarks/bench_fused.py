@@ -225,10 +225,10 @@ def _markdown(data: dict) -> str:
         "the eager op chain's roundings: five fp32 divisions per element on the factored path, MKL's "
         "square root, and three table lookups (old code -> value, value -> new code, new code -> value) "
         "that AVX2 can only do with gathers, which are slower than scalar loads on the CPUs measured; "
-        "it is compute-bound, not bandwidth-bound. The first step is ~10x a fused step because of the "
-        "one-time period choice (`geometry.period_statistics`, ~70% of it when profiled) and codebook "
-        "(~20%), which the fused kernel does not touch. Where AdamW fused's effective bandwidth exceeds the "
-        "memcpy line, `Tensor.copy_` did not saturate the memory: compare against AdamW fused as well."
+        "it is compute-bound, not bandwidth-bound. The first step adds the one-time period choice and "
+        "codebook histogram (one C pass each, `gefen/csrc/first_step.c`) and the codebook DP (~20 ms) to a "
+        "fused step. Where AdamW fused's effective bandwidth exceeds the memcpy line, `Tensor.copy_` did not saturate the memory: "
+        "compare against AdamW fused as well."
     )
     return f"{intro}\n\n{table}\n\n{target_table}\n\n{note}\n"
 
