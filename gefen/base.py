@@ -146,11 +146,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
         On any error the optimizer is left bit-for-bit untouched. uint8 codes are never cast.
         """
-        self._prepare_load(state_dict)()
+        self.prepare_load_state_dict(state_dict)()
 
-    def _prepare_load(self, state_dict: dict) -> Callable[[], None]:
+    def prepare_load_state_dict(self, state_dict: dict) -> Callable[[], None]:
         """Validate and stage ``state_dict`` without touching the optimizer; the returned callable
-        publishes it. Composite optimizers stage every child before publishing any."""
+        publishes it. gefen_ckpt stages on every rank first and publishes only once all ranks have
+        succeeded, so a load that fails anywhere changes nothing anywhere."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         state_dict = state_dict.copy()

@@ -255,9 +255,11 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict) -> None:
         """Stage and validate both children, then publish both: on any error neither changes."""
-        self._prepare_load(state_dict)()
+        self.prepare_load_state_dict(state_dict)()
 
-    def _prepare_load(self, state_dict: dict) -> Callable[[], None]:
+    def prepare_load_state_dict(self, state_dict: dict) -> Callable[[], None]:
+        """Validate and stage both children without touching either; the returned callable
+        publishes both (``load_state_dict`` is this followed by the call)."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         state_dict = state_dict.copy()
@@ -295,7 +297,7 @@ def _prepare_child_load(child: torch.optim.Optimizer, sd) -> tuple[bool, Callabl
 
     A torch optimizer keeps the very tensors it is given; it gets a copy, as Gefen children do.
     """
-    prepare = getattr(child, "_prepare_load", None)
+    prepare = getattr(child, "prepare_load_state_dict", None)
     if prepare is not None:
         return False, prepare(sd)
     _check_plain_state_dict(child, sd)

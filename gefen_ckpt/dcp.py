@@ -38,7 +38,7 @@ import math
 import os
 import pickle
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgpack
@@ -67,7 +67,6 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.stateful import Stateful
 
 from gefen.contract import (
-    CHILDREN_KEY,
     LIKE_PARAM,
     SCHEMA_VERSION,
     FieldSpec,
@@ -83,13 +82,12 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
 )
 from gefen_ckpt.exchange import (
-    _group_fqns,
-    _leaves,
-    _names_from_model,
-    _plain,
-    _prepare_import,
+    LiveParam,
     check_contract,
     expected_field_shape,
+    live_view,
+    plain_value,
+    stage_import,
 )
 from gefen_ckpt.layout import as_dtensor_like, local_rows
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
@@ -231,18 +229,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 # ----- the live optimizer, seen through its contract ----------------------------------------
 @dataclasses.dataclass
-class _LiveParam:
-    param: torch.Tensor
-    child: str | None
-    contract: OptimizerContract
-    state: dict | None  # field -> tensor (this rank's rows), None if the parameter has no state
-
-
-@dataclasses.dataclass
 class _Live:
     contract: OptimizerContract
     groups: list[dict]
-    params: dict[str, _LiveParam]
+    params: dict[str, LiveParam]
     global_fields: dict[str, torch.Tensor]
 
     def meta(self) -> dict:
@@ -263,33 +253,8 @@ class _Live:
 
 def _describe(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> _Live:
     """The optimizer's groups, parameters and rank-local state, without copying any tensor."""
-    contract = contract_of(optimizer)
-    names = _names_from_model(model)
-    groups: list[dict] = []
-    params: dict[str, _LiveParam] = {}
-    global_fields: dict[str, torch.Tensor] = {}
-    for child, opt, leaf in _leaves(optimizer, contract):
-        sd = opt.state_dict()
-        for key, value in (sd.get("global_state") or {}).items():
-            if isinstance(value, torch.Tensor):
-                global_fields[f"{child}/{key}" if child else key] = value
-        for live, saved in zip(opt.param_groups, sd["param_groups"]):
-            fqns = _group_fqns(live, names, leaf.implementation)
-            group = {h: _plain(saved[h]) for h in leaf.hyperparameters if h in saved}
-            group["params"] = fqns
-            if child is not None:
-                group["child"] = child
-            groups.append(group)
-            for index, fqn, p in zip(saved["params"], fqns, live["params"]):
-                if fqn in params:
-                    raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
-                entry = sd["state"].get(index)
-                state = None
-                if entry:
-                    state = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                             for k, v in entry.items() if v is not None}
-                params[fqn] = _LiveParam(p, child, leaf, state)
-    return _Live(contract, groups, params, global_fields)
+    view = live_view(optimizer, model)
+    return _Live(view.contract, view.groups, view.params, view.global_fields)
 
 
 def _field_global_shape(param: torch.Tensor, local: torch.Tensor) -> tuple[int, ...]:
@@ -297,7 +262,7 @@ def _field_global_shape(param: torch.Tensor, local: torch.Tensor) -> tuple[int, 
     return (rows,) + tuple(local.shape[1:])
 
 
-def _as_global(fqn: str, name: str, value: torch.Tensor, lp: _LiveParam, spec: FieldSpec) -> torch.Tensor:
+def _as_global(fqn: str, name: str, value: torch.Tensor, lp: LiveParam, spec: FieldSpec) -> torch.Tensor:
     """A rank-local field as DCP should see it: a DTensor of the global shape when row-sharded."""
     from torch.distributed.tensor import DTensor
 
@@ -357,44 +322,6 @@ def _canonical(meta: dict, entries: Mapping[str, Any], *, what: str) -> Canonica
 
 
 # ----- fail-before-mutation import, agreed by every rank -------------------------------------
-def _prepare(optimizer, state: CanonicalState, model) -> Callable[[], None]:
-    """Validate ``state`` against ``optimizer`` and stage it, without publishing: the returned
-    callable publishes. The checks are ``import_canonical``'s; optimizers that can stage without
-    publishing (``_prepare_load``: Gefen, GefenMuon, the hybrid) also validate every tensor here."""
-    sd = _prepare_import(optimizer, state, model)
-    _like_param_as_dtensor(optimizer, sd)
-    prepare = getattr(optimizer, "_prepare_load", None)
-    if callable(prepare):
-        try:
-            return prepare(sd)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise CheckpointMismatchError(
-                f"{contract_of(optimizer).implementation} refused the checkpoint state: {exc}") from exc
-    return lambda: optimizer.load_state_dict(sd)
-
-
-def _like_param_as_dtensor(optimizer, sd: dict) -> None:
-    """Fields stored like the parameter (contract dtype ``like_param``, geometry ``param``: torch
-    AdamW's moments) become DTensors again when the live parameter is one, as torch optimizers
-    keep them; the canonical import hands every rank plain local rows."""
-    from torch.distributed.tensor import DTensor
-
-    contract = contract_of(optimizer)
-    for child, opt, leaf in _leaves(optimizer, contract):
-        leaf_sd = sd[CHILDREN_KEY][child] if contract.children else sd
-        params = [p for g in opt.param_groups for p in g["params"]]
-        for index, entry in leaf_sd["state"].items():
-            p = params[index]
-            if not _is_dtensor(p):
-                continue
-            for name, value in entry.items():
-                spec = leaf.field(name)
-                if spec.dtype == LIKE_PARAM and spec.geometry == "param" and isinstance(value, torch.Tensor) \
-                        and not _is_dtensor(value) and value.dim() == p.dim():
-                    entry[name] = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                                     shape=p.shape, stride=p.stride())
-
-
 def _failed_ranks(failed: bool, group) -> list[int]:
     """Every rank learns which ranks failed (one all-reduce); [] or [0] without a process group."""
     if group is False or not (dist.is_available() and dist.is_initialized()):
@@ -487,7 +414,7 @@ class GefenDCPState(Stateful):
         publish = None
         try:
             state = self._to_canonical(state_dict)
-            publish = _prepare(self.optimizer, state, self.model)
+            publish = stage_import(self.optimizer, state, self.model)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
             error = exc
         failed = _failed_ranks(error is not None, group)
@@ -1006,7 +933,7 @@ class _CanonicalSavePlanner(SavePlanner):
 
 
 def _plain_group(group: dict) -> dict:
-    return {k: (list(v) if k == "params" else _plain(v)) for k, v in group.items()}
+    return {k: (list(v) if k == "params" else plain_value(v)) for k, v in group.items()}
 
 
 def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "optim",

@@ -10,8 +10,10 @@ stages and publishes atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -24,19 +26,19 @@ from gefen.contract import (
     contract_of,
 )
 from gefen_ckpt import layout
-from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState, TensorSource
+from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState
 from gefen_ckpt.collective import agree
 from gefen_ckpt.errors import CheckpointMismatchError
 
 
 # ----- naming -------------------------------------------------------------------------------
-def _names_from_model(model: torch.nn.Module | None) -> dict[int, str]:
+def names_from_model(model: torch.nn.Module | None) -> dict[int, str]:
     if model is None:
         return {}
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def _group_fqns(group: dict, names: dict[int, str], implementation: str) -> list[str]:
+def group_fqns(group: dict, names: dict[int, str], implementation: str) -> list[str]:
     if group.get("param_names"):
         return list(group["param_names"])
     try:
@@ -48,7 +50,7 @@ def _group_fqns(group: dict, names: dict[int, str], implementation: str) -> list
         ) from None
 
 
-def _leaves(optimizer, contract: OptimizerContract, child: str | None = None):
+def leaves(optimizer, contract: OptimizerContract, child: str | None = None):
     """(child name, optimizer, contract) for every non-composite optimizer inside ``optimizer``."""
     if not contract.children:
         yield child, optimizer, contract
@@ -57,20 +59,70 @@ def _leaves(optimizer, contract: OptimizerContract, child: str | None = None):
     if not isinstance(children, dict):
         raise TypeError(f"{contract.implementation} declares children but has no `children` dict")
     for name, child_contract in contract.children:
-        yield from _leaves(children[name], child_contract, name)
+        yield from leaves(children[name], child_contract, name)
 
 
-def _plain(value):
+def plain_value(value):
     """Hyperparameter values as msgpack-able plain data (tensors -> numbers, tuples -> lists)."""
     if isinstance(value, torch.Tensor):
         return value.item()
     if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
+        return [plain_value(v) for v in value]
     return value
 
 
 def _global_key(child: str | None, name: str) -> str:
     return f"{child}/{name}" if child else name
+
+
+# ----- the live optimizer, seen through its contract ----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LiveParam:
+    """One parameter of a live optimizer: its leaf contract and this rank's state (None: none yet)."""
+
+    param: torch.Tensor
+    child: str | None
+    contract: OptimizerContract
+    state: dict[str, torch.Tensor] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveOptimizer:
+    """What export and the DCP adapter read from an optimizer, without copying any tensor."""
+
+    contract: OptimizerContract
+    groups: list[dict]  # plain hyperparameters, "params": FQNs, "child" for composite optimizers
+    params: dict[str, LiveParam]
+    global_fields: dict[str, torch.Tensor]  # "<child>/<name>" in composite optimizers
+
+
+def live_view(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> LiveOptimizer:
+    """Walk every leaf optimizer's ``state_dict()`` and key it by FQN (``model`` names bare tensors)."""
+    contract = contract_of(optimizer)
+    names = names_from_model(model)
+    groups: list[dict] = []
+    params: dict[str, LiveParam] = {}
+    global_fields: dict[str, torch.Tensor] = {}
+    for child, opt, leaf in leaves(optimizer, contract):
+        sd = opt.state_dict()
+        for key, value in (sd.get(GLOBAL_STATE_KEY) or {}).items():
+            if isinstance(value, torch.Tensor):
+                global_fields[_global_key(child, key)] = value
+        for live, saved in zip(opt.param_groups, sd["param_groups"]):
+            fqns = group_fqns(live, names, leaf.implementation)
+            group = {h: plain_value(saved[h]) for h in leaf.hyperparameters if h in saved}
+            group["params"] = fqns
+            if child is not None:
+                group["child"] = child
+            groups.append(group)
+            for index, fqn, p in zip(saved["params"], fqns, live["params"]):
+                if fqn in params:
+                    raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
+                entry = sd["state"].get(index)
+                state = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                         for k, v in entry.items() if v is not None} if entry else None
+                params[fqn] = LiveParam(p, child, leaf, state)
+    return LiveOptimizer(contract, groups, params, global_fields)
 
 
 # ----- export -------------------------------------------------------------------------------
@@ -83,36 +135,21 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
     global tensor (no communication): ``gefen_ckpt.save`` writes the parts in parallel and
     ``gefen_ckpt.transport.gather`` assembles them on one rank.
     """
-    contract = contract_of(optimizer)
-    names = _names_from_model(model)
+    live = live_view(optimizer, model)
     rank0 = layout.rank() == 0
-    groups: list[dict] = []
-    params: dict[str, ParamState] = {}
-    global_fields: dict[str, TensorSource] = {}
-    for child, opt, leaf in _leaves(optimizer, contract):
-        sd = opt.state_dict()
-        for key, value in (sd.get(GLOBAL_STATE_KEY) or {}).items():
-            global_fields[_global_key(child, key)] = LocalPart(value, 0, tuple(value.shape), rank0)
-        for live, saved in zip(opt.param_groups, sd["param_groups"]):
-            fqns = _group_fqns(live, names, leaf.implementation)
-            group = {h: _plain(saved[h]) for h in leaf.hyperparameters if h in saved}
-            group["params"] = fqns
-            if child is not None:
-                group["child"] = child
-            groups.append(group)
-            for index, fqn, p in zip(saved["params"], fqns, live["params"]):
-                if fqn in params:
-                    raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
-                entry = sd["state"].get(index)
-                if entry:
-                    fields = {k: _local_part(fqn, p, leaf.field(k).row_sharded, v) for k, v in entry.items()}
-                    params[fqn] = ParamState(tuple(p.shape), p.dtype, fields, child)
-    return CanonicalState(contract, groups, params, global_fields, metadata={"source_topology": {"kind": "single"}})
+    params = {
+        fqn: ParamState(tuple(lp.param.shape), lp.param.dtype,
+                        {k: _local_part(fqn, lp.param, lp.contract.field(k).row_sharded, v) for k, v in lp.state.items()},
+                        lp.child)
+        for fqn, lp in live.params.items() if lp.state
+    }
+    global_fields = {k: LocalPart(v, 0, tuple(v.shape), rank0) for k, v in live.global_fields.items()}
+    return CanonicalState(live.contract, live.groups, params, global_fields,
+                          metadata={"source_topology": {"kind": "single"}})
 
 
-def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value) -> LocalPart:
+def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.Tensor) -> LocalPart:
     """A field of this rank's state as a slice of the global field."""
-    value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
     if layout.is_dtensor(value):  # torch optimizers keep DTensor state for DTensor params
         value = value.to_local()
     if row_sharded and value.dim():
@@ -195,7 +232,7 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
         )
     sd_state, sd_groups, index = {}, [], 0
     for gi, (live, saved) in enumerate(zip(opt.param_groups, saved_groups)):
-        fqns = _group_fqns(live, names, leaf.implementation)
+        fqns = group_fqns(live, names, leaf.implementation)
         if sorted(saved["params"]) != sorted(fqns):
             raise CheckpointMismatchError(f"param group {gi}{f' of {child!r}' if child else ''} has different members")
         missing = [h for h in leaf.hyperparameters if h not in saved]
@@ -235,24 +272,39 @@ def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
     """
     error, publish = None, None
     try:
-        sd = _prepare_import(optimizer, state, model)
-        # Gefen optimizers stage (validate + copy) without publishing, so a refusal on any rank
-        # is known before every rank publishes; torch optimizers load what gefen_ckpt checked.
-        stage = getattr(optimizer, "_prepare_load", None)
-        publish = stage(sd) if stage is not None else functools.partial(optimizer.load_state_dict, sd)
+        publish = stage_import(optimizer, state, model)
     except Exception as exc:  # re-raised on this rank by agree(), after every rank has reported
         error = exc
     agree(error, "import_canonical")
     publish()
 
 
-def _prepare_import(optimizer: torch.optim.Optimizer, state: CanonicalState, model) -> dict:
+def stage_import(optimizer: torch.optim.Optimizer, state: CanonicalState,
+                 model: torch.nn.Module | None = None) -> Callable[[], None]:
+    """Validate ``state`` against ``optimizer`` and stage it without publishing; the returned
+    callable publishes. Gefen optimizers stage (validate + copy) in
+    ``prepare_load_state_dict``, so a refusal on any rank is known before any rank publishes;
+    torch optimizers load what gefen_ckpt checked."""
+    sd = local_state_dict(optimizer, state, model)
+    prepare = getattr(optimizer, "prepare_load_state_dict", None)
+    if prepare is None:
+        return functools.partial(optimizer.load_state_dict, sd)
+    try:
+        return prepare(sd)
+    except (ValueError, TypeError, KeyError) as exc:
+        if isinstance(exc, CheckpointMismatchError):
+            raise
+        raise CheckpointMismatchError(f"{contract_of(optimizer).implementation} refused the checkpoint state: "
+                                      f"{exc}") from exc
+
+
+def local_state_dict(optimizer: torch.optim.Optimizer, state: CanonicalState, model=None) -> dict:
     """The optimizer's local state_dict cut from ``state``, after checking that they fit."""
     contract = contract_of(optimizer)
     check_contract(contract, state.contract)
-    names = _names_from_model(model)
-    live_fqns = [fqn for _, opt, leaf in _leaves(optimizer, contract)
-                 for g in opt.param_groups for fqn in _group_fqns(g, names, leaf.implementation)]
+    names = names_from_model(model)
+    live_fqns = [fqn for _, opt, leaf in leaves(optimizer, contract)
+                 for g in opt.param_groups for fqn in group_fqns(g, names, leaf.implementation)]
     missing, extra = set(live_fqns) - set(state.fqns()), set(state.fqns()) - set(live_fqns)
     if missing or extra:
         raise CheckpointMismatchError(
@@ -262,7 +314,7 @@ def _prepare_import(optimizer: torch.optim.Optimizer, state: CanonicalState, mod
     unowned = set(state.params) - set(state.fqns())
     if unowned:
         raise CheckpointMismatchError(f"checkpoint has state for parameters in no group: {sorted(unowned)[:5]}")
-    sds = {child: _local_state_dict(opt, leaf, child, state, names) for child, opt, leaf in _leaves(optimizer, contract)}
+    sds = {child: _local_state_dict(opt, leaf, child, state, names) for child, opt, leaf in leaves(optimizer, contract)}
     if contract.children:
         return {"state": {}, "param_groups": [], CHILDREN_KEY: sds}
     return sds[None]

@@ -45,7 +45,7 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.exchange import expected_field_shape
+from gefen_ckpt.exchange import expected_field_shape, plain_value
 
 __all__ = [
     "TORCH_META_KEY",
@@ -186,14 +186,6 @@ def _check_state_dict(sd, where: str = "state_dict") -> None:
             raise CheckpointFormatError(f"{where}: param group {gi} has no 'params' list")
 
 
-def _plain(value):
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _recorded(sd: dict) -> dict:
     meta = sd.get(TORCH_META_KEY)
     return meta if isinstance(meta, dict) else {}
@@ -289,7 +281,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             if len(names) != len(saved["params"]):
                 raise CheckpointFormatError(f"{where}: param group {gi} has {len(saved['params'])} params but "
                                             f"{len(names)} param_names")
-            group = {h: _plain(saved[h]) for h in leaf.hyperparameters if h in saved}
+            group = {h: plain_value(saved[h]) for h in leaf.hyperparameters if h in saved}
             group["params"] = [str(n) for n in names]
             if child is not None:
                 group["child"] = child

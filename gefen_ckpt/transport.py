@@ -356,10 +356,10 @@ def _wanted_rows(optimizer, description: dict, model) -> tuple[list[tuple[str, _
     """The described tensors (as skeletons, in order) and the rows of each that this rank's
     ``import_canonical`` will read, after running all of its validation against the live
     optimizer."""
-    from gefen_ckpt.exchange import _prepare_import
+    from gefen_ckpt.exchange import local_state_dict
 
     skeleton, ordered = _rebuild(description, lambda label, shape, dtype: _Skeleton(shape, dtype))
-    _prepare_import(optimizer, skeleton, model)
+    local_state_dict(optimizer, skeleton, model)
     return ordered, [src.wanted for _, src in ordered]
 
 

@@ -290,7 +290,7 @@ def _agree_task(rank: int, task: dict, mesh, placements) -> dict:
     if rank == 1:
         def refuse(sd):
             raise ValueError("injected staging failure")
-        opt._prepare_load = refuse
+        opt.prepare_load_state_dict = refuse
     try:
         dcp.load({"optim": GefenDCPState(opt)}, checkpoint_id=task["path"], planner=GefenLoadPlanner())
     except CheckpointError as exc:
