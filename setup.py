@@ -1,7 +1,8 @@
 """Only declares the C extensions; all metadata lives in pyproject.toml.
 
-gefen._kmeans_dp and gefen._gefen_step (the fused step and the first step's statistics) are plain C99 (no Python C-API) loaded with ctypes by
-gefen.codebook and gefen.native; setuptools merely compiles them next to the package (in place
+gefen._kmeans_dp, gefen._gefen_step (the fused step and the first step's statistics) and
+gefen_ckpt._crc32 (the checkpoint checksum) are plain C99 (no Python C-API) loaded with ctypes by
+gefen.codebook, gefen.native and gefen_ckpt.format.checksum; setuptools merely compiles them next to the package (in place
 for editable installs).  _gefen_step uses OpenMP when the compiler has it (else it is built
 serial), and is optional: without it gefen runs the eager torch step.
 """
@@ -31,6 +32,8 @@ setup(
         Extension("gefen._gefen_step", ["gefen/csrc/gefen_step.c", "gefen/csrc/first_step.c"], optional=True,
                   extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
                   extra_link_args=["-fopenmp"]),
+        # CRC-32 with carry-less multiplies; optional: gefen_ckpt falls back to zlib.crc32.
+        Extension("gefen_ckpt._crc32", ["gefen_ckpt/csrc/crc32.c"], optional=True, extra_compile_args=["-O3"]),
     ],
     cmdclass={"build_ext": BuildExt},
 )

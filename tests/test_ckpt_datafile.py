@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -106,3 +107,17 @@ def test_checksum_is_standard_crc32():
     data = os.urandom(100_000)
     assert checksum.update(checksum.update(0, data[:777]), data[777:]) == zlib.crc32(data)
     assert checksum.update(0, b"123456789") == 0xCBF43926  # the CRC-32/ISO-HDLC check value
+
+
+@pytest.mark.skipif(not checksum.accelerated(), reason="no accelerated CRC-32 on this machine/build")
+def test_accelerated_checksum_equals_zlib_at_every_length_and_alignment():
+    data = np.random.default_rng(3).integers(0, 256, 70_000, dtype=np.uint8)
+    lengths = list(range(0, 300)) + [4095, 4096, 4097, 65_536, 69_000]
+    for offset in (0, 1, 7, 15):
+        for n in lengths:
+            piece = data[offset:offset + n]
+            for start in (0, 0xDEADBEEF):
+                assert checksum.update(start, piece) == zlib.crc32(piece, start), (offset, n, start)
+    view = memoryview(bytearray(data.tobytes()))  # writable memoryview, as the reader passes
+    assert checksum.update(0, view) == zlib.crc32(view)
+    assert checksum.update(0, data.tobytes()) == zlib.crc32(data)  # read-only bytes
