@@ -34,6 +34,19 @@ def _period_statistics(grad: torch.Tensor, candidates: list[int]) -> torch.Tenso
     return period_statistics(grad, candidates) if stats is None else stats
 
 
+def apply_load_pre_hooks(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """A shallow copy of ``state_dict`` after the optimizer's load_state_dict pre-hooks (as
+    ``torch.optim.Optimizer.load_state_dict`` runs them)."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    state_dict = state_dict.copy()
+    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        result = hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local part of a (possibly DTensor) parameter or gradient."""
     to_local = getattr(t, "to_local", None)
@@ -113,6 +126,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._plan = (key, plan_reduction(named))
         return self._plan[1]
 
+    def _begin_step(self, closure) -> tuple[object, list[tuple[dict, torch.Tensor, torch.Tensor]]]:
+        """Run the closure (with grad enabled), collect this step's gradients and decide periods
+        (and the codebook) for parameters seen for the first time: (loss, work)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = self._grads()
+        if work:
+            self._initialise_new(work)
+        return loss, work
+
     # ----- the first step with a gradient ---------------------------------------------------
     def _initialise_new(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
         """Decide periods (and, once, the codebook) for parameters seen for the first time.
@@ -152,13 +177,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Validate and stage ``state_dict`` without touching the optimizer; the returned callable
         publishes it. gefen_ckpt stages on every rank first and publishes only once all ranks have
         succeeded, so a load that fails anywhere changes nothing anywhere."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        state_dict = state_dict.copy()
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        state_dict = apply_load_pre_hooks(self, state_dict)
         groups, state, codebook = self._stage(state_dict)
 
         def publish() -> None:

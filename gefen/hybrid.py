@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gefen.base import local_tensor
+from gefen.base import apply_load_pre_hooks, local_tensor
 from gefen.contract import CHILDREN_KEY, LIKE_PARAM, OptimizerContract, contract_of
 from gefen.muon import GefenMuon
 from gefen.optimizer import Gefen
@@ -260,13 +260,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     def prepare_load_state_dict(self, state_dict: dict) -> Callable[[], None]:
         """Validate and stage both children without touching either; the returned callable
         publishes both (``load_state_dict`` is this followed by the call)."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        state_dict = state_dict.copy()
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        state_dict = apply_load_pre_hooks(self, state_dict)
         saved = state_dict.get(CHILDREN_KEY)
         if not isinstance(saved, dict):
             raise ValueError(f"not a GefenMuonHybrid state_dict: no {CHILDREN_KEY!r} entry (saved by another optimizer?)")

@@ -145,14 +145,9 @@ class GefenMuon(CompressedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        work = self._grads()
+        loss, work = self._begin_step(closure)
         if not work:
             return loss
-        self._initialise_new(work)
 
         # 1. compressed momentum and the Newton-Schulz input (rank-local)
         inputs = []

@@ -67,14 +67,9 @@ class Gefen(CompressedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        work = self._grads()
+        loss, work = self._begin_step(closure)
         if not work:
             return loss
-        self._initialise_new(work)
 
         # phase 1: what the factored second moments must sum over all rows (one reduction)
         plan = self.reduction_plan()

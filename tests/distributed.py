@@ -82,3 +82,14 @@ def _raise_for_failures(fn, workdir: str, procs, cache: dict) -> None:
     for rank, _, res in done:
         if "error" in res:
             raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{res['error']}")
+
+
+def row_scaled_grads(shapes: dict[str, tuple[int, ...]], step: int) -> dict[str, torch.Tensor]:
+    """The same full gradients on every world size for step ``step``, with per-row scales (so
+    period choice and the codebook see structure, not i.i.d. noise)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = {}
+    for name, shape in shapes.items():
+        scale = torch.rand(shape[0], generator=g).add(0.1).view(-1, *([1] * (len(shape) - 1)))
+        out[name] = torch.randn(shape, generator=g) * scale
+    return out

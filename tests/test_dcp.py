@@ -27,7 +27,7 @@ from gefen_ckpt.canonical import LocalPart
 from gefen_ckpt.dcp import GefenDCPState, GefenLoadPlanner, GefenSavePlanner, read_dcp, write_dcp
 from gefen_ckpt.layout import local_rows
 
-from distributed import run
+from distributed import row_scaled_grads, run
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -60,12 +60,7 @@ def make_opt(kind: str, named):
 
 
 def global_grads(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    out = {}
-    for name, shape in SHAPES.items():
-        scale = torch.rand(shape[0], generator=g).add(0.1).view(-1, *([1] * (len(shape) - 1)))
-        out[name] = torch.randn(shape, generator=g) * scale
-    return out
+    return row_scaled_grads(SHAPES, step)
 
 
 def initial_params(seed: int) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ import torch
 import gefen_ckpt
 from gefen import Gefen
 
-from distributed import run
+from distributed import row_scaled_grads, run
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -25,12 +25,7 @@ KINDS = ("gefen-factored", "gefen-block", "adamw")
 
 
 def _grads(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    out = {}
-    for name, shape in SHAPES.items():
-        scale = torch.rand(shape[0], generator=g).add(0.1).view(-1, *([1] * (len(shape) - 1)))
-        out[name] = torch.randn(shape, generator=g) * scale
-    return out
+    return row_scaled_grads(SHAPES, step)
 
 
 def _optimizer(kind: str, params: dict[str, torch.Tensor]):

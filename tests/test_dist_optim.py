@@ -7,7 +7,7 @@ import torch
 
 from gefen import Gefen, contract_of
 
-from distributed import run
+from distributed import row_scaled_grads, run
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -18,12 +18,7 @@ STEPS = 4
 
 def _global_grads(step: int) -> dict[str, torch.Tensor]:
     """The same per-parameter gradients on every world size, with row/column structure."""
-    g = torch.Generator().manual_seed(1000 + step)
-    out = {}
-    for name, shape in SHAPES.items():
-        scale = torch.rand(shape[0], generator=g).add(0.1).view(-1, *([1] * (len(shape) - 1)))
-        out[name] = torch.randn(shape, generator=g) * scale
-    return out
+    return row_scaled_grads(SHAPES, step)
 
 
 def _initial_params() -> dict[str, torch.Tensor]:

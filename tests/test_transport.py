@@ -20,7 +20,7 @@ from gefen_ckpt import CheckpointError, CheckpointMismatchError, export_canonica
 from gefen_ckpt import transport as T
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState
 
-from distributed import run
+from distributed import row_scaled_grads, run
 
 # uneven rows on 2/3/4 ranks, empty shards ("pair" on 3 ranks, "tiny" on 4), 1-D, 3-D
 SHAPES = {"emb": (24, 16), "proj": (7, 32), "tiny": (3, 8), "pair": (2, 8), "norm": (16,), "conv": (8, 4, 3)}
@@ -154,12 +154,7 @@ def _initial_params() -> dict[str, torch.Tensor]:
 
 
 def _global_grads(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    out = {}
-    for name, shape in SHAPES.items():
-        scale = torch.rand(shape[0], generator=g).add(0.1).view(-1, *([1] * (len(shape) - 1)))
-        out[name] = torch.randn(shape, generator=g) * scale
-    return out
+    return row_scaled_grads(SHAPES, step)
 
 
 def _make_opt(kind: str, params: dict[str, torch.Tensor]):
