@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,19 +42,11 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/bench_io.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import psutil
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 import gefen_ckpt
-from benchmarks.common import (
-    machine_limits,
-    md_table,
-    plot,
-    structured_tensor,
-    transformer_shapes,
-    write_json,
-)
+from benchmarks.common import PeakRSS, gefen_state, machine_limits, md_table, plot, write_json
 from gefen import Gefen
 from gefen_ckpt.format.reader import open_checkpoint, stage_state
 from gefen_ckpt.storage import Store
@@ -66,19 +57,6 @@ SCRATCH = Path(__file__).resolve().parent / "scratch"
 
 
 # ----- the state --------------------------------------------------------------------------------
-def gefen_state(size: int) -> tuple[list[tuple[str, torch.nn.Parameter]], Gefen]:
-    gen = torch.Generator().manual_seed(size)
-    params = [(n, torch.nn.Parameter(structured_tensor(s, gen, 0.02))) for n, s in transformer_shapes(size)]
-    opt = Gefen(params, lr=1e-3)
-    for _ in range(2):
-        for _, p in params:
-            p.grad = structured_tensor(tuple(p.shape), gen)
-        opt.step()
-    for _, p in params:
-        p.grad = None
-    return params, opt
-
-
 def flat(sd: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of a nested state dict under a '/'-joined key (for safetensors)."""
     out = {}
@@ -124,28 +102,6 @@ def dd_bandwidth(nbytes: int, where: Path) -> float:
     seconds = time.perf_counter() - start
     target.unlink()
     return count * 16 * 2**20 / seconds
-
-
-class PeakRSS:
-    """Extra resident memory (bytes) while the block runs, sampled in a thread."""
-
-    def __enter__(self):
-        self.proc = psutil.Process()
-        self.base = self.peak = self.proc.memory_info().rss
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while not self.done.wait(0.002):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __exit__(self, *exc):
-        self.done.set()
-        self.thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-        self.extra = self.peak - self.base
 
 
 # ----- the methods ------------------------------------------------------------------------------

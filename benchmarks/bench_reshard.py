@@ -33,7 +33,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -43,7 +42,7 @@ if __package__ in (None, ""):  # `python benchmarks/bench_reshard.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gefen_ckpt
-from benchmarks.common import ROOT, md_table, plot, structured_tensor, transformer_shapes, write_json
+from benchmarks.common import ROOT, PeakRSS, gefen_state, md_table, plot, transformer_shapes, write_json
 
 SCRATCH = Path(__file__).resolve().parent / "scratch"
 BUDGET = "64MiB"
@@ -58,21 +57,6 @@ print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).
 
 
 # ----- the state --------------------------------------------------------------------------------
-def gefen_state(size: int, steps: int = 2):
-    from gefen import Gefen
-
-    gen = torch.Generator().manual_seed(size)
-    params = [(n, torch.nn.Parameter(structured_tensor(s, gen, 0.02))) for n, s in transformer_shapes(size)]
-    opt = Gefen(params, lr=1e-3)
-    for _ in range(steps):
-        for _, p in params:
-            p.grad = structured_tensor(tuple(p.shape), gen)
-        opt.step()
-    for _, p in params:
-        p.grad = None
-    return params, opt
-
-
 def size_of(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -114,30 +98,6 @@ def fidelity(diff: float) -> str:
 
 
 # ----- distributed load -------------------------------------------------------------------------
-class PeakRSS:
-    """Extra resident memory (bytes) while the block runs, sampled in a thread."""
-
-    def __enter__(self):
-        import psutil
-
-        self.proc = psutil.Process()
-        self.base = self.peak = self.proc.memory_info().rss
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while not self.done.wait(0.002):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __exit__(self, *exc):
-        self.done.set()
-        self.thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-        self.extra = self.peak - self.base
-
-
 def _load_worker(rank: int, world_size: int, size: int, ckpt: str, src: str) -> dict:
     """One rank: DTensor Shard(0) params of the benchmark's shapes, collective load, compare rows."""
     import ctypes

@@ -11,6 +11,7 @@ import math
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -60,6 +61,49 @@ def structured_tensor(shape: tuple[int, ...], gen: torch.Generator, scale: float
 
 
 # ----- timing ----------------------------------------------------------------------------------
+
+# ----- a Gefen state to checkpoint -------------------------------------------------------------
+def gefen_state(size: int, steps: int = 2):
+    """``(named params, Gefen)`` over ``transformer_shapes(size)`` after ``steps`` steps on
+    structured gradients (gradients then cleared): the state the checkpoint benchmarks move."""
+    from gefen import Gefen
+
+    gen = torch.Generator().manual_seed(size)
+    params = [(n, torch.nn.Parameter(structured_tensor(s, gen, 0.02))) for n, s in transformer_shapes(size)]
+    opt = Gefen(params, lr=1e-3)
+    for _ in range(steps):
+        for _, p in params:
+            p.grad = structured_tensor(tuple(p.shape), gen)
+        opt.step()
+    for _, p in params:
+        p.grad = None
+    return params, opt
+
+
+class PeakRSS:
+    """Extra resident memory (bytes) while the block runs, sampled every 2 ms in a thread."""
+
+    def __enter__(self):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.base = self.peak = self.proc.memory_info().rss
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.done.wait(0.002):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.extra = self.peak - self.base
+
+
 def median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds over ``reps`` calls after ``warmup`` calls."""
     for _ in range(warmup):
