@@ -10,6 +10,8 @@ atomically on close, and range reads.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,6 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 WRITE_BUFFER = 2**20
 WRITEBACK_EVERY = 8 * 2**20
+WRITE_BEHIND_BYTES = 16 * 2**20
 READ_CHUNK = 2**20
 
 
@@ -69,20 +72,21 @@ class Store:
             handle.close()
 
     @contextmanager
-    def create(self, name: str, durable: bool = True) -> Iterator[Writer]:
+    def create(self, name: str, durable: bool = True, write_behind: bool = False) -> Iterator[Writer]:
         """A new file, complete (and with ``durable``, fsync'd) when the block exits without
         error; without it, call ``make_durable`` before anything may depend on the file.
+        ``write_behind``: see ``LocalWriter`` (object stores buffer in fsspec anyway).
 
         On error the partial file is removed where possible; on a crash it is garbage that no
         manifest references.
         """
-        writer = LocalWriter(self.path(name)) if self.local else RemoteWriter(self.fs, self.path(name))
+        writer = LocalWriter(self.path(name), write_behind) if self.local else RemoteWriter(self.fs, self.path(name))
         try:
             yield writer
+            writer.close(durable)  # may raise too (a write-behind error surfaces here)
         except BaseException:
             writer.abort()
             raise
-        writer.close(durable)
 
     def make_durable(self, names: list[str]) -> None:
         """fsync files written with ``durable=False`` (object stores: complete on close already)."""
@@ -178,37 +182,120 @@ class Writer:
 
 
 class LocalWriter(Writer):
-    """Buffered (small writes coalesce, large ones go straight through), and every
-    ``WRITEBACK_EVERY`` bytes the kernel is asked to start writing the file out, so the disk
-    works while the rest is serialised and the final fsync has little left to wait for
-    (``posix_fadvise(DONTNEED)`` starts writeback of dirty pages; as a bonus, pages already
-    on disk leave the page cache instead of crowding out the training job's)."""
+    """Small writes are coalesced, and every ``WRITEBACK_EVERY`` bytes the kernel is asked to
+    start writing the file out, so the disk works while the rest is produced and the final
+    fsync has little left to wait for (``posix_fadvise(DONTNEED)`` starts writeback of dirty
+    pages; pages already on disk then leave the page cache instead of crowding out the
+    training job's).
 
-    def __init__(self, path: str):
+    ``write_behind``: ``write`` hands the bytes to a helper thread and returns, so the caller
+    serialises and checksums the next piece while the kernel copies this one into the page
+    cache (both release the GIL). Meant for data that stays in memory anyway (a live
+    optimizer's state): a buffer must not change until ``close``, and up to
+    ``WRITE_BEHIND_BYTES`` (or one larger buffer) stay referenced until written.
+    """
+
+    def __init__(self, path: str, write_behind: bool = False):
         self.path = path
-        self.file = open(path, "xb", buffering=WRITE_BUFFER)
-        self.flushed = 0  # bytes already handed to writeback
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.write_behind = write_behind
+        self.batch = bytearray()
+        self.room = threading.Condition()
+        self.in_flight = 0
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.written = self.flushed = 0
 
     def write(self, data) -> None:
-        self.file.write(memoryview(data).cast("B"))
-        end = self.file.tell()
-        if end - self.flushed >= WRITEBACK_EVERY and hasattr(os, "posix_fadvise"):
-            self.file.flush()
-            os.posix_fadvise(self.file.fileno(), self.flushed, end - self.flushed, os.POSIX_FADV_DONTNEED)
-            self.flushed = end
+        view = memoryview(data).cast("B")
+        if len(view) < WRITE_BUFFER:
+            self.batch += view
+            if len(self.batch) >= WRITE_BUFFER:
+                self._hand_over(self.batch)
+                self.batch = bytearray()
+            return
+        if self.batch:
+            self._hand_over(self.batch)
+            self.batch = bytearray()
+        self._hand_over(view)
+
+    def _hand_over(self, view) -> None:
+        if self.error is not None:
+            raise self.error
+        if not self.write_behind:
+            self._write_out(memoryview(view))
+            return
+        n = len(view)
+        with self.room:
+            self.room.wait_for(lambda: self.in_flight == 0 or self.in_flight + n <= WRITE_BEHIND_BYTES)
+            self.in_flight += n
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._drain, name="gefen-ckpt-write", daemon=True)
+            self.thread.start()
+        self.queue.put(view)
+
+    def _drain(self) -> None:
+        while (view := self.queue.get()) is not None:
+            try:
+                if self.error is None:
+                    self._write_out(memoryview(view))
+            except BaseException as exc:  # reported to the caller by the next write or close
+                self.error = exc
+            finally:
+                with self.room:
+                    self.in_flight -= len(view)
+                    self.room.notify_all()
+
+    def _write_out(self, view: memoryview) -> None:
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+            self.written += n
+        if self.written - self.flushed >= WRITEBACK_EVERY and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, self.flushed, self.written - self.flushed, os.POSIX_FADV_DONTNEED)
+            self.flushed = self.written
+
+    def _finish(self) -> None:
+        """Write what is left and stop the helper thread."""
+        try:
+            if self.batch and self.error is None:
+                self._hand_over(self.batch)
+        finally:
+            if self.thread is not None:
+                self.queue.put(None)
+                self.thread.join()
+                self.thread = None
 
     def close(self, durable: bool = True) -> None:
-        with self.file:
-            self.file.flush()
+        try:
+            self._finish()
+            if self.error is not None:
+                raise self.error
             if durable:
-                os.fsync(self.file.fileno())
+                os.fsync(self.fd)
+        finally:
+            self._close_fd()
 
     def abort(self) -> None:
-        self.file.close()
+        """Stop, close and remove the file (also after a failed ``close``)."""
+        self.error = self.error or OSError("write aborted")
         try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+            if self.thread is not None:
+                self.queue.put(None)
+                self.thread.join()
+                self.thread = None
+        finally:
+            self._close_fd()
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+    def _close_fd(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
 
 
 class RemoteWriter(Writer):

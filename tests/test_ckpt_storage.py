@@ -86,3 +86,42 @@ def test_s3_missing_object_is_reported(s3_endpoint):
     with pytest.raises(CheckpointCorruptError, match=name):
         gefen_ckpt.load(fresh_like(model, "adamw")[1], url, model=model)
     assert not gefen_ckpt.verify(url).ok
+
+
+# ----- local write-behind ---------------------------------------------------------------------
+@pytest.mark.parametrize("write_behind", [False, True])
+def test_local_writer_keeps_order_across_small_and_large_writes(tmp_path, write_behind, monkeypatch):
+    import os
+
+    import gefen_ckpt.storage as storage
+
+    monkeypatch.setattr(storage, "WRITE_BEHIND_BYTES", 3 * storage.WRITE_BUFFER)  # queue and wait
+    chunks = [os.urandom(n) for n in (10, storage.WRITE_BUFFER + 7, 100, 5, 3 * storage.WRITE_BUFFER, 1, 999_999, 2)]
+    store = storage.Store(str(tmp_path))
+    with store.create("f.bin", write_behind=write_behind) as out:
+        for c in chunks:
+            out.write(c)
+    assert (tmp_path / "f.bin").read_bytes() == b"".join(chunks)
+
+
+def test_write_behind_error_surfaces_and_removes_the_file(tmp_path, monkeypatch):
+    import os
+
+    import gefen_ckpt.storage as storage
+
+    calls = {"n": 0}
+    real = os.write
+
+    def failing(fd, data):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device (injected)")
+        return real(fd, data)
+
+    monkeypatch.setattr(storage.os, "write", failing)
+    store = storage.Store(str(tmp_path))
+    with pytest.raises(OSError, match="injected"):
+        with store.create("f.bin", write_behind=True) as out:
+            for _ in range(6):
+                out.write(b"x" * (2 * storage.WRITE_BUFFER))
+    assert not (tmp_path / "f.bin").exists()

@@ -16,11 +16,9 @@ import zlib
 import numpy as np
 
 ALGORITHM = "crc32"
-#: Pieces at least this large are hashed in a helper thread while I/O goes on. Reading from
-#: disk, hashing overlaps the next read (measured +9% cold load); writing goes to the page
-#: cache, where a thread hand-off pays only for large pieces.
+#: Pieces at least this large are hashed in a helper thread while the next one is read from
+#: disk (measured +9% cold load). Saves overlap differently: see storage.LocalWriter.
 READ_THREAD_MIN_BYTES = 2**20
-WRITE_THREAD_MIN_BYTES = 16 * 2**20
 #: Below this many bytes the ctypes call costs more than zlib's slower loop.
 NATIVE_MIN_BYTES = 4096
 
