@@ -11,6 +11,10 @@ summation, whose vector width depends on torch's CPU capability.  At first use t
 run side by side on a few small problems (``calibrate``); on any mismatch the native path stays off
 and a warning says so.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``native.enabled = False``
 forces the eager path; both paths compute the same numbers, so this only changes speed.
+
+``period_statistics`` and ``block_histogram`` are the first step's one-time passes
+(``gefen/csrc/first_step.c``): the same histogram counts and the same block sums as
+``gefen.geometry`` / ``gefen.codebook``, with the fp64 totals summed in another order.
 """
 
 from __future__ import annotations
