@@ -10,7 +10,8 @@ The C code reproduces the rounding order of the eager torch ops, including ATen'
 summation, whose vector width depends on torch's CPU capability.  At first use the two paths are
 run side by side on a few small problems (``calibrate``); on any mismatch the native path stays off
 and a warning says so.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``native.enabled = False``
-forces the eager path; both paths compute the same numbers, so this only changes speed.
+forces the eager path; both paths compute the same numbers (the first step's period statistics
+to fp64 rounding, below), so this only changes speed.
 
 ``period_statistics`` and ``block_histogram`` are the first step's one-time passes
 (``gefen/csrc/first_step.c``): the same histogram counts and the same block sums as
