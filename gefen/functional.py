@@ -126,6 +126,8 @@ def gefen_update_(
 def update_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor:
     """``m = lerp(m, g, 1 - beta)`` stored re-quantised; returns the *re-quantised* momentum (fp32),
     so the update uses exactly the state it leaves behind (shared by Gefen and GefenMuon)."""
+    if (fused := native.fused_momentum_(state, grad, beta, codebook)) is not None:
+        return fused  # one C call, bit-identical (gefen/native.py)
     period = int(state["period"])
     m = dequantise(state["m_code"], state["m_scale"], codebook, period)
     m.lerp_(grad, 1 - beta)

@@ -31,12 +31,13 @@ import torch
 from gefen.codebook import code_thresholds, histogram_normalised_blocks
 from gefen.geometry import rows_and_row_numel
 
-__all__ = ["available", "enabled", "fused_partials", "fused_update_", "calibrate", "period_statistics", "block_histogram"]
+__all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_momentum_", "calibrate",
+           "period_statistics", "block_histogram"]
 
 #: Module switch (tests and benchmarks); the environment variable sets its initial value.
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 
-_ABI = 9
+_ABI = 10
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _P = ctypes.c_void_p
 
@@ -56,7 +57,7 @@ class _StepArgs(ctypes.Structure):
         ("param_dtype", ctypes.c_int32), ("grad_dtype", ctypes.c_int32), ("K", ctypes.c_int32),
         ("lut_M", ctypes.c_int32), ("W", ctypes.c_int32), ("T", ctypes.c_int32),
         ("has_wd", ctypes.c_int32), ("factored", ctypes.c_int32),
-        ("scale_mode", ctypes.c_int32), ("reserved", ctypes.c_int32),
+        ("scale_mode", ctypes.c_int32), ("momentum_only", ctypes.c_int32), ("m_out", _P),
     ]
 
 
@@ -246,6 +247,34 @@ def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
     if not direct_step:
         step_t.fill_(step)
     return True
+
+
+def fused_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor | None:
+    """``functional.update_momentum_`` in one C call (same codes, scales and returned fp32
+    momentum, bit for bit), or None when it does not apply (nothing modified then)."""
+    gdt = _DT.get(grad.dtype)
+    codes, scales = state["m_code"], state["m_scale"]
+    if gdt is None or not enabled or _lib is None or codes.dtype != torch.uint8 or scales.dtype != torch.float32:
+        return None
+    if not _cpu_contiguous(grad, codes, scales) or codes.shape != grad.shape:
+        return None
+    W = _vector_width()
+    q = _quantiser(codebook) if W else None
+    if q is None:
+        return None
+    period = int(state["period"])
+    rows, row_numel = rows_and_row_numel(grad.shape)
+    if period < 1 or row_numel % period or scales.numel() != rows * (row_numel // period):
+        return None
+    out = torch.empty(grad.shape, dtype=torch.float32)
+    a = _StepArgs()
+    a.grad, a.codes, a.scales, a.m_out = grad.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr()
+    a.codebook, a.thr, a.lut, a.lut_M = q.values.data_ptr(), q.thr.data_ptr(), q.lut.data_ptr(), q.M
+    a.rows, a.bpr, a.period, a.global_rows = rows, row_numel // period, period, rows
+    a.omb1 = 1 - beta  # the lerp weight exactly as update_momentum_ passes it
+    a.grad_dtype, a.K, a.W, a.T = gdt, q.values.numel(), W, torch.get_num_threads()
+    a.scale_mode, a.momentum_only = _scale_mode, 1
+    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
 
 
 # ----- the first step: period statistics and the codebook histogram ---------------------------

@@ -346,3 +346,77 @@ def test_cuda_uses_the_eager_path():
     st = init_state(p, (8, 16), 16, False)
     assert not native.fused_update_(p, torch.randn_like(p), st, torch.linspace(-1, 1, 256, device="cuda"), HYPER,
                                     global_rows=8)
+
+
+# ----- the momentum alone (GefenMuon; Gefen's eager fallback) -------------------------------------
+def _momentum_run(shape, period, *, use_native, grad_dtype=torch.float32, beta=0.95, steps=3, codebook_kind="learned"):
+    from gefen.functional import init_momentum_state, update_momentum_
+
+    gen = torch.Generator().manual_seed(7)
+    grads = grads_for(shape, grad_dtype, gen, steps)
+    codebook = make_codebook(codebook_kind, gen, grads)
+    state = init_momentum_state(torch.zeros(shape), tuple(shape), period)
+    native.enabled = use_native
+    outs = []
+    for g in grads:
+        if use_native:
+            out = native.fused_momentum_(state, g, beta, codebook)
+            assert out is not None, "fused_momentum_ did not apply"
+        else:  # the eager lerp needs an fp32 end point; the C path widens bf16 itself
+            out = update_momentum_(state, g.float(), beta, codebook)
+        outs.append(out.clone())
+    return outs, state
+
+
+MOMENTUM = [((64, 48), 48), ((33, 40), 8), ((300, 130), 13), ((1, 40000), 40000), ((7, 3), 1),
+            ((600, 130), 130), ((4396, 20), 20), ((70, 1000), 500), ((40000, 2), 2)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape,period", MOMENTUM)
+def test_momentum_parity(shape, period, threads):
+    torch.set_num_threads(threads)
+    (ref, s_ref), (nat, s_nat) = (_momentum_run(shape, period, use_native=u) for u in (False, True))
+    for i, (a, b) in enumerate(zip(nat, ref)):
+        assert_identical(a, b, f"momentum after step {i}")
+    for key in ("m_code", "m_scale"):
+        assert_identical(s_nat[key], s_ref[key], key)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "crowded", "padded"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_momentum_parity_codebooks_and_bf16(kind, grad_dtype):
+    (ref, s_ref), (nat, s_nat) = (_momentum_run((50, 96), 32, use_native=u, grad_dtype=grad_dtype, codebook_kind=kind)
+                                  for u in (False, True))
+    for a, b in zip(nat, ref):
+        assert_identical(a, b, "momentum")
+    assert_identical(s_nat["m_code"], s_ref["m_code"], "m_code")
+
+
+def test_momentum_portable_kernel_agrees():
+    native._lib.gefen_force_portable(1)
+    (ref, _), (nat, _) = (_momentum_run((40, 64), 16, use_native=u) for u in (False, True))
+    for a, b in zip(nat, ref):
+        assert_identical(a, b, "momentum (portable kernel)")
+
+
+def test_gefen_muon_native_matches_eager():
+    from gefen import GefenMuon
+
+    runs = {}
+    for use_native in (False, True):
+        native.enabled = use_native
+        gen = torch.Generator().manual_seed(3)
+        params = [(n, torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1)) for n, s in
+                  (("a", (96, 64)), ("b", (64, 160)), ("c", (40, 40)))]
+        opt = GefenMuon(params, lr=1e-2, weight_decay=0.1)
+        for _ in range(3):
+            for _, p in params:
+                p.grad = torch.randn(p.shape, generator=gen) * torch.rand(p.shape[0], 1, generator=gen)
+            opt.step()
+        runs[use_native] = (params, opt)
+    (pa, oa), (pb, ob) = runs[False], runs[True]
+    for (name, a), (_, b) in zip(pa, pb):
+        assert_identical(b.detach(), a.detach(), name)
+        for key in ("m_code", "m_scale"):
+            assert_identical(ob.state[b][key], oa.state[a][key], f"{name}.{key}")

@@ -56,7 +56,7 @@
 #define GEFEN_EXPORT __attribute__((visibility("default")))
 #endif
 
-#define GEFEN_ABI 9
+#define GEFEN_ABI 10
 #define GRAIN 32768   /* at::internal::GRAIN_SIZE */
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 #define MAX_T 1024    /* largest torch thread count we emulate */
@@ -672,7 +672,9 @@ typedef struct {
     double omb1, beta2, omb2, bias1, bias2_sqrt, eps, neg_lr, decay;
     int32_t param_dtype, grad_dtype, K, lut_M, W, T, has_wd, factored;
     int32_t scale_mode; /* 0: torch.maximum(amax, -amin) (gefen.quant today); 1: abs().amax() */
-    int32_t reserved;
+    int32_t momentum_only; /* 1: only m = lerp(m, g, omb1) re-quantised, dequantised into m_out
+                              (gefen.functional.update_momentum_, GefenMuon's momentum) */
+    float *m_out;          /* momentum_only: [rows * bpr * period] */
 } gefen_step_args;
 
 typedef struct {
@@ -835,12 +837,16 @@ static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, const
             q = code_of(c, x, a->lut_M ? bucket_or_nan(c, x) : 0);
         }
         float u = cb[q] * scale;
+        code[e] = (uint8_t)q;
+        if (a->momentum_only) {
+            a->m_out[off + e] = u;
+            continue;
+        }
         u = u / c->b1;
         u = u / (den_stride ? den[e] / c->b2s + c->eps : den[0]);
         float p = load_p(a, off + e);
         if (a->has_wd) p = p * c->decay;
         store_p(a, off + e, fmaf(u, c->nlr, p));
-        code[e] = (uint8_t)q;
     }
     a->scales[bi] = scale;
 }
@@ -1005,6 +1011,12 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, cons
         }
         lookup_codes(c, mbuf, bbuf, code, cbuf, P);
     }
+    if (a->momentum_only) { /* the dequantised new momentum: codebook[code] * scale */
+        for (e = 0; e < P8; e += 8) _mm256_storeu_ps(a->m_out + off + e, _mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale));
+        for (; e < P; ++e) a->m_out[off + e] = cbuf[e] * scale;
+        a->scales[bi] = scale;
+        return;
+    }
     const __m256 b1 = _mm256_set1_ps(c->b1), nlr = _mm256_set1_ps(c->nlr), decay = _mm256_set1_ps(c->decay);
     const __m256 vden_b = _mm256_set1_ps(den[0]), b2s = _mm256_set1_ps(c->b2s), eps = _mm256_set1_ps(c->eps);
     for (e = 0; e < P8; e += 8) {
@@ -1044,6 +1056,10 @@ static inline void one_block(const kctx *c, int64_t bi, const block_bufs *B, con
 /* Blocks [b0, b1) of one thread. den: den_len floats. */
 static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *B, float *den, int avx2) {
     const gefen_step_args *a = c->a;
+    if (a->momentum_only) { /* no second moment, no parameter: blocks only (P == 1 included) */
+        for (int64_t bi = b0; bi < b1; ++bi) one_block(c, bi, B, den, 0, avx2);
+        return;
+    }
     if (!a->factored && c->P == 1) {
         for (int64_t i = b0; i < b1; i += ELEM_CHUNK) elementwise_portable(c, i, min64(i + ELEM_CHUNK, b1), den);
         return;
@@ -1069,11 +1085,13 @@ static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *
     }
 }
 
-/* One Gefen step for one (rank-local) parameter; see gefen.functional.gefen_update_.
+/* One Gefen step for one (rank-local) parameter; see gefen.functional.gefen_update_.  With
+ * momentum_only, just the momentum half (gefen.functional.update_momentum_): codes and scales
+ * updated in place, the dequantised momentum written to m_out, nothing else touched.
  * Returns 0, -1 when out of memory (nothing modified), -2 on bad arguments (nothing modified). */
 GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
     if (a->T < 1 || a->T > MAX_T || (a->W != 8 && a->W != 16) || a->period < 1 || a->K < 2 || a->K > 256 ||
-        (a->lut_M && !a->lut))
+        (a->lut_M && !a->lut) || (a->momentum_only && (!a->m_out || a->factored)))
         return -2;
     kctx c;
     c.a = a;
@@ -1104,7 +1122,7 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
 
     float *bufs = (float *)malloc((size_t)nthreads * (size_t)per_thread * sizeof(float));
     if (!bufs) return -1;
-    if (a->factored) { /* finish the second moment (tiny) */
+    if (a->factored && !a->momentum_only) { /* finish the second moment (tiny) */
         if (a->rows) memcpy(a->v_row, a->v_row_new, (size_t)a->rows * sizeof(float));
         const double R = (double)a->global_rows;
         for (int64_t j = 0; j < c.cols; ++j) {
@@ -1114,7 +1132,7 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
         float rm = (float)(a->partials[c.cols] / R);
         c.rm = rm < FLT_MIN ? FLT_MIN : rm;
     }
-    if (a->step_ptr) *a->step_ptr = a->step;
+    if (a->step_ptr && !a->momentum_only) *a->step_ptr = a->step;
 
 #pragma omp parallel if (par)
     {
