@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 2
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt Makefile setup.py $(wildcard gefen/csrc/*.c gefen_ckpt/csrc/*.c)
+$(STAMP): pyproject.toml constraints.txt Makefile setup.py $(wildcard gefen/csrc/*.[ch] gefen_ckpt/csrc/*.c)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0"

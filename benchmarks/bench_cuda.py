@@ -108,7 +108,7 @@ def measure(kind: str, named, device, reps: int) -> dict:
     result["median_step_s"] = statistics.median(times)
     result["step_times_s"] = times
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    state += [v for v in getattr(opt, "state_dict", lambda: {})().get("global_state", {}).values()]
+    state += [opt.codebook] if isinstance(getattr(opt, "codebook", None), torch.Tensor) else []
     result["state_bytes"] = sum(t.numel() * t.element_size() for t in state)
     del opt, state
     gc.collect()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from gefen import native
-from gefen.codebook import learn_codebook
+from gefen.codebook import histogram_normalised_blocks, learn_codebook
 from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
 from gefen.distributed import ReductionPlan, plan_reduction
 from gefen.geometry import (
@@ -32,6 +32,12 @@ def _period_statistics(grad: torch.Tensor, candidates: list[int]) -> torch.Tenso
     """The C pass when it applies, else the torch reference (same block sums)."""
     stats = native.period_statistics(grad, candidates)
     return period_statistics(grad, candidates) if stats is None else stats
+
+
+def _block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """The C pass when it applies, else the torch reference (the same counts)."""
+    counts = native.block_histogram(blocks, num_bins)
+    return histogram_normalised_blocks(blocks, num_bins) if counts is None else counts
 
 
 def apply_load_pre_hooks(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -159,7 +165,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self.codebook is None:
             blocks = [as_blocks(grad, P) for (_, p, grad), P in zip(new, periods) if P > 1 and plan.counts(p)]
             codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_,
-                                      histogram=native.block_histogram)
+                                      histogram=_block_histogram)
             self.codebook = codebook.to(new[0][1].device)
         staged = {p: self._init_param_state(g, p, P) for (g, p, _), P in zip(new, periods)}
         self.state.update(staged)

@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from gefen.codebook import code_thresholds, histogram_normalised_blocks
+from gefen.codebook import code_thresholds
 from gefen.geometry import rows_and_row_numel
 
 __all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_momentum_", "calibrate",
@@ -213,35 +213,27 @@ def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
         return False
     if any(t.dtype != torch.float32 for t in (scales, *extra[:2])):
         return False
-    W = _vector_width()
-    q = _quantiser(codebook) if W else None
-    if q is None:
+    a = _momentum_args(state, grad, gdt, codebook)
+    if a is None:
         return False
-    period = int(state["period"])
-    rows, row_numel = rows_and_row_numel(param.shape)
-    if period < 1 or row_numel % period or scales.numel() != rows * (row_numel // period):
-        return False
+    rows, row_numel = a.rows, a.bpr * a.period
     if factored and (partials.numel() != row_numel + 1 or v_row.numel() != rows or state["v_col"].numel() != row_numel):
         return False
     step_t = state["step"]
     step = int(step_t) + 1
-    a = _StepArgs()
-    a.param, a.grad, a.codes, a.scales = param.data_ptr(), grad.data_ptr(), codes.data_ptr(), scales.data_ptr()
+    a.param = param.data_ptr()
     if factored:
         a.v_row, a.v_col, a.v_row_new, a.partials = (t.data_ptr() for t in extra)
     else:
         a.v = extra[0].data_ptr()
     direct_step = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
     a.step_ptr = step_t.data_ptr() if direct_step else None
-    a.codebook, a.thr = q.values.data_ptr(), q.thr.data_ptr()
-    a.lut, a.lut_M = q.lut.data_ptr(), q.M
-    a.rows, a.bpr, a.period, a.global_rows, a.step = rows, row_numel // period, period, global_rows, step
+    a.global_rows, a.step = global_rows, step
     # scalars exactly as gefen_update_ forms them (Python floats, cast to fp32 in C like torch does)
     a.omb1, a.beta2, a.omb2 = 1 - h.beta1, h.beta2, 1 - h.beta2
     a.bias1, a.bias2_sqrt = 1 - h.beta1**step, math.sqrt(1 - h.beta2**step)
     a.eps, a.neg_lr, a.decay, a.has_wd = h.eps, -h.lr, 1 - h.lr * h.weight_decay, bool(h.weight_decay)
-    a.param_dtype, a.grad_dtype, a.K, a.W, a.T = pdt, gdt, q.values.numel(), W, torch.get_num_threads()
-    a.factored, a.scale_mode = factored, _scale_mode
+    a.param_dtype, a.factored = pdt, factored
     if _lib.gefen_step(ctypes.byref(a)) != 0:
         return False
     if not direct_step:
@@ -258,23 +250,34 @@ def fused_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torc
         return None
     if not _cpu_contiguous(grad, codes, scales) or codes.shape != grad.shape:
         return None
+    a = _momentum_args(state, grad, gdt, codebook)
+    if a is None:
+        return None
+    out = torch.empty(grad.shape, dtype=torch.float32)
+    a.m_out, a.momentum_only, a.global_rows = out.data_ptr(), 1, a.rows
+    a.omb1 = 1 - beta  # the lerp weight exactly as update_momentum_ passes it
+    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
+
+
+def _momentum_args(state: dict, grad: torch.Tensor, gdt: int, codebook: torch.Tensor) -> _StepArgs | None:
+    """Kernel arguments shared by the full step and the momentum alone: gradient, codes, scales,
+    block geometry, quantiser, threads; None when the fused path does not apply."""
     W = _vector_width()
     q = _quantiser(codebook) if W else None
     if q is None:
         return None
+    codes, scales = state["m_code"], state["m_scale"]
     period = int(state["period"])
     rows, row_numel = rows_and_row_numel(grad.shape)
     if period < 1 or row_numel % period or scales.numel() != rows * (row_numel // period):
         return None
-    out = torch.empty(grad.shape, dtype=torch.float32)
     a = _StepArgs()
-    a.grad, a.codes, a.scales, a.m_out = grad.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr()
+    a.grad, a.codes, a.scales = grad.data_ptr(), codes.data_ptr(), scales.data_ptr()
     a.codebook, a.thr, a.lut, a.lut_M = q.values.data_ptr(), q.thr.data_ptr(), q.lut.data_ptr(), q.M
-    a.rows, a.bpr, a.period, a.global_rows = rows, row_numel // period, period, rows
-    a.omb1 = 1 - beta  # the lerp weight exactly as update_momentum_ passes it
+    a.rows, a.bpr, a.period = rows, row_numel // period, period
     a.grad_dtype, a.K, a.W, a.T = gdt, q.values.numel(), W, torch.get_num_threads()
-    a.scale_mode, a.momentum_only = _scale_mode, 1
-    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
+    a.scale_mode = _scale_mode
+    return a
 
 
 # ----- the first step: period statistics and the codebook histogram ---------------------------
@@ -304,16 +307,16 @@ def period_statistics(grad: torch.Tensor, candidates: list[int]) -> torch.Tensor
     return out if rc == 0 else None
 
 
-def block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """``codebook.histogram_normalised_blocks`` (identical counts) in one C pass, falling back
-    to it when the C path does not apply."""
+def block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor | None:
+    """``codebook.histogram_normalised_blocks`` (identical counts) in one C pass, or None when
+    it does not apply."""
     dt = _first_step_input(blocks)
-    if dt is not None and blocks.dim() >= 1 and blocks.shape[-1] >= 1 and num_bins >= 1:
-        counts = torch.zeros(num_bins, dtype=torch.int64)
-        P = blocks.shape[-1]
-        if _lib.gefen_block_histogram(blocks.data_ptr(), dt, blocks.numel() // P, P, num_bins, counts.data_ptr()) == 0:
-            return counts
-    return histogram_normalised_blocks(blocks, num_bins)
+    if dt is None or blocks.dim() < 1 or blocks.shape[-1] < 1 or num_bins < 1:
+        return None
+    counts = torch.zeros(num_bins, dtype=torch.int64)
+    P = blocks.shape[-1]
+    rc = _lib.gefen_block_histogram(blocks.data_ptr(), dt, blocks.numel() // P, P, num_bins, counts.data_ptr())
+    return counts if rc == 0 else None
 
 
 # ----- calibration: the C emulation of torch's rounding order, checked against torch ------------

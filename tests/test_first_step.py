@@ -97,11 +97,14 @@ def test_histogram_special_values_are_identical():
         assert torch.equal(native.block_histogram(x.to(dtype), 4096), histogram_normalised_blocks(x.to(dtype), 4096))
 
 
-def test_histogram_falls_back_for_other_inputs():
+def test_histogram_declines_other_inputs_and_the_optimizer_falls_back():
     x = torch.randn(30, 16, dtype=torch.float64)
-    assert torch.equal(native.block_histogram(x, 64), histogram_normalised_blocks(x, 64))
+    assert native.block_histogram(x, 64) is None  # dtype
     t = torch.randn(16, 30).t()
-    assert torch.equal(native.block_histogram(t, 64), histogram_normalised_blocks(t, 64))
+    assert native.block_histogram(t, 64) is None  # not contiguous
+    assert torch.equal(histogram_normalised_blocks(t, 64), histogram_normalised_blocks(t.contiguous(), 64))
+    native.enabled = False
+    assert native.block_histogram(t.contiguous(), 64) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

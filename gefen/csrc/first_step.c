@@ -31,23 +31,10 @@
 #include <omp.h>
 #endif
 
-#if defined(_WIN32)
-#define GEFEN_EXPORT __declspec(dllexport)
-#else
-#define GEFEN_EXPORT __attribute__((visibility("default")))
-#endif
+#include "gefen_common.h"
 
-enum { FS_F32 = 0, FS_BF16 = 1 };
 #define STATS_CHUNK_ROWS 64
 #define HIST_PAR_MIN 65536 /* elements below which one thread does the histogram */
-
-static inline float fs_load(const void *x, int dt, int64_t i) {
-    if (dt == FS_F32) return ((const float *)x)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* ----- period statistics ------------------------------------------------------------- */
 
@@ -67,7 +54,7 @@ static FS_CLONES void squares_f32(const float *g, int64_t n, double *x) {
 
 static void squares_bf16(const uint16_t *g, int64_t n, double *x) {
     for (int64_t j = 0; j < n; j++) {
-        double v = (double)fs_load(g, FS_BF16, j);
+        double v = (double)ld_g(g, DT_BF16, j);
         x[j] = v * v;
     }
 }
@@ -108,7 +95,7 @@ static FS_CLONES double block_spread(const double *src, int64_t f, int64_t block
 static void stats_row(const void *g, int dt, int64_t off, int64_t n, const int64_t *cands,
                       const int32_t *parent, const int64_t *level_off, int ncand, double *buf,
                       double *acc) {
-    if (dt == FS_F32) squares_f32((const float *)g + off, n, buf);
+    if (dt == DT_F32) squares_f32((const float *)g + off, n, buf);
     else squares_bf16((const uint16_t *)g + off, n, buf);
     for (int i = 1; i < ncand; i++)
         acc[i] += block_spread(buf + level_off[parent[i]], cands[i] / cands[parent[i]], n / cands[i],
@@ -264,8 +251,8 @@ static void hist_blocks(const void *x, int dt, int64_t b0, int64_t b1, int64_t P
     const float fbins = (float)bins;
     for (int64_t b = b0; b < b1; b++) {
         const float *blk = (const float *)x + b * P;
-        if (dt == FS_BF16) { /* widen the block once (exact), then share the fp32 code */
-            for (int64_t j = 0; j < P; j++) conv[j] = fs_load(x, dt, b * P + j);
+        if (dt == DT_BF16) { /* widen the block once (exact), then share the fp32 code */
+            for (int64_t j = 0; j < P; j++) conv[j] = ld_g(x, dt, b * P + j);
             blk = conv;
         }
         int nan;
@@ -313,9 +300,9 @@ GEFEN_EXPORT int gefen_block_histogram(const void *x, int dt, int64_t nblocks, i
         T = omp_get_num_threads();
 #endif
         int64_t per = (nblocks + T - 1) / T, b0 = t * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;
-        float *conv = dt == FS_BF16 ? malloc(sizeof(float) * (size_t)P) : NULL;
+        float *conv = dt == DT_BF16 ? malloc(sizeof(float) * (size_t)P) : NULL;
         int32_t *idx = malloc(sizeof(int32_t) * HIST_RUN);
-        if (!idx || (dt == FS_BF16 && !conv)) {
+        if (!idx || (dt == DT_BF16 && !conv)) {
 #pragma omp atomic write
             failed = 1;
         } else if (b0 < b1) {

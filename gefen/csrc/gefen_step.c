@@ -50,29 +50,16 @@
 #define GEFEN_X86 0
 #endif
 
-#if defined(_WIN32)
-#define GEFEN_EXPORT __declspec(dllexport)
-#else
-#define GEFEN_EXPORT __attribute__((visibility("default")))
-#endif
+#include "gefen_common.h"
 
 #define GEFEN_ABI 10
 #define GRAIN 32768   /* at::internal::GRAIN_SIZE */
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 #define MAX_T 1024    /* largest torch thread count we emulate */
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
-
 static int force_portable = 0;
 
 /* ----- scalar helpers ------------------------------------------------------------------- */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* c10::BFloat16 round-to-nearest-even (NaN -> 0x7FC0). */
 static inline uint16_t f32_to_bf16(float f) {
@@ -80,10 +67,6 @@ static inline uint16_t f32_to_bf16(float f) {
     if (f != f) return 0x7FC0;
     memcpy(&u, &f, 4);
     return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
-}
-
-static inline float ld_g(const void *g, int dt, int64_t i) {
-    return dt == DT_F32 ? ((const float *)g)[i] : bf16_to_f32(((const uint16_t *)g)[i]);
 }
 
 static inline float bits_f32(uint32_t u) {
