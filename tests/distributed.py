@@ -3,8 +3,9 @@
 ``run(fn, world_size, *args)`` spawns ``world_size`` processes; each calls ``fn(rank,
 world_size, *args)`` inside an initialised process group and its return value (anything
 torch.save can write) comes back in rank order. A rank that raises makes ``run`` raise with
-that rank's traceback (the other ranks are killed at once rather than left waiting in a
-collective); a rank that dies without a result, or a run past ``timeout``, fails too.
+every failed rank's traceback, the likeliest root cause first (the other ranks get a short
+grace to finish, then are killed rather than left waiting in a collective); a rank that dies
+without a result, or a run past ``timeout``, fails too.
 
 A rank leaves with ``os._exit`` once its result is on disk and its process group destroyed:
 gloo's worker threads can abort the interpreter's own teardown (``terminate called without
@@ -24,6 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 POLL_SECONDS = 0.05
+GRACE_SECONDS = 10.0
+# What gloo says on a rank whose peer went away: a consequence, reported after the cause.
+PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def _entry(rank: int, world_size: int, workdir: str, fn, args) -> None:
@@ -56,32 +60,49 @@ def run(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     with tempfile.TemporaryDirectory() as workdir:
         ctx = mp.start_processes(_entry, args=(world_size, workdir, fn, args), nprocs=world_size, join=False,
                                  start_method="spawn")
-        procs, deadline, cache = ctx.processes, time.monotonic() + timeout, {}
+        procs, deadline, cache, killed = ctx.processes, time.monotonic() + timeout, {}, set()
         try:
             while any(p.is_alive() for p in procs):
-                _raise_for_failures(fn, workdir, procs, cache)
+                if _failures(fn, workdir, procs, cache, killed):
+                    _wait_for_all(procs, time.monotonic() + GRACE_SECONDS)
+                    break
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks exceeded {timeout}s")
                 time.sleep(POLL_SECONDS)
         finally:
-            for p in procs:
+            for rank, p in enumerate(procs):
                 if p.is_alive():
                     p.kill()
+                    killed.add(rank)
                 p.join()
-        _raise_for_failures(fn, workdir, procs, cache)
+        failures = _failures(fn, workdir, procs, cache, killed)
+        if failures:
+            raise RuntimeError("\n\n".join(failures))
         return [_result(workdir, rank, cache)["ok"] for rank in range(world_size)]
 
 
-def _raise_for_failures(fn, workdir: str, procs, cache: dict) -> None:
-    """Raise for a finished rank without a result (the likeliest root cause: report it first)
-    or with an error."""
-    done = [(rank, p.exitcode, _result(workdir, rank, cache)) for rank, p in enumerate(procs) if not p.is_alive()]
-    for rank, code, res in done:
+def _wait_for_all(procs, until: float) -> None:
+    """Once one rank failed, give the others a moment to fail too (they usually do at once, in
+    the collective the failed rank left), so the report can name the root cause."""
+    while any(p.is_alive() for p in procs) and time.monotonic() < until:
+        time.sleep(POLL_SECONDS)
+
+
+def _failures(fn, workdir: str, procs, cache: dict, killed: set[int]) -> list[str]:
+    """Reports for the finished ranks that failed, likeliest root cause first: a rank that died
+    without a result, then one that raised on its own, then one that only lost a peer (ranks
+    the harness killed itself are not reported)."""
+    found = []
+    for rank, p in enumerate(procs):
+        if p.is_alive() or rank in killed:
+            continue
+        res = _result(workdir, rank, cache)
         if res is None:
-            raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result (exit code {code})")
-    for rank, _, res in done:
-        if "error" in res:
-            raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{res['error']}")
+            found.append((0, rank, f"rank {rank} of {fn.__name__} died without a result (exit code {p.exitcode})"))
+        elif "error" in res:
+            lost_peer = any(marker in res["error"] for marker in PEER_LOSS_MARKERS)
+            found.append((2 if lost_peer else 1, rank, f"rank {rank} of {fn.__name__} failed:\n{res['error']}"))
+    return [message for _, _, message in sorted(found)]
 
 
 def row_scaled_grads(shapes: dict[str, tuple[int, ...]], step: int) -> dict[str, torch.Tensor]:
