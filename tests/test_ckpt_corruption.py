@@ -17,6 +17,7 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
+from gefen_ckpt.format import checksum
 
 from ckpt_util import Tiny, fresh_like, same, snapshot, train, trained
 
@@ -70,6 +71,16 @@ def rewrite_manifest(url, change):
         f.write(msgpack.packb(m))
 
 
+@pytest.fixture(params=["fused", "python"])
+def read_path(request, monkeypatch):
+    """Damaged data is found the same way by the fused C read+checksum and the Python reads."""
+    if request.param == "python":
+        monkeypatch.setattr(checksum, "can_read_hashed", lambda: False)
+    elif not checksum.can_read_hashed():
+        pytest.skip("no fused read+checksum on this machine/build")
+
+
+@pytest.mark.usefixtures("read_path")
 def test_truncated_data_file(ck, target):
     path, _ = piece(ck)
     os.truncate(path, os.path.getsize(path) - 7)
@@ -77,6 +88,7 @@ def test_truncated_data_file(ck, target):
     assert not gefen_ckpt.verify(ck).ok
 
 
+@pytest.mark.usefixtures("read_path")
 def test_flipped_byte_names_file_and_fqn(ck, target):
     path, p = piece(ck)
     with open(path, "r+b") as f:
@@ -159,6 +171,25 @@ def test_coverage_gap_and_overlap_are_format_errors(ck, target):
 
     rewrite_manifest(ck, drop)
     refused(target, ck, CheckpointFormatError, "embed.weight", "m_code")
+
+
+def test_pieces_sharing_bytes_are_a_format_error_naming_both(ck, target):
+    m = gefen_ckpt.read_manifest(ck)
+    a = m["params"]["up.weight"]["fields"]["m_code"]["pieces"][0]
+    size = m["files"][a["file"]]["bytes"]
+    b = next(p for e in m["params"].values() for f in e["fields"].values() for p in f["pieces"]
+             if p["file"] == a["file"] and p["offset"] != a["offset"] and a["offset"] + p["bytes"] <= size)
+
+    def alias(raw):
+        for e in raw["params"].values():
+            for f in e["fields"].values():
+                for p in f["pieces"]:
+                    if (p["file"], p["offset"]) == (b["file"], b["offset"]):
+                        p["offset"] = a["offset"]
+
+    rewrite_manifest(ck, alias)
+    message = refused(target, ck, CheckpointFormatError, "overlaps", "params['up.weight'].fields['m_code'].pieces[0]")
+    assert message.count(".pieces[") == 2, message
 
 
 def test_fqn_mismatch(ck, source):

@@ -121,3 +121,25 @@ def test_accelerated_checksum_equals_zlib_at_every_length_and_alignment():
     view = memoryview(bytearray(data.tobytes()))  # writable memoryview, as the reader passes
     assert checksum.update(0, view) == zlib.crc32(view)
     assert checksum.update(0, data.tobytes()) == zlib.crc32(data)  # read-only bytes
+
+
+@pytest.mark.skipif(not checksum.can_read_hashed(), reason="no fused read+checksum on this machine/build")
+def test_fused_read_and_checksum(tmp_path):
+    data = np.random.default_rng(4).integers(0, 256, 300_000, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    spans = [(0, 0), (5, 1), (17, 70_001), (100_000, 199_999), (299_990, 10), (299_995, 20), (400_000, 8)]
+    outs = [np.full(n, 0xAB, np.uint8) for _, n in spans]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for chunk in (1, 4096, 2**20):
+            got, crcs = checksum.read_hashed(fd, [o for o, _ in spans], [n for _, n in spans],
+                                             [out.ctypes.data for out in outs], chunk)
+            for (offset, n), out, g, crc in zip(spans, outs, got, crcs):
+                stored = data[offset:offset + n]  # short at the end of the file: only what is there
+                assert g == len(stored) and np.array_equal(out[:g], stored), (offset, n, chunk)
+                assert crc == zlib.crc32(stored), (offset, n, chunk)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        checksum.read_hashed(fd, [0], [4], [outs[2].ctypes.data], 4096)  # a closed descriptor

@@ -8,6 +8,7 @@ import copy
 import math
 import tracemalloc
 import uuid
+from collections import defaultdict
 
 import fsspec
 import msgpack
@@ -16,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gefen_ckpt
-from gefen_ckpt.errors import CheckpointError
+from gefen_ckpt.errors import CheckpointError, CheckpointFormatError
+from gefen_ckpt.format import manifest as manifest_module
 from gefen_ckpt.format.dtypes import itemsize
 
 from ckpt_util import fresh_like, trained
@@ -139,3 +141,23 @@ def _exercise_raising(base, manifest: dict) -> None:
     fs, root = fsspec.core.url_to_fs(url)
     fs.pipe_file(f"{root}/manifest.msgpack", msgpack.packb(manifest, use_bin_type=True))
     gefen_ckpt.read(url)
+
+
+@FUZZ
+@given(st.data())
+def test_fast_tensor_check_accepts_nothing_the_checked_one_refuses(base, data):
+    """The manifest reader's fast path (no error messages) is never more lenient than the
+    checked path, and returns the same record when it accepts."""
+    m = base[1]
+    files = manifest_module._files(m["files"])
+    entries = [t for e in m["params"].values() for t in e["fields"].values()]
+    entry = data.draw(st.sampled_from(entries))
+    assert manifest_module._fast_tensor(entry, "f", "x", files) is not None
+    x = data.draw(mutated(entry))
+    fast = manifest_module._fast_tensor(x, "f", "x", files)
+    try:
+        checked = manifest_module._checked_tensor(x, "where", "f", "x", files, defaultdict(list))
+    except CheckpointFormatError:
+        checked = None
+    if fast is not None:
+        assert checked == fast[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import zlib
 
 import numpy as np
@@ -24,7 +25,8 @@ NATIVE_MIN_BYTES = 4096
 
 
 def _load_native():
-    """``gefen_crc32(crc, ptr, n)`` when the accelerated library is usable, else None."""
+    """The accelerated library (``gefen_crc32(crc, ptr, n)``, ``gefen_read_hashed``) when it is
+    usable, else None."""
     try:
         spec = importlib.util.find_spec("gefen_ckpt._crc32")
         if spec is None or not spec.origin:
@@ -33,6 +35,9 @@ def _load_native():
         fn = lib.gefen_crc32
         fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
         fn.restype = ctypes.c_uint32
+        lib.gefen_read_hashed.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
+            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        lib.gefen_read_hashed.restype = ctypes.c_int
         if not lib.gefen_crc32_accelerated():
             return None
     except (ImportError, OSError, AttributeError):
@@ -42,10 +47,11 @@ def _load_native():
         data = probe[:n]
         if fn(start, data.ctypes.data, n) != zlib.crc32(data, start):
             return None
-    return fn
+    return lib
 
 
-_native = _load_native()
+_lib = _load_native()
+_native = _lib.gefen_crc32 if _lib is not None else None
 
 
 def accelerated() -> bool:
@@ -60,3 +66,22 @@ def update(value: int, data) -> int:
     if view.nbytes < NATIVE_MIN_BYTES:
         return zlib.crc32(view, value)
     return _native(value, view.ctypes.data, view.nbytes)
+
+
+def can_read_hashed() -> bool:
+    return _lib is not None and os.name == "posix"
+
+
+def read_hashed(fd: int, offsets: list[int], sizes: list[int], addresses: list[int],
+                chunk: int) -> tuple[list[int], list[int]]:
+    """Read ``sizes[i]`` bytes at ``offsets[i]`` of ``fd`` into memory at ``addresses[i]`` and
+    checksum them in the same pass (one C call, GIL released; see ``can_read_hashed``).
+    Returns (bytes read, checksum) lists; fewer bytes only at end of file; ``OSError`` on a
+    failed read."""
+    n = len(offsets)
+    arrays = [np.asarray(offsets, np.int64), np.asarray(sizes, np.int64), np.asarray(addresses, np.uint64)]
+    got, crcs = np.zeros(n, np.int64), np.zeros(n, np.uint32)
+    rc = _lib.gefen_read_hashed(fd, n, *(a.ctypes.data for a in arrays), chunk, got.ctypes.data, crcs.ctypes.data)
+    if rc < 0:
+        raise OSError(-rc, os.strerror(-rc))
+    return got.tolist(), crcs.tolist()

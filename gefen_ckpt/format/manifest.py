@@ -13,7 +13,7 @@ import datetime
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgpack
@@ -237,6 +237,10 @@ def _free(x, path: str, depth: int = 0):
 
 
 def _shape(x, path: str) -> tuple[int, ...]:
+    if isinstance(x, list) and len(x) <= _MAX_NDIM and all(type(d) is int and 0 <= d <= _MAX_INT for d in x):
+        shape = tuple(x)
+        if math.prod(shape) <= _MAX_INT:
+            return shape
     dims = _list(x, path)
     if len(dims) > _MAX_NDIM:
         _fail(path, f"{len(dims)} dimensions (at most {_MAX_NDIM})")
@@ -311,8 +315,64 @@ def _groups(x) -> dict[str, str | None]:
     return owner
 
 
-def _tensor(x, path: str, fqn: str | None, field: str, files: tuple[FileRecord, ...],
+def _tensor(x, where: Callable[[], str], fqn: str | None, field: str, files: tuple[FileRecord, ...],
             spans: dict[int, list]) -> TensorRecord:
+    """One tensor's record. The common case (a valid record) takes a fast path that builds no
+    error paths (a manifest has thousands of pieces); anything it does not accept is re-checked
+    by ``_checked_tensor``, which raises naming the bad entry (``where()`` is its path)."""
+    fast = _fast_tensor(x, fqn, field, files)
+    if fast is None:
+        return _checked_tensor(x, where(), fqn, field, files, spans)
+    rec, located = fast
+    for i, (file, begin, end) in enumerate(located):
+        spans[file].append((begin, end, (where, i)))
+    return rec
+
+
+def _fast_tensor(x, fqn: str | None, field: str, files: tuple[FileRecord, ...]):
+    """``_checked_tensor``'s checks without error messages: the record and each stored piece's
+    (file index, byte span), or None if any check fails."""
+    if not isinstance(x, dict):
+        return None
+    dtype, dims, raw = x.get("dtype"), x.get("shape"), x.get("pieces")
+    if not (isinstance(dtype, str) and dtype in DTYPES and isinstance(dims, list) and len(dims) <= _MAX_NDIM
+            and isinstance(raw, list) and all(type(d) is int and 0 <= d <= _MAX_INT for d in dims)):
+        return None
+    shape = tuple(dims)
+    if "dtype" not in x or "shape" not in x or math.prod(shape) > _MAX_INT:
+        return None
+    rows = shape[0] if shape else 1
+    row_bytes = math.prod(shape[1:]) * itemsize(dtype)
+    pieces, located = [], []
+    for p in raw:
+        if not isinstance(p, dict) or len(p.keys() & _PIECE_KEYS) != len(_PIECE_KEYS):
+            return None
+        file, r, offset, nbytes, key, crc = p["file"], p["rows"], p["offset"], p["bytes"], p["key"], p["checksum"]
+        if not (type(file) is int and 0 <= file < len(files) and isinstance(r, list) and len(r) == 2):
+            return None
+        start, stop = r
+        if not (type(start) is int and type(stop) is int and 0 <= start < stop <= rows
+                and type(offset) is int and 0 <= offset <= _MAX_INT and type(nbytes) is int
+                and nbytes == (stop - start) * row_bytes and offset + nbytes <= files[file].nbytes
+                and isinstance(key, str) and 0 < len(key) <= _MAX_STR
+                and type(crc) is int and 0 <= crc < 2**32):
+            return None
+        pieces.append(PieceRecord(fqn, field, (start, stop), files[file].name, key, offset, nbytes, crc))
+        located.append((file, offset, offset + nbytes))
+    pieces.sort(key=lambda q: q.rows)
+    covered = 0
+    for q in pieces:
+        if q.rows[0] != covered:
+            return None
+        covered = q.rows[1]
+    return (TensorRecord(fqn, field, dtype, shape, tuple(pieces)), located) if covered == rows else None
+
+
+_PIECE_KEYS = frozenset(("file", "key", "rows", "offset", "bytes", "checksum"))
+
+
+def _checked_tensor(x, path: str, fqn: str | None, field: str, files: tuple[FileRecord, ...],
+                    spans: dict[int, list]) -> TensorRecord:
     _map(x, path, ("dtype", "shape", "pieces"))
     dtype, shape = _dtype(x["dtype"], f"{path}.dtype"), _shape(x["shape"], f"{path}.shape")
     rows = shape[0] if shape else 1
@@ -348,12 +408,20 @@ def _tensor(x, path: str, fqn: str | None, field: str, files: tuple[FileRecord, 
     return TensorRecord(fqn, field, dtype, shape, tuple(pieces))
 
 
-def _spec(contract: OptimizerContract, child: str | None, field: str, path: str):
+def _spec(contract: OptimizerContract, child: str | None, field: str, where: Callable[[], str]):
     try:
         leaf = contract.child(child) if child is not None else contract
         return leaf.field(field)
     except KeyError as exc:
-        _fail(path, str(exc)[:300])
+        _fail(where(), str(exc)[:300])
+
+
+def _span_path(label) -> str:
+    """A span's piece path: checked pieces carry it, fast-path ones (where, index) to build it."""
+    if isinstance(label, str):
+        return label
+    where, i = label
+    return f"{where()}.pieces[{i}]"
 
 
 def validate(raw: dict) -> Manifest:
@@ -377,10 +445,14 @@ def validate(raw: dict) -> Manifest:
 
     for key, t in _map(raw["globals"], "globals").items():
         child, _, name = _str(key, "globals key").rpartition("/")
-        spec = _spec(contract, child or None, name, f"globals[{key!r}]")
+
+        def gpath(key=key) -> str:
+            return f"globals[{key!r}]"
+
+        spec = _spec(contract, child or None, name, gpath)
         if spec.geometry != "global":
-            _fail(f"globals[{key!r}]", f"field has geometry {spec.geometry!r}, not 'global'")
-        rec = _tensor(t, f"globals[{key!r}]", None, key, files, spans)
+            _fail(gpath(), f"field has geometry {spec.geometry!r}, not 'global'")
+        rec = _tensor(t, gpath, None, key, files, spans)
         if spec.dtype != LIKE_PARAM and rec.dtype != spec.dtype:
             _fail(f"globals[{key!r}].dtype", f"{rec.dtype}, the contract says {spec.dtype}")
         tensors[(None, key)] = rec
@@ -395,21 +467,25 @@ def validate(raw: dict) -> Manifest:
             _fail(f"{path}.child", f"{child!r}, but its param group belongs to {owner[fqn]!r}"[:300])
         shape, dtype = _shape(e["shape"], f"{path}.shape"), _dtype(e["dtype"], f"{path}.dtype")
         for name, t in _map(e["fields"], f"{path}.fields").items():
-            fpath = f"{path}.fields[{_str(name, f'{path}.fields key')!r}]"[:400]
+            _str(name, f"{path}.fields key")
+
+            def fpath(path=path, name=name) -> str:
+                return f"{path}.fields[{name!r}]"[:400]
+
             spec = _spec(contract, child, name, fpath)
             rec = _tensor(t, fpath, fqn, name, files, spans)
             want = dtype if spec.dtype == LIKE_PARAM else spec.dtype
             if rec.dtype != want:
-                _fail(f"{fpath}.dtype", f"{rec.dtype}, expected {want}")
+                _fail(f"{fpath()}.dtype", f"{rec.dtype}, expected {want}")
             if spec.geometry == "global" or not expected_field_shape(spec.geometry, shape, rec.shape):
-                _fail(f"{fpath}.shape", f"{list(rec.shape)} is not a {spec.geometry} shape for {list(shape)}")
+                _fail(f"{fpath()}.shape", f"{list(rec.shape)} is not a {spec.geometry} shape for {list(shape)}")
             tensors[(fqn, name)] = rec
 
     for i, found in spans.items():
-        found.sort()
+        found.sort(key=lambda span: span[:2])
         for (_, end, a), (begin, _, b) in zip(found, found[1:]):
             if begin < end:
-                _fail(b, f"overlaps {a} in {files[i].name}")
+                _fail(_span_path(b), f"overlaps {_span_path(a)} in {files[i].name}")
     return Manifest(raw, contract, files, tensors)
 
 

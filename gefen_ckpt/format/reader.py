@@ -4,7 +4,7 @@ Nothing a manifest describes is allocated before the manifest is fully validated
 data file is found with the size it records, so allocations never exceed the files' bytes.
 A piece is the checksum unit: every read, partial or whole, reads and verifies the entire
 pieces it overlaps (``CheckpointCorruptError`` names the file, the tensor and the rows).
-Reads go into freshly allocated tensors (``os.preadv`` locally, range requests elsewhere),
+Reads go into freshly allocated tensors (``pread`` locally, range requests elsewhere),
 never into views of a mapped file, so a later save that replaces the files cannot change or
 invalidate a tensor already read.
 """
@@ -32,7 +32,10 @@ from gefen_ckpt.format.manifest import (
     decode,
     validate,
 )
-from gefen_ckpt.storage import RangeReader, Store
+from gefen_ckpt.storage import READ_CHUNK, LocalReader, RangeReader, Store
+
+#: Pieces read per ``read_verified`` call when staging (progress is reported between calls).
+STAGE_GROUP_BYTES = 64 * 2**20
 
 
 # ----- the manifest -------------------------------------------------------------------------
@@ -89,8 +92,7 @@ def _reading(store: Store, name: str) -> Iterator[RangeReader]:
                                      "newer save while this checkpoint was being read)") from None
 
 
-def _fill(reader: RangeReader, store: Store, tensor: TensorRecord, piece: PieceRecord, buffer: memoryview) -> None:
-    got = reader.read_into(piece.offset, buffer)
+def _check_length(store: Store, tensor: TensorRecord, piece: PieceRecord, got: int) -> None:
     if got != piece.nbytes:
         raise CheckpointCorruptError(f"{store.path(piece.file)}: {tensor.label} rows {list(piece.rows)} end after "
                                      f"{got} of {piece.nbytes} bytes (truncated file)")
@@ -102,14 +104,39 @@ def _check(store: Store, tensor: TensorRecord, piece: PieceRecord, value: int) -
                                      f"{list(piece.rows)} (tensor {piece.key!r}): the data is corrupt")
 
 
+Batch = list[tuple[PieceRecord, TensorRecord, torch.Tensor]]
+
+
+def read_verified(store: Store, reader: RangeReader, batch: Batch, hasher: ThreadPoolExecutor | None = None) -> None:
+    """Read whole pieces of one file into their tensors (contiguous, of the pieces' sizes) and
+    verify every checksum before returning. A local file with the accelerated checksum takes one
+    C call that hashes each chunk as it is read (GIL released); otherwise pieces are read one by
+    one, and large ones hashed in ``hasher`` while the next is read."""
+    if isinstance(reader, LocalReader) and checksum.can_read_hashed():
+        got, crcs = checksum.read_hashed(reader.fd, [p.offset for p, _, _ in batch], [p.nbytes for p, _, _ in batch],
+                                         [dst.data_ptr() for _, _, dst in batch], READ_CHUNK)
+        for (piece, t, _), n, crc in zip(batch, got, crcs):
+            _check_length(store, t, piece, n)
+            _check(store, t, piece, crc)
+        return
+    pending: list[tuple[Future, TensorRecord, PieceRecord]] = []
+    for piece, t, dst in batch:
+        buffer = byte_view(dst)
+        _check_length(store, t, piece, reader.read_into(piece.offset, buffer))
+        if hasher is None or piece.nbytes < checksum.READ_THREAD_MIN_BYTES:
+            _check(store, t, piece, checksum.update(0, buffer))
+        else:
+            pending.append((hasher.submit(checksum.update, 0, buffer), t, piece))
+    for future, t, piece in pending:
+        _check(store, t, piece, future.result())
+
+
 def read_piece(store: Store, tensor: TensorRecord, piece: PieceRecord, out: torch.Tensor | None = None) -> torch.Tensor:
     """One whole piece, verified, into ``out`` (contiguous, of the piece's shape) or a new tensor."""
     if out is None:
         out = torch.empty(_stored_shape(tensor, piece), dtype=torch_dtype(tensor.dtype))
-    buffer = byte_view(out)
     with _reading(store, piece.file) as reader:
-        _fill(reader, store, tensor, piece, buffer)
-    _check(store, tensor, piece, checksum.update(0, buffer))
+        read_verified(store, reader, [(piece, tensor, out)])
     return out
 
 
@@ -177,27 +204,31 @@ def lazy_state(store: Store, manifest: Manifest) -> CanonicalState:
 
 
 def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None] | None = None) -> CanonicalState:
-    """Every tensor read and verified into memory, file by file in offset order, hashing one
-    piece in a helper thread while the next is read."""
+    """Every tensor read and verified into memory, file by file in offset order (progress
+    reported every ``STAGE_GROUP_BYTES`` or so)."""
     tensors = {k: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for k, t in manifest.tensors.items()}
-    by_file: dict[str, list[tuple[PieceRecord, TensorRecord, torch.Tensor]]] = {}
+    by_file: dict[str, Batch] = {}
     for key, t in manifest.tensors.items():
         for piece in t.pieces:
             dst = tensors[key] if not t.shape else tensors[key][piece.rows[0]:piece.rows[1]]
             by_file.setdefault(piece.file, []).append((piece, t, dst))
     with ThreadPoolExecutor(1, thread_name_prefix="gefen-ckpt-hash") as hasher:
         for name in sorted(by_file):
-            pending: list[tuple[Future, TensorRecord, PieceRecord]] = []
             with _reading(store, name) as reader:
-                for piece, t, dst in sorted(by_file[name], key=lambda x: x[0].offset):
-                    buffer = byte_view(dst)
-                    _fill(reader, store, t, piece, buffer)
-                    if piece.nbytes < checksum.READ_THREAD_MIN_BYTES:
-                        _check(store, t, piece, checksum.update(0, buffer))
-                    else:  # hashed while the next piece is read
-                        pending.append((hasher.submit(checksum.update, 0, buffer), t, piece))
+                for group in _groups(sorted(by_file[name], key=lambda x: x[0].offset)):
+                    read_verified(store, reader, group, hasher)
                     if on_bytes is not None:
-                        on_bytes(piece.nbytes)
-            for future, t, piece in pending:
-                _check(store, t, piece, future.result())
+                        on_bytes(sum(piece.nbytes for piece, _, _ in group))
     return _state(manifest, {k: EagerSource(v) for k, v in tensors.items()})
+
+
+def _groups(batch: Batch) -> Iterator[Batch]:
+    group, size = [], 0
+    for entry in batch:
+        group.append(entry)
+        size += entry[0].nbytes
+        if size >= STAGE_GROUP_BYTES:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
