@@ -15,6 +15,7 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgpack
 import torch
@@ -47,8 +48,7 @@ class FileRecord:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class PieceRecord:
+class PieceRecord(NamedTuple):
     """Rows ``[rows[0], rows[1])`` of one tensor, stored as tensor ``key`` of data file ``file``.
 
     ``fqn`` is None for optimizer-wide fields. Records are plain data (``to_dict``/``from_dict``)
@@ -73,8 +73,7 @@ class PieceRecord:
         return cls(d["fqn"], d["field"], tuple(d["rows"]), d["file"], d["key"], d["offset"], d["bytes"], d["checksum"])
 
 
-@dataclass(frozen=True)
-class TensorRecord:
+class TensorRecord(NamedTuple):
     fqn: str | None
     field: str
     dtype: str
@@ -467,7 +466,8 @@ def validate(raw: dict) -> Manifest:
             _fail(f"{path}.child", f"{child!r}, but its param group belongs to {owner[fqn]!r}"[:300])
         shape, dtype = _shape(e["shape"], f"{path}.shape"), _dtype(e["dtype"], f"{path}.dtype")
         for name, t in _map(e["fields"], f"{path}.fields").items():
-            _str(name, f"{path}.fields key")
+            if not (isinstance(name, str) and 0 < len(name) <= _MAX_STR):
+                _str(name, f"{path}.fields key")
 
             def fpath(path=path, name=name) -> str:
                 return f"{path}.fields[{name!r}]"[:400]
