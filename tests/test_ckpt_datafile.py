@@ -13,7 +13,9 @@ from safetensors.torch import load_file
 
 import gefen_ckpt
 from gefen_ckpt.format import checksum, datafile
-from gefen_ckpt.format.dtypes import DTYPES
+from gefen_ckpt.format.dtypes import DTYPES, torch_dtype
+from gefen_ckpt.format.reader import open_checkpoint, read_piece
+from gefen_ckpt.storage import Store
 
 from ckpt_util import trained
 
@@ -143,3 +145,17 @@ def test_fused_read_and_checksum(tmp_path):
         os.close(fd)
     with pytest.raises(OSError):
         checksum.read_hashed(fd, [0], [4], [outs[2].ctypes.data], 4096)  # a closed descriptor
+
+
+def test_reads_refuse_a_destination_that_is_not_the_piece(written):
+    url, _, manifest = written
+    store = Store(url)
+    m = open_checkpoint(store)
+    t = next(t for t in m.tensors.values() if len(t.shape) == 2 and t.pieces[0].rows[1] - t.pieces[0].rows[0] > 1)
+    piece = t.pieces[0]
+    full = torch.empty((piece.rows[1] - piece.rows[0], *t.shape[1:]), dtype=torch_dtype(t.dtype))
+    assert torch.equal(read_piece(store, t, piece, full), read_piece(store, t, piece))
+    for bad in (torch.empty((2 * full.shape[0], *full.shape[1:]), dtype=full.dtype)[::2],  # strided
+                full[1:]):  # too small
+        with pytest.raises(ValueError, match="not a contiguous"):
+            read_piece(store, t, piece, bad)

@@ -112,6 +112,10 @@ def read_verified(store: Store, reader: RangeReader, batch: Batch, hasher: Threa
     verify every checksum before returning. A local file with the accelerated checksum takes one
     C call that hashes each chunk as it is read (GIL released); otherwise pieces are read one by
     one, and large ones hashed in ``hasher`` while the next is read."""
+    for piece, t, dst in batch:  # the C path writes through raw addresses: never past a tensor
+        if not dst.is_contiguous() or dst.numel() * dst.element_size() != piece.nbytes:
+            raise ValueError(f"{t.label}: destination {tuple(dst.shape)} {dst.dtype} is not a contiguous "
+                             f"{piece.nbytes}-byte buffer")
     if isinstance(reader, LocalReader) and checksum.can_read_hashed():
         got, crcs = checksum.read_hashed(reader.fd, [p.offset for p, _, _ in batch], [p.nbytes for p, _, _ in batch],
                                          [dst.data_ptr() for _, _, dst in batch], READ_CHUNK)
@@ -223,6 +227,7 @@ def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None
 
 
 def _groups(batch: Batch) -> Iterator[Batch]:
+    """Consecutive runs of about ``STAGE_GROUP_BYTES``."""
     group, size = [], 0
     for entry in batch:
         group.append(entry)
