@@ -338,7 +338,7 @@ def _fast_tensor(x, fqn: str | None, field: str, files: tuple[FileRecord, ...]):
             and isinstance(raw, list) and all(type(d) is int and 0 <= d <= _MAX_INT for d in dims)):
         return None
     shape = tuple(dims)
-    if "dtype" not in x or "shape" not in x or math.prod(shape) > _MAX_INT:
+    if math.prod(shape) > _MAX_INT:
         return None
     rows = shape[0] if shape else 1
     row_bytes = math.prod(shape[1:]) * itemsize(dtype)
