@@ -48,7 +48,8 @@ from safetensors.torch import load_file, save_file
 import gefen_ckpt
 from benchmarks.common import PeakRSS, gefen_state, machine_limits, md_table, plot, write_json
 from gefen import Gefen
-from gefen_ckpt.format.reader import open_checkpoint, stage_state
+from gefen_ckpt.format.manifest import open_checkpoint
+from gefen_ckpt.format.reader import stage_state
 from gefen_ckpt.storage import Store
 
 SIZES = (25, 42)

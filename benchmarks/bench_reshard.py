@@ -6,10 +6,10 @@ State: Gefen over transformer-shaped tensors (``common.transformer_shapes``, ~25
 
 * offline: ``python -m gefen_cli reshard SRC DST --world-size M --memory-budget 64MiB`` in a
   subprocess, for each target M. Wall time of the subprocess (interpreter start included; the
-  ``inspect`` command's wall time is shown as the start-up baseline), MB/s = state bytes / wall
-  time, peak RSS = ``getrusage(RUSAGE_CHILDREN).ru_maxrss`` read in a fresh wrapper process
-  (as tests/test_cli_reshard.py does) next to the same CLI's ``inspect`` peak RSS (the
-  interpreter + import baseline). Fidelity: ``gefen_ckpt.read`` of source and result, every
+  same command's ``--dry-run`` wall time is shown as the start-up baseline: same imports, the
+  plan, no tensor data), MB/s = state bytes / wall time, peak RSS =
+  ``getrusage(RUSAGE_CHILDREN).ru_maxrss`` read in a fresh wrapper process (as
+  tests/test_cli_reshard.py does) next to the dry run's peak RSS. Fidelity: ``gefen_ckpt.read`` of source and result, every
   tensor compared bit for bit.
 * distributed load: the 2-rank sharded checkpoint (the offline 1 -> 2 result) is loaded with
   ``gefen_ckpt.load`` onto M real gloo ranks (tests/distributed.py) whose parameters are
@@ -183,8 +183,8 @@ def run(quick: bool) -> dict:
         del params, opt
         gc.collect()
 
-        base_s, base_rss = cli("inspect", str(src))
-        data["inspect"] = {"seconds": base_s, "peak_rss": base_rss}
+        base_s, base_rss = cli("reshard", str(src), str(root / "dry"), "--world-size", "2", "--dry-run")
+        data["dry_run"] = {"seconds": base_s, "peak_rss": base_rss}
         offline = {}
         for m in offline_targets:
             dst = root / f"ws{m}"
@@ -192,7 +192,7 @@ def run(quick: bool) -> dict:
             net = seconds - base_s
             offline[m] = {"seconds": seconds, "MBps": state_bytes / seconds / 1e6, "peak_rss": rss,
                           "net_seconds": net, "net_MBps": state_bytes / net / 1e6 if net > 0 else None,
-                          "rss_over_inspect": rss - base_rss, "bytes_on_disk": size_of(dst),
+                          "rss_over_dry_run": rss - base_rss, "bytes_on_disk": size_of(dst),
                           "world_size_in_manifest": gefen_ckpt.read_manifest(str(dst))["world_size"],
                           "max_diff": compare_states(str(src), str(dst))}
         data["offline"] = offline
@@ -221,7 +221,7 @@ def _plot(data: dict) -> Path:
     for m, r in data["load_from_2"]["targets"].items():
         groups[f"load 2->{m}"] = {"time (s)": r["max_seconds"], "extra RSS (100 MB)": r["max_extra_rss"] / 1e8}
     for m, r in data["offline"].items():
-        groups[f"CLI 1->{m}"] = {"time (s)": r["seconds"], "extra RSS (100 MB)": r["rss_over_inspect"] / 1e8}
+        groups[f"CLI 1->{m}"] = {"time (s)": r["seconds"], "extra RSS (100 MB)": r["rss_over_dry_run"] / 1e8}
     return plot("reshard", groups, ylabel="seconds / 100 MB (max over ranks)",
                 title=f"Reshard of a {data['params'] / 1e6:.1f}M-param Gefen state (lower is better)")
 
@@ -233,13 +233,14 @@ def _markdown(data: dict) -> str:
             f"(single-process save). The machine is shared and loaded: times are noisy.")
     off_rows = [[f"1 -> {m}", f"{r['seconds']:.2f}", f"{r['MBps']:.1f}",
                  f"{r['net_MBps']:.0f}" if r["net_MBps"] else "n/a (within start-up noise)", f"{r['peak_rss'] / 2**20:.0f}",
-                 f"{r['rss_over_inspect'] / 2**20:+.0f}", mb(r["bytes_on_disk"]), fidelity(r["max_diff"])]
+                 f"{r['rss_over_dry_run'] / 2**20:+.0f}", mb(r["bytes_on_disk"]), fidelity(r["max_diff"])]
                 for m, r in data["offline"].items()]
     off = md_table(["reshard (CLI, budget " + data["budget"] + ")", "wall s", "MB/s of state",
-                    "MB/s net of `inspect` start-up", "peak RSS MiB",
-                    "vs `inspect` MiB", "MB on disk", "fidelity"], off_rows)
-    base = (f"`inspect` baseline (same CLI, interpreter + imports): {data['inspect']['seconds']:.2f} s, "
-            f"peak RSS {data['inspect']['peak_rss'] / 2**20:.0f} MiB. Wall times include that start-up.")
+                    "MB/s net of the dry run", "peak RSS MiB",
+                    "vs dry run MiB", "MB on disk", "fidelity"], off_rows)
+    base = (f"`reshard --dry-run` baseline (same CLI and imports, the plan, no tensor data): "
+            f"{data['dry_run']['seconds']:.2f} s, peak RSS {data['dry_run']['peak_rss'] / 2**20:.0f} MiB. "
+            "Wall times include that start-up.")
     ld = data["load_from_2"]
     rows = [["anchor (docs/benchmarks.md)", "2 -> 1/3/4", str(ANCHOR["disk_MB"]), ANCHOR["load_s"], ANCHOR["rss_MB"],
              ANCHOR["fidelity"]]]

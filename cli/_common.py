@@ -102,13 +102,14 @@ def detect_format(url: str) -> str:
     import fsspec
 
     from gefen_ckpt.errors import CheckpointFormatError, CheckpointIncompleteError
-    from gefen_ckpt.torch_format import is_torch_file
 
     fs, path = fsspec.core.url_to_fs(url)
     if fs.isdir(path):
         return DCP if fs.exists(path.rstrip("/") + "/.metadata") else PORTABLE
     if not fs.exists(path):
         raise CheckpointIncompleteError(f"{url}: no such file or directory")
+    from gefen_ckpt.torch_format import is_torch_file  # imports torch: only for a file
+
     if is_torch_file(url):
         return TORCH
     raise CheckpointFormatError(f"{url}: not a checkpoint (neither a gefen_ckpt directory nor a torch.save file)")

@@ -1,21 +1,24 @@
 """``gefen-ckpt inspect``: a summary of a checkpoint built from its manifest and tensor shapes.
 
-Everything comes from the canonical state's *shapes and dtypes* (lazy sources: no data is
-read) and the manifest, except two tiny reads: the codebook (to summarise its values) and one
-parameter's ``step`` scalar when the manifest does not record the step.
+Everything comes from the stored tensors' *shapes and dtypes* and the manifest, except two
+tiny reads: the codebook (to summarise its values) and one parameter's ``step`` scalar when
+the manifest does not record the step. A portable checkpoint is summarised straight from its
+validated manifest without importing torch (``describe_manifest``: inspect takes a fraction
+of a second); DCP and torch.save files go through their ``CanonicalState`` (``describe_state``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
-import torch
+import numpy as np
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from gefen.contract import OptimizerContract
-from gefen_ckpt.canonical import CanonicalState
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -24,14 +27,75 @@ def _numel(shape) -> int:
     return math.prod(shape) if shape else 1
 
 
-def _nbytes(source) -> int:
-    return _numel(source.shape) * source.dtype.itemsize
+# ----- what inspect knows of a checkpoint ----------------------------------------------------
+@dataclass(frozen=True)
+class Stored:
+    """A stored tensor: shape, dtype name, bytes, and ``read`` for its values (float64, flat)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    read: Callable[[], np.ndarray]
 
 
-def _dtype(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
+@dataclass(frozen=True)
+class StoredParam:
+    shape: tuple[int, ...]
+    dtype: str
+    child: str | None
+    fields: dict[str, Stored]
 
 
+@dataclass(frozen=True)
+class Described:
+    contract: OptimizerContract
+    param_groups: list[dict]
+    params: dict[str, StoredParam]
+    global_fields: dict[str, Stored]
+    metadata: dict
+
+    def fqns(self) -> list[str]:
+        return [fqn for group in self.param_groups for fqn in group["params"]]
+
+
+def describe_manifest(store, manifest) -> Described:
+    """A validated portable manifest (``gefen_ckpt.format.manifest.Manifest``), torch-free."""
+    import functools
+
+    from gefen_ckpt.format import peek
+    from gefen_ckpt.format.dtypes import itemsize
+
+    def stored(key) -> Stored:
+        t = manifest.tensors[key]
+        return Stored(t.shape, t.dtype, _numel(t.shape) * itemsize(t.dtype), functools.partial(peek.read_values, store, t))
+
+    raw = manifest.raw
+    params = {fqn: StoredParam(tuple(e["shape"]), e["dtype"], e.get("child"),
+                               {name: stored((fqn, name)) for name in e["fields"]})
+              for fqn, e in raw["params"].items()}
+    metadata = {**raw.get("metadata", {}), "source_topology": raw.get("topology", {}), "created": raw.get("created", {})}
+    return Described(manifest.contract, [dict(g, params=list(g["params"])) for g in raw["param_groups"]], params,
+                     {key: stored((None, key)) for key in raw["globals"]}, metadata)
+
+
+def describe_state(state) -> Described:
+    """A ``gefen_ckpt.CanonicalState`` (DCP, torch.save files)."""
+    import torch
+
+    def name(dtype: torch.dtype) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    def stored(source) -> Stored:
+        return Stored(tuple(source.shape), name(source.dtype), _numel(source.shape) * source.dtype.itemsize,
+                      lambda: source.read().detach().to(torch.float64).reshape(-1).numpy())
+
+    params = {fqn: StoredParam(tuple(e.shape), name(e.dtype), e.child, {k: stored(s) for k, s in e.fields.items()})
+              for fqn, e in state.params.items()}
+    return Described(state.contract, state.param_groups, params,
+                     {k: stored(s) for k, s in state.global_fields.items()}, state.metadata)
+
+
+# ----- the summary ----------------------------------------------------------------------------
 def _leaf(contract: OptimizerContract, child: str | None) -> OptimizerContract:
     if child is None or not contract.children:
         return contract
@@ -46,7 +110,7 @@ def _leaf(contract: OptimizerContract, child: str | None) -> OptimizerContract:
     raise KeyError(child)
 
 
-def period_of(shape: tuple[int, ...], fields: dict, contract: OptimizerContract) -> int | None:
+def period_of(shape: tuple[int, ...], fields: dict[str, Stored], contract: OptimizerContract) -> int | None:
     """Block length P from the shape of a ``block``-geometry field (``row_numel // blocks``)."""
     row_numel = _numel(shape[1:]) if shape else 1
     for name, source in sorted(fields.items()):
@@ -59,25 +123,25 @@ def period_of(shape: tuple[int, ...], fields: dict, contract: OptimizerContract)
     return None
 
 
-def codebook_summary(key: str, source) -> dict:
-    values = source.read().detach().to(torch.float64).reshape(-1)
-    out = {"key": key, "size": int(values.numel()), "dtype": _dtype(source.dtype)}
-    if values.numel():
-        q = torch.quantile(values, torch.tensor(QUANTILES, dtype=torch.float64))
-        out.update(min=values.min().item(), max=values.max().item(),
-                   quantiles={str(p): v for p, v in zip(QUANTILES, q.tolist())},
+def codebook_summary(key: str, source: Stored) -> dict:
+    values = source.read()
+    out = {"key": key, "size": int(values.size), "dtype": source.dtype}
+    if values.size:
+        q = np.quantile(values, QUANTILES)
+        out.update(min=float(values.min()), max=float(values.max()),
+                   quantiles={str(p): float(v) for p, v in zip(QUANTILES, q)},
                    sorted=bool((values[1:] >= values[:-1]).all()))
     return out
 
 
-def _step(state: CanonicalState, manifest: dict) -> int | None:
-    for where in (manifest, manifest.get("metadata") or {}, state.metadata):
+def _step(described: Described, manifest: dict) -> int | None:
+    for where in (manifest, manifest.get("metadata") or {}, described.metadata):
         if isinstance(where, dict) and isinstance(where.get("step"), (int, float)):
             return int(where["step"])
-    for entry in state.params.values():
+    for entry in described.params.values():
         source = entry.fields.get("step")
         if source is not None and _numel(source.shape) == 1:
-            return int(source.read().reshape(-1)[0].item())
+            return int(source.read()[0])
     return None
 
 
@@ -87,7 +151,7 @@ def _version(v):
     return None if v is None else str(v)
 
 
-def summarize(url: str, fmt: str, state: CanonicalState, manifest: dict | None = None,
+def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None,
               files: dict | None = None) -> dict:
     """Plain (JSON-able) summary; ``manifest``: the portable manifest, ``files``: name -> bytes."""
     manifest = manifest or {}
@@ -107,16 +171,16 @@ def summarize(url: str, fmt: str, state: CanonicalState, manifest: dict | None =
                 geometry = leaf.field(name).geometry
             except KeyError:
                 geometry = None
-            fields.append({"name": name, "shape": list(source.shape), "dtype": _dtype(source.dtype),
-                           "geometry": geometry, "bytes": _nbytes(source)})
+            fields.append({"name": name, "shape": list(source.shape), "dtype": source.dtype,
+                           "geometry": geometry, "bytes": source.nbytes})
         numel = _numel(entry.shape)
         nbytes = sum(f["bytes"] for f in fields)
         numel_total += numel
         state_bytes_total += nbytes
-        params.append({"fqn": fqn, "shape": list(entry.shape), "dtype": _dtype(entry.dtype), "child": entry.child,
+        params.append({"fqn": fqn, "shape": list(entry.shape), "dtype": entry.dtype, "child": entry.child,
                        "numel": numel, "period": period_of(tuple(entry.shape), entry.fields, leaf),
                        "fields": fields, "state_bytes": nbytes, "bytes_per_param": nbytes / numel if numel else None})
-    global_bytes = sum(_nbytes(s) for s in state.global_fields.values())
+    global_bytes = sum(s.nbytes for s in state.global_fields.values())
     codebooks = [codebook_summary(k, s) for k, s in sorted(state.global_fields.items())
                  if k.rsplit("/", 1)[-1] == "codebook"]
     groups = [{"index": i, "child": g.get("child"), "params": len(g["params"]),
@@ -137,7 +201,7 @@ def summarize(url: str, fmt: str, state: CanonicalState, manifest: dict | None =
         "created": manifest.get("created") or state.metadata.get("created") or None,
         "param_groups": groups,
         "params": params,
-        "global_fields": [{"key": k, "shape": list(s.shape), "dtype": _dtype(s.dtype), "bytes": _nbytes(s)}
+        "global_fields": [{"key": k, "shape": list(s.shape), "dtype": s.dtype, "bytes": s.nbytes}
                           for k, s in sorted(state.global_fields.items())],
         "codebook": codebooks[0] if len(codebooks) == 1 else (codebooks or None),
         "totals": {

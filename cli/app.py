@@ -48,20 +48,6 @@ def _echo_json(data) -> None:
     typer.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
 
 
-def _manifest_files(manifest: dict) -> dict[str, int] | None:
-    """name -> bytes of the data files the manifest lists (None if it lists none we understand)."""
-    files = manifest.get("files")
-    if isinstance(files, dict):
-        return {str(k): int(v.get("size", v.get("bytes", 0)) if isinstance(v, dict) else v) for k, v in files.items()}
-    if isinstance(files, list):
-        out = {}
-        for f in files:
-            if isinstance(f, dict) and "name" in f:
-                out[str(f["name"])] = int(f.get("size", f.get("bytes", 0)) or 0)
-        return out
-    return None
-
-
 # ----- inspect ------------------------------------------------------------------------------
 @app.command()
 def inspect(
@@ -85,16 +71,22 @@ def inspect(
     with common.handled():
         fmt = common.detect_format(path)
         manifest, files = None, None
-        if fmt == common.PORTABLE:
-            manifest = common.api().read_manifest(path)
-            files = _manifest_files(manifest)
-        elif fmt == common.TORCH:
-            import fsspec
+        if fmt == common.PORTABLE:  # straight from the manifest: no torch import
+            from gefen_ckpt.format.manifest import open_checkpoint
+            from gefen_ckpt.storage import Store
 
-            fs, p = fsspec.core.url_to_fs(path)
-            files = {p.rsplit("/", 1)[-1]: int(fs.size(p))}
-        _, state = common.open_state(path, fmt)
-        summary = _inspect.summarize(path, fmt, state, manifest, files)
+            store = Store(path)
+            parsed = open_checkpoint(store)
+            manifest, files = parsed.raw, {f.name: f.nbytes for f in parsed.files}
+            described = _inspect.describe_manifest(store, parsed)
+        else:
+            if fmt == common.TORCH:
+                import fsspec
+
+                fs, p = fsspec.core.url_to_fs(path)
+                files = {p.rsplit("/", 1)[-1]: int(fs.size(p))}
+            described = _inspect.describe_state(common.open_state(path, fmt)[1])
+        summary = _inspect.summarize(path, fmt, described, manifest, files)
     if as_json:
         _echo_json(summary)
     else:

@@ -18,9 +18,13 @@ are empty, each parameter's FQN is owned by the child whose groups name it, and
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported only where torch optimizers are involved: reading a
+    import torch  # manifest (gefen-ckpt inspect/verify) needs no torch
 
 #: The canonical-state schema this code writes and reads.
 SCHEMA_VERSION = 1
@@ -115,7 +119,23 @@ def _field_to_dict(f: FieldSpec) -> dict:
     return {"name": f.name, "dtype": f.dtype, "geometry": f.geometry, "optional": f.optional}
 
 
-_TORCH_VERSION = torch.__version__.split("+")[0]
+def expected_field_shape(geometry: str, shape: tuple[int, ...], value_shape: tuple[int, ...]) -> bool:
+    """Is ``value_shape`` a valid global shape for a field of ``geometry`` on a param of ``shape``?"""
+    rows = shape[0] if shape else 1
+    row_numel = math.prod(shape[1:]) if shape else 1
+    if geometry == "scalar":
+        return value_shape == ()
+    if geometry == "param":
+        return value_shape == tuple(shape)
+    if geometry == "block":
+        return len(value_shape) == 2 and value_shape[0] == rows and value_shape[1] > 0 and row_numel % value_shape[1] == 0
+    if geometry == "row":
+        return value_shape == (rows,)
+    if geometry == "col":
+        return value_shape == (row_numel,)
+    return True  # global: any shape
+
+
 _ADAM_FIELDS = (
     FieldSpec("step", "float32", "scalar"),
     FieldSpec("exp_avg", LIKE_PARAM, "param"),
@@ -123,19 +143,27 @@ _ADAM_FIELDS = (
     FieldSpec("max_exp_avg_sq", LIKE_PARAM, "param", optional=True),
 )
 _ADAM_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
-_TORCH_CONTRACTS = {
-    torch.optim.AdamW: OptimizerContract("torch.optim.AdamW", _TORCH_VERSION, _ADAM_HYPER, _ADAM_FIELDS,
-                                           dtensor_state=True),
-    torch.optim.Adam: OptimizerContract("torch.optim.Adam", _TORCH_VERSION, _ADAM_HYPER, _ADAM_FIELDS,
-                                           dtensor_state=True),
-    torch.optim.SGD: OptimizerContract(
-        "torch.optim.SGD",
-        _TORCH_VERSION,
-        ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
-        (FieldSpec("momentum_buffer", LIKE_PARAM, "param", optional=True),),
-        dtensor_state=True,
-    ),
-}
+
+
+@functools.cache
+def torch_contracts() -> dict[type, OptimizerContract]:
+    """optimizer class -> contract, for the supported torch optimizers (versioned by torch's version)."""
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    return {
+        torch.optim.AdamW: OptimizerContract("torch.optim.AdamW", version, _ADAM_HYPER, _ADAM_FIELDS,
+                                             dtensor_state=True),
+        torch.optim.Adam: OptimizerContract("torch.optim.Adam", version, _ADAM_HYPER, _ADAM_FIELDS,
+                                            dtensor_state=True),
+        torch.optim.SGD: OptimizerContract(
+            "torch.optim.SGD",
+            version,
+            ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+            (FieldSpec("momentum_buffer", LIKE_PARAM, "param", optional=True),),
+            dtensor_state=True,
+        ),
+    }
 
 
 def contract_of(optimizer: torch.optim.Optimizer) -> OptimizerContract:
@@ -143,9 +171,9 @@ def contract_of(optimizer: torch.optim.Optimizer) -> OptimizerContract:
     own = getattr(optimizer, "contract", None)
     if callable(own):
         return own()
-    contract = _TORCH_CONTRACTS.get(type(optimizer))
+    contract = torch_contracts().get(type(optimizer))
     if contract is None:
-        supported = ", ".join(sorted(c.implementation for c in _TORCH_CONTRACTS.values()))
+        supported = ", ".join(sorted(c.implementation for c in torch_contracts().values()))
         raise TypeError(
             f"no contract for {type(optimizer).__module__}.{type(optimizer).__qualname__}; "
             f"supported: Gefen optimizers, {supported}"

@@ -1,7 +1,11 @@
-"""gefen_ckpt: portable, reshardable checkpoints of optimizer state (SPEC sections 4-10)."""
+"""gefen_ckpt: portable, reshardable checkpoints of optimizer state (SPEC sections 4-10).
 
-from gefen_ckpt.api import VerifyReport, load, read, read_manifest, save, verify, write
-from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
+The exception types are imported eagerly; everything else on first use, so that reading a
+manifest (``gefen-ckpt inspect``/``verify``) does not pay for importing torch.
+"""
+
+import importlib
+
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -10,7 +14,13 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
     UnsupportedLayoutError,
 )
-from gefen_ckpt.exchange import export_canonical, import_canonical
+
+_LAZY = {
+    **dict.fromkeys(("load", "read", "read_manifest", "save", "write"), "gefen_ckpt.api"),
+    **dict.fromkeys(("VerifyReport", "verify"), "gefen_ckpt.format.verify"),
+    **dict.fromkeys(("CanonicalState", "EagerSource", "ParamState", "TensorSource"), "gefen_ckpt.canonical"),
+    **dict.fromkeys(("export_canonical", "import_canonical"), "gefen_ckpt.exchange"),
+}
 
 __all__ = [
     "CanonicalState",
@@ -33,3 +43,16 @@ __all__ = [
     "CheckpointMismatchError",
     "UnsupportedLayoutError",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gefen_ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -5,7 +5,7 @@ state, ``read_manifest`` and ``verify`` (SPEC 7, 11). Any fsspec URL works: loca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -13,18 +13,17 @@ import torch
 from gefen.contract import contract_of
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState
-from gefen_ckpt.errors import CheckpointError, CheckpointMismatchError
+from gefen_ckpt.errors import CheckpointMismatchError
 from gefen_ckpt.exchange import check_contract, export_canonical, import_canonical
-from gefen_ckpt.format.manifest import total_tensor_bytes
-from gefen_ckpt.format.reader import (
-    lazy_state,
+from gefen_ckpt.format.manifest import (
     open_checkpoint,
     parse_manifest,
     read_manifest_bytes,
-    stage_state,
 )
-from gefen_ckpt.format.verify import VerifyReport, verify_checkpoint
+from gefen_ckpt.format.reader import lazy_state, stage_state
+from gefen_ckpt.format.verify import VerifyReport, verify
 from gefen_ckpt.format.writer import write_state
+from gefen_ckpt.progress import progress_bar
 from gefen_ckpt.sharded_io import load_sharded, save_sharded
 from gefen_ckpt.storage import Store
 
@@ -32,29 +31,6 @@ __all__ = ["save", "load", "read", "write", "read_manifest", "verify", "VerifyRe
 
 MAX_FILE_BYTES = 2**31
 MEMORY_BUDGET = 256 * 2**20
-
-
-@contextmanager
-def _progress(enabled: bool, description: str, total: int) -> Iterator[Callable[[int], None] | None]:
-    """A rich byte-progress bar on stderr (stdout stays clean for ``--json`` output)."""
-    if not enabled:
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True)) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)
 
 
 def write(state: CanonicalState, url: str, world_size: int | None = None, *, max_file_bytes: int = MAX_FILE_BYTES,
@@ -66,7 +42,7 @@ def write(state: CanonicalState, url: str, world_size: int | None = None, *, max
     stored once. Tensors are streamed: extra memory stays within ``memory_budget``.
     """
     store = Store(url)
-    with _progress(progress, f"writing {url}", state.total_bytes()) as on_bytes:
+    with progress_bar(progress, f"writing {url}", state.total_bytes()) as on_bytes:
         write_state(state, store, world_size=world_size, max_file_bytes=max_file_bytes,
                     memory_budget=memory_budget, on_bytes=on_bytes)
 
@@ -129,17 +105,3 @@ def _naming(url: str) -> Iterator[None]:
         raise CheckpointMismatchError(f"{url}: {exc}") from exc
     except (ValueError, TypeError) as exc:
         raise CheckpointMismatchError(f"{url}: {exc}") from exc
-
-
-def verify(url: str, progress: bool = False) -> VerifyReport:
-    """Check every checksum, the coverage of every tensor and every data file's header; all
-    problems go into the report (``ok`` False), none is raised."""
-    store = Store(url)
-    total = 0
-    if progress:
-        try:
-            total = total_tensor_bytes(open_checkpoint(store))
-        except CheckpointError:
-            pass
-    with _progress(progress, f"verifying {url}", total) as on_bytes:
-        return verify_checkpoint(store, on_bytes)

@@ -72,6 +72,7 @@ from gefen.contract import (
     FieldSpec,
     OptimizerContract,
     contract_of,
+    expected_field_shape,
 )
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.errors import (
@@ -84,7 +85,6 @@ from gefen_ckpt.errors import (
 from gefen_ckpt.exchange import (
     LiveParam,
     check_contract,
-    expected_field_shape,
     live_view,
     plain_value,
     stage_import,

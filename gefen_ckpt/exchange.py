@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import torch
@@ -24,6 +23,7 @@ from gefen.contract import (
     SCHEMA_VERSION,
     OptimizerContract,
     contract_of,
+    expected_field_shape,
 )
 from gefen_ckpt import layout
 from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState
@@ -183,23 +183,6 @@ def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
             raise CheckpointMismatchError(
                 f"field {f.name!r} ({f.geometry}) of the checkpoint is not part of {live.implementation}'s state"
             )
-
-
-def expected_field_shape(geometry: str, shape: tuple[int, ...], value_shape: tuple[int, ...]) -> bool:
-    """Is ``value_shape`` a valid global shape for a field of ``geometry`` on a param of ``shape``?"""
-    rows = shape[0] if shape else 1
-    row_numel = math.prod(shape[1:]) if shape else 1
-    if geometry == "scalar":
-        return value_shape == ()
-    if geometry == "param":
-        return value_shape == tuple(shape)
-    if geometry == "block":
-        return len(value_shape) == 2 and value_shape[0] == rows and value_shape[1] > 0 and row_numel % value_shape[1] == 0
-    if geometry == "row":
-        return value_shape == (rows,)
-    if geometry == "col":
-        return value_shape == (row_numel,)
-    return True  # global: any shape
 
 
 def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: OptimizerContract) -> None:

@@ -19,8 +19,8 @@ from gefen.contract import contract_of
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
 from gefen_ckpt.collective import agree, all_gather_bytes, broadcast_bytes
 from gefen_ckpt.exchange import check_contract, export_canonical, import_canonical
-from gefen_ckpt.format.manifest import FileRecord, PieceRecord, build
-from gefen_ckpt.format.reader import lazy_state, open_checkpoint
+from gefen_ckpt.format.manifest import FileRecord, PieceRecord, build, open_checkpoint
+from gefen_ckpt.format.reader import lazy_state
 from gefen_ckpt.format.writer import WriteItem, commit, data_stem, new_token, write_pieces
 from gefen_ckpt.storage import Store
 

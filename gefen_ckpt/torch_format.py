@@ -32,11 +32,12 @@ import fsspec
 import torch
 
 from gefen.contract import (
-    _TORCH_CONTRACTS,
     CHILDREN_KEY,
     GLOBAL_STATE_KEY,
     LIKE_PARAM,
     OptimizerContract,
+    expected_field_shape,
+    torch_contracts,
 )
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
 from gefen_ckpt.errors import (
@@ -45,7 +46,7 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.exchange import expected_field_shape, plain_value
+from gefen_ckpt.exchange import plain_value
 
 __all__ = [
     "TORCH_META_KEY",
@@ -74,7 +75,7 @@ _PREFERENCE = ("gefen.Gefen", "gefen.GefenMuon", "torch.optim.AdamW", "torch.opt
 def known_contracts() -> dict[str, OptimizerContract]:
     """implementation name -> contract, for torch's AdamW/Adam/SGD and every gefen optimizer
     whose module exposes a parameter-independent contract (``CONTRACT`` or ``_CONTRACT``)."""
-    out = {c.implementation: c for c in _TORCH_CONTRACTS.values()}
+    out = {c.implementation: c for c in torch_contracts().values()}
     import gefen
 
     for name in getattr(gefen, "__all__", dir(gefen)):

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 import gefen_ckpt
 from gefen_ckpt.format import checksum, datafile
 from gefen_ckpt.format.dtypes import DTYPES, torch_dtype
-from gefen_ckpt.format.reader import open_checkpoint, read_piece
+from gefen_ckpt.format.manifest import open_checkpoint
+from gefen_ckpt.format.reader import read_piece
 from gefen_ckpt.storage import Store
 
 from ckpt_util import trained
@@ -84,8 +85,7 @@ def test_build_rejects_reserved_and_duplicate_keys():
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_every_dtype_round_trips_through_stock_safetensors(tmp_path, dtype):
-    torch_dtype = DTYPES[dtype][0]
-    value = torch.arange(12).reshape(3, 4).to(torch_dtype) if dtype != "bool" else torch.eye(3, 4, dtype=torch.bool)
+    value = torch.arange(12).reshape(3, 4).to(torch_dtype(dtype)) if dtype != "bool" else torch.eye(3, 4, dtype=torch.bool)
     entries = [datafile.Entry("x", dtype, (3, 4), value.numel() * value.element_size()),
                datafile.Entry("s", dtype, (), value.element_size())]
     prefix, offsets, size = datafile.build(entries, {})

@@ -167,6 +167,28 @@ def test_inspect_reads_no_tensor_data(gefen_ckpt_dir, tmp_path):
     assert invoke("verify", path).exit_code == 1
 
 
+_WITHOUT_TORCH = """
+import sys
+from gefen_cli.app import main
+sys.argv = ["gefen-ckpt", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as exc:
+    assert not exc.code, exc.code
+assert "torch" not in sys.modules, "torch was imported"
+"""
+
+
+@pytest.mark.parametrize("command", [("inspect",), ("inspect", "--json"), ("verify",), ("verify", "--json")])
+def test_inspect_and_verify_of_a_portable_checkpoint_do_not_import_torch(gefen_ckpt_dir, command):
+    """Importing torch takes seconds; a manifest and checksums need none of it."""
+    src, _, _ = gefen_ckpt_dir
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, command[0], str(src), *command[1:]],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert str(src) in done.stdout or "params" in done.stdout
+
+
 # ----- verify -------------------------------------------------------------------------------
 def test_verify_good_and_corrupt(gefen_ckpt_dir, tmp_path):
     src, _, _ = gefen_ckpt_dir

@@ -21,7 +21,7 @@ ALIGNMENT = 64
 PAD_PREFIX = "__pad__/"
 #: safetensors' own limit on the JSON header.
 MAX_HEADER_BYTES = 100 * 2**20
-_CODES = {code: name for name, (_, code, _) in DTYPES.items()}
+_CODES = {code: name for name, (code, _) in DTYPES.items()}
 _BIG = 10**16  # a data offset no file reaches: sizes headers conservatively
 _PAD_ENTRY_BOUND = len(json.dumps({f"{PAD_PREFIX}{_BIG}": {"dtype": "U8", "shape": [_BIG],
                                                            "data_offsets": [_BIG, _BIG]}}))
@@ -106,7 +106,7 @@ def parse_header(prefix: bytes, file_size: int) -> dict[str, tuple[str, tuple[in
         numel = 1
         for s in shape:
             numel *= s
-        if numel * DTYPES[_CODES[code]][2] != offsets[1] - offsets[0]:
+        if numel * DTYPES[_CODES[code]][1] != offsets[1] - offsets[0]:
             raise ValueError(f"tensor {key!r}: data_offsets do not match its shape and dtype")
         out[key] = (code, tuple(shape), 8 + n + offsets[0], 8 + n + offsets[1])
         spans.append((offsets[0], offsets[1], key))

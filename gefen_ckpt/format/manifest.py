@@ -15,18 +15,19 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgpack
-import torch
 
-from gefen.contract import LIKE_PARAM, OptimizerContract
-from gefen_ckpt.canonical import CanonicalState, TensorSource
-from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
-from gefen_ckpt.exchange import expected_field_shape
+from gefen.contract import LIKE_PARAM, OptimizerContract, expected_field_shape
+from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.datafile import ALIGNMENT
 from gefen_ckpt.format.dtypes import DTYPES, dtype_name, itemsize
+
+if TYPE_CHECKING:  # reading a manifest needs no torch
+    from gefen_ckpt.canonical import CanonicalState, TensorSource
+    from gefen_ckpt.storage import Store
 
 FORMAT_NAME = "gefen-ckpt"
 #: (major, minor). Readers accept any minor of their major and refuse other majors.
@@ -120,6 +121,8 @@ def _plain(value, what: str):
 
 
 def _created() -> dict:
+    import torch
+
     from gefen import __version__
 
     return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -504,3 +507,36 @@ def check_files(manifest: Manifest, listing: dict[str, int], where: str) -> None
 
 def total_tensor_bytes(manifest: Manifest) -> int:
     return sum(p.nbytes for t in manifest.tensors.values() for p in t.pieces)
+
+
+# ----- reading the committed manifest -------------------------------------------------------
+def read_manifest_bytes(store: Store, listing: dict[str, int] | None = None) -> bytes:
+    """The committed manifest's bytes; ``CheckpointIncompleteError`` when there is none."""
+    listing = store.listing() if listing is None else listing
+    size = listing.get(MANIFEST_NAME)
+    if size is None:
+        leftovers = sum(1 for name in listing if name.endswith(".safetensors"))
+        hint = f" ({leftovers} data files of a save that never committed)" if leftovers else ""
+        raise CheckpointIncompleteError(f"no committed checkpoint at {store.url}: {MANIFEST_NAME} is missing{hint}")
+    if size > MAX_MANIFEST_BYTES:
+        raise CheckpointFormatError(f"{store.url}: {MANIFEST_NAME} is {size} bytes, over the "
+                                    f"{MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        return store.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise CheckpointIncompleteError(f"no committed checkpoint at {store.url}") from None
+
+
+def parse_manifest(store: Store, data: bytes) -> Manifest:
+    try:
+        return validate(decode(data))
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(f"{store.path(MANIFEST_NAME)}: {exc}") from None
+
+
+def open_checkpoint(store: Store) -> Manifest:
+    """The validated manifest, after checking that every data file exists with its recorded size."""
+    listing = store.listing()
+    manifest = parse_manifest(store, read_manifest_bytes(store, listing))
+    check_files(manifest, listing, store.url)
+    return manifest

@@ -19,56 +19,14 @@ from contextlib import contextmanager
 import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
-from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
+from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.dtypes import torch_dtype
-from gefen_ckpt.format.manifest import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    Manifest,
-    PieceRecord,
-    TensorRecord,
-    check_files,
-    decode,
-    validate,
-)
+from gefen_ckpt.format.manifest import Manifest, PieceRecord, TensorRecord
 from gefen_ckpt.storage import READ_CHUNK, LocalReader, RangeReader, Store
 
 #: Pieces read per ``read_verified`` call when staging (progress is reported between calls).
 STAGE_GROUP_BYTES = 64 * 2**20
-
-
-# ----- the manifest -------------------------------------------------------------------------
-def read_manifest_bytes(store: Store, listing: dict[str, int] | None = None) -> bytes:
-    """The committed manifest's bytes; ``CheckpointIncompleteError`` when there is none."""
-    listing = store.listing() if listing is None else listing
-    size = listing.get(MANIFEST_NAME)
-    if size is None:
-        leftovers = sum(1 for name in listing if name.endswith(".safetensors"))
-        hint = f" ({leftovers} data files of a save that never committed)" if leftovers else ""
-        raise CheckpointIncompleteError(f"no committed checkpoint at {store.url}: {MANIFEST_NAME} is missing{hint}")
-    if size > MAX_MANIFEST_BYTES:
-        raise CheckpointFormatError(f"{store.url}: {MANIFEST_NAME} is {size} bytes, over the "
-                                    f"{MAX_MANIFEST_BYTES}-byte limit")
-    try:
-        return store.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise CheckpointIncompleteError(f"no committed checkpoint at {store.url}") from None
-
-
-def parse_manifest(store: Store, data: bytes) -> Manifest:
-    try:
-        return validate(decode(data))
-    except CheckpointFormatError as exc:
-        raise CheckpointFormatError(f"{store.path(MANIFEST_NAME)}: {exc}") from None
-
-
-def open_checkpoint(store: Store) -> Manifest:
-    """The validated manifest, after checking that every data file exists with its recorded size."""
-    listing = store.listing()
-    manifest = parse_manifest(store, read_manifest_bytes(store, listing))
-    check_files(manifest, listing, store.url)
-    return manifest
 
 
 # ----- pieces -------------------------------------------------------------------------------

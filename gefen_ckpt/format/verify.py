@@ -13,8 +13,17 @@ from dataclasses import dataclass, field
 from gefen_ckpt.errors import CheckpointError
 from gefen_ckpt.format import checksum, datafile
 from gefen_ckpt.format.dtypes import safetensors_code
-from gefen_ckpt.format.manifest import MANIFEST_NAME, Manifest, PieceRecord, TensorRecord
-from gefen_ckpt.format.reader import parse_manifest, read_manifest_bytes
+from gefen_ckpt.format.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    PieceRecord,
+    TensorRecord,
+    open_checkpoint,
+    parse_manifest,
+    read_manifest_bytes,
+    total_tensor_bytes,
+)
+from gefen_ckpt.progress import progress_bar
 from gefen_ckpt.storage import Store
 
 _CHUNK = 16 * 2**20
@@ -122,3 +131,17 @@ def verify_checkpoint(store: Store, on_bytes: Callable[[int], None] | None = Non
     for name in sorted(set(listing) - referenced):
         report.warnings.append(f"{store.path(name)}: not part of the checkpoint (left by an interrupted save?)")
     return report
+
+
+def verify(url: str, progress: bool = False) -> VerifyReport:
+    """Check every checksum, the coverage of every tensor and every data file's header; all
+    problems go into the report (``ok`` False), none is raised. Torch-free."""
+    store = Store(url)
+    total = 0
+    if progress:
+        try:
+            total = total_tensor_bytes(open_checkpoint(store))
+        except CheckpointError:
+            pass
+    with progress_bar(progress, f"verifying {url}", total) as on_bytes:
+        return verify_checkpoint(store, on_bytes)

@@ -1,0 +1,48 @@
+"""Torch-free reads of small stored tensors as numpy arrays, verified like every read.
+
+For tools that summarise a checkpoint from its manifest (``gefen-ckpt inspect``) without
+paying for importing torch: the codebook, a step counter. Loading state goes through
+``reader`` (torch tensors).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gefen_ckpt.errors import CheckpointCorruptError
+from gefen_ckpt.format import checksum
+from gefen_ckpt.format.manifest import TensorRecord
+from gefen_ckpt.storage import Store
+
+#: manifest dtype -> little-endian numpy dtype (bfloat16 is widened by hand; float8 has none)
+_NUMPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4", "int16": "<i2",
+          "int8": "i1", "uint64": "<u8", "uint32": "<u4", "uint16": "<u2", "uint8": "u1", "bool": "?"}
+
+
+def readable(dtype: str) -> bool:
+    return dtype in _NUMPY or dtype == "bfloat16"
+
+
+def read_values(store: Store, tensor: TensorRecord) -> np.ndarray:
+    """Every element of ``tensor`` as a flat float64 array (each piece's length and checksum
+    verified; ``CheckpointCorruptError`` names the file and tensor)."""
+    if not readable(tensor.dtype):
+        raise ValueError(f"{tensor.label}: {tensor.dtype} has no numpy equivalent")
+    parts = []
+    for piece in tensor.pieces:
+        where = store.path(piece.file)
+        try:
+            data = store.read(piece.file, piece.offset, piece.offset + piece.nbytes)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where}: data file is missing") from None
+        if len(data) != piece.nbytes:
+            raise CheckpointCorruptError(f"{where}: {tensor.label} rows {list(piece.rows)} end after {len(data)} of "
+                                         f"{piece.nbytes} bytes (truncated file)")
+        if checksum.update(0, data) != piece.checksum:
+            raise CheckpointCorruptError(f"{where}: checksum mismatch in {tensor.label} rows {list(piece.rows)} "
+                                         f"(tensor {piece.key!r}): the data is corrupt")
+        if tensor.dtype == "bfloat16":
+            parts.append((np.frombuffer(data, "<u2").astype("<u4") << 16).view("<f4"))
+        else:
+            parts.append(np.frombuffer(data, _NUMPY[tensor.dtype]))
+    return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
