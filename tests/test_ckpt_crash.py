@@ -21,7 +21,7 @@ def forkserver():
     """Children fork from a server that has already imported torch, so a trial costs
     milliseconds of start-up instead of seconds, yet each is a real, separate process."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "gefen", "gefen_ckpt"])  # importable from any cwd
+    ctx.set_forkserver_preload(["torch", "gefen.optimizer", "gefen_ckpt.api"])  # importable from any cwd
     return ctx
 
 
