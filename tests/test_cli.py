@@ -167,6 +167,16 @@ def test_inspect_reads_no_tensor_data(gefen_ckpt_dir, tmp_path):
     assert invoke("verify", path).exit_code == 1
 
 
+def test_inspect_verifies_the_codebook_it_reads(gefen_ckpt_dir, tmp_path):
+    src, _, _ = gefen_ckpt_dir
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    manifest = gefen_ckpt.read_manifest(str(path))
+    p = manifest["globals"]["codebook"]["pieces"][0]
+    flip_byte(path / manifest["files"][p["file"]]["name"], p["offset"] + 5)
+    one_line_error(invoke("inspect", path), "checksum mismatch", "codebook")
+
+
 _WITHOUT_TORCH = """
 import sys
 from gefen_cli.app import main

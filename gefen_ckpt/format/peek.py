@@ -11,6 +11,7 @@ import numpy as np
 
 from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.format import checksum
+from gefen_ckpt.format.integrity import check_checksum, check_length
 from gefen_ckpt.format.manifest import TensorRecord
 from gefen_ckpt.storage import Store
 
@@ -30,17 +31,12 @@ def read_values(store: Store, tensor: TensorRecord) -> np.ndarray:
         raise ValueError(f"{tensor.label}: {tensor.dtype} has no numpy equivalent")
     parts = []
     for piece in tensor.pieces:
-        where = store.path(piece.file)
         try:
             data = store.read(piece.file, piece.offset, piece.offset + piece.nbytes)
         except FileNotFoundError:
-            raise CheckpointCorruptError(f"{where}: data file is missing") from None
-        if len(data) != piece.nbytes:
-            raise CheckpointCorruptError(f"{where}: {tensor.label} rows {list(piece.rows)} end after {len(data)} of "
-                                         f"{piece.nbytes} bytes (truncated file)")
-        if checksum.update(0, data) != piece.checksum:
-            raise CheckpointCorruptError(f"{where}: checksum mismatch in {tensor.label} rows {list(piece.rows)} "
-                                         f"(tensor {piece.key!r}): the data is corrupt")
+            raise CheckpointCorruptError(f"{store.path(piece.file)}: data file is missing") from None
+        check_length(store, tensor, piece, len(data))
+        check_checksum(store, tensor, piece, checksum.update(0, data))
         if tensor.dtype == "bfloat16":
             parts.append((np.frombuffer(data, "<u2").astype("<u4") << 16).view("<f4"))
         else:

@@ -22,6 +22,7 @@ from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, Tensor
 from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.dtypes import torch_dtype
+from gefen_ckpt.format.integrity import check_checksum, check_length
 from gefen_ckpt.format.manifest import Manifest, PieceRecord, TensorRecord
 from gefen_ckpt.storage import READ_CHUNK, LocalReader, RangeReader, Store
 
@@ -50,18 +51,6 @@ def _reading(store: Store, name: str) -> Iterator[RangeReader]:
                                      "newer save while this checkpoint was being read)") from None
 
 
-def _check_length(store: Store, tensor: TensorRecord, piece: PieceRecord, got: int) -> None:
-    if got != piece.nbytes:
-        raise CheckpointCorruptError(f"{store.path(piece.file)}: {tensor.label} rows {list(piece.rows)} end after "
-                                     f"{got} of {piece.nbytes} bytes (truncated file)")
-
-
-def _check(store: Store, tensor: TensorRecord, piece: PieceRecord, value: int) -> None:
-    if value != piece.checksum:
-        raise CheckpointCorruptError(f"{store.path(piece.file)}: checksum mismatch in {tensor.label} rows "
-                                     f"{list(piece.rows)} (tensor {piece.key!r}): the data is corrupt")
-
-
 Batch = list[tuple[PieceRecord, TensorRecord, torch.Tensor]]
 
 
@@ -78,19 +67,19 @@ def read_verified(store: Store, reader: RangeReader, batch: Batch, hasher: Threa
         got, crcs = checksum.read_hashed(reader.fd, [p.offset for p, _, _ in batch], [p.nbytes for p, _, _ in batch],
                                          [dst.data_ptr() for _, _, dst in batch], READ_CHUNK)
         for (piece, t, _), n, crc in zip(batch, got, crcs):
-            _check_length(store, t, piece, n)
-            _check(store, t, piece, crc)
+            check_length(store, t, piece, n)
+            check_checksum(store, t, piece, crc)
         return
     pending: list[tuple[Future, TensorRecord, PieceRecord]] = []
     for piece, t, dst in batch:
         buffer = byte_view(dst)
-        _check_length(store, t, piece, reader.read_into(piece.offset, buffer))
+        check_length(store, t, piece, reader.read_into(piece.offset, buffer))
         if hasher is None or piece.nbytes < checksum.READ_THREAD_MIN_BYTES:
-            _check(store, t, piece, checksum.update(0, buffer))
+            check_checksum(store, t, piece, checksum.update(0, buffer))
         else:
             pending.append((hasher.submit(checksum.update, 0, buffer), t, piece))
     for future, t, piece in pending:
-        _check(store, t, piece, future.result())
+        check_checksum(store, t, piece, future.result())
 
 
 def read_piece(store: Store, tensor: TensorRecord, piece: PieceRecord, out: torch.Tensor | None = None) -> torch.Tensor:
