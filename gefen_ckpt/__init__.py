@@ -4,8 +4,7 @@ The exception types are imported eagerly; everything else on first use, so that 
 manifest (``gefen-ckpt inspect``/``verify``) does not pay for importing torch.
 """
 
-import importlib
-
+from gefen._lazy import lazy_exports
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -44,15 +43,4 @@ __all__ = [
     "UnsupportedLayoutError",
 ]
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gefen_ckpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
