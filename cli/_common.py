@@ -122,9 +122,21 @@ def api():
     return gefen_ckpt
 
 
+def settle_imports() -> None:
+    """Exempt everything imported so far (torch alone is ~170k objects) from the cyclic garbage
+    collector: in a short-lived CLI process its full collections cost up to a third of a reshard
+    of a 25M-parameter state (measured 0.49 -> 0.31 s of work)."""
+    import gc
+
+    gc.freeze()
+
+
 def open_state(url: str, fmt: str | None = None, optimizer: str | None = None):
     """(format, CanonicalState) of a checkpoint: lazy for the portable format, in memory for torch."""
     fmt = fmt or detect_format(url)
+    import gefen_ckpt.api  # noqa: F401  (torch and the rest, before settle_imports)
+
+    settle_imports()
     if fmt == TORCH:
         from gefen_ckpt.torch_format import read_torch
 
