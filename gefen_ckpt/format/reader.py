@@ -1,4 +1,5 @@
-"""Reading a committed checkpoint: the validated manifest, lazy sources, and eager staging.
+"""Reading a committed checkpoint's tensors: lazy sources and eager staging (the manifest is
+read and validated first, by ``manifest.open_checkpoint``).
 
 Nothing a manifest describes is allocated before the manifest is fully validated and every
 data file is found with the size it records, so allocations never exceed the files' bytes.
@@ -60,9 +61,9 @@ def read_verified(store: Store, reader: RangeReader, batch: Batch, hasher: Threa
     C call that hashes each chunk as it is read (GIL released); otherwise pieces are read one by
     one, and large ones hashed in ``hasher`` while the next is read."""
     for piece, t, dst in batch:  # the C path writes through raw addresses: never past a tensor
-        if not dst.is_contiguous() or dst.numel() * dst.element_size() != piece.nbytes:
-            raise ValueError(f"{t.label}: destination {tuple(dst.shape)} {dst.dtype} is not a contiguous "
-                             f"{piece.nbytes}-byte buffer")
+        if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() * dst.element_size() != piece.nbytes:
+            raise ValueError(f"{t.label}: destination {tuple(dst.shape)} {dst.dtype} on {dst.device} is not a "
+                             f"contiguous {piece.nbytes}-byte CPU buffer")
     if isinstance(reader, LocalReader) and checksum.can_read_hashed():
         got, crcs = checksum.read_hashed(reader.fd, [p.offset for p, _, _ in batch], [p.nbytes for p, _, _ in batch],
                                          [dst.data_ptr() for _, _, dst in batch], READ_CHUNK)
