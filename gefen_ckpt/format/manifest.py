@@ -238,11 +238,19 @@ def _free(x, path: str, depth: int = 0):
     return x
 
 
-def _shape(x, path: str) -> tuple[int, ...]:
+def _valid_shape(x) -> tuple[int, ...] | None:
+    """``x`` as a shape if it is one we accept, else None (``_shape`` says why)."""
     if isinstance(x, list) and len(x) <= _MAX_NDIM and all(type(d) is int and 0 <= d <= _MAX_INT for d in x):
         shape = tuple(x)
         if math.prod(shape) <= _MAX_INT:
             return shape
+    return None
+
+
+def _shape(x, path: str) -> tuple[int, ...]:
+    shape = _valid_shape(x)
+    if shape is not None:
+        return shape
     dims = _list(x, path)
     if len(dims) > _MAX_NDIM:
         _fail(path, f"{len(dims)} dimensions (at most {_MAX_NDIM})")
@@ -336,12 +344,8 @@ def _fast_tensor(x, fqn: str | None, field: str, files: tuple[FileRecord, ...]):
     (file index, byte span), or None if any check fails."""
     if not isinstance(x, dict):
         return None
-    dtype, dims, raw = x.get("dtype"), x.get("shape"), x.get("pieces")
-    if not (isinstance(dtype, str) and dtype in DTYPES and isinstance(dims, list) and len(dims) <= _MAX_NDIM
-            and isinstance(raw, list) and all(type(d) is int and 0 <= d <= _MAX_INT for d in dims)):
-        return None
-    shape = tuple(dims)
-    if math.prod(shape) > _MAX_INT:
+    dtype, shape, raw = x.get("dtype"), _valid_shape(x.get("shape")), x.get("pieces")
+    if not (isinstance(dtype, str) and dtype in DTYPES and shape is not None and isinstance(raw, list)):
         return None
     rows = shape[0] if shape else 1
     row_bytes = math.prod(shape[1:]) * itemsize(dtype)
