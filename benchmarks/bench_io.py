@@ -9,10 +9,11 @@ interleaved rounds (so load drift on a shared machine hits all alike); numbers a
   safetensors get an explicit ``fsync``). Model + optimizer with gefen_ckpt is
   ``gefen_ckpt.save(opt)`` plus ``safetensors.save_file(model)``.
 * load (cold): page cache dropped for the checkpoint's files first (``posix_fadvise
-  DONTNEED`` after ``fsync``); the state is read into memory: gefen_ckpt reads and verifies
-  every checksum (what ``gefen_ckpt.load`` stages), torch.load (``weights_only=True``),
-  safetensors ``load_file``, DCP ``dcp.load`` into a preallocated state dict (allocation not
-  timed, to DCP's advantage).
+  DONTNEED`` after ``fsync``); the state is read into memory: gefen_ckpt verifies every
+  checksum (``stage_checkpoint(map_files=True)``, what ``gefen_ckpt.load`` stages for a Gefen
+  optimizer: views of a private mapping of the files), torch.load (``weights_only=True``),
+  safetensors ``load_file`` (also views of a private mapping, checksums none), DCP ``dcp.load``
+  into a preallocated state dict (allocation not timed, to DCP's advantage).
 * ``load -> optimizer``: end to end into a live Gefen: ``gefen_ckpt.load`` vs
   ``opt.load_state_dict(torch.load(...))``.
 * disk limit: ``dd if=/dev/zero bs=16M conv=fdatasync`` of the same byte count.
@@ -48,8 +49,7 @@ from safetensors.torch import load_file, save_file
 import gefen_ckpt
 from benchmarks.common import PeakRSS, gefen_state, machine_limits, md_table, plot, write_json
 from gefen import Gefen
-from gefen_ckpt.format.manifest import open_checkpoint
-from gefen_ckpt.format.reader import stage_state
+from gefen_ckpt.format.reader import stage_checkpoint
 from gefen_ckpt.storage import Store
 
 SIZES = (25, 42)
@@ -119,8 +119,7 @@ def methods(opt: Gefen, model_sd: dict | None) -> dict[str, tuple[Callable, Call
             fsync(path / "model.safetensors")
 
     def ours_load(path: Path):
-        store = Store(str(path / "optim"))
-        state = stage_state(store, open_checkpoint(store))
+        state = stage_checkpoint(Store(str(path / "optim")), map_files=True)
         return state, load_file(str(path / "model.safetensors")) if model_sd is not None else None
 
     def torch_save(path: Path):

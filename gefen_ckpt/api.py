@@ -20,7 +20,7 @@ from gefen_ckpt.format.manifest import (
     parse_manifest,
     read_manifest_bytes,
 )
-from gefen_ckpt.format.reader import lazy_state, stage_state
+from gefen_ckpt.format.reader import lazy_state, stage_checkpoint
 from gefen_ckpt.format.verify import VerifyReport, verify
 from gefen_ckpt.format.writer import write_state
 from gefen_ckpt.progress import progress_bar
@@ -87,11 +87,14 @@ def load(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Module |
         with _naming(url):
             load_sharded(optimizer, url, model=model)
         return
-    store = Store(url)
-    manifest = open_checkpoint(store)
-    with _naming(url):
-        check_contract(contract_of(optimizer), manifest.contract)  # refuse before reading any data
-    state = stage_state(store, manifest)
+    def refuse_foreign(manifest) -> None:  # before reading any data
+        with _naming(url):
+            check_contract(contract_of(optimizer), manifest.contract)
+
+    # Gefen optimizers copy what they stage (prepare_load_state_dict), so the staged tensors may
+    # be views of the files; a torch optimizer keeps the tensors it is given.
+    copies = hasattr(optimizer, "prepare_load_state_dict")
+    state = stage_checkpoint(Store(url), refuse_foreign, map_files=copies)
     with _naming(url):
         import_canonical(optimizer, state, model=model)
 

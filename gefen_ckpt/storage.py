@@ -9,6 +9,7 @@ atomically on close, and range reads.
 
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import threading
@@ -22,6 +23,9 @@ WRITE_BUFFER = 2**20
 WRITEBACK_EVERY = 8 * 2**20
 WRITE_BEHIND_BYTES = 16 * 2**20
 READ_CHUNK = 2**20
+#: How far ``Prefetch`` may run ahead of its reader (page cache, not this process's memory).
+PREFETCH_LEAD = 256 * 2**20
+PREFETCH_CHUNK = 8 * 2**20
 
 
 class Store:
@@ -62,6 +66,13 @@ class Store:
                 f.seek(start)
                 return f.read(-1 if end is None else end - start)
         return self.fs.cat_file(self.path(name), start=start, end=end)
+
+    def prefetch(self, files: dict[str, int]) -> Prefetch | None:
+        """Start reading local files (name -> size), in order, into the page cache for a reader
+        that calls ``Prefetch.wait`` with ``self.path(name)``; None on other filesystems."""
+        if not self.local or not hasattr(os, "sendfile"):
+            return None
+        return Prefetch([(self.path(name), size) for name, size in files.items()])
 
     @contextmanager
     def reader(self, name: str) -> Iterator[RangeReader]:
@@ -130,6 +141,91 @@ class Store:
             pass
 
 
+class Prefetch:
+    """Files read into the page cache, in order, by a daemon thread, for a reader that follows
+    (``wait``): a load's disk reads overlap its manifest validation and its checksumming.
+
+    ``sendfile`` to ``/dev/null`` moves no bytes to user space and holds no GIL during each
+    ``PREFETCH_CHUNK``: measured 2.6 GB/s cold, against 1.8 GB/s for ``pread``s into a buffer
+    and ~0.8 GB/s for page faults on a mapping (docs/decisions.md). It stays at most ``lead``
+    bytes ahead of what the reader has asked for, so a checkpoint larger than memory does not
+    evict its own first files. Errors end a file quietly: the reader reports them."""
+
+    def __init__(self, files: list[tuple[str, int]], lead: int = PREFETCH_LEAD):
+        self._files, self._lead, self._base, position = files, lead, {}, 0
+        for path, size in files:
+            self._base[path] = position
+            position += size
+        self._cv = threading.Condition()
+        self._cached = self._wanted = 0  # positions in the files laid end to end
+        self._stopped = False
+        threading.Thread(target=self._run, name="gefen-ckpt-prefetch", daemon=True).start()
+
+    @property
+    def cached(self) -> int:
+        """Bytes read so far (or given up on), counting the files end to end."""
+        with self._cv:
+            return self._cached
+
+    def wait(self, path: str, end: int) -> None:
+        """Return once ``path`` is cached up to byte ``end`` (or its prefetch has given up)."""
+        base = self._base.get(path)
+        if base is None:
+            return
+        with self._cv:
+            self._wanted = max(self._wanted, base + end)
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._stopped or self._cached >= base + end)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        try:
+            sink = os.open(os.devnull, os.O_WRONLY)
+            try:
+                for path, size in self._files:
+                    self._read(sink, path, self._base[path], size)
+            finally:
+                os.close(sink)
+        except OSError:
+            pass
+        finally:
+            self.stop()
+
+    def _read(self, sink: int, path: str, base: int, size: int) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            self._advance(base + size)
+            return
+        try:
+            offset = 0
+            while offset < size:
+                with self._cv:
+                    while not self._stopped and base + offset >= self._wanted + self._lead:
+                        self._cv.wait()
+                    if self._stopped:
+                        return
+                n = os.sendfile(sink, fd, offset, min(PREFETCH_CHUNK, size - offset))
+                if n <= 0:
+                    break
+                offset += n
+                self._advance(base + offset)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        self._advance(base + size)
+
+    def _advance(self, position: int) -> None:
+        with self._cv:
+            self._cached = max(self._cached, position)
+            self._cv.notify_all()
+
+
 class RangeReader:
     def read_into(self, offset: int, buffer: memoryview) -> int:
         """Fill ``buffer`` from ``offset``; returns the bytes read (fewer only at end of file)."""
@@ -155,6 +251,12 @@ class LocalReader(RangeReader):
                 break
             done += n
         return done
+
+    def map_private(self) -> mmap.mmap:
+        """The whole file mapped copy-on-write: reads come from the page cache without a copy,
+        writes stay in this process. Valid after the file is replaced or deleted (the mapping
+        keeps its inode); only an in-place truncation by another process would break it."""
+        return mmap.mmap(self.fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     def close(self) -> None:
         os.close(self.fd)

@@ -17,7 +17,7 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.format import checksum
+from gefen_ckpt.format import checksum, reader
 
 from ckpt_util import Tiny, fresh_like, same, snapshot, train, trained
 
@@ -71,9 +71,12 @@ def rewrite_manifest(url, change):
         f.write(msgpack.packb(m))
 
 
-@pytest.fixture(params=["fused", "python"])
+@pytest.fixture(params=["mapped", "fused", "python"])
 def read_path(request, monkeypatch):
-    """Damaged data is found the same way by the fused C read+checksum and the Python reads."""
+    """Damaged data is found the same way by a Gefen load's mapped staging and by the reads into
+    fresh memory (the fused C read+checksum, the Python reads) that torch optimizers' loads use."""
+    if request.param != "mapped":
+        monkeypatch.setattr(reader, "_stage_mapped", reader._stage_read)
     if request.param == "python":
         monkeypatch.setattr(checksum, "can_read_hashed", lambda: False)
     elif not checksum.can_read_hashed():

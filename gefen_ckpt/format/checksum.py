@@ -38,6 +38,8 @@ def _load_native():
         lib.gefen_read_hashed.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         lib.gefen_read_hashed.restype = ctypes.c_int
+        lib.gefen_crc32_many.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3
+        lib.gefen_crc32_many.restype = None
         if not lib.gefen_crc32_accelerated():
             return None
     except (ImportError, OSError, AttributeError):
@@ -66,6 +68,17 @@ def update(value: int, data) -> int:
     if view.nbytes < NATIVE_MIN_BYTES:
         return zlib.crc32(view, value)
     return _native(value, view.ctypes.data, view.nbytes)
+
+
+def of_each(buffers: list[np.ndarray]) -> list[int]:
+    """The checksum of each contiguous uint8 array, in one C call (GIL released) when accelerated."""
+    if _lib is None:
+        return [update(0, b) for b in buffers]
+    addresses = np.asarray([b.ctypes.data for b in buffers], np.uint64)
+    sizes = np.asarray([b.nbytes for b in buffers], np.int64)
+    crcs = np.zeros(len(buffers), np.uint32)
+    _lib.gefen_crc32_many(len(buffers), addresses.ctypes.data, sizes.ctypes.data, crcs.ctypes.data)
+    return crcs.tolist()
 
 
 def can_read_hashed() -> bool:

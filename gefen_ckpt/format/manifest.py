@@ -13,7 +13,8 @@ import datetime
 import math
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -532,10 +533,36 @@ def read_manifest_bytes(store: Store, listing: dict[str, int] | None = None) -> 
 
 
 def parse_manifest(store: Store, data: bytes) -> Manifest:
+    return validated(store, decoded(store, data))
+
+
+def decoded(store: Store, data: bytes) -> dict:
+    """The manifest's msgpack map, not yet validated."""
+    with _naming_manifest(store):
+        return decode(data)
+
+
+def validated(store: Store, raw: dict) -> Manifest:
+    with _naming_manifest(store):
+        return validate(raw)
+
+
+@contextmanager
+def _naming_manifest(store: Store) -> Iterator[None]:
     try:
-        return validate(decode(data))
+        yield
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(f"{store.path(MANIFEST_NAME)}: {exc}") from None
+
+
+def listed_data_files(raw: dict, listing: dict[str, int]) -> dict[str, int]:
+    """name -> size of the files a decoded, not yet validated manifest lists that are in the
+    directory ``listing``, by name: what may be prefetched before validation (real directory
+    entries only)."""
+    files = raw.get("files")
+    names = {f.get("name") for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)
+             } if isinstance(files, list) else set()
+    return {name: listing[name] for name in sorted(names) if name in listing}
 
 
 def open_checkpoint(store: Store) -> Manifest:

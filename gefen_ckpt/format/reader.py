@@ -5,9 +5,10 @@ Nothing a manifest describes is allocated before the manifest is fully validated
 data file is found with the size it records, so allocations never exceed the files' bytes.
 A piece is the checksum unit: every read, partial or whole, reads and verifies the entire
 pieces it overlaps (``CheckpointCorruptError`` names the file, the tensor and the rows).
-Reads go into freshly allocated tensors (``pread`` locally, range requests elsewhere),
-never into views of a mapped file, so a later save that replaces the files cannot change or
-invalidate a tensor already read.
+Reads go into freshly allocated tensors (``pread`` locally, range requests elsewhere), except
+where a caller that copies what it stages asks for views of a private mapping of the files
+(``stage_state(map_files=True)``); either way a later save that replaces the files, or a
+delete, cannot change or invalidate a tensor already read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
@@ -24,11 +26,22 @@ from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.dtypes import torch_dtype
 from gefen_ckpt.format.integrity import check_checksum, check_length
-from gefen_ckpt.format.manifest import Manifest, PieceRecord, TensorRecord
-from gefen_ckpt.storage import READ_CHUNK, LocalReader, RangeReader, Store
+from gefen_ckpt.format.manifest import (
+    Manifest,
+    PieceRecord,
+    TensorRecord,
+    check_files,
+    decoded,
+    listed_data_files,
+    read_manifest_bytes,
+    validated,
+)
+from gefen_ckpt.storage import READ_CHUNK, LocalReader, Prefetch, RangeReader, Store
 
 #: Pieces read per ``read_verified`` call when staging (progress is reported between calls).
 STAGE_GROUP_BYTES = 64 * 2**20
+#: Pieces of a mapped file checksummed per call: small enough to follow a prefetch closely.
+HASH_BATCH_BYTES = 4 * 2**20
 
 
 # ----- pieces -------------------------------------------------------------------------------
@@ -155,32 +168,92 @@ def lazy_state(store: Store, manifest: Manifest) -> CanonicalState:
     return _state(manifest, {k: PieceSource(store, t) for k, t in manifest.tensors.items()})
 
 
-def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None] | None = None) -> CanonicalState:
+def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None] | None = None, *,
+                map_files: bool = False, warming: Prefetch | None = None) -> CanonicalState:
     """Every tensor read and verified into memory, file by file in offset order (progress
-    reported every ``STAGE_GROUP_BYTES`` or so)."""
-    tensors = {k: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for k, t in manifest.tensors.items()}
-    by_file: dict[str, Batch] = {}
+    reported every ``STAGE_GROUP_BYTES`` or so).
+
+    ``map_files`` (local stores): a tensor stored in one piece becomes a verified view of a
+    private, copy-on-write mapping of its file instead of a copy in fresh memory. For callers
+    that copy what they stage anyway (a Gefen optimizer's load) it saves a copy and the fresh
+    memory; a caller that keeps the tensors should not ask for it (docs/decisions.md).
+    ``warming``: a ``Store.prefetch`` of the data files, waited for before each read."""
+    by_file: dict[str, list[tuple[PieceRecord, TensorRecord, str]]] = {}
     for key, t in manifest.tensors.items():
         for piece in t.pieces:
-            dst = tensors[key] if not t.shape else tensors[key][piece.rows[0]:piece.rows[1]]
-            by_file.setdefault(piece.file, []).append((piece, t, dst))
-    with ThreadPoolExecutor(1, thread_name_prefix="gefen-ckpt-hash") as hasher:
-        for name in sorted(by_file):
-            with _reading(store, name) as reader:
-                for group in _groups(sorted(by_file[name], key=lambda x: x[0].offset)):
-                    read_verified(store, reader, group, hasher)
-                    if on_bytes is not None:
-                        on_bytes(sum(piece.nbytes for piece, _, _ in group))
+            by_file.setdefault(piece.file, []).append((piece, t, key))
+    stage = _stage_mapped if map_files and store.local else _stage_read
+    tensors = stage(store, manifest, {name: sorted(by_file[name], key=lambda x: x[0].offset) for name in sorted(by_file)},
+                    on_bytes or (lambda n: None), warming.wait if warming is not None else (lambda path, end: None))
     return _state(manifest, {k: EagerSource(v) for k, v in tensors.items()})
 
 
-def _groups(batch: Batch) -> Iterator[Batch]:
-    """Consecutive runs of about ``STAGE_GROUP_BYTES``."""
+def stage_checkpoint(store: Store, check: Callable[[Manifest], None] | None = None, *, map_files: bool = False,
+                     on_bytes: Callable[[int], None] | None = None) -> CanonicalState:
+    """``open_checkpoint``, then ``check(manifest)`` (a refusal before any data is read), then
+    ``stage_state``; the data files start loading into the page cache (``Store.prefetch``) as
+    soon as the manifest is decoded, so the disk works while the manifest is validated."""
+    listing = store.listing()
+    raw = decoded(store, read_manifest_bytes(store, listing))
+    warming = store.prefetch(listed_data_files(raw, listing))
+    try:
+        manifest = validated(store, raw)
+        check_files(manifest, listing, store.url)
+        if check is not None:
+            check(manifest)
+        return stage_state(store, manifest, on_bytes, map_files=map_files, warming=warming)
+    finally:
+        if warming is not None:
+            warming.stop()
+
+
+Waiter = Callable[[str, int], None]
+
+
+def _stage_read(store: Store, manifest: Manifest, by_file: dict, on_bytes: Callable[[int], None], wait: Waiter) -> dict:
+    tensors = {k: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for k, t in manifest.tensors.items()}
+    with ThreadPoolExecutor(1, thread_name_prefix="gefen-ckpt-hash") as hasher:
+        for name, entries in by_file.items():
+            with _reading(store, name) as reader:
+                for group in _groups(entries):
+                    wait(store.path(name), group[-1][0].offset + group[-1][0].nbytes)
+                    batch = [(piece, t, tensors[key] if not t.shape else tensors[key][piece.rows[0]:piece.rows[1]])
+                             for piece, t, key in group]
+                    read_verified(store, reader, batch, hasher)
+                    on_bytes(sum(piece.nbytes for piece, _, _ in group))
+    return tensors
+
+
+def _stage_mapped(store: Store, manifest: Manifest, by_file: dict, on_bytes: Callable[[int], None], wait: Waiter) -> dict:
+    pieces: dict[tuple[str, int], torch.Tensor] = {}
+    for name, entries in by_file.items():
+        with _reading(store, name) as reader:
+            mapping = reader.map_private() if any(piece.nbytes for piece, _, _ in entries) else b""
+        data, path = np.frombuffer(mapping, np.uint8), store.path(name)
+        for batch in _groups(entries, HASH_BATCH_BYTES):
+            stored = [data[piece.offset:piece.offset + piece.nbytes] for piece, _, _ in batch]
+            for (piece, t, _), got in zip(batch, stored):
+                check_length(store, t, piece, got.nbytes)
+            wait(path, batch[-1][0].offset + batch[-1][0].nbytes)
+            for (piece, t, key), crc in zip(batch, checksum.of_each(stored)):
+                check_checksum(store, t, piece, crc)
+                dtype = torch_dtype(t.dtype)
+                view = (torch.frombuffer(mapping, dtype=dtype, count=piece.nbytes // dtype.itemsize, offset=piece.offset)
+                        if piece.nbytes else torch.empty(0, dtype=dtype))
+                pieces[(key, piece.rows[0])] = view.view(_stored_shape(t, piece))
+            on_bytes(sum(piece.nbytes for piece, _, _ in batch))
+    return {key: pieces[(key, t.pieces[0].rows[0])] if len(t.pieces) == 1
+            else torch.cat([pieces[(key, p.rows[0])] for p in t.pieces])
+            for key, t in manifest.tensors.items()}
+
+
+def _groups(batch: list, size_limit: int = STAGE_GROUP_BYTES) -> Iterator[list]:
+    """Consecutive runs of about ``size_limit`` bytes."""
     group, size = [], 0
     for entry in batch:
         group.append(entry)
         size += entry[0].nbytes
-        if size >= STAGE_GROUP_BYTES:
+        if size >= size_limit:
             yield group
             group, size = [], 0
     if group:
