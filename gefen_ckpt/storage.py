@@ -25,7 +25,7 @@ WRITE_BEHIND_BYTES = 16 * 2**20
 READ_CHUNK = 2**20
 #: How far ``Prefetch`` may run ahead of its reader (page cache, not this process's memory).
 PREFETCH_LEAD = 256 * 2**20
-PREFETCH_CHUNK = 8 * 2**20
+PREFETCH_CHUNK = 2 * 2**20
 
 
 class Store:

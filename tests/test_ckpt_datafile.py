@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 
@@ -145,6 +146,30 @@ def test_fused_read_and_checksum(tmp_path):
         os.close(fd)
     with pytest.raises(OSError):
         checksum.read_hashed(fd, [0], [4], [outs[2].ctypes.data], 4096)  # a closed descriptor
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_checksums_of_ranges_in_memory(monkeypatch, native):
+    if not native:
+        monkeypatch.setattr(checksum, "_lib", None)
+    elif not checksum.accelerated():
+        pytest.skip("no accelerated checksum on this machine/build")
+    data = np.random.default_rng(5).integers(0, 256, 200_000, dtype=np.uint8)
+    spans = [(0, 0), (3, 1), (7, 63), (64, 4096), (1, 150_001), (199_990, 10)]
+    got = checksum.of_ranges(data, [o for o, _ in spans], [n for _, n in spans])
+    assert got == [zlib.crc32(data[o:o + n]) for o, n in spans]
+
+
+def test_header_text_is_what_json_dumps_writes():
+    """The header is assembled as text for speed; it must stay byte-identical to json.dumps."""
+    entries = [datafile.Entry("w", "float32", (3, 5), 60), datafile.Entry('q"\\u\u00e9/x@0:7', "uint8", (7,), 7),
+               datafile.Entry("s", "int64", (), 8)]
+    prefix, offsets, size = datafile.build(entries, {"format": "gefen-ckpt", "é": "x"})
+    text = prefix[8:].rstrip(b" ")
+    header = json.loads(text)
+    assert text == json.dumps(header, separators=(",", ":")).encode()
+    assert [header[e.key]["data_offsets"][0] + len(prefix) for e in entries] == offsets
+    assert header["__metadata__"] == {"format": "gefen-ckpt", "é": "x"}
 
 
 def test_reads_refuse_a_destination_that_is_not_the_piece(written):

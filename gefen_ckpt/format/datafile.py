@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
+from typing import NamedTuple
 
 from gefen_ckpt.format.dtypes import DTYPES, safetensors_code
 
@@ -29,16 +29,17 @@ _ENTRY_FIXED = len(json.dumps({"": {"dtype": "F8_E4M3", "shape": [], "data_offse
 _DIM_BOUND = len(str(_BIG)) + 2  # digits, comma, space
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     key: str
     dtype: str  # manifest dtype name
     shape: tuple[int, ...]
     nbytes: int
 
 
-def _entry_json(key: str, code: str, shape, begin: int, end: int) -> dict:
-    return {key: {"dtype": code, "shape": list(shape), "data_offsets": [begin, end]}}
+def _entry_json(key: str, code: str, shape, begin: int, end: int) -> str:
+    """One header entry, exactly as ``json.dumps(..., separators=(",", ":"))`` writes it."""
+    dims = ",".join(map(str, shape))
+    return f'{encode_basestring_ascii(key)}:{{"dtype":"{code}","shape":[{dims}],"data_offsets":[{begin},{end}]}}'
 
 
 def entry_bound(entry: Entry) -> int:
@@ -53,19 +54,20 @@ FILE_OVERHEAD = 8 + ALIGNMENT + 256
 
 def build(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes, list[int], int]:
     """(length prefix + padded JSON header, absolute data offset of each entry, file size)."""
-    header: dict = {"__metadata__": dict(metadata)}
-    relative, pos = [], 0
+    parts = ['"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"))]
+    keys, relative, pos = {"__metadata__"}, [], 0
     for i, e in enumerate(entries):
         gap = -pos % ALIGNMENT
         if gap:
-            header.update(_entry_json(f"{PAD_PREFIX}{i}", "U8", [gap], pos, pos + gap))
+            parts.append(_entry_json(f"{PAD_PREFIX}{i}", "U8", (gap,), pos, pos + gap))
             pos += gap
-        if e.key in header or e.key.startswith(PAD_PREFIX):
+        if e.key in keys or e.key.startswith(PAD_PREFIX):
             raise ValueError(f"duplicate or reserved tensor key {e.key!r} in one data file")
-        header.update(_entry_json(e.key, safetensors_code(e.dtype), e.shape, pos, pos + e.nbytes))
+        keys.add(e.key)
+        parts.append(_entry_json(e.key, safetensors_code(e.dtype), e.shape, pos, pos + e.nbytes))
         relative.append(pos)
         pos += e.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = ("{" + ",".join(parts) + "}").encode()
     text += b" " * (-(8 + len(text)) % ALIGNMENT)
     start = 8 + len(text)
     return struct.pack("<Q", len(text)) + text, [start + r for r in relative], start + pos

@@ -230,17 +230,17 @@ def _stage_mapped(store: Store, manifest: Manifest, by_file: dict, on_bytes: Cal
         with _reading(store, name) as reader:
             mapping = reader.map_private() if any(piece.nbytes for piece, _, _ in entries) else b""
         data, path = np.frombuffer(mapping, np.uint8), store.path(name)
+        for piece, t, key in entries:  # views touch no data: made while the prefetch reads
+            check_length(store, t, piece, max(0, min(piece.nbytes, data.nbytes - piece.offset)))
+            dtype = torch_dtype(t.dtype)
+            view = (torch.frombuffer(mapping, dtype=dtype, count=piece.nbytes // dtype.itemsize, offset=piece.offset)
+                    if piece.nbytes else torch.empty(0, dtype=dtype))
+            pieces[(key, piece.rows[0])] = view.view(_stored_shape(t, piece))
         for batch in _groups(entries, HASH_BATCH_BYTES):
-            stored = [data[piece.offset:piece.offset + piece.nbytes] for piece, _, _ in batch]
-            for (piece, t, _), got in zip(batch, stored):
-                check_length(store, t, piece, got.nbytes)
             wait(path, batch[-1][0].offset + batch[-1][0].nbytes)
-            for (piece, t, key), crc in zip(batch, checksum.of_each(stored)):
+            crcs = checksum.of_ranges(data, [piece.offset for piece, _, _ in batch], [piece.nbytes for piece, _, _ in batch])
+            for (piece, t, _), crc in zip(batch, crcs):
                 check_checksum(store, t, piece, crc)
-                dtype = torch_dtype(t.dtype)
-                view = (torch.frombuffer(mapping, dtype=dtype, count=piece.nbytes // dtype.itemsize, offset=piece.offset)
-                        if piece.nbytes else torch.empty(0, dtype=dtype))
-                pieces[(key, piece.rows[0])] = view.view(_stored_shape(t, piece))
             on_bytes(sum(piece.nbytes for piece, _, _ in batch))
     return {key: pieces[(key, t.pieces[0].rows[0])] if len(t.pieces) == 1
             else torch.cat([pieces[(key, p.rows[0])] for p in t.pieces])

@@ -13,11 +13,13 @@ the budget whatever the model's size.
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -104,8 +106,7 @@ def items(state: CanonicalState, rank: int = 0, world_size: int | None = None) -
 
 
 # ----- planning -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Piece:
+class _Piece(NamedTuple):
     item: WriteItem
     start: int  # rows of item.source
     stop: int
@@ -125,13 +126,15 @@ def _key(item: WriteItem, start: int, stop: int) -> str:
 def _split(item: WriteItem, max_file_bytes: int, piece_bytes: int) -> list[_Piece]:
     shape, dtype = tuple(item.source.shape), dtype_name(item.source.dtype)
     rows = shape[0] if shape else 1
-    row_bytes = itemsize(dtype) * (int(torch.Size(shape[1:]).numel()) if shape else 1)
+    row_bytes = itemsize(dtype) * (math.prod(shape[1:]) if shape else 1)
     probe = datafile.Entry(_key(item, rows, rows), dtype, shape, 0)  # the longest key any piece gets
     room = max_file_bytes - datafile.FILE_OVERHEAD - datafile.entry_bound(probe)
     if row_bytes > room:
         raise ValueError(f"one row of {item.fqn or 'global'}/{item.field} ({row_bytes} bytes) does not fit "
                          f"in a data file of max_file_bytes={max_file_bytes}")
     step = max(1, min(room, piece_bytes) // row_bytes) if row_bytes else max(rows, 1)
+    if 0 < rows <= step:  # the common case: one piece
+        return [_Piece(item, 0, rows, dtype, datafile.Entry(_key(item, 0, rows), dtype, shape, rows * row_bytes))]
     pieces = []
     for start in range(0, rows, step):
         stop = min(start + step, rows)
@@ -201,13 +204,14 @@ def _write_file(store: Store, name: str, pieces: list[_Piece], durable: bool,
 
 
 def write_pieces(store: Store, stem: str, to_write: Iterable[WriteItem], *, max_file_bytes: int,
-                 memory_budget: int, on_bytes: OnBytes | None = None,
-                 durable: bool = True) -> tuple[list[PieceRecord], list[FileRecord]]:
+                 memory_budget: int, on_bytes: OnBytes | None = None, durable: bool = True,
+                 on_file: Callable[[str], None] | None = None) -> tuple[list[PieceRecord], list[FileRecord]]:
     """Write ``to_write`` into new data files ``<stem>-<n>.safetensors``; the pieces' records.
 
     Each file is at most ``max_file_bytes``; each piece at most ``memory_budget // 4`` bytes
     (at least one row). Files are complete when this returns, and durable unless ``durable``
-    is False (then ``store.make_durable`` them before committing).
+    is False (then ``store.make_durable`` them before committing). ``on_file(name)`` is called
+    as each file is completed (to start its fsync while the next one is written).
     """
     if max_file_bytes < MIN_FILE_BYTES:
         raise ValueError(f"max_file_bytes must be at least {MIN_FILE_BYTES}, got {max_file_bytes}")
@@ -219,6 +223,8 @@ def write_pieces(store: Store, stem: str, to_write: Iterable[WriteItem], *, max_
         recs, file = _write_file(store, f"{stem}-{i:05d}.safetensors", group, durable, on_bytes)
         records += recs
         files.append(file)
+        if on_file is not None:
+            on_file(file.name)
     return records, files
 
 
@@ -266,21 +272,25 @@ def write_state(state: CanonicalState, store: Store, *, world_size: int | None, 
     store.makedirs()
     token = new_token()
     records, files = [], []
-    try:
-        for rank in range(world_size or 1):
-            recs, fs = write_pieces(store, data_stem(token, rank), items(state, rank, world_size),
-                                    max_file_bytes=max_file_bytes, memory_budget=memory_budget, on_bytes=on_bytes,
-                                    durable=False)
-            records += recs
-            files += fs
-        manifest = build(state, records, files, layout="canonical" if world_size is None else "sharded",
-                         world_size=world_size or 1)
-    except BaseException:
-        discard(store, token)
-        raise
-    with ThreadPoolExecutor(1, thread_name_prefix="gefen-ckpt-fsync") as pool:  # fsync while validating
-        syncing = pool.submit(store.make_durable, [f.name for f in files])
-        commit(store, manifest, token, wait=syncing.result)
+    with ThreadPoolExecutor(1, thread_name_prefix="gefen-ckpt-fsync") as pool:  # each file's fsync starts
+        syncing = []                                                             # as soon as it is written
+
+        def sync_soon(name: str) -> None:
+            syncing.append(pool.submit(store.make_durable, [name]))
+
+        try:
+            for rank in range(world_size or 1):
+                recs, fs = write_pieces(store, data_stem(token, rank), items(state, rank, world_size),
+                                        max_file_bytes=max_file_bytes, memory_budget=memory_budget,
+                                        on_bytes=on_bytes, durable=False, on_file=sync_soon)
+                records += recs
+                files += fs
+            manifest = build(state, records, files, layout="canonical" if world_size is None else "sharded",
+                             world_size=world_size or 1)
+        except BaseException:
+            discard(store, token)
+            raise
+        commit(store, manifest, token, wait=lambda: [f.result() for f in syncing])
     return manifest
 
 
