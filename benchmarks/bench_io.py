@@ -243,7 +243,7 @@ def run(quick: bool) -> dict:
     torch.set_num_threads(2)
     SCRATCH.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(dir=SCRATCH))
-    sizes, reps = ((25,), 2) if quick else (SIZES, 5)
+    sizes, reps = ((25,), 2) if quick else (SIZES, 7)
     results, e2e = {}, {}
     try:
         dd = []

@@ -20,7 +20,7 @@ import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
 WRITE_BUFFER = 2**20
-WRITEBACK_EVERY = 8 * 2**20
+WRITEBACK_EVERY = 2 * 2**20
 WRITE_BEHIND_BYTES = 16 * 2**20
 READ_CHUNK = 2**20
 #: How far ``Prefetch`` may run ahead of its reader (page cache, not this process's memory).
