@@ -1,7 +1,8 @@
 """Full verification: every checksum, full coverage, and each data file's safetensors header.
 
 Unlike a read, verification does not stop at the first problem: it reports all of them.
-Pieces are hashed in bounded chunks, so memory stays small whatever the piece sizes.
+Pieces are hashed in bounded chunks, so memory stays small whatever the piece sizes; local
+files are prefetched into the page cache ahead of the hashing (``Store.prefetch``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gefen_ckpt.format.manifest import (
     total_tensor_bytes,
 )
 from gefen_ckpt.progress import progress_bar
-from gefen_ckpt.storage import Store
+from gefen_ckpt.storage import Prefetch, RangeReader, Store
 
 _CHUNK = 16 * 2**20
 
@@ -71,23 +72,23 @@ def _header_problems(store: Store, name: str, size: int, pieces: list[tuple[Tens
     return out
 
 
-def _hash_piece(store: Store, name: str, piece: PieceRecord, buffer: memoryview) -> tuple[int, int]:
-    """(checksum, bytes read) of a piece, read in chunks."""
+def _hash_piece(reader: RangeReader, piece: PieceRecord, buffer: memoryview, wait: Callable[[int], None]) -> tuple[int, int]:
+    """(checksum, bytes read) of a piece, read in chunks (``wait(end)`` before each)."""
     value, done = 0, 0
-    with store.reader(name) as reader:
-        while done < piece.nbytes:
-            view = buffer[:min(len(buffer), piece.nbytes - done)]
-            got = reader.read_into(piece.offset + done, view)
-            value = checksum.update(value, view[:got])
-            done += got
-            if got < len(view):
-                break
+    while done < piece.nbytes:
+        view = buffer[:min(len(buffer), piece.nbytes - done)]
+        wait(piece.offset + done + len(view))
+        got = reader.read_into(piece.offset + done, view)
+        value = checksum.update(value, view[:got])
+        done += got
+        if got < len(view):
+            break
     return value, done
 
 
 def _check_file(store: Store, report: VerifyReport, name: str, expected: int, actual: int | None,
                 pieces: list[tuple[TensorRecord, PieceRecord]], manifest: Manifest,
-                buffer: memoryview, on_bytes) -> None:
+                buffer: memoryview, on_bytes, warming: Prefetch | None) -> None:
     where = store.path(name)
     if actual is None:
         labels = sorted({t.label for t, _ in pieces})
@@ -98,16 +99,18 @@ def _check_file(store: Store, report: VerifyReport, name: str, expected: int, ac
         report.problem(f"{where}: {actual} bytes, the manifest says {expected} (truncated or replaced)")
     for message in _header_problems(store, name, actual, pieces, manifest.raw.get("alignment", datafile.ALIGNMENT)):
         report.problem(message)
-    for t, p in sorted(pieces, key=lambda tp: tp[1].offset):
-        value, got = _hash_piece(store, name, p, buffer)
-        report.pieces_checked += 1
-        report.bytes_checked += got
-        if on_bytes is not None:
-            on_bytes(p.nbytes)
-        if got != p.nbytes:
-            report.problem(f"{where}: {t.label} rows {list(p.rows)}: only {got} of {p.nbytes} bytes present")
-        elif value != p.checksum:
-            report.problem(f"{where}: {t.label} rows {list(p.rows)} (tensor {p.key!r}): checksum mismatch")
+    wait = (lambda end: warming.wait(where, end)) if warming is not None else (lambda end: None)
+    with store.reader(name) as reader:
+        for t, p in sorted(pieces, key=lambda tp: tp[1].offset):
+            value, got = _hash_piece(reader, p, buffer, wait)
+            report.pieces_checked += 1
+            report.bytes_checked += got
+            if on_bytes is not None:
+                on_bytes(p.nbytes)
+            if got != p.nbytes:
+                report.problem(f"{where}: {t.label} rows {list(p.rows)}: only {got} of {p.nbytes} bytes present")
+            elif value != p.checksum:
+                report.problem(f"{where}: {t.label} rows {list(p.rows)} (tensor {p.key!r}): checksum mismatch")
 
 
 def verify_checkpoint(store: Store, on_bytes: Callable[[int], None] | None = None) -> VerifyReport:
@@ -125,8 +128,15 @@ def verify_checkpoint(store: Store, on_bytes: Callable[[int], None] | None = Non
         for p in t.pieces:
             by_file[p.file].append((t, p))
     buffer = memoryview(bytearray(_CHUNK))
-    for f in manifest.files:
-        _check_file(store, report, f.name, f.nbytes, listing.get(f.name), by_file[f.name], manifest, buffer, on_bytes)
+    warming = store.prefetch({f.name: listing[f.name] for f in sorted(manifest.files, key=lambda f: f.name)
+                              if f.name in listing})
+    try:
+        for f in sorted(manifest.files, key=lambda f: f.name):
+            _check_file(store, report, f.name, f.nbytes, listing.get(f.name), by_file[f.name], manifest, buffer,
+                        on_bytes, warming)
+    finally:
+        if warming is not None:
+            warming.stop()
     referenced = {f.name for f in manifest.files} | {MANIFEST_NAME}
     for name in sorted(set(listing) - referenced):
         report.warnings.append(f"{store.path(name)}: not part of the checkpoint (left by an interrupted save?)")
