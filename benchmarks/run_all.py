@@ -28,7 +28,8 @@ The convention each benchmark module follows::
 * A module that raises, or returns something else, gets a section saying so (with the
   traceback) and makes run_all exit with status 1; the other benchmarks still run.
 * ``--only NAME`` re-runs some benchmarks; the sections of the others are taken from the last
-  run recorded in ``benchmarks/out/run_all.json`` (when there is one), so the page stays whole.
+  run recorded in ``docs/benchmarks.json`` (the records the page is rendered from, committed
+  with it, so that a fresh clone keeps the page whole too).
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/run_all.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import OUT, ROOT, machine_limits, md_table
+from benchmarks.common import ROOT, machine_limits, md_table
 
 DOC = ROOT / "docs" / "benchmarks.md"
 IMG = ROOT / "docs" / "img"
-CACHE = OUT / "run_all.json"
+CACHE = ROOT / "docs" / "benchmarks.json"
 
 
 def discover() -> list[str]:
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         records[name] = run_one(name, args.quick)
         status = "ok" if records[name]["ok"] else f"FAILED: {records[name]['error']}"
         print(f"[run_all] bench_{name}: {status} ({records[name]['seconds']} s)", flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
+    CACHE.parent.mkdir(parents=True, exist_ok=True)
     CACHE.write_text(json.dumps({"machine": machine, "records": records}, indent=2) + "\n")
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(render(records, machine))
