@@ -300,6 +300,12 @@ def _markdown(data: dict) -> str:
         "interleaved rounds; MB/s = bytes of state (optimizer, or model + optimizer) / time.",
         md_table(["state", "op"] + [f"{m} MB/s" for m in METHODS] + ["peak extra RSS MiB (" + " / ".join(METHODS) + ")"],
                  rows),
+        "gefen_ckpt's load row is what `gefen_ckpt.load` stages for a Gefen optimizer: every checksum "
+        "verified, the data files prefetched while the manifest is validated, tensors as views of a private "
+        "mapping of the files (safetensors' `load_file` also returns views of a private mapping, without "
+        "checksums). Every save ends in an `fsync`, so all methods run at about the disk's speed (the dd "
+        "column); what separates them is their fixed cost per save (for gefen_ckpt: planning the file "
+        "and the atomic manifest commit, a few ms).",
         "Targets (SPEC 12): save/load >= 0.8x dd, faster than every peer, checkpoint <= 1.05x the compressed state.",
         md_table(["state", "gefen_ckpt vs dd (save / load)", "vs best peer (save / load)",
                   "checkpoint / in-memory state"], targets),
