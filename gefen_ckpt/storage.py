@@ -355,7 +355,11 @@ class LocalWriter(Writer):
             n = os.write(self.fd, view)
             view = view[n:]
             self.written += n
-        if self.written - self.flushed >= WRITEBACK_EVERY and hasattr(os, "posix_fadvise"):
+        if self.written - self.flushed >= WRITEBACK_EVERY:
+            self._start_writeback()
+
+    def _start_writeback(self) -> None:
+        if hasattr(os, "posix_fadvise") and self.written > self.flushed:
             os.posix_fadvise(self.fd, self.flushed, self.written - self.flushed, os.POSIX_FADV_DONTNEED)
             self.flushed = self.written
 
@@ -375,6 +379,7 @@ class LocalWriter(Writer):
             self._finish()
             if self.error is not None:
                 raise self.error
+            self._start_writeback()  # the tail too: a later fsync then finds the disk already busy
             if durable:
                 os.fsync(self.fd)
         finally:

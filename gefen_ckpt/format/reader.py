@@ -14,6 +14,7 @@ delete, cannot change or invalidate a tensor already read.
 from __future__ import annotations
 
 import bisect
+import mmap
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -182,7 +183,7 @@ def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None
     for key, t in manifest.tensors.items():
         for piece in t.pieces:
             by_file.setdefault(piece.file, []).append((piece, t, key))
-    stage = _stage_mapped if map_files and store.local else _stage_read
+    stage = _stage_mapped if map_files and store.local and hasattr(mmap, "MAP_PRIVATE") else _stage_read
     tensors = stage(store, manifest, {name: sorted(by_file[name], key=lambda x: x[0].offset) for name in sorted(by_file)},
                     on_bytes or (lambda n: None), warming.wait if warming is not None else (lambda path, end: None))
     return _state(manifest, {k: EagerSource(v) for k, v in tensors.items()})
