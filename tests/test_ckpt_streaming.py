@@ -13,6 +13,8 @@ import gefen_ckpt
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen_ckpt import CanonicalState, EagerSource, ParamState
 from gefen_ckpt.errors import CheckpointCorruptError
+from gefen_ckpt.format.reader import stage_checkpoint
+from gefen_ckpt.storage import Store
 
 from ckpt_util import bits_equal, canonical_equal, fresh_like, same, snapshot, trained
 
@@ -107,6 +109,8 @@ def test_odd_shapes_and_dtypes(tmp_path):
         back = gefen_ckpt.read(url)
         assert canonical_equal(state, back)
         assert bits_equal(back.params["cube"].fields["b"].read(1, 3), params["cube"].fields["b"].read(1, 3))
+        for map_files in (False, True):  # what loads stage: fresh tensors, or views of the files
+            assert canonical_equal(state, stage_checkpoint(Store(url), map_files=map_files))
 
 
 def test_bf16_parameters_with_adamw(tmp_path):

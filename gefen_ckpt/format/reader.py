@@ -243,9 +243,14 @@ def _stage_mapped(store: Store, manifest: Manifest, by_file: dict, on_bytes: Cal
             for (piece, t, _), crc in zip(batch, crcs):
                 check_checksum(store, t, piece, crc)
             on_bytes(sum(piece.nbytes for piece, _, _ in batch))
-    return {key: pieces[(key, t.pieces[0].rows[0])] if len(t.pieces) == 1
-            else torch.cat([pieces[(key, p.rows[0])] for p in t.pieces])
-            for key, t in manifest.tensors.items()}
+    return {key: _joined(t, [pieces[(key, p.rows[0])] for p in t.pieces]) for key, t in manifest.tensors.items()}
+
+
+def _joined(t: TensorRecord, views: list[torch.Tensor]) -> torch.Tensor:
+    """A tensor from its pieces' views: the view itself when there is one piece."""
+    if len(views) == 1:
+        return views[0]
+    return torch.cat(views) if views else torch.empty(t.shape, dtype=torch_dtype(t.dtype))
 
 
 def _groups(batch: list, size_limit: int = STAGE_GROUP_BYTES) -> Iterator[list]:
