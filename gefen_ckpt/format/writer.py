@@ -272,8 +272,9 @@ def write_state(state: CanonicalState, store: Store, *, world_size: int | None, 
     store.makedirs()
     token = new_token()
     records, files = [], []
-    with ThreadPoolExecutor(1, thread_name_prefix="gefen-ckpt-fsync") as pool:  # each file's fsync starts
-        syncing = []                                                             # as soon as it is written
+    # each file's fsync starts as soon as it is written, and runs while the manifest is validated
+    with ThreadPoolExecutor(1, thread_name_prefix="gefen-ckpt-fsync") as pool:
+        syncing = []
 
         def sync_soon(name: str) -> None:
             syncing.append(pool.submit(store.make_durable, [name]))
