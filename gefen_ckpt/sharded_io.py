@@ -79,7 +79,9 @@ def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model) -> None:
     error, state = None, None
     try:
         store = Store(url)
-        state = lazy_state(store, open_checkpoint(store))
+        # Gefen optimizers copy what they load (prepare_load_state_dict): they may read views of
+        # the files; a torch optimizer keeps the tensors it is given
+        state = lazy_state(store, open_checkpoint(store), map_files=hasattr(optimizer, "prepare_load_state_dict"))
         check_contract(contract_of(optimizer), state.contract)  # refuse before reading any data
     except Exception as exc:
         error = exc

@@ -108,10 +108,10 @@ def read_piece(store: Store, tensor: TensorRecord, piece: PieceRecord, out: torc
 
 class PieceSource:
     """A stored tensor as a lazy ``TensorSource``: ``read`` fetches and verifies only the pieces
-    that overlap the requested rows."""
+    that overlap the requested rows (from ``mapped`` files when given: see ``MappedFiles``)."""
 
-    def __init__(self, store: Store, tensor: TensorRecord):
-        self.store, self.tensor = store, tensor
+    def __init__(self, store: Store, tensor: TensorRecord, mapped: MappedFiles | None = None):
+        self.store, self.tensor, self.mapped = store, tensor, mapped
         self._starts = [p.rows[0] for p in tensor.pieces]
 
     @property
@@ -125,16 +125,21 @@ class PieceSource:
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         t = self.tensor
         if not t.shape:
-            return read_piece(self.store, t, t.pieces[0])
+            return self.mapped.piece(t, t.pieces[0]) if self.mapped else read_piece(self.store, t, t.pieces[0])
         stop = t.rows if stop is None else stop
         if not 0 <= start <= stop <= t.rows:
             raise IndexError(f"{t.label}: rows [{start}, {stop}) are outside [0, {t.rows})")
-        out = torch.empty((stop - start, *t.shape[1:]), dtype=self.dtype)
-        first = max(bisect.bisect_right(self._starts, start) - 1, 0)
-        for piece in t.pieces[first:]:
+        overlapping = []
+        for piece in t.pieces[max(bisect.bisect_right(self._starts, start) - 1, 0):]:
             lo, hi = max(start, piece.rows[0]), min(stop, piece.rows[1])
             if lo >= hi:
                 break
+            overlapping.append((piece, lo, hi))
+        if self.mapped is not None:
+            views = [self.mapped.piece(t, piece)[lo - piece.rows[0]:hi - piece.rows[0]] for piece, lo, hi in overlapping]
+            return _joined(views, (stop - start, *t.shape[1:]), self.dtype)
+        out = torch.empty((stop - start, *t.shape[1:]), dtype=self.dtype)
+        for piece, lo, hi in overlapping:
             dst = out[lo - start:hi - start]
             if (lo, hi) == piece.rows:
                 read_piece(self.store, t, piece, dst)
@@ -144,6 +149,47 @@ class PieceSource:
 
     def __repr__(self) -> str:
         return f"PieceSource({self.tensor.label}, shape={self.shape}, dtype={self.dtype})"
+
+
+class MappedFiles:
+    """Private (copy-on-write) mappings of a local checkpoint's data files, for lazy reads whose
+    consumer copies what it gets (a Gefen optimizer's collective load): a piece is verified once,
+    on first use, and read as a view, so nothing is copied into fresh memory first."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._maps: dict[str, mmap.mmap] = {}
+        self._verified: set[tuple[str, int]] = set()
+
+    def piece(self, t: TensorRecord, piece: PieceRecord) -> torch.Tensor:
+        if not piece.nbytes:
+            return torch.empty(_stored_shape(t, piece), dtype=torch_dtype(t.dtype))
+        mapping = self._maps.get(piece.file)
+        if mapping is None:
+            with _reading(self.store, piece.file) as reader:
+                mapping = self._maps[piece.file] = reader.map_private()
+        if (piece.file, piece.offset) not in self._verified:
+            data = np.frombuffer(mapping, np.uint8)
+            check_length(self.store, t, piece, max(0, min(piece.nbytes, data.nbytes - piece.offset)))
+            check_checksum(self.store, t, piece, checksum.of_ranges(data, [piece.offset], [piece.nbytes])[0])
+            self._verified.add((piece.file, piece.offset))
+        return _view(mapping, t, piece)
+
+
+def _view(mapping, t: TensorRecord, piece: PieceRecord) -> torch.Tensor:
+    """A piece as a tensor viewing ``mapping`` (touches no data)."""
+    dtype = torch_dtype(t.dtype)
+    if not piece.nbytes:
+        return torch.empty(_stored_shape(t, piece), dtype=dtype)
+    flat = torch.frombuffer(mapping, dtype=dtype, count=piece.nbytes // dtype.itemsize, offset=piece.offset)
+    return flat.view(_stored_shape(t, piece))
+
+
+def _joined(views: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Consecutive row blocks as one tensor: the view itself when there is one."""
+    if len(views) == 1:
+        return views[0]
+    return torch.cat(views) if views else torch.empty(shape, dtype=dtype)
 
 
 # ----- a CanonicalState ---------------------------------------------------------------------
@@ -164,9 +210,15 @@ def _state(manifest: Manifest, sources: dict[tuple[str | None, str], TensorSourc
     )
 
 
-def lazy_state(store: Store, manifest: Manifest) -> CanonicalState:
-    """A ``CanonicalState`` whose tensors are read from the files on demand."""
-    return _state(manifest, {k: PieceSource(store, t) for k, t in manifest.tensors.items()})
+def lazy_state(store: Store, manifest: Manifest, *, map_files: bool = False) -> CanonicalState:
+    """A ``CanonicalState`` whose tensors are read from the files on demand; with ``map_files``
+    (local stores) as verified views of the files, for a caller that copies what it reads."""
+    mapped = MappedFiles(store) if map_files and _can_map(store) else None
+    return _state(manifest, {k: PieceSource(store, t, mapped) for k, t in manifest.tensors.items()})
+
+
+def _can_map(store: Store) -> bool:
+    return store.local and hasattr(mmap, "MAP_PRIVATE")
 
 
 def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None] | None = None, *,
@@ -183,7 +235,7 @@ def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None
     for key, t in manifest.tensors.items():
         for piece in t.pieces:
             by_file.setdefault(piece.file, []).append((piece, t, key))
-    stage = _stage_mapped if map_files and store.local and hasattr(mmap, "MAP_PRIVATE") else _stage_read
+    stage = _stage_mapped if map_files and _can_map(store) else _stage_read
     tensors = stage(store, manifest, {name: sorted(by_file[name], key=lambda x: x[0].offset) for name in sorted(by_file)},
                     on_bytes or (lambda n: None), warming.wait if warming is not None else (lambda path, end: None))
     return _state(manifest, {k: EagerSource(v) for k, v in tensors.items()})
@@ -233,24 +285,15 @@ def _stage_mapped(store: Store, manifest: Manifest, by_file: dict, on_bytes: Cal
         data, path = np.frombuffer(mapping, np.uint8), store.path(name)
         for piece, t, key in entries:  # views touch no data: made while the prefetch reads
             check_length(store, t, piece, max(0, min(piece.nbytes, data.nbytes - piece.offset)))
-            dtype = torch_dtype(t.dtype)
-            view = (torch.frombuffer(mapping, dtype=dtype, count=piece.nbytes // dtype.itemsize, offset=piece.offset)
-                    if piece.nbytes else torch.empty(0, dtype=dtype))
-            pieces[(key, piece.rows[0])] = view.view(_stored_shape(t, piece))
+            pieces[(key, piece.rows[0])] = _view(mapping, t, piece)
         for batch in _groups(entries, HASH_BATCH_BYTES):
             wait(path, batch[-1][0].offset + batch[-1][0].nbytes)
             crcs = checksum.of_ranges(data, [piece.offset for piece, _, _ in batch], [piece.nbytes for piece, _, _ in batch])
             for (piece, t, _), crc in zip(batch, crcs):
                 check_checksum(store, t, piece, crc)
             on_bytes(sum(piece.nbytes for piece, _, _ in batch))
-    return {key: _joined(t, [pieces[(key, p.rows[0])] for p in t.pieces]) for key, t in manifest.tensors.items()}
-
-
-def _joined(t: TensorRecord, views: list[torch.Tensor]) -> torch.Tensor:
-    """A tensor from its pieces' views: the view itself when there is one piece."""
-    if len(views) == 1:
-        return views[0]
-    return torch.cat(views) if views else torch.empty(t.shape, dtype=torch_dtype(t.dtype))
+    return {key: _joined([pieces[(key, p.rows[0])] for p in t.pieces], t.shape, torch_dtype(t.dtype))
+            for key, t in manifest.tensors.items()}
 
 
 def _groups(batch: list, size_limit: int = STAGE_GROUP_BYTES) -> Iterator[list]:
