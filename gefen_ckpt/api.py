@@ -14,7 +14,7 @@ from gefen.contract import contract_of
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState
 from gefen_ckpt.errors import CheckpointMismatchError
-from gefen_ckpt.exchange import check_contract, export_canonical, import_canonical
+from gefen_ckpt.exchange import check_contract, copies_on_load, export_canonical, import_canonical
 from gefen_ckpt.format.manifest import (
     open_checkpoint,
     parse_manifest,
@@ -91,10 +91,7 @@ def load(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Module |
         with _naming(url):
             check_contract(contract_of(optimizer), manifest.contract)
 
-    # Gefen optimizers copy what they stage (prepare_load_state_dict), so the staged tensors may
-    # be views of the files; a torch optimizer keeps the tensors it is given.
-    copies = hasattr(optimizer, "prepare_load_state_dict")
-    state = stage_checkpoint(Store(url), refuse_foreign, map_files=copies)
+    state = stage_checkpoint(Store(url), refuse_foreign, map_files=copies_on_load(optimizer))
     with _naming(url):
         import_canonical(optimizer, state, model=model)
 

@@ -262,6 +262,13 @@ def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
     publish()
 
 
+def copies_on_load(optimizer: torch.optim.Optimizer) -> bool:
+    """Does loading copy the tensors it is given? Gefen optimizers stage copies
+    (``prepare_load_state_dict``), so what they load may be views of checkpoint files; a torch
+    optimizer keeps the very tensors, so it must get memory of its own."""
+    return hasattr(optimizer, "prepare_load_state_dict")
+
+
 def stage_import(optimizer: torch.optim.Optimizer, state: CanonicalState,
                  model: torch.nn.Module | None = None) -> Callable[[], None]:
     """Validate ``state`` against ``optimizer`` and stage it without publishing; the returned

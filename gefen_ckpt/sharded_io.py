@@ -18,7 +18,7 @@ import torch
 from gefen.contract import contract_of
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
 from gefen_ckpt.collective import agree, all_gather_bytes, broadcast_bytes
-from gefen_ckpt.exchange import check_contract, export_canonical, import_canonical
+from gefen_ckpt.exchange import check_contract, copies_on_load, export_canonical, import_canonical
 from gefen_ckpt.format.manifest import FileRecord, PieceRecord, build, open_checkpoint
 from gefen_ckpt.format.reader import lazy_state
 from gefen_ckpt.format.writer import WriteItem, commit, data_stem, new_token, write_pieces
@@ -79,9 +79,7 @@ def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model) -> None:
     error, state = None, None
     try:
         store = Store(url)
-        # Gefen optimizers copy what they load (prepare_load_state_dict): they may read views of
-        # the files; a torch optimizer keeps the tensors it is given
-        state = lazy_state(store, open_checkpoint(store), map_files=hasattr(optimizer, "prepare_load_state_dict"))
+        state = lazy_state(store, open_checkpoint(store), map_files=copies_on_load(optimizer))
         check_contract(contract_of(optimizer), state.contract)  # refuse before reading any data
     except Exception as exc:
         error = exc

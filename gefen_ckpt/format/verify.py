@@ -128,10 +128,10 @@ def verify_checkpoint(store: Store, on_bytes: Callable[[int], None] | None = Non
         for p in t.pieces:
             by_file[p.file].append((t, p))
     buffer = memoryview(bytearray(_CHUNK))
-    warming = store.prefetch({f.name: listing[f.name] for f in sorted(manifest.files, key=lambda f: f.name)
-                              if f.name in listing})
+    files = sorted(manifest.files, key=lambda f: f.name)  # the order the prefetch reads them in
+    warming = store.prefetch({f.name: listing[f.name] for f in files if f.name in listing})
     try:
-        for f in sorted(manifest.files, key=lambda f: f.name):
+        for f in files:
             _check_file(store, report, f.name, f.nbytes, listing.get(f.name), by_file[f.name], manifest, buffer,
                         on_bytes, warming)
     finally:
