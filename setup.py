@@ -33,8 +33,10 @@ setup(
                   depends=["gefen/csrc/gefen_common.h"],
                   extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
                   extra_link_args=["-fopenmp"]),
-        # CRC-32 with carry-less multiplies; optional: gefen_ckpt falls back to zlib.crc32.
-        Extension("gefen_ckpt._crc32", ["gefen_ckpt/csrc/crc32.c"], optional=True, extra_compile_args=["-O3"]),
+        # CRC-32 with carry-less multiplies and the hashed reads/writes; optional: gefen_ckpt falls
+        # back to zlib.crc32 and Python I/O.
+        Extension("gefen_ckpt._crc32", ["gefen_ckpt/csrc/crc32.c"], optional=True,
+                  extra_compile_args=["-O3", "-pthread"], extra_link_args=["-pthread"]),
     ],
     cmdclass={"build_ext": BuildExt},
 )

@@ -272,7 +272,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"parameter {label}: field {name!r} holds code {int(value.max())}, "
                                  f"the codebook has {self.codebook_size} entries")  # (any uint8 fits 256)
             device = value.device if spec.geometry == "scalar" else local.device
-            staged[name] = value.detach().to(device=device, copy=True)
+            # one torch op per field (detach only when needed): each op releases the GIL, which
+            # costs a switch interval while another thread runs Python (docs/decisions.md)
+            staged[name] = (value.detach() if value.requires_grad else value).to(device=device, copy=True)
         return staged
 
     def _stage_codebook(self, global_state: dict, needed: bool) -> torch.Tensor | None:

@@ -46,8 +46,8 @@ class EagerSource:
         return self.tensor.dtype
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        if self.tensor.dim() == 0:
-            return self.tensor
+        if self.tensor.dim() == 0 or (start == 0 and stop in (None, self.tensor.shape[0])):
+            return self.tensor  # no slicing op: each torch op releases the GIL (see writer._in_memory)
         return self.tensor[start:stop]
 
     def __repr__(self) -> str:
@@ -89,6 +89,8 @@ class LocalPart:
                 f"rows [{start}, {stop}) are not held by this rank (it holds [{self.row_start}, {self.row_stop})); "
                 "use gefen_ckpt.transport.gather to collect them"
             )
+        if start == self.row_start and stop == self.row_stop:
+            return self.tensor
         return self.tensor[start - self.row_start:stop - self.row_start]
 
     def __repr__(self) -> str:

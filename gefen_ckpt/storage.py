@@ -9,19 +9,22 @@ atomically on close, and range reads.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
-import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
+from gefen_ckpt import native
+from gefen_ckpt.format import checksum
+
 WRITE_BUFFER = 2**20
+WRITE_CHUNK = 2 * 2**20
 WRITEBACK_EVERY = 2 * 2**20
-WRITE_BEHIND_BYTES = 16 * 2**20
 READ_CHUNK = 2**20
 #: How far ``Prefetch`` may run ahead of its reader (page cache, not this process's memory).
 PREFETCH_LEAD = 256 * 2**20
@@ -83,31 +86,40 @@ class Store:
             handle.close()
 
     @contextmanager
-    def create(self, name: str, durable: bool = True, write_behind: bool = False) -> Iterator[Writer]:
+    def create(self, name: str, durable: bool = True) -> Iterator[Writer]:
         """A new file, complete (and with ``durable``, fsync'd) when the block exits without
-        error; without it, call ``make_durable`` before anything may depend on the file.
-        ``write_behind``: see ``LocalWriter`` (object stores buffer in fsspec anyway).
+        error; without it, call ``durable_soon`` (and wait) before anything may depend on the file.
 
         On error the partial file is removed where possible; on a crash it is garbage that no
         manifest references.
         """
-        writer = LocalWriter(self.path(name), write_behind) if self.local else RemoteWriter(self.fs, self.path(name))
+        writer = LocalWriter(self.path(name)) if self.local else RemoteWriter(self.fs, self.path(name))
         try:
             yield writer
-            writer.close(durable)  # may raise too (a write-behind error surfaces here)
+            writer.close(durable)  # may raise too
         except BaseException:
             writer.abort()
             raise
 
-    def make_durable(self, names: list[str]) -> None:
-        """fsync files written with ``durable=False`` (object stores: complete on close already)."""
-        if self.local:
-            for name in names:
-                fd = os.open(self.path(name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+    def durable_soon(self, name: str) -> Callable[[], None]:
+        """Start making ``name`` (created with ``durable=False``) durable; the returned callable
+        waits for it and raises ``OSError`` if it failed. Locally the fsync runs on a C thread
+        (``gefen_ckpt.native``): a Python thread would need the GIL between its system calls,
+        which the caller holds while it builds the manifest (docs/decisions.md). Object stores:
+        an object is complete on close, nothing to wait for."""
+        if not self.local:
+            return lambda: None
+        path = self.path(name)
+        handle = native.lib.gefen_fsync_start(os.fsencode(path)) if native.io else None
+        if handle is None:
+            return _in_thread(_fsync, path)
+
+        def wait() -> None:
+            error = native.lib.gefen_fsync_wait(handle)
+            if error:
+                raise OSError(error, os.strerror(error), path)
+
+        return wait
 
     def sync(self) -> None:
         """Make the directory's entries durable (local only; object stores have no directories)."""
@@ -139,6 +151,35 @@ class Store:
                 self.fs.rm_file(self.path(name))
         except FileNotFoundError:
             pass
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _in_thread(fn: Callable[[str], None], arg: str) -> Callable[[], None]:
+    """Run ``fn(arg)`` on a daemon thread; the returned callable joins it and re-raises its error."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn(arg)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="gefen-ckpt-fsync", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if errors:
+            raise errors[0]
+
+    return wait
 
 
 class Prefetch:
@@ -277,6 +318,16 @@ class Writer:
     def write(self, data) -> None:
         raise NotImplementedError
 
+    def write_hashed(self, spans: list[tuple[int, int]]) -> list[int]:
+        """Append the memory at each ``(address, size)`` (kept valid by the caller until this
+        returns) and return the checksum of each span."""
+        crcs = []
+        for address, size in spans:
+            data = (ctypes.c_ubyte * size).from_address(address) if size else b""
+            self.write(data)
+            crcs.append(checksum.update(0, data))
+        return crcs
+
     def close(self, durable: bool = True) -> None:
         raise NotImplementedError
 
@@ -289,96 +340,54 @@ class LocalWriter(Writer):
     start writing the file out, so the disk works while the rest is produced and the final
     fsync has little left to wait for (``posix_fadvise(DONTNEED)`` starts writeback of dirty
     pages; pages already on disk then leave the page cache instead of crowding out the
-    training job's).
-
-    ``write_behind``: ``write`` hands the bytes to a helper thread and returns, so the caller
-    serialises and checksums the next piece while the kernel copies this one into the page
-    cache (both release the GIL). Meant for data that stays in memory anyway (a live
-    optimizer's state): a buffer must not change until ``close``, and up to
-    ``WRITE_BEHIND_BYTES`` (or one larger buffer) stay referenced until written.
+    training job's). ``write_hashed`` writes, hashes and starts writeback in one C call when the
+    library is built (``checksum.native_io``): no Python, so no GIL, between the system calls.
     """
 
-    def __init__(self, path: str, write_behind: bool = False):
+    def __init__(self, path: str):
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self.write_behind = write_behind
         self.batch = bytearray()
-        self.room = threading.Condition()
-        self.in_flight = 0
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.written = self.flushed = 0
+        self.progress = [0, 0]  # bytes written, bytes handed to writeback
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
         if len(view) < WRITE_BUFFER:
             self.batch += view
             if len(self.batch) >= WRITE_BUFFER:
-                self._hand_over(self.batch)
-                self.batch = bytearray()
+                self._flush_batch()
             return
+        self._flush_batch()
+        self._write_out(view)
+
+    def write_hashed(self, spans: list[tuple[int, int]]) -> list[int]:
+        if not checksum.native_io():
+            return super().write_hashed(spans)
+        self._flush_batch()
+        return checksum.write_hashed(self.fd, spans, WRITE_CHUNK, WRITEBACK_EVERY, self.progress)
+
+    def _flush_batch(self) -> None:
         if self.batch:
-            self._hand_over(self.batch)
+            self._write_out(memoryview(self.batch))
             self.batch = bytearray()
-        self._hand_over(view)
-
-    def _hand_over(self, view) -> None:
-        if self.error is not None:
-            raise self.error
-        if not self.write_behind:
-            self._write_out(memoryview(view))
-            return
-        n = len(view)
-        with self.room:
-            self.room.wait_for(lambda: self.in_flight == 0 or self.in_flight + n <= WRITE_BEHIND_BYTES)
-            self.in_flight += n
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._drain, name="gefen-ckpt-write", daemon=True)
-            self.thread.start()
-        self.queue.put(view)
-
-    def _drain(self) -> None:
-        while (view := self.queue.get()) is not None:
-            try:
-                if self.error is None:
-                    self._write_out(memoryview(view))
-            except BaseException as exc:  # reported to the caller by the next write or close
-                self.error = exc
-            finally:
-                with self.room:
-                    self.in_flight -= len(view)
-                    self.room.notify_all()
 
     def _write_out(self, view: memoryview) -> None:
         while view:
             n = os.write(self.fd, view)
             view = view[n:]
-            self.written += n
-        if self.written - self.flushed >= WRITEBACK_EVERY:
+            self.progress[0] += n
+        if self.progress[0] - self.progress[1] >= WRITEBACK_EVERY:
             self._start_writeback()
 
     def _start_writeback(self) -> None:
-        if hasattr(os, "posix_fadvise") and self.written > self.flushed:
-            os.posix_fadvise(self.fd, self.flushed, self.written - self.flushed, os.POSIX_FADV_DONTNEED)
-            self.flushed = self.written
-
-    def _finish(self) -> None:
-        """Write what is left and stop the helper thread."""
-        try:
-            if self.batch and self.error is None:
-                self._hand_over(self.batch)
-        finally:
-            if self.thread is not None:
-                self.queue.put(None)
-                self.thread.join()
-                self.thread = None
+        written, flushed = self.progress
+        if hasattr(os, "posix_fadvise") and written > flushed:
+            os.posix_fadvise(self.fd, flushed, written - flushed, os.POSIX_FADV_DONTNEED)
+            self.progress[1] = written
 
     def close(self, durable: bool = True) -> None:
         try:
-            self._finish()
-            if self.error is not None:
-                raise self.error
+            self._flush_batch()
             self._start_writeback()  # the tail too: a later fsync then finds the disk already busy
             if durable:
                 os.fsync(self.fd)
@@ -386,15 +395,10 @@ class LocalWriter(Writer):
             self._close_fd()
 
     def abort(self) -> None:
-        """Stop, close and remove the file (also after a failed ``close``)."""
-        self.error = self.error or OSError("write aborted")
+        """Close and remove the file (also after a failed ``close``)."""
         try:
-            if self.thread is not None:
-                self.queue.put(None)
-                self.thread.join()
-                self.thread = None
-        finally:
             self._close_fd()
+        finally:
             try:
                 os.unlink(self.path)
             except OSError:

@@ -78,8 +78,8 @@ def read_path(request, monkeypatch):
     if request.param != "mapped":
         monkeypatch.setattr(reader, "_stage_mapped", reader._stage_read)
     if request.param == "python":
-        monkeypatch.setattr(checksum, "can_read_hashed", lambda: False)
-    elif not checksum.can_read_hashed():
+        monkeypatch.setattr(checksum, "native_io", lambda: False)
+    elif not checksum.native_io():
         pytest.skip("no fused read+checksum on this machine/build")
 
 

@@ -126,7 +126,7 @@ def test_accelerated_checksum_equals_zlib_at_every_length_and_alignment():
     assert checksum.update(0, data.tobytes()) == zlib.crc32(data)  # read-only bytes
 
 
-@pytest.mark.skipif(not checksum.can_read_hashed(), reason="no fused read+checksum on this machine/build")
+@pytest.mark.skipif(not checksum.native_io(), reason="no fused read+checksum on this machine/build")
 def test_fused_read_and_checksum(tmp_path):
     data = np.random.default_rng(4).integers(0, 256, 300_000, dtype=np.uint8)
     path = tmp_path / "f.bin"

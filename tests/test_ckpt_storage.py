@@ -88,40 +88,62 @@ def test_s3_missing_object_is_reported(s3_endpoint):
     assert not gefen_ckpt.verify(url).ok
 
 
-# ----- local write-behind ---------------------------------------------------------------------
-@pytest.mark.parametrize("write_behind", [False, True])
-def test_local_writer_keeps_order_across_small_and_large_writes(tmp_path, write_behind, monkeypatch):
+# ----- local writes ---------------------------------------------------------------------------
+def _spans(chunks):
+    import ctypes
+
+    owners = [(ctypes.c_ubyte * len(c)).from_buffer_copy(c) for c in chunks]
+    return owners, [(ctypes.addressof(o), len(c)) for o, c in zip(owners, chunks)]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C", "python"])
+def test_local_writer_keeps_order_across_writes_and_hashed_spans(tmp_path, native, monkeypatch):
+    """``write`` (coalesced when small) and ``write_hashed`` (one C call, or the Python fallback)
+    interleave in order, and ``write_hashed`` returns zlib's CRC-32 of every span."""
     import os
+    import zlib
 
     import gefen_ckpt.storage as storage
+    from gefen_ckpt.format import checksum
 
-    monkeypatch.setattr(storage, "WRITE_BEHIND_BYTES", 3 * storage.WRITE_BUFFER)  # queue and wait
-    chunks = [os.urandom(n) for n in (10, storage.WRITE_BUFFER + 7, 100, 5, 3 * storage.WRITE_BUFFER, 1, 999_999, 2)]
+    if native and not checksum.native_io():
+        pytest.skip("no C write path on this machine/build")
+    monkeypatch.setattr(checksum, "native_io", lambda: native)
+    monkeypatch.setattr(storage, "WRITEBACK_EVERY", 3 * storage.WRITE_BUFFER + 11)
+    small, large = [os.urandom(n) for n in (10, 100, 5)], [os.urandom(n) for n in (storage.WRITE_BUFFER + 7, 0, 1, 999_999)]
+    hashed = [os.urandom(n) for n in (3 * storage.WRITE_BUFFER, 0, 4097, 2)]
+    owners, spans = _spans(hashed)
     store = storage.Store(str(tmp_path))
-    with store.create("f.bin", write_behind=write_behind) as out:
-        for c in chunks:
+    with store.create("f.bin") as out:
+        for c in small:
             out.write(c)
-    assert (tmp_path / "f.bin").read_bytes() == b"".join(chunks)
+        crcs = out.write_hashed(spans)
+        for c in large:
+            out.write(c)
+    assert crcs == [zlib.crc32(c) for c in hashed]
+    assert (tmp_path / "f.bin").read_bytes() == b"".join(small + hashed + large)
 
 
-def test_write_behind_error_surfaces_and_removes_the_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["C", "python"])
+def test_a_failed_write_surfaces_and_removes_the_file(tmp_path, native, monkeypatch):
+    """A disk that fills up mid-file (the descriptor swapped for /dev/full): ``OSError`` from the
+    ``with`` block, and no partial file left behind."""
     import os
 
     import gefen_ckpt.storage as storage
+    from gefen_ckpt.format import checksum
 
-    calls = {"n": 0}
-    real = os.write
-
-    def failing(fd, data):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError(28, "No space left on device (injected)")
-        return real(fd, data)
-
-    monkeypatch.setattr(storage.os, "write", failing)
+    if not os.path.exists("/dev/full") or (native and not checksum.native_io()):
+        pytest.skip("needs /dev/full (and the C write path for the C case)")
+    monkeypatch.setattr(checksum, "native_io", lambda: native)
+    owners, spans = _spans([b"x" * (2 * storage.WRITE_BUFFER)] * 3)
     store = storage.Store(str(tmp_path))
-    with pytest.raises(OSError, match="injected"):
-        with store.create("f.bin", write_behind=True) as out:
-            for _ in range(6):
-                out.write(b"x" * (2 * storage.WRITE_BUFFER))
+    with pytest.raises(OSError) as failure:
+        with store.create("f.bin") as out:
+            out.write(b"header")
+            full = os.open("/dev/full", os.O_WRONLY)
+            os.dup2(full, out.fd)
+            os.close(full)
+            out.write_hashed(spans)
+    assert failure.value.errno == 28  # ENOSPC
     assert not (tmp_path / "f.bin").exists()

@@ -15,7 +15,11 @@
 #include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #if !defined(_WIN32)
+#include <fcntl.h>
+#include <pthread.h>
 #include <unistd.h>
 #endif
 
@@ -166,5 +170,113 @@ CRC_EXPORT int gefen_read_hashed(int fd, int64_t n, const int64_t *offsets, cons
         crcs[i] = crc;
     }
     return 0;
+#endif
+}
+
+/*
+ * The write side of gefen_read_hashed: append n buffers to an open file and checksum each one
+ * in the same pass (a chunk is hashed, then written while it is still in cache), in one call
+ * without the GIL.  Python between the writes needs the GIL back after every system call, and
+ * waits up to the interpreter's switch interval for it whenever another thread is running
+ * Python (docs/decisions.md).
+ *
+ * Buffer i is sizes[i] bytes at srcs[i], written in chunks of `chunk` bytes; crcs[i] receives
+ * its CRC-32.  progress[0] is the file offset written so far and progress[1] the offset up to
+ * which writeback was started: every `writeback_every` bytes the kernel is asked to start
+ * writing the new bytes out (posix_fadvise DONTNEED), so the disk works while the rest is
+ * produced.  Both are updated as the call goes.  Returns 0, or -errno of a failed write (the
+ * buffers before it are complete).  Not available on Windows (returns -ENOSYS).
+ */
+CRC_EXPORT int gefen_write_hashed(int fd, int64_t n, const void *const *srcs, const int64_t *sizes, int64_t chunk,
+                                  int64_t writeback_every, int64_t *progress, uint32_t *crcs) {
+#if defined(_WIN32)
+    (void)fd; (void)n; (void)srcs; (void)sizes; (void)chunk; (void)writeback_every; (void)progress; (void)crcs;
+    return -ENOSYS;
+#else
+    if (chunk <= 0) return -EINVAL;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *src = srcs[i];
+        int64_t done = 0, size = sizes[i];
+        uint32_t crc = 0;
+        while (done < size) {
+            size_t want = (size_t)(size - done < chunk ? size - done : chunk);
+            crc = gefen_crc32(crc, src + done, want);
+            for (size_t put = 0; put < want;) {
+                ssize_t w = write(fd, src + done + put, want - put);
+                if (w < 0) {
+                    if (errno == EINTR) continue;
+                    return -errno;
+                }
+                put += (size_t)w;
+                progress[0] += w;
+            }
+            done += (int64_t)want;
+            if (writeback_every > 0 && progress[0] - progress[1] >= writeback_every) {
+                posix_fadvise(fd, (off_t)progress[1], (off_t)(progress[0] - progress[1]), POSIX_FADV_DONTNEED);
+                progress[1] = progress[0];
+            }
+        }
+        crcs[i] = crc;
+    }
+    return 0;
+#endif
+}
+
+/*
+ * fsync a file on a thread of its own, so a save can build its manifest (Python) while the disk
+ * flushes.  A Python helper thread would need the GIL back between its system calls and wait up
+ * to the interpreter's switch interval for it while the saving thread runs Python (measured:
+ * the flush of a save's data started ~4 ms after it was asked for).  gefen_fsync_start returns a
+ * handle, or NULL when no thread could be started (the caller then syncs in line);
+ * gefen_fsync_wait joins it and returns 0 or the errno of the failed open or fsync.
+ */
+#if !defined(_WIN32)
+struct fsync_job {
+    pthread_t thread;
+    int result;
+    char path[];
+};
+
+static void *fsync_path(void *arg) {
+    struct fsync_job *job = arg;
+    int fd = open(job->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        job->result = errno;
+        return NULL;
+    }
+    job->result = fsync(fd) ? errno : 0;
+    close(fd);
+    return NULL;
+}
+#endif
+
+CRC_EXPORT void *gefen_fsync_start(const char *path) {
+#if defined(_WIN32)
+    (void)path;
+    return NULL;
+#else
+    size_t n = strlen(path) + 1;
+    struct fsync_job *job = malloc(sizeof *job + n);
+    if (job == NULL) return NULL;
+    memcpy(job->path, path, n);
+    job->result = 0;
+    if (pthread_create(&job->thread, NULL, fsync_path, job) != 0) {
+        free(job);
+        return NULL;
+    }
+    return job;
+#endif
+}
+
+CRC_EXPORT int gefen_fsync_wait(void *handle) {
+#if defined(_WIN32)
+    (void)handle;
+    return ENOSYS;
+#else
+    struct fsync_job *job = handle;
+    pthread_join(job->thread, NULL);
+    int result = job->result;
+    free(job);
+    return result;
 #endif
 }

@@ -1,20 +1,19 @@
 """The per-piece checksum: CRC-32 (ISO-HDLC, the zlib/PNG/gzip one).
 
 CRC-32 is in every standard library, so any reader can verify a checkpoint. ``update`` uses
-``gefen_ckpt._crc32`` (``gefen_ckpt/csrc/crc32.c``: carry-less-multiply folding, 2-4x
-``zlib.crc32``'s 1.6-3 GB/s measured here) when it is built, the CPU has the instruction and it
-reproduces ``zlib.crc32`` on a self-check; otherwise ``zlib.crc32``. Same values either way;
+the C library (``gefen_ckpt.native``: carry-less-multiply folding, 2-4x ``zlib.crc32``'s
+1.6-3 GB/s measured here) when it is usable; otherwise ``zlib.crc32``. Same values either way;
 both release the GIL, so hashing overlaps I/O in a helper thread (docs/decisions.md).
 """
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import os
 import zlib
 
 import numpy as np
+
+from gefen_ckpt import native
 
 ALGORITHM = "crc32"
 #: Pieces at least this large are hashed in a helper thread while the next one is read from
@@ -24,35 +23,7 @@ READ_THREAD_MIN_BYTES = 2**20
 NATIVE_MIN_BYTES = 4096
 
 
-def _load_native():
-    """The accelerated library (``gefen_crc32(crc, ptr, n)``, ``gefen_read_hashed``) when it is
-    usable, else None."""
-    try:
-        spec = importlib.util.find_spec("gefen_ckpt._crc32")
-        if spec is None or not spec.origin:
-            return None
-        lib = ctypes.CDLL(spec.origin)
-        fn = lib.gefen_crc32
-        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        fn.restype = ctypes.c_uint32
-        lib.gefen_read_hashed.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
-            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-        lib.gefen_read_hashed.restype = ctypes.c_int
-        lib.gefen_crc32_many.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3
-        lib.gefen_crc32_many.restype = None
-        if not lib.gefen_crc32_accelerated():
-            return None
-    except (ImportError, OSError, AttributeError):
-        return None
-    probe = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8)
-    for n, start in ((100_003, 0), (4096, 7), (65, 1), (1000, 12345)):
-        data = probe[:n]
-        if fn(start, data.ctypes.data, n) != zlib.crc32(data, start):
-            return None
-    return lib
-
-
-_lib = _load_native()
+_lib = native.lib
 _native = _lib.gefen_crc32 if _lib is not None else None
 
 
@@ -82,14 +53,15 @@ def of_ranges(data: np.ndarray, offsets: list[int], sizes: list[int]) -> list[in
     return crcs.tolist()
 
 
-def can_read_hashed() -> bool:
-    return _lib is not None and os.name == "posix"
+def native_io() -> bool:
+    """Are ``read_hashed`` and ``write_hashed`` available (the C library, on POSIX)?"""
+    return native.io
 
 
 def read_hashed(fd: int, offsets: list[int], sizes: list[int], addresses: list[int],
                 chunk: int) -> tuple[list[int], list[int]]:
     """Read ``sizes[i]`` bytes at ``offsets[i]`` of ``fd`` into memory at ``addresses[i]`` and
-    checksum them in the same pass (one C call, GIL released; see ``can_read_hashed``).
+    checksum them in the same pass (one C call, GIL released; see ``native_io``).
     Returns (bytes read, checksum) lists; fewer bytes only at end of file; ``OSError`` on a
     failed read."""
     n = len(offsets)
@@ -99,3 +71,22 @@ def read_hashed(fd: int, offsets: list[int], sizes: list[int], addresses: list[i
     if rc < 0:
         raise OSError(-rc, os.strerror(-rc))
     return got.tolist(), crcs.tolist()
+
+
+
+def write_hashed(fd: int, spans: list[tuple[int, int]], chunk: int, writeback_every: int,
+                 progress: list[int]) -> list[int]:
+    """Append the memory at each ``(address, size)`` to ``fd`` and return the checksum of each, in
+    one C call (GIL released; see ``native_io``). ``progress`` is ``[bytes written, bytes handed
+    to writeback]`` of the file so far, updated in place (also when a write fails: ``OSError``)."""
+    n = len(spans)
+    table = np.asarray(spans, np.int64).reshape(n, 2)
+    addresses, sizes = np.ascontiguousarray(table[:, 0]), np.ascontiguousarray(table[:, 1])
+    state = np.asarray(progress, np.int64)
+    crcs = np.zeros(n, np.uint32)
+    rc = _lib.gefen_write_hashed(fd, n, addresses.ctypes.data, sizes.ctypes.data, chunk, writeback_every,
+                                 state.ctypes.data, crcs.ctypes.data)
+    progress[:] = state.tolist()
+    if rc < 0:
+        raise OSError(-rc, os.strerror(-rc))
+    return crcs.tolist()

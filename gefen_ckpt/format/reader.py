@@ -25,7 +25,7 @@ import torch
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.format import checksum
-from gefen_ckpt.format.dtypes import torch_dtype
+from gefen_ckpt.format.dtypes import itemsize, torch_dtype
 from gefen_ckpt.format.integrity import check_checksum, check_length
 from gefen_ckpt.format.manifest import (
     Manifest,
@@ -78,7 +78,7 @@ def read_verified(store: Store, reader: RangeReader, batch: Batch, hasher: Threa
         if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() * dst.element_size() != piece.nbytes:
             raise ValueError(f"{t.label}: destination {tuple(dst.shape)} {dst.dtype} on {dst.device} is not a "
                              f"contiguous {piece.nbytes}-byte CPU buffer")
-    if isinstance(reader, LocalReader) and checksum.can_read_hashed():
+    if isinstance(reader, LocalReader) and checksum.native_io():
         got, crcs = checksum.read_hashed(reader.fd, [p.offset for p, _, _ in batch], [p.nbytes for p, _, _ in batch],
                                          [dst.data_ptr() for _, _, dst in batch], READ_CHUNK)
         for (piece, t, _), n, crc in zip(batch, got, crcs):
@@ -176,13 +176,25 @@ class MappedFiles:
         return _view(mapping, t, piece)
 
 
+#: numpy dtypes that ``torch.from_numpy`` takes, by manifest name; others go through an integer
+#: of their size and one ``view``.
+_NUMPY = {name: getattr(np, name) for name in ("float64", "float32", "float16", "int64", "int32", "int16", "int8",
+                                              "uint8", "bool")}
+_CARRIER = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
 def _view(mapping, t: TensorRecord, piece: PieceRecord) -> torch.Tensor:
-    """A piece as a tensor viewing ``mapping`` (touches no data)."""
-    dtype = torch_dtype(t.dtype)
+    """A piece as a tensor viewing ``mapping`` (touches no data). Made through numpy: a torch
+    operation per piece would release the GIL per piece, which costs a switch interval (5 ms)
+    each while another thread of the process runs Python (docs/decisions.md)."""
+    shape = _stored_shape(t, piece)
     if not piece.nbytes:
-        return torch.empty(_stored_shape(t, piece), dtype=dtype)
-    flat = torch.frombuffer(mapping, dtype=dtype, count=piece.nbytes // dtype.itemsize, offset=piece.offset)
-    return flat.view(_stored_shape(t, piece))
+        return torch.empty(shape, dtype=torch_dtype(t.dtype))
+    native = _NUMPY.get(t.dtype)
+    size = itemsize(t.dtype)
+    array = np.frombuffer(mapping, native or _CARRIER[size], count=piece.nbytes // size, offset=piece.offset)
+    tensor = torch.from_numpy(array.reshape(shape))
+    return tensor if native else tensor.view(torch_dtype(t.dtype))
 
 
 def _joined(views: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -17,14 +17,14 @@ import math
 import re
 import secrets
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, TensorSource
-from gefen_ckpt.format import checksum, datafile
+from gefen_ckpt.format import datafile
 from gefen_ckpt.format.dtypes import dtype_name, itemsize
 from gefen_ckpt.format.manifest import (
     FORMAT_NAME,
@@ -37,11 +37,16 @@ from gefen_ckpt.format.manifest import (
     encode,
     validate,
 )
-from gefen_ckpt.storage import Store
+from gefen_ckpt.storage import Store, Writer
 
 DATA_FILE = re.compile(r"data-[0-9a-f]+-r\d+-\d+\.safetensors")
 TEMP_MANIFEST = re.compile(re.escape(MANIFEST_NAME) + r"\.[0-9a-f]+\.tmp")
 MIN_FILE_BYTES = 1024
+#: A live state's pieces are written in batches of about this many bytes (one C call each; the
+#: progress bar moves once per batch).
+WRITE_BATCH_BYTES = 64 * 2**20
+_ZEROS = np.zeros(datafile.ALIGNMENT, np.uint8)  # the padding before a piece is shorter than this
+_ZEROS_AT = _ZEROS.ctypes.data
 OnBytes = Callable[[int], None]
 
 
@@ -160,13 +165,18 @@ def _pack(pieces: Iterable[_Piece], max_file_bytes: int) -> list[list[_Piece]]:
 
 
 # ----- writing ------------------------------------------------------------------------------
-def _as_bytes(tensor: torch.Tensor, piece: _Piece):
-    """The tensor's bytes as a buffer, after checking the source returned what it promised."""
+def _in_memory(tensor: torch.Tensor, piece: _Piece) -> tuple[torch.Tensor, int]:
+    """(a contiguous CPU tensor of the piece's bytes, its address), after checking the source
+    returned what it promised. A live state's tensors already are such, and then this only reads
+    attributes: every torch operation releases the GIL, and while another thread of the process
+    runs Python each release costs a switch interval (5 ms; docs/decisions.md)."""
     want = piece.entry.shape
     if tuple(tensor.shape) != tuple(want) or dtype_name(tensor.dtype) != piece.dtype:
         raise ValueError(f"{piece.entry.key}: the source returned {tuple(tensor.shape)} {tensor.dtype}, "
                          f"expected {tuple(want)} {piece.dtype}")
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        tensor = tensor.detach().cpu().contiguous()
+    return tensor, tensor.data_ptr()
 
 
 def _resident(source: TensorSource) -> bool:
@@ -179,28 +189,42 @@ def _resident(source: TensorSource) -> bool:
 
 def _write_file(store: Store, name: str, pieces: list[_Piece], durable: bool,
                 on_bytes: OnBytes | None) -> tuple[list[PieceRecord], FileRecord]:
-    """One data file. Data already in memory is written behind (the copy into the page cache
-    overlaps serialising and hashing the next piece: ~1.3x faster saves measured); streamed
-    data is written in line, so a conversion holds one piece at a time."""
+    """One data file. Pieces of a state held in memory anyway (a live optimizer's) go to the
+    writer in batches of up to ``WRITE_BATCH_BYTES``, one ``write_hashed`` call each (written and
+    hashed without the GIL); a piece read from elsewhere (a checkpoint being converted) is written
+    as soon as it is read, so a conversion holds one piece at a time."""
     prefix, offsets, size = datafile.build([p.entry for p in pieces],
                                            {"format": FORMAT_NAME, "version": ".".join(map(str, FORMAT_VERSION))})
     records = []
-    behind = all(_resident(p.item.source) for p in pieces)
-    with store.create(name, durable, write_behind=behind) as out:
+    with store.create(name, durable) as out:
         out.write(prefix)
-        pos = len(prefix)
+        end, held = len(prefix), 0
+        spans: list[tuple[int, int]] = []  # (address, bytes) to append, padding included
+        owners: list[torch.Tensor] = []  # what keeps those addresses valid until written
+        placed: list[tuple[_Piece, int, int]] = []  # (piece, file offset, index in spans)
         for p, offset in zip(pieces, offsets):
-            if offset > pos:
-                out.write(datafile.padding(offset - pos))
-            data = _as_bytes(p.item.source.read(p.start, p.stop), p)
-            out.write(data)
-            crc = checksum.update(0, data)
-            records.append(PieceRecord(p.item.fqn, p.item.field, p.global_rows, name, p.entry.key, offset,
-                                       p.entry.nbytes, crc))
-            pos = offset + p.entry.nbytes
-            if on_bytes is not None:
-                on_bytes(p.entry.nbytes)
+            if offset > end:
+                spans.append((_ZEROS_AT, offset - end))
+            tensor, address = _in_memory(p.item.source.read(p.start, p.stop), p)
+            owners.append(tensor)
+            placed.append((p, offset, len(spans)))
+            spans.append((address, p.entry.nbytes))
+            end, held = offset + p.entry.nbytes, held + p.entry.nbytes
+            if held >= WRITE_BATCH_BYTES or not _resident(p.item.source):
+                records += _put(out, name, spans, placed, on_bytes)
+                spans, owners, placed, held = [], [], [], 0
+        records += _put(out, name, spans, placed, on_bytes)
     return records, FileRecord(name, size)
+
+
+def _put(out: Writer, name: str, spans: list[tuple[int, int]], placed: list[tuple[_Piece, int, int]],
+         on_bytes: OnBytes | None) -> list[PieceRecord]:
+    """Append ``spans`` to ``out``; the records of the pieces among them."""
+    crcs = out.write_hashed(spans) if spans else []
+    if on_bytes is not None and placed:
+        on_bytes(sum(p.entry.nbytes for p, _, _ in placed))
+    return [PieceRecord(p.item.fqn, p.item.field, p.global_rows, name, p.entry.key, offset, p.entry.nbytes, crcs[i])
+            for p, offset, i in placed]
 
 
 def write_pieces(store: Store, stem: str, to_write: Iterable[WriteItem], *, max_file_bytes: int,
@@ -210,7 +234,7 @@ def write_pieces(store: Store, stem: str, to_write: Iterable[WriteItem], *, max_
 
     Each file is at most ``max_file_bytes``; each piece at most ``memory_budget // 4`` bytes
     (at least one row). Files are complete when this returns, and durable unless ``durable``
-    is False (then ``store.make_durable`` them before committing). ``on_file(name)`` is called
+    is False (then ``store.durable_soon`` them before committing). ``on_file(name)`` is called
     as each file is completed (to start its fsync while the next one is written).
     """
     if max_file_bytes < MIN_FILE_BYTES:
@@ -272,27 +296,37 @@ def write_state(state: CanonicalState, store: Store, *, world_size: int | None, 
     store.makedirs()
     token = new_token()
     records, files = [], []
-    # each file's fsync starts as soon as it is written, and runs while the manifest is validated
-    with ThreadPoolExecutor(1, thread_name_prefix="gefen-ckpt-fsync") as pool:
-        syncing = []
-
-        def sync_soon(name: str) -> None:
-            syncing.append(pool.submit(store.make_durable, [name]))
-
-        try:
-            for rank in range(world_size or 1):
-                recs, fs = write_pieces(store, data_stem(token, rank), items(state, rank, world_size),
-                                        max_file_bytes=max_file_bytes, memory_budget=memory_budget,
-                                        on_bytes=on_bytes, durable=False, on_file=sync_soon)
-                records += recs
-                files += fs
-            manifest = build(state, records, files, layout="canonical" if world_size is None else "sharded",
-                             world_size=world_size or 1)
-        except BaseException:
-            discard(store, token)
-            raise
-        commit(store, manifest, token, wait=lambda: [f.result() for f in syncing])
+    syncing: list[Callable[[], None]] = []  # each file's fsync starts as soon as it is written
+    try:
+        for rank in range(world_size or 1):
+            recs, fs = write_pieces(store, data_stem(token, rank), items(state, rank, world_size),
+                                    max_file_bytes=max_file_bytes, memory_budget=memory_budget, on_bytes=on_bytes,
+                                    durable=False, on_file=lambda name: syncing.append(store.durable_soon(name)))
+            records += recs
+            files += fs
+        manifest = build(state, records, files, layout="canonical" if world_size is None else "sharded",
+                         world_size=world_size or 1)
+    except BaseException:
+        _settle(syncing, quiet=True)
+        discard(store, token)
+        raise
+    try:  # the fsyncs run while the manifest is validated and encoded
+        commit(store, manifest, token, wait=lambda: _settle(syncing))
+    finally:
+        _settle(syncing, quiet=True)  # whatever commit did not wait for (it failed first)
     return manifest
+
+
+def _settle(waits: list[Callable[[], None]], quiet: bool = False) -> None:
+    """Wait for every started fsync (each once); raise the first failure unless ``quiet``."""
+    error = None
+    while waits:
+        try:
+            waits.pop(0)()
+        except OSError as exc:
+            error = error or exc
+    if error is not None and not quiet:
+        raise error
 
 
 def discard(store: Store, token: str) -> None:
