@@ -112,7 +112,7 @@ class Store:
         path = self.path(name)
         handle = native.lib.gefen_fsync_start(os.fsencode(path)) if native.io else None
         if handle is None:
-            return _in_thread(_fsync, path)
+            return _fsync_in_thread(path)
 
         def wait() -> None:
             error = native.lib.gefen_fsync_wait(handle)
@@ -153,22 +153,19 @@ class Store:
             pass
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _in_thread(fn: Callable[[str], None], arg: str) -> Callable[[], None]:
-    """Run ``fn(arg)`` on a daemon thread; the returned callable joins it and re-raises its error."""
-    errors: list[BaseException] = []
+def _fsync_in_thread(path: str) -> Callable[[], None]:
+    """fsync ``path`` on a Python thread (without the C library); the returned callable joins it
+    and re-raises its error."""
+    errors: list[OSError] = []
 
     def run() -> None:
         try:
-            fn(arg)
-        except BaseException as exc:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=run, name="gefen-ckpt-fsync", daemon=True)

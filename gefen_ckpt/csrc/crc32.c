@@ -8,9 +8,11 @@
  * Generic Polynomials Using PCLMULQDQ Instruction"); the constants below are x^k mod P(x)
  * (bit-reflected) for the fold distances used, and the Barrett constants of P(x).
  *
- * Plain C, no Python C-API: gefen_ckpt.format.checksum loads it with ctypes (the GIL is
- * released during the call) and checks it against zlib.crc32 before using it; without the
- * library or the instruction it keeps using zlib.crc32.  Same results, only speed differs.
+ * Plain C, no Python C-API: gefen_ckpt.native loads it with ctypes (the GIL is released during
+ * each call) and checks it against zlib.crc32 before using it; without the library or the
+ * instruction gefen_ckpt uses zlib.crc32 and Python I/O.  Same results, only speed differs.
+ * The file also holds the loops that must run without the GIL: hashed reads and writes of
+ * whole files, and an fsync on a thread of its own (below).
  */
 #include <errno.h>
 #include <stddef.h>
@@ -211,10 +213,14 @@ CRC_EXPORT int gefen_write_hashed(int fd, int64_t n, const void *const *srcs, co
                 progress[0] += w;
             }
             done += (int64_t)want;
+#if defined(POSIX_FADV_DONTNEED) /* not on macOS: there the kernel decides alone */
             if (writeback_every > 0 && progress[0] - progress[1] >= writeback_every) {
                 posix_fadvise(fd, (off_t)progress[1], (off_t)(progress[0] - progress[1]), POSIX_FADV_DONTNEED);
                 progress[1] = progress[0];
             }
+#else
+            (void)writeback_every;
+#endif
         }
         crcs[i] = crc;
     }
@@ -227,7 +233,7 @@ CRC_EXPORT int gefen_write_hashed(int fd, int64_t n, const void *const *srcs, co
  * flushes.  A Python helper thread would need the GIL back between its system calls and wait up
  * to the interpreter's switch interval for it while the saving thread runs Python (measured:
  * the flush of a save's data started ~4 ms after it was asked for).  gefen_fsync_start returns a
- * handle, or NULL when no thread could be started (the caller then syncs in line);
+ * handle, or NULL when no thread could be started (the caller then uses one of its own);
  * gefen_fsync_wait joins it and returns 0 or the errno of the failed open or fsync.
  */
 #if !defined(_WIN32)
