@@ -1,7 +1,7 @@
 """The optional C library ``gefen_ckpt._crc32`` (``gefen_ckpt/csrc/crc32.c``), loaded with ctypes.
 
 It holds the fast CRC-32 and the I/O loops that must run without the GIL: hashed reads and
-writes of whole files, and an fsync on a thread of its own. ``lib`` is None when the library
+writes of whole files, an fsync and a read-ahead (prefetch) on threads of their own. ``lib`` is None when the library
 is not built, the CPU lacks the carry-less multiply, or it does not reproduce ``zlib.crc32``
 on a self-check; every caller then has a plain-Python path with the same results.
 """
@@ -23,6 +23,10 @@ _SIGNATURES = {  # name -> (argument types, result type)
     "gefen_write_hashed": ([ctypes.c_int, _I64, _P, _P, _I64, _I64, _P, _P], ctypes.c_int),
     "gefen_fsync_start": ([ctypes.c_char_p], _P),
     "gefen_fsync_wait": ([_P], ctypes.c_int),
+    "gefen_prefetch_start": ([_I64, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_I64), _I64, _I64], _P),
+    "gefen_prefetch_wait": ([_P, _I64], _I64),
+    "gefen_prefetch_stop": ([_P], None),
+    "gefen_prefetch_free": ([_P], None),
 }
 
 

@@ -13,6 +13,7 @@ import ctypes
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -179,6 +180,13 @@ def _fsync_in_thread(path: str) -> Callable[[], None]:
     return wait
 
 
+def _native_prefetch(files: list[tuple[str, int]], lead: int):
+    """``gefen_prefetch_start`` of ``files``; None if it could not start a thread."""
+    paths = (ctypes.c_char_p * len(files))(*(os.fsencode(path) for path, _ in files))
+    sizes = (ctypes.c_int64 * len(files))(*(size for _, size in files))
+    return native.lib.gefen_prefetch_start(len(files), paths, sizes, PREFETCH_CHUNK, lead) or None
+
+
 class Prefetch:
     """Files read into the page cache, in order, by a daemon thread, for a reader that follows
     (``wait``): a load's disk reads overlap its manifest validation and its checksumming.
@@ -188,7 +196,9 @@ class Prefetch:
     and ~0.8 GB/s for page faults on a mapping (docs/decisions.md). It stays at most ``lead``
     bytes ahead of what the reader has asked for, so a checkpoint larger than memory does not
     evict its own first files; call ``stop`` when done reading (it then ends within a chunk).
-    Errors end a file quietly: the reader reports them."""
+    Errors end a file quietly: the reader reports them. With the C library the loop runs on a
+    thread of its own (``gefen_prefetch_start``): the Python thread needed the GIL after every
+    chunk, which the loading thread holds while it validates the manifest (docs/decisions.md)."""
 
     def __init__(self, files: list[tuple[str, int]], lead: int = PREFETCH_LEAD):
         self._files, self._lead, self._base, position = files, lead, {}, 0
@@ -198,11 +208,17 @@ class Prefetch:
         self._cv = threading.Condition()
         self._cached = self._wanted = 0  # positions in the files laid end to end
         self._stopped = False
-        threading.Thread(target=self._run, name="gefen-ckpt-prefetch", daemon=True).start()
+        self._native = _native_prefetch(files, lead) if native.io else None
+        if self._native is not None:  # the same loop in C: no GIL needed between its reads
+            weakref.finalize(self, native.lib.gefen_prefetch_free, self._native)
+        else:
+            threading.Thread(target=self._run, name="gefen-ckpt-prefetch", daemon=True).start()
 
     @property
     def cached(self) -> int:
         """Bytes read so far (or given up on), counting the files end to end."""
+        if self._native is not None:
+            return native.lib.gefen_prefetch_wait(self._native, 0)
         with self._cv:
             return self._cached
 
@@ -211,12 +227,18 @@ class Prefetch:
         base = self._base.get(path)
         if base is None:
             return
+        if self._native is not None:
+            native.lib.gefen_prefetch_wait(self._native, base + end)
+            return
         with self._cv:
             self._wanted = max(self._wanted, base + end)
             self._cv.notify_all()
             self._cv.wait_for(lambda: self._stopped or self._cached >= base + end)
 
     def stop(self) -> None:
+        if self._native is not None:
+            native.lib.gefen_prefetch_stop(self._native)
+            return
         with self._cv:
             self._stopped = True
             self._cv.notify_all()

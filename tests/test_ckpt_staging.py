@@ -115,13 +115,23 @@ def test_a_loaded_optimizer_does_not_alias_the_files(tmp_path, kind):
 
 
 # ----- the prefetch ---------------------------------------------------------------------------
+@pytest.fixture(params=[True, False], ids=["C", "python"])
+def prefetch_kind(request, monkeypatch):
+    """Both prefetch loops: the C thread (``gefen_prefetch_start``) and the Python fallback."""
+    from gefen_ckpt import native
+
+    if request.param and not native.io:
+        pytest.skip("no C library on this machine/build")
+    monkeypatch.setattr(native, "io", request.param)
+
+
 def write(path, nbytes: int) -> str:
     with open(path, "wb") as f:
         f.write(os.urandom(nbytes))
     return str(path)
 
 
-def test_prefetch_reads_in_order_and_waits_return(tmp_path):
+def test_prefetch_reads_in_order_and_waits_return(tmp_path, prefetch_kind):
     a, b = write(tmp_path / "a", 3 << 20), write(tmp_path / "b", 1 << 20)
     warming = Prefetch([(a, 3 << 20), (b, 1 << 20)])
     warming.wait(b, 1 << 20)
@@ -131,7 +141,7 @@ def test_prefetch_reads_in_order_and_waits_return(tmp_path):
     warming.stop()
 
 
-def test_prefetch_stays_within_its_lead(tmp_path, monkeypatch):
+def test_prefetch_stays_within_its_lead(tmp_path, monkeypatch, prefetch_kind):
     monkeypatch.setattr(storage, "PREFETCH_CHUNK", 256 << 10)
     path = write(tmp_path / "a", 4 << 20)
     warming = Prefetch([(path, 4 << 20)], lead=1 << 20)
@@ -145,7 +155,7 @@ def test_prefetch_stays_within_its_lead(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("damage", ["missing", "short"])
-def test_prefetch_of_a_bad_file_never_blocks_its_reader(tmp_path, damage):
+def test_prefetch_of_a_bad_file_never_blocks_its_reader(tmp_path, damage, prefetch_kind):
     path = str(tmp_path / "a")
     if damage == "short":
         write(path, 1000)
@@ -155,7 +165,7 @@ def test_prefetch_of_a_bad_file_never_blocks_its_reader(tmp_path, damage):
     assert done.wait(10)
 
 
-def test_stop_releases_waiters(tmp_path, monkeypatch):
+def test_stop_releases_waiters(tmp_path, monkeypatch, prefetch_kind):
     monkeypatch.setattr(storage, "PREFETCH_CHUNK", 4096)
     path = write(tmp_path / "a", 1 << 20)
     warming = Prefetch([(path, 1 << 20)], lead=0)  # runs only as far as asked
