@@ -19,7 +19,9 @@ interleaved rounds (so load drift on a shared machine hits all alike); numbers a
 * busy thread (full runs): the 25M save/load/``load -> optimizer`` once more while another
   thread of the process runs Python, one round (the peers take seconds there).
 * disk limit: ``dd if=/dev/zero bs=16M conv=fdatasync`` of the same byte count.
-* peak RSS: extra resident memory during each operation (psutil, sampled every 2 ms).
+* peak RSS: extra resident memory during each operation (psutil, sampled every 2 ms by a
+  thread), in one extra round that is not timed: the sampling thread takes the GIL, which
+  perturbed the timings.
 * size: checkpoint bytes / in-memory compressed state bytes.
 
 Writes ``benchmarks/out/io.json`` and ``benchmarks/out/io.png``; ``run(quick)`` returns the
@@ -39,7 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -185,16 +187,17 @@ def release_freed_memory() -> None:
         pass
 
 
-def timed(fn: Callable, *args) -> tuple[float, int]:
-    """(seconds, extra peak RSS bytes) of ``fn(*args)``, including touching what it returns;
-    a float it returns is its own timing."""
+def timed(fn: Callable, *args, rss: bool = False) -> tuple[float, int]:
+    """(seconds, extra peak RSS bytes or 0) of ``fn(*args)``, including touching what it returns;
+    a float it returns is its own timing. ``rss`` samples memory in a thread, whose GIL use
+    perturbs the timing: measure time and memory in separate rounds."""
     release_freed_memory()
-    with PeakRSS() as rss:
+    with PeakRSS() if rss else nullcontext() as sampler:
         start = time.perf_counter()
         result = fn(*args)
         touch(result)
         seconds = time.perf_counter() - start
-    return (result if isinstance(result, float) else seconds), rss.extra
+    return (result if isinstance(result, float) else seconds), sampler.extra if rss else 0
 
 
 def measure(label: str, opt: Gefen, model_sd: dict | None, state_bytes: int, reps: int, root: Path) -> dict:
@@ -202,19 +205,21 @@ def measure(label: str, opt: Gefen, model_sd: dict | None, state_bytes: int, rep
     times = {m: {"save": [], "load": []} for m in METHODS}
     rss = {m: {"save": 0, "load": 0} for m in METHODS}
     sizes = {}
-    for rep in range(reps):
+    for rep in range(reps + 1):  # the last round samples peak RSS instead of timing
+        sampling = rep == reps
         for m in METHODS:  # interleaved: every method once per round
             save, load = impls[m]
             path = root / f"{label}-{m}-{rep}".replace(" ", "_").replace("+", "")
             path.mkdir(parents=True)
-            seconds, extra = timed(save, path)
-            times[m]["save"].append(seconds)
-            rss[m]["save"] = max(rss[m]["save"], extra)
-            sizes[m] = size_of(path)
-            drop_cache(path)
-            seconds, extra = timed(load, path)
-            times[m]["load"].append(seconds)
-            rss[m]["load"] = max(rss[m]["load"], extra)
+            for op, fn in (("save", save), ("load", load)):
+                seconds, extra = timed(fn, path, rss=sampling)
+                if sampling:
+                    rss[m][op] = extra
+                else:
+                    times[m][op].append(seconds)
+                if op == "save":
+                    sizes[m] = size_of(path)
+                    drop_cache(path)
             shutil.rmtree(path)
     out = {"state_bytes": state_bytes, "checkpoint_bytes": sizes, "peak_extra_rss": rss, "seconds": times}
     out["save_MBps"] = {m: state_bytes / statistics.median(t["save"]) / 1e6 for m, t in times.items()}
@@ -356,15 +361,19 @@ def _markdown(data: dict) -> str:
     return "\n\n".join([
         f"Disk limit (`dd bs=16M conv=fdatasync`, same byte counts): **{dd:.0f} MB/s** "
         f"(samples {', '.join(f'{d:.0f}' for d in data['dd_samples_MBps'])}). Medians of {data['reps']} "
-        "interleaved rounds; MB/s = bytes of state (optimizer, or model + optimizer) / time.",
+        "interleaved rounds; MB/s = bytes of state (optimizer, or model + optimizer) / time; peak RSS from "
+        "one more round, not timed (the sampling thread's use of the GIL perturbs timings).",
         md_table(["state", "op"] + [f"{m} MB/s" for m in METHODS] + ["peak extra RSS MiB (" + " / ".join(METHODS) + ")"],
                  rows),
         "gefen_ckpt's load row is what `gefen_ckpt.load` stages for a Gefen optimizer: every checksum "
         "verified, the data files prefetched while the manifest is validated, tensors as views of a private "
         "mapping of the files (safetensors' `load_file` also returns views of a private mapping, without "
         "checksums). Every save ends in an `fsync`, so all methods run at about the disk's speed (the dd "
-        "column); what separates them is their fixed cost per save (for gefen_ckpt: planning the file "
-        "and the atomic manifest commit, a few ms).",
+        "column); what separates them is the time before the data reaches the disk and their fixed cost per "
+        "save (gefen_ckpt: planning the file, ~4 ms, and the atomic manifest commit; it writes from the live "
+        "tensors without a copy and starts writeback every 2 MiB). The model+optimizer rows pair gefen_ckpt "
+        "with safetensors for the model (two files and two flushes against one), so there the two are "
+        "within a few percent of each other by construction.",
         "Targets (SPEC 12): save/load >= 0.8x dd, faster than every peer, checkpoint <= 1.05x the compressed state.",
         md_table(["state", "gefen_ckpt vs dd (save / load)", "vs best peer (save / load)",
                   "checkpoint / in-memory state"], targets),
