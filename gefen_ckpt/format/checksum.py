@@ -17,7 +17,7 @@ from gefen_ckpt import native
 
 ALGORITHM = "crc32"
 #: Pieces at least this large are hashed in a helper thread while the next one is read from
-#: disk (measured +9% cold load). Saves overlap differently: see storage.LocalWriter.
+#: disk (measured +9% cold load). Saves hash in the write loop: see ``write_hashed``.
 READ_THREAD_MIN_BYTES = 2**20
 #: Below this many bytes the ctypes call costs more than zlib's slower loop.
 NATIVE_MIN_BYTES = 4096
@@ -71,7 +71,6 @@ def read_hashed(fd: int, offsets: list[int], sizes: list[int], addresses: list[i
     if rc < 0:
         raise OSError(-rc, os.strerror(-rc))
     return got.tolist(), crcs.tolist()
-
 
 
 def write_hashed(fd: int, spans: list[tuple[int, int]], chunk: int, writeback_every: int,

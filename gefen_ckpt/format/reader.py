@@ -178,8 +178,8 @@ class MappedFiles:
 
 #: numpy dtypes that ``torch.from_numpy`` takes, by manifest name; others go through an integer
 #: of their size and one ``view``.
-_NUMPY = {name: getattr(np, name) for name in ("float64", "float32", "float16", "int64", "int32", "int16", "int8",
-                                              "uint8", "bool")}
+_NUMPY = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
+          "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
 _CARRIER = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
@@ -190,11 +190,10 @@ def _view(mapping, t: TensorRecord, piece: PieceRecord) -> torch.Tensor:
     shape = _stored_shape(t, piece)
     if not piece.nbytes:
         return torch.empty(shape, dtype=torch_dtype(t.dtype))
-    native = _NUMPY.get(t.dtype)
-    size = itemsize(t.dtype)
-    array = np.frombuffer(mapping, native or _CARRIER[size], count=piece.nbytes // size, offset=piece.offset)
+    numpy_dtype, size = _NUMPY.get(t.dtype), itemsize(t.dtype)
+    array = np.frombuffer(mapping, numpy_dtype or _CARRIER[size], count=piece.nbytes // size, offset=piece.offset)
     tensor = torch.from_numpy(array.reshape(shape))
-    return tensor if native else tensor.view(torch_dtype(t.dtype))
+    return tensor if numpy_dtype is not None else tensor.view(torch_dtype(t.dtype))
 
 
 def _joined(views: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
