@@ -187,6 +187,12 @@ def _native_prefetch(files: list[tuple[str, int]], lead: int):
     return native.lib.gefen_prefetch_start(len(files), paths, sizes, PREFETCH_CHUNK, lead) or None
 
 
+def _free_native_prefetch(handle: int, owner: int) -> None:
+    """Stop, join and free a native prefetch; in a forked child (which has no such thread) nothing."""
+    if os.getpid() == owner:
+        native.lib.gefen_prefetch_free(handle)
+
+
 class Prefetch:
     """Files read into the page cache, in order, by a daemon thread, for a reader that follows
     (``wait``): a load's disk reads overlap its manifest validation and its checksumming.
@@ -210,7 +216,7 @@ class Prefetch:
         self._stopped = False
         self._native = _native_prefetch(files, lead) if native.io else None
         if self._native is not None:  # the same loop in C: no GIL needed between its reads
-            weakref.finalize(self, native.lib.gefen_prefetch_free, self._native)
+            weakref.finalize(self, _free_native_prefetch, self._native, os.getpid())
         else:
             threading.Thread(target=self._run, name="gefen-ckpt-prefetch", daemon=True).start()
 

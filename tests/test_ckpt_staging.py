@@ -172,3 +172,31 @@ def test_stop_releases_waiters(tmp_path, monkeypatch, prefetch_kind):
     warming.stop()
     warming.wait(path, 1 << 20)  # returns: the prefetch gave up
     assert warming.cached < 1 << 20
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_drops_a_native_prefetch_without_joining_it(tmp_path, prefetch_kind):
+    """A child forked during a load inherits the object, not the C thread: freeing it there
+    must not join a thread that does not exist (it would hang or crash)."""
+    import gc
+
+    path = write(tmp_path / "a", 1 << 20)
+    warming = Prefetch([(path, 1 << 20)], lead=0)
+    pid = os.fork()
+    if pid == 0:  # child: drop it and exit at once
+        try:
+            del warming
+            gc.collect()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("the child hung freeing the prefetch")
+    assert os.waitstatus_to_exitcode(status) == 0
+    warming.stop()
