@@ -1,9 +1,10 @@
 """The optional C library ``gefen_ckpt._crc32`` (``gefen_ckpt/csrc/crc32.c``), loaded with ctypes.
 
 It holds the fast CRC-32 and the I/O loops that must run without the GIL: hashed reads and
-writes of whole files, an fsync and a read-ahead (prefetch) on threads of their own. ``lib`` is None when the library
-is not built, the CPU lacks the carry-less multiply, or it does not reproduce ``zlib.crc32``
-on a self-check; every caller then has a plain-Python path with the same results.
+writes of whole files, and an fsync and a read-ahead (prefetch) on threads of their own.
+``lib`` is None when the library is not built, the CPU lacks the carry-less multiply, or it
+does not reproduce ``zlib.crc32`` on a self-check; every caller then has a plain-Python path
+with the same results.
 """
 
 from __future__ import annotations
