@@ -162,10 +162,9 @@ def touch(obj) -> None:
     (safetensors) must really have read the data by the time the clock stops. Through ctypes,
     not torch ops: those release the GIL, which the busy-thread rows must not be charged for."""
     if isinstance(obj, torch.Tensor):
-        nbytes = obj.numel() * obj.element_size()
-        if nbytes:
-            start = obj.contiguous().data_ptr() if not obj.is_contiguous() else obj.data_ptr()
-            sum(ctypes.c_ubyte.from_address(a).value for a in range(start, start + nbytes, 4096))
+        obj = obj if obj.is_contiguous() else obj.contiguous()  # kept alive while it is read
+        start, nbytes = obj.data_ptr(), obj.numel() * obj.element_size()
+        sum(ctypes.c_ubyte.from_address(a).value for a in range(start, start + nbytes, 4096))
     elif isinstance(obj, dict):
         for v in obj.values():
             touch(v)
@@ -231,8 +230,8 @@ def _torch_load_into(opt: Gefen, path: Path) -> None:
     opt.load_state_dict(torch.load(path, weights_only=True))
 
 
-def end_to_end_load(opt: Gefen, reps: int, root: Path, state_bytes: int) -> dict:
-    """Cold load into the live optimizer: gefen_ckpt.load vs load_state_dict(torch.load())."""
+def end_to_end_seconds(opt: Gefen, reps: int, root: Path) -> dict[str, list[float]]:
+    """Cold loads into the live optimizer, seconds: gefen_ckpt.load vs load_state_dict(torch.load())."""
     ours, pt = root / "e2e-ours", root / "e2e.pt"
     gefen_ckpt.save(opt, str(ours))
     with open(pt, "wb") as f:
@@ -247,7 +246,12 @@ def end_to_end_load(opt: Gefen, reps: int, root: Path, state_bytes: int) -> dict
         runs["torch.load + load_state_dict"].append(timed(_torch_load_into, opt, pt)[0])
     shutil.rmtree(ours)
     pt.unlink()
-    return {k: state_bytes / statistics.median(v) / 1e6 for k, v in runs.items()}
+    return runs
+
+
+def end_to_end_load(opt: Gefen, reps: int, root: Path, state_bytes: int) -> dict:
+    """MB/s of state for ``end_to_end_seconds`` (medians)."""
+    return {k: state_bytes / statistics.median(v) / 1e6 for k, v in end_to_end_seconds(opt, reps, root).items()}
 
 
 @contextmanager
@@ -277,27 +281,13 @@ def contended(opt: Gefen, root: Path) -> dict:
         for m, (save, load) in methods(opt, None).items():
             path = root / f"busy-{m}"
             path.mkdir(parents=True)
-            start = time.perf_counter()
-            save(path)
-            out[(m, "save")] = time.perf_counter() - start
+            out[f"{m} save"] = timed(save, path)[0]
             drop_cache(path)
-            start = time.perf_counter()
-            result = load(path)
-            touch(result)
-            out[(m, "load")] = result if isinstance(result, float) else time.perf_counter() - start
+            out[f"{m} load"] = timed(load, path)[0]
             shutil.rmtree(path)
-        ours, pt = root / "busy-e2e", root / "busy-e2e.pt"
-        gefen_ckpt.save(opt, str(ours))
-        with open(pt, "wb") as f:
-            torch.save(opt.state_dict(), f)
-        for name, fn, path in (("gefen_ckpt.load", gefen_ckpt.load, ours), ("torch.load + load_state_dict", _torch_load_into, pt)):
-            drop_cache(path)
-            start = time.perf_counter()
-            fn(opt, str(path) if path == ours else path)
-            out[(name, "load -> optimizer")] = time.perf_counter() - start
-        shutil.rmtree(ours)
-        pt.unlink()
-    return {f"{m} {op}": seconds for (m, op), seconds in out.items()}
+        for name, (seconds,) in end_to_end_seconds(opt, 1, root).items():
+            out[f"{name} load -> optimizer"] = seconds
+    return out
 
 
 # ----- run --------------------------------------------------------------------------------------
