@@ -346,7 +346,8 @@ static void *prefetch_run(void *arg) {
         int64_t size = p->sizes[i];
         int fd = (sink >= 0 || scratch != NULL) ? open(p->paths[i], O_RDONLY | O_CLOEXEC) : -1;
         int64_t offset = 0;
-        while (fd >= 0 && offset < size && prefetch_may_read(p, base + offset)) {
+        int go = 1;
+        while (fd >= 0 && offset < size && (go = prefetch_may_read(p, base + offset))) {
             size_t want = (size_t)(size - offset < p->chunk ? size - offset : p->chunk);
 #if defined(__linux__)
             off_t at = (off_t)offset;
@@ -360,6 +361,7 @@ static void *prefetch_run(void *arg) {
             prefetch_advance(p, base + offset);
         }
         if (fd >= 0) close(fd);
+        if (!go) break; /* stopped: what was not read stays uncounted */
         base += size;
         prefetch_advance(p, base);
     }
