@@ -45,6 +45,19 @@ def uses_row_period(shape: Sequence[int]) -> bool:
     return len(shape) >= 2
 
 
+def shape_period(shape: Sequence[int]) -> int:
+    """The block length of a parameter of global ``shape``: one block per row for tensors of
+    two or more dimensions, one element (P = 1) for 1-D/0-D tensors and empty rows.
+
+    A function of the shape alone, so a fresh optimizer can allocate its state before its first
+    gradient (what torch's ``get_state_dict``/``dcp.load`` flow needs) and every rank and layout
+    agrees without a reduction (docs/decisions.md, "Block length from the shape alone").
+    """
+    if not uses_row_period(shape):
+        return 1
+    return max(rows_and_row_numel(shape)[1], 1)
+
+
 def period_candidates(shape: Sequence[int]) -> list[int]:
     """Every divisor of ``row_numel``, ascending (the only block lengths the invariant allows)."""
     if not uses_row_period(shape):
