@@ -16,28 +16,26 @@ import torch
 from gefen import native
 from gefen.codebook import histogram_normalised_blocks, learn_codebook
 from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
-from gefen.distributed import ReductionPlan, plan_reduction
+from gefen.distributed import ReductionPlan, as_field_dtensor, is_dtensor, plan_reduction
 from gefen.geometry import (
     as_blocks,
     block_shape,
-    period_candidates,
-    period_statistics,
-    pick_period,
+    field_global_shape,
+    is_valid_period,
     rows_and_row_numel,
+    shape_period,
 )
 from gefen.validation import check_grad, check_params, param_label
-
-
-def _period_statistics(grad: torch.Tensor, candidates: list[int]) -> torch.Tensor:
-    """The C pass when it applies, else the torch reference (same block sums)."""
-    stats = native.period_statistics(grad, candidates)
-    return period_statistics(grad, candidates) if stats is None else stats
 
 
 def _block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor:
     """The C pass when it applies, else the torch reference (the same counts)."""
     counts = native.block_histogram(blocks, num_bins)
     return histogram_normalised_blocks(blocks, num_bins) if counts is None else counts
+
+
+#: the optimizer-wide field that every parameter's state_dict entry also carries
+CODEBOOK = "codebook"
 
 
 def apply_load_pre_hooks(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -133,8 +131,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self._plan[1]
 
     def _begin_step(self, closure) -> tuple[object, list[tuple[dict, torch.Tensor, torch.Tensor]]]:
-        """Run the closure (with grad enabled), collect this step's gradients and decide periods
-        (and the codebook) for parameters seen for the first time: (loss, work)."""
+        """Run the closure (with grad enabled), collect this step's gradients and allocate state
+        (and learn the codebook) for parameters seen for the first time: (loss, work)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -146,29 +144,40 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     # ----- the first step with a gradient ---------------------------------------------------
     def _initialise_new(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
-        """Decide periods (and, once, the codebook) for parameters seen for the first time.
+        """Allocate state for parameters seen for the first time and, once, learn the codebook.
 
-        Statistics of every new parameter go through one reduction, so all ranks decide alike.
+        Block lengths come from the global shape alone (``shape_period``), so state can be
+        allocated before any gradient carries information: torch's ``get_state_dict`` fills an
+        empty optimizer by a step with all-zero gradients and lr 0, and must get state of the
+        checkpoint's shapes. The codebook is learned at the first step whose gradients are not
+        all zero on every rank (one reduction decides, so all ranks agree); until then it stays
+        unlearned and the moments stay exactly zero, as AdamW's do.
         """
-        new = [(g, p, local_tensor(grad)) for g, p, grad in work if p not in self.state]
-        if not new:
-            return
-        candidates = [period_candidates(global_shape(p)) for _, p, _ in new]
-        choose = [i for i, c in enumerate(candidates) if len(c) > 1]
-        periods = [c[0] for c in candidates]
-        plan = self.reduction_plan()
-        if choose:
-            stats = torch.cat([_period_statistics(new[i][2], candidates[i]) * plan.counts(new[i][1]) for i in choose])
-            plan.reducer.sum_(stats)
-            for i, chunk in zip(choose, stats.split([len(candidates[i]) for i in choose])):
-                periods[i] = pick_period(candidates[i], chunk)
-        if self.codebook is None:
-            blocks = [as_blocks(grad, P) for (_, p, grad), P in zip(new, periods) if P > 1 and plan.counts(p)]
-            codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_,
-                                      histogram=_block_histogram)
-            self.codebook = codebook.to(new[0][1].device)
-        staged = {p: self._init_param_state(g, p, P) for (g, p, _), P in zip(new, periods)}
+        new = [(g, p) for g, p, _ in work if p not in self.state]
+        staged = {p: self._init_param_state(g, p, shape_period(global_shape(p))) for g, p in new}
         self.state.update(staged)
+        if self.codebook is None:
+            self._learn_codebook(work)
+
+    def _learn_codebook(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
+        plan = self.reduction_plan()
+        counted = [(p, local_tensor(grad)) for _, p, grad in work if plan.counts(p)]
+        signal = torch.tensor([sum(int(g.count_nonzero()) for _, g in counted)], dtype=torch.int64)
+        plan.reducer.sum_(signal)
+        if not int(signal):
+            return  # every gradient is zero everywhere: nothing to learn from
+        blocks = [as_blocks(g, int(self.state[p]["period"])) for p, g in counted if int(self.state[p]["period"]) > 1]
+        codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_,
+                                  histogram=_block_histogram)
+        self.codebook = codebook.to(work[0][1].device)
+
+    def _step_codebook(self) -> torch.Tensor:
+        """The codebook a step quantises with. Before it is learned every moment is zero, and zero
+        quantises to code 0 with scale 0 under any codebook, so a uniform one stands in."""
+        if self.codebook is not None:
+            return self.codebook
+        device = self.param_groups[0]["params"][0].device
+        return torch.linspace(-1.0, 1.0, self.codebook_size, dtype=torch.float32, device=device)
 
     # ----- state_dict -----------------------------------------------------------------------
     @torch._disable_dynamo
@@ -226,12 +235,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 index[key] = (new_group, i)
 
         state = defaultdict(dict)
+        codebooks = []  # (where, tensor): each parameter's copy and the optimizer-wide one
         for key, entry in sd["state"].items():
             if key not in index:
                 raise ValueError(f"state_dict holds state for unknown parameter index {key!r}")
             group, i = index[key]
+            if isinstance(entry, dict) and CODEBOOK in entry:
+                entry = dict(entry)
+                codebooks.append((f"parameter {param_label(group, i)}", entry.pop(CODEBOOK)))
             state[group["params"][i]] = self._stage_param(contract, group, i, entry)
-        codebook = self._stage_codebook(sd.get(GLOBAL_STATE_KEY) or {}, bool(state))
+        if (shared := (sd.get(GLOBAL_STATE_KEY) or {}).get(CODEBOOK)) is not None:
+            codebooks.append(("the optimizer-wide entry", shared))
+        codebook = self._stage_codebook(codebooks, state)
         return groups, state, codebook
 
     def _stage_param(self, contract: OptimizerContract, group: dict, i: int, entry) -> dict:
@@ -255,7 +270,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not isinstance(period_t, torch.Tensor) or period_t.numel() != 1:
             raise ValueError(f"parameter {label}: period must be a one-element tensor")
         period = int(period_t)
-        if period not in period_candidates(shape):
+        if not is_valid_period(shape, period):
             raise ValueError(f"parameter {label}: period {period} is not a valid block length for shape {shape}")
         local = local_tensor(param)
         staged = {}
@@ -264,6 +279,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             want = _local_shape(spec.geometry, local.shape, shape, period)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"parameter {label}: field {name!r} is a {type(value).__name__}, not a tensor")
+            if is_dtensor(value):  # torch's get/set_state_dict hand back the DTensors state_dict() made
+                expected = field_global_shape(spec.geometry, shape, period)
+                if tuple(value.shape) != expected:
+                    raise ValueError(f"parameter {label}: field {name!r} has global shape {tuple(value.shape)}, "
+                                     f"expected {expected}")
+                value = value.to_local()
             if str(value.dtype).removeprefix("torch.") != spec.dtype:
                 raise TypeError(f"parameter {label}: field {name!r} has dtype {value.dtype}, expected {spec.dtype}")
             if tuple(value.shape) != want:
@@ -277,16 +298,29 @@ class CompressedOptimizer(torch.optim.Optimizer):
             staged[name] = (value.detach() if value.requires_grad else value).to(device=device, copy=True)
         return staged
 
-    def _stage_codebook(self, global_state: dict, needed: bool) -> torch.Tensor | None:
-        codebook = global_state.get("codebook")
+    def _stage_codebook(self, codebooks: list[tuple[str, object]], state: dict) -> torch.Tensor | None:
+        """The one codebook every copy in the state_dict agrees on (None: not learned yet).
+
+        torch's checkpoint API keeps only ``state`` and ``param_groups``, so each parameter's
+        state carries the codebook; an all-zero copy stands for "not learned yet".
+        """
+        first = None
+        for where, book in codebooks:
+            if not isinstance(book, torch.Tensor) or book.dtype != torch.float32:
+                raise TypeError(f"codebook of {where} must be a float32 tensor")
+            book = local_tensor(book)
+            if tuple(book.shape) != (self.codebook_size,):
+                raise ValueError(f"codebook of {where} has shape {tuple(book.shape)}, expected ({self.codebook_size},)")
+            if first is None:
+                first = (where, book)
+            elif not torch.equal(book, first[1]):
+                raise ValueError(f"the codebook of {where} differs from that of {first[0]}: the state_dict mixes "
+                                 "state of different optimizers")
+        codebook = None if first is None or not first[1].any() else first[1]
         if codebook is None:
-            if needed:
+            if any(entry["m_scale"].any() for entry in state.values()):
                 raise ValueError("state_dict has parameter state but no codebook")
             return None
-        if not isinstance(codebook, torch.Tensor) or codebook.dtype != torch.float32:
-            raise TypeError("codebook must be a float32 tensor")
-        if tuple(codebook.shape) != (self.codebook_size,):
-            raise ValueError(f"codebook has shape {tuple(codebook.shape)}, expected ({self.codebook_size},)")
         if not torch.isfinite(codebook).all() or codebook[0] != -1 or codebook[-1] != 1:
             raise ValueError("codebook must be finite with codebook[0] == -1 and codebook[-1] == +1")
         if (codebook[1:] < codebook[:-1]).any():
@@ -312,5 +346,27 @@ def _local_shape(geometry: str, local: torch.Size, shape: tuple[int, ...], perio
 
 
 def _add_global_state(optimizer: CompressedOptimizer, state_dict: dict) -> dict:
-    state_dict[GLOBAL_STATE_KEY] = {} if optimizer.codebook is None else {"codebook": optimizer.codebook.clone()}
+    """What torch's state_dict lacks: the codebook, optimizer-wide and in every parameter's state
+    (the stock checkpoint API keeps only ``state`` and ``param_groups``; an all-zero codebook
+    means "not learned yet", so a fresh optimizer's state_dict already has every key and shape
+    ``dcp.load`` fills), and each field of a DTensor parameter as a DTensor of the field's
+    global shape, so DCP reshards it like the parameter."""
+    book = None if optimizer.codebook is None else optimizer.codebook.clone()
+    if book is None and state_dict["state"]:
+        device = optimizer.param_groups[0]["params"][0].device
+        book = torch.zeros(optimizer.codebook_size, dtype=torch.float32, device=device)
+    state_dict[GLOBAL_STATE_KEY] = {} if optimizer.codebook is None else {CODEBOOK: book}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    contract = optimizer.contract()
+    for index, entry in list(state_dict["state"].items()):
+        param = params[index]
+        entry = dict(entry)  # torch hands out the live per-parameter dicts
+        if is_dtensor(param):
+            shape, period = global_shape(param), int(entry["period"])
+            for name, value in entry.items():
+                geometry = contract.field(name).geometry
+                if geometry not in ("scalar", "global"):
+                    entry[name] = as_field_dtensor(value, param, geometry, field_global_shape(geometry, shape, period))
+        entry[CODEBOOK] = book
+        state_dict["state"][index] = entry
     return state_dict

@@ -20,6 +20,45 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "placements") and hasattr(t, "device_mesh")
 
 
+def field_placements(geometry: str, param: torch.Tensor) -> tuple:
+    """Placements of a state field of ``geometry`` for the DTensor ``param``.
+
+    Fields indexed by the parameter's rows (``param``, ``block``, ``row``) split like its rows;
+    ``param`` fields follow every split; a split along another dimension cuts blocks and rows,
+    whose statistics are then reduced over that mesh dimension, so such fields are ``Replicate``
+    there. ``col`` fields are indexed by the second dimension: ``Shard(0)`` where the parameter
+    is ``Shard(1)``, else ``Replicate``.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = []
+    for placement in param.placements:
+        if placement.is_partial():
+            raise ValueError(f"Partial placements hold no definite values ({tuple(param.placements)})")
+        if geometry == "param" or not placement.is_shard():
+            out.append(placement)
+        elif geometry in ("block", "row"):
+            out.append(placement if placement.dim == 0 else Replicate())
+        elif geometry == "col":
+            out.append(Shard(0) if placement.dim == 1 else Replicate())
+        else:
+            raise ValueError(f"geometry {geometry!r} is replicated, not laid out on a mesh")
+    return tuple(out)
+
+
+def as_field_dtensor(local: torch.Tensor, param: torch.Tensor, geometry: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's part ``local`` of a field of global ``shape`` as a DTensor on ``param``'s mesh
+    (no copy: the DTensor shares ``local``'s storage)."""
+    from torch.distributed.tensor import DTensor
+
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return DTensor.from_local(local, param.device_mesh, field_placements(geometry, param), run_check=False,
+                              shape=torch.Size(shape), stride=tuple(reversed(stride)))
+
+
 class ProcessGroupReducer:
     """Sum over the process group of one mesh dimension (float64/int64 tensors, in place)."""
 

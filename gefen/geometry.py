@@ -13,12 +13,6 @@ from collections.abc import Sequence
 
 import torch
 
-#: Below this block length the per-block scale costs more than it saves (4 B per block).
-MIN_PERIOD = 8
-#: Increment credited to the first candidate so a flat curve prefers the smallest period.
-FIRST_INCREMENT = 1e-12
-
-
 def rows_and_row_numel(shape: Sequence[int]) -> tuple[int, int]:
     """Split a global shape into (rows, elements per row); a 0-D tensor is one row of one."""
     if len(shape) == 0:
@@ -58,73 +52,25 @@ def shape_period(shape: Sequence[int]) -> int:
     return max(rows_and_row_numel(shape)[1], 1)
 
 
-def period_candidates(shape: Sequence[int]) -> list[int]:
-    """Every divisor of ``row_numel``, ascending (the only block lengths the invariant allows)."""
-    if not uses_row_period(shape):
-        return [1]
-    _, n = rows_and_row_numel(shape)
-    if n == 0:  # empty rows (e.g. shape (5, 0)): nothing to block; P = 1 keeps block_shape valid
-        return [1]
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+def is_valid_period(shape: Sequence[int], period: int) -> bool:
+    """Can ``period`` be the block length of a parameter of ``shape``? It must divide every row
+    (older checkpoints may carry any divisor; new state uses ``shape_period``)."""
+    if period == 1:
+        return True
+    _, row_numel = rows_and_row_numel(shape)
+    return uses_row_period(shape) and period > 1 and row_numel > 0 and row_numel % period == 0
 
 
-def period_statistics(grad: torch.Tensor, candidates: Sequence[int]) -> torch.Tensor:
-    """Per candidate p: (sum over blocks of the population variance of g^2, block count).
-
-    Returned as float64 ``[len(candidates), 2]`` so that shards can simply all-reduce the sums
-    and every rank (and a single process) decides from the same global numbers.
-
-    Hierarchical, so all candidates cost about one pass over the gradient: the blocks of p are
-    made of the blocks ("children") of the largest smaller candidate q dividing p, and the
-    spread ``T(p) = sum over blocks of sum_j (x_j - block mean)^2`` of x = g^2 is
-    ``T(q) + sum over blocks of sum_k (c_k - C / f)^2 / q`` (children sums c_k, block sum C
-    = c_1 + ... + c_f left to right, f = p / q). Every term is non-negative -- no
-    ``E[x^2] - E[x]^2`` cancellation -- and a block whose children are equal adds exactly 0, so
-    flat regions give exactly flat error curves in any summation order.
-    ``gefen.native.period_statistics`` computes the same terms in C.
-    """
-    rows, row_numel = rows_and_row_numel(grad.shape)
-    x = grad.detach().reshape(rows, row_numel).to(torch.float64, copy=True).square_()  # exact
-    stats = torch.zeros(len(candidates), 2, dtype=torch.float64, device=grad.device)
-    sums = {1: x}
-    spread = {1: torch.zeros((), dtype=torch.float64, device=grad.device)}
-    for i, p in enumerate(candidates):
-        if p not in sums:
-            q = max(c for c in sums if p % c == 0)
-            children = sums[q].reshape(rows, row_numel // p, p // q)
-            block = children[..., 0].clone()
-            for j in range(1, p // q):
-                block += children[..., j]
-            if p // q == 2:  # equal children give a mean equal to both: exactly 0, no mask needed
-                mean = block / 2
-                between = (children[..., 0] - mean).square_() + (children[..., 1] - mean).square_()
-            else:
-                between = (children - (block / (p // q)).unsqueeze(-1)).square_().sum(-1)
-                between.masked_fill_((children == children[..., :1]).all(-1), 0.0)
-            sums[p], spread[p] = block, spread[q] + between.sum() / q
-        stats[i, 0] = spread[p] / p
-        stats[i, 1] = rows * (row_numel // p)
-    return stats
-
-
-def pick_period(candidates: Sequence[int], stats: torch.Tensor) -> int:
-    """The SPEC 3.1 rule: the candidate with the smallest increase of the block error.
-
-    ``err(p) = sqrt(mean over blocks of var(g^2))``; walking candidates in ascending order we take
-    the smallest increment (ties to the smaller p). A result below ``MIN_PERIOD`` falls back to one
-    block per row, because flat error curves would otherwise collapse to P = 1 (9 B/param).
-    """
-    row_numel = max(candidates)
-    if len(candidates) == 1:
-        return candidates[0]
-    values = stats.tolist()
-    err = [math.sqrt(max(s, 0.0) / c) if c else 0.0 for s, c in values]
-    best, best_inc = candidates[0], FIRST_INCREMENT
-    for k in range(1, len(candidates)):
-        inc = err[k] - err[k - 1]
-        if inc < best_inc:
-            best, best_inc = candidates[k], inc
-    if best < MIN_PERIOD:
-        return row_numel if row_numel >= MIN_PERIOD else 1
-    return best
+def field_global_shape(geometry: str, shape: Sequence[int], period: int) -> tuple[int, ...]:
+    """Global shape of a per-parameter state field of ``geometry`` (see ``gefen.contract``)."""
+    if geometry == "scalar":
+        return ()
+    if geometry == "param":
+        return tuple(shape)
+    if geometry == "block":
+        return block_shape(shape, period)
+    if geometry == "row":
+        return (rows_and_row_numel(shape)[0],)
+    if geometry == "col":
+        return (rows_and_row_numel(shape)[1],)
+    raise ValueError(f"geometry {geometry!r} is not per-parameter")

@@ -150,11 +150,12 @@ class GefenMuon(CompressedOptimizer):
             return loss
 
         # 1. compressed momentum and the Newton-Schulz input (rank-local)
+        codebook = self._step_codebook()
         inputs = []
         for group, p, grad in work:
             state, g, mu = self.state[p], local_tensor(grad).float(), group["momentum"]
             state["step"].add_(1)
-            m = update_momentum_(state, g, mu, self.codebook)
+            m = update_momentum_(state, g, mu, codebook)
             inputs.append(m.mul_(mu).add_(g, alpha=1 - mu) if group["nesterov"] else m)
 
         # 2. orthogonalise: the one step that needs whole matrices

@@ -10,12 +10,10 @@ The C code reproduces the rounding order of the eager torch ops, including ATen'
 summation, whose vector width depends on torch's CPU capability.  At first use the two paths are
 run side by side on a few small problems (``calibrate``); on any mismatch the native path stays off
 and a warning says so.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``native.enabled = False``
-forces the eager path; both paths compute the same numbers (the first step's period statistics
-to fp64 rounding, below), so this only changes speed.
+forces the eager path; both paths compute the same numbers, so this only changes speed.
 
-``period_statistics`` and ``block_histogram`` are the first step's one-time passes
-(``gefen/csrc/first_step.c``): the same histogram counts and the same block sums as
-``gefen.geometry`` / ``gefen.codebook``, with the fp64 totals summed in another order.
+``block_histogram`` is the first step's one-time pass (``gefen/csrc/first_step.c``): the same
+histogram counts as ``gefen.codebook``.
 """
 
 from __future__ import annotations
@@ -32,12 +30,12 @@ from gefen.codebook import code_thresholds
 from gefen.geometry import rows_and_row_numel
 
 __all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_momentum_", "calibrate",
-           "period_statistics", "block_histogram"]
+           "block_histogram"]
 
 #: Module switch (tests and benchmarks); the environment variable sets its initial value.
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 
-_ABI = 10
+_ABI = 11
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _P = ctypes.c_void_p
 
@@ -82,8 +80,6 @@ def _load():
     lib.gefen_build_lut.restype = ctypes.c_int
     lib.gefen_step.argtypes = [ctypes.POINTER(_StepArgs)]
     lib.gefen_step.restype = ctypes.c_int
-    lib.gefen_period_stats.argtypes = [_P, i32, i64, i64, _P, _P, i32, _P]
-    lib.gefen_period_stats.restype = ctypes.c_int
     lib.gefen_block_histogram.argtypes = [_P, i32, i64, i64, i64, _P]
     lib.gefen_block_histogram.restype = ctypes.c_int
     lib.gefen_force_portable.argtypes = [ctypes.c_int]
@@ -280,31 +276,13 @@ def _momentum_args(state: dict, grad: torch.Tensor, gdt: int, codebook: torch.Te
     return a
 
 
-# ----- the first step: period statistics and the codebook histogram ---------------------------
+# ----- the first step: the codebook histogram ---------------------------
 def _first_step_input(x: torch.Tensor) -> int | None:
     """The C dtype code of ``x`` when the first-step kernels can read it in place, else None."""
     dt = _DT.get(x.dtype)
     if dt is None or not enabled or _lib is None or not _cpu_contiguous(x):
         return None
     return dt
-
-
-def period_statistics(grad: torch.Tensor, candidates: list[int]) -> torch.Tensor | None:
-    """``geometry.period_statistics`` in one pass (same block sums; the two fp64 totals per
-    candidate summed in another order, see first_step.c), or None when it does not apply."""
-    dt = _first_step_input(grad)
-    if dt is None or not candidates or candidates[0] != 1:
-        return None
-    rows, n = rows_and_row_numel(grad.shape)
-    if n < 1:
-        return None
-    parent = [0] + [max(j for j in range(i) if candidates[i] % candidates[j] == 0) for i in range(1, len(candidates))]
-    cands = torch.tensor(candidates, dtype=torch.int64)
-    parents = torch.tensor(parent, dtype=torch.int32)
-    out = torch.empty(len(candidates), 2, dtype=torch.float64)
-    rc = _lib.gefen_period_stats(grad.data_ptr(), dt, rows, n, cands.data_ptr(), parents.data_ptr(), len(candidates),
-                                 out.data_ptr())
-    return out if rc == 0 else None
 
 
 def block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor | None:

@@ -86,11 +86,12 @@ class Gefen(CompressedOptimizer):
             pending = {i: (v_row, total) for (i, v_row, _), total in zip(factored, sums)}
 
         # phase 2: the rank-local update
+        codebook = self._step_codebook()
         for i, (group, p, grad) in enumerate(work):
             beta1, beta2 = group["betas"]
             h = Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             v_row, partials = pending.get(i, (None, None))
             shape = global_shape(p)
-            gefen_update_(local_tensor(p), local_tensor(grad), self.state[p], self.codebook, h,
+            gefen_update_(local_tensor(p), local_tensor(grad), self.state[p], codebook, h,
                           global_rows=shape[0] if shape else 1, v_row=v_row, partials=partials)
         return loss

@@ -105,6 +105,7 @@ def live_view(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = 
     global_fields: dict[str, torch.Tensor] = {}
     for child, opt, leaf in leaves(optimizer, contract):
         sd = opt.state_dict()
+        shared = {f.name for f in leaf.global_fields}
         for key, value in (sd.get(GLOBAL_STATE_KEY) or {}).items():
             if isinstance(value, torch.Tensor):
                 global_fields[_global_key(child, key)] = value
@@ -119,8 +120,9 @@ def live_view(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = 
                 if fqn in params:
                     raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
                 entry = sd["state"].get(index)
+                # optimizer-wide fields that each parameter's entry repeats for torch's API (the codebook)
                 state = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                         for k, v in entry.items() if v is not None} if entry else None
+                         for k, v in entry.items() if v is not None and k not in shared} if entry else None
                 params[fqn] = LiveParam(p, child, leaf, state)
     return LiveOptimizer(contract, groups, params, global_fields)
 

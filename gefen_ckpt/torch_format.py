@@ -125,7 +125,7 @@ def infer_contract(state_dict: dict) -> OptimizerContract:
     groups = state_dict["param_groups"]
     fits = []
     for contract in known_contracts().values():
-        names = {f.name for f in contract.fields}
+        names = {f.name for f in contract.fields + contract.global_fields}
         if not observed <= names:
             continue
         if any(not _required(contract) <= set(k for k, v in e.items() if v is not None) for e in entries):
@@ -299,6 +299,13 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             if not isinstance(entry, dict):
                 raise CheckpointFormatError(f"{fqn}: state is a {type(entry).__name__}, not a dict")
             entry = {k: v for k, v in entry.items() if v is not None}  # SGD without momentum: None buffers
+            for spec in leaf.global_fields:  # each parameter repeats them for torch's checkpoint API
+                if spec.name in entry:
+                    key = f"{child}/{spec.name}" if child else spec.name
+                    value = _field_tensor(entry.pop(spec.name), spec, fqn, spec.name)
+                    known = global_fields.setdefault(key, EagerSource(value))
+                    if not torch.equal(known.read(), value):
+                        raise CheckpointMismatchError(f"{fqn}: its {spec.name} differs from the optimizer's")
             if not entry:
                 continue
             params[fqn] = _param_state(fqn, entry, leaf, child, dtypes.get(fqn))

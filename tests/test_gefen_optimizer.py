@@ -362,13 +362,23 @@ def _set(path, value):
     return corrupt
 
 
+def _codebooks(value):
+    """Apply ``_set``'s change to every copy of the codebook: the optimizer-wide one and the one
+    each parameter's state carries for torch's checkpoint API."""
+    def corrupt(sd):
+        _set((GLOBAL_STATE_KEY, "codebook"), value)(sd)
+        for index in sd["state"]:
+            _set(("state", index, "codebook"), value)(sd)
+    return corrupt
+
+
 NAMES = [n for n, _ in Net().named_parameters()]
 SCALE, CONV_W, HEAD_W = (NAMES.index(n) for n in ("scale", "conv.weight", "head.weight"))  # 0-D, 3-D, 2-D
 
 REJECTS = {
     "foreign keys": (lambda sd: sd.clear() or sd.update(bad=1), ValueError, "missing"),
     "missing state": (_set(("state",), KeyError), ValueError, "state"),
-    "wrong scale shape": (_set(("state", HEAD_W, "m_scale"), lambda t: t[:, :1].clone()), ValueError, "'head.weight'.*m_scale.*shape"),
+    "wrong scale shape": (_set(("state", HEAD_W, "m_scale"), lambda t: t[:-1].clone()), ValueError, "'head.weight'.*m_scale.*shape"),
     "float codes": (_set(("state", CONV_W, "m_code"), lambda t: t.float()), TypeError, "'conv.weight'.*m_code.*dtype"),
     "int64 codes": (_set(("state", CONV_W, "m_code"), lambda t: t.long()), TypeError, "'conv.weight'.*m_code"),
     "code beyond codebook": (_set(("state", HEAD_W, "m_code"), lambda t: t.fill_(200)), ValueError, "'head.weight'.*code 200"),
@@ -384,14 +394,16 @@ REJECTS = {
     "period as int": (_set(("state", HEAD_W, "period"), 96), ValueError, "'head.weight'.*period"),
     "field not a tensor": (_set(("state", HEAD_W, "m_scale"), lambda t: t.tolist()), TypeError, "'head.weight'.*m_scale"),
     "unknown parameter index": (lambda sd: sd["state"].update({99: sd["state"][0]}), ValueError, "99"),
-    "unsorted codebook": (_set((GLOBAL_STATE_KEY, "codebook"), lambda c: c[[0, 2, 1, *range(3, 64)]]),
+    "unsorted codebook": (_codebooks(lambda c: c[[0, 2, 1, *range(3, 64)]]),
                           ValueError, "sorted"),
-    "codebook ends": (_set((GLOBAL_STATE_KEY, "codebook"), lambda c: c * 0.5), ValueError, "codebook"),
-    "codebook size": (_set((GLOBAL_STATE_KEY, "codebook"), lambda c: c[:32].clone()), ValueError, "codebook"),
-    "codebook dtype": (_set((GLOBAL_STATE_KEY, "codebook"), lambda c: c.double()), TypeError, "codebook"),
-    "codebook nan": (_set((GLOBAL_STATE_KEY, "codebook"), lambda c: c.index_fill(0, torch.tensor([5]), float("nan"))),
+    "codebook ends": (_codebooks(lambda c: c * 0.5), ValueError, "codebook"),
+    "codebook size": (_codebooks(lambda c: c[:32].clone()), ValueError, "codebook"),
+    "codebook dtype": (_codebooks(lambda c: c.double()), TypeError, "codebook"),
+    "codebook nan": (_codebooks(lambda c: c.index_fill(0, torch.tensor([5]), float("nan"))),
                      ValueError, "codebook"),
-    "missing codebook": (_set((GLOBAL_STATE_KEY,), {}), ValueError, "codebook"),
+    "missing codebook": (_codebooks(KeyError), ValueError, "codebook"),
+    "codebooks disagree": (_set(("state", HEAD_W, "codebook"), lambda c: c.flip(0).neg()), ValueError,
+                           "'head.weight'.*differs"),
     "extra group": (lambda sd: sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0])), ValueError, "groups"),
     "fewer params in group": (lambda sd: sd["param_groups"][0]["params"].pop(), ValueError, "group 0"),
     "renamed parameter": (_set(("param_groups", 0, "param_names", 2), "norm.gamma"), ValueError, NAMES[2]),

@@ -1,12 +1,4 @@
-"""gefen.geometry: block candidates and shapes, period statistics and the SPEC 3.1 period rule.
-
-The rule takes the candidate with the smallest increment of ``err(p)``. Along a chain of
-candidates that divide each other ``err`` can never decrease (a block's population variance is
-at least the mean of its halves' variances), so the rule only selects a planted period P* when
-the candidate just below P* does *not* divide it (the error then drops at P*). Power-of-two row
-lengths have only nested candidates and therefore always fall back to one block per row; the
-tests below pin down both sides of that behaviour.
-"""
+"""gefen.geometry: block shapes and the block length rule (one block per row, from the shape alone)."""
 
 from __future__ import annotations
 
@@ -16,15 +8,7 @@ import pytest
 import torch
 
 from gefen import Gefen
-from gefen.geometry import (
-    MIN_PERIOD,
-    as_blocks,
-    block_shape,
-    period_candidates,
-    period_statistics,
-    pick_period,
-    rows_and_row_numel,
-)
+from gefen.geometry import as_blocks, block_shape, is_valid_period, rows_and_row_numel, shape_period
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -53,44 +37,32 @@ def planted(shape, period, seed, noise="normal"):
     return (r * s * z).reshape(shape)
 
 
-def choose(grad):
-    """The period the SPEC rule picks for ``grad`` (single process: no reduction)."""
-    candidates = period_candidates(grad.shape)
-    return pick_period(candidates, period_statistics(grad, candidates))
+@pytest.mark.parametrize("shape,period", [((5, 768), 768), ((3, 16, 3, 3), 144), ((7, 1), 1), ((4, 97), 97),
+                                          ((2, 1, 1), 1), ((5, 0), 1), ((3, 0, 2), 1), ((), 1), ((1,), 1), ((4096,), 1)])
+def test_shape_period_is_one_block_per_row(shape, period):
+    """>= 2-D tensors: one block per row; 1-D/0-D tensors and empty rows: per-element state."""
+    assert shape_period(shape) == period
+    assert is_valid_period(shape, period)
 
 
-def errors(grad):
-    """``err(p)`` for every candidate, straight from ``period_statistics``."""
-    candidates = period_candidates(grad.shape)
-    stats = period_statistics(grad, candidates)
-    return candidates, [math.sqrt(max(s, 0.0) / c) for s, c in stats.tolist()]
+@pytest.mark.parametrize("shape,period,valid", [((6, 12), 4, True), ((6, 12), 5, False), ((6, 12), 0, False),
+                                                ((6, 12), -4, False), ((9,), 3, False), ((9,), 1, True),
+                                                ((5, 0), 2, False)])
+def test_valid_periods_divide_the_row(shape, period, valid):
+    """A checkpoint may carry any block length that divides the rows (older state did)."""
+    assert is_valid_period(shape, period) == valid
 
 
-def stats_from_errors(errs):
-    """Statistics rows (sum of variances, block count) that reproduce the given ``err`` curve."""
-    return torch.tensor([[e * e, 1.0] for e in errs], dtype=torch.float64)
-
-
-# ----- candidates and block shapes --------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(5, 768), (3, 16, 3, 3), (7, 1), (4, 97), (2, 1, 1), (6, 360)])
-def test_candidates_are_exactly_the_divisors_of_the_row(shape):
-    """Every divisor of row_numel, ascending, and nothing else."""
-    n = math.prod(shape[1:])
-    assert period_candidates(shape) == [d for d in range(1, n + 1) if n % d == 0]
-
-
-def test_empty_rows_use_period_one():
-    """Rows without elements (shape (5, 0)) have no divisors to choose from: P = 1."""
-    assert period_candidates((5, 0)) == period_candidates((3, 0, 2)) == [1]
-    assert block_shape((5, 0), 1) == (5, 0)
-
-
-@pytest.mark.parametrize("shape", [(), (1,), (4096,), (3,)])
-def test_vectors_and_scalars_use_period_one(shape):
-    """1-D and 0-D tensors keep per-element state, whatever their gradient."""
-    assert period_candidates(shape) == [1]
-    grad = torch.randn(shape)
-    assert choose(grad) == 1
+def test_the_optimizer_allocates_state_from_the_shape_alone():
+    """State exists after a step with all-zero gradients, with the shape's block length, and
+    nothing is learned from zeros (the codebook stays unlearned, the moments zero)."""
+    w, b = torch.nn.Parameter(torch.randn(12, 40)), torch.nn.Parameter(torch.randn(12))
+    w.grad, b.grad = torch.zeros_like(w), torch.zeros_like(b)
+    opt = Gefen([w, b], lr=0.0)
+    opt.step()
+    assert int(opt.state[w]["period"]) == 40 and opt.state[w]["m_scale"].shape == (12, 1)
+    assert opt.codebook is None
+    assert not opt.state[w]["m_scale"].any() and not opt.state[w]["v_row"].any()
 
 
 def test_optimizer_gives_vectors_and_scalars_period_one():
@@ -129,121 +101,3 @@ def test_block_shape_rejects_non_divisors(period):
         block_shape((3, 12), period)
 
 
-# ----- period statistics ------------------------------------------------------------------------
-def direct_statistics(grad, candidates):
-    """Slow and obvious: population variance of g^2 inside every block, float64."""
-    rows, row_numel = rows_and_row_numel(grad.shape)
-    sq = grad.to(torch.float64).reshape(rows, row_numel).square()
-    out = []
-    for p in candidates:
-        blocks = sq.reshape(rows, row_numel // p, p)
-        var = (blocks - blocks.mean(-1, keepdim=True)).square().mean(-1)
-        out.append([var.sum().item(), float(blocks.shape[0] * blocks.shape[1])])
-    return torch.tensor(out, dtype=torch.float64)
-
-
-@pytest.mark.parametrize("shape", [(24, 96), (8, 6, 3, 3), (5, 7), (16, 360), (1, 64)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_period_statistics_equal_direct_computation(shape, dtype):
-    """Hierarchical block sums give the same per-candidate statistics as the direct formula."""
-    gen = torch.Generator().manual_seed(1)
-    grad = (torch.randn(shape, generator=gen) * torch.rand(shape[0], *[1] * (len(shape) - 1), generator=gen) * 3).to(dtype)
-    grad.view(-1)[::17] *= 20  # outliers stress the E[x^2] - E[x]^2 cancellation
-    before = grad.clone()
-    candidates = period_candidates(shape)
-    got = period_statistics(grad, candidates)
-    want = direct_statistics(grad, candidates)
-    assert got.dtype == torch.float64 and got.shape == (len(candidates), 2)
-    assert torch.equal(got[:, 1], want[:, 1])
-    scale = grad.to(torch.float64).pow(4).sum().item()
-    assert torch.allclose(got[:, 0], want[:, 0], rtol=1e-9, atol=1e-12 * scale)
-    assert torch.equal(grad, before), "period_statistics must not modify the gradient"
-
-
-def test_period_statistics_of_a_row_shard_sum_to_the_whole():
-    """Statistics are additive over row slices, so all-reducing shards gives the global numbers."""
-    grad = planted((30, 48), 12, 3)
-    candidates = period_candidates(grad.shape)
-    parts = sum(period_statistics(part, candidates) for part in torch.tensor_split(grad, [7, 8, 19]))
-    assert torch.allclose(parts, period_statistics(grad, candidates), rtol=1e-12, atol=0)
-
-
-# ----- the period rule ---------------------------------------------------------------------------
-PLANTED = [((64, 768), p) for p in (16, 24, 32, 48, 64, 96, 128, 192, 256, 384)]
-PLANTED += [((16, 3072), p) for p in (16, 96, 512, 1536)]
-PLANTED += [((64, 16, 3, 3), p) for p in (9, 18, 72)]
-PLANTED += [((24, 640), p) for p in (20, 64, 80, 160)]
-
-
-@pytest.mark.parametrize("shape,period", PLANTED, ids=[f"{s}-P{p}" for s, p in PLANTED])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_rule_finds_planted_period(shape, period, seed):
-    """Row/column scale structure with per-block magnitudes: the rule returns the planted P."""
-    assert choose(planted(shape, period, seed)) == period
-
-
-def test_optimizer_picks_the_planted_period():
-    """The optimizer's first step applies the rule per parameter (here P = 96 and P = 9)."""
-    a = torch.nn.Parameter(torch.zeros(64, 768))
-    b = torch.nn.Parameter(torch.zeros(64, 16, 3, 3))
-    a.grad, b.grad = planted(a.shape, 96, 5), planted(b.shape, 9, 5)
-    opt = Gefen([a, b])
-    opt.step()
-    assert int(opt.state[a]["period"]) == 96 and opt.state[a]["m_scale"].shape == (64, 8)
-    assert int(opt.state[b]["period"]) == 9 and opt.state[b]["m_scale"].shape == (64, 16)
-
-
-@pytest.mark.parametrize("shape,period", [((64, 1024), 64), ((64, 1024), 8), ((32, 4096), 256), ((64, 512), 128)])
-def test_power_of_two_rows_fall_back_to_one_block_per_row(shape, period):
-    """Nested candidates: err never decreases, no increment beats the first one's 1e-12, so the
-    rule answers P = 1 and the fallback gives one block per row, whatever was planted."""
-    grad = planted(shape, period, 0)
-    _, err = errors(grad)
-    assert all(b >= a for a, b in zip(err, err[1:]))
-    assert choose(grad) == shape[1]
-
-
-def test_nested_predecessor_hides_the_planted_period():
-    """640 = 5 * 128: P* = 320 has the divisor 160 just below it, so the error cannot drop at 320;
-    the rule lands on 160 (still whole planted blocks, twice the scales)."""
-    assert choose(planted((24, 640), 320, 0)) == 160
-
-
-def test_planted_period_below_min_period_falls_back_to_one_block_per_row():
-    """|g| constant inside blocks of 4: err is 0 at p = 1, 2, 4 and the largest drop is at 4,
-    but 4 < MIN_PERIOD, so the rule falls back to P = row_numel."""
-    grad = planted((32, 96), 4, 0, noise="sign")
-    cands, err = errors(grad)
-    assert [err[cands.index(p)] for p in (1, 2, 4)] == [0, 0, 0] and err[cands.index(3)] > 0
-    assert choose(grad) == 96
-
-
-def test_flat_error_curve_falls_back_to_one_block_per_row():
-    """|g| the same everywhere: every err is 0, p = 2 wins with a zero increment, fallback."""
-    grad = torch.randint(0, 2, (16, 72), generator=torch.Generator().manual_seed(0)).float() * 2 - 1
-    assert max(errors(grad)[1]) == 0
-    assert choose(grad) == 72
-    assert choose(grad[:, :6]) == 1  # rows shorter than MIN_PERIOD: P = 1
-
-
-def test_increment_rule_on_handmade_curves():
-    """Smallest increment wins, ties go to the smaller p, the first candidate counts as 1e-12,
-    results below MIN_PERIOD fall back to the row (or 1 when the row is shorter than 8)."""
-    cands = [1, 2, 4, 8, 16, 32, 64]
-    # increments: 1e-12, 1, .5, -.25, .5, -.25, .5 -> the tie at -0.25 goes to p = 8, not p = 32
-    assert pick_period(cands, stats_from_errors([0, 1, 1.5, 1.25, 1.75, 1.5, 2])) == 8
-    # the largest drop wins
-    assert pick_period(cands, stats_from_errors([0, 1, 1.5, 1.3, 1.6, 1.0, 1.5])) == 32
-    # all increments positive: the first candidate keeps 1e-12 -> p = 1 -> one block per row
-    assert pick_period(cands, stats_from_errors([0, 1, 2, 3, 4, 5, 6])) == 64
-    # an increment of exactly 1e-12 ties with the first candidate, which keeps it (ties go low)
-    assert pick_period(cands, stats_from_errors([0, 1e-12, 1, 2, 3, 4, 5])) == 64
-    # ... while a zero increment beats it
-    assert pick_period(cands, stats_from_errors([0, 1, 2, 2, 3, 4, 5])) == 8
-    assert pick_period(cands, stats_from_errors([0, 1, 2, 3, 3, 4, 5])) == 16
-    # best below MIN_PERIOD: drop at p = 4 -> fallback to the row length
-    assert pick_period(cands, stats_from_errors([0, 1, 0.5, 1, 2, 3, 4])) == 64
-    # rows shorter than MIN_PERIOD fall back to 1
-    assert pick_period([1, 2, 3, 6], stats_from_errors([0, 1, 0.5, 2])) == 1
-    assert pick_period([1], stats_from_errors([0])) == 1
-    assert MIN_PERIOD == 8

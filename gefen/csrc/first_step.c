@@ -1,26 +1,15 @@
 /*
- * The one-time work of Gefen's first step on CPU: period statistics (SPEC 3.1 "Choosing P")
- * and the block-normalised histogram the codebook is learned from.  Part of gefen._gefen_step
- * (loaded with ctypes by gefen.native); the torch reference is gefen.geometry.period_statistics
- * and gefen.codebook.histogram_normalised_blocks.
+ * The one-time work of Gefen's first step on CPU: the block-normalised histogram the codebook
+ * is learned from.  Part of gefen._gefen_step (loaded with ctypes by gefen.native); the torch
+ * reference is gefen.codebook.histogram_normalised_blocks.
  *
- * Why it exists: the reference spends ~10 fp64 passes (and their allocations) over every
- * gradient, ~8x a fused step.  Here one pass per row keeps the row's block sums in a small
- * per-thread buffer.
+ * Why it exists: the reference spends several passes (and their allocations) over every
+ * gradient; here one pass per block.
  *
- * What matches the reference, and how exactly:
- *   - the histogram counts are identical: max-abs, one fp32 division, +1, /2, *bins and
- *     truncation are each one IEEE rounding in both (NaN -> bin 0, as torch's float -> int64
- *     cast and clamp give on x86; a block holding a NaN has a NaN scale, so all of it);
- *   - every block sum is identical (g^2 in fp64 is exact; a block of p elements is the
- *     left-to-right sum of its children, the blocks of the largest smaller candidate q | p, as
- *     the reference builds them), and so is every "block of equal children adds exactly 0";
- *   - the spread totals (sums of non-negative squared deviations, no cancellation) are fp64
- *     sums in another order than torch's: equal to within a few ulps, and independent of the
- *     thread count here (fixed 64-row chunks, added in order).  pick_period compares
- *     increments of sqrt(variance); only increments within rounding of each other (or of its
- *     1e-12 threshold) could be decided differently -- the same sensitivity the rule already
- *     has to the all-reduce order under sharding (docs/decisions.md).
+ * What matches the reference, and how exactly: the histogram counts are identical: max-abs,
+ * one fp32 division, +1, /2, *bins and truncation are each one IEEE rounding in both (NaN ->
+ * bin 0, as torch's float -> int64 cast and clamp give on x86; a block holding a NaN has a NaN
+ * scale, so all of it).
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,134 +22,7 @@
 
 #include "gefen_common.h"
 
-#define STATS_CHUNK_ROWS 64
 #define HIST_PAR_MIN 65536 /* elements below which one thread does the histogram */
-
-/* ----- period statistics ------------------------------------------------------------- */
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(_WIN32)
-#define FS_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define FS_CLONES
-#endif
-
-/* Four independent partial sums (vectorisable without reassociation), added pairwise. */
-#define LANES 4
-
-/* x[j] = g[j]^2 in fp64 (exact). */
-static FS_CLONES void squares_f32(const float *g, int64_t n, double *x) {
-    for (int64_t j = 0; j < n; j++) x[j] = (double)g[j] * (double)g[j];
-}
-
-static void squares_bf16(const uint16_t *g, int64_t n, double *x) {
-    for (int64_t j = 0; j < n; j++) {
-        double v = (double)ld_g(g, DT_BF16, j);
-        x[j] = v * v;
-    }
-}
-
-/* Blocks of f children: dst[k] = src[k f] + ... + src[k f + f - 1] (left to right); returns
- * sum over blocks of sum_i (child_i - dst[k] / f)^2, a block of equal children adding 0. */
-static FS_CLONES double block_spread(const double *src, int64_t f, int64_t blocks, double *dst) {
-    double acc[LANES] = {0.0, 0.0, 0.0, 0.0};
-    const double df = (double)f;
-    int64_t k = 0;
-    if (f == 2) /* the common case, branch-free: equal children give m == c exactly, so 0 */
-        for (; k + LANES <= blocks; k += LANES)
-            for (int l = 0; l < LANES; l++) {
-                const double *c = src + 2 * (k + l);
-                double b = c[0] + c[1], m = b / 2.0;
-                dst[k + l] = b;
-                acc[l] += (c[0] - m) * (c[0] - m) + (c[1] - m) * (c[1] - m);
-            }
-    for (; k < blocks; k++) {
-        const double *c = src + k * f;
-        double b = c[0];
-        int equal = 1;
-        for (int64_t j = 1; j < f; j++) {
-            b += c[j];
-            equal &= c[j] == c[0];
-        }
-        dst[k] = b;
-        if (equal) continue;
-        double m = b / df, d = 0.0;
-        for (int64_t j = 0; j < f; j++) d += (c[j] - m) * (c[j] - m);
-        acc[k % LANES] += d;
-    }
-    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
-
-/* One row: per candidate i >= 1 (parent[i] < i: the candidate whose blocks are its children),
- * add its blocks' between-children spread to acc[i].  buf holds every level's block sums. */
-static void stats_row(const void *g, int dt, int64_t off, int64_t n, const int64_t *cands,
-                      const int32_t *parent, const int64_t *level_off, int ncand, double *buf,
-                      double *acc) {
-    if (dt == DT_F32) squares_f32((const float *)g + off, n, buf);
-    else squares_bf16((const uint16_t *)g + off, n, buf);
-    for (int i = 1; i < ncand; i++)
-        acc[i] += block_spread(buf + level_off[parent[i]], cands[i] / cands[parent[i]], n / cands[i],
-                               buf + level_off[i]);
-}
-
-/*
- * grad: rows x n (contiguous fp32 or bf16); cands ascending with cands[0] == 1, parent[i] the
- * index of the largest earlier candidate dividing cands[i].  out: [ncand][2] =
- * (sum over blocks of the population variance of g^2, number of blocks), the reference's
- * layout and formula (gefen.geometry.period_statistics).
- * Returns 0, or -1 when out of memory (nothing written).
- */
-GEFEN_EXPORT int gefen_period_stats(const void *grad, int dt, int64_t rows, int64_t n, const int64_t *cands,
-                                    const int32_t *parent, int ncand, double *out) {
-    if (ncand < 1 || cands[0] != 1 || n < 1) return -2;
-    int64_t *level_off = malloc(sizeof(int64_t) * (size_t)ncand);
-    int64_t nchunks = (rows + STATS_CHUNK_ROWS - 1) / STATS_CHUNK_ROWS;
-    double *part = calloc((size_t)(nchunks > 0 ? nchunks : 1) * (size_t)ncand, sizeof(double));
-    double *spread = malloc(sizeof(double) * (size_t)ncand);
-    if (!level_off || !part || !spread) {
-        free(level_off);
-        free(part);
-        free(spread);
-        return -1;
-    }
-    int64_t total = 0;
-    for (int i = 0; i < ncand; i++) {
-        level_off[i] = total;
-        total += n / cands[i];
-    }
-    int failed = 0;
-#pragma omp parallel if (rows * n >= HIST_PAR_MIN)
-    {
-        double *buf = malloc(sizeof(double) * (size_t)total);
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < nchunks; c++) {
-            if (!buf) continue;
-            int64_t r1 = (c + 1) * STATS_CHUNK_ROWS < rows ? (c + 1) * STATS_CHUNK_ROWS : rows;
-            for (int64_t r = c * STATS_CHUNK_ROWS; r < r1; r++)
-                stats_row(grad, dt, r * n, n, cands, parent, level_off, ncand, buf, part + c * ncand);
-        }
-        free(buf);
-    }
-    if (!failed) {
-        spread[0] = 0.0; /* p = 1: single-element blocks have no spread */
-        for (int i = 0; i < ncand; i++) {
-            if (i > 0) {
-                double b = 0.0;
-                for (int64_t c = 0; c < nchunks; c++) b += part[c * ncand + i];
-                spread[i] = spread[parent[i]] + b / (double)cands[parent[i]];
-            }
-            out[2 * i] = spread[i] / (double)cands[i];
-            out[2 * i + 1] = (double)(rows * (n / cands[i]));
-        }
-    }
-    free(level_off);
-    free(part);
-    free(spread);
-    return failed ? -1 : 0;
-}
 
 /* ----- block-normalised histogram ---------------------------------------------------- */
 
