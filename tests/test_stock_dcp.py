@@ -1,0 +1,199 @@
+"""torch's own checkpoint API on Gefen optimizers, unchanged: ``get_state_dict`` / ``set_state_dict``
+with ``dcp.save`` / ``dcp.async_save`` / ``dcp.load``, as training frameworks call them.
+
+A checkpoint written on N ranks of FSDP2 resumes on M ranks (and in one process) into a *fresh*
+model and optimizer, and the resumed run equals the uninterrupted one bit for bit. Gradients are
+set from one generator per step (the same global gradients on every world size), so the
+comparison isolates checkpointing from data-parallel summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, set_state_dict
+
+from gefen import Gefen, GefenMuon
+from test_dcp import assemble, assert_same, canonical_tensors, mlp, param_pieces, pieces
+
+from distributed import row_scaled_grads, run
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+STEPS, MORE = 3, 2
+KINDS = ("gefen", "gefen_block", "muon", "adamw")
+#: the kind each world saves with dcp.async_save instead of dcp.save
+ASYNC = "gefen_block"
+
+
+def make_opt(kind: str, model: torch.nn.Module):
+    named = list(model.named_parameters())
+    if kind == "gefen":
+        return Gefen(named, lr=1e-2, weight_decay=0.1)
+    if kind == "gefen_block":
+        return Gefen(named, lr=1e-2, factored_v_2d=False)
+    if kind == "muon":
+        return GefenMuon([(n, p) for n, p in named if p.dim() == 2], lr=1e-2, normuon=True)
+    if kind == "adamw":
+        return torch.optim.AdamW(named, lr=1e-2, weight_decay=0.1)
+    raise ValueError(kind)
+
+
+def model_on(seed: int, mesh) -> torch.nn.Module:
+    model = mlp(seed)
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def train(model: torch.nn.Module, opt, start: int, steps: int) -> None:
+    """``steps`` optimizer steps with the same global gradients on every layout."""
+    from torch.distributed.tensor import distribute_tensor
+
+    named = dict(model.named_parameters())
+    for step in range(start, start + steps):
+        grads = row_scaled_grads({n: tuple(p.shape) for n, p in named.items()}, step)
+        for name, p in named.items():
+            g = grads[name]
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else g
+        opt.step()
+        opt.zero_grad()
+
+
+def save(model, opt, path: str, use_async: bool = False) -> None:
+    msd, osd = get_state_dict(model, opt)
+    if use_async:
+        dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path).result()
+    else:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def resume(kind: str, path: str, mesh) -> tuple[torch.nn.Module, object]:
+    """A fresh model and optimizer (other initial weights, no state), filled the stock way."""
+    model = model_on(1, mesh)
+    opt = make_opt(kind, model)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    return model, opt
+
+
+def snapshot(model, opt) -> dict:
+    params = dict(model.named_parameters())
+    return {"state": pieces(opt, params), "params": param_pieces(params)}
+
+
+def _world(rank: int, world: int, load_from: str | None, save_to: str) -> dict:
+    """Every kind: resume ``load_from``'s checkpoint (if any) and continue; then train a new run
+    from scratch and save it under ``save_to``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for kind in KINDS:
+        if load_from is not None:
+            model, opt = resume(kind, f"{load_from}-{kind}", mesh)
+            train(model, opt, STEPS, MORE)
+            out[kind] = snapshot(model, opt)
+        model = model_on(0, mesh)
+        opt = make_opt(kind, model)
+        train(model, opt, 0, STEPS)
+        save(model, opt, f"{save_to}-{kind}", use_async=kind == ASYNC)
+    return out
+
+
+def uninterrupted(kind: str) -> dict[str, torch.Tensor]:
+    model = model_on(0, None)
+    opt = make_opt(kind, model)
+    train(model, opt, 0, STEPS + MORE)
+    return flat(model, opt)
+
+
+def flat(model, opt) -> dict[str, torch.Tensor]:
+    out = canonical_tensors(opt)
+    out.update({f"param/{n}": p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def assembled(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+    return {**assemble([r["state"] for r in per_rank]), **assemble([r["params"] for r in per_rank])}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_stock_api_resumes_bitwise_across_world_sizes(tmp_path):
+    """1 process -> 2 ranks -> 3 ranks -> 1 process, each hop through get_state_dict + dcp.save
+    (async_save for one kind) and a fresh model + optimizer filled by get_state_dict +
+    dcp.load + set_state_dict; every resumed run equals the uninterrupted one bit for bit."""
+    want = {kind: uninterrupted(kind) for kind in KINDS}
+    for kind in KINDS:  # the one-process checkpoint the 2-rank world resumes
+        model = model_on(0, None)
+        opt = make_opt(kind, model)
+        train(model, opt, 0, STEPS)
+        save(model, opt, str(tmp_path / f"w1-{kind}"))
+
+    two = run(_world, 2, str(tmp_path / "w1"), str(tmp_path / "w2"), timeout=400)
+    three = run(_world, 3, str(tmp_path / "w2"), str(tmp_path / "w3"), timeout=400)
+    for kind in KINDS:
+        assert_same(want[kind], assembled([r[kind] for r in two]), f"{kind}: 1 -> 2 ranks")
+        assert_same(want[kind], assembled([r[kind] for r in three]), f"{kind}: 2 -> 3 ranks")
+        model, opt = resume(kind, str(tmp_path / f"w3-{kind}"), None)
+        train(model, opt, STEPS, MORE)
+        assert_same(want[kind], flat(model, opt), f"{kind}: 3 ranks -> 1 process")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_dcp_to_torch_save_loads_into_one_process(tmp_path):
+    """torch's own offline converter turns a 2-rank checkpoint into one torch.save file; a
+    single-process model and optimizer take it through set_state_dict and continue exactly."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run(_world, 2, None, str(tmp_path / "w2"), timeout=200)
+    for kind in ("gefen", "muon"):
+        dcp_to_torch_save(tmp_path / f"w2-{kind}", tmp_path / f"{kind}.pt")
+        saved = torch.load(tmp_path / f"{kind}.pt", weights_only=False)
+        model = model_on(1, None)
+        opt = make_opt(kind, model)
+        set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+        train(model, opt, STEPS, MORE)
+        assert_same(uninterrupted(kind), flat(model, opt), f"{kind}: dcp_to_torch_save")
+
+
+def test_stock_state_dict_is_filled_without_learning_from_zeros():
+    """get_state_dict initialises an empty optimizer by a step with zero gradients and lr 0: the
+    state gets the checkpoint's shapes (the codebook among it, all zero = not learned) and the
+    codebook is learned later from the first real gradients, exactly as without that step."""
+    model = model_on(0, None)
+    opt = make_opt("gefen", model)
+    _, osd = get_state_dict(model, opt)
+    assert opt.codebook is None
+    entry = osd["state"]["0.weight"]
+    assert entry["m_code"].shape == (24, 16) and entry["m_scale"].shape == (24, 1)
+    assert entry["codebook"].shape == (256,) and not entry["codebook"].any()
+    assert not any(v.any() for e in osd["state"].values() for k, v in e.items() if k not in ("step", "period"))
+    train(model, opt, 0, 1)
+
+    plain = model_on(0, None)
+    plain_opt = make_opt("gefen", plain)
+    train(plain, plain_opt, 0, 1)
+    assert torch.equal(opt.codebook, plain_opt.codebook)
+    assert len(opt.codebook.unique()) > 100  # learned from real gradients, not collapsed by zeros
+
+
+def test_a_state_dict_whose_parameters_disagree_about_the_codebook_is_refused():
+    model = model_on(0, None)
+    opt = make_opt("gefen", model)
+    train(model, opt, 0, 2)
+    _, osd = get_state_dict(model, opt)
+    osd["state"]["2.weight"]["codebook"] = osd["state"]["2.weight"]["codebook"].flip(0).neg()
+    before = flat(model, opt)
+    with pytest.raises(ValueError, match="'2.weight'.*differs"):
+        set_optimizer_state_dict(model, opt, osd)
+    assert_same(before, flat(model, opt), "after the refused load")
