@@ -139,6 +139,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         work = self._grads()
         if work:
+            self.reduction_plan()  # refuses a layout the block geometry cannot honour, before any state exists
             self._initialise_new(work)
         return loss, work
 

@@ -79,8 +79,9 @@ def _row_shard_dim(name: str, p: torch.Tensor) -> int | None:
         if placement.is_shard():
             if placement.dim != 0:
                 raise ValueError(
-                    f"parameter {name}: layout {tuple(p.placements)} shards dim {placement.dim}; Gefen's blocks "
-                    "live inside rows, so only Shard(0) and Replicate are supported (unsupported layout)"
+                    f"parameter {name}: layout {tuple(p.placements)} shards dim {placement.dim}, which cuts the "
+                    "rows Gefen's blocks and row statistics live in (unsupported layout); shard dim 0 "
+                    "(FSDP2 fully_shard, ColwiseParallel) or replicate it"
                 )
             dims.append(i)
         elif placement.is_partial():

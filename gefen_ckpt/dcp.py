@@ -90,6 +90,7 @@ from gefen_ckpt.exchange import (
     stage_import,
 )
 from gefen_ckpt.layout import as_dtensor_like, local_rows
+from gefen_ckpt.stock_dcp import find_stock_keys, read_stock
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
 
 __all__ = [
@@ -793,22 +794,27 @@ class DCPSource:
 
 
 def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
-    """The ``CanonicalState`` of a ``GefenDCPState`` saved in the DCP checkpoint at ``path``.
+    """The ``CanonicalState`` of the optimizer state in the DCP checkpoint at ``path``: a
+    ``GefenDCPState``, or the layout of torch's ``get_state_dict`` (``gefen_ckpt.stock_dcp``).
 
     ``key`` is the state-dict key it was saved under (e.g. ``"optim"``); by default the only one
     present. No process group; tensors are lazy ``DCPSource`` objects that read only the rows
     asked for. DCP's ``.metadata`` pickle is loaded with an allowlist (no code execution)."""
     reader = _DCPReader(path)
-    found = find_gefen_keys(reader.metadata)
+    found, stock = find_gefen_keys(reader.metadata), find_stock_keys(reader.metadata)
     if key is None:
-        if len(found) != 1:
+        if len(found) + len(stock) != 1:
             raise CheckpointMismatchError(
-                f"{path}: " + (f"several GefenDCPState entries {found}: pass key=" if found
-                               else "this DCP checkpoint holds no GefenDCPState")
+                f"{path}: " + (f"several optimizer states {found + stock}: pass key=" if found or stock
+                               else "this DCP checkpoint holds no GefenDCPState and no get_state_dict optimizer state")
             )
-        key = found[0]
-    elif key not in found:
-        raise CheckpointMismatchError(f"{path}: no GefenDCPState under {key!r} (found: {found})")
+        key = (found + stock)[0]
+    elif key not in found + stock:
+        raise CheckpointMismatchError(f"{path}: no optimizer state under {key!r} (found: {found + stock})")
+    if key in stock:
+        state = read_stock(reader, key, lambda full: DCPSource(reader, full))
+        state.metadata.update({"source_format": "dcp", "path": str(path), "key": key})
+        return state
     prefix = f"{key}." if key else ""
     smd = reader.metadata.state_dict_metadata
     meta_md = smd[prefix + META_KEY]

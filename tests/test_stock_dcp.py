@@ -9,12 +9,16 @@ comparison isolates checkpointing from data-parallel summation order.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, set_state_dict
 
-from gefen import Gefen, GefenMuon
+from typer.testing import CliRunner
+
+from gefen import Gefen, GefenMuon, contract_of
 from test_dcp import assemble, assert_same, canonical_tensors, mlp, param_pieces, pieces
 
 from distributed import row_scaled_grads, run
@@ -150,20 +154,41 @@ def test_stock_api_resumes_bitwise_across_world_sizes(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_dcp_to_torch_save_loads_into_one_process(tmp_path):
-    """torch's own offline converter turns a 2-rank checkpoint into one torch.save file; a
-    single-process model and optimizer take it through set_state_dict and continue exactly."""
+def test_offline_tools_read_a_stock_checkpoint(tmp_path):
+    """A model + optimizer checkpoint of the stock flow on 2 ranks: torch's own offline converter
+    (dcp_to_torch_save) gives a file a single-process model and optimizer resume from exactly, and
+    ``gefen-ckpt inspect / verify / convert / reshard`` read it."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import gefen_ckpt
+    from gefen_cli.app import app
 
     run(_world, 2, None, str(tmp_path / "w2"), timeout=200)
     for kind in ("gefen", "muon"):
-        dcp_to_torch_save(tmp_path / f"w2-{kind}", tmp_path / f"{kind}.pt")
+        src = tmp_path / f"w2-{kind}"
+        dcp_to_torch_save(src, tmp_path / f"{kind}.pt")
         saved = torch.load(tmp_path / f"{kind}.pt", weights_only=False)
         model = model_on(1, None)
         opt = make_opt(kind, model)
         set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+        want = canonical_tensors(opt)
         train(model, opt, STEPS, MORE)
         assert_same(uninterrupted(kind), flat(model, opt), f"{kind}: dcp_to_torch_save")
+
+        cli = CliRunner()
+        shown = cli.invoke(app, ["inspect", str(src), "--json"])
+        assert shown.exit_code == 0, shown.output
+        info = json.loads(shown.output)
+        assert info["optimizer"]["implementation"] == contract_of(opt).implementation, info["optimizer"]
+        assert cli.invoke(app, ["verify", str(src)]).exit_code == 0
+        for command in (["reshard", str(src), str(tmp_path / f"{kind}-r3"), "--world-size", "3"],
+                        ["convert", str(src), str(tmp_path / f"{kind}-portable"), "--to", "portable"]):
+            result = cli.invoke(app, command)
+            assert result.exit_code == 0, result.output
+            fresh_model = model_on(1, None)
+            fresh = make_opt(kind, fresh_model)
+            gefen_ckpt.load(fresh, command[2])
+            assert_same(want, canonical_tensors(fresh), f"{kind}: gefen-ckpt {command[0]}")
 
 
 def test_stock_state_dict_is_filled_without_learning_from_zeros():
