@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+
 def rows_and_row_numel(shape: Sequence[int]) -> tuple[int, int]:
     """Split a global shape into (rows, elements per row); a 0-D tensor is one row of one."""
     if len(shape) == 0:

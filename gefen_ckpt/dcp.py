@@ -74,6 +74,7 @@ from gefen.contract import (
     contract_of,
     expected_field_shape,
 )
+from gefen.distributed import as_field_dtensor
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
@@ -89,9 +90,9 @@ from gefen_ckpt.exchange import (
     plain_value,
     stage_import,
 )
-from gefen_ckpt.layout import as_dtensor_like, local_rows
-from gefen_ckpt.stock_dcp import find_stock_keys, read_stock
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
+from gefen_ckpt.layout import local_rows
+from gefen_ckpt.stock_dcp import find_stock_keys, read_stock
 
 __all__ = [
     "GefenDCPState",
@@ -275,7 +276,7 @@ def _as_global(fqn: str, name: str, value: torch.Tensor, lp: LiveParam, spec: Fi
             f"{fqn}/{name}: this rank holds {value.shape[0]} rows but owns rows [{start}, {stop}) of the parameter"
         )
     shape = _field_global_shape(lp.param, value)
-    return as_dtensor_like(value, lp.param, shape)
+    return as_field_dtensor(value.contiguous(), lp.param, spec.geometry, shape)
 
 
 # ----- sources over what dcp.load filled in --------------------------------------------------
@@ -601,7 +602,7 @@ def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.T
     if spec.row_sharded and _is_dtensor(param) and shape:
         start, stop = local_rows(param, fqn)
         local = torch.empty((stop - start,) + shape[1:], dtype=dtype, device=device)
-        return as_dtensor_like(local, param, shape)
+        return as_field_dtensor(local, param, spec.geometry, shape)
     return torch.empty(shape, dtype=dtype, device=device)
 
 

@@ -25,6 +25,7 @@ from gefen.contract import (
     contract_of,
     expected_field_shape,
 )
+from gefen.distributed import as_field_dtensor
 from gefen_ckpt import layout
 from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState
 from gefen_ckpt.collective import agree
@@ -237,7 +238,8 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
                     if not leaf.field(name).row_sharded or not src.shape:
                         sd_state[index][name] = src.read()
                     elif leaf.dtensor_state and layout.is_dtensor(p):
-                        sd_state[index][name] = layout.as_dtensor_like(src.read(start, stop), p, src.shape)
+                        sd_state[index][name] = as_field_dtensor(src.read(start, stop).contiguous(), p,
+                                                                 leaf.field(name).geometry, src.shape)
                     else:
                         sd_state[index][name] = src.read(start, stop)
             index += 1

@@ -56,14 +56,3 @@ def writes_replicated(param: torch.Tensor) -> bool:
     if not is_dtensor(param):
         return rank() == 0
     return all(param.device_mesh.get_local_rank(i) == 0 for i in range(param.device_mesh.ndim))
-
-
-def as_dtensor_like(local: torch.Tensor, param: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``local`` rows of a global tensor of ``shape``, as a DTensor laid out like ``param``."""
-    from torch.distributed.tensor import DTensor
-
-    stride = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        stride[i] = stride[i + 1] * max(shape[i + 1], 1)  # torch's contiguous strides
-    return DTensor.from_local(local.contiguous(), param.device_mesh, param.placements, run_check=False,
-                              shape=torch.Size(shape), stride=tuple(stride))

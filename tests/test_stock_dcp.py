@@ -15,13 +15,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, set_state_dict
-
 from typer.testing import CliRunner
 
 from gefen import Gefen, GefenMuon, contract_of
-from test_dcp import assemble, assert_same, canonical_tensors, mlp, param_pieces, pieces
 
 from distributed import row_scaled_grads, run
+from test_dcp import assemble, assert_same, canonical_tensors, mlp, param_pieces, pieces
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
