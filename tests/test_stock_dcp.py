@@ -92,12 +92,13 @@ def snapshot(model, opt) -> dict:
     return {"state": pieces(opt, params), "params": param_pieces(params)}
 
 
-def _world(rank: int, world: int, load_from: str | None, save_to: str) -> dict:
+def _world(rank: int, world: int, load_from: str | None, save_to: str, hsdp: bool = False) -> dict:
     """Every kind: resume ``load_from``'s checkpoint (if any) and continue; then train a new run
-    from scratch and save it under ``save_to``."""
+    from scratch and save it under ``save_to``. ``hsdp``: a (replicate, shard) = (2, world / 2) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp \
+        else init_device_mesh("cpu", (world,))
     out = {}
     for kind in KINDS:
         if load_from is not None:
@@ -131,8 +132,8 @@ def assembled(per_rank: list[dict]) -> dict[str, torch.Tensor]:
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_stock_api_resumes_bitwise_across_world_sizes(tmp_path):
-    """1 process -> 2 ranks -> 3 ranks -> 1 process, each hop through get_state_dict + dcp.save
-    (async_save for one kind) and a fresh model + optimizer filled by get_state_dict +
+    """1 process -> 2 ranks -> 3 ranks -> HSDP 2x2 -> 1 process, each hop through get_state_dict +
+    dcp.save (async_save for one kind) and a fresh model + optimizer filled by get_state_dict +
     dcp.load + set_state_dict; every resumed run equals the uninterrupted one bit for bit."""
     want = {kind: uninterrupted(kind) for kind in KINDS}
     for kind in KINDS:  # the one-process checkpoint the 2-rank world resumes
@@ -143,12 +144,14 @@ def test_stock_api_resumes_bitwise_across_world_sizes(tmp_path):
 
     two = run(_world, 2, str(tmp_path / "w1"), str(tmp_path / "w2"), timeout=400)
     three = run(_world, 3, str(tmp_path / "w2"), str(tmp_path / "w3"), timeout=400)
+    hsdp = run(_world, 4, str(tmp_path / "w3"), str(tmp_path / "hsdp"), True, timeout=400)
     for kind in KINDS:
         assert_same(want[kind], assembled([r[kind] for r in two]), f"{kind}: 1 -> 2 ranks")
         assert_same(want[kind], assembled([r[kind] for r in three]), f"{kind}: 2 -> 3 ranks")
-        model, opt = resume(kind, str(tmp_path / f"w3-{kind}"), None)
+        assert_same(want[kind], assembled([r[kind] for r in hsdp]), f"{kind}: 3 ranks -> HSDP 2x2")
+        model, opt = resume(kind, str(tmp_path / f"hsdp-{kind}"), None)
         train(model, opt, STEPS, MORE)
-        assert_same(want[kind], flat(model, opt), f"{kind}: 3 ranks -> 1 process")
+        assert_same(want[kind], flat(model, opt), f"{kind}: HSDP 2x2 -> 1 process")
 
 
 @pytest.mark.dist
