@@ -33,6 +33,7 @@ import torch
 
 from gefen.contract import (
     CHILDREN_KEY,
+    CONTRACT_KEY,
     GLOBAL_STATE_KEY,
     LIKE_PARAM,
     OptimizerContract,
@@ -239,11 +240,12 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
         contract = composite_contract(contract, sd)
     elif contract is not None:
         contract = resolve_contract(contract)
-    elif isinstance(meta.get("contract"), dict):
+    elif isinstance(meta.get("contract"), dict) or (composite and isinstance(sd.get(CONTRACT_KEY), dict)):
+        recorded = meta["contract"] if isinstance(meta.get("contract"), dict) else sd[CONTRACT_KEY]
         try:
-            contract = OptimizerContract.from_dict(meta["contract"])
+            contract = OptimizerContract.from_dict(recorded)
         except ValueError as exc:
-            raise CheckpointFormatError(f"recorded {TORCH_META_KEY!r} contract: {exc}") from None
+            raise CheckpointFormatError(f"recorded contract: {exc}") from None
     elif composite:
         raise CheckpointMismatchError(
             f"a composite optimizer's state_dict (children {sorted(map(str, sd[CHILDREN_KEY]))}) records no "
