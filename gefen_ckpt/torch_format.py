@@ -278,8 +278,8 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             if not names:
                 raise CheckpointMismatchError(
                     f"{where}: param group {gi} has no 'param_names', so its state cannot be keyed by parameter "
-                    "name; build the optimizer from model.named_parameters() (e.g. "
-                    "torch.optim.AdamW(model.named_parameters())) and save its state_dict again"
+                    "name; name them (gefen-ckpt --param-names FILE or --names-from MODEL; "
+                    "gefen_ckpt.names.name_state_dict) or build the optimizer from model.named_parameters()"
                 )
             if len(names) != len(saved["params"]):
                 raise CheckpointFormatError(f"{where}: param group {gi} has {len(saved['params'])} params but "
