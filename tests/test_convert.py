@@ -281,6 +281,18 @@ def test_cli_convert_round_trip_and_bad_input(tmp_path, adamw_run):
         assert result.exit_code == 0, result.output
     back = adamw(copy.deepcopy(snapshot))
     back.load_state_dict(torch.load(tmp_path / "dense-torch", weights_only=True))
+    # a model + optimizer DCP checkpoint of torch's own flow (AdamW state through GefenDCPState)
+    import torch.distributed.checkpoint as dcp
+
+    from gefen_ckpt.dcp import GefenDCPState, GefenSavePlanner
+
+    model = copy.deepcopy(snapshot)
+    dcp.save({"model": model.state_dict(), "optim": GefenDCPState(back, model)}, checkpoint_id=tmp_path / "flow",
+             planner=GefenSavePlanner())
+    result = runner.invoke(app, ["convert", str(tmp_path / "flow"), str(tmp_path / "flow.pt"), "--into", "Gefen",
+                                 "--to", "torch", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["conversion"]["from"] == "torch.optim.AdamW"
     # bad input: one line, exit 2, nothing written
     for args, match in ((["--into", "GefenMuon"], "2-D parameters only"), (["--into", "SGD"], "no mapping"),
                         (["--optimizer", "Gefen", "--into", "Gefen"], "--optimizer names the optimizer that wrote")):
