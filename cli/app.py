@@ -227,9 +227,12 @@ def diff(
 
     chunk_bytes = common.parse_size(chunk)
     with common.handled():
-        # --optimizer and the names apply to the torch sides (a portable or DCP side records its own)
-        sa, sb = (common.open_state(x, fmt, optimizer, *((param_names, names_from) if fmt == common.TORCH else ()))[1]
-                  for x, fmt in ((x, common.detect_format(x)) for x in (a, b)))
+        def side(path: str):  # the names apply to a torch side (a portable or DCP side records its own)
+            fmt = common.detect_format(path)
+            names = (param_names, names_from) if fmt == common.TORCH else (None, None)
+            return common.open_state(path, fmt, optimizer, *names)[1]
+
+        sa, sb = side(a), side(b)
         with common.progress() as bar:
             def start(total):
                 task = bar.add_task("comparing", total=total)

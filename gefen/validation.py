@@ -63,7 +63,8 @@ def check_not_adam_state(state_dict: dict, implementation: str) -> None:
     """A torch Adam/AdamW state_dict handed to a Gefen optimizer: say so and how to convert it
     (otherwise the first complaint would be a missing hyperparameter)."""
     entries = state_dict.get("state")
-    if isinstance(entries, dict) and any(isinstance(e, dict) and "exp_avg" in e for e in entries.values()):
+    if isinstance(entries, dict) and any(isinstance(e, dict) and "exp_avg" in e and "m_code" not in e
+                                         for e in entries.values()):
         short = implementation.rsplit(".", 1)[-1]
         raise ValueError(
             f"this is torch.optim.AdamW's (or Adam's) state, not {implementation}'s: convert it with "

@@ -64,14 +64,15 @@ def convert_state(state: CanonicalState, into: str, *, factored_v_2d: bool = Tru
 
     ``into``: ``Gefen``, ``GefenMuon``, ``GefenMuonHybrid`` or ``AdamW``. ``factored_v_2d``,
     ``codebook_size``, ``bins_per_code`` and ``backup`` (the hybrid's) are the target's
-    constructor options (its defaults when omitted). ``muon_params``: the FQNs the hybrid routes to
-    Muon, e.g. ``[n for n, _ in split_params_for_muon(model)[0]]``; by default they are routed by
-    name and shape alone, which cannot recognise an embedding by its module type. Parameters whose source keeps no second
-    moment (Muon's) get no state in a target that needs one: they start afresh, as any new
-    parameter does. The result's ``metadata["conversion"]`` reports what happened and the
-    relative errors of the first and second moments (see docs/cli.md). Raises
+    constructor options (its defaults when omitted). ``muon_params``: the FQNs the hybrid routes
+    to Muon, e.g. ``[n for n, _ in split_params_for_muon(model)[0]]``; by default they are routed
+    by name and shape alone, which cannot recognise an embedding by its module type. Parameters
+    whose source keeps no second moment (Muon's) get no state in a target that needs one: they
+    start afresh, as any new parameter does. The result's ``metadata["conversion"]`` reports what
+    happened and the relative errors of the first and second moments (see docs/cli.md). Raises
     ``CheckpointMismatchError`` when a mapping is not defined or a hyperparameter cannot be
-    carried; nothing is returned half-converted.
+    carried; nothing is returned half-converted. Memory: the source's moments in fp32 plus the
+    target's state (the report reads the target back one parameter at a time).
     """
     target = resolve_target(into)
     source = state.contract.implementation
@@ -84,7 +85,7 @@ def convert_state(state: CanonicalState, into: str, *, factored_v_2d: bool = Tru
     else:
         out = _build_leaf(target, groups, dense, options)
     out.metadata = {**{k: v for k, v in state.metadata.items() if k != "conversion"},
-                    "conversion": _report(source, target, dense, dense_view(out)[1])}
+                    "conversion": _report(source, target, dense, out)}
     return out
 
 
@@ -204,7 +205,6 @@ def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], option
         if child is not None:
             group["child"] = child
         out_groups.append(group)
-    factored = {fqn for g in out_groups if g.get("factored_v_2d") for fqn in g["params"]}
     if target == MUON:
         flat = [f for g in groups for f in g["params"] if f in dense and len(dense[f].shape) != 2]
         if flat:
@@ -235,7 +235,7 @@ def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], option
             fields = {"step": torch.tensor(d.step, dtype=torch.int64), "period": torch.tensor(period, dtype=torch.int64),
                       "m_code": codes, "m_scale": scales}
             if target == GEFEN:
-                fields.update(_gefen_second_moment(d, period, is_factored(d.shape, fqn in factored)))
+                fields.update(_gefen_second_moment(d, period, is_factored(d.shape, bool(options["factored_v_2d"]))))
             params[fqn] = _state(d, child, **fields)
     return CanonicalState(_contract(target), out_groups, params, global_fields)
 
@@ -291,30 +291,38 @@ def _build_hybrid(groups: list[dict], dense: dict[str, Dense], options: dict, ba
 
 
 # ----- report -------------------------------------------------------------------------------
-def _rel_errors(pairs) -> dict | None:
-    """Relative Frobenius error over all parameters, and the worst parameter's."""
-    num = den = 0.0
-    worst = None
-    for fqn, got, want in pairs:
-        e, n = float((got - want).double().square().sum()), float(want.double().square().sum())
-        num, den = num + e, den + n
-        rel = math.sqrt(e / n) if n else (0.0 if e == 0 else math.inf)
-        if worst is None or rel > worst["rel_error"]:
-            worst = {"fqn": fqn, "rel_error": rel}
-    if worst is None:
-        return None
-    return {"rel_error": math.sqrt(num / den) if den else (0.0 if num == 0 else math.inf), "worst": worst}
-
-
-def _report(source: str, target: str, before: dict[str, Dense], after: dict[str, Dense]) -> dict:
+def _report(source: str, target: str, before: dict[str, Dense], out: CanonicalState) -> dict:
     """What the target will use against what the source held (plain data: it goes into manifests)."""
-    kept = [f for f in before if f in after]
+    first, second = [], []
+    for fqn, entry in out.params.items():  # one parameter's dense view at a time
+        leaf = out.contract.child(entry.child) if entry.child else out.contract
+        key = f"{entry.child}/codebook" if entry.child else "codebook"
+        after = _dense_param(leaf.implementation, fqn, entry, out.global_fields.get(key))
+        first.append((fqn, _squares(after.exp_avg, before[fqn].exp_avg)))
+        if after.exp_avg_sq is not None and before[fqn].exp_avg_sq is not None:
+            second.append((fqn, _squares(after.exp_avg_sq, before[fqn].exp_avg_sq)))
     return {
         "from": source,
         "into": target,
-        "parameters": len(kept),
-        "restarted": sorted(set(before) - set(after)),
-        "first_moment": _rel_errors((f, after[f].exp_avg, before[f].exp_avg) for f in kept),
-        "second_moment": _rel_errors((f, after[f].exp_avg_sq, before[f].exp_avg_sq) for f in kept
-                                     if after[f].exp_avg_sq is not None and before[f].exp_avg_sq is not None),
+        "parameters": len(out.params),
+        "restarted": sorted(set(before) - set(out.params)),
+        "first_moment": _rel_errors(first),
+        "second_moment": _rel_errors(second),
     }
+
+
+def _squares(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    return float((got - want).double().square().sum()), float(want.double().square().sum())
+
+
+def _rel_errors(squares: list[tuple[str, tuple[float, float]]]) -> dict | None:
+    """Relative Frobenius error over all parameters, and the worst parameter's."""
+    if not squares:
+        return None
+
+    def rel(e: float, n: float) -> float:
+        return math.sqrt(e / n) if n else (0.0 if e == 0 else math.inf)
+
+    worst_fqn, worst = max(((fqn, rel(*sq)) for fqn, sq in squares), key=lambda x: x[1])
+    return {"rel_error": rel(sum(e for _, (e, _) in squares), sum(n for _, (_, n) in squares)),
+            "worst": {"fqn": worst_fqn, "rel_error": worst}}

@@ -87,6 +87,17 @@ def test_warm_start_carries_step_and_hyperparameters(adamw_run):
     assert float(dense.state[dense.param_groups[0]["params"][1]]["step"]) == K
 
 
+def test_block_second_moment_when_not_factored(adamw_run):
+    trained, state = adamw_run
+    converted = convert_state(state, "Gefen", factored_v_2d=False, codebook_size=16)
+    mix = converted.params["mix.weight"].fields
+    assert "v_row" not in mix and tuple(mix["v"].shape) == (64, 1)  # one block per row: its mean
+    torch.testing.assert_close(mix["v"].read()[:, 0], state.params["mix.weight"].fields["exp_avg_sq"].read().mean(1))
+    opt = Gefen(copy.deepcopy(trained).named_parameters(), factored_v_2d=False, codebook_size=16)
+    import_canonical(opt, converted)
+    assert opt.codebook.numel() == 16 and opt.param_groups[0]["factored_v_2d"] is False
+
+
 def test_round_trip_error_is_the_reported_error(adamw_run):
     _, state = adamw_run
     into = convert_state(state, "Gefen")
@@ -147,8 +158,16 @@ def test_muon_and_hybrid_targets(adamw_run):
     # back to AdamW: Muon keeps no second moment, so those parameters start afresh
     dense = convert_state(export_canonical(opt), "AdamW")
     assert sorted(dense.metadata["conversion"]["restarted"]) == sorted(routed)
+    into_gefen = convert_state(export_canonical(opt), "Gefen")  # the backup's state kept, Muon's restart
+    assert sorted(into_gefen.metadata["conversion"]["restarted"]) == sorted(routed)
     muon, rest = split_params_for_muon(model)  # the hybrid's groups, which torch's positional loader needs
-    back = torch.optim.AdamW([{"params": dict(muon).values()}, {"params": dict(rest).values()}])
+    hybrid_groups = [{"params": [p for _, p in muon], "param_names": [n for n, _ in muon]},
+                     {"params": [p for _, p in rest], "param_names": [n for n, _ in rest]}]
+    as_gefen = Gefen([dict(g) for g in hybrid_groups])
+    import_canonical(as_gefen, into_gefen)
+    assert not as_gefen.state.get(model.mix.weight) and as_gefen.state[model.tok.weight]
+    train(model, as_gefen, 1, start=K + 2)
+    back = torch.optim.AdamW([{"params": g["params"]} for g in hybrid_groups])
     back.load_state_dict(state_dict_from_canonical(dense))
     assert back.param_groups[0]["betas"] == (0.9, 0.999)  # Muon's momentum; AdamW's default beta2
     train(model, back, 1, start=K + 2)
