@@ -20,6 +20,7 @@ import torch
 
 from gefen.contract import CHILDREN_KEY
 from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
+from gefen_ckpt.torch_format import _check_state_dict, known_contracts
 
 __all__ = ["name_state_dict", "read_param_names", "read_model_params"]
 
@@ -115,10 +116,12 @@ def name_state_dict(sd: dict, names: list[str] | None = None,
     the model's (name, shape) in ``named_parameters()`` order, matched as the module docstring
     says. Names already in ``sd`` must agree. ``source`` names the origin in error messages.
     """
+    _check_state_dict(sd)  # the same structural check as reading any torch state_dict
     if isinstance(sd.get(CHILDREN_KEY), dict) and sd[CHILDREN_KEY]:
         raise CheckpointMismatchError("a composite optimizer's state_dict names its parameters itself")
     groups = sd["param_groups"]
-    shapes = [[_saved_shape(sd["state"].get(i)) for i in g["params"]] for g in groups]
+    like_param = {f.name for c in known_contracts().values() for f in c.fields if f.geometry == "param"}
+    shapes = [[_saved_shape(sd["state"].get(i), like_param) for i in g["params"]] for g in groups]
     if (names is None) == (model_params is None):
         raise ValueError("give exactly one of names and model_params")
     if names is not None:
@@ -145,13 +148,10 @@ def name_state_dict(sd: dict, names: list[str] | None = None,
     return out
 
 
-def _saved_shape(entry) -> tuple[int, ...] | None:
+def _saved_shape(entry, like_param: set[str]) -> tuple[int, ...] | None:
     """The parameter's shape as its state records it (a field of ``param`` geometry), if any."""
-    from gefen_ckpt.torch_format import known_contracts
-
     if not isinstance(entry, dict):
         return None
-    like_param = {f.name for c in known_contracts().values() for f in c.fields if f.geometry == "param"}
     return next((tuple(v.shape) for k, v in entry.items() if k in like_param and isinstance(v, torch.Tensor)), None)
 
 
