@@ -245,6 +245,17 @@ def test_names_from_a_model_state_dict_and_a_names_file(hf_checkpoint, tmp_path)
         import_canonical(live, canonical_from_state_dict(torch.load(dst, weights_only=True)))
         assert live.param_groups[0]["weight_decay"] == 0.01 and live.param_groups[1]["weight_decay"] == 0.0
         train(model, live, 1, start=3)
+    # every command that reads a torch state_dict takes the names (reshard, verify, diff)
+    names = str(tmp_path / "names.txt")
+    optimizer_pt = str(ckpt / "optimizer.pt")
+    result = runner.invoke(app, ["reshard", optimizer_pt, str(tmp_path / "ws2"), "--world-size", "2",
+                                 "--param-names", names])
+    assert result.exit_code == 0, result.output
+    assert runner.invoke(app, ["verify", optimizer_pt, "--names-from", str(tmp_path / "model.pt")]).exit_code == 0
+    result = runner.invoke(app, ["diff", optimizer_pt, str(tmp_path / "ws2"), "--param-names", names])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["verify", str(tmp_path / "ws2"), "--param-names", names])
+    assert result.exit_code == 2 and "records its names" in result.output  # only torch files take names
     # the same through the Python API: the model's names, in the optimizer's (grouped) order
     entries = [(n, tuple(t.shape)) for n, t in model.state_dict().items() if n != "head.weight"]
     named = name_state_dict(opt.state_dict(), model_params=entries)
