@@ -22,7 +22,7 @@ from gefen.contract import CONTRACT_KEY
 from gefen_ckpt import CheckpointMismatchError
 from gefen_ckpt.convert import convert_state, dense_view
 from gefen_ckpt.exchange import export_canonical, import_canonical
-from gefen_ckpt.names import name_state_dict
+from gefen_ckpt.names import name_state_dict, read_model_params
 from gefen_ckpt.torch_format import canonical_from_state_dict, state_dict_from_canonical
 from gefen_cli.app import app
 
@@ -245,6 +245,9 @@ def test_names_from_a_model_state_dict_and_a_names_file(hf_checkpoint, tmp_path)
         import_canonical(live, canonical_from_state_dict(torch.load(dst, weights_only=True)))
         assert live.param_groups[0]["weight_decay"] == 0.01 and live.param_groups[1]["weight_decay"] == 0.0
         train(model, live, 1, start=3)
+    # the tied head is listed once (as named_parameters() lists it); the float buffer stays and is skipped
+    assert [n for n, _ in read_model_params(str(tmp_path / "model.pt"))] == \
+        ["scale"] + [n for n, _ in model.named_parameters()]
     # every command that reads a torch state_dict takes the names (reshard, verify, diff)
     names = str(tmp_path / "names.txt")
     optimizer_pt = str(ckpt / "optimizer.pt")
