@@ -131,30 +131,75 @@ def settle_imports() -> None:
     gc.freeze()
 
 
-def open_state(url: str, fmt: str | None = None, optimizer: str | None = None):
-    """(format, CanonicalState) of a checkpoint: lazy for the portable format, in memory for torch."""
+def refuse_names(url: str, fmt: str, param_names: str | None, names_from: str | None) -> None:
+    """Names can be given only to a torch state_dict (the other formats record them), and only once."""
+    if param_names and names_from:
+        raise typer.BadParameter("give --param-names or --names-from, not both")
+    if (param_names or names_from) and fmt != TORCH:
+        raise typer.BadParameter(f"--param-names/--names-from name the parameters of a torch.save'd optimizer "
+                                 f"state_dict; {url} is a {fmt} checkpoint, which records its names")
+
+
+def check_optimizer(url: str, implementation: str, optimizer: str | None) -> None:
+    """``--optimizer`` on a checkpoint that records its optimizer: it must be that one (short,
+    case-insensitive names such as ``adamw`` or ``GefenMuonHybrid`` work)."""
+    if optimizer is not None and optimizer.lower() not in (implementation.lower(),
+                                                           implementation.rsplit(".", 1)[-1].lower()):
+        from gefen_ckpt.errors import CheckpointMismatchError
+
+        raise CheckpointMismatchError(f"{url} holds {implementation} state, not {optimizer}")
+
+
+def open_state(url: str, fmt: str | None = None, optimizer: str | None = None,
+               param_names: str | None = None, names_from: str | None = None):
+    """(format, CanonicalState) of a checkpoint: lazy for the portable format, in memory for torch.
+
+    ``param_names``/``names_from`` name the parameters of a torch state_dict saved without names."""
     fmt = fmt or detect_format(url)
     import gefen_ckpt.api  # noqa: F401  (torch and the rest, before settle_imports)
 
     settle_imports()
+    refuse_names(url, fmt, param_names, names_from)
     if fmt == TORCH:
-        from gefen_ckpt.torch_format import read_torch
+        from gefen_ckpt.errors import CheckpointMismatchError
+        from gefen_ckpt.torch_format import canonical_from_state_dict, load_torch_state_dict
 
-        return fmt, read_torch(url, optimizer)
+        sd = load_torch_state_dict(url)
+        if param_names or names_from:
+            from gefen_ckpt.names import name_state_dict, read_model_params, read_param_names
+
+            sd = (name_state_dict(sd, names=read_param_names(param_names), source=param_names) if param_names
+                  else name_state_dict(sd, model_params=read_model_params(names_from), source=names_from))
+        try:
+            return fmt, canonical_from_state_dict(sd, optimizer)
+        except CheckpointMismatchError:
+            if optimizer is None:
+                raise
+            held = _inferred(sd)
+            if held is None:
+                raise
+            raise CheckpointMismatchError(
+                f"{url} holds {held} state, not {optimizer}'s: --optimizer names the optimizer that wrote SRC "
+                "(convert's --into names the one to convert into)") from None
     if fmt == DCP:
         from gefen_ckpt.dcp import read_dcp
 
         state = read_dcp(url)
     else:
         state = api().read(url)
-    if optimizer is not None:
-        from gefen_ckpt.errors import CheckpointMismatchError
-        from gefen_ckpt.torch_format import resolve_contract
-
-        wanted = resolve_contract(optimizer).implementation
-        if wanted != state.contract.implementation:
-            raise CheckpointMismatchError(f"{url} holds {state.contract.implementation} state, not {wanted}")
+    check_optimizer(url, state.contract.implementation, optimizer)
     return fmt, state
+
+
+def _inferred(sd: dict) -> str | None:
+    """The optimizer a torch state_dict's own fields say wrote it, if they say."""
+    from gefen_ckpt.errors import CheckpointError
+    from gefen_ckpt.torch_format import canonical_from_state_dict
+
+    try:
+        return canonical_from_state_dict(sd).contract.implementation
+    except CheckpointError:
+        return None
 
 
 def write_state(state, url: str, fmt: str, sizes: dict, world_size: int | None = None) -> None:

@@ -38,6 +38,20 @@ PathArg = Annotated[str, typer.Argument(
     help="Checkpoint directory (portable format) or torch.save file; any fsspec URL.")]
 
 
+OptimizerOpt = Annotated[str | None, typer.Option(
+    "--optimizer",
+    help="Optimizer that wrote the checkpoint (e.g. AdamW, Adam, SGD, Gefen, GefenMuonHybrid); default: recorded in "
+         "it or inferred from a torch file's field names.")]
+ParamNamesOpt = Annotated[str | None, typer.Option(
+    "--param-names", metavar="FILE",
+    help="Names for a torch optimizer state_dict saved without them: one FQN per line (or a JSON list), in the "
+         "state_dict's parameter order.")]
+NamesFromOpt = Annotated[str | None, typer.Option(
+    "--names-from", metavar="MODEL",
+    help="Names for a torch optimizer state_dict saved without them, from the model's torch.save'd state_dict (or a "
+         "directory with pytorch_model*.bin): matched in named_parameters() order, checked by shape.")]
+
+
 class Target(str, Enum):
     portable = "portable"
     torch = "torch"
@@ -53,6 +67,9 @@ def _echo_json(data) -> None:
 def inspect(
     path: PathArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    optimizer: OptimizerOpt = None,
+    param_names: ParamNamesOpt = None,
+    names_from: NamesFromOpt = None,
 ):
     """Summarise a checkpoint without reading its tensor data.
 
@@ -75,8 +92,10 @@ def inspect(
             from gefen_ckpt.format.manifest import open_checkpoint
             from gefen_ckpt.storage import Store
 
+            common.refuse_names(path, fmt, param_names, names_from)
             store = Store(path)
             parsed = open_checkpoint(store)
+            common.check_optimizer(path, parsed.contract.implementation, optimizer)
             manifest, files = parsed.raw, {f.name: f.nbytes for f in parsed.files}
             described = _inspect.describe_manifest(store, parsed)
         else:
@@ -85,7 +104,7 @@ def inspect(
 
                 fs, p = fsspec.core.url_to_fs(path)
                 files = {p.rsplit("/", 1)[-1]: int(fs.size(p))}
-            described = _inspect.describe_state(common.open_state(path, fmt)[1])
+            described = _inspect.describe_state(common.open_state(path, fmt, optimizer, param_names, names_from)[1])
         summary = _inspect.summarize(path, fmt, described, manifest, files)
     if as_json:
         _echo_json(summary)
@@ -98,6 +117,9 @@ def inspect(
 def verify(
     path: PathArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    optimizer: OptimizerOpt = None,
+    param_names: ParamNamesOpt = None,
+    names_from: NamesFromOpt = None,
 ):
     """Check every stored piece's checksum and that the pieces cover every tensor exactly once.
 
@@ -111,16 +133,20 @@ def verify(
     """
     with common.handled():
         fmt = common.detect_format(path)
+        common.refuse_names(path, fmt, param_names, names_from)
         if fmt == common.TORCH:
-            from gefen_ckpt.torch_format import read_torch
-
-            state = read_torch(path)
+            state = common.open_state(path, fmt, optimizer, param_names, names_from)[1]
             data = {"path": path, "format": fmt, "ok": True, "problems": [],
                     "tensors": sum(1 for _ in state.tensors()), "bytes": state.total_bytes(),
                     "note": "torch.save files carry no checksums: checked loading (weights_only) and the contract"}
         elif fmt == common.DCP:
-            data = _verify_dcp(path)
+            data = _verify_dcp(path, optimizer)
         else:
+            if optimizer is not None:
+                from gefen_ckpt.format.manifest import open_checkpoint
+                from gefen_ckpt.storage import Store
+
+                common.check_optimizer(path, open_checkpoint(Store(path)).contract.implementation, optimizer)
             report = common.api().verify(path, progress=common.want_progress())
             data = {"path": path, "format": fmt, "ok": bool(report.ok),
                     "problems": [str(p) for p in report.problems],
@@ -148,7 +174,7 @@ def verify(
         raise typer.Exit(common.EXIT_DIFFERENT)
 
 
-def _verify_dcp(path: str) -> dict:
+def _verify_dcp(path: str, optimizer: str | None) -> dict:
     """DCP stores no checksums: read every row of every tensor in bounded chunks and collect
     problems (unreadable or missing chunks, shapes that contradict the description)."""
     import math
@@ -157,6 +183,7 @@ def _verify_dcp(path: str) -> dict:
     from gefen_ckpt.errors import CheckpointError
 
     state, problems, checked = read_dcp(path), [], 0
+    common.check_optimizer(path, state.contract.implementation, optimizer)
     for key, source in state.tensors():
         rows = source.shape[0] if source.shape else 1
         step = max(1, (64 << 20) // max(1, source.dtype.itemsize * math.prod(source.shape[1:])))
@@ -180,6 +207,9 @@ def diff(
     chunk: Annotated[str, typer.Option(
         "--chunk", help="Bytes compared at a time (bounds memory), e.g. 64MiB.")] = "64MiB",
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    optimizer: OptimizerOpt = None,
+    param_names: ParamNamesOpt = None,
+    names_from: NamesFromOpt = None,
 ):
     """Compare two checkpoints field by field: contract, hyperparameters, FQNs, shapes, dtypes, values.
 
@@ -197,8 +227,12 @@ def diff(
 
     chunk_bytes = common.parse_size(chunk)
     with common.handled():
-        _, sa = common.open_state(a)
-        _, sb = common.open_state(b)
+        def side(path: str):  # the names apply to a torch side (a portable or DCP side records its own)
+            fmt = common.detect_format(path)
+            names = (param_names, names_from) if fmt == common.TORCH else (None, None)
+            return common.open_state(path, fmt, optimizer, *names)[1]
+
+        sa, sb = side(a), side(b)
         with common.progress() as bar:
             def start(total):
                 task = bar.add_task("comparing", total=total)
@@ -228,41 +262,79 @@ def diff(
 @app.command()
 def convert(
     src: Annotated[str, typer.Argument(
-        help="Source checkpoint: portable directory or torch.save file (auto-detected).")],
+        help="Source checkpoint: portable or DCP directory, or torch.save file (auto-detected).")],
     dst: Annotated[str, typer.Argument(
-        help="Destination: a directory for --to portable, a file for --to torch.")],
-    to: Annotated[Target, typer.Option("--to", help="Target format: portable (our directory format) or torch.")],
-    optimizer: Annotated[str | None, typer.Option(
-        "--optimizer",
-        help="Optimizer that wrote a torch source (e.g. AdamW, Adam, SGD, gefen.Gefen); default: recorded "
-             "in the file or inferred from its field names.")] = None,
+        help="Destination: a directory for --to portable/dcp, a file for --to torch.")],
+    to: Annotated[Target | None, typer.Option(
+        "--to", help="Output format: portable, torch or dcp (default: the source's).")] = None,
+    into: Annotated[str | None, typer.Option(
+        "--into", help="Convert the state into another optimizer's: Gefen, GefenMuon, GefenMuonHybrid or AdamW "
+                       "(default: keep the source's optimizer).")] = None,
+    optimizer: OptimizerOpt = None,
+    param_names: ParamNamesOpt = None,
+    names_from: NamesFromOpt = None,
     max_file_bytes: Annotated[str | None, typer.Option(
         "--max-file-bytes", help="Largest data file (portable), e.g. 2GiB.")] = None,
     memory_budget: Annotated[str | None, typer.Option(
         "--memory-budget", help="Extra memory while writing (portable), e.g. 256MiB.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print what was written (and the conversion's errors) "
+                                                         "as JSON.")] = False,
 ):
-    """Convert between the portable format and a torch.save'd optimizer.state_dict().
+    """Convert between formats (portable, torch, DCP) and, with --into, between optimizers.
 
-    torch -> portable: the file is loaded with torch.load(weights_only=True) (no pickled code runs), keyed by FQN from its param groups' param_names (build the optimizer from model.named_parameters() before saving), checked against the optimizer's contract and written in the portable format. portable -> torch: writes a file that optimizer.load_state_dict(torch.load(path, weights_only=True)) accepts. The source format is detected (a directory with our manifest, or a torch file).
+    Formats: a torch file is loaded with torch.load(weights_only=True) (no pickled code runs) and keyed by FQN from its param groups' param_names (or --param-names / --names-from when it was saved without them); a torch output loads with optimizer.load_state_dict(torch.load(path, weights_only=True)).
+
+    --into: AdamW/Adam -> Gefen, GefenMuon or GefenMuonHybrid (warm start: the codebook is learned from the first moments, exp_avg is quantised as the step quantises, exp_avg_sq becomes Gefen's factored or block second moment; step and hyperparameters carried), and Gefen, GefenMuon or the hybrid -> AdamW (dense exp_avg / exp_avg_sq that torch.optim.AdamW.load_state_dict accepts). The relative errors of the first and second moments are printed. Nothing is written unless the whole conversion succeeds.
 
     [bold]Examples[/bold]
 
       gefen-ckpt convert optimizer.pt ckpt/step-1000 --to portable
 
-      gefen-ckpt convert adam_state.pt ckpt --to portable --optimizer Adam
+      gefen-ckpt convert adamw.pt gefen.pt --into Gefen
 
-      gefen-ckpt convert s3://bucket/run7/step-1000 local/optimizer.pt --to torch
+      gefen-ckpt convert checkpoint-500/optimizer.pt gefen.pt --into Gefen --param-names names.txt
+
+      gefen-ckpt convert ckpt/step-1000 adamw.pt --into AdamW --to torch
     """
     sizes = {k: v for k, v in (("max_file_bytes", common.parse_size(max_file_bytes)),
                                ("memory_budget", common.parse_size(memory_budget))) if v is not None}
     with common.handled():
         if src.rstrip("/") == dst.rstrip("/"):
             raise typer.BadParameter("SRC and DST are the same location")
-        fmt, state = common.open_state(src, optimizer=optimizer)
+        fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from)
+        target = to.value if to is not None else fmt
+        if into is not None:
+            from gefen_ckpt.convert import convert_state
+
+            state = convert_state(state, into)
         with common.err().status(f"writing {dst}", spinner="dots") if common.want_progress() else _null():
-            common.write_state(state, dst, to.value, sizes)
-    common.out().print(f"[green]wrote[/] {dst} ({to.value}, {state.contract.implementation}, "
-                       f"{len(state.params)} parameters with state) from {src} ({fmt})", soft_wrap=True)
+            common.write_state(state, dst, target, sizes)
+    report = state.metadata.get("conversion") if into is not None else None
+    if as_json:
+        _echo_json({"src": src, "dst": dst, "from_format": fmt, "to": target,
+                    "optimizer": state.contract.implementation, "parameters_with_state": len(state.params),
+                    "conversion": report})
+        return
+    console = common.out()
+    console.print(f"[green]wrote[/] {dst} ({target}, {state.contract.implementation}, "
+                  f"{len(state.params)} parameters with state) from {src} ({fmt})", soft_wrap=True)
+    if report is not None:
+        console.print(escape(conversion_summary(report)), soft_wrap=True)
+
+
+def conversion_summary(report: dict) -> str:
+    """The conversion report in one or two lines for people."""
+    def moment(name: str, r) -> str:
+        if r is None:
+            return f"{name}: not kept by the target"
+        return f"{name} relative error {r['rel_error']:.3g} (worst {r['worst']['fqn']}: {r['worst']['rel_error']:.3g})"
+
+    text = (f"converted {report['from']} -> {report['into']}: {report['parameters']} parameters; "
+            f"{moment('first moment', report['first_moment'])}; {moment('second moment', report['second_moment'])}")
+    if report["restarted"]:
+        text += (f"\n{len(report['restarted'])} parameter(s) without a second moment in the source start afresh: "
+                 + ", ".join(report["restarted"][:5]) + (" ..." if len(report["restarted"]) > 5 else ""))
+    return text
 
 
 # ----- reshard ------------------------------------------------------------------------------
@@ -283,6 +355,9 @@ def reshard(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the plan (bytes each target rank will read) and write nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    optimizer: OptimizerOpt = None,
+    param_names: ParamNamesOpt = None,
+    names_from: NamesFromOpt = None,
 ):
     """Rewrite a checkpoint for another world size or mesh, offline and streaming.
 
@@ -314,7 +389,7 @@ def reshard(
             raise typer.BadParameter("give --world-size or --mesh")
         if src.rstrip("/") == dst.rstrip("/"):
             raise typer.BadParameter("SRC and DST are the same location")
-        fmt, state = common.open_state(src)
+        fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from)
         ranks = plan(state, target.shard)
         if dry_run or as_json:
             _print_plan(src, dst, target, ranks, state.total_bytes(), as_json)

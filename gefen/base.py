@@ -25,7 +25,7 @@ from gefen.geometry import (
     rows_and_row_numel,
     shape_period,
 )
-from gefen.validation import check_grad, check_params, param_label
+from gefen.validation import check_grad, check_not_adam_state, check_params, param_label
 
 
 def _block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor:
@@ -209,6 +209,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for key in ("state", "param_groups"):
             if key not in sd:
                 raise ValueError(f"not an optimizer state_dict: missing {key!r}")
+        check_not_adam_state(sd, contract.implementation)
         saved_groups = sd["param_groups"]
         if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
             raise ValueError(

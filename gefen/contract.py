@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # torch is imported only where torch optimizers are involved:
 SCHEMA_VERSION = 1
 GLOBAL_STATE_KEY = "global_state"
 CHILDREN_KEY = "children"
+#: a composite optimizer's state_dict records its contract (``to_dict()``) under this key
+CONTRACT_KEY = "contract"
 
 #: geometry -> does it follow the parameter's dim-0 slice (True) or stay replicated (False)
 GEOMETRIES = {

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gefen.base import apply_load_pre_hooks, local_tensor
-from gefen.contract import CHILDREN_KEY, LIKE_PARAM, OptimizerContract, contract_of
+from gefen.contract import CHILDREN_KEY, CONTRACT_KEY, LIKE_PARAM, OptimizerContract, contract_of
 from gefen.muon import GefenMuon
 from gefen.optimizer import Gefen
 from gefen.validation import param_label
@@ -123,6 +123,11 @@ def _route_kwargs(kwargs: dict, backup_cls) -> tuple[dict, dict]:
     return ({k: v for k, v in kwargs.items() if k in muon_keys}, {k: v for k, v in kwargs.items() if k in backup_keys})
 
 
+def hybrid_contract(children: dict[str, OptimizerContract]) -> OptimizerContract:
+    """The contract of a GefenMuonHybrid whose children have these contracts (``muon``, ``backup``)."""
+    return OptimizerContract("gefen.GefenMuonHybrid", "1", (), (), children=tuple(children.items()))
+
+
 def _pick(override, default):
     return default if override is None else override
 
@@ -187,13 +192,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         return merged
 
     def contract(self) -> OptimizerContract:
-        return OptimizerContract(
-            implementation="gefen.GefenMuonHybrid",
-            version="1",
-            hyperparameters=(),
-            fields=(),
-            children=tuple((name, contract_of(child)) for name, child in self.children.items()),
-        )
+        return hybrid_contract({name: contract_of(child) for name, child in self.children.items()})
 
     def step(self, closure=None):
         loss = None
@@ -245,7 +244,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        sd = {"state": {}, "param_groups": [], CHILDREN_KEY: {n: c.state_dict() for n, c in self.children.items()}}
+        sd = {"state": {}, "param_groups": [], CHILDREN_KEY: {n: c.state_dict() for n, c in self.children.items()},
+              CONTRACT_KEY: self.contract().to_dict()}  # so a torch.save'd file names its optimizer
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, sd)
             if result is not None:

@@ -57,3 +57,16 @@ def check_grad(grad: torch.Tensor, label: str) -> None:
         raise TypeError(f"parameter {label} has a sparse gradient; Gefen optimizers need dense gradients")
     if grad.is_complex():
         raise TypeError(f"parameter {label} has a complex gradient; only real gradients are supported")
+
+
+def check_not_adam_state(state_dict: dict, implementation: str) -> None:
+    """A torch Adam/AdamW state_dict handed to a Gefen optimizer: say so and how to convert it
+    (otherwise the first complaint would be a missing hyperparameter)."""
+    entries = state_dict.get("state")
+    if isinstance(entries, dict) and any(isinstance(e, dict) and "exp_avg" in e and "m_code" not in e
+                                         for e in entries.values()):
+        short = implementation.rsplit(".", 1)[-1]
+        raise ValueError(
+            f"this is torch.optim.AdamW's (or Adam's) state, not {implementation}'s: convert it with "
+            f"`gefen-ckpt convert SRC DST --into {short}` or gefen_ckpt.convert_state(state, into={short!r})"
+        )

@@ -19,6 +19,8 @@ _LAZY = {
     **dict.fromkeys(("VerifyReport", "verify"), "gefen_ckpt.format.verify"),
     **dict.fromkeys(("CanonicalState", "EagerSource", "ParamState", "TensorSource"), "gefen_ckpt.canonical"),
     **dict.fromkeys(("export_canonical", "import_canonical"), "gefen_ckpt.exchange"),
+    "convert_state": "gefen_ckpt.convert",
+    "name_state_dict": "gefen_ckpt.names",
 }
 
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "EagerSource",
     "export_canonical",
     "import_canonical",
+    "convert_state",
+    "name_state_dict",
     "save",
     "load",
     "read",

@@ -33,6 +33,7 @@ import torch
 
 from gefen.contract import (
     CHILDREN_KEY,
+    CONTRACT_KEY,
     GLOBAL_STATE_KEY,
     LIKE_PARAM,
     OptimizerContract,
@@ -239,11 +240,12 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
         contract = composite_contract(contract, sd)
     elif contract is not None:
         contract = resolve_contract(contract)
-    elif isinstance(meta.get("contract"), dict):
+    elif isinstance(meta.get("contract"), dict) or (composite and isinstance(sd.get(CONTRACT_KEY), dict)):
+        recorded = meta["contract"] if isinstance(meta.get("contract"), dict) else sd[CONTRACT_KEY]
         try:
-            contract = OptimizerContract.from_dict(meta["contract"])
+            contract = OptimizerContract.from_dict(recorded)
         except ValueError as exc:
-            raise CheckpointFormatError(f"recorded {TORCH_META_KEY!r} contract: {exc}") from None
+            raise CheckpointFormatError(f"recorded contract: {exc}") from None
     elif composite:
         raise CheckpointMismatchError(
             f"a composite optimizer's state_dict (children {sorted(map(str, sd[CHILDREN_KEY]))}) records no "
@@ -276,8 +278,8 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             if not names:
                 raise CheckpointMismatchError(
                     f"{where}: param group {gi} has no 'param_names', so its state cannot be keyed by parameter "
-                    "name; build the optimizer from model.named_parameters() (e.g. "
-                    "torch.optim.AdamW(model.named_parameters())) and save its state_dict again"
+                    "name; name them (gefen-ckpt --param-names FILE or --names-from MODEL; "
+                    "gefen_ckpt.names.name_state_dict) or build the optimizer from model.named_parameters()"
                 )
             if len(names) != len(saved["params"]):
                 raise CheckpointFormatError(f"{where}: param group {gi} has {len(saved['params'])} params but "

@@ -299,7 +299,8 @@ def test_convert_torch_adamw_to_portable_then_inspect(tmp_path):
         assert torch.equal(opt.state[p]["exp_avg_sq"], fresh.state[q]["exp_avg_sq"])
     # naming the optimizer explicitly works too, and a wrong name is a clear error
     assert invoke("convert", pt, tmp_path / "as-adam", "--to", "portable", "--optimizer", "Adam").exit_code == 0
-    one_line_error(invoke("convert", pt, tmp_path / "x", "--to", "portable", "--optimizer", "Gefen"), "unknown to")
+    one_line_error(invoke("convert", pt, tmp_path / "x", "--to", "portable", "--optimizer", "Gefen"),
+                       "holds torch.optim.AdamW state", "--into")
 
 
 # ----- errors -------------------------------------------------------------------------------
@@ -421,9 +422,14 @@ def test_hybrid_round_trip(tmp_path):
     assert invoke("convert", src, pt, "--to", "torch").exit_code == 0
     assert invoke("convert", pt, back, "--to", "portable").exit_code == 0
     assert invoke("diff", src, back).exit_code == 0
-    # a plain torch.save of the hybrid's state_dict records no contract: name the optimizer
+    # a plain torch.save of the hybrid's state_dict records its contract; one saved before it did
+    # (no CONTRACT_KEY) needs the optimizer named
+    from gefen.contract import CONTRACT_KEY
+
+    torch.save(opt.state_dict(), tmp_path / "new.pt")
+    assert invoke("convert", tmp_path / "new.pt", tmp_path / "n", "--to", "portable").exit_code == 0
     raw = tmp_path / "raw.pt"
-    torch.save(opt.state_dict(), raw)
+    torch.save({k: v for k, v in opt.state_dict().items() if k != CONTRACT_KEY}, raw)
     one_line_error(invoke("convert", raw, tmp_path / "r", "--to", "portable"), "GefenMuonHybrid")
     assert invoke("convert", raw, tmp_path / "r", "--to", "portable", "--optimizer", "GefenMuonHybrid").exit_code == 0
     assert invoke("diff", src, tmp_path / "r").exit_code == 0  # only the contract version is unrecorded (a note)

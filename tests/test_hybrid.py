@@ -428,7 +428,8 @@ CORRUPTIONS = [
     (_drop_backup, r"has children \['muon'\], expected \['backup', 'muon'\]"),
     (_extra_child, r"has children \['backup', 'muon', 'third'\]"),
     (_foreign_adamw, "not a GefenMuonHybrid state_dict: no 'children' entry"),
-    (_backup_kind_swapped, r"child 'backup': param group 0 of the state_dict lacks hyperparameters"),
+    (_backup_kind_swapped, r"child 'backup': (this is torch.optim.AdamW's \(or Adam's\) state, not gefen.Gefen's"
+                           r"|param group 0 of the state_dict lacks hyperparameters)"),  # Gefen's / AdamW's backup
     (_wrong_hyperparameters, r"child 'backup': param group 0 of the state_dict lacks hyperparameters \['lr'\]"),
     (_top_level_state, "top-level state must be empty"),
 ]

@@ -312,8 +312,12 @@ def test_gefen_muon_hybrid_state_dicts():
     opt = _hybrid(model)
     train(model, opt, 2)
     sd = opt.state_dict()
+    assert canonical_from_state_dict(sd).contract == contract_of(opt)  # the hybrid records its contract
+    from gefen.contract import CONTRACT_KEY
+
+    unrecorded = {k: v for k, v in sd.items() if k != CONTRACT_KEY}  # a file saved before it did
     with pytest.raises(CheckpointMismatchError, match="GefenMuonHybrid"):
-        canonical_from_state_dict(sd)
+        canonical_from_state_dict(unrecorded)
     named = canonical_from_state_dict(sd, "GefenMuonHybrid")  # children inferred, name given
     exact = canonical_from_state_dict(sd, contract_of(opt))
     assert [c.implementation for _, c in named.contract.children] == \

@@ -1,0 +1,328 @@
+"""Moving state between torch's AdamW/Adam and Gefen's optimizers: warm start and dense export.
+
+Every conversion passes through AdamW's own form, one ``Dense`` record per parameter (step,
+``exp_avg``, ``exp_avg_sq``; the latter ``None`` where the source keeps no second moment, as
+Muon does) plus per group the hyperparameters that mean the same in AdamW and the target. A
+target is then built from that form with Gefen's own functions -- ``learn_codebook`` from the
+first moments (exactly as from first gradients), ``quantise`` as the step re-quantises,
+``shape_period`` for the block length, the factored/block second moment as Gefen accumulates
+it -- and read back through the same dense view, so the reported error is exactly what the
+target will use against what the source held. Pure functions on ``CanonicalState``: any
+reader and writer of gefen_ckpt works with them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gefen.codebook import learn_codebook
+from gefen.contract import OptimizerContract
+from gefen.functional import is_factored
+from gefen.geometry import as_blocks, shape_period
+from gefen.quant import dequantise, quantise
+from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState
+from gefen_ckpt.errors import CheckpointMismatchError
+from gefen_ckpt.torch_format import known_contracts
+
+__all__ = ["TARGETS", "convert_state", "resolve_target"]
+
+GEFEN, MUON, HYBRID, ADAMW, ADAM = ("gefen.Gefen", "gefen.GefenMuon", "gefen.GefenMuonHybrid", "torch.optim.AdamW",
+                                    "torch.optim.Adam")
+TARGETS = (GEFEN, MUON, HYBRID, ADAMW)
+#: the AdamW-meaning hyperparameters every conversion carries (beta2/eps may be unknown: None)
+_CARRIED = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+@dataclass
+class Dense:
+    """One parameter's state in AdamW's form (fp32 moments)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    step: int
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor | None
+
+
+def resolve_target(name: str) -> str:
+    """``"Gefen"``, ``"gefen.GefenMuon"``, ``"adamw"``... -> the implementation name."""
+    for impl in TARGETS:
+        if name.lower() in (impl.lower(), impl.rsplit(".", 1)[-1].lower()):
+            return impl
+    raise CheckpointMismatchError(f"cannot convert into {name!r}: no mapping; targets: "
+                                  f"{', '.join(t.rsplit('.', 1)[-1] for t in TARGETS)}")
+
+
+def convert_state(state: CanonicalState, into: str, *, factored_v_2d: bool = True, codebook_size: int | None = None,
+                  bins_per_code: int | None = None, backup: str = "gefen",
+                  muon_params: list[str] | None = None) -> CanonicalState:
+    """``state`` (AdamW, Adam, Gefen, GefenMuon or GefenMuonHybrid) as ``into``'s state.
+
+    ``into``: ``Gefen``, ``GefenMuon``, ``GefenMuonHybrid`` or ``AdamW``. ``factored_v_2d``,
+    ``codebook_size``, ``bins_per_code`` and ``backup`` (the hybrid's) are the target's
+    constructor options (its defaults when omitted). ``muon_params``: the FQNs the hybrid routes
+    to Muon, e.g. ``[n for n, _ in split_params_for_muon(model)[0]]``; by default they are routed
+    by name and shape alone, which cannot recognise an embedding by its module type. Parameters
+    whose source keeps no second moment (Muon's) get no state in a target that needs one: they
+    start afresh, as any new parameter does. The result's ``metadata["conversion"]`` reports what
+    happened and the relative errors of the first and second moments (see docs/cli.md). Raises
+    ``CheckpointMismatchError`` when a mapping is not defined or a hyperparameter cannot be
+    carried; nothing is returned half-converted. Memory: the source's moments in fp32 plus the
+    target's state (the report reads the target back one parameter at a time).
+    """
+    target = resolve_target(into)
+    source = state.contract.implementation
+    groups, dense = dense_view(state)
+    if backup not in ("gefen", "adamw"):
+        raise CheckpointMismatchError(f"backup must be 'gefen' or 'adamw', got {backup!r}")
+    options = {"factored_v_2d": factored_v_2d, "codebook_size": codebook_size, "bins_per_code": bins_per_code}
+    if target == HYBRID:
+        out = _build_hybrid(groups, dense, options, backup, muon_params)
+    else:
+        out = _build_leaf(target, groups, dense, options)
+    out.metadata = {**{k: v for k, v in state.metadata.items() if k != "conversion"},
+                    "conversion": _report(source, target, dense, out)}
+    return out
+
+
+# ----- source -> dense ----------------------------------------------------------------------
+def dense_view(state: CanonicalState) -> tuple[list[dict], dict[str, Dense]]:
+    """(groups in AdamW's terms with ``params`` and ``child``, fqn -> ``Dense``) of any supported state."""
+    groups, dense = [], {}
+    for group in state.param_groups:
+        child = group.get("child")
+        leaf = state.contract.child(child) if child else state.contract
+        groups.append({"params": list(group["params"]), "child": child, **_carried(leaf.implementation, group)})
+        codebook_key = f"{child}/codebook" if child else "codebook"
+        for fqn in group["params"]:
+            entry = state.params.get(fqn)
+            if entry is not None and entry.fields:
+                dense[fqn] = _dense_param(leaf.implementation, fqn, entry, state.global_fields.get(codebook_key))
+    return groups, dense
+
+
+def _number(impl: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise CheckpointMismatchError(f"{impl}'s {name} {value!r} cannot be carried: not a finite number")
+    return float(value)
+
+
+def _carried(impl: str, group: dict) -> dict:
+    """The group's hyperparameters in AdamW's meaning, or an error saying which cannot be carried."""
+    if impl in (ADAMW, ADAM):
+        for flag, why in (("amsgrad", "its max_exp_avg_sq has no counterpart"),
+                          ("maximize", "the targets only minimise")):
+            if group.get(flag):
+                raise CheckpointMismatchError(f"{impl} with {flag}=True cannot be converted: {why}")
+        if impl == ADAM and group.get("weight_decay"):
+            raise CheckpointMismatchError(
+                "torch.optim.Adam's weight_decay is an L2 penalty added to the gradient, not AdamW's decoupled decay: "
+                "it cannot be carried (weight_decay must be 0)")
+    if impl in (ADAMW, ADAM, GEFEN):
+        betas = group.get("betas")
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise CheckpointMismatchError(f"{impl}'s betas {betas!r} cannot be carried: not a pair")
+        beta1, beta2 = (_number(impl, "betas", b) for b in betas)
+        return {"lr": _number(impl, "lr", group.get("lr")), "beta1": beta1, "beta2": beta2,
+                "eps": _number(impl, "eps", group.get("eps")),
+                "weight_decay": _number(impl, "weight_decay", group.get("weight_decay"))}
+    if impl == MUON:
+        if group.get("adjust_lr") != "match_rms_adamw":
+            raise CheckpointMismatchError(
+                f"GefenMuon's lr cannot be carried: with adjust_lr={group.get('adjust_lr')!r} it is not on AdamW's "
+                "scale (only adjust_lr='match_rms_adamw', GefenMuonHybrid's default, is)")
+        return {"lr": _number(impl, "lr", group.get("lr")), "beta1": _number(impl, "momentum", group.get("momentum")),
+                "beta2": None, "eps": None,
+                "weight_decay": _number(impl, "weight_decay", group.get("weight_decay"))}
+    raise CheckpointMismatchError(f"{impl} state cannot be converted: no mapping (sources: AdamW, Adam, Gefen, "
+                                  "GefenMuon, GefenMuonHybrid)")
+
+
+def _dense_param(impl: str, fqn: str, entry: ParamState, codebook_src) -> Dense:
+    fields = {name: src.read() for name, src in entry.fields.items()}
+    step = int(round(float(fields["step"])))
+    if impl in (ADAMW, ADAM):
+        return Dense(entry.shape, entry.dtype, step, fields["exp_avg"].float(), fields["exp_avg_sq"].float())
+    if codebook_src is None:
+        raise CheckpointMismatchError(f"{fqn}: {impl} state without a codebook")
+    period = int(fields["period"])
+    m = dequantise(fields["m_code"], fields["m_scale"], codebook_src.read().float(), period)
+    return Dense(entry.shape, entry.dtype, step, m, _second_moment(fields, entry.shape, period))
+
+
+def _second_moment(fields: dict, shape: tuple[int, ...], period: int) -> torch.Tensor | None:
+    """Gefen's per-element second moment: ``v_row_i * v_col_j / mean(v_row)`` (factored, as the
+    step forms its denominator) or each block's ``v`` repeated over the block; None for Muon."""
+    if "v_row" in fields and "v_col" in fields:
+        v_row, v_col = fields["v_row"].float(), fields["v_col"].float()
+        mean = v_row.double().mean().float().clamp_min(torch.finfo(torch.float32).tiny)
+        return torch.outer(v_row, v_col).div_(mean).reshape(shape)
+    if "v" in fields:
+        v = fields["v"].float()
+        return v.unsqueeze(-1).expand(*v.shape, period).reshape(shape).clone()
+    return None
+
+
+# ----- dense -> target ----------------------------------------------------------------------
+def _defaults(cls) -> dict:
+    return {k: p.default for k, p in inspect.signature(cls).parameters.items() if p.default is not inspect.Parameter.empty}
+
+
+def _target_group(target: str, g: dict, options: dict) -> dict:
+    """The target's hyperparameters for a group: carried where they mean the same, else its defaults."""
+    if target == ADAMW:
+        d = _defaults(torch.optim.AdamW)
+        return {"lr": g["lr"], "betas": [g["beta1"], d["betas"][1] if g["beta2"] is None else g["beta2"]],
+                "eps": d["eps"] if g["eps"] is None else g["eps"], "weight_decay": g["weight_decay"],
+                "amsgrad": False, "maximize": False}
+    if target == GEFEN:
+        from gefen.optimizer import Gefen
+
+        d = _defaults(Gefen)
+        return {"lr": g["lr"], "betas": [g["beta1"], d["betas"][1] if g["beta2"] is None else g["beta2"]],
+                "eps": d["eps"] if g["eps"] is None else g["eps"], "weight_decay": g["weight_decay"],
+                "factored_v_2d": bool(options["factored_v_2d"])}
+    from gefen.muon import GefenMuon
+
+    d = _defaults(GefenMuon)  # the lr is AdamW's, so Muon's update is scaled to AdamW's RMS
+    return {**{h: d[h] for h in ("nesterov", "ns_steps", "ns_schedule", "normuon", "beta2", "eps")},
+            "lr": g["lr"], "momentum": g["beta1"], "weight_decay": g["weight_decay"], "adjust_lr": "match_rms_adamw"}
+
+
+def _contract(target: str) -> OptimizerContract:
+    return known_contracts()[target]
+
+
+def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], options: dict,
+                child: str | None = None) -> CanonicalState:
+    out_groups = []
+    for g in groups:
+        group = {**_target_group(target, g, options), "params": list(g["params"])}
+        if child is not None:
+            group["child"] = child
+        out_groups.append(group)
+    if target == MUON:
+        flat = [f for g in groups for f in g["params"] if f in dense and len(dense[f].shape) != 2]
+        if flat:
+            raise CheckpointMismatchError(f"GefenMuon takes 2-D parameters only, but {flat[0]!r} has shape "
+                                          f"{dense[flat[0]].shape}: convert into GefenMuonHybrid (or Gefen)")
+    members = [fqn for g in groups for fqn in g["params"] if fqn in dense]
+    if target != MUON:  # AdamW and Gefen need a second moment: parameters without one start afresh
+        members = [fqn for fqn in members if dense[fqn].exp_avg_sq is not None]
+    params, global_fields = {}, {}
+    if target == ADAMW:
+        for fqn in members:
+            d = dense[fqn]
+            params[fqn] = _state(d, child, step=torch.tensor(float(d.step), dtype=torch.float32),
+                                 exp_avg=d.exp_avg.to(d.dtype), exp_avg_sq=d.exp_avg_sq.to(d.dtype))
+    elif members:
+        cls = _target_class(target)
+        defaults = _defaults(cls)
+        size = options["codebook_size"] or defaults["codebook_size"]
+        bins = options["bins_per_code"] or defaults["bins_per_code"]
+        periods = {fqn: shape_period(dense[fqn].shape) for fqn in members}
+        # as at the first step: every block of more than one element, normalised, into one histogram
+        codebook = learn_codebook([as_blocks(dense[f].exp_avg, periods[f]) for f in members if periods[f] > 1],
+                                  size, bins)
+        global_fields[f"{child}/codebook" if child else "codebook"] = EagerSource(codebook)
+        for fqn in members:
+            d, period = dense[fqn], periods[fqn]
+            codes, scales = quantise(d.exp_avg.reshape(d.shape), codebook, period)
+            fields = {"step": torch.tensor(d.step, dtype=torch.int64), "period": torch.tensor(period, dtype=torch.int64),
+                      "m_code": codes, "m_scale": scales}
+            if target == GEFEN:
+                fields.update(_gefen_second_moment(d, period, is_factored(d.shape, bool(options["factored_v_2d"]))))
+            params[fqn] = _state(d, child, **fields)
+    return CanonicalState(_contract(target), out_groups, params, global_fields)
+
+
+def _target_class(target: str):
+    if target == GEFEN:
+        from gefen.optimizer import Gefen
+
+        return Gefen
+    from gefen.muon import GefenMuon
+
+    return GefenMuon
+
+
+def _gefen_second_moment(d: Dense, period: int, factored: bool) -> dict:
+    """``exp_avg_sq`` as Gefen accumulates it: the EMA of the column (row) means of g^2 is the
+    column (row) mean of the EMA of g^2, and likewise the block mean."""
+    if factored:
+        return {"v_row": d.exp_avg_sq.mean(1), "v_col": d.exp_avg_sq.mean(0)}
+    return {"v": as_blocks(d.exp_avg_sq.reshape(d.shape), period).mean(-1)}
+
+
+def _state(d: Dense, child: str | None, **fields) -> ParamState:
+    return ParamState(d.shape, d.dtype, {k: EagerSource(v.contiguous()) for k, v in fields.items()}, child)
+
+
+def _build_hybrid(groups: list[dict], dense: dict[str, Dense], options: dict, backup: str,
+                  muon_params: list[str] | None) -> CanonicalState:
+    """Hidden 2-D matrices to GefenMuon, the rest to the backup, routed by name and shape as
+    ``split_params_for_muon`` routes named parameters; each source group splits in two."""
+    from gefen.hybrid import hybrid_contract, split_params_for_muon
+
+    fqns = [fqn for g in groups for fqn in g["params"]]
+    if muon_params is not None:
+        muon_names = set(muon_params)
+        if muon_names - set(fqns):
+            raise CheckpointMismatchError(f"muon_params names {sorted(muon_names - set(fqns))[0]!r}, which the "
+                                          "state does not have")
+    elif any(fqn not in dense for fqn in fqns):
+        raise CheckpointMismatchError(f"{next(f for f in fqns if f not in dense)!r} has no state, so its shape (and "
+                                      "its child in GefenMuonHybrid) is unknown: pass muon_params")
+    else:
+        muon_names = {name for name, _ in split_params_for_muon(
+            [(fqn, torch.empty(dense[fqn].shape, device="meta")) for fqn in fqns])[0]}
+    halves = {}
+    for child, target, pick in (("muon", MUON, True), ("backup", GEFEN if backup == "gefen" else ADAMW, False)):
+        part = [{**g, "params": [f for f in g["params"] if (f in muon_names) == pick]} for g in groups]
+        halves[child] = _build_leaf(target, [g for g in part if g["params"]], dense, options, child)
+    contract = hybrid_contract({name: half.contract for name, half in halves.items()})
+    return CanonicalState(contract, [g for h in halves.values() for g in h.param_groups],
+                          {k: v for h in halves.values() for k, v in h.params.items()},
+                          {k: v for h in halves.values() for k, v in h.global_fields.items()})
+
+
+# ----- report -------------------------------------------------------------------------------
+def _report(source: str, target: str, before: dict[str, Dense], out: CanonicalState) -> dict:
+    """What the target will use against what the source held (plain data: it goes into manifests)."""
+    first, second = [], []
+    for fqn, entry in out.params.items():  # one parameter's dense view at a time
+        leaf = out.contract.child(entry.child) if entry.child else out.contract
+        key = f"{entry.child}/codebook" if entry.child else "codebook"
+        after = _dense_param(leaf.implementation, fqn, entry, out.global_fields.get(key))
+        first.append((fqn, _squares(after.exp_avg, before[fqn].exp_avg)))
+        if after.exp_avg_sq is not None and before[fqn].exp_avg_sq is not None:
+            second.append((fqn, _squares(after.exp_avg_sq, before[fqn].exp_avg_sq)))
+    return {
+        "from": source,
+        "into": target,
+        "parameters": len(out.params),
+        "restarted": sorted(set(before) - set(out.params)),
+        "first_moment": _rel_errors(first),
+        "second_moment": _rel_errors(second),
+    }
+
+
+def _squares(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    return float((got - want).double().square().sum()), float(want.double().square().sum())
+
+
+def _rel_errors(squares: list[tuple[str, tuple[float, float]]]) -> dict | None:
+    """Relative Frobenius error over all parameters, and the worst parameter's."""
+    if not squares:
+        return None
+
+    def rel(e: float, n: float) -> float:
+        return math.sqrt(e / n) if n else (0.0 if e == 0 else math.inf)
+
+    worst_fqn, worst = max(((fqn, rel(*sq)) for fqn, sq in squares), key=lambda x: x[1])
+    return {"rel_error": rel(sum(e for _, (e, _) in squares), sum(n for _, (_, n) in squares)),
+            "worst": {"fqn": worst_fqn, "rel_error": worst}}
