@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gefen import Gefen
+from gefen.contract import join_composite, split_composite
 from gefen_ckpt import CanonicalState, CheckpointError, CheckpointFormatError, CheckpointMismatchError
 from gefen_ckpt.exchange import export_canonical, import_canonical
 from gefen_ckpt.torch_format import (
@@ -242,13 +243,9 @@ class Composite:
                                  children=tuple((k, contract_of(o)) for k, o in self.children.items()))
 
     def state_dict(self):
-        from gefen.contract import join_composite
-
         return join_composite({k: o.state_dict() for k, o in self.children.items()})
 
     def load_state_dict(self, sd):
-        from gefen.contract import split_composite
-
         for k, child_sd in split_composite(sd, list(self.children)).items():
             self.children[k].load_state_dict(child_sd)
 
