@@ -7,12 +7,17 @@ these, so supporting a new optimizer means writing its contract, nothing else.
 
 Every optimizer with a contract exposes its state through ``state_dict()`` in torch's usual
 form (``state`` keyed by index, ``param_groups`` with ``params`` and optional
-``param_names``); optimizer-wide fields live under ``state_dict()[GLOBAL_STATE_KEY]`` and the
-children of a composite optimizer under ``state_dict()[CHILDREN_KEY][name]``.
+``param_names``); optimizer-wide fields live under ``state_dict()[GLOBAL_STATE_KEY]``.
 
 A composite optimizer (``GefenMuonHybrid``) exposes ``children: dict[str, Optimizer]`` named
-as in its contract's ``children``; its own ``state`` and ``param_groups`` in ``state_dict()``
-are empty, each parameter's FQN is owned by the child whose groups name it, and
+as in its contract's ``children``, and its ``state_dict()`` is torch's flat form too, so
+torch's own checkpoint API (``get_state_dict``, which keeps only ``state`` and
+``param_groups``) sees every parameter: ``param_groups`` is every child's groups in order,
+each with ``CHILD_KEY`` naming its owner; ``params`` and ``state`` are numbered by the running
+index over those groups; each state entry is the child's own; a child's optimizer-wide field
+``f`` is ``GLOBAL_STATE_KEY["<child>/f"]``. :func:`join_composite` builds that form from the
+children's state_dicts and :func:`split_composite` takes it apart (it also reads the nested
+form written before: ``{"state": {}, "param_groups": [], CHILDREN_KEY: {name: child_sd}}``).
 ``load_state_dict`` validates every child before it changes any.
 """
 
@@ -29,7 +34,10 @@ if TYPE_CHECKING:  # torch is imported only where torch optimizers are involved:
 #: The canonical-state schema this code writes and reads.
 SCHEMA_VERSION = 1
 GLOBAL_STATE_KEY = "global_state"
+#: the nested composite form (read, no longer written): ``state_dict()[CHILDREN_KEY][name]``
 CHILDREN_KEY = "children"
+#: a composite optimizer's param group names the child that owns it under this key
+CHILD_KEY = "child"
 #: a composite optimizer's state_dict records its contract (``to_dict()``) under this key
 CONTRACT_KEY = "contract"
 
@@ -182,3 +190,93 @@ def contract_of(optimizer: torch.optim.Optimizer) -> OptimizerContract:
         )
     return contract
 
+
+
+# ----- composite state_dicts ----------------------------------------------------------------
+def composite_children(state_dict) -> list[str]:
+    """The child names a composite state_dict mentions, in order ([] for any other state_dict)."""
+    if not isinstance(state_dict, dict):
+        return []
+    nested = state_dict.get(CHILDREN_KEY)
+    if isinstance(nested, dict) and nested:
+        return [str(name) for name in nested]
+    groups = state_dict.get("param_groups")
+    names = [g[CHILD_KEY] for g in groups if isinstance(g, dict) and CHILD_KEY in g] if isinstance(groups, list) else []
+    return list(dict.fromkeys(map(str, names)))
+
+
+def join_composite(children: dict[str, dict]) -> dict:
+    """The flat state_dict of a composite optimizer from its children's (``{name: state_dict}``,
+    in the composite's order); entries and group values are shared, not copied."""
+    state, groups, shared, index = {}, [], {}, 0
+    for name, sd in children.items():
+        if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("param_groups"), list):
+            raise ValueError(f"child {name!r}: not an optimizer state_dict")
+        for key, value in (sd.get(GLOBAL_STATE_KEY) or {}).items():
+            shared[f"{name}/{key}"] = value
+        for gi, group in enumerate(sd["param_groups"]):
+            if not isinstance(group, dict) or not isinstance(group.get("params"), (list, tuple)):
+                raise ValueError(f"child {name!r}: param group {gi} has no 'params' list")
+            numbers = list(range(index, index + len(group["params"])))
+            groups.append({**group, "params": numbers, CHILD_KEY: name})
+            state.update({new: sd["state"][old] for old, new in zip(group["params"], numbers) if old in sd["state"]})
+            index += len(numbers)
+        stray = set(sd["state"]) - {key for group in sd["param_groups"] for key in group["params"]}
+        if stray:
+            raise ValueError(f"child {name!r}: state for parameters {sorted(stray, key=repr)[:5]} in no param group")
+    out = {"state": state, "param_groups": groups}
+    if shared:
+        out[GLOBAL_STATE_KEY] = shared
+    return out
+
+
+def split_composite(state_dict: dict, children: list[str]) -> dict[str, dict]:
+    """One state_dict per child (``children``: the composite's child names, in order) from a
+    composite state_dict, flat or nested: each child gets the groups that name it (without
+    ``CHILD_KEY``), its ``params`` and ``state`` renumbered from 0 in group order, and its
+    optimizer-wide fields. Pure: nothing is copied or changed; ValueError names what is wrong."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"a {type(state_dict).__name__}, not a state_dict")
+    if CHILDREN_KEY in state_dict:  # the nested form: brought to the flat one, then split like it
+        nested = state_dict[CHILDREN_KEY]
+        if not isinstance(nested, dict):
+            raise ValueError(f"{CHILDREN_KEY!r} is a {type(nested).__name__}, not a dict of child state_dicts")
+        if state_dict.get("state") or state_dict.get("param_groups"):
+            raise ValueError(f"a state_dict with {CHILDREN_KEY!r} keeps everything in its children; "
+                             "top-level state must be empty")
+        state_dict = join_composite(nested)
+    state, groups = state_dict.get("state"), state_dict.get("param_groups")
+    if not isinstance(state, dict) or not isinstance(groups, (list, tuple)):
+        raise ValueError("not an optimizer state_dict: 'state' or 'param_groups' missing or malformed")
+    out = {name: {"state": {}, "param_groups": []} for name in children}
+    placed: set = set()
+    for gi, group in enumerate(groups):
+        if not isinstance(group, dict) or not isinstance(group.get("params"), (list, tuple)):
+            raise ValueError(f"param group {gi} has no 'params' list")
+        name = group.get(CHILD_KEY)
+        if name not in out:
+            raise ValueError(f"param group {gi} names child {name!r}, expected one of {list(children)} under "
+                             f"{CHILD_KEY!r} (a state_dict of another optimizer?)")
+        child = out[name]
+        start = sum(len(g["params"]) for g in child["param_groups"])
+        numbers = list(range(start, start + len(group["params"])))
+        for key, number in zip(group["params"], numbers):
+            if key in placed:
+                raise ValueError(f"parameter {key!r} is in two param groups")
+            placed.add(key)
+            if key in state:
+                child["state"][number] = state[key]
+        child["param_groups"].append({**{k: v for k, v in group.items() if k != CHILD_KEY}, "params": numbers})
+    stray = [key for key in state if key not in placed]
+    if stray:
+        raise ValueError(f"state for parameters {stray[:5]} that are in no param group")
+    empty = [name for name, sd in out.items() if not sd["param_groups"]]
+    if empty:
+        raise ValueError(f"no param group of child {empty[0]!r} (children {list(children)}, groups name "
+                         f"{composite_children(state_dict)})")
+    for key, value in (state_dict.get(GLOBAL_STATE_KEY) or {}).items():
+        name, _, field = str(key).partition("/")
+        if name not in out or not field:
+            raise ValueError(f"optimizer-wide field {key!r} is not '<child>/<field>' of a child in {list(children)}")
+        out[name].setdefault(GLOBAL_STATE_KEY, {})[field] = value
+    return out

@@ -19,7 +19,14 @@ import torch
 from torch import nn
 
 from gefen.base import apply_load_pre_hooks, local_tensor
-from gefen.contract import CHILDREN_KEY, CONTRACT_KEY, LIKE_PARAM, OptimizerContract, contract_of
+from gefen.contract import (
+    CONTRACT_KEY,
+    LIKE_PARAM,
+    OptimizerContract,
+    contract_of,
+    join_composite,
+    split_composite,
+)
 from gefen.muon import GefenMuon
 from gefen.optimizer import Gefen
 from gefen.validation import param_label
@@ -148,7 +155,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     ``weight_decay=0.0`` as in ``Gefen``; ``backup="gefen"`` (~1 byte/param everywhere).
 
     Composite convention (``gefen.contract``): ``children = {"muon": ..., "backup": ...}``; the
-    state_dict is ``{"state": {}, "param_groups": [], "children": {name: child.state_dict()}}``.
+    state_dict is torch's flat form over ``param_groups`` (the children's groups, each naming
+    its ``"child"``), so torch's ``get_state_dict`` / ``set_state_dict`` see every parameter.
     """
 
     def __init__(self, model_or_named_params, lr: float = 1e-3, backup: str = "gefen", muon_lr: float | None = None,
@@ -244,8 +252,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        sd = {"state": {}, "param_groups": [], CHILDREN_KEY: {n: c.state_dict() for n, c in self.children.items()},
-              CONTRACT_KEY: self.contract().to_dict()}  # so a torch.save'd file names its optimizer
+        sd = join_composite({n: c.state_dict() for n, c in self.children.items()})
+        sd[CONTRACT_KEY] = self.contract().to_dict()  # so a torch.save'd file names its optimizer
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -261,13 +269,10 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         """Validate and stage both children without touching either; the returned callable
         publishes both (``load_state_dict`` is this followed by the call)."""
         state_dict = apply_load_pre_hooks(self, state_dict)
-        saved = state_dict.get(CHILDREN_KEY)
-        if not isinstance(saved, dict):
-            raise ValueError(f"not a GefenMuonHybrid state_dict: no {CHILDREN_KEY!r} entry (saved by another optimizer?)")
-        if set(saved) != set(self.children):
-            raise ValueError(f"state_dict has children {sorted(saved)}, expected {sorted(self.children)}")
-        if state_dict.get("state") or state_dict.get("param_groups"):
-            raise ValueError("a GefenMuonHybrid state_dict keeps everything in its children; top-level state must be empty")
+        try:
+            saved = split_composite(state_dict, list(self.children))
+        except ValueError as exc:
+            raise ValueError(f"not a GefenMuonHybrid state_dict: {exc}") from None
         staged = []
         for name, child in self.children.items():
             try:

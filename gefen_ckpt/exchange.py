@@ -17,13 +17,13 @@ from collections.abc import Callable
 import torch
 
 from gefen.contract import (
-    CHILDREN_KEY,
     GLOBAL_STATE_KEY,
     LIKE_PARAM,
     SCHEMA_VERSION,
     OptimizerContract,
     contract_of,
     expected_field_shape,
+    join_composite,
 )
 from gefen.distributed import as_field_dtensor
 from gefen_ckpt import layout
@@ -309,6 +309,4 @@ def local_state_dict(optimizer: torch.optim.Optimizer, state: CanonicalState, mo
     if unowned:
         raise CheckpointMismatchError(f"checkpoint has state for parameters in no group: {sorted(unowned)[:5]}")
     sds = {child: _local_state_dict(opt, leaf, child, state, names) for child, opt, leaf in leaves(optimizer, contract)}
-    if contract.children:
-        return {"state": {}, "param_groups": [], CHILDREN_KEY: sds}
-    return sds[None]
+    return join_composite(sds) if contract.children else sds[None]

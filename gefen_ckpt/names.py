@@ -18,7 +18,7 @@ import json
 import fsspec
 import torch
 
-from gefen.contract import CHILDREN_KEY
+from gefen.contract import composite_children
 from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from gefen_ckpt.torch_format import _check_state_dict, known_contracts
 
@@ -117,7 +117,7 @@ def name_state_dict(sd: dict, names: list[str] | None = None,
     says. Names already in ``sd`` must agree. ``source`` names the origin in error messages.
     """
     _check_state_dict(sd)  # the same structural check as reading any torch state_dict
-    if isinstance(sd.get(CHILDREN_KEY), dict) and sd[CHILDREN_KEY]:
+    if composite_children(sd):
         raise CheckpointMismatchError("a composite optimizer's state_dict names its parameters itself")
     groups = sd["param_groups"]
     like_param = {f.name for c in known_contracts().values() for f in c.fields if f.geometry == "param"}

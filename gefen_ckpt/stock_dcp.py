@@ -7,7 +7,9 @@ entry ``"<key>.param_groups.<i>.<name>"``. Nothing records which optimizer wrote
 contract is inferred from the field and hyperparameter names, as for a ``torch.save``d
 state_dict. Gefen optimizers repeat their codebook in every parameter's state (torch's API
 keeps nothing else); it becomes the one optimizer-wide field here, and copies that disagree are
-refused.
+refused. Groups that name a ``"child"`` are a composite optimizer's (``gefen.contract``): each
+child's contract is inferred from its own groups and fields, its parameters are marked with
+the child and its optimizer-wide fields are keyed ``"<child>/<field>"``.
 
 Param-group entries are read with ``torch.load(weights_only=True)``: no code runs.
 """
@@ -20,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from gefen.contract import LIKE_PARAM
+from gefen.contract import CHILD_KEY, LIKE_PARAM, composite_children
 from gefen_ckpt.canonical import CanonicalState, ParamState
 from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 
@@ -107,7 +109,7 @@ def read_stock(reader, key: str, source_factory) -> CanonicalState:
 
     ``reader`` is an opened DCP checkpoint (``gefen_ckpt.dcp._DCPReader``); ``source_factory(full
     key)`` makes the lazy tensor source of one entry."""
-    from gefen_ckpt.torch_format import infer_contract
+    from gefen_ckpt.torch_format import infer_composite_contract, infer_contract
 
     groups = _groups(reader, key)
     fqns = [f for g in groups for f in g["params"]]
@@ -121,25 +123,28 @@ def read_stock(reader, key: str, source_factory) -> CanonicalState:
                 raise CheckpointFormatError(f"{reader.path}: {full!r} is not a tensor field of a listed parameter")
             fields.setdefault(fqn, {})[name] = full
 
-    sketch = {"state": {fqn: dict.fromkeys(f, True) for fqn, f in fields.items()},
-              "param_groups": [{**g, "params": list(range(len(g["params"])))} for g in groups]}
-    contract = infer_contract(sketch)
-    shared = {f.name for f in contract.global_fields}
+    sketch = {"state": {fqn: dict.fromkeys(f, True) for fqn, f in fields.items()}, "param_groups": groups}
+    children = composite_children(sketch)
+    contract = infer_composite_contract(sketch) if children else infer_contract(sketch)
     global_fields, params = {}, {}
-    for fqn, entry in fields.items():
-        sources = {name: source_factory(full) for name, full in entry.items()}
-        for name in shared & set(sources):
-            copy = sources.pop(name)
-            first = global_fields.setdefault(name, copy)
-            if first is not copy and not torch.equal(first.read(), copy.read()):
-                raise CheckpointMismatchError(f"{reader.path}: {fqn}: its {name} differs from the other parameters'")
-        like = [n for n in sources if contract.field(n).geometry == "param"]
-        if not like:
-            raise CheckpointFormatError(f"{reader.path}: {fqn}: no field of the parameter's shape")
-        model_md = smd.get(f"model.{fqn}")
-        dtype = model_md.properties.dtype if isinstance(model_md, TensorStorageMetadata) else next(
-            (sources[n].dtype for n in sources if contract.field(n).dtype == LIKE_PARAM), torch.float32)
-        params[fqn] = ParamState(tuple(sources[like[0]].shape), dtype, sources)
+    for child, leaf in [(c, contract.child(c)) for c in children] or [(None, contract)]:
+        shared = {f.name for f in leaf.global_fields}
+        members = [fqn for g in groups if g.get(CHILD_KEY) == child for fqn in g["params"] if fqn in fields]
+        for fqn in members:
+            sources = {name: source_factory(full) for name, full in fields[fqn].items()}
+            for name in shared & set(sources):
+                copy = sources.pop(name)
+                first = global_fields.setdefault(f"{child}/{name}" if child else name, copy)
+                if first is not copy and not torch.equal(first.read(), copy.read()):
+                    raise CheckpointMismatchError(f"{reader.path}: {fqn}: its {name} differs from the other "
+                                                  "parameters'")
+            like = [n for n in sources if leaf.field(n).geometry == "param"]
+            if not like:
+                raise CheckpointFormatError(f"{reader.path}: {fqn}: no field of the parameter's shape")
+            model_md = smd.get(f"model.{fqn}")
+            dtype = model_md.properties.dtype if isinstance(model_md, TensorStorageMetadata) else next(
+                (sources[n].dtype for n in sources if leaf.field(n).dtype == LIKE_PARAM), torch.float32)
+            params[fqn] = ParamState(tuple(sources[like[0]].shape), dtype, sources, child)
     plain_groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
     return CanonicalState(contract, plain_groups, params, global_fields,
                           metadata={"source_topology": {"kind": "dcp (torch get_state_dict)"}})

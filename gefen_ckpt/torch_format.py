@@ -2,8 +2,9 @@
 
 A torch-format checkpoint is one file holding what ``optimizer.state_dict()`` returns: ``state``
 keyed by parameter index, ``param_groups`` with ``params`` (indices) and ``param_names``
-(FQNs), plus ``global_state`` (optimizer-wide fields, e.g. Gefen's codebook) and ``children``
-(composite optimizers) as the contract conventions in :mod:`gefen.contract` say.
+(FQNs), plus ``global_state`` (optimizer-wide fields, e.g. Gefen's codebook); a composite
+optimizer's groups name their child (the nested ``children`` form of older files is read too),
+as the contract conventions in :mod:`gefen.contract` say.
 
 * :func:`canonical_from_state_dict` keys the state by FQN (from the groups' ``param_names``),
   takes each parameter's global shape from a field of ``param`` geometry and validates every
@@ -32,12 +33,15 @@ import fsspec
 import torch
 
 from gefen.contract import (
-    CHILDREN_KEY,
+    CHILD_KEY,
     CONTRACT_KEY,
     GLOBAL_STATE_KEY,
     LIKE_PARAM,
     OptimizerContract,
+    composite_children,
     expected_field_shape,
+    join_composite,
+    split_composite,
     torch_contracts,
 )
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
@@ -57,6 +61,7 @@ __all__ = [
     "resolve_contract",
     "infer_contract",
     "composite_contract",
+    "infer_composite_contract",
     "load_torch_state_dict",
     "save_torch_state_dict",
     "read_torch",
@@ -155,25 +160,41 @@ def composite_contract(name: str, sd: dict) -> OptimizerContract:
     ``"unrecorded"``: only the file written by :func:`state_dict_from_canonical` knows it."""
     import gefen
 
+    names = composite_children(sd)
     try:
         leaf = resolve_contract(name)
     except CheckpointMismatchError:
         pass
     else:
         raise CheckpointMismatchError(f"{leaf.implementation} is not a composite optimizer, but the state_dict "
-                                      f"has child optimizers {sorted(map(str, sd[CHILDREN_KEY]))}")
+                                      f"has child optimizers {sorted(names)}")
     lowered = name.lower().removeprefix("gefen.")
     for attr in getattr(gefen, "__all__", ()):
         if attr.lower() == lowered and isinstance(getattr(gefen, attr, None), type):
             name = f"gefen.{attr}"
             break
     children = []
-    for child, child_sd in sd[CHILDREN_KEY].items():
+    for child, child_sd in _split(sd, names, name).items():
         try:
             children.append((str(child), infer_contract(child_sd)))
         except CheckpointError as exc:
             raise type(exc)(f"child {child!r}: {exc}") from None
     return OptimizerContract(name, "unrecorded", (), (), children=tuple(children))
+
+
+#: composite optimizers by their children's names, for state that records no contract (torch's
+#: ``get_state_dict`` keeps only ``state`` and ``param_groups``)
+_COMPOSITES = {("muon", "backup"): "gefen.GefenMuonHybrid"}
+
+
+def infer_composite_contract(sd: dict) -> OptimizerContract:
+    """The contract of a composite state_dict that records none: the optimizer from its children's
+    names, each child's contract inferred as :func:`composite_contract` does."""
+    names = tuple(composite_children(sd))
+    if names not in _COMPOSITES:
+        raise CheckpointMismatchError(f"no composite optimizer has the children {list(names)} "
+                                      f"(known: {', '.join(f'{v} {list(k)}' for k, v in _COMPOSITES.items())})")
+    return composite_contract(_COMPOSITES[names], sd)
 
 
 # ----- state_dict -> canonical --------------------------------------------------------------
@@ -200,20 +221,22 @@ def _dtype(name: str, what: str) -> torch.dtype:
     return dtype
 
 
+def _split(sd: dict, children: list[str], implementation: str, where: str = "state_dict") -> dict[str, dict]:
+    """``gefen.contract.split_composite`` with its refusal as a checkpoint error."""
+    try:
+        return split_composite(sd, children)
+    except ValueError as exc:
+        raise CheckpointMismatchError(f"{where}: not a state_dict of {implementation}: {exc}") from None
+
+
 def _leaves(contract: OptimizerContract, sd: dict, child: str | None = None, where: str = "state_dict"):
     """(child name, contract, state_dict) of every non-composite optimizer inside ``sd``."""
     if not contract.children:
         yield child, contract, sd
         return
-    children = sd.get(CHILDREN_KEY)
-    if not isinstance(children, dict):
-        raise CheckpointMismatchError(
-            f"{contract.implementation} is a composite optimizer but the state_dict has no {CHILDREN_KEY!r} dict"
-        )
-    for name, child_contract in contract.children:
-        if name not in children:
-            raise CheckpointMismatchError(f"{where}: child optimizer {name!r} of {contract.implementation} is missing")
-        yield from _leaves(child_contract, children[name], name, f"{where}[{CHILDREN_KEY}][{name!r}]")
+    names = [name for name, _ in contract.children]
+    for name, child_sd in _split(sd, names, contract.implementation, where).items():
+        yield from _leaves(contract.child(name), child_sd, name, f"{where}[{CHILD_KEY}={name!r}]")
 
 
 def _field_tensor(value, spec, fqn: str, name: str) -> torch.Tensor:
@@ -235,7 +258,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
     """
     _check_state_dict(sd)
     meta = _recorded(sd)
-    composite = isinstance(sd.get(CHILDREN_KEY), dict) and bool(sd[CHILDREN_KEY])
+    composite = composite_children(sd)
     if isinstance(contract, str) and composite:
         contract = composite_contract(contract, sd)
     elif contract is not None:
@@ -248,14 +271,14 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             raise CheckpointFormatError(f"recorded contract: {exc}") from None
     elif composite:
         raise CheckpointMismatchError(
-            f"a composite optimizer's state_dict (children {sorted(map(str, sd[CHILDREN_KEY]))}) records no "
+            f"a composite optimizer's state_dict (children {sorted(composite)}) records no "
             "contract: name the optimizer (e.g. gefen.GefenMuonHybrid) or pass contract_of(optimizer)"
         )
     else:
         contract = infer_contract(sd)
     if composite and not contract.children:
         raise CheckpointMismatchError(f"{contract.implementation} is not a composite optimizer, but the state_dict "
-                                      f"has child optimizers {sorted(map(str, sd[CHILDREN_KEY]))}")
+                                      f"has child optimizers {sorted(composite)}")
     dtypes = meta.get("param_dtypes") if isinstance(meta.get("param_dtypes"), dict) else {}
 
     groups: list[dict] = []
@@ -263,7 +286,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
     params: dict[str, ParamState] = {}
     global_fields: dict[str, TensorSource] = {}
     for child, leaf, leaf_sd in _leaves(contract, sd):
-        where = f"{CHILDREN_KEY}/{child}" if child else "state_dict"
+        where = f"child {child!r}" if child else "state_dict"
         _check_state_dict(leaf_sd, where)
         for key, value in (leaf_sd.get(GLOBAL_STATE_KEY) or {}).items():
             try:
@@ -287,7 +310,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             group = {h: plain_value(saved[h]) for h in leaf.hyperparameters if h in saved}
             group["params"] = [str(n) for n in names]
             if child is not None:
-                group["child"] = child
+                group[CHILD_KEY] = child
             groups.append(group)
             for index, fqn in zip(saved["params"], group["params"]):
                 if fqn in seen:
@@ -373,17 +396,18 @@ def state_dict_from_canonical(state: CanonicalState) -> dict:
 
     Index-keyed ``state``; groups with their hyperparameters, ``params`` (indices, numbered in
     group order) and ``param_names`` (FQNs); ``global_state`` for optimizers with global fields
-    and ``children`` for composite ones; every tensor read into memory. The result loads with
+    and, for composite ones, groups that name their child (``gefen.contract.join_composite``);
+    every tensor read into memory. The result loads with
     ``optimizer.load_state_dict`` into an optimizer built like the original.
     """
     contract = state.contract
     leaves = {}
     for child, leaf in _leaf_contracts(contract):
-        groups = [g for g in state.param_groups if g.get("child") == child]
+        groups = [g for g in state.param_groups if g.get(CHILD_KEY) == child]
         sd_state, sd_groups, index = {}, [], 0
         for g in groups:
             fqns = [str(f) for f in g["params"]]
-            group = {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k not in ("params", "child")}
+            group = {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k not in ("params", CHILD_KEY)}
             group["param_names"] = fqns
             group["params"] = list(range(index, index + len(fqns)))
             sd_groups.append(group)
@@ -399,11 +423,11 @@ def state_dict_from_canonical(state: CanonicalState) -> dict:
                                          if k.startswith(prefix) and "/" not in k[len(prefix):]}
         leaves[child] = leaf_sd
     known = {c for c, _ in _leaf_contracts(contract)}
-    stray = [g.get("child") for g in state.param_groups if g.get("child") not in known]
+    stray = [g.get(CHILD_KEY) for g in state.param_groups if g.get(CHILD_KEY) not in known]
     if stray:
         raise CheckpointMismatchError(f"param groups name child optimizers {sorted(set(map(str, stray)))} "
                                       f"that {contract.implementation} does not have")
-    sd = {"state": {}, "param_groups": [], CHILDREN_KEY: leaves} if contract.children else leaves[None]
+    sd = join_composite(leaves) if contract.children else leaves[None]
     sd[TORCH_META_KEY] = {
         "version": TORCH_META_VERSION,
         "contract": contract.to_dict(),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gefen import Gefen, GefenMuon, GefenMuonHybrid, contract_of, split_params_for_muon
-from gefen.contract import CHILDREN_KEY, OptimizerContract
+from gefen.contract import CHILD_KEY, CHILDREN_KEY, OptimizerContract
 
 pytestmark = pytest.mark.timeout(120)
 BACKUPS = ["gefen", "adamw"]
@@ -348,9 +348,18 @@ def test_state_dict_layout_and_round_trip_resumes_bitwise(backup):
     opt = GefenMuonHybrid(model, lr=3e-3, backup=backup, weight_decay=0.01)
     _train(model, opt, range(4))
     sd = opt.state_dict()
-    assert sd["state"] == {} and sd["param_groups"] == [] and set(sd[CHILDREN_KEY]) == {"muon", "backup"}
-    owned = [set(sd[CHILDREN_KEY][c]["param_groups"][0]["param_names"]) for c in ("muon", "backup")]
+    # torch's flat form over opt.param_groups: running indices, each group naming its child
+    assert [g[CHILD_KEY] for g in sd["param_groups"]] == ["muon", "backup"] and CHILDREN_KEY not in sd
+    sizes = [len(g["params"]) for g in opt.param_groups]
+    assert [g["params"] for g in sd["param_groups"]] == [list(range(sizes[0])), list(range(sizes[0], sum(sizes)))]
+    assert sorted(sd["state"]) == list(range(sum(sizes)))
+    owned = [set(g["param_names"]) for g in sd["param_groups"]]
     assert not owned[0] & owned[1] and owned[0] | owned[1] == {n for n, _ in model.named_parameters()}
+    for (name, child), group in zip(opt.children.items(), sd["param_groups"]):  # each entry is the child's own
+        mine = child.state_dict()
+        assert {k: v for k, v in group.items() if k not in ("params", CHILD_KEY)} == \
+            {k: v for k, v in mine["param_groups"][0].items() if k != "params"}, name
+        assert all(_same(sd["state"][i], mine["state"][j]) for j, i in enumerate(group["params"])), name
     saved, weights = _through_bytes(sd), copy.deepcopy(model.state_dict())
     _train(model, opt, range(4, 9))
 
@@ -378,23 +387,34 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _groups_of(sd, child):
+    return [g for g in sd["param_groups"] if g[CHILD_KEY] == child]
+
+
+def _first_entry(sd, child):
+    return sd["state"][_groups_of(sd, child)[0]["params"][0]]
+
+
 def _corrupt_muon_shape(sd):
-    entry = sd[CHILDREN_KEY]["muon"]["state"][0]
+    entry = _first_entry(sd, "muon")
     entry["m_code"] = entry["m_code"][:-1]
 
 
 def _corrupt_backup_shape(sd):
-    entry = sd[CHILDREN_KEY]["backup"]["state"][0]
+    entry = _first_entry(sd, "backup")
     key = "exp_avg" if "exp_avg" in entry else "m_scale"
     entry[key] = torch.cat([entry[key], entry[key]])
 
 
 def _drop_backup(sd):
-    del sd[CHILDREN_KEY]["backup"]
+    for group in _groups_of(sd, "backup"):
+        sd["param_groups"].remove(group)
+        for i in group["params"]:
+            sd["state"].pop(i, None)
 
 
 def _extra_child(sd):
-    sd[CHILDREN_KEY]["third"] = {}
+    sd["param_groups"].append({**sd["param_groups"][-1], "params": [], CHILD_KEY: "third"})
 
 
 def _foreign_adamw(sd):
@@ -407,31 +427,40 @@ def _foreign_adamw(sd):
 
 
 def _backup_kind_swapped(sd):
-    other = "adamw" if "m_code" in sd[CHILDREN_KEY]["backup"]["state"][0] else "gefen"
+    other = "adamw" if "m_code" in _first_entry(sd, "backup") else "gefen"
     model = TinyGPT(layers=1)
     opt = GefenMuonHybrid(model, backup=other)
     _train(model, opt, [0])
-    sd[CHILDREN_KEY]["backup"] = opt.state_dict()[CHILDREN_KEY]["backup"]
+    theirs = opt.state_dict()
+    for mine, their in zip(_groups_of(sd, "backup"), _groups_of(theirs, "backup")):
+        sd["state"].update({i: theirs["state"][j] for i, j in zip(mine["params"], their["params"])})
+        sd["param_groups"][sd["param_groups"].index(mine)] = {**their, "params": mine["params"]}
 
 
 def _wrong_hyperparameters(sd):
-    del sd[CHILDREN_KEY]["backup"]["param_groups"][0]["lr"]
+    del _groups_of(sd, "backup")[0]["lr"]
 
 
-def _top_level_state(sd):
+def _state_in_no_group(sd):
+    sd["state"][10**6] = {}
+
+
+def _nested_with_top_level_state(sd):
+    sd.update(_nested(sd))
     sd["state"] = {0: {}}
 
 
 CORRUPTIONS = [
     (_corrupt_muon_shape, r"child 'muon': parameter '\S+': field 'm_code' has shape"),
     (_corrupt_backup_shape, r"child 'backup': parameter '\S+': field '\w+' has shape"),
-    (_drop_backup, r"has children \['muon'\], expected \['backup', 'muon'\]"),
-    (_extra_child, r"has children \['backup', 'muon', 'third'\]"),
-    (_foreign_adamw, "not a GefenMuonHybrid state_dict: no 'children' entry"),
+    (_drop_backup, r"no param group of child 'backup'"),
+    (_extra_child, r"param group 2 names child 'third', expected one of \['muon', 'backup'\]"),
+    (_foreign_adamw, "not a GefenMuonHybrid state_dict: param group 0 names child None"),
     (_backup_kind_swapped, r"child 'backup': (this is torch.optim.AdamW's \(or Adam's\) state, not gefen.Gefen's"
                            r"|param group 0 of the state_dict lacks hyperparameters)"),  # Gefen's / AdamW's backup
     (_wrong_hyperparameters, r"child 'backup': param group 0 of the state_dict lacks hyperparameters \['lr'\]"),
-    (_top_level_state, "top-level state must be empty"),
+    (_state_in_no_group, r"state for parameters \[1000000\] that are in no param group"),
+    (_nested_with_top_level_state, "top-level state must be empty"),
 ]
 
 
@@ -470,6 +499,36 @@ def test_loaded_state_is_a_copy(backup):
             assert mine.state[p].keys() == theirs.state[q].keys()
             assert all(mine.state[p][k] is not theirs.state[q][k] and _same(mine.state[p][k], theirs.state[q][k])
                        for k in mine.state[p])
+
+
+def _nested(sd):
+    """The nested form GefenMuonHybrid wrote before its state_dict became torch's flat form."""
+    children = {}
+    for name in ("muon", "backup"):
+        groups = [{k: v for k, v in g.items() if k != CHILD_KEY} for g in _groups_of(sd, name)]
+        keys = [i for g in groups for i in g["params"]]
+        child = {"state": {j: sd["state"][i] for j, i in enumerate(keys) if i in sd["state"]}, "param_groups": []}
+        for g in groups:
+            start = sum(len(h["params"]) for h in child["param_groups"])
+            child["param_groups"].append({**g, "params": list(range(start, start + len(g["params"])))})
+        codebook = sd.get("global_state", {}).get(f"{name}/codebook")
+        if codebook is not None:
+            child["global_state"] = {"codebook": codebook}
+        children[name] = child
+    return {"state": {}, "param_groups": [], CHILDREN_KEY: children}
+
+
+@pytest.mark.parametrize("backup", BACKUPS)
+def test_a_state_dict_in_the_old_nested_form_still_loads(backup):
+    model = TinyGPT(layers=1)
+    opt = GefenMuonHybrid(model, backup=backup)
+    _train(model, opt, [0, 1])
+    old = _through_bytes(_nested(opt.state_dict()))
+    assert old["state"] == {} and old["param_groups"] == [] and set(old[CHILDREN_KEY]) == {"muon", "backup"}
+    twin = GefenMuonHybrid(copy.deepcopy(model), backup=backup)
+    twin.load_state_dict(old)
+    assert _same(_snapshot(twin), _snapshot(opt))
+    assert _same(twin.state_dict(), opt.state_dict())
 
 
 def test_non_dict_state_dict_is_rejected():

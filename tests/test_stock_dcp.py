@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, set_state_dict
 from typer.testing import CliRunner
 
-from gefen import Gefen, GefenMuon, contract_of
+from gefen import Gefen, GefenMuon, GefenMuonHybrid, contract_of
 
 from distributed import row_scaled_grads, run
 from test_dcp import assemble, assert_same, canonical_tensors, mlp, param_pieces, pieces
@@ -25,7 +25,7 @@ from test_dcp import assemble, assert_same, canonical_tensors, mlp, param_pieces
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 STEPS, MORE = 3, 2
-KINDS = ("gefen", "gefen_block", "muon", "adamw")
+KINDS = ("gefen", "gefen_block", "muon", "adamw", "hybrid", "hybrid_adamw")
 #: the kind each world saves with dcp.async_save instead of dcp.save
 ASYNC = "gefen_block"
 
@@ -40,6 +40,10 @@ def make_opt(kind: str, model: torch.nn.Module):
         return GefenMuon([(n, p) for n, p in named if p.dim() == 2], lr=1e-2, normuon=True)
     if kind == "adamw":
         return torch.optim.AdamW(named, lr=1e-2, weight_decay=0.1)
+    if kind == "hybrid":  # routes by itself: the weights to Muon, biases and the norm to Gefen
+        return GefenMuonHybrid(model, lr=1e-2)
+    if kind == "hybrid_adamw":
+        return GefenMuonHybrid(model, lr=1e-2, backup="adamw", weight_decay=0.1)
     raise ValueError(kind)
 
 
@@ -166,7 +170,7 @@ def test_offline_tools_read_a_stock_checkpoint(tmp_path):
     from gefen_cli.app import app
 
     run(_world, 2, None, str(tmp_path / "w2"), timeout=200)
-    for kind in ("gefen", "muon"):
+    for kind in ("gefen", "muon", "hybrid", "hybrid_adamw"):
         src = tmp_path / f"w2-{kind}"
         dcp_to_torch_save(src, tmp_path / f"{kind}.pt")
         saved = torch.load(tmp_path / f"{kind}.pt", weights_only=False)

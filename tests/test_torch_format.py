@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gefen import Gefen
+from gefen.contract import join_composite, split_composite
 from gefen_ckpt import CanonicalState, CheckpointError, CheckpointFormatError, CheckpointMismatchError
 from gefen_ckpt.exchange import export_canonical, import_canonical
 from gefen_ckpt.torch_format import (
@@ -226,7 +227,7 @@ def test_load_refuses_pickled_code_and_garbage(tmp_path):
 
 
 class Composite:
-    """A minimal composite optimizer (children under the contract's CHILDREN_KEY convention)."""
+    """A minimal composite optimizer (gefen.contract's composite convention, as GefenMuonHybrid)."""
 
     def __init__(self, model):
         named = list(model.named_parameters())
@@ -242,11 +243,11 @@ class Composite:
                                  children=tuple((k, contract_of(o)) for k, o in self.children.items()))
 
     def state_dict(self):
-        return {"state": {}, "param_groups": [], "children": {k: o.state_dict() for k, o in self.children.items()}}
+        return join_composite({k: o.state_dict() for k, o in self.children.items()})
 
     def load_state_dict(self, sd):
-        for k, o in self.children.items():
-            o.load_state_dict(sd["children"][k])
+        for k, child_sd in split_composite(sd, list(self.children)).items():
+            self.children[k].load_state_dict(child_sd)
 
     def zero_grad(self):
         for o in self.children.values():
@@ -274,9 +275,16 @@ def test_composite_state_dicts():
     assert {k: v.child for k, v in state.params.items()} == {k: v.child for k, v in exported.params.items()}
     assert_bitwise_equal(canonical_tensors(state), canonical_tensors(exported))
     assert "main/codebook" in state.global_fields
+    # the nested form (files written before the flat one) reads to the same state
+    nested = {"state": {}, "param_groups": [], "children": {k: o.state_dict() for k, o in comp.children.items()}}
+    old = canonical_from_state_dict(nested, comp.contract())
+    assert old.param_groups == state.param_groups and old.global_fields.keys() == state.global_fields.keys()
+    assert {k: v.child for k, v in old.params.items()} == {k: v.child for k, v in state.params.items()}
+    assert_bitwise_equal(canonical_tensors(old), canonical_tensors(state))
 
     out = state_dict_from_canonical(state)
-    assert set(out["children"]) == {"main", "backup"}
+    assert [g["child"] for g in out["param_groups"]] == ["main", "backup"]
+    assert sorted(out["state"]) == list(range(sum(len(g["params"]) for g in out["param_groups"])))
     back = canonical_from_state_dict(out)  # the recorded contract is used
     assert back.contract == comp.contract()
     fresh_model = make_model()
