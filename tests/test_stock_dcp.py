@@ -196,6 +196,15 @@ def test_offline_tools_read_a_stock_checkpoint(tmp_path):
             gefen_ckpt.load(fresh, command[2])
             assert_same(want, canonical_tensors(fresh), f"{kind}: gefen-ckpt {command[0]}")
 
+    # an AdamW run checkpointed the stock way starts Gefen warm (issue: conversions)
+    warm = tmp_path / "adamw-into-gefen"
+    result = CliRunner().invoke(app, ["convert", str(tmp_path / "w2-adamw"), str(warm), "--into", "Gefen",
+                                      "--to", "portable"])
+    assert result.exit_code == 0, result.output
+    gefen = make_opt("gefen", model_on(1, None))
+    gefen_ckpt.load(gefen, str(warm))
+    assert gefen.codebook is not None and all(int(s["step"]) == STEPS for s in gefen.state.values())
+
 
 def test_stock_state_dict_is_filled_without_learning_from_zeros():
     """get_state_dict initialises an empty optimizer by a step with zero gradients and lr 0: the
