@@ -10,7 +10,10 @@ from gefen_ckpt.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIncompleteError,
+    CheckpointLockedError,
     CheckpointMismatchError,
+    CheckpointStorageError,
+    CheckpointTimeoutError,
     UnsupportedLayoutError,
 )
 
@@ -44,6 +47,9 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointIncompleteError",
     "CheckpointMismatchError",
+    "CheckpointStorageError",
+    "CheckpointLockedError",
+    "CheckpointTimeoutError",
     "UnsupportedLayoutError",
 ]
 

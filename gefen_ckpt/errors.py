@@ -23,3 +23,16 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 class UnsupportedLayoutError(CheckpointError, ValueError):
     """A parameter is sharded in a way the block geometry cannot slice exactly (e.g. Shard(1))."""
+
+
+class CheckpointStorageError(CheckpointError, OSError):
+    """The storage failed (disk full, permission, unreachable endpoint, missing credentials);
+    the message names the path. An ``OSError`` too, so I/O handlers keep working."""
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another save to the same location holds its writer lock: this save was refused."""
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """A collective save/load gave up waiting for the ranks it names."""

@@ -21,6 +21,7 @@ import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
 from gefen_ckpt import native
+from gefen_ckpt.errors import CheckpointError, CheckpointStorageError
 from gefen_ckpt.format import checksum
 
 WRITE_BUFFER = 2**20
@@ -33,13 +34,38 @@ PREFETCH_CHUNK = 2 * 2**20
 
 
 class Store:
-    """A checkpoint directory: create, read ranges of, list, publish and delete its files."""
+    """A checkpoint directory: create, read ranges of, list, publish and delete its files.
 
-    def __init__(self, url: str):
+    ``storage_options`` go to the fsspec filesystem (e.g. ``endpoint_url``, ``key``/``secret``,
+    ``config_kwargs={"connect_timeout": 5, "read_timeout": 30}`` for s3fs). Failures of the
+    storage itself (disk full, unreachable endpoint, missing credentials) are raised as
+    ``CheckpointStorageError`` naming the path; a missing file stays ``FileNotFoundError``.
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None):
         self.url = str(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        except Exception as exc:  # unknown protocol, missing backend package, bad options
+            raise CheckpointStorageError(f"{self.url}: {_describe(exc)}") from exc
         self.root = self.root.rstrip("/") or "/"
         self.local = isinstance(self.fs, LocalFileSystem)
+
+    @contextmanager
+    def io(self, name: str | None = None) -> Iterator[None]:
+        """Storage failures inside the block become ``CheckpointStorageError`` naming the path
+        (``FileNotFoundError`` and ``CheckpointError`` pass through: callers act on them)."""
+        try:
+            yield
+        except (FileNotFoundError, NotADirectoryError, CheckpointError):
+            raise
+        except Exception as exc:
+            if self.local and not isinstance(exc, OSError):
+                raise
+            where = self.path(name) if name else self.url
+            error = CheckpointStorageError(f"{where}: {_describe(exc)}")
+            error.errno = getattr(exc, "errno", None)  # e.g. ENOSPC, for callers that act on it
+            raise error from exc
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -51,13 +77,14 @@ class Store:
         """name -> size of every plain file directly in the directory ({} if it does not exist)."""
         if self.local:
             try:
-                with os.scandir(self.root) as it:
-                    return {e.name: e.stat().st_size for e in it if e.is_file(follow_symlinks=False)}
+                with self.io(), os.scandir(self.root) as it:
+                    return {e.name: size for e in it if (size := _size(e)) is not None}
             except (FileNotFoundError, NotADirectoryError):
                 return {}
-        self.fs.invalidate_cache(self.root)
         try:
-            entries = self.fs.ls(self.root, detail=True)
+            with self.io():
+                self.fs.invalidate_cache(self.root)
+                entries = self.fs.ls(self.root, detail=True)
         except (FileNotFoundError, NotADirectoryError):
             return {}
         return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
@@ -65,11 +92,12 @@ class Store:
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of a file (to its end when ``end`` is None)."""
-        if self.local:
-            with open(self.path(name), "rb") as f:
-                f.seek(start)
-                return f.read(-1 if end is None else end - start)
-        return self.fs.cat_file(self.path(name), start=start, end=end)
+        with self.io(name):
+            if self.local:
+                with open(self.path(name), "rb") as f:
+                    f.seek(start)
+                    return f.read(-1 if end is None else end - start)
+            return self.fs.cat_file(self.path(name), start=start, end=end)
 
     def prefetch(self, files: dict[str, int]) -> Prefetch | None:
         """Start reading local files (name -> size), in order, into the page cache for a reader
@@ -80,9 +108,11 @@ class Store:
 
     @contextmanager
     def reader(self, name: str) -> Iterator[RangeReader]:
-        handle = LocalReader(self.path(name)) if self.local else RemoteReader(self.fs, self.path(name))
+        with self.io(name):
+            handle = LocalReader(self.path(name)) if self.local else RemoteReader(self.fs, self.path(name))
         try:
-            yield handle
+            with self.io(name):
+                yield handle
         finally:
             handle.close()
 
@@ -94,10 +124,12 @@ class Store:
         On error the partial file is removed where possible; on a crash it is garbage that no
         manifest references.
         """
-        writer = LocalWriter(self.path(name)) if self.local else RemoteWriter(self.fs, self.path(name))
+        with self.io(name):
+            writer = LocalWriter(self.path(name)) if self.local else RemoteWriter(self.fs, self.path(name))
         try:
-            yield writer
-            writer.close(durable)  # may raise too
+            with self.io(name):
+                yield writer
+                writer.close(durable)  # may raise too
         except BaseException:
             writer.abort()
             raise
@@ -136,22 +168,72 @@ class Store:
         new one. Locally the directory is synced before the rename too, so the entries of every
         file written before (data files) are durable before the new file can name them."""
         if not self.local:
-            self.fs.pipe_file(self.path(name), data)  # an object PUT is atomic
+            with self.io(name):
+                self.fs.pipe_file(self.path(name), data)  # an object PUT is atomic
             return
         with self.create(temp_name) as w:
             w.write(data)
-        self.sync()
-        os.replace(self.path(temp_name), self.path(name))
-        self.sync()
+        try:
+            with self.io(name):
+                self.sync()
+                os.replace(self.path(temp_name), self.path(name))
+        except BaseException:
+            self.remove(temp_name)
+            raise
+        with self.io(name):
+            self.sync()
+
+    def create_exclusive(self, name: str, data: bytes) -> None:
+        """Create ``name`` holding ``data``, or raise ``FileExistsError`` if it exists. Atomic
+        locally (``O_EXCL``) and on object stores whose fsspec backend implements
+        ``pipe_file(mode="create")`` as a conditional write (s3fs: ``If-None-Match``); elsewhere
+        fsspec checks, then writes (docs/format.md: writer lock)."""
+        with self.io(name):
+            if not self.local:
+                self.fs.pipe_file(self.path(name), data, mode="create")
+                return
+            fd = os.open(self.path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def rename(self, name: str, new_name: str) -> None:
+        """Atomic locally (exactly one of two racing renames of one file succeeds); a copy and
+        delete elsewhere. ``FileNotFoundError`` if ``name`` is gone."""
+        with self.io(name):
+            if self.local:
+                os.rename(self.path(name), self.path(new_name))
+            else:
+                self.fs.mv(self.path(name), self.path(new_name))
 
     def remove(self, name: str) -> None:
         try:
-            if self.local:
-                os.unlink(self.path(name))
-            else:
-                self.fs.rm_file(self.path(name))
+            with self.io(name):
+                if self.local:
+                    os.unlink(self.path(name))
+                else:
+                    self.fs.rm_file(self.path(name))
         except FileNotFoundError:
             pass
+
+
+def _size(entry: os.DirEntry) -> int | None:
+    """A plain file's size; None for anything else, and for an entry deleted while listed (a
+    vanished file is not part of the listing -- it does not make the directory missing)."""
+    try:
+        return entry.stat().st_size if entry.is_file(follow_symlinks=False) else None
+    except FileNotFoundError:
+        return None
+
+
+def _describe(exc: BaseException) -> str:
+    """One line about a storage failure: the OS's words, or the backend's exception type and text."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _fsync_in_thread(path: str) -> Callable[[], None]:

@@ -146,6 +146,7 @@ def test_a_failed_write_surfaces_and_removes_the_file(tmp_path, native, monkeypa
             os.close(full)
             out.write_hashed(spans)
     assert failure.value.errno == 28  # ENOSPC
+    assert str(tmp_path / "f.bin") in str(failure.value)  # the message names the file
     assert not (tmp_path / "f.bin").exists()
 
 
