@@ -10,6 +10,7 @@ import pytest
 
 import gefen
 import gefen_ckpt
+from gefen_ckpt.format.manifest import encode
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -63,12 +64,13 @@ def piece(url, fqn="up.weight", field="m_code"):
 
 
 def rewrite_manifest(url, change):
+    """A deliberate edit (its checksum recomputed), to reach the checks behind the checksum."""
     path = os.path.join(url, "manifest.msgpack")
     with open(path, "rb") as f:
         m = msgpack.unpackb(f.read())
     change(m)
     with open(path, "wb") as f:
-        f.write(msgpack.packb(m))
+        f.write(encode(m))
 
 
 @pytest.fixture(params=["mapped", "fused", "python"])

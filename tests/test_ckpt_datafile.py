@@ -47,7 +47,7 @@ def test_stock_safetensors_loads_every_file(written):
         tensors = load_file(path)  # the stock validator: contiguous offsets, sizes, dtypes
         with safe_open(path, "pt") as sf:
             assert set(sf.keys()) == set(tensors)
-            assert sf.metadata() == {"format": "gefen-ckpt", "version": "1.0"}
+            assert sf.metadata() == {"format": "gefen-ckpt", "version": "1.1"}
         by_key.update({(f["name"], k): v for k, v in tensors.items()})
     for t, p in _pieces(manifest):
         stored = by_key[(manifest["files"][p["file"]]["name"], p["key"])]

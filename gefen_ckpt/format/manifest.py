@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import msgpack
 
-from gefen.contract import LIKE_PARAM, OptimizerContract, expected_field_shape
+from gefen.contract import LIKE_PARAM, SCHEMA_VERSION, OptimizerContract, expected_field_shape
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.datafile import ALIGNMENT
@@ -31,11 +31,25 @@ if TYPE_CHECKING:  # reading a manifest needs no torch
     from gefen_ckpt.storage import Store
 
 FORMAT_NAME = "gefen-ckpt"
-#: (major, minor). Readers accept any minor of their major and refuse other majors.
-FORMAT_VERSION = (1, 0)
+#: (major, minor). Readers accept any minor of their major and refuse other majors. 1.1 added
+#: the manifest's own checksum (``MANIFEST_CHECKSUM``); 1.0 manifests are still read.
+FORMAT_VERSION = (1, 1)
 MANIFEST_NAME = "manifest.msgpack"
 LAYOUTS = ("canonical", "sharded")
 MAX_MANIFEST_BYTES = 256 * 2**20
+#: The last key of a 1.1 manifest's top-level map: CRC-32 of every byte before its 4-byte value,
+#: which is always encoded as a msgpack uint32 (0xce), so the manifest ends with ``_TRAILER``
+#: and 4 bytes.
+MANIFEST_CHECKSUM = "manifest_checksum"
+_TRAILER = msgpack.packb(MANIFEST_CHECKSUM) + b"\xce"
+#: Decoding limits (docs/format.md, "Decoding limits"). Each container (map or array) of a real
+#: manifest takes at least ~27 bytes (a one-piece field: its map, shape, piece list, piece map
+#: and row pair in ~135 bytes); one per ``_BYTES_PER_CONTAINER`` is admitted, which keeps the
+#: decoded objects of any manifest within ``DECODE_MEMORY_FACTOR`` x its size (measured by
+#: tests/test_ckpt_limits.py on the worst shapes: tiny maps, short strings, nils).
+_BYTES_PER_CONTAINER = 16
+_MAX_LEN = 2**22  # elements of one array or map: params, files, pieces of one tensor
+DECODE_MEMORY_FACTOR = 32
 _MAX_INT = 2**62
 _MAX_NDIM = 16
 _MAX_DEPTH = 24
@@ -172,19 +186,47 @@ def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[
 
 
 def encode(manifest: dict) -> bytes:
-    return msgpack.packb(manifest, use_bin_type=True)
+    """msgpack, with the manifest's own checksum as the last key (any old one is replaced)."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
+    data = bytearray(msgpack.packb({**body, MANIFEST_CHECKSUM: 0xFFFFFFFF}, use_bin_type=True))
+    data[-4:] = checksum.update(0, memoryview(data)[:-4]).to_bytes(4, "big")
+    return bytes(data)
+
+
+def has_checksum(data: bytes) -> bool:
+    return data[-4 - len(_TRAILER):-4] == _TRAILER
 
 
 def decode(data: bytes) -> dict:
-    """msgpack -> dict; any malformation (bad bytes, non-str keys, ext types, depth) is a format error."""
+    """msgpack -> dict; any malformation (bad bytes, non-str keys, ext types, a wrong checksum,
+    sizes over the decoding limits) is a format error, raised before the objects it describes
+    exceed ``DECODE_MEMORY_FACTOR`` x its size."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointFormatError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
+    checked = has_checksum(data)
+    if checked and checksum.update(0, memoryview(data)[:-4]) != int.from_bytes(data[-4:], "big"):
+        raise CheckpointFormatError("manifest checksum mismatch: the manifest is corrupt")
+    budget = [1 + len(data) // _BYTES_PER_CONTAINER]
+
+    def count(container):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError(f"more than one map or array per {_BYTES_PER_CONTAINER} bytes (a real manifest "
+                             "has far fewer)")
+        return container
+
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext, object_hook=count,
+                              list_hook=count, max_str_len=_MAX_STR, max_bin_len=_MAX_STR, max_ext_len=0,
+                              max_array_len=_MAX_LEN, max_map_len=_MAX_LEN)
     except Exception as exc:  # msgpack raises many types (ValueError, StackError, ExtraData, ...)
-        raise CheckpointFormatError(f"manifest is not valid msgpack: {type(exc).__name__}: {exc}") from None
+        raise CheckpointFormatError(f"manifest is not valid msgpack: {type(exc).__name__}: {exc}"[:500]) from None
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"manifest is a msgpack {type(raw).__name__}, not a map")
+    version = raw.get("version")
+    if not checked and isinstance(version, list) and version[:1] == [FORMAT_VERSION[0]] and version[1:] != [0]:
+        raise CheckpointFormatError(f"manifest version {version} must end with its checksum "
+                                    f"({MANIFEST_CHECKSUM}), which is missing: the manifest is damaged")
     return raw
 
 
@@ -289,9 +331,40 @@ def check_version(raw: dict) -> None:
 def _contract(x) -> OptimizerContract:
     _free(_map(x, "contract"), "contract")
     try:
-        return OptimizerContract.from_dict(x)
+        contract = OptimizerContract.from_dict(x)
     except Exception as exc:  # a hostile contract can fail in many ways; all are format errors
         raise CheckpointFormatError(f"manifest contract: {exc}"[:500]) from None
+    if contract.schema_version > SCHEMA_VERSION:
+        _fail("contract.schema_version", f"canonical-state schema {contract.schema_version} is newer than this "
+                                         f"gefen_ckpt reads ({SCHEMA_VERSION}): upgrade gefen to load it")
+    return contract
+
+
+def missing_fields(leaf: OptimizerContract, present: Iterable[str]) -> list[str]:
+    """The required (non-optional) per-parameter fields of ``leaf`` absent from ``present``:
+    the one home of this rule for manifests (``validate``) and for live imports (``exchange``)."""
+    have = set(present)
+    return sorted(f.name for f in leaf.fields if not f.optional and f.name not in have)
+
+
+def _check_required(contract: OptimizerContract, raw: dict) -> None:
+    """Every parameter with state has each required field, and every optimizer (or child) with
+    parameter state has its required global fields (e.g. Gefen's codebook)."""
+    with_state: set[str | None] = set()
+    for fqn, e in raw["params"].items():
+        if not e["fields"]:
+            continue
+        child = e.get("child")
+        with_state.add(child)
+        missing = missing_fields(contract.child(child) if child else contract, e["fields"])
+        if missing:
+            _fail(f"params[{fqn!r}].fields"[:300], f"required field(s) {missing} are missing")
+    for child in with_state:
+        leaf = contract.child(child) if child else contract
+        for f in leaf.global_fields:
+            key = f"{child}/{f.name}" if child else f.name
+            if not f.optional and key not in raw["globals"]:
+                _fail("globals", f"required field {key!r} is missing (the optimizer has parameter state)")
 
 
 def _files(x) -> tuple[FileRecord, ...]:
@@ -489,6 +562,7 @@ def validate(raw: dict) -> Manifest:
                 _fail(f"{fpath()}.shape", f"{list(rec.shape)} is not a {spec.geometry} shape for {list(shape)}")
             tensors[(fqn, name)] = rec
 
+    _check_required(contract, raw)
     for i, found in spans.items():
         found.sort(key=lambda span: span[:2])
         for (_, end, a), (begin, _, b) in zip(found, found[1:]):
@@ -563,6 +637,21 @@ def listed_data_files(raw: dict, listing: dict[str, int]) -> dict[str, int]:
     names = {f.get("name") for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)
              } if isinstance(files, list) else set()
     return {name: listing[name] for name in sorted(names) if name in listing}
+
+
+def committed_files(store: Store) -> set[str] | None:
+    """The data files the committed manifest names (empty when there is none; None when it
+    cannot be decoded): what a new save may delete once it has replaced that manifest."""
+    try:
+        raw = decode(read_manifest_bytes(store))
+    except CheckpointIncompleteError:
+        return set()
+    except CheckpointFormatError:
+        return None
+    files = raw.get("files")
+    if not isinstance(files, list):
+        return None
+    return {f["name"] for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)}
 
 
 def open_checkpoint(store: Store) -> Manifest:

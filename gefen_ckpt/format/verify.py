@@ -24,6 +24,7 @@ from gefen_ckpt.format.manifest import (
     read_manifest_bytes,
     total_tensor_bytes,
 )
+from gefen_ckpt.format.writelock import LOCK_NAME
 from gefen_ckpt.progress import progress_bar
 from gefen_ckpt.storage import Prefetch, RangeReader, Store
 
@@ -61,6 +62,10 @@ def _header_problems(store: Store, name: str, size: int, pieces: list[tuple[Tens
     except ValueError as exc:
         return [f"{where}: not a valid safetensors file: {exc}"]
     out = []
+    for key, (_, _, begin, end) in header.items():
+        if key.startswith(datafile.PAD_PREFIX) and 0 <= begin <= end <= size and end - begin <= 2 * alignment:
+            if any(store.read(name, begin, end)):
+                out.append(f"{where}: padding {key!r} (bytes [{begin}, {end})) is not zero, as the format requires")
     for t, p in pieces:
         stored = [p.rows[1] - p.rows[0], *t.shape[1:]] if t.shape else []
         want = (safetensors_code(t.dtype), tuple(stored), p.offset, p.offset + p.nbytes)
@@ -137,16 +142,16 @@ def verify_checkpoint(store: Store, on_bytes: Callable[[int], None] | None = Non
     finally:
         if warming is not None:
             warming.stop()
-    referenced = {f.name for f in manifest.files} | {MANIFEST_NAME}
+    referenced = {f.name for f in manifest.files} | {MANIFEST_NAME, LOCK_NAME}
     for name in sorted(set(listing) - referenced):
         report.warnings.append(f"{store.path(name)}: not part of the checkpoint (left by an interrupted save?)")
     return report
 
 
-def verify(url: str, progress: bool = False) -> VerifyReport:
+def verify(url: str, progress: bool = False, *, storage_options: dict | None = None) -> VerifyReport:
     """Check every checksum, the coverage of every tensor and every data file's header; all
     problems go into the report (``ok`` False), none is raised. Torch-free."""
-    store = Store(url)
+    store = Store(url, storage_options)
     total = 0
     if progress:
         try:
