@@ -75,6 +75,7 @@ from gefen.contract import (
     expected_field_shape,
 )
 from gefen.distributed import as_field_dtensor
+from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
@@ -334,6 +335,7 @@ def _failed_ranks(failed: bool, group) -> list[int]:
         device = torch.device("cuda", torch.cuda.current_device())
     flags = torch.zeros(world, dtype=torch.int32, device=device)
     flags[dist.get_rank(group)] = int(failed)
+    collective.checkin("loading the optimizer state (DCP)", group)  # a stalled rank is named, not waited on
     dist.all_reduce(flags, group=group)
     return [i for i, f in enumerate(flags.tolist()) if f]
 

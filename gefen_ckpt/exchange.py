@@ -30,6 +30,7 @@ from gefen_ckpt import layout
 from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState
 from gefen_ckpt.collective import agree
 from gefen_ckpt.errors import CheckpointMismatchError
+from gefen_ckpt.format.manifest import missing_fields
 
 
 # ----- naming -------------------------------------------------------------------------------
@@ -189,6 +190,10 @@ def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
 
 
 def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: OptimizerContract) -> None:
+    missing = missing_fields(contract, entry.fields) if entry.fields else []
+    if missing:
+        raise CheckpointMismatchError(f"{fqn}: the checkpoint lacks {contract.implementation}'s required "
+                                      f"field(s) {missing}")
     if tuple(entry.shape) != tuple(param.shape):
         raise CheckpointMismatchError(
             f"{fqn}: checkpoint shape {tuple(entry.shape)} differs from the live parameter's {tuple(param.shape)}"
@@ -207,16 +212,16 @@ def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: Opt
             )
 
 
-def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: CanonicalState,
-                      names: dict[int, str]) -> dict:
-    """The state_dict ``opt`` would have saved on this rank, cut from the canonical state."""
+def _check_groups(opt, leaf: OptimizerContract, child: str | None, state: CanonicalState,
+                  names: dict[int, str]) -> None:
+    """Groups, members, hyperparameters, and every parameter's shape and fields: from the
+    checkpoint's description alone, so a mismatch is reported before any data is read."""
     saved_groups = [g for g in state.param_groups if g.get("child") == child]
     if len(saved_groups) != len(opt.param_groups):
         raise CheckpointMismatchError(
             f"checkpoint has {len(saved_groups)} param groups{f' for {child!r}' if child else ''}, "
             f"the optimizer has {len(opt.param_groups)}"
         )
-    sd_state, sd_groups, index = {}, [], 0
     for gi, (live, saved) in enumerate(zip(opt.param_groups, saved_groups)):
         fqns = group_fqns(live, names, leaf.implementation)
         if sorted(saved["params"]) != sorted(fqns):
@@ -224,6 +229,20 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
         missing = [h for h in leaf.hyperparameters if h not in saved]
         if missing:
             raise CheckpointMismatchError(f"param group {gi} of the checkpoint lacks hyperparameters {missing}")
+        for fqn, p in zip(fqns, live["params"]):
+            entry = state.params.get(fqn)
+            if entry is not None:
+                _check_param(fqn, entry, p, leaf)
+
+
+def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: CanonicalState,
+                      names: dict[int, str]) -> dict:
+    """The state_dict ``opt`` would have saved on this rank, cut from the canonical state
+    (after ``check_fits``)."""
+    saved_groups = [g for g in state.param_groups if g.get("child") == child]
+    sd_state, sd_groups, index = {}, [], 0
+    for live, saved in zip(opt.param_groups, saved_groups):
+        fqns = group_fqns(live, names, leaf.implementation)
         group = {k: v for k, v in live.items() if k != "params"}
         group.update({h: tuple(saved[h]) if isinstance(saved[h], list) else saved[h] for h in leaf.hyperparameters})
         group["params"] = list(range(index, index + len(fqns)))
@@ -231,7 +250,6 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
         for fqn, p in zip(fqns, live["params"]):
             entry = state.params.get(fqn)
             if entry is not None:
-                _check_param(fqn, entry, p, leaf)
                 start, stop = layout.local_rows(p, fqn)
                 sd_state[index] = {}
                 for name, src in entry.fields.items():
@@ -294,6 +312,16 @@ def stage_import(optimizer: torch.optim.Optimizer, state: CanonicalState,
 
 def local_state_dict(optimizer: torch.optim.Optimizer, state: CanonicalState, model=None) -> dict:
     """The optimizer's local state_dict cut from ``state``, after checking that they fit."""
+    check_fits(optimizer, state, model)
+    contract, names = contract_of(optimizer), names_from_model(model)
+    sds = {child: _local_state_dict(opt, leaf, child, state, names) for child, opt, leaf in leaves(optimizer, contract)}
+    return join_composite(sds) if contract.children else sds[None]
+
+
+def check_fits(optimizer: torch.optim.Optimizer, state: CanonicalState, model=None) -> None:
+    """Does ``state`` fit ``optimizer``? Contract, FQNs, groups, hyperparameters, every
+    parameter's shape and its fields' dtypes, shapes and required set -- all from the state's
+    description (a lazy state reads nothing), so a load refuses before reading any data."""
     contract = contract_of(optimizer)
     check_contract(contract, state.contract)
     names = names_from_model(model)
@@ -308,5 +336,5 @@ def local_state_dict(optimizer: torch.optim.Optimizer, state: CanonicalState, mo
     unowned = set(state.params) - set(state.fqns())
     if unowned:
         raise CheckpointMismatchError(f"checkpoint has state for parameters in no group: {sorted(unowned)[:5]}")
-    sds = {child: _local_state_dict(opt, leaf, child, state, names) for child, opt, leaf in leaves(optimizer, contract)}
-    return join_composite(sds) if contract.children else sds[None]
+    for child, opt, leaf in leaves(optimizer, contract):
+        _check_groups(opt, leaf, child, state, names)

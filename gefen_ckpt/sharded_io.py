@@ -3,8 +3,8 @@
 Save: each rank writes the rows it owns (one replica per row range) into its own data files,
 in parallel; the ranks agree that every write succeeded; rank 0 builds the manifest from
 every rank's piece records and commits it. Until that commit the previous checkpoint at the
-URL stays the committed one, so a failure anywhere leaves it intact (the orphaned data files
-are removed by the next successful save).
+URL stays the committed one, so a failure anywhere leaves it intact (and this save's data
+files are removed).
 
 Load: every rank opens the checkpoint lazily and reads only the pieces that overlap its rows
 (checksums verified), whatever layout or world size wrote it: that is the reshard.
@@ -15,13 +15,12 @@ from __future__ import annotations
 import msgpack
 import torch
 
-from gefen.contract import contract_of
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
 from gefen_ckpt.collective import agree, all_gather_bytes, broadcast_bytes
-from gefen_ckpt.exchange import check_contract, copies_on_load, export_canonical, import_canonical
+from gefen_ckpt.exchange import check_fits, copies_on_load, export_canonical, import_canonical
 from gefen_ckpt.format.manifest import FileRecord, PieceRecord, build, open_checkpoint
 from gefen_ckpt.format.reader import lazy_state
-from gefen_ckpt.format.writer import WriteItem, commit, data_stem, new_token, write_pieces
+from gefen_ckpt.format.writer import WriteItem, begin, commit, data_stem, discard, new_token, write_pieces
 from gefen_ckpt.storage import Store
 
 
@@ -46,41 +45,56 @@ def _records_payload(pieces: list[PieceRecord], files: list[FileRecord]) -> byte
 
 
 def save_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, max_file_bytes: int,
-                 memory_budget: int) -> None:
+                 memory_budget: int, storage_options: dict | None = None) -> None:
+    """Rank 0 holds the location's writer lock from before any rank writes until after the
+    commit; a refusal or failure anywhere raises on every rank and removes this save's files."""
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    state = export_canonical(optimizer, model=model)
-    state.metadata["source_topology"] = {"kind": "sharded", "world_size": world_size}
     token = broadcast_bytes(new_token().encode() if rank == 0 else None).decode()
-    store = Store(url)
-    error, pieces, files = None, [], []
+    store, lock, previous, error = None, None, None, None
     try:
-        store.makedirs()
-        pieces, files = write_pieces(store, data_stem(token, rank), _own_items(state),
-                                     max_file_bytes=max_file_bytes, memory_budget=memory_budget)
-    except Exception as exc:  # every rank learns of it in agree()
+        store = Store(url, storage_options)
+        if rank == 0:
+            lock, previous = begin(store, token)
+    except Exception as exc:
         error = exc
-    agree(error, f"save to {url}")
-
-    gathered = [msgpack.unpackb(b, raw=False) for b in all_gather_bytes(_records_payload(pieces, files))]
-    if rank == 0:
+    try:
+        agree(error, f"locking {url}")
+        state = export_canonical(optimizer, model=model)
+        state.metadata["source_topology"] = {"kind": "sharded", "world_size": world_size}
+        pieces, files = [], []
         try:
-            manifest = build(state, [PieceRecord.from_dict(p) for g in gathered for p in g["pieces"]],
-                             [FileRecord(n, b) for g in gathered for n, b in g["files"]],
-                             layout="sharded", world_size=world_size)
-            commit(store, manifest, token)
-        except Exception as exc:
+            pieces, files = write_pieces(store, data_stem(token, rank), _own_items(state),
+                                         max_file_bytes=max_file_bytes, memory_budget=memory_budget)
+        except Exception as exc:  # every rank learns of it in agree()
             error = exc
-    agree(error, f"committing {url}")
+        try:
+            agree(error, f"save to {url}")
+        except BaseException:
+            discard(store, token, rank)
+            raise
+        gathered = [msgpack.unpackb(b, raw=False) for b in all_gather_bytes(_records_payload(pieces, files))]
+        if rank == 0:
+            try:
+                manifest = build(state, [PieceRecord.from_dict(p) for g in gathered for p in g["pieces"]],
+                                 [FileRecord(n, b) for g in gathered for n, b in g["files"]],
+                                 layout="sharded", world_size=world_size)
+                commit(store, manifest, token, previous=previous)  # removes every rank's files if it fails
+            except Exception as exc:
+                error = exc
+        agree(error, f"committing {url}")
+    finally:
+        if lock is not None:
+            lock.release()
 
 
-def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model) -> None:
+def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_options: dict | None = None) -> None:
     error, state = None, None
     try:
-        store = Store(url)
+        store = Store(url, storage_options)
         state = lazy_state(store, open_checkpoint(store), map_files=copies_on_load(optimizer))
-        check_contract(contract_of(optimizer), state.contract)  # refuse before reading any data
+        check_fits(optimizer, state, model)  # refuse before reading any data
     except Exception as exc:
         error = exc
     agree(error, f"load from {url}")

@@ -99,7 +99,8 @@ def test_save_over_existing_replaces_and_collects_old_files(tmp_path):
     new = {f["name"] for f in gefen_ckpt.read_manifest(url)["files"]}
     assert not old & new
     on_disk = {p.name for p in (tmp_path / "ck").iterdir()}
-    assert on_disk == new | {"manifest.msgpack"}
+    assert on_disk == new | {"manifest.msgpack", ".gefen-ckpt.lock"}  # the writer lock file stays (empty)
+    assert (tmp_path / "ck" / ".gefen-ckpt.lock").stat().st_size == 0
     resumed, opt2 = fresh_like(model, "gefen_factored")
     gefen_ckpt.load(opt2, url, model=resumed)
     assert same(snapshot(opt, model), snapshot(opt2, resumed))
@@ -109,7 +110,7 @@ def test_manifest_records_what_inspect_needs(tmp_path):
     model, opt = trained("gefen_factored")
     gefen_ckpt.save(opt, str(tmp_path / "m"), model=model)
     m = gefen_ckpt.read_manifest(str(tmp_path / "m"))
-    assert m["format"] == "gefen-ckpt" and m["version"] == [1, 0] and m["layout"] == "canonical"
+    assert m["format"] == "gefen-ckpt" and m["version"] == [1, 1] and m["layout"] == "canonical"
     assert m["contract"]["implementation"] == "gefen.Gefen"
     assert m["topology"] == {"kind": "single"} and "time" in m["created"]
     assert m["param_groups"][0]["betas"] == [0.9, 0.999]

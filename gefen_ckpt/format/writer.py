@@ -34,9 +34,11 @@ from gefen_ckpt.format.manifest import (
     PieceRecord,
     build,
     check_files,
+    committed_files,
     encode,
     validate,
 )
+from gefen_ckpt.format.writelock import WriterLock, acquire
 from gefen_ckpt.storage import Store, Writer
 
 DATA_FILE = re.compile(r"data-[0-9a-f]+-r\d+-\d+\.safetensors")
@@ -262,30 +264,64 @@ def data_stem(token: str, rank: int) -> str:
 
 
 # ----- committing ---------------------------------------------------------------------------
-def commit(store: Store, manifest: dict, token: str, *, wait: Callable[[], object] | None = None) -> None:
-    """Publish ``manifest`` atomically (the commit point), then delete what it made garbage.
+def begin(store: Store, token: str) -> tuple[WriterLock, set[str] | None]:
+    """Start a save with ``token``: take the writer lock (``CheckpointLockedError`` if another
+    save holds it), remove the files of a save that held it and died, and return the lock and
+    the files the committed manifest names now (None if unreadable: then nothing is deleted)."""
+    lock = acquire(store, token)
+    try:
+        previous = committed_files(store)
+        if lock.dead_token and previous is not None:
+            drop(store, [n for n in store.listing() if n not in previous and _of_save(n, lock.dead_token)])
+    except BaseException:
+        lock.release()
+        raise
+    return lock, previous
+
+
+def _of_save(name: str, token: str) -> bool:
+    return name.startswith(f"data-{token}-") or name == f"{MANIFEST_NAME}.{token}.tmp"
+
+
+def commit(store: Store, manifest: dict, token: str, *, previous: set[str] | None,
+           wait: Callable[[], object] | None = None) -> None:
+    """Publish ``manifest`` atomically (the commit point), then delete the files of ``previous``
+    (what the manifest it replaced named) that it does not name: only what this commit made
+    unreferenced, never another save's files.
 
     The manifest is validated against the files first: a checkpoint a reader would refuse is
     never committed. ``wait`` (e.g. the data files' fsync running in the background) is
-    called after validation and before publishing.
+    called after validation and before publishing. If the commit fails, this save's data files
+    are removed -- unless the new manifest did become visible.
     """
-    parsed = validate(manifest)
-    data = encode(manifest)
-    if wait is not None:
-        wait()
-    check_files(parsed, store.listing(), store.url)
-    store.publish(MANIFEST_NAME, data, temp_name=f"{MANIFEST_NAME}.{token}.tmp")
-    collect_garbage(store, {f.name for f in parsed.files})
+    try:
+        parsed = validate(manifest)
+        data = encode(manifest)
+        if wait is not None:
+            wait()
+        check_files(parsed, store.listing(), store.url)
+        store.publish(MANIFEST_NAME, data, temp_name=f"{MANIFEST_NAME}.{token}.tmp")
+    except BaseException:
+        if not _visible(store, token):
+            discard(store, token)
+        raise
+    if previous is not None:
+        drop(store, sorted(previous - {f.name for f in parsed.files}))
 
 
-def collect_garbage(store: Store, keep: set[str]) -> list[str]:
-    """Delete data files and manifest temporaries that ``keep`` (the committed files) does not name:
-    the previous checkpoint's data and whatever an interrupted save left behind."""
-    removed = [name for name in store.listing()
-               if name not in keep and (DATA_FILE.fullmatch(name) or TEMP_MANIFEST.fullmatch(name))]
-    for name in removed:
-        store.remove(name)
-    return removed
+def _visible(store: Store, token: str) -> bool:
+    """Does the committed manifest name this save's files? (True when it cannot be told.)"""
+    try:
+        named = committed_files(store)
+    except Exception:
+        return True
+    return named is None or any(n.startswith(f"data-{token}-") for n in named)
+
+
+def drop(store: Store, names: Iterable[str]) -> None:
+    for name in names:
+        if DATA_FILE.fullmatch(name) or TEMP_MANIFEST.fullmatch(name):
+            store.remove(name)
 
 
 def write_state(state: CanonicalState, store: Store, *, world_size: int | None, max_file_bytes: int,
@@ -293,8 +329,15 @@ def write_state(state: CanonicalState, store: Store, *, world_size: int | None, 
     """Write and commit ``state``: canonical layout (``world_size`` None) or ``world_size`` shards."""
     if world_size is not None and (type(world_size) is not int or world_size < 1):
         raise ValueError(f"world_size must be a positive int or None, got {world_size!r}")
-    store.makedirs()
     token = new_token()
+    lock, previous = begin(store, token)
+    with lock:
+        return _write_locked(state, store, token, previous, world_size=world_size, max_file_bytes=max_file_bytes,
+                             memory_budget=memory_budget, on_bytes=on_bytes)
+
+
+def _write_locked(state: CanonicalState, store: Store, token: str, previous: set[str] | None, *,
+                  world_size: int | None, max_file_bytes: int, memory_budget: int, on_bytes: OnBytes | None) -> dict:
     records, files = [], []
     syncing: list[Callable[[], None]] = []  # each file's fsync starts as soon as it is written
     try:
@@ -311,7 +354,7 @@ def write_state(state: CanonicalState, store: Store, *, world_size: int | None, 
         discard(store, token)
         raise
     try:  # the fsyncs run while the manifest is validated and encoded
-        commit(store, manifest, token, wait=lambda: _settle(syncing))
+        commit(store, manifest, token, previous=previous, wait=lambda: _settle(syncing))
     finally:
         _settle(syncing, quiet=True)  # whatever commit did not wait for (it failed first)
     return manifest
@@ -329,8 +372,10 @@ def _settle(waits: list[Callable[[], None]], quiet: bool = False) -> None:
         raise error
 
 
-def discard(store: Store, token: str) -> None:
-    """Best-effort removal of the data files of a save that failed before its commit."""
-    for name in store.listing():
-        if name.startswith(f"data-{token}-"):
-            store.remove(name)
+def discard(store: Store, token: str, rank: int | None = None) -> None:
+    """Best-effort removal of the files of a save that failed before its commit (of one rank's)."""
+    prefix = data_stem(token, rank) if rank is not None else f"data-{token}-"
+    try:
+        drop(store, [n for n in store.listing() if n.startswith(prefix) or (rank is None and _of_save(n, token))])
+    except OSError:
+        pass  # the failure being reported matters more
