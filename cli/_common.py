@@ -48,20 +48,69 @@ def fail(message: str, code: int = EXIT_ERROR):
 
 @contextmanager
 def handled() -> Iterator[None]:
-    """Turn documented failures into one red line and exit code 2 (``GEFEN_CKPT_TRACEBACK=1``
-    re-raises them, for debugging)."""
+    """Inside a command: any failure becomes ``exit_on_error`` (one line, exit 2)."""
     try:
         yield
     except (typer.Exit, typer.Abort, click.ClickException):
         raise
     except Exception as exc:
-        from gefen_ckpt.errors import CheckpointError
+        exit_on_error(exc)
 
-        if not isinstance(exc, (CheckpointError, OSError, ImportError)) or os.environ.get("GEFEN_CKPT_TRACEBACK"):
-            raise
-        if isinstance(exc, FileNotFoundError) and exc.filename:
-            fail(f"{exc.filename}: no such file or directory")
-        fail(str(exc) or type(exc).__name__)
+
+def exit_on_error(exc: Exception, paths: list[str] | None = None):
+    """The CLI's one error policy (docs/cli.md): whatever went wrong -- a bad or unreadable
+    checkpoint, storage, a bug -- one red line on stderr and exit 2, never a traceback
+    (``GEFEN_CKPT_TRACEBACK=1`` re-raises, for debugging). The line names the path: the
+    command's path arguments (``paths``, else the current command's) prefix a message that
+    does not mention one. Exit 1 is reserved for problems ``verify`` found and ``diff``'s
+    differences, which the commands report themselves."""
+    if os.environ.get("GEFEN_CKPT_TRACEBACK"):
+        raise exc
+    from gefen_ckpt.errors import CheckpointError
+
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        message = f"{exc.filename}: no such file or directory"
+    elif isinstance(exc, (CheckpointError, OSError)):
+        message = str(exc) or type(exc).__name__
+    else:  # not a documented failure: say what it was, in one line
+        message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if paths is None:
+        ctx = click.get_current_context(silent=True)
+        paths = [v for k, v in (ctx.params.items() if ctx else ()) if k in PATH_PARAMS and isinstance(v, str)]
+    if paths and not any(p in message for p in paths):
+        message = f"{paths[0]}: {message}"
+    fail(message)
+
+
+#: The commands' parameters that name checkpoints (their values prefix error messages).
+PATH_PARAMS = ("path", "src", "a", "b", "dst")
+
+
+def parse_storage_options(items: list[str]) -> dict:
+    """``["endpoint_url=http://h:9000", "config_kwargs={...}"]`` -> options (JSON values where they parse)."""
+    import json
+
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--storage-option")
+        try:
+            options[key.strip()] = json.loads(value)
+        except ValueError:
+            options[key.strip()] = value
+    return options
+
+
+def set_storage_options(options: dict, args: list[str]) -> None:
+    """Apply ``options`` to the protocol of every URL among ``args`` for this process (fsspec's
+    per-protocol configuration): every way a command opens a URL then uses them."""
+    import fsspec.config
+
+    for arg in args:
+        protocol, sep, _ = arg.partition("://")
+        if sep and protocol not in ("file", "local"):
+            fsspec.config.conf.setdefault(protocol, {}).update(options)
 
 
 def progress(transfer: bool = True) -> Progress:

@@ -124,7 +124,10 @@ def period_of(shape: tuple[int, ...], fields: dict[str, Stored], contract: Optim
 
 
 def codebook_summary(key: str, source: Stored) -> dict:
-    values = source.read()
+    try:
+        values = source.read()
+    except ValueError as exc:  # a dtype without a numpy equivalent (float8): describe, do not summarise
+        return {"key": key, "size": _numel(source.shape), "dtype": source.dtype, "note": f"values not shown: {exc}"}
     out = {"key": key, "size": int(values.size), "dtype": source.dtype}
     if values.size:
         q = np.quantile(values, QUANTILES)
@@ -286,8 +289,9 @@ def render(summary: dict, console: Console) -> None:
     books = summary["codebook"]
     for cb in books if isinstance(books, list) else [books] if books else []:
         q = ", ".join(f"q{float(k) * 100:g}={v:.4g}" for k, v in cb.get("quantiles", {}).items())
-        console.print(f"[bold]{escape(cb['key'])}[/]: {cb['size']} codes ({cb['dtype']}), "
-                      f"min={cb.get('min', float('nan')):.4g} max={cb.get('max', float('nan')):.4g}; {q}")
+        values = (escape(cb["note"]) if "note" in cb else
+                  f"min={cb.get('min', float('nan')):.4g} max={cb.get('max', float('nan')):.4g}; {q}")
+        console.print(f"[bold]{escape(cb['key'])}[/]: {cb['size']} codes ({cb['dtype']}), {values}")
 
     t = summary["totals"]
     bpp = f"{t['bytes_per_param']:.3f}" if t["bytes_per_param"] is not None else "-"

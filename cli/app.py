@@ -12,12 +12,46 @@ import json
 from enum import Enum
 from typing import Annotated
 
+import click
 import typer
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from . import _common as common
 
+
+class _Commands(TyperGroup):
+    """The command group: any exception that escapes a command (outside its ``handled()``
+    block) goes through the same error policy, ``common.exit_on_error``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["gefen_ckpt.args"] = list(args)
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.Abort, click.ClickException):
+            raise
+        except Exception as exc:
+            common.exit_on_error(exc, self._paths(ctx))
+
+    def _paths(self, ctx: click.Context) -> list[str]:
+        """The failed command's checkpoint arguments (its command line parsed again, resiliently)."""
+        args = ctx.meta.get("gefen_ckpt.args", [])
+        at = next((i for i, a in enumerate(args) if a in self.commands), None)
+        if at is None:
+            return []
+        try:
+            params = self.commands[args[at]].make_context(args[at], args[at + 1:], parent=ctx,
+                                                          resilient_parsing=True).params
+        except Exception:
+            return []
+        return [params[k] for k in common.PATH_PARAMS if isinstance(params.get(k), str)]
+
+
 app = typer.Typer(
+    cls=_Commands,
     name="gefen-ckpt",
     help=(
         "Inspect, verify, compare and convert Gefen / torch optimizer checkpoints offline: no GPU, "
@@ -32,6 +66,22 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+@app.callback()
+def _storage(
+    ctx: typer.Context,
+    storage_option: Annotated[list[str] | None, typer.Option(
+        "--storage-option", "-S", metavar="KEY=VALUE",
+        help="Option for the storage of every URL on the command line (repeatable), e.g. "
+             "endpoint_url=http://minio:9000, key=..., secret=..., "
+             "'config_kwargs={\"connect_timeout\": 5, \"read_timeout\": 30, \"retries\": {\"max_attempts\": 2}}'. "
+             "VALUE is JSON if it parses as JSON, else a string.")] = None,
+):
+    """Options that apply to every command (they go before the command name)."""
+    if storage_option:
+        common.set_storage_options(common.parse_storage_options(storage_option),
+                                   ctx.meta.get("gefen_ckpt.args", []))
 
 
 PathArg = Annotated[str, typer.Argument(
