@@ -10,7 +10,6 @@ import pytest
 
 import gefen
 import gefen_ckpt
-from gefen_ckpt.format.manifest import encode
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -19,6 +18,7 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
 )
 from gefen_ckpt.format import checksum, reader
+from gefen_ckpt.format.manifest import encode
 
 from ckpt_util import Tiny, fresh_like, same, snapshot, train, trained
 

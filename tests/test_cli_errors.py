@@ -1,0 +1,114 @@
+"""The CLI's error policy (docs/cli.md): no traceback for any error, exit 2 for usage, I/O and
+format errors with one line naming the path, exit 1 only for problems ``verify`` found."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import gefen_ckpt
+from gefen import Gefen
+from gefen_ckpt.format import manifest as mf
+from gefen_cli import _inspect
+from gefen_cli.app import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    opt = Gefen(model.named_parameters(), lr=1e-2)
+    model(torch.ones(4, 16)).sum().backward()
+    opt.step()
+    path = tmp_path_factory.mktemp("cli-errors") / "ck"
+    gefen_ckpt.save(opt, str(path))
+    return path
+
+
+def _copy_with(saved, tmp_path, change):
+    import shutil
+
+    dst = tmp_path / "ck"
+    shutil.copytree(saved, dst)
+    path = dst / mf.MANIFEST_NAME
+    m = msgpack.unpackb(path.read_bytes())
+    change(m)
+    path.write_bytes(mf.encode(m))
+    return dst
+
+
+def _one_error_line(result, path) -> str:
+    text = result.output.strip()
+    assert "Traceback" not in text, text
+    lines = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and str(path) in lines[0], text
+    return lines[0]
+
+
+def test_an_unexpected_failure_is_one_line_exit_2_naming_the_path(saved, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(_inspect, "summarize", boom)  # inside the command's handled block
+    result = runner.invoke(app, ["inspect", str(saved)])
+    assert result.exit_code == 2 and "RuntimeError: boom" in _one_error_line(result, saved)
+    monkeypatch.undo()
+    monkeypatch.setattr(_inspect, "render", boom)  # outside it: the command group's handler
+    result = runner.invoke(app, ["inspect", str(saved)])
+    assert result.exit_code == 2 and "RuntimeError: boom" in _one_error_line(result, saved)
+
+
+def test_inspect_describes_a_float8_codebook(saved, tmp_path):
+    def float8(m):
+        m["contract"]["global_fields"][0]["dtype"] = "float8_e4m3fn"
+        book = m["globals"]["codebook"]
+        book["dtype"] = "float8_e4m3fn"
+        piece = book["pieces"][0]
+        piece["bytes"] //= 4
+        book["shape"] = [piece["bytes"]]
+        piece["rows"] = [0, piece["bytes"]]
+
+    path = _copy_with(saved, tmp_path, float8)
+    result = runner.invoke(app, ["inspect", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "values not shown" in result.output
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda m: m["contract"].__setitem__("schema_version", 99), "schema"),
+    (lambda m: m["globals"].pop("codebook"), "codebook"),
+    (lambda m: next(iter(m["params"].values()))["fields"].pop("m_code"), "m_code"),
+])
+def test_verify_exits_1_on_what_load_refuses(saved, tmp_path, change, words):
+    path = _copy_with(saved, tmp_path, change)
+    result = runner.invoke(app, ["verify", str(path)])
+    assert result.exit_code == 1 and words in result.output and "Traceback" not in result.output
+
+
+def test_an_unreachable_object_store_is_exit_2_with_one_line(tmp_path):
+    pytest.importorskip("s3fs")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = "s3://bucket/run/ck"
+    done = subprocess.run(
+        [sys.executable, "-m", "gefen_cli", "-S", f"endpoint_url=http://127.0.0.1:{port}", "-S", "key=k",
+         "-S", "secret=s", "-S", 'config_kwargs={"connect_timeout": 1, "retries": {"max_attempts": 1}}',
+         "inspect", url], capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and url.removeprefix("s3://") in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_usage_error_is_exit_2(saved):
+    assert runner.invoke(app, ["-S", "novalue", "inspect", str(saved)]).exit_code == 2
+    assert runner.invoke(app, ["inspect"]).exit_code == 2
