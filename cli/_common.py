@@ -57,13 +57,13 @@ def handled() -> Iterator[None]:
         exit_on_error(exc)
 
 
-def exit_on_error(exc: Exception, paths: list[str] | None = None):
+def exit_on_error(exc: Exception):
     """The CLI's one error policy (docs/cli.md): whatever went wrong -- a bad or unreadable
     checkpoint, storage, a bug -- one red line on stderr and exit 2, never a traceback
     (``GEFEN_CKPT_TRACEBACK=1`` re-raises, for debugging). The line names the path: the
-    command's path arguments (``paths``, else the current command's) prefix a message that
-    does not mention one. Exit 1 is reserved for problems ``verify`` found and ``diff``'s
-    differences, which the commands report themselves."""
+    command's first path argument (``command_paths``) prefixes a message that mentions none.
+    Exit 1 is reserved for problems ``verify`` found and ``diff``'s differences, which the
+    commands report themselves."""
     if os.environ.get("GEFEN_CKPT_TRACEBACK"):
         raise exc
     from gefen_ckpt.errors import CheckpointError
@@ -74,16 +74,15 @@ def exit_on_error(exc: Exception, paths: list[str] | None = None):
         message = str(exc) or type(exc).__name__
     else:  # not a documented failure: say what it was, in one line
         message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    if paths is None:
-        ctx = click.get_current_context(silent=True)
-        paths = [v for k, v in (ctx.params.items() if ctx else ()) if k in PATH_PARAMS and isinstance(v, str)]
-    if paths and not any(p in message for p in paths):
-        message = f"{paths[0]}: {message}"
+    if command_paths and not any(p in message for p in command_paths):
+        message = f"{command_paths[0]}: {message}"
     fail(message)
 
 
-#: The commands' parameters that name checkpoints (their values prefix error messages).
+#: The commands' parameters that name checkpoints, and their values in the running command
+#: (set by the command group before it runs a command).
 PATH_PARAMS = ("path", "src", "a", "b", "dst")
+command_paths: list[str] = []
 
 
 def parse_storage_options(items: list[str]) -> dict:

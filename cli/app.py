@@ -29,12 +29,13 @@ class _Commands(TyperGroup):
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context):
+        common.command_paths[:] = self._paths(ctx)
         try:
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, click.exceptions.Exit, click.Abort, click.ClickException):
             raise
         except Exception as exc:
-            common.exit_on_error(exc, self._paths(ctx))
+            common.exit_on_error(exc)
 
     def _paths(self, ctx: click.Context) -> list[str]:
         """The failed command's checkpoint arguments (its command line parsed again, resiliently)."""
