@@ -54,10 +54,10 @@ class Store:
     @contextmanager
     def io(self, name: str | None = None) -> Iterator[None]:
         """Storage failures inside the block become ``CheckpointStorageError`` naming the path
-        (``FileNotFoundError`` and ``CheckpointError`` pass through: callers act on them)."""
+        (``FileNotFoundError``, ``FileExistsError`` and ``CheckpointError`` pass through: callers act on them)."""
         try:
             yield
-        except (FileNotFoundError, NotADirectoryError, CheckpointError):
+        except (FileNotFoundError, FileExistsError, NotADirectoryError, CheckpointError):
             raise
         except Exception as exc:
             if self.local and not isinstance(exc, OSError):
