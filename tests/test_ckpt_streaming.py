@@ -93,8 +93,9 @@ def test_lazy_state_of_a_replaced_checkpoint_reports_missing_files(tmp_path):
 
 
 def test_odd_shapes_and_dtypes(tmp_path):
-    contract = OptimizerContract("test.Odd", "1", (), (
-        FieldSpec("a", "bfloat16", "param"), FieldSpec("b", "bool", "param"), FieldSpec("c", "int64", "scalar")))
+    contract = OptimizerContract("test.Odd", "1", (), (  # optional: each parameter has some of them
+        FieldSpec("a", "bfloat16", "param", optional=True), FieldSpec("b", "bool", "param", optional=True),
+        FieldSpec("c", "int64", "scalar", optional=True)))
     params = {
         "empty_rows": ParamState((0, 5), torch.float32, {"a": EagerSource(torch.zeros(0, 5, dtype=torch.bfloat16))}),
         "empty_cols": ParamState((4, 0), torch.float32, {"a": EagerSource(torch.zeros(4, 0, dtype=torch.bfloat16))}),
