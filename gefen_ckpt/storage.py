@@ -53,14 +53,16 @@ class Store:
 
     @contextmanager
     def io(self, name: str | None = None) -> Iterator[None]:
-        """Storage failures inside the block become ``CheckpointStorageError`` naming the path
-        (``FileNotFoundError``, ``FileExistsError`` and ``CheckpointError`` pass through: callers act on them)."""
+        """Storage failures inside the block -- an ``OSError``, or on other filesystems an
+        exception of the backend's own (botocore's, aiohttp's) -- become ``CheckpointStorageError``
+        naming the path. ``FileNotFoundError``, ``FileExistsError``, ``CheckpointError`` and
+        builtin exceptions of the caller's own code pass through."""
         try:
             yield
         except (FileNotFoundError, FileExistsError, NotADirectoryError, CheckpointError):
             raise
         except Exception as exc:
-            if self.local and not isinstance(exc, OSError):
+            if not isinstance(exc, OSError) and (self.local or type(exc).__module__ == "builtins"):
                 raise
             where = self.path(name) if name else self.url
             error = CheckpointStorageError(f"{where}: {_describe(exc)}")
@@ -198,15 +200,6 @@ class Store:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-
-    def rename(self, name: str, new_name: str) -> None:
-        """Atomic locally (exactly one of two racing renames of one file succeeds); a copy and
-        delete elsewhere. ``FileNotFoundError`` if ``name`` is gone."""
-        with self.io(name):
-            if self.local:
-                os.rename(self.path(name), self.path(new_name))
-            else:
-                self.fs.mv(self.path(name), self.path(new_name))
 
     def remove(self, name: str) -> None:
         try:
