@@ -8,7 +8,6 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -46,12 +45,19 @@ def fail(message: str, code: int = EXIT_ERROR):
     raise typer.Exit(code)
 
 
+#: typer's own exits and usage errors, which must pass through the error policy. click's base
+#: of usage errors is reached through typer (which vendors click from 0.29 on and re-exports it
+#: before): importing click itself would be an undeclared dependency.
+TYPER_EXITS = (typer.Exit, typer.Abort,
+               next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"))
+
+
 @contextmanager
 def handled() -> Iterator[None]:
     """Inside a command: any failure becomes ``exit_on_error`` (one line, exit 2)."""
     try:
         yield
-    except (typer.Exit, typer.Abort, click.ClickException):
+    except TYPER_EXITS:
         raise
     except Exception as exc:
         exit_on_error(exc)

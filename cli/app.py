@@ -12,7 +12,6 @@ import json
 from enum import Enum
 from typing import Annotated
 
-import click
 import typer
 from rich.markup import escape
 from typer.core import TyperGroup
@@ -24,20 +23,20 @@ class _Commands(TyperGroup):
     """The command group: any exception that escapes a command (outside its ``handled()``
     block) goes through the same error policy, ``common.exit_on_error``."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         ctx.meta["gefen_ckpt.args"] = list(args)
         return super().parse_args(ctx, args)
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: typer.Context):
         common.command_paths[:] = self._paths(ctx)
         try:
             return super().invoke(ctx)
-        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.Abort, click.ClickException):
+        except common.TYPER_EXITS:
             raise
         except Exception as exc:
             common.exit_on_error(exc)
 
-    def _paths(self, ctx: click.Context) -> list[str]:
+    def _paths(self, ctx: typer.Context) -> list[str]:
         """The failed command's checkpoint arguments (its command line parsed again, resiliently)."""
         args = ctx.meta.get("gefen_ckpt.args", [])
         at = next((i for i, a in enumerate(args) if a in self.commands), None)
