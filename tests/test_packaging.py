@@ -6,8 +6,9 @@ from __future__ import annotations
 import ast
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALLED = ("gefen", "gefen_ckpt", "cli")  # cli/ is installed as gefen_cli
