@@ -25,7 +25,13 @@ from gefen.geometry import (
     rows_and_row_numel,
     shape_period,
 )
-from gefen.validation import check_grad, check_not_adam_state, check_params, param_label
+from gefen.validation import (
+    check_grad,
+    check_not_adam_state,
+    check_params,
+    param_label,
+    plain_hyperparameters,
+)
 
 
 def _block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor:
@@ -109,13 +115,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.param_groups.append(group)
 
     def _grads(self) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
-        """(group, param, grad) for every parameter that has a gradient, after checking it."""
+        """(group, param, grad) for every parameter that has a gradient, after checking it; the
+        group's tensor hyperparameters read as numbers, the gradient negated under ``maximize``."""
         out = []
         for group in self.param_groups:
+            values = plain_hyperparameters(group)
             for i, p in enumerate(group["params"]):
                 if p.grad is not None:
                     check_grad(p.grad, param_label(group, i))
-                    out.append((group, p, p.grad))
+                    out.append((values, p, -p.grad if group.get("maximize") else p.grad))
         return out
 
     @property

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gefen.base import apply_load_pre_hooks, local_tensor
+from gefen.compile import eager_step
 from gefen.contract import (
     CONTRACT_KEY,
     LIKE_PARAM,
@@ -202,6 +203,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     def contract(self) -> OptimizerContract:
         return hybrid_contract({name: contract_of(child) for name, child in self.children.items()})
 
+    @eager_step
     def step(self, closure=None):
         loss = None
         if closure is not None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
+from gefen.compile import eager_step
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen.distributed import RowGather
 from gefen.functional import init_momentum_state, update_momentum_
@@ -143,6 +144,7 @@ class GefenMuon(CompressedOptimizer):
             state["v_row"] = torch.zeros(local.shape[0], dtype=torch.float32, device=local.device)
         return state
 
+    @eager_step
     @torch.no_grad()
     def step(self, closure=None):
         loss, work = self._begin_step(closure)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
+from gefen.compile import eager_step
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen.functional import Hyper, gefen_update_, init_state, is_factored, second_moment_partials
-from gefen.validation import check_betas, check_range
+from gefen.validation import check_adamw_options, check_betas, check_range
 
 __all__ = ["Gefen"]
 
@@ -36,13 +37,22 @@ class Gefen(CompressedOptimizer):
     identity in checkpoints) or param-group dicts (optionally with ``"param_names"``).
     ``codebook_size`` codes (uint8) are learned once from the first gradients, with a histogram
     of ``bins_per_code * codebook_size`` bins.
+
+    AdamW's keywords: ``lr`` and ``betas`` may be tensors; ``maximize`` ascends the objective;
+    ``foreach`` / ``fused`` are accepted as hints (one implementation serves all); ``amsgrad``,
+    ``capturable`` and ``differentiable`` are refused with the reason. ``step()`` is never traced
+    by ``torch.compile``: a compiled training step graph-breaks around it (docs/compile.md).
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, factored_v_2d: bool = True, codebook_size: int = 256,
-                 bins_per_code: int = 16):
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, factored_v_2d: bool = True, codebook_size: int = 256,
+                 bins_per_code: int = 16, *, maximize: bool = False, foreach: bool | None = None,
+                 fused: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 amsgrad: bool = False):
+        check_adamw_options(foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable,
+                            amsgrad=amsgrad)
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
-                        weight_decay=weight_decay, factored_v_2d=factored_v_2d)
+                        weight_decay=weight_decay, factored_v_2d=factored_v_2d, maximize=maximize)
         self._check_group(defaults)
         super().__init__(params, defaults, codebook_size=codebook_size, bins_per_code=bins_per_code)
 
@@ -54,8 +64,9 @@ class Gefen(CompressedOptimizer):
         check_betas(group["betas"])
         check_range("eps", group["eps"], 0.0)
         check_range("weight_decay", group["weight_decay"], 0.0)
-        if not isinstance(group["factored_v_2d"], bool):
-            raise TypeError(f"factored_v_2d must be a bool, got {group['factored_v_2d']!r}")
+        for flag in ("factored_v_2d", "maximize"):
+            if not isinstance(group.get(flag, False), bool):
+                raise TypeError(f"{flag} must be a bool, got {group[flag]!r}")
 
     def _state_fields(self, group: dict, shape: tuple[int, ...]) -> tuple[str, ...]:
         second = ("v_row", "v_col") if is_factored(shape, group["factored_v_2d"]) else ("v",)
@@ -65,6 +76,7 @@ class Gefen(CompressedOptimizer):
         shape = global_shape(param)
         return init_state(local_tensor(param), shape, period, is_factored(shape, group["factored_v_2d"]))
 
+    @eager_step
     @torch.no_grad()
     def step(self, closure=None):
         loss, work = self._begin_step(closure)

@@ -8,8 +8,27 @@ from collections.abc import Iterable
 import torch
 
 
+def number(value):
+    """A one-element real tensor as a Python float (torch's optimizers take ``lr`` and ``betas``
+    as tensors, e.g. for LR schedules kept on device); anything else unchanged."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return float(value.detach())
+    return value
+
+
+def plain_hyperparameters(group: dict) -> dict:
+    """``group`` with tensor hyperparameters read as floats (the step's numbers), the same
+    ``params``. Read once per step, so a scheduler that ``fill_``s a tensor ``lr`` is seen."""
+    return {k: v if k in ("params", "param_names") else
+            (tuple(number(x) for x in v) if isinstance(v, tuple) else number(v)) for k, v in group.items()}
+
+
 def check_range(name: str, value, low: float, high: float = math.inf, *, high_open: bool = False) -> None:
-    """Raise ValueError unless ``value`` is a finite number in ``[low, high]`` (or ``[low, high)``)."""
+    """Raise ValueError unless ``value`` is a finite number (or one-element real tensor) in
+    ``[low, high]`` (or ``[low, high)``)."""
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise ValueError(f"{name} must be a number or a one-element tensor, got a tensor of shape {tuple(value.shape)}")
+    value = number(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if value < low or value > high or (high_open and value == high):
@@ -21,6 +40,24 @@ def check_betas(betas) -> None:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
         check_range(f"betas[{i}]", b, 0.0, 1.0, high_open=True)
+
+
+def check_adamw_options(*, foreach, fused, capturable: bool, differentiable: bool, amsgrad: bool) -> None:
+    """torch.optim.AdamW's implementation switches, so Gefen is a drop-in: ``foreach`` / ``fused``
+    are hints (one implementation serves both: the fused C step on CPU, the eager step elsewhere);
+    options whose meaning does not carry over are refused when asked for, with the reason."""
+    for name, value in (("foreach", foreach), ("fused", fused)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool or None, got {value!r}")
+    refused = {
+        "amsgrad": "the max of past second moments would need an uncompressed fp32 copy of v (4 bytes/param)",
+        "capturable": "the step reads hyperparameters and picks kernels on the host, so it cannot be captured "
+                      "in a CUDA graph",
+        "differentiable": "the compressed state is re-quantised every step, which has no gradient",
+    }
+    for name, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
+        if value:
+            raise ValueError(f"{name}=True is not supported by Gefen: {refused[name]}")
 
 
 def param_label(group: dict, index: int) -> str:
