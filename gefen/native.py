@@ -9,7 +9,9 @@ disabled), and the caller then runs the eager reference.  Nothing is modified in
 The C code reproduces the rounding order of the eager torch ops, including ATen's cascade
 summation, whose vector width depends on torch's CPU capability.  At first use the two paths are
 run side by side on a few small problems (``calibrate``); on any mismatch the native path stays off
-and a warning says so.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``native.enabled = False``
+and a warning says so.  The result is cached per library build, CPU and torch in the user's cache
+directory (``calibrate_cached``; ``$GEFEN_CACHE_DIR`` overrides it), so a fresh process does not
+pay the calibration again.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``native.enabled = False``
 forces the eager path; both paths compute the same numbers, so this only changes speed.
 
 ``block_histogram`` is the first step's one-time pass (``gefen/csrc/first_step.c``): the same
@@ -19,9 +21,13 @@ histogram counts as ``gefen.codebook``.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.util
+import json
 import math
 import os
+import platform
+import tempfile
 import warnings
 
 import torch
@@ -36,6 +42,7 @@ __all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_mom
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 
 _ABI = 11
+_lib_path: str | None = None
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _P = ctypes.c_void_p
 
@@ -61,6 +68,7 @@ class _StepArgs(ctypes.Structure):
 
 def _load():
     """The C library, or None (plain source tree, failed build, foreign ABI)."""
+    global _lib_path
     try:
         spec = importlib.util.find_spec("gefen._gefen_step")
     except ImportError:
@@ -69,6 +77,7 @@ def _load():
         return None
     try:
         lib = ctypes.CDLL(spec.origin)
+        _lib_path = spec.origin
         if lib.gefen_native_abi() != _ABI:
             return None
     except (OSError, AttributeError):
@@ -109,6 +118,7 @@ def _torch_vml_sqrt() -> tuple[int, int | None] | None:
 
 _lib = _load()
 _width: int | None = None  # torch's Vectorized<float>::size() as found by calibrate(); 0 = failed
+_sqrt_is_vml = False  # whether calibrate() settled on MKL's square root
 _scale_mode = 0  # how gefen.quant signs the scale of an all-zero block (see _probe_scale_mode)
 _quant_cache: dict = {}
 
@@ -122,7 +132,7 @@ def _vector_width() -> int:
     global _width
     if _width is None:
         _width = 0
-        _width = calibrate()
+        _width = calibrate_cached()
     return _width
 
 
@@ -390,7 +400,7 @@ def _probe_scale_mode() -> int:
 def calibrate() -> int:
     """torch's float vector width that makes the C step reproduce the eager step bit for bit on
     ``_problems()`` with the current thread count, or 0 (native path off) when none does."""
-    global _scale_mode
+    global _scale_mode, _sqrt_is_vml
     if _lib is None:
         return 0
     _scale_mode = _probe_scale_mode()
@@ -403,8 +413,103 @@ def calibrate() -> int:
             _lib.gefen_set_sqrt(*sqrt_fns)
             for W in widths:
                 if all(_matches(case, ref, W) for case, ref in zip(_problems(), reference)):
+                    _sqrt_is_vml = sqrt_fns is vml
                     return W
-    warnings.warn("gefen._gefen_step does not reproduce torch's eager Gefen step on this machine "
-                  f"(torch {torch.__version__}, CPU capability {capability}); using the eager step",
-                  RuntimeWarning, stacklevel=2)
+    _lib.gefen_set_sqrt(None, None)
+    _warn_mismatch()
     return 0
+
+
+def _warn_mismatch() -> None:
+    warnings.warn("gefen._gefen_step does not reproduce torch's eager Gefen step on this machine "
+                  f"(torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}); "
+                  "using the eager step", RuntimeWarning, stacklevel=3)
+
+
+# ----- the calibration cache: a fresh process skips the 13 problems (docs/decisions.md) --------
+def cache_dir() -> str:
+    """``$GEFEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/gefen``, else ``~/.cache/gefen``."""
+    explicit = os.environ.get("GEFEN_CACHE_DIR")
+    if explicit:
+        return explicit
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "gefen")
+
+
+def _cpu_identity() -> str:
+    """The CPU model and its feature flags (what decides torch's kernels and ours)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            lines = [line for line in fh.read().split("\n\n")[0].splitlines()
+                     if line.split(":")[0].strip() in ("vendor_id", "model name", "flags", "Features", "CPU part")]
+        if lines:
+            return "\n".join(lines)
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def cache_key() -> str:
+    """What a calibration result depends on: our library's bytes (the build), the CPU, torch's
+    version and CPU capability (its kernels) and the MKL square root it exports."""
+    digest = hashlib.sha256()
+    with open(_lib_path, "rb") as fh:
+        digest.update(fh.read())
+    for part in (str(_ABI), torch.__version__, torch.backends.cpu.get_cpu_capability(), _cpu_identity(),
+                 str(_torch_vml_sqrt() is not None)):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:32]
+
+
+def _cache_file() -> str:
+    return os.path.join(cache_dir(), f"native-calibration-{cache_key()}.json")
+
+
+def _apply(entry: dict) -> int | None:
+    """Restore a cached calibration (width, square root, zero-scale sign); None if it cannot apply."""
+    global _scale_mode, _sqrt_is_vml
+    width, use_vml, mode = entry.get("width"), entry.get("vml"), entry.get("scale_mode")
+    vml = _torch_vml_sqrt()
+    if width not in (0, 8, 16) or not isinstance(use_vml, bool) or mode not in (0, 1) or (use_vml and not vml):
+        return None
+    _scale_mode, _sqrt_is_vml = mode, use_vml
+    _lib.gefen_set_sqrt(*(vml if use_vml else (None, None)))
+    if width == 0:
+        _warn_mismatch()
+    return width
+
+
+def calibrate_cached() -> int:
+    """``calibrate()``, or its result from an earlier process with the same library build, CPU and
+    torch. The file is written atomically (concurrent processes each write a whole file, the last
+    rename wins); an unreadable or unwritable cache only costs the calibration."""
+    if _lib is None:
+        return 0
+    try:
+        path = _cache_file()
+    except OSError:  # the library file vanished: calibrate, cache nothing
+        path = None
+    try:
+        with open(path) as fh:
+            entry = json.load(fh)
+        width = _apply(entry) if isinstance(entry, dict) else None
+        if width is not None:
+            return width
+    except (OSError, ValueError, TypeError):
+        pass
+    width = calibrate()
+    if path is not None:
+        entry = {"width": width, "vml": bool(width) and _sqrt_is_vml, "scale_mode": _scale_mode,
+                 "torch": torch.__version__}
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".calibration-", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump(entry, fh)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError:
+            pass
+    return width

@@ -1,0 +1,115 @@
+"""The native step's calibration cache (gefen.native.calibrate_cached): a fresh process reuses the
+result of an earlier one with the same library build, CPU and torch, and gets the same numbers;
+a missing, corrupt or unwritable cache only costs the calibration."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import gefen.native as native
+
+pytestmark = pytest.mark.skipif(native._lib is None, reason="gefen._gefen_step is not built")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty cache directory and an uncalibrated module (restored afterwards)."""
+    saved = (native._width, native._scale_mode, native._sqrt_is_vml)
+    monkeypatch.setenv("GEFEN_CACHE_DIR", str(tmp_path / "cache"))
+    native._width = None
+    yield tmp_path / "cache"
+    native._width, native._scale_mode, native._sqrt_is_vml = saved
+    native.calibrate_cached()  # restore the square root the kernel uses (from the cache just written)
+
+
+def _files(cache):
+    return sorted(os.listdir(cache)) if cache.exists() else []
+
+
+def test_first_use_calibrates_and_caches(fresh):
+    width = native._vector_width()
+    assert width > 0
+    (name,) = _files(fresh)
+    assert name == f"native-calibration-{native.cache_key()}.json"
+    entry = json.loads((fresh / name).read_text())
+    assert entry["width"] == width and entry["scale_mode"] == native._scale_mode
+
+
+def test_a_cached_result_skips_calibration(fresh, monkeypatch):
+    width = native._vector_width()
+    native._width = None
+    monkeypatch.setattr(native, "calibrate", lambda: pytest.fail("calibrated although the cache holds the result"))
+    assert native._vector_width() == width
+
+
+@pytest.mark.parametrize("content", ["not json", "[]", '{"width": 12, "vml": false, "scale_mode": 0}', ""])
+def test_a_corrupt_entry_is_recalibrated_and_replaced(fresh, content):
+    fresh.mkdir()
+    path = fresh / f"native-calibration-{native.cache_key()}.json"
+    path.write_text(content)
+    assert native._vector_width() > 0
+    assert json.loads(path.read_text())["width"] == native._width
+
+
+def test_an_unwritable_cache_falls_back_to_calibrating(fresh, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GEFEN_CACHE_DIR", str(blocker / "cache"))  # a directory can never be made there
+    assert native._vector_width() > 0
+
+
+def test_the_key_follows_the_library_build(monkeypatch, tmp_path):
+    before = native.cache_key()
+    other = tmp_path / "lib.so"
+    shutil.copyfile(native._lib_path, other)
+    with open(other, "ab") as fh:
+        fh.write(b"\0")  # another build
+    monkeypatch.setattr(native, "_lib_path", str(other))
+    assert native.cache_key() != before
+
+
+def test_the_key_follows_the_cpu(monkeypatch):
+    before = native.cache_key()
+    monkeypatch.setattr(native, "_cpu_identity", lambda: "another CPU")
+    assert native.cache_key() != before
+
+
+_PROBE = """
+import json, sys, torch
+import gefen.native as native
+from gefen import Gefen
+torch.manual_seed(0)
+m = torch.nn.Linear(64, 48)
+opt = Gefen(m.named_parameters(), lr=1e-2, weight_decay=0.1)
+for _ in range(3):
+    m(torch.randn(16, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+print(json.dumps({"width": native._width, "native": native.available(),
+                  "sum": [float(p.double().sum()) for p in m.parameters()]}))
+"""
+
+
+def _probe(cache, n: int = 1) -> list[dict]:
+    env = dict(os.environ, GEFEN_CACHE_DIR=str(cache))
+    procs = [subprocess.Popen([sys.executable, "-c", _PROBE], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(n)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+
+@pytest.mark.timeout(300)
+def test_concurrent_fresh_processes_share_one_cache_and_the_same_numbers(tmp_path):
+    cache = tmp_path / "cache"
+    first = _probe(cache, n=3)  # all start with an empty cache: each calibrates and writes
+    assert _files(cache) == [f"native-calibration-{native.cache_key()}.json"]  # one entry, no temp files left
+    (again,) = _probe(cache)  # reads the cache
+    for result in first + [again]:
+        assert result["native"] and result == first[0]
