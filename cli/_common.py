@@ -169,6 +169,26 @@ def detect_format(url: str) -> str:
     raise CheckpointFormatError(f"{url}: not a checkpoint (neither a gefen_ckpt directory nor a torch.save file)")
 
 
+def check_destination(url: str, overwrite: bool) -> None:
+    """Refuse to write over an existing file or non-empty directory unless ``--overwrite``: a
+    typo in DST must not replace a checkpoint (an empty directory is fine)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    if overwrite or not fs.exists(path) or (fs.isdir(path) and not fs.ls(path, detail=False)):
+        return
+    what = "a non-empty directory" if fs.isdir(path) else "a file"
+    fail(f"{url} exists and is {what}: pass --overwrite to replace it")
+
+
+def allow_bucket_creation(create_bucket: bool) -> None:
+    """``--create-bucket``: let this process's saves create a missing bucket (gefen_ckpt.storage)."""
+    if create_bucket:
+        from gefen_ckpt.storage import CREATE_BUCKET_ENV
+
+        os.environ[CREATE_BUCKET_ENV] = "1"
+
+
 def api():
     """The portable-format API of gefen_ckpt (imported lazily: --help must stay fast)."""
     import gefen_ckpt

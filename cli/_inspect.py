@@ -195,7 +195,7 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
         "format": manifest.get("format", fmt) if fmt != "torch" else "torch",
         "format_version": _version(manifest.get("version")),
         "layout": manifest.get("layout", "torch state_dict" if fmt == "torch" else None),
-        "world_size": manifest.get("world_size"),
+        **_ranks(manifest.get("world_size"), state.metadata.get("source_topology")),
         "optimizer": {"implementation": contract.implementation, "version": contract.version,
                       "schema_version": contract.schema_version,
                       "children": [[n, c.implementation] for n, c in contract.children]},
@@ -217,6 +217,16 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
             "file_bytes": sum(files.values()) if files is not None else None,
         },
     }
+
+
+def _ranks(shards: int | None, topology: dict | None) -> dict:
+    """One account of the ranks: ``shards`` (data split, from the layout), ``world_size`` and
+    ``mesh`` (replicate x shard) of the topology written for; an HSDP mesh RxS has R*S ranks
+    and S shards, a plain sharded layout as many ranks as shards."""
+    topology = topology or {}
+    mesh = topology.get("mesh")
+    world = topology.get("world_size") or (mesh[0] * mesh[1] if mesh else shards)
+    return {"shards": shards, "world_size": world, "mesh": list(mesh) if mesh else None}
 
 
 # ----- rendering ----------------------------------------------------------------------------
@@ -252,13 +262,19 @@ def render(summary: dict, console: Console) -> None:
     layout = summary.get("layout")
     head.add_row("format", f"{summary['format']}" + (f" {version}" if version is not None else "")
                  + (f", {layout} layout" if layout else "")
-                 + (f", world size {summary['world_size']}" if summary.get("world_size") else ""))
+                 + (f", {summary['shards']} shard{'s' if summary['shards'] != 1 else ''}"
+                    if summary.get("shards") and layout == "sharded" else ""))
+    if summary.get("world_size"):
+        mesh = summary.get("mesh")
+        head.add_row("ranks", f"world size {summary['world_size']}"
+                     + (f", mesh {mesh[0]}x{mesh[1]} (replicate x shard)" if mesh else ""))
     head.add_row("optimizer", escape(
         f"{opt['implementation']} (version {opt['version']}, schema {opt['schema_version']})"
         + (f"; children: {', '.join(f'{n}={i}' for n, i in opt['children'])}" if opt["children"] else "")))
     head.add_row("step", _fmt(summary["step"]) if summary["step"] is not None else "-")
-    if summary.get("topology"):
-        head.add_row("topology", escape(", ".join(f"{k}={_fmt(v)}" for k, v in summary["topology"].items())))
+    topology = {k: v for k, v in (summary.get("topology") or {}).items() if k not in ("world_size", "mesh")}
+    if topology:  # world size and mesh are on the "ranks" line
+        head.add_row("topology", escape(", ".join(f"{k}={_fmt(v)}" for k, v in topology.items())))
     created = summary.get("created")
     if created:
         head.add_row("created", escape(", ".join(f"{k}={v}" for k, v in created.items()) if isinstance(created, dict)

@@ -108,6 +108,19 @@ class Target(str, Enum):
     dcp = "dcp"
 
 
+class ShardedTarget(str, Enum):
+    """reshard's outputs: layouts that hold shards (a torch.save file is one process's dict)."""
+
+    portable = "portable"
+    dcp = "dcp"
+
+
+Overwrite = Annotated[bool, typer.Option(
+    "--overwrite", help="Replace DST if it exists and is not empty (default: refuse).")]
+CreateBucket = Annotated[bool, typer.Option(
+    "--create-bucket", help="Create DST's bucket on an object store if it does not exist (default: error).")]
+
+
 def _echo_json(data) -> None:
     typer.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
 
@@ -329,6 +342,8 @@ def convert(
         "--memory-budget", help="Extra memory while writing (portable), e.g. 256MiB.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print what was written (and the conversion's errors) "
                                                          "as JSON.")] = False,
+    overwrite: Overwrite = False,
+    create_bucket: CreateBucket = False,
 ):
     """Convert between formats (portable, torch, DCP) and, with --into, between optimizers.
 
@@ -351,6 +366,8 @@ def convert(
     with common.handled():
         if src.rstrip("/") == dst.rstrip("/"):
             raise typer.BadParameter("SRC and DST are the same location")
+        common.check_destination(dst, overwrite)
+        common.allow_bucket_creation(create_bucket)
         fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from)
         target = to.value if to is not None else fmt
         if into is not None:
@@ -400,14 +417,17 @@ def reshard(
         "--memory-budget", help="Extra memory while resharding, e.g. 256MiB (default).")] = None,
     max_file_bytes: Annotated[str | None, typer.Option(
         "--max-file-bytes", help="Largest data file, e.g. 2GiB (default).")] = None,
-    to: Annotated[Target, typer.Option(
-        "--to", help="Output format: portable (our sharded layout) or dcp (GefenDCPState's layout).")] = Target.portable,
+    to: Annotated[ShardedTarget, typer.Option(
+        "--to", help="Output format: portable (our sharded layout) or dcp (GefenDCPState's layout); "
+                     "for a torch.save file use `convert`.")] = ShardedTarget.portable,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the plan (bytes each target rank will read) and write nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     optimizer: OptimizerOpt = None,
     param_names: ParamNamesOpt = None,
     names_from: NamesFromOpt = None,
+    overwrite: Overwrite = False,
+    create_bucket: CreateBucket = False,
 ):
     """Rewrite a checkpoint for another world size or mesh, offline and streaming.
 
@@ -439,12 +459,13 @@ def reshard(
             raise typer.BadParameter("give --world-size or --mesh")
         if src.rstrip("/") == dst.rstrip("/"):
             raise typer.BadParameter("SRC and DST are the same location")
+        if not dry_run:
+            common.check_destination(dst, overwrite)
+            common.allow_bucket_creation(create_bucket)
         fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from)
         ranks = plan(state, target.shard)
         if dry_run or as_json:
             _print_plan(src, dst, target, ranks, state.total_bytes(), as_json)
-        if to is Target.torch:
-            raise typer.BadParameter("--to torch is a single-process format: use `convert`")
         if not dry_run:
             common.write_state(retarget(state, target), dst, to.value, sizes, world_size=target.shard)
             if not as_json:

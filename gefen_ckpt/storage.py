@@ -73,6 +73,7 @@ class Store:
         return f"{self.root}/{name}"
 
     def makedirs(self) -> None:
+        require_bucket(self.fs, self.root)
         self.fs.makedirs(self.root, exist_ok=True)
 
     def listing(self) -> dict[str, int]:
@@ -529,3 +530,23 @@ class RemoteWriter(Writer):
             self.fs.rm_file(self.path)
         except OSError:
             pass
+
+
+#: Opt-in to creating a missing bucket (``gefen-ckpt convert/reshard --create-bucket`` sets it).
+CREATE_BUCKET_ENV = "GEFEN_CKPT_CREATE_BUCKET"
+
+
+def require_bucket(fs, root: str) -> None:
+    """On an object store (a filesystem that splits paths into bucket and key), refuse to save
+    into a bucket that does not exist: ``makedirs`` would silently create it, with the account's
+    default region and policy, when the usual cause is a typo. ``$GEFEN_CKPT_CREATE_BUCKET=1``
+    opts in to creating it."""
+    split = getattr(fs, "split_path", None)
+    if split is None or os.environ.get(CREATE_BUCKET_ENV, "").strip() not in ("", "0"):
+        return
+    bucket = split(root)[0]
+    if bucket and not fs.exists(bucket):
+        from gefen_ckpt.errors import CheckpointError
+
+        raise CheckpointError(f"bucket {bucket!r} does not exist ({root}): create it first, or set "
+                              f"{CREATE_BUCKET_ENV}=1 (gefen-ckpt: --create-bucket) to let the save create it")
