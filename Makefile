@@ -1,4 +1,5 @@
 # Quick start: `make demo` and `make test`. Both create/update .venv as needed.
+# `make demo KEEP=1` keeps the demo's working directory (its path is printed first).
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -10,6 +11,7 @@ export OMP_NUM_THREADS ?= 2
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt Makefile setup.py $(wildcard gefen/csrc/*.[ch] gefen_ckpt/csrc/*.c)
+	@echo "installing into $(VENV): torch (CPU) and gefen with its test/bench extras; a few minutes the first time"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0"
@@ -17,8 +19,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile setup.py $(wildcard gefen/csrc
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/compare_adamw.py
-	$(BIN)/python examples/train_reshard_resume.py
+	$(BIN)/python examples/demo.py $(if $(KEEP),--keep)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -1,6 +1,6 @@
 """Train a small model with Gefen next to AdamW on CPU; print both losses and state sizes.
 
-The first half of `make demo` (the second is train_reshard_resume.py).
+The first half of `make demo` (examples/demo.py; the second is train_reshard_resume.py). Writes nothing.
 """
 
 from __future__ import annotations
@@ -38,12 +38,15 @@ def train(optimizer_cls, lr: float, steps: int = 300, **kwargs) -> tuple[float, 
     x, y = make_task()
     model = make_model()
     opt = optimizer_cls(model.named_parameters() if optimizer_cls is Gefen else model.parameters(), lr=lr, **kwargs)
+    print(f"  {optimizer_cls.__name__:<6} training {steps} steps ...", flush=True)
     for step in range(steps):
         idx = torch.randint(0, len(x), (128,), generator=torch.Generator().manual_seed(step))
         loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if (step + 1) % 50 == 0:
+            print(f"  {optimizer_cls.__name__:<6} step {step + 1:>3}/{steps}  batch loss {loss.item():.5f}", flush=True)
     with torch.no_grad():
         final = torch.nn.functional.mse_loss(model(x), y).item()
     return final, state_bytes(opt), sum(p.numel() for p in model.parameters())
@@ -51,9 +54,11 @@ def train(optimizer_cls, lr: float, steps: int = 300, **kwargs) -> tuple[float, 
 
 def main() -> None:
     torch.set_num_threads(2)
-    print(f"{'optimizer':<10} {'final loss':>11} {'state bytes':>12} {'bytes/param':>12}")
+    results = []
     for name, cls in (("AdamW", torch.optim.AdamW), ("Gefen", Gefen)):
-        loss, nbytes, nparams = train(cls, lr=2e-3, weight_decay=0.01)
+        results.append((name, *train(cls, lr=2e-3, weight_decay=0.01)))
+    print(f"\n{'optimizer':<10} {'final loss':>11} {'state bytes':>12} {'bytes/param':>12}")
+    for name, loss, nbytes, nparams in results:
         print(f"{name:<10} {loss:>11.5f} {nbytes:>12,} {nbytes / nparams:>12.3f}")
 
 

@@ -1,17 +1,21 @@
 """End-to-end: train on 2 ranks with FSDP2 + Gefen, save, reshard offline to 3, resume, inspect.
 
-Runs on CPU with gloo (`make demo`). Each step uses the same global batch of 48 samples,
+Runs on CPU with gloo (the second part of `make demo`, examples/demo.py). Each step uses the same global batch of 48 samples,
 split evenly over the ranks, so the loss curve does not depend on the world size: the run
 resumed on 3 ranks continues exactly where the 2-rank run stopped, and matches a 2-rank run
 that never stopped up to float reduction order.
 
-    python examples/train_reshard_resume.py [--workdir DIR] [--steps N]
+    python examples/train_reshard_resume.py [--workdir DIR] [--keep] [--steps N]
+
+Everything goes under one directory (printed; a fresh temp directory, removed at the end
+unless ``--keep``, when no ``--workdir`` is given).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,6 +55,8 @@ def worker(rank: int, world_size: int, rendezvous: str, steps: range, load_from:
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     torch.set_num_threads(1)
+    if rank == 0:
+        print(f"   [{world_size} ranks] processes up (torch imported, process group formed)", flush=True)
     model = make_model()
     if load_from:
         model.load_state_dict(torch.load(os.path.join(load_from, "model.pt"), weights_only=True))
@@ -71,6 +77,8 @@ def worker(rank: int, world_size: int, rendezvous: str, steps: range, load_from:
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)
         losses.append(reduced.item() / world_size)
+        if rank == 0 and (step + 1 - steps.start) % 10 == 0:
+            print(f"   [{world_size} ranks] step {step + 1 - steps.start}/{len(steps)}  loss {losses[-1]:.4f}", flush=True)
     if save_to:
         gefen_ckpt.save(opt, os.path.join(save_to, "optim"))  # collective: each rank writes its rows
         full = {k: v.full_tensor() for k, v in model.state_dict().items()}
@@ -99,14 +107,26 @@ def cli(*args: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
+    parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a fresh temp dir, "
+                        "removed at the end unless --keep)")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir at the end")
     parser.add_argument("--steps", type=int, default=30, help="steps before and after the reshard")
     args = parser.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="gefen-demo-")
-    n = args.steps
+    owned = args.workdir is None and not args.keep
+    print(f"writing under {workdir}" + (" (removed at the end)" if owned else ""), flush=True)
+    try:
+        run(workdir, args.steps)
+    finally:
+        if owned:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run(workdir: str, n: int) -> None:
+    """Train, save, reshard, resume and inspect, everything under ``workdir``."""
     on2, on3 = os.path.join(workdir, "ckpt-ws2"), os.path.join(workdir, "ckpt-ws3")
 
-    print(f"1) training {n} steps on 2 ranks (FSDP2 + Gefen, gloo/CPU)", flush=True)
+    print(f"1) training {n} steps on 2 ranks (FSDP2 + Gefen, gloo/CPU; starting 2 processes)", flush=True)
     first = launch(2, range(n), None, on2, workdir)
     print(f"   loss {first[0]:.4f} -> {first[-1]:.4f}; saved to {on2}\n")
 
@@ -117,7 +137,7 @@ def main() -> None:
         dst.write(src.read())
     cli("verify", os.path.join(on3, "optim"))
 
-    print(f"\n3) resuming on 3 ranks for {n} more steps", flush=True)
+    print(f"\n3) resuming on 3 ranks for {n} more steps (starting 3 processes)", flush=True)
     resumed = launch(3, range(n, 2 * n), on3, None, workdir)
     print(f"   reference: the same {n} steps continued on 2 ranks", flush=True)
     reference = launch(2, range(n, 2 * n), on2, None, workdir)
