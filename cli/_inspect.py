@@ -266,8 +266,8 @@ def render(summary: dict, console: Console) -> None:
                     if summary.get("shards") and layout == "sharded" else ""))
     if summary.get("world_size"):
         mesh = summary.get("mesh")
-        head.add_row("ranks", f"world size {summary['world_size']}"
-                     + (f", mesh {mesh[0]}x{mesh[1]} (replicate x shard)" if mesh else ""))
+        head.add_row("ranks", f"world size {summary['world_size']}"  # a 1xN mesh is plain sharding
+                     + (f", mesh {mesh[0]}x{mesh[1]} (replicate x shard)" if mesh and mesh[0] > 1 else ""))
     head.add_row("optimizer", escape(
         f"{opt['implementation']} (version {opt['version']}, schema {opt['schema_version']})"
         + (f"; children: {', '.join(f'{n}={i}' for n, i in opt['children'])}" if opt["children"] else "")))
