@@ -1,5 +1,6 @@
 # Quick start: `make demo` and `make test`. Both create/update .venv as needed.
-# `make demo KEEP=1` keeps the demo's working directory (its path is printed first).
+# `make demo KEEP=1` keeps the demo's working directory (its path is printed first);
+# `make bench FULL=1` adds the sizes that take minutes (a ~400 MB checkpoint).
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -28,7 +29,7 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run_all
+	$(BIN)/python -m benchmarks.run_all $(if $(FULL),--full)
 
 lint: $(STAMP)
 	$(BIN)/ruff check gefen gefen_ckpt cli tests benchmarks examples

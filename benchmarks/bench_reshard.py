@@ -17,9 +17,8 @@ State: Gefen over transformer-shaped tensors (``common.transformer_shapes``, ~25
   load (psutil, sampled every 2 ms); the table shows the max over ranks. Fidelity: every
   rank's exported local rows (``export_canonical``) against the same rows of the source.
 
-The anchor numbers (previous implementation, ``docs/benchmarks.md``): 198 MB on disk,
-6.7-11 s and +350-858 MB RSS per rank, lossy at 2-4e-3. The machine is shared and loaded, so
-times are noisy.
+Only numbers measured in this run are shown (no figures copied from elsewhere). The machine is
+shared and loaded, so times are noisy.
 
 Writes ``benchmarks/out/reshard.json`` and ``benchmarks/out/reshard.png``; ``run(quick)``
 returns the ``run_all`` section. Run alone with ``python -m benchmarks.bench_reshard [--quick]``.
@@ -46,7 +45,6 @@ from benchmarks.common import ROOT, PeakRSS, gefen_state, md_table, plot, transf
 
 SCRATCH = Path(__file__).resolve().parent / "scratch"
 BUDGET = "64MiB"
-ANCHOR = {"disk_MB": 198, "load_s": "6.7-11", "rss_MB": "+350-858", "fidelity": "lossy (2-4e-3)"}
 
 _PEAK = """
 import resource, subprocess, sys, time
@@ -242,8 +240,7 @@ def _markdown(data: dict) -> str:
             f"{data['dry_run']['seconds']:.2f} s, peak RSS {data['dry_run']['peak_rss'] / 2**20:.0f} MiB. "
             "Wall times include that start-up.")
     ld = data["load_from_2"]
-    rows = [["anchor (docs/benchmarks.md)", "2 -> 1/3/4", str(ANCHOR["disk_MB"]), ANCHOR["load_s"], ANCHOR["rss_MB"],
-             ANCHOR["fidelity"]]]
+    rows = []
     for m, r in ld["targets"].items():
         fid = fidelity(r["max_diff"]) + (f" (missing {len(r['missing'])} keys)" if r["missing"] else "")
         rows.append(["gefen_ckpt.load (gloo, DTensor Shard(0))", f"2 -> {m}", mb(ld["checkpoint_bytes"]),
@@ -254,7 +251,7 @@ def _markdown(data: dict) -> str:
     note = (f"Fidelity of the loads compares every rank's exported local rows with the same rows of the source "
             f"checkpoint (bytes compared over all ranks, replicated fields once per rank: {checked}).")
     return "\n\n".join([head, "Offline reshard through `python -m gefen_cli reshard` (a subprocess each):", off,
-                        base, "Collective load of the 2-rank checkpoint onto other world sizes, against the anchor:",
+                        base, "Collective load of the 2-rank checkpoint onto other world sizes:",
                         dist, note])
 
 

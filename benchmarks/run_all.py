@@ -39,6 +39,7 @@ import datetime as dt
 import gc
 import importlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -150,8 +151,12 @@ def render(records: dict[str, dict], machine: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke-test sizes and repetitions")
+    parser.add_argument("--full", action="store_true",
+                        help="also the sizes that take minutes (bench_io's ~400 MB state); same as GEFEN_BENCH_FULL=1")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks (bench_NAME.py)")
     args = parser.parse_args(argv)
+    if args.full:
+        os.environ["GEFEN_BENCH_FULL"] = "1"  # read by the modules with a full-only size
     names = discover()
     unknown = sorted(set(args.only or ()) - set(names))
     if unknown:
