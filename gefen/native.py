@@ -415,7 +415,6 @@ def calibrate() -> int:
                 if all(_matches(case, ref, W) for case, ref in zip(_problems(), reference)):
                     _sqrt_is_vml = sqrt_fns is vml
                     return W
-    _lib.gefen_set_sqrt(None, None)
     _warn_mismatch()
     return 0
 
@@ -480,36 +479,44 @@ def _apply(entry: dict) -> int | None:
 
 def calibrate_cached() -> int:
     """``calibrate()``, or its result from an earlier process with the same library build, CPU and
-    torch. The file is written atomically (concurrent processes each write a whole file, the last
-    rename wins); an unreadable or unwritable cache only costs the calibration."""
+    torch. An unreadable, corrupt or unwritable cache only costs the calibration."""
     if _lib is None:
         return 0
     try:
         path = _cache_file()
     except OSError:  # the library file vanished: calibrate, cache nothing
         path = None
+    entry = _read_entry(path) if path else None
+    width = _apply(entry) if entry is not None else None
+    if width is None:
+        width = calibrate()
+        if path:
+            _write_entry(path, {"width": width, "vml": bool(width) and _sqrt_is_vml, "scale_mode": _scale_mode,
+                                "torch": torch.__version__})
+    return width
+
+
+def _read_entry(path: str) -> dict | None:
     try:
         with open(path) as fh:
             entry = json.load(fh)
-        width = _apply(entry) if isinstance(entry, dict) else None
-        if width is not None:
-            return width
-    except (OSError, ValueError, TypeError):
-        pass
-    width = calibrate()
-    if path is not None:
-        entry = {"width": width, "vml": bool(width) and _sqrt_is_vml, "scale_mode": _scale_mode,
-                 "torch": torch.__version__}
+    except (OSError, ValueError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _write_entry(path: str, entry: dict) -> None:
+    """Write to a temporary file and rename: concurrent processes each publish a whole entry (the
+    last rename wins) and a reader never sees half of one."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".calibration-", suffix=".tmp")
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".calibration-", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as fh:
-                    json.dump(entry, fh)
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
-        except OSError:
-            pass
-    return width
+            with os.fdopen(fd, "w") as fh:
+                json.dump(entry, fh)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        pass

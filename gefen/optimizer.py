@@ -41,7 +41,7 @@ class Gefen(CompressedOptimizer):
     AdamW's keywords: ``lr`` and ``betas`` may be tensors; ``maximize`` ascends the objective;
     ``foreach`` / ``fused`` are accepted as hints (one implementation serves all); ``amsgrad``,
     ``capturable`` and ``differentiable`` are refused with the reason. ``step()`` is never traced
-    by ``torch.compile``: a compiled training step graph-breaks around it (docs/compile.md).
+    by ``torch.compile``: a compiled training step graph-breaks around it (``gefen.compile``).
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
