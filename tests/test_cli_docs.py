@@ -38,10 +38,14 @@ def _choices(command: str) -> list[str]:
 
 
 def _usage_line(command: str) -> str:
+    """The command's usage in the page's first code block: its line and the indented lines that
+    continue it, with ``[SOURCE OPTIONS]`` spelled out from the block's ``SOURCE OPTIONS:`` line."""
     block = DOC.split("```\n", 2)[1]
-    lines = [line for line in block.splitlines() if re.match(rf"gefen-ckpt {command}\b", line)]
-    assert len(lines) == 1, f"docs/cli.md's usage block needs one line for {command!r}"
-    return lines[0]
+    entries = re.findall(r"^(gefen-ckpt \w+.*(?:\n[ \t]+.*)*)", block, flags=re.M)
+    mine = [e for e in entries if re.match(rf"gefen-ckpt {command}\b", e)]
+    assert len(mine) == 1, f"docs/cli.md's usage block needs one entry for {command!r}"
+    shared = re.search(r"^SOURCE OPTIONS:(.*)$", block, flags=re.M)
+    return mine[0].replace("[SOURCE OPTIONS]", shared.group(1) if shared else "")
 
 
 def _section(command: str) -> str:
@@ -68,7 +72,8 @@ def test_usage_block_has_exactly_the_options_of_the_help(command):
 def test_every_choice_of_the_help_is_documented(command):
     usage, section = _usage_line(command), _section(command)
     for choice in _choices(command):
-        assert choice in usage and choice in section, choice
+        assert choice in usage, choice  # the same set, spelled as the help spells it
+        assert all(f"`{value}`" in section or f"--to {value}" in section for value in choice.split("|")), choice
 
 
 @pytest.mark.parametrize("command", COMMANDS)
