@@ -17,6 +17,7 @@ present.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,6 +61,18 @@ def deadline(seconds: float | None) -> Iterator[None]:
         yield
     finally:
         _local.timeout = before
+
+
+def with_timeout(fn):
+    """Give the collective ``fn`` a ``timeout=`` keyword (seconds; None: the current default) that
+    bounds how long its ranks wait for each other (``deadline`` around the call)."""
+
+    @functools.wraps(fn)
+    def call(*args, timeout: float | None = None, **kwargs):
+        with deadline(timeout):
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def checkin(what: str, group=None) -> None:

@@ -381,14 +381,17 @@ class GefenDCPState(Stateful):
     ``model`` supplies FQNs for optimizers built from bare tensors. Under a process group,
     ``load_state_dict`` agrees with the other ranks of ``process_group`` (default: the world)
     before it publishes; pass ``no_dist=True`` when only this process calls ``dcp.load``.
+    ``timeout`` (seconds) bounds how long that agreement waits for a stalled rank, which it then
+    names (DCP's own collectives keep the process group's timeout).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
-                 process_group=None, no_dist: bool = False):
+                 process_group=None, no_dist: bool = False, timeout: float | None = None):
         self.optimizer = optimizer
         self.model = model
         self.process_group = process_group
         self.no_dist = no_dist
+        self.timeout = timeout
         contract_of(optimizer)  # fail now for an optimizer without a contract
 
     def _live(self) -> _Live:
@@ -421,7 +424,8 @@ class GefenDCPState(Stateful):
             publish = stage_import(self.optimizer, state, self.model)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
             error = exc
-        failed = _failed_ranks(error is not None, group)
+        with collective.deadline(self.timeout):
+            failed = _failed_ranks(error is not None, group)
         if error is not None:
             raise error
         if failed:

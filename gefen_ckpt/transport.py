@@ -47,7 +47,7 @@ import torch
 from gefen.contract import OptimizerContract
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
-from gefen_ckpt.errors import CheckpointError
+from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
 
 __all__ = ["gather", "scatter", "redistribute", "last_stats", "TransportStats"]
 
@@ -511,20 +511,22 @@ class _Mover:
                     buf, extra = self._send_buffer(m, nbytes)
                     staged += extra
                     keep.append(buf)
-                    works.append(dist.isend(buf, m.dst, tag=tag))
+                    what = f"sending to rank {m.dst}"
+                    works.append((_start(dist.isend, what, buf, m.dst, tag=tag), what))
                     self.stats.messages_sent += 1
                     self.stats.bytes_sent += nbytes
                     self.stats.largest_message = max(self.stats.largest_message, nbytes)
                 elif m.dst == self.rank:
                     buf, target, extra = self._recv_buffer(m, nbytes)
                     staged += extra
-                    works.append(dist.irecv(buf, m.src, tag=tag))
+                    what = f"receiving from rank {m.src}"
+                    works.append((_start(dist.irecv, what, buf, m.src, tag=tag), what))
                     landings.append((buf, target))
                     self.stats.messages_received += 1
                     self.stats.bytes_received += nbytes
                     self.stats.largest_message = max(self.stats.largest_message, nbytes)
-            for work in works:
-                work.wait()
+            for work, what in works:
+                _wait(work, what)
             for buf, target in landings:
                 if target is not None:
                     target.copy_(buf.to(target.device))
@@ -613,6 +615,29 @@ def _move(infos, dtypes, sources, have, want, budget: int, rank: int, out_device
     return outputs, mover.error
 
 
+def _start(post, what: str, *args, **kwargs):
+    """Post one message of a data round (``dist.isend`` / ``dist.irecv``); a peer that is gone
+    is a ``CheckpointError`` naming it."""
+    try:
+        return post(*args, **kwargs)
+    except RuntimeError as exc:
+        raise CheckpointError(f"transport: {what} failed: {exc}") from None
+
+
+def _wait(work, what: str) -> None:
+    """Wait for one message of a data round, at most the collective timeout: a peer that stalls
+    mid-transfer makes this rank raise naming it instead of waiting for the backend's timeout."""
+    import datetime
+
+    seconds = collective.current_timeout()
+    try:
+        work.wait(datetime.timedelta(seconds=seconds))
+    except RuntimeError as exc:
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            raise CheckpointTimeoutError(f"transport: {what} did not complete within {seconds:g} s") from None
+        raise CheckpointError(f"transport: {what} failed: {exc}") from None
+
+
 def _begin(operation: str, budget_bytes) -> TransportStats:
     global _LAST
     _LAST = TransportStats(operation=operation, budget_bytes=budget_bytes if isinstance(budget_bytes, int) else 0)
@@ -633,6 +658,7 @@ def _held(source, writers_only: bool) -> Range | None:
     return (0, rows)
 
 
+@collective.with_timeout
 def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = None,
            budget_bytes: int = DEFAULT_BUDGET) -> CanonicalState | None:
     """The canonical state assembled on rank ``dst`` (global, owned tensors); None elsewhere.
@@ -714,6 +740,7 @@ def _local_state(description: dict, metadata: dict, outputs: list[torch.Tensor |
     return state
 
 
+@collective.with_timeout
 def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: torch.nn.Module | None = None,
             budget_bytes: int = DEFAULT_BUDGET) -> None:
     """Load the ``CanonicalState`` held by rank ``src`` into ``optimizer`` on every rank.
@@ -784,6 +811,7 @@ def _out_device() -> torch.device:
 
 
 # ===== redistribute ===========================================================================
+@collective.with_timeout
 def redistribute(state: CanonicalState, optimizer: torch.optim.Optimizer, *,
                  model: torch.nn.Module | None = None, budget_bytes: int = DEFAULT_BUDGET) -> None:
     """Load ``state`` (this rank's ``LocalPart`` s of a state exported on another layout over

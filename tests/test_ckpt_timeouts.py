@@ -59,3 +59,42 @@ def test_a_stalled_rank_makes_every_rank_raise_naming_it(tmp_path):
         assert waiting["error"] and "rank(s) [1]" in waiting["error"], (phase, waiting)
         assert waiting["seconds"] < STALL, (phase, waiting)  # it gave up after the timeout, not the stall
         assert late["error"] and "rank 1 arrived after the other ranks gave up" in late["error"], (phase, late)
+
+
+def _stalled_transfer(rank: int, world_size: int) -> dict:
+    """``transport.gather`` to rank 1 with rank 0 (which holds the replicated state's one copy to
+    send) stalling in the middle of the data round: rank 1 gives up after ``timeout`` naming
+    rank 0, and rank 0 raises too."""
+    import torch.distributed as dist
+
+    from gefen_ckpt import CheckpointError, transport
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    real = dist.isend
+
+    def late_send(*args, **kwargs):
+        time.sleep(STALL)
+        return real(*args, **kwargs)
+
+    if rank == 0:
+        dist.isend = late_send
+    started = time.monotonic()
+    try:
+        transport.gather(opt, 1, timeout=TIMEOUT)
+        return {"error": None}
+    except CheckpointError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
+    finally:
+        dist.isend = real
+
+
+def test_a_rank_that_stalls_mid_transfer_makes_transport_raise():
+    late, waiting = run(_stalled_transfer, 2, timeout=120)
+    assert waiting["error"] and "CheckpointTimeoutError" in waiting["error"], waiting
+    assert "receiving from rank 0" in waiting["error"], waiting
+    assert waiting["seconds"] < STALL, waiting  # it gave up after the timeout, not the stall
+    assert late["error"], late
