@@ -66,16 +66,19 @@ def _save_seconds(ctx, urls, url, tmp_path) -> float:
     return (time.perf_counter() - start) / 3
 
 
-def _run_trials(tmp_path, ctx, sources, trials: int, seed: int) -> dict:
+def _run_trials(tmp_path, ctx, sources, trials: int, seed: int, outcomes: dict | None = None,
+                scale: float = 3.5) -> dict:
+    """``trials`` kills at a random instant in ``[0, scale x one save)``; counts of what survived
+    (added to ``outcomes``). Every trial asserts the safety property itself."""
     urls, states, opt = sources
     url = str(tmp_path / "ck")
     save_s = _save_seconds(ctx, urls, url, tmp_path)  # also leaves a committed checkpoint at url
     rng = random.Random(seed)
-    outcomes = {"fresh_incomplete": 0, "fresh_complete": 0, "A": 0, "B": 0}
+    outcomes = outcomes if outcomes is not None else {"fresh_incomplete": 0, "fresh_complete": 0, "A": 0, "B": 0}
     for trial in range(trials):
-        fresh = str(tmp_path / f"fresh{trial}")
+        fresh = str(tmp_path / f"fresh{seed}-{trial}")
         child, _ = _start(ctx, urls, url, fresh)
-        time.sleep(rng.uniform(0, 3.5 * save_s))  # in the fresh save, in a save over url, or between
+        time.sleep(rng.uniform(0, scale * save_s))  # in the fresh save, in a save over url, or between
         _kill(child)
 
         # the previous checkpoint (or the one just committed, never a mix) reads back complete
@@ -99,7 +102,14 @@ def _run_trials(tmp_path, ctx, sources, trials: int, seed: int) -> dict:
 @pytest.mark.timeout(300)
 def test_sigkill_during_save_never_costs_the_previous_checkpoint(tmp_path, forkserver, sources):
     outcomes = _run_trials(tmp_path, forkserver, sources, trials=20, seed=0)
-    assert outcomes["fresh_incomplete"] > 0 and outcomes["fresh_complete"] > 0, outcomes  # kills inside and after
+    # kills must have landed both inside the fresh save and after it; on a loaded machine a save's
+    # duration drifts from the one timed up front, so aim again (earlier or later) before judging
+    for retry in range(1, 4):
+        if outcomes["fresh_incomplete"] and outcomes["fresh_complete"]:
+            break
+        scale = 0.5 if not outcomes["fresh_incomplete"] else 8.0
+        _run_trials(tmp_path, forkserver, sources, trials=8, seed=retry, outcomes=outcomes, scale=scale)
+    assert outcomes["fresh_incomplete"] > 0 and outcomes["fresh_complete"] > 0, outcomes
 
 
 @pytest.mark.slow
