@@ -4,7 +4,7 @@ For each shape set (~25M and ~42M parameters, ``common.transformer_shapes``) the
 random gradients with row/column scale structure, then Gefen, ``AdamW(foreach=True)`` and
 ``AdamW(fused=True)`` step the same parameters in interleaved rounds (so load changes on a shared
 machine hit all three alike); each number is the median over the rounds after one warm-up step.
-Also measured: Gefen's first step (period choice + codebook + step, on a fresh optimizer, one
+Also measured: Gefen's first step (state allocation + codebook + step, on a fresh optimizer, one
 sample per shape set) as a multiple of its steady step, and the bytes of optimizer state per
 parameter. ``quick`` runs the 25M set only, with 3 rounds.
 
@@ -96,7 +96,7 @@ def _measure(size: int, reps: int, first_samples: int) -> dict:
     n = numel(shapes)
     params = _params(shapes)
     named = [(name, p) for (name, _), p in zip(shapes, params)]
-    # extra first steps on fresh Gefen optimizers (period + codebook + step)
+    # extra first steps on fresh Gefen optimizers (state + codebook + step)
     firsts = []
     for _ in range(first_samples - 1):
         opt = Gefen(named, lr=1e-4, weight_decay=0.01)
@@ -220,7 +220,7 @@ def _markdown(data: dict) -> str:
         ("optimizer state, bytes/param", "<= 1.05", lambda r: r["bytes_per_param"]["Gefen"], 1.05),
         ("Gefen step / AdamW foreach step", "<= 1.0x", lambda r: r["gefen_vs_foreach"], 1.0),
         ("Gefen step / AdamW fused step (end goal)", "<= 1.0x", lambda r: r["gefen_vs_fused"], 1.0),
-        ("first step (period + codebook) / steady step", "<= 3x", lambda r: r["first_step_multiple"], 3.0),
+        ("first step (state + codebook) / steady step", "<= 3x", lambda r: r["first_step_multiple"], 3.0),
     ):
         values = [key(r) for r in sizes.values()]
         targets.append([label, target, " / ".join(f"{v:.3g}" for v in values), verdict(max(values) <= limit)])
@@ -235,14 +235,14 @@ def _fresh_markdown(fresh: dict) -> str:
         rows.append([kind, r["rounds"], f"{r['import_s']:.2f}", f"{r['calibration_s']:.3f}", f"{r['first_step_s']:.3f}",
                      f"{r['steady_s']:.3f}", f"{r['ratio']:.1f}x", "yes" if r["native"] else "no"])
     table = md_table(["fresh process, 25M set", "processes", "start-up s (python, torch, gefen)", "calibration s",
-                      "first step s (period + codebook + step)", "steady step s", "first step incl. calibration / steady (median of per-process ratios)",
+                      "first step s (state + codebook + step)", "steady step s", "first step incl. calibration / steady (median of per-process ratios)",
                       "native step"], rows)
     return (
         "A fresh process (`python -m benchmarks.bench_step --fresh-child`, medians over new interpreters, "
         "interleaved): the native step's calibration runs once per library build, CPU and torch and is cached "
         "in the user's cache directory (`$GEFEN_CACHE_DIR`, else `~/.cache/gefen`); the import of torch and "
         "gefen is paid by any torch program and is not part of the step. The first step's own one-time work "
-        "(period choice, codebook, allocating the state) is the rest of the difference.\n\n" + table + "\n"
+        "(the codebook, allocating the state) is the rest of the difference.\n\n" + table + "\n"
     )
 
 
