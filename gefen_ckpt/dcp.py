@@ -55,7 +55,6 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
-    LoadPlanner,
     ReadItem,
     SavePlan,
     SavePlanner,
@@ -93,7 +92,7 @@ from gefen_ckpt.exchange import (
 )
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
 from gefen_ckpt.layout import local_rows
-from gefen_ckpt.stock_dcp import find_stock_keys, read_stock
+from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_stock_keys, read_stock
 
 __all__ = [
     "GefenDCPState",
@@ -704,23 +703,11 @@ def find_gefen_keys(metadata: Metadata) -> list[str]:
     return sorted(out)
 
 
-class _RowsLoadPlanner(LoadPlanner):
+class _RowsLoadPlanner(ReadOnlyPlanner):
     """Feeds ``StorageReader.read_data`` a destination tensor that holds rows ``[start, ...)``."""
 
     def __init__(self, dest: torch.Tensor):
         self.dest = dest
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):  # pragma: no cover - unused
-        pass
-
-    def create_local_plan(self) -> LoadPlan:  # pragma: no cover - unused
-        return LoadPlan([])
-
-    def create_global_plan(self, global_plan):  # pragma: no cover - unused
-        return global_plan
-
-    def finish_plan(self, central_plan):  # pragma: no cover - unused
-        return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a pickled entry where a tensor was expected")
@@ -729,9 +716,6 @@ class _RowsLoadPlanner(LoadPlanner):
         from torch.distributed._shard._utils import narrow_tensor_by_index
 
         return narrow_tensor_by_index(self.dest, read_item.dest_offsets, read_item.lengths)
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
 
 
 class _DCPReader:

@@ -40,11 +40,10 @@ def find_stock_keys(metadata) -> list[str]:
     return sorted(found)
 
 
-class _BytesPlanner(LoadPlanner):
-    """Collects the raw bytes of ``torch.save``d entries for ``StorageReader.read_data``."""
-
-    def __init__(self):
-        self.values: dict[str, bytes] = {}
+class ReadOnlyPlanner(LoadPlanner):
+    """The part of a ``LoadPlanner`` that ``StorageReader.read_data`` calls when gefen-ckpt reads
+    a checkpoint offline, without a state dict or a plan of DCP's own: subclasses say where each
+    read item goes."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):  # pragma: no cover - unused
         pass
@@ -58,14 +57,21 @@ class _BytesPlanner(LoadPlanner):
     def finish_plan(self, central_plan):  # pragma: no cover - unused
         return central_plan
 
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+class _BytesPlanner(ReadOnlyPlanner):
+    """Collects the raw bytes of ``torch.save``d entries."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.values[read_item.dest_index.fqn] = value.read()
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a tensor where a param-group value was expected")
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:  # pragma: no cover - unused
-        pass
 
 
 def _read_values(reader, keys: list[str]) -> dict[str, object]:

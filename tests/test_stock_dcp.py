@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 from gefen import Gefen, GefenMuon, GefenMuonHybrid, contract_of
 
 from distributed import row_scaled_grads, run
-from test_dcp import assemble, assert_same, canonical_tensors, mlp, param_pieces, pieces
+from test_dcp import _fsdp_model as model_on  # the mlp, fully_shard-ed on a mesh (None: plain)
+from test_dcp import assemble, assert_same, canonical_tensors, param_pieces, pieces
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -45,18 +46,6 @@ def make_opt(kind: str, model: torch.nn.Module):
     if kind == "hybrid_adamw":
         return GefenMuonHybrid(model, lr=1e-2, backup="adamw", weight_decay=0.1)
     raise ValueError(kind)
-
-
-def model_on(seed: int, mesh) -> torch.nn.Module:
-    model = mlp(seed)
-    if mesh is not None:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model
 
 
 def train(model: torch.nn.Module, opt, start: int, steps: int) -> None:
