@@ -162,13 +162,13 @@ SCREENED = ("p-m4v4-ratio-near", "p-m5v3-ratio-sr", "p-m4v4-rowlog-sr", "p-m6v2-
 
 
 def full_plan() -> list[tuple[str, str, int]]:
-    """(text, optimizer, seed) of the full run, most needed first: seed 0 of the core set and the
-    first screened variant on stdlib, then the other text and seed, then the screened variants
-    (seed 0 on stdlib only: each run is ~7 CPU-minutes)."""
-    plan = [("stdlib", n, 0) for n in CORE[:3] + SCREENED[:1]]
-    plan += [("packages", n, 0) for n in CORE[:3]] + [("stdlib", n, 1) for n in CORE[:3]]
-    plan += [("packages", n, 1) for n in CORE[:3]] + [("stdlib", "hybrid", 0), ("packages", "hybrid", 0)]
-    plan += [("stdlib", n, 0) for n in SCREENED[1:]] + [(t, "hybrid", 1) for t in TEXTS]
+    """(text, optimizer, seed) of the full run, most needed first (each run is ~7 CPU-minutes):
+    seed 0 of AdamW, Gefen and the recommended variant on both texts, then the screened variants
+    (seed 0 on stdlib), then seed 1, then the hybrid."""
+    plan = [("stdlib", n, 0) for n in CORE[:3]] + [("packages", n, 0) for n in ("adamw", CORE[2])]
+    plan += [("stdlib", SCREENED[0], 0), ("packages", "gefen", 0)]
+    plan += [(t, n, 1) for t in TEXTS for n in CORE[:3]] + [("stdlib", n, 0) for n in SCREENED[1:]]
+    plan += [(t, "hybrid", s) for s in (0, 1) for t in TEXTS]
     return plan
 
 
@@ -224,6 +224,7 @@ def train(text: str, optimizer: str, seed: int, task: Task = Task(), data=None) 
     params = sum(p.numel() for p in model.parameters())
     return {"text": text, "optimizer": optimizer, "seed": seed, "held_out": held_out_loss(model, held, task),
             "curve": curve, "state_bytes": state_bytes(opt), "params": params,
+            "state_bytes_bf16_stats": opt.state_bytes(2) if hasattr(opt, "state_bytes") else None,
             "seconds": round(time.perf_counter() - start, 1), "task": asdict(task)}
 
 
@@ -263,8 +264,9 @@ def summarise(results: list[dict]) -> dict:
     """Per text and optimizer: mean held-out loss over seeds, per-seed losses, ratio to AdamW."""
     table: dict[str, dict[str, dict]] = {}
     for r in sorted(results, key=lambda r: r["seed"]):
-        entry = table.setdefault(r["text"], {}).setdefault(r["optimizer"], {"losses": [], "state_bytes": r["state_bytes"],
-                                                                           "params": r["params"]})
+        entry = table.setdefault(r["text"], {}).setdefault(r["optimizer"], {
+            "losses": [], "state_bytes": r["state_bytes"], "params": r["params"],
+            "state_bytes_bf16_stats": r.get("state_bytes_bf16_stats")})
         entry["losses"].append(r["held_out"])
     for per_opt in table.values():
         base = per_opt.get(BASELINE)
@@ -321,13 +323,15 @@ def run(quick: bool) -> dict:
     rows = []
     for name in names:
         first = next(table[t][name] for t in texts if name in table[t])
-        row = [f"`{name}`", OPTIMIZERS[name][0], f"{first['state_bytes'] / first['params']:.3f}"]
+        bf16 = first["state_bytes_bf16_stats"]
+        row = [f"`{name}`", OPTIMIZERS[name][0], f"{first['state_bytes'] / first['params']:.3f}",
+               "" if bf16 is None else f"{bf16 / first['params']:.3f}"]
         for text in texts:
             e = table[text].get(name)
             row += (["not run", ""] if e is None else
                     [f"{e['mean']:.4f} ({' / '.join(f'{x:.4f}' for x in e['losses'])})", f"{e['vs_adamw']:.4f}"])
         rows.append(row)
-    header = ["optimizer", "storage", "state B/param"]
+    header = ["optimizer", "storage", "state B/param", "B/param, bf16 row/col stats"]
     for text in texts:
         header += [f"{text}: held-out loss, mean (per seed)", f"{text}: vs AdamW"]
     reused = sum(bool(r.get("reused")) for r in results)

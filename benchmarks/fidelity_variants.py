@@ -90,9 +90,10 @@ class MomentVariant(torch.optim.Optimizer):
         self.v_book: torch.Tensor | None = None
 
     # ----- accounting ---------------------------------------------------------------------------
-    def state_bytes(self) -> int:
-        """Bytes the state would take packed: ``m_bits + v_bits`` per element of matrices, fp32
-        per-row/per-column statistics, exact fp32 moments of 1-D tensors, the codebooks."""
+    def state_bytes(self, stat_bytes: int = 4) -> int:
+        """Bytes the state would take packed: ``m_bits + v_bits`` per element of matrices,
+        per-row/per-column statistics of ``stat_bytes`` each (fp32 as stored; 2 = what bf16
+        statistics would cost), exact fp32 moments of 1-D tensors, the codebooks."""
         total = 4 * sum(b.numel() for b in (self.m_book, self.v_book) if b is not None)
         for group in self.param_groups:
             for p in group["params"]:
@@ -100,9 +101,9 @@ class MomentVariant(torch.optim.Optimizer):
                     total += 8 * p.numel()
                     continue
                 rows, cols = p.shape[0], p[0].numel()
-                total += math.ceil(p.numel() * (self.m_bits + self.v_bits) / 8) + 4 * rows  # codes, m scale
+                total += math.ceil(p.numel() * (self.m_bits + self.v_bits) / 8) + stat_bytes * rows  # codes, m scale
                 # factored statistics (also the ratio's reference), or the row's max log v
-                total += 4 * rows if self.v_mode == "rowlog" else 4 * (rows + cols)
+                total += stat_bytes * (rows if self.v_mode == "rowlog" else rows + cols)
         return total
 
     # ----- the step ----------------------------------------------------------------------------
