@@ -15,6 +15,11 @@ also written to ``benchmarks/out/quality/``; ``GEFEN_QUALITY_RESUME=1`` reuses t
 (the table then says how many runs were reused) so an interrupted full run can be completed.
 
     python -m benchmarks.run_all --only quality [--quick]
+
+Runtime: one run is ~7 CPU-minutes (AdamW, Gefen) to ~10 (the eager prototype); the full plan
+(``full_plan``, 21 runs) is ~3.5 CPU-hours, i.e. ~1.7 hours on two free cores, far over
+run_all's 4-minute guideline: the quality question needs the real task. ``--quick`` (60 steps,
+seed 0, stdlib, 4 optimizers) takes ~2-4 minutes.
 """
 
 from __future__ import annotations
