@@ -115,6 +115,10 @@ class MomentVariant(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         mats = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None and p.dim() >= 2]
         if self.m_book is None and mats:
             blocks = [p.grad.reshape(p.shape[0], 1, -1).float() for _, p in mats]
@@ -125,6 +129,7 @@ class MomentVariant(torch.optim.Optimizer):
                 if p.grad is not None:
                     self._update(group, p, index)
                 index += 1
+        return loss
 
     def _update(self, group, p, index):
         beta1, beta2 = group["betas"]
