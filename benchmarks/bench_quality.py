@@ -1,0 +1,377 @@
+"""Training quality on real text: held-out loss of a character LM, AdamW vs Gefen (issue 17).
+
+Task: a character-level pre-norm transformer LM (d = 192, 3 layers, 4 heads, context 128,
+~1.4M parameters) trained for 400 steps of batch 32 x 128 with cosine LR 2e-3 (50 warm-up
+steps), weight decay 0.1, gradient clipping 1.0, one thread per run; the held-out loss is the
+mean over 32 fixed batches from the last 10% of the text. Two texts that ship with Python (no
+download): ``stdlib`` (the top-level ``*.py`` of the standard library; the text the variants
+were chosen on) and ``packages`` (the sources of the email, json, http, urllib, xml, html and
+logging packages; not tuned on). Characters outside printable ASCII map to one token.
+
+Optimizers: torch AdamW (the baseline, same run), ``gefen.Gefen``, ``gefen.GefenMuonHybrid``
+(Gefen backup) and the prototype storage variants of ``benchmarks/fidelity_variants.py``.
+Runs go to ``GEFEN_BENCH_JOBS`` processes (default 2, one thread each). Each finished run is
+also written to ``benchmarks/out/quality/``; ``GEFEN_QUALITY_RESUME=1`` reuses those files
+(the table then says how many runs were reused) so an interrupted full run can be completed.
+
+    python -m benchmarks.run_all --only quality --full   # the 400-step plan (make bench FULL=1)
+    python -m benchmarks.run_all --only quality           # otherwise the short run, as with --quick
+
+Runtime: one run is ~7 CPU-minutes (AdamW, Gefen) to ~10 (the eager prototype); the full plan
+(``full_plan``, 21 runs) is ~3.5 CPU-hours, i.e. ~1.7 hours on two free cores, far over
+run_all's 4-minute guideline, so it runs only with ``--full``: the quality question needs the real task. ``--quick`` (60 steps,
+seed 0, stdlib, 4 optimizers) takes ~2-4 minutes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import multiprocessing
+import os
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.common import OUT, md_table, write_json
+
+TEXTS = {
+    "stdlib": ("*.py",),
+    "packages": tuple(f"{pkg}/**/*.py" for pkg in ("email", "json", "http", "urllib", "xml", "html", "logging")),
+}
+
+
+@dataclass(frozen=True)
+class Task:
+    d: int = 192
+    layers: int = 3
+    heads: int = 4
+    context: int = 128
+    batch: int = 32
+    steps: int = 400
+    warmup: int = 50
+    lr: float = 2e-3
+    weight_decay: float = 0.1
+    eval_batches: int = 32
+
+
+# ----- data -----------------------------------------------------------------------------------
+def corpus(name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(train, held-out, vocab) token tensors of a text: sorted files concatenated, printable
+    ASCII (plus newline) kept, every other byte mapped to one extra token; last 10% held out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted({f for pattern in TEXTS[name] for f in root.glob(pattern) if f.is_file()})
+    raw = np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
+    keep = (raw == 10) | ((raw >= 32) & (raw < 127))
+    raw = np.where(keep, raw, 0)
+    symbols, tokens = np.unique(raw, return_inverse=True)
+    data = torch.from_numpy(tokens.astype(np.int64))
+    split = int(0.9 * len(data))
+    return data[:split], data[split:], len(symbols)
+
+
+def batch(src: torch.Tensor, task: Task, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ix = torch.randint(0, len(src) - task.context - 1, (task.batch,), generator=gen)
+    offsets = torch.arange(task.context + 1)
+    window = src[ix[:, None] + offsets]
+    return window[:, :-1], window[:, 1:]
+
+
+# ----- model ----------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.o = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.up, self.down = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.n2(x))))
+
+
+class CharLM(nn.Module):
+    """Token + position embeddings (nn.Embedding, so GefenMuonHybrid routes them to its backup),
+    pre-norm blocks with bias-free linears, final norm, ``lm_head`` (routed to the backup by name)."""
+
+    def __init__(self, vocab: int, task: Task):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, task.d), nn.Embedding(task.context, task.d)
+        self.blocks = nn.ModuleList(Block(task.d, task.heads) for _ in range(task.layers))
+        self.norm, self.lm_head = nn.LayerNorm(task.d), nn.Linear(task.d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos.weight[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+# ----- optimizers -----------------------------------------------------------------------------
+def _variant(**kw):
+    def make(model, task, seed):
+        from benchmarks.fidelity_variants import MomentVariant
+
+        return MomentVariant(model.parameters(), lr=task.lr, weight_decay=task.weight_decay, seed=seed, **kw)
+    return make
+
+
+def _adamw(model, task, seed):
+    return torch.optim.AdamW(model.parameters(), lr=task.lr, weight_decay=task.weight_decay)
+
+
+def _gefen(model, task, seed):
+    from gefen import Gefen
+
+    return Gefen(model.named_parameters(), lr=task.lr, weight_decay=task.weight_decay)
+
+
+def _hybrid(model, task, seed):
+    from gefen import GefenMuonHybrid
+
+    return GefenMuonHybrid(model, lr=task.lr, weight_decay=task.weight_decay)
+
+
+#: name -> (description, factory(model, task, seed)); the first is the baseline
+OPTIMIZERS = {
+    "adamw": ("torch AdamW (fp32 moments)", _adamw),
+    "gefen": ("Gefen today: 8-bit m, factored v", _gefen),
+    "hybrid": ("GefenMuonHybrid (Gefen backup)", _hybrid),
+    "p-m8-factored": ("prototype of Gefen today: 8-bit m, factored v", _variant(m_bits=8)),
+    "p-m4v4-ratio-sr": ("4-bit m + 4-bit log(v/factored), stochastic rounding",
+                        _variant(m_bits=4, v="ratio", v_bits=4, rounding="stochastic")),
+    "p-m4v4-ratio-near": ("4-bit m + 4-bit log(v/factored), nearest rounding",
+                          _variant(m_bits=4, v="ratio", v_bits=4)),
+    "p-m4v4-rowlog-sr": ("4-bit m + 4-bit log v in the row's range, stochastic",
+                         _variant(m_bits=4, v="rowlog", v_bits=4, rounding="stochastic")),
+    "p-m5v3-ratio-sr": ("5-bit m + 3-bit log(v/factored), stochastic",
+                        _variant(m_bits=5, v="ratio", v_bits=3, rounding="stochastic")),
+    "p-m6v2-ratio-sr": ("6-bit m + 2-bit log(v/factored), stochastic",
+                        _variant(m_bits=6, v="ratio", v_bits=2, rounding="stochastic")),
+}
+BASELINE = "adamw"
+#: quick run: the three shipped optimizers and the recommended variant, stdlib text, seed 0
+QUICK = ("adamw", "gefen", "hybrid", "p-m4v4-ratio-sr")
+CORE = ("adamw", "gefen", "p-m4v4-ratio-sr", "hybrid")  # both texts, seeds 0 and 1
+SCREENED = ("p-m4v4-ratio-near", "p-m5v3-ratio-sr", "p-m4v4-rowlog-sr", "p-m6v2-ratio-sr", "p-m8-factored")
+
+
+def full_plan() -> list[tuple[str, str, int]]:
+    """(text, optimizer, seed) of the full run, most needed first (each run is ~7 CPU-minutes):
+    seed 0 of AdamW, Gefen and the recommended variant on both texts, then the screened variants
+    (seed 0 on stdlib), then seed 1, then the hybrid."""
+    plan = [("stdlib", n, 0) for n in CORE[:3]] + [("packages", n, 0) for n in ("adamw", CORE[2])]
+    plan += [("stdlib", SCREENED[0], 0), ("packages", "gefen", 0)]
+    plan += [(t, n, 1) for t in TEXTS for n in CORE[:3]] + [("stdlib", n, 0) for n in SCREENED[1:]]
+    plan += [(t, "hybrid", s) for s in (0, 1) for t in TEXTS]
+    return plan
+
+
+def state_bytes(opt) -> int:
+    """Bytes of optimizer state: the prototype's packed size, else every state tensor (each
+    storage once) plus codebooks; a composite counts its children."""
+    if hasattr(opt, "state_bytes"):
+        return opt.state_bytes()
+    children = getattr(opt, "children", None)
+    opts = list(children.values()) if isinstance(children, dict) else [opt]
+    seen, total = set(), 0
+    for o in opts:
+        tensors = [t for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        if getattr(o, "codebook", None) is not None:
+            tensors.append(o.codebook)
+        for t in tensors:
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+# ----- one training run -----------------------------------------------------------------------
+def held_out_loss(model: nn.Module, held: torch.Tensor, task: Task) -> float:
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+                  for x, y in (batch(held, task, gen) for _ in range(task.eval_batches))]
+    return sum(losses) / len(losses)
+
+
+def train(text: str, optimizer: str, seed: int, task: Task = Task(), data=None) -> dict:
+    """Train one model; the held-out loss, the training-loss curve, state bytes and seconds."""
+    start = time.perf_counter()
+    train_data, held, vocab = corpus(text) if data is None else data
+    torch.manual_seed(seed)
+    model = CharLM(vocab, task)
+    opt = OPTIMIZERS[optimizer][1](model, task, seed)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / task.warmup) * 0.5 * (1 + math.cos(math.pi * s / task.steps)))
+    gen = torch.Generator().manual_seed(100 + seed)
+    curve = []
+    for _ in range(task.steps):
+        x, y = batch(train_data, task, gen)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+        curve.append(loss.item())
+    params = sum(p.numel() for p in model.parameters())
+    return {"text": text, "optimizer": optimizer, "seed": seed, "held_out": held_out_loss(model, held, task),
+            "curve": curve, "state_bytes": state_bytes(opt), "params": params,
+            "state_bytes_bf16_stats": opt.state_bytes(2) if hasattr(opt, "state_bytes") else None,
+            "seconds": round(time.perf_counter() - start, 1), "task": asdict(task)}
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)
+
+
+def _job(args: tuple) -> dict:
+    text, optimizer, seed, task = args
+    path = OUT / "quality" / f"{text}-{optimizer}-{seed}-{task.steps}.json"
+    if os.environ.get("GEFEN_QUALITY_RESUME") == "1" and path.is_file():
+        cached = json.loads(path.read_text())
+        if cached["task"] == asdict(task):
+            return cached | {"reused": True}
+    result = train(text, optimizer, seed, task)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result) + "\n")
+    return result
+
+
+def run_jobs(jobs: list[tuple], workers: int) -> list[dict]:
+    """Run ``(text, optimizer, seed, task)`` jobs in spawned one-thread processes, printing progress."""
+    ctx = multiprocessing.get_context("spawn")  # never fork a process whose OpenMP pool is running
+    results = []
+    with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
+        futures = [pool.submit(_job, job) for job in jobs]
+        for i, fut in enumerate(cf.as_completed(futures), 1):
+            r = fut.result()
+            results.append(r)
+            print(f"[quality] {i}/{len(jobs)} {r['text']} {r['optimizer']} seed {r['seed']}: "
+                  f"{r['held_out']:.4f} ({r['seconds']} s{', reused' if r.get('reused') else ''})", flush=True)
+    return results
+
+
+# ----- report ---------------------------------------------------------------------------------
+def summarise(results: list[dict]) -> dict:
+    """Per text and optimizer: mean held-out loss over seeds, per-seed losses, and the ratio to
+    AdamW's mean over the *same* seeds (a row run on fewer seeds compares like with like)."""
+    table: dict[str, dict[str, dict]] = {}
+    for r in sorted(results, key=lambda r: r["seed"]):
+        entry = table.setdefault(r["text"], {}).setdefault(r["optimizer"], {
+            "losses": [], "seeds": [], "state_bytes": r["state_bytes"], "params": r["params"],
+            "state_bytes_bf16_stats": r.get("state_bytes_bf16_stats")})
+        entry["losses"].append(r["held_out"])
+        entry["seeds"].append(r["seed"])
+    for per_opt in table.values():
+        base = per_opt.get(BASELINE, {"seeds": [], "losses": []})
+        base_by_seed = dict(zip(base["seeds"], base["losses"]))
+        for entry in per_opt.values():
+            entry["mean"] = sum(entry["losses"]) / len(entry["losses"])
+            matched = [base_by_seed[s] for s in entry["seeds"] if s in base_by_seed]
+            entry["vs_adamw"] = (entry["mean"] / (sum(matched) / len(matched))
+                                 if len(matched) == len(entry["seeds"]) else float("nan"))
+    return table
+
+
+def plot_curves(results: list[dict], names: list[str], texts: list[str]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 4), dpi=110, squeeze=False)
+    window = 20
+    for ax, text in zip(axes[0], texts):
+        for name in names:
+            curves = [r["curve"] for r in results if r["text"] == text and r["optimizer"] == name]
+            if not curves:
+                continue
+            mean = np.mean(np.array(curves), axis=0)
+            smooth = np.convolve(mean, np.ones(window) / window, mode="valid")
+            ax.plot(np.arange(window, len(mean) + 1), smooth, label=name, linewidth=1)
+        ax.set_title(f"{text}: training loss (mean over seeds, {window}-step average)", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/char)")
+        finals = [r["curve"][-1] for r in results if r["text"] == text]
+        if finals:
+            ax.set_ylim(min(finals) - 0.3, min(finals) + 1.2)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / "quality_curves.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run(quick: bool) -> dict:
+    quick = quick or os.environ.get("GEFEN_BENCH_FULL") != "1"  # the 400-step plan only with --full
+    task = Task(steps=60, warmup=10, eval_batches=8) if quick else Task()
+    plan = [("stdlib", n, 0) for n in QUICK] if quick else full_plan()
+    if os.environ.get("GEFEN_QUALITY_CACHED_ONLY") == "1":  # render what an interrupted run measured
+        plan = [(t, n, s) for t, n, s in plan if (OUT / "quality" / f"{t}-{n}-{s}-{task.steps}.json").is_file()]
+    names = [n for n in OPTIMIZERS if any(n == o for _, o, _ in plan)]
+    texts = [t for t in TEXTS if any(t == x for x, _, _ in plan)]
+    workers = int(os.environ.get("GEFEN_BENCH_JOBS", "2"))
+    start = time.perf_counter()
+    results = run_jobs([(t, n, s, task) for t, n, s in plan], workers)
+    wall = time.perf_counter() - start
+    table = summarise(results)
+    rows = []
+    for name in names:
+        first = next(table[t][name] for t in texts if name in table[t])
+        bf16 = first["state_bytes_bf16_stats"]
+        row = [f"`{name}`", OPTIMIZERS[name][0], f"{first['state_bytes'] / first['params']:.3f}",
+               "" if bf16 is None else f"{bf16 / first['params']:.3f}"]
+        for text in texts:
+            e = table[text].get(name)
+            row += (["not run", ""] if e is None else
+                    [f"{e['mean']:.4f} ({' / '.join(f'{x:.4f}' for x in e['losses'])})", f"{e['vs_adamw']:.4f}"])
+        rows.append(row)
+    header = ["optimizer", "storage", "state B/param", "B/param, bf16 row/col stats"]
+    for text in texts:
+        header += [f"{text}: held-out loss, mean (per seed)", f"{text}: vs AdamW"]
+    reused = sum(bool(r.get("reused")) for r in results)
+    cpu = sum(r["seconds"] for r in results)
+    params = table[texts[0]][BASELINE]["params"]
+    markdown = "\n".join([
+        f"Character LM on real text ({params:,} parameters, d = {task.d}, {task.layers} layers, context "
+        f"{task.context}), {task.steps} steps of batch {task.batch} x {task.context}, cosine LR {task.lr} "
+        f"({task.warmup} warm-up steps), weight decay {task.weight_decay}, clipping 1.0, one thread per run; "
+        f"held-out loss = mean over {task.eval_batches} fixed batches of the last 10% of the text, seeds "
+        "0 and 1 for the core set (seed 0 only for the screened variants). `stdlib` is the text the variants were chosen on, `packages` one not "
+        "tuned on. `p-*` rows are the eager prototype `benchmarks/fidelity_variants.py` (state bytes as "
+        "packed codes + fp32 per-row/column statistics); the target is <= 1.005 x AdamW at <= 1.05 B/param. "
+        "\"vs AdamW\" divides by AdamW's mean over the same seeds.",
+        "",
+        md_table(header, rows),
+        "",
+        f"{len(results)} runs ({reused} reused from benchmarks/out/quality/), {cpu / 60:.1f} CPU-minutes of "
+        f"training; this rendering took {wall / 60:.1f} minutes wall on {workers} processes.",
+    ])
+    plots = [plot_curves(results, names, texts)]
+    write_json("quality", {"task": asdict(task), "summary": table, "wall_seconds": round(wall, 1),
+                           "runs": [{k: v for k, v in r.items() if k != "curve"} for r in results]})
+    return {"title": "Training quality on real text (character LM)", "markdown": markdown,
+            "plots": [str(p) for p in plots], "data": {"summary": table}}
+
+
+if __name__ == "__main__":
+    import sys
+
+    torch.set_num_threads(1)
+    print(json.dumps(run("--quick" in sys.argv)["data"], indent=1))

@@ -1,0 +1,47 @@
+"""Gefen against AdamW on real text: a shorter version of ``benchmarks/bench_quality.py``.
+
+A character LM (d = 64, 2 layers, context 64, batch 16, 150 steps, cosine LR 2e-3 with 20 warm-up
+steps, weight decay 0.1, clipping 1.0, one thread) on the standard library's top-level sources;
+held-out loss over 8 fixed batches of the last 10% of the text, mean over seeds 0 and 1.
+
+Measured (torch 2.13, CPU): AdamW 2.6892 / 2.7067, Gefen 2.6610 / 2.6667 (0.987x AdamW). This
+short run is early training, where the factored second moment is no handicap; the 400-step
+task of ``bench_quality`` is where Gefen's ~1.5% gap shows (docs/benchmarks.md). So this test
+is a guard against regressions (MARGIN = 1.01: 2.3% above today's ratio, four times the seed
+spread), not a check of the issue-17 target. About 20 s on one core.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.bench_quality import Task, corpus, train
+
+TASK = Task(d=64, layers=2, heads=4, context=64, batch=16, steps=150, warmup=20, eval_batches=8)
+SEEDS = (0, 1)
+MARGIN = 1.01
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def mean_held_out(name: str, data) -> float:
+    return sum(train("stdlib", name, seed, TASK, data)["held_out"] for seed in SEEDS) / len(SEEDS)
+
+
+def test_gefen_held_out_loss_close_to_adamw():
+    """Gefen's mean held-out loss is within MARGIN of AdamW's, and AdamW really learned (far below
+    the uniform guess log(vocab))."""
+    data = corpus("stdlib")
+    adamw, gefen = mean_held_out("adamw", data), mean_held_out("gefen", data)
+    report = f"AdamW {adamw:.4f}, Gefen {gefen:.4f} (ratio {gefen / adamw:.4f}, margin {MARGIN})"
+    assert adamw < 0.75 * math.log(data[2]), report
+    assert gefen <= MARGIN * adamw, report
