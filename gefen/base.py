@@ -19,10 +19,8 @@ from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
 from gefen.distributed import ReductionPlan, as_field_dtensor, is_dtensor, plan_reduction
 from gefen.geometry import (
     as_blocks,
-    block_shape,
     field_global_shape,
     is_valid_period,
-    rows_and_row_numel,
     shape_period,
 )
 from gefen.validation import (
@@ -340,19 +338,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
 
 def _local_shape(geometry: str, local: torch.Size, shape: tuple[int, ...], period: int) -> tuple[int, ...]:
-    """Shape of a field on this rank, from its geometry (SPEC 4)."""
-    local_rows = local[0] if len(local) else 1
-    if geometry == "scalar":
-        return ()
+    """Shape of a field on this rank: its global shape (``field_global_shape``) with this rank's
+    rows where the field follows the parameter's rows."""
     if geometry == "param":
         return tuple(local)
-    if geometry == "block":
-        return (local_rows, block_shape(shape, period)[1])
-    if geometry == "row":
-        return (local_rows,)
-    if geometry == "col":
-        return (rows_and_row_numel(shape)[1],)
-    raise ValueError(f"geometry {geometry!r} is not per-parameter")
+    global_shape_ = field_global_shape(geometry, shape, period)
+    if geometry in ("block", "row"):
+        return (local[0] if len(local) else 1, *global_shape_[1:])
+    return global_shape_
 
 
 def _add_global_state(optimizer: CompressedOptimizer, state_dict: dict) -> dict:
