@@ -9,7 +9,7 @@ Measured (torch 2.13, CPU): AdamW 2.6892 / 2.7067; Gefen (default, m4v4) 2.6723 
 where m8's factored second moment is no handicap; the 400-step task of ``bench_quality`` is
 where m8's ~1.5% gap shows (docs/benchmarks.md). So this test is a guard against regressions
 (MARGIN = 1.01: 1.6% above the default's ratio, about three times the seed spread), not a check
-of the issue-17 target. About 20 s on one core (m4v4's torch step: ~40 s).
+of the issue-17 target.
 """
 
 from __future__ import annotations
