@@ -16,7 +16,7 @@ import torch
 from gefen import native
 from gefen.codebook import histogram_normalised_blocks, learn_codebook
 from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
-from gefen.distributed import ReductionPlan, as_field_dtensor, is_dtensor, plan_reduction
+from gefen.distributed import Layout, ReductionPlan, as_field_dtensor, is_dtensor, plan_reduction, refusal
 from gefen.geometry import (
     as_blocks,
     field_global_shape,
@@ -101,6 +101,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _init_param_state(self, group: dict, param: torch.Tensor, period: int) -> dict:
         raise NotImplementedError
 
+    def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
+        """Refuse, before any state exists, a layout the step cannot honour: by default one that
+        splits columns (tensor parallelism's ``Shard(1)``), whose row statistics it does not reduce."""
+        if layout.col_dim is not None:
+            raise refusal(name, param, type(self).__name__,
+                          "use Gefen(moments='m4v4'), which reduces row statistics over the tensor-parallel "
+                          "dimension")
+
     # ----- parameters -----------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         probe = dict(param_group)
@@ -133,7 +141,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         key = tuple(id(p) for g in self.param_groups for p in g["params"])
         if self._plan is None or self._plan[0] != key:
             named = [(param_label(g, i), p) for g in self.param_groups for i, p in enumerate(g["params"])]
-            self._plan = (key, plan_reduction(named))
+            plan = plan_reduction(named)
+            for name, p in named:
+                if (layout := plan.layout(p)) is not None:
+                    self._check_layout(name, p, layout)
+            self._plan = (key, plan)
         return self._plan[1]
 
     def _begin_step(self, closure) -> tuple[object, list[tuple[dict, torch.Tensor, torch.Tensor]]]:

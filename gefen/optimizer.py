@@ -89,7 +89,7 @@ class Gefen(CompressedOptimizer):
         for i, (group, p, grad) in enumerate(work):
             if "v_row" in self.state[p]:
                 v_row, parts = second_moment_partials(local_tensor(grad), self.state[p], group["betas"][1])
-                factored.append((i, v_row, parts if plan.counts(p) else parts.zero_()))
+                factored.append((i, v_row, plan.spread_partials(p, parts, parts.numel() - 1)))
         pending = {}
         if factored:
             flat = torch.cat([parts for _, _, parts in factored])
