@@ -245,7 +245,7 @@ class ReductionPlan:
             return total
         return torch.cat([total[lay.col0:lay.col0 + local_size(p, 1)], total[columns:]])
 
-    def reduce_rows_(self, op: str, params: Sequence[torch.Tensor], rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def reduce_rows_(self, op: str, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per-row values of column-split parameters reduced (``"sum"``/``"max"``) over the ranks
         holding the other columns of the same rows: one collective for all of them."""
         if self.columns is None or not rows:

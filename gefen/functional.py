@@ -4,6 +4,13 @@ A step is two phases so that distributed runs need one all-reduce per step:
 ``second_moment_partials`` computes what must be summed over ranks (factored tensors only),
 the caller sums every parameter's partials at once, then ``gefen_update_`` applies the step.
 All functions take the rank-local (row-sharded) tensors plus the *global* row count.
+
+Two layouts: "m8" (contract version "1": 8-bit first-moment codes, factored or per-block second
+moment: ``second_moment_partials`` / ``gefen_update_``) and the default "m4v4" (version "2": a
+4-bit first-moment code and a 4-bit code of the second moment against the factored estimate in
+one byte, both stochastically rounded: ``m4v4_partials`` / ``m4v4_update_``, exact AdamW
+``adamw_update_`` for 1-D tensors). The m4v4 functions are the reference the fused kernels
+reproduce bit for bit (docs/format.md, "The m4v4 step").
 """
 
 from __future__ import annotations
@@ -16,6 +23,16 @@ import torch
 from gefen import native
 from gefen.geometry import as_blocks, block_shape
 from gefen.quant import dequantise, quantise
+from gefen.stochastic import (
+    LOG_RANGE,
+    TINY,
+    V_BINS,
+    element_index,
+    encode,
+    hash_uniform,
+    histogram_fixed,
+    salts,
+)
 
 
 @dataclass(frozen=True)
@@ -135,3 +152,212 @@ def update_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: tor
     state["m_code"].copy_(codes)
     state["m_scale"].copy_(scales)
     return dequantise(codes, scales, codebook, period)
+
+
+# ----- the "m4v4" layout (contract version "2"): one byte per element -------------------------
+#: state of a tensor of >= 2 dims: low nibble of ``mv_code`` = first-moment code, high nibble =
+#: second-moment code (against the factored estimate); 1-D/0-D tensors keep exact AdamW moments
+M4V4_MATRIX_FIELDS = ("step", "mv_code", "m_row_scale", "v_row", "v_col")
+EXACT_FIELDS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def is_coded(global_shape: tuple[int, ...]) -> bool:
+    """Under m4v4, tensors of two or more dims are coded; the rest keep exact moments."""
+    return len(global_shape) >= 2
+
+
+def init_m4v4_state(param: torch.Tensor, global_shape: tuple[int, ...]) -> dict:
+    """Zero m4v4 state for one parameter; ``param`` is the local (row-sharded) tensor."""
+    dev = param.device
+    state = {"step": torch.zeros((), dtype=torch.int64)}
+    if not is_coded(global_shape):
+        state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=dev)
+        state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=dev)
+        return state
+    local_rows = param.shape[0]
+    state["mv_code"] = torch.zeros(param.shape, dtype=torch.uint8, device=dev)
+    state["m_row_scale"] = torch.zeros(local_rows, dtype=torch.bfloat16, device=dev)
+    state["v_row"] = torch.zeros(local_rows, dtype=torch.float32, device=dev)
+    # this rank's columns: all of them unless tensor parallelism splits them
+    state["v_col"] = torch.zeros(math.prod(param.shape[1:]), dtype=torch.float32, device=dev)
+    return state
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A >= 2-D tensor as fp32 ``[rows, row_numel]``."""
+    return rows_view(t.float())
+
+
+def rows_view(t: torch.Tensor) -> torch.Tensor:
+    """A >= 2-D tensor as ``[rows, row_numel]`` (its own dtype)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
+
+
+def _div(x: torch.Tensor, s: float) -> torch.Tensor:
+    """``x / fp32(s)`` as one IEEE division on every device (CUDA turns a division by a Python
+    scalar into a multiplication by its reciprocal; by a tensor it divides)."""
+    return x / torch.tensor(s, dtype=torch.float32, device=x.device)
+
+
+def row_square_sums(grad: torch.Tensor) -> torch.Tensor:
+    """float64 sums of g^2 along each (local) row: the statistic a column split cuts, so tensor
+    parallelism sums it over the ranks holding the row's other columns before ``m4v4_partials``."""
+    g = _rows(grad)
+    return (g * g).sum(1, dtype=torch.float64)
+
+
+def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: torch.Tensor | None = None,
+                  row_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of an m4v4 step for a coded tensor: the new ``v_row`` (rank-local) and the float64
+    partial sums that need a global reduction, ``[column sums of g^2 (C values), sum of the new
+    v_row, sum of the old v_row]``. Row statistics are float64 sums rounded once.
+
+    Tensor parallelism (columns split) passes ``row_sum``, the whole rows' ``row_square_sums``,
+    and ``row_len``, the global row length; the column sums stay those of the local columns."""
+    g = _rows(grad)
+    sq = g * g
+    row_sum = sq.sum(1, dtype=torch.float64) if row_sum is None else row_sum
+    v_row = state["v_row"] * beta2 + (row_sum / max(g.shape[1] if row_len is None else row_len, 1)).float() * (1 - beta2)
+    partials = torch.cat([sq.sum(0, dtype=torch.float64), v_row.sum(dtype=torch.float64).reshape(1),
+                          state["v_row"].sum(dtype=torch.float64).reshape(1)])
+    return v_row, partials
+
+
+def factored_estimates(state: dict, v_row: torch.Tensor, partials: torch.Tensor, beta2: float, *,
+                       global_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(v_col', vhat_old, vhat_new)`` from the state *before* the step and the reduced partials:
+    ``vhat = (v_row / max(mean(v_row), TINY))[i] * v_col[j]`` for the old and the new statistics."""
+    rows = max(global_rows, 1)
+    col_mean = (partials[:-2] / rows).float()
+    v_col = state["v_col"] * beta2 + col_mean * (1 - beta2)
+    mean_new = (partials[-2] / rows).float().clamp_min(TINY)
+    mean_old = (partials[-1] / rows).float().clamp_min(TINY)
+    vhat_new = (v_row / mean_new)[:, None] * v_col[None, :]
+    vhat_old = (state["v_row"] / mean_old)[:, None] * state["v_col"][None, :]
+    return v_col, vhat_old, vhat_new
+
+
+def _second_moment(state: dict, sq: torch.Tensor, ratio: torch.Tensor, beta2: float,
+                   vhat_old: torch.Tensor) -> torch.Tensor:
+    """The new per-element second moment (before re-quantisation): decoded old v, then the EMA."""
+    v = vhat_old * ratio[(state["mv_code"].reshape(sq.shape) >> 4).long()]
+    return v * beta2 + sq * (1 - beta2)
+
+
+def m4v4_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict,
+    codebook: torch.Tensor,
+    ratio: torch.Tensor,
+    h: Hyper,
+    *,
+    global_rows: int,
+    v_row: torch.Tensor,
+    partials: torch.Tensor,
+    pidx: int,
+    seed: int,
+    row0: int = 0,
+    col0: int = 0,
+    row_len: int | None = None,
+    row_max: torch.Tensor | None = None,
+) -> None:
+    """Phase 2 of an m4v4 step for a coded tensor, in place (docs/format.md, "The m4v4 step").
+
+    ``codebook``: the 16-entry first-moment codebook; ``ratio``: ``ratio_table(v_codebook)``;
+    ``v_row``/``partials``: ``m4v4_partials``' results after the global sum; ``pidx``/``seed``:
+    the rounding noise's salts; ``row0``/``col0``: the global index of this shard's first row and
+    column; ``row_len``: the global row length (default: the local one); ``row_max``: tensor
+    parallelism's max |m| of each whole row (``m4v4_momentum`` reduced over the ranks holding the
+    row's other columns; the fused kernels do not take it).
+    """
+    if row_max is None and native.fused_m4v4_update_(param, grad, state, codebook, ratio, h, global_rows=global_rows, v_row=v_row,
+                                 partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0, row_len=row_len):
+        return
+    b1, b2 = h.beta1, h.beta2
+    step = int(state["step"]) + 1
+    g = _rows(grad)
+    rows, cols = g.shape
+    sq = g * g
+    v_col, vhat_old, vhat_new = factored_estimates(state, v_row, partials, b2, global_rows=global_rows)
+    state["step"].fill_(step)
+    if g.numel() == 0:
+        state["v_row"].copy_(v_row)
+        state["v_col"].copy_(v_col)
+        if row_max is not None:  # rows without local columns: the scale the other columns' ranks keep
+            state["m_row_scale"].copy_(row_max)
+        return
+    gidx = element_index(rows, cols, row0=row0, row_len=cols if row_len is None else row_len, col0=col0,
+                         device=g.device)
+    salt_m, salt_v = salts(pidx, seed)
+
+    # second moment: per-element code of v / vhat against the ratio table
+    v = _second_moment(state, sq, ratio, b2, vhat_old)
+    r = v / vhat_new.clamp_min(TINY)
+    vcode = encode(r, ratio, hash_uniform(gidx, step, salt_v))
+    vq = vhat_new * ratio[vcode]
+    denom = _div(vq.sqrt(), math.sqrt(1 - b2**step)) + h.eps
+
+    # first moment: per-row max-abs scale (bf16), 4-bit code
+    m = m4v4_momentum(g, state, codebook, b1)
+    s_f = (row_abs_max(m) if row_max is None else row_max).to(torch.bfloat16).float()
+    x = m / torch.where(s_f == 0, 1.0, s_f)[:, None]
+    mcode = encode(x, codebook, hash_uniform(gidx, step, salt_m))
+    mq = codebook[mcode] * s_f[:, None]
+
+    # update (the same op order as gefen_update_)
+    work = param if param.dtype in (torch.float32, torch.float64) else param.float()
+    if h.weight_decay:
+        work.mul_(1 - h.lr * h.weight_decay)
+    upd = _div(mq, 1 - b1**step) / denom
+    work.add_(upd.view(work.shape), alpha=-h.lr)
+    if work is not param:
+        param.copy_(work)
+    state["mv_code"].copy_((mcode | (vcode << 4)).view(state["mv_code"].shape))
+    state["m_row_scale"].copy_(s_f)
+    state["v_row"].copy_(v_row)
+    state["v_col"].copy_(v_col)
+
+
+def m4v4_momentum(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1: float) -> torch.Tensor:
+    """The new first moment of a coded tensor, fp32 ``[rows, row_numel]`` (before re-quantisation):
+    the decoded old one, then the EMA."""
+    g = _rows(grad)
+    m = codebook[(state["mv_code"].reshape(g.shape) & 15).long()] * state["m_row_scale"].float()[:, None]
+    return m * beta1 + g * (1 - beta1)
+
+
+def row_abs_max(m: torch.Tensor) -> torch.Tensor:
+    """max |m| of each row of a ``[rows, cols]`` tensor (0 for rows without columns)."""
+    return m.abs().amax(1) if m.shape[1] else m.new_zeros(m.shape[0])
+
+
+def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper) -> None:
+    """An m4v4 step of a 1-D/0-D tensor: exact AdamW with the m4v4 op discipline, in place."""
+    b1, b2 = h.beta1, h.beta2
+    step = int(state["step"]) + 1
+    g = grad.float()
+    m = state["exp_avg"] * b1 + g * (1 - b1)
+    v = state["exp_avg_sq"] * b2 + (g * g) * (1 - b2)
+    denom = _div(v.sqrt(), math.sqrt(1 - b2**step)) + h.eps
+    state["step"].fill_(step)
+    work = param if param.dtype in (torch.float32, torch.float64) else param.float()
+    if h.weight_decay:
+        work.mul_(1 - h.lr * h.weight_decay)
+    work.add_(_div(m, 1 - b1**step) / denom, alpha=-h.lr)
+    if work is not param:
+        param.copy_(work)
+    state["exp_avg"].copy_(m)
+    state["exp_avg_sq"].copy_(v)
+
+
+def v_ratio_histogram(grad: torch.Tensor, state: dict, ratio: torch.Tensor, beta2: float, *, global_rows: int,
+                      v_row: torch.Tensor, partials: torch.Tensor, num_bins: int = V_BINS) -> torch.Tensor:
+    """int64 counts of ``clamp(log(max(v, TINY) / max(vhat, TINY)) / 8, -1, 1)`` for one coded
+    tensor at the step its codebooks are learned (old moments zero: ``v = g^2 (1 - b2)``); the
+    optimizer all-reduces the sum over tensors and solves the second-moment codebook from it."""
+    g = _rows(grad)
+    _, vhat_old, vhat_new = factored_estimates(state, v_row, partials, beta2, global_rows=global_rows)
+    v = _second_moment(state, g * g, ratio, beta2, vhat_old)
+    x = torch.log(v.clamp_min(TINY) / vhat_new.clamp_min(TINY)).div_(LOG_RANGE).clamp_(-1.0, 1.0)
+    return histogram_fixed(x, num_bins)

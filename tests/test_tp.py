@@ -14,7 +14,9 @@ from collections import OrderedDict
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
 
@@ -95,74 +97,135 @@ def assert_same(want: dict, got: dict, what: str) -> None:
         assert value.dtype == got[key].dtype and torch.equal(value, got[key]), f"{what}: {key}"
 
 
-# ----- rows split over both mesh dimensions (ColwiseParallel under FSDP2): any second moment ------
-COLWISE = {"emb": "rowwise", "up": "colwise"}  # RowwiseParallel on an Embedding is Shard(0)
-
-
-def _rows_world(rank: int, world: int, dp: int, kinds: tuple[str, ...]) -> dict:
-    mesh = mesh_of(dp, world // dp)
-    out = {}
-    for kind in kinds:
-        m = parallel_model(0, mesh, COLWISE)
-        opt = make_opt(kind, m)
-        train(m, opt, 0, STEPS)
-        out[kind] = snapshot(m, opt)
-    return out
-
-
 def make_opt(kind: str, m: nn.Module):
     named = list(m.named_parameters())
-    if kind == "m8":
+    if kind == "m4v4":
         return Gefen(named, lr=1e-2, weight_decay=0.1)
+    if kind == "m8":
+        return Gefen(named, lr=1e-2, weight_decay=0.1, moments="m8")
     if kind == "m8_block":
-        return Gefen(named, lr=1e-2, factored_v_2d=False)
+        return Gefen(named, lr=1e-2, factored_v_2d=False, moments="m8")
     raise ValueError(kind)
 
 
-def test_rows_split_over_both_dims_match_one_process():
-    """ColwiseParallel under FSDP2 splits rows over dp (_StridedShard) and tp: state and parameters
-    after three steps on 2x2 equal one process bit for bit (every field compared whole)."""
-    kinds = ("m8", "m8_block")
-    want = {}
-    for kind in kinds:
-        m = parallel_model(0, None)
-        opt = make_opt(kind, m)
-        train(m, opt, 0, STEPS)
-        want[kind] = snapshot(m, opt)
-    for r in run(_rows_world, 4, 2, kinds, timeout=300):
-        for kind in kinds:
-            assert_same(want[kind], r[kind], f"{kind} 2x2")
+#: rows split over both mesh dimensions only (ColwiseParallel under FSDP2; RowwiseParallel on an
+#: Embedding is Shard(0)): every second-moment layout works there, m8 included
+COLWISE = {"emb": "rowwise", "up": "colwise"}
+M8_KINDS = ("m8", "m8_block")
 
 
-# ----- refusals: a clear one-line error before any state exists ---------------------------------
-def _refusal_world(rank: int, world: int) -> dict:
-    mesh = mesh_of(2, 2)
-    out = {}
+def uninterrupted(kind: str, styles: dict, steps: int) -> dict[str, torch.Tensor]:
+    m = parallel_model(0, None, styles)
+    opt = make_opt(kind, m)
+    train(m, opt, 0, steps)
+    return snapshot(m, opt)
+
+
+def save(m, opt, path: str) -> None:
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def resume(path: str, mesh) -> tuple[nn.Module, object]:
+    """A fresh model (other initial weights) and optimizer (no state), filled the stock way."""
+    m = parallel_model(1, mesh)
+    opt = make_opt("m4v4", m)
+    msd, osd = get_state_dict(m, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd)
+    return m, opt
+
+
+def _refusals(mesh) -> dict[str, tuple[str, bool]]:
+    """What each optimizer that cannot honour tensor parallelism says at its first step, and
+    whether it left its state empty."""
     makers = {
-        "m8": lambda m: Gefen(m.named_parameters(), lr=1e-2),
+        "m8": lambda m: Gefen(m.named_parameters(), lr=1e-2, moments="m8"),
         "muon": lambda m: GefenMuon([(n, p) for n, p in m.named_parameters() if p.dim() == 2], lr=1e-2),
         "hybrid": lambda m: GefenMuonHybrid(m, lr=1e-2),
     }
+    out = {}
     for kind, make in makers.items():
         m = parallel_model(0, mesh)
         opt = make(m)
         try:
             train(m, opt, 0, 1)
-            out[kind] = ("stepped", None)
+            out[kind] = ("stepped", False)
         except ValueError as exc:
             out[kind] = (str(exc), all(not s for s in opt.state.values()))
     return out
 
 
-@pytest.mark.timeout(300)
-def test_unsupported_tensor_parallel_layouts_are_refused():
+def _world_2x2(rank: int, world: int, path: str) -> dict:
+    """On a (dp, tp) = (2, 2) mesh: m4v4 with every TP style (saved the stock way to ``path``),
+    every layout on row splits only, and the refusals."""
+    mesh = mesh_of(2, 2)
+    m = parallel_model(0, mesh)
+    opt = make_opt("m4v4", m)
+    train(m, opt, 0, STEPS)
+    out = {"m4v4": snapshot(m, opt)}
+    save(m, opt, path)
+    for kind in M8_KINDS:
+        m = parallel_model(0, mesh, COLWISE)
+        opt = make_opt(kind, m)
+        train(m, opt, 0, STEPS)
+        out[kind] = snapshot(m, opt)
+    out["refusals"] = _refusals(mesh)
+    return out
+
+
+def _resume_world(rank: int, world: int, dp: int, path: str) -> dict:
+    m, opt = resume(path, mesh_of(dp, world // dp))
+    train(m, opt, STEPS, MORE)
+    return snapshot(m, opt)
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tp") / "2x2")
+    return path, run(_world_2x2, 4, path, timeout=400)
+
+
+@pytest.mark.timeout(500)
+def test_2x2_matches_one_process(two_by_two):
+    """The same global gradients on a (dp, tp) = (2, 2) mesh and in one process: every state field
+    (compared whole through the DTensors state_dict() presents) and parameter is bit for bit equal;
+    ColwiseParallel (rows split over dp and tp) and RowwiseParallel (columns split over tp) on
+    uneven splits, for m4v4 and, on row splits only, for m8."""
+    _, results = two_by_two
+    want = {"m4v4": uninterrupted("m4v4", STYLES, STEPS)} | {k: uninterrupted(k, COLWISE, STEPS) for k in M8_KINDS}
+    assert any(k.endswith("/mv_code") for k in want["m4v4"]) and any(k.endswith("/v_col") for k in want["m4v4"])
+    for r in results:
+        for kind, value in want.items():
+            assert_same(value, r[kind], f"{kind} on 2x2")
+
+
+@pytest.mark.timeout(600)
+def test_stock_checkpoint_of_2x2_resumes_on_other_meshes(two_by_two):
+    """get_state_dict + dcp.save on 2x2, then a fresh model and optimizer on 1x3, 3x1 and one
+    process: get_state_dict, dcp.load, set_state_dict, continue; each equals the uninterrupted run
+    bit for bit."""
+    path, _ = two_by_two
+    want = uninterrupted("m4v4", STYLES, STEPS + MORE)
+    for dp in (1, 3):
+        for r in run(_resume_world, 3, dp, path, timeout=300):
+            assert_same(want, r, f"2x2 -> {dp}x{3 // dp}")
+    m, opt = resume(path, None)
+    train(m, opt, STEPS, MORE)
+    assert_same(want, snapshot(m, opt), "2x2 -> one process")
+
+
+def test_unsupported_tensor_parallel_layouts_are_refused(two_by_two):
     """m8 with columns split, and GefenMuon / GefenMuonHybrid on any tensor-parallel matrix: one
     line naming the parameter, its placements and the alternative; no state allocated."""
-    for r in run(_refusal_world, 4, timeout=300):
-        for kind, (message, untouched) in r.items():
-            assert untouched, kind
+    _, results = two_by_two
+    for r in results:
+        refusals = r["refusals"]
+        for kind, (message, untouched) in refusals.items():
+            assert untouched, (kind, message)
             assert "\n" not in message and "unsupported layout" in message, (kind, message)
-            assert "Shard(dim=1)" in message or "Shard(dim=0)" in message, (kind, message)
-        assert "moments='m4v4'" in r["m8"][0]
+            assert "parameter '" in message and "Shard(dim=" in message, (kind, message)
+        assert "moments='m4v4'" in refusals["m8"][0]
         for kind in ("muon", "hybrid"):
-            assert "GefenMuon" in r[kind][0] and "Gefen" in r[kind][0] and "backup" in r[kind][0], r[kind]
+            message = refusals[kind][0]
+            assert "GefenMuon" in message and "with Gefen" in message and "backup" in message, message

@@ -1,0 +1,286 @@
+"""The m4v4 torch reference (gefen/stochastic.py, gefen/functional.py) against the arithmetic
+written out independently in numpy float32 (one IEEE op per line, as docs/format.md states it),
+plus the properties the layout relies on: unbiased rounding, layout-independent noise."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gefen.codebook import solve_codebook
+from gefen.functional import (
+    Hyper,
+    adamw_update_,
+    init_m4v4_state,
+    m4v4_partials,
+    m4v4_update_,
+    v_ratio_histogram,
+)
+from gefen.stochastic import (
+    GUARD,
+    element_index,
+    encode,
+    hash_uniform,
+    histogram_fixed,
+    ratio_table,
+    salts,
+    standin_codebook,
+)
+
+F32 = np.float32
+TINY = np.finfo(np.float32).tiny
+
+
+# ----- an independent numpy model of the spec ------------------------------------------------
+def np_hash(gidx: np.ndarray, t: int, salt: int) -> np.ndarray:
+    m = 0xFFFFFFFF
+    x = (gidx.astype(object) * 0x9E3779B1 + t * 0x85EBCA77 + salt * 0xC2B2AE3D) % 2**32
+    x = np.array([int(v) for v in x.ravel()], dtype=np.uint64).reshape(gidx.shape)
+    x = ((x ^ (x >> np.uint64(16))) * np.uint64(0x7FEB352D)) & np.uint64(m)
+    x = ((x ^ (x >> np.uint64(15))) * np.uint64(0x846CA68B)) & np.uint64(m)
+    x = x ^ (x >> np.uint64(16))
+    return (x >> np.uint64(8)).astype(F32) * F32(2.0**-24)
+
+
+def np_encode(x: np.ndarray, table: np.ndarray, u: np.ndarray) -> np.ndarray:
+    hi = np.clip(np.searchsorted(table, x, side="left"), 1, 15)
+    lo = hi - 1
+    p = np.clip((x - table[lo]) / np.maximum(table[hi] - table[lo], F32(1e-12)), F32(0), F32(1))
+    return np.where(u < p, hi, lo)
+
+
+def np_step(param, grad, st, cb, vcb, lr, b1, b2, eps, wd, pidx, seed):
+    """One m4v4 step of a whole (unsharded) matrix; returns new (param, mv_code, scale_bf16_as_f32, v_row, v_col)."""
+    R = np.exp(vcb.astype(np.float64) * 8).astype(F32)
+    rows, C = grad.shape
+    t = st["step"] + 1
+    g = grad.astype(F32)
+    sq = g * g
+    row_sum = sq.astype(np.float64).sum(1)
+    v_row_new = st["v_row"] * F32(b2) + (row_sum / C).astype(F32) * F32(1 - b2)
+    col_sum = sq.astype(np.float64).sum(0)
+    S_new, S_old = v_row_new.astype(np.float64).sum(), st["v_row"].astype(np.float64).sum()
+    v_col_new = st["v_col"] * F32(b2) + (col_sum / rows).astype(F32) * F32(1 - b2)
+    mean_new = max(F32(S_new / rows), TINY)
+    mean_old = max(F32(S_old / rows), TINY)
+    vhat_new = (v_row_new / mean_new)[:, None] * v_col_new[None, :]
+    vhat_old = (st["v_row"] / mean_old)[:, None] * st["v_col"][None, :]
+    gidx = np.arange(rows * C, dtype=np.int64).reshape(rows, C)
+    salt_m = (2 * pidx + 7919 * seed) % 2**32
+    v = vhat_old * R[st["mv_code"] >> 4]
+    v = v * F32(b2) + sq * F32(1 - b2)
+    r = v / np.maximum(vhat_new, TINY)
+    vcode = np_encode(r, R, np_hash(gidx, t, salt_m + 1))
+    vq = vhat_new * R[vcode]
+    denom = np.sqrt(vq) / F32(math.sqrt(1 - b2**t)) + F32(eps)
+    m = cb[st["mv_code"] & 15] * st["scale"][:, None]
+    m = m * F32(b1) + g * F32(1 - b1)
+    s = np.abs(m).max(1)
+    s_f = torch.from_numpy(s).to(torch.bfloat16).float().numpy()  # bf16 round-to-nearest-even
+    x = m / np.where(s_f == 0, F32(1), s_f)[:, None]
+    mcode = np_encode(x, cb, np_hash(gidx, t, salt_m))
+    mq = cb[mcode] * s_f[:, None]
+    p = param * F32(1 - lr * wd)
+    upd = mq / F32(1 - b1**t)
+    upd = upd / denom
+    # param + (-lr) * upd with one rounding (torch's add_(alpha=) and the C kernel use a fused
+    # multiply-add there): the product of two fp32 is exact in float64
+    p = (p.astype(np.float64) + upd.astype(np.float64) * np.float64(F32(-lr))).astype(F32)
+    return p, (mcode | (vcode << 4)).astype(np.uint8), s_f, v_row_new, v_col_new
+
+
+# ----- the pure helpers ----------------------------------------------------------------------
+def test_hash_matches_the_spec_formula_including_wraparound():
+    gidx = np.array([[0, 1, 2, 2**31 - 1], [2**32 + 5, 3 * 2**40 + 7, 12345678901, 2**62 + 3]], dtype=np.int64)
+    for t, salt in ((1, 0), (7, 1), (123456, 2**32 - 1)):
+        want = np_hash(gidx, t, salt)
+        got = hash_uniform(torch.from_numpy(gidx), t, salt).numpy()
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want)
+    u = hash_uniform(torch.arange(100_000), 3, 11)
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01  # roughly uniform
+    assert salts(3, 2) == (6 + 7919 * 2, 7 + 7919 * 2)
+    assert salts(0, 2**31)[0] == (7919 * 2**31) % 2**32
+
+
+def test_element_index_is_the_global_flat_index_on_any_row_or_column_split():
+    whole = element_index(6, 10, row0=0, row_len=10)
+    assert torch.equal(whole.reshape(-1), torch.arange(60))
+    assert torch.equal(element_index(2, 10, row0=3, row_len=10), whole[3:5])
+    assert torch.equal(element_index(2, 4, row0=3, row_len=10, col0=5), whole[3:5, 5:9])
+
+
+def test_encode_end_points_ties_and_out_of_range():
+    table = standin_codebook()
+    u = torch.full((5,), 0.999)
+    x = torch.tensor([-1.0, float(table[5]), 1.0, -3.0, 7.0])
+    assert encode(x, table, u).tolist() == [0, 5, 15, 0, 15]
+    assert encode(x, table, torch.zeros(5)).tolist() == [0, 5, 15, 0, 15]
+    # a repeated entry (a DP codebook can pad with +1): exact hits take the first equal entry
+    dup = torch.tensor([-1.0] + [0.0] * 14 + [1.0])
+    assert encode(torch.tensor([0.0, 0.5, 0.5]), dup, torch.tensor([0.5, 0.25, 0.5])).tolist() == [1, 15, 14]
+    assert GUARD == float(np.float32(1e-12))
+
+
+def test_encode_is_unbiased():
+    table = torch.sort(torch.rand(16, generator=torch.Generator().manual_seed(0)) * 2 - 1).values
+    table[0], table[-1] = -1.0, 1.0
+    x = torch.tensor([-0.93, -0.2, 0.0, 0.37, 0.999])
+    n = 200_000
+    u = hash_uniform(torch.arange(n * 5).view(n, 5), 1, 0)
+    decoded = table[encode(x.expand(n, 5), table, u)]
+    assert torch.allclose(decoded.mean(0), x, atol=3e-3)
+
+
+def test_ratio_table_is_exp_8c_rounded_once_from_float64():
+    vcb = solve_codebook(torch.randint(0, 50, (256,), generator=torch.Generator().manual_seed(1)), 16)
+    want = np.exp(vcb.numpy().astype(np.float64) * 8).astype(np.float32)
+    np.testing.assert_array_equal(ratio_table(vcb).numpy(), want)
+
+
+def test_histogram_fixed_bins():
+    x = torch.tensor([-1.0, -0.99, 0.0, 0.5, 1.0])
+    counts = histogram_fixed(x, 4)
+    assert counts.tolist() == [2, 0, 1, 2]
+
+
+# ----- one step against the numpy model ------------------------------------------------------
+def _problem(seed: int, rows: int = 6, cols: int = 40):
+    gen = torch.Generator().manual_seed(seed)
+    param = torch.randn(rows, cols, generator=gen)
+    grads = [torch.randn(rows, cols, generator=gen) * (0.1 + i) for i in range(4)]
+    cb = solve_codebook(torch.randint(0, 30, (256,), generator=gen), 16)
+    vcb = solve_codebook(torch.randint(0, 30, (256,), generator=gen), 16)
+    return param, grads, cb, vcb
+
+
+def _torch_step(param, grad, state, cb, vcb, h, pidx, seed):
+    v_row, partials = m4v4_partials(grad, state, h.beta2)
+    m4v4_update_(param, grad, state, cb, ratio_table(vcb), h, global_rows=param.shape[0], v_row=v_row,
+                 partials=partials, pidx=pidx, seed=seed)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_m4v4_step_matches_the_numpy_model_bit_for_bit(wd):
+    param, grads, cb, vcb = _problem(0)
+    h = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd)
+    state = init_m4v4_state(param, tuple(param.shape))
+    np_p = param.numpy().copy()
+    np_st = {"step": 0, "mv_code": np.zeros(param.shape, np.uint8), "scale": np.zeros(6, np.float32),
+             "v_row": np.zeros(6, np.float32), "v_col": np.zeros(40, np.float32)}
+    for grad in grads:
+        _torch_step(param, grad, state, cb, vcb, h, pidx=3, seed=1)
+        np_p, code, scale, v_row, v_col = np_step(np_p, grad.numpy(), np_st, cb.numpy(), vcb.numpy(), h.lr,
+                                                   h.beta1, h.beta2, h.eps, wd, 3, 1)
+        np_st = {"step": np_st["step"] + 1, "mv_code": code, "scale": scale, "v_row": v_row, "v_col": v_col}
+        np.testing.assert_array_equal(state["mv_code"].numpy(), code)
+        np.testing.assert_array_equal(state["m_row_scale"].float().numpy(), scale)
+        np.testing.assert_array_equal(state["v_row"].numpy(), v_row)
+        np.testing.assert_array_equal(state["v_col"].numpy(), v_col)
+        np.testing.assert_array_equal(param.numpy(), np_p)
+    assert int(state["step"]) == 4
+    assert state["m_row_scale"].dtype == torch.bfloat16
+    assert len(set((state["mv_code"] >> 4).reshape(-1).tolist())) > 3  # the v codes move
+
+
+def test_m4v4_step_is_independent_of_the_row_split():
+    """Two row shards (partials summed as the all-reduce would) reproduce the whole tensor's step."""
+    param, grads, cb, vcb = _problem(1, rows=7, cols=12)
+    h = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+    ratio = ratio_table(vcb)
+    whole, st = param.clone(), init_m4v4_state(param, (7, 12))
+    parts = [param[:4].clone(), param[4:].clone()]
+    sts = [init_m4v4_state(parts[0], (7, 12)), init_m4v4_state(parts[1], (7, 12))]
+    for grad in grads:
+        _torch_step(whole, grad, st, cb, vcb, h, pidx=5, seed=0)
+        halves = [grad[:4], grad[4:]]
+        results = [m4v4_partials(g, s, h.beta2) for g, s in zip(halves, sts)]
+        total = results[0][1] + results[1][1]
+        for i, (p, g, s, (v_row, _)) in enumerate(zip(parts, halves, sts, results)):
+            m4v4_update_(p, g, s, cb, ratio, h, global_rows=7, v_row=v_row, partials=total.clone(), pidx=5,
+                         seed=0, row0=4 * i)
+    assert torch.equal(torch.cat(parts), whole)
+    assert torch.equal(torch.cat([s["mv_code"] for s in sts]), st["mv_code"])
+    assert torch.equal(torch.cat([s["m_row_scale"] for s in sts]), st["m_row_scale"])
+
+
+def test_m4v4_step_seeds_and_positions_change_the_noise_only():
+    param, grads, cb, vcb = _problem(2)
+    h = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    out, stats = [], []
+    for pidx, seed in ((0, 0), (0, 1), (1, 0), (0, 0)):
+        p, st = param.clone(), init_m4v4_state(param, tuple(param.shape))
+        for grad in grads:
+            _torch_step(p, grad, st, cb, vcb, h, pidx, seed)
+        out.append(p)
+        stats.append((st["v_row"], st["v_col"]))
+    assert not torch.equal(out[0], out[1]) and not torch.equal(out[0], out[2])
+    assert torch.equal(out[0], out[3])  # deterministic
+    for v_row, v_col in stats[1:]:  # the factored statistics do not depend on the noise
+        assert torch.equal(v_row, stats[0][0]) and torch.equal(v_col, stats[0][1])
+
+
+def test_first_step_ignores_whatever_the_codes_hold():
+    """At step 1 v_row_old = 0, so the old moments decode to exactly 0 whatever the codes say."""
+    param, grads, cb, vcb = _problem(3)
+    h = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    a, b = param.clone(), param.clone()
+    sa, sb = init_m4v4_state(a, tuple(a.shape)), init_m4v4_state(b, tuple(b.shape))
+    sb["mv_code"].fill_(0xF7)
+    _torch_step(a, grads[0], sa, cb, vcb, h, 0, 0)
+    _torch_step(b, grads[0], sb, cb, vcb, h, 0, 0)
+    assert torch.equal(a, b) and torch.equal(sa["mv_code"], sb["mv_code"])
+
+
+def test_bf16_parameter_step_runs_in_fp32_and_rounds_once():
+    param, grads, cb, vcb = _problem(4)
+    h = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    p32, pbf = param.bfloat16().float(), param.bfloat16()
+    s32, sbf = init_m4v4_state(p32, tuple(p32.shape)), init_m4v4_state(pbf, tuple(pbf.shape))
+    grad = grads[0].bfloat16()
+    _torch_step(p32, grad.float(), s32, cb, vcb, h, 0, 0)
+    _torch_step(pbf, grad, sbf, cb, vcb, h, 0, 0)
+    assert pbf.dtype == torch.bfloat16 and torch.equal(pbf, p32.bfloat16())
+
+
+def test_exact_adamw_path_tracks_torch_adamw():
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(33, generator=gen)
+    ref = p.clone().requires_grad_()
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    h = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+    st = init_m4v4_state(p, (33,))
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
+    for _ in range(20):
+        g = torch.randn(33, generator=gen)
+        ref.grad = g.clone()
+        opt.step()
+        adamw_update_(p, g, st, h)
+    torch.testing.assert_close(p, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(st["exp_avg_sq"], opt.state[ref]["exp_avg_sq"], rtol=1e-5, atol=0)
+
+
+def test_v_ratio_histogram_counts_every_element_of_the_first_step():
+    param, grads, _, _ = _problem(6)
+    st = init_m4v4_state(param, tuple(param.shape))
+    v_row, partials = m4v4_partials(grads[0], st, 0.999)
+    counts = v_ratio_histogram(grads[0], st, ratio_table(standin_codebook()), 0.999, global_rows=6, v_row=v_row,
+                               partials=partials)
+    assert counts.dtype == torch.int64 and counts.shape == (256,) and int(counts.sum()) == param.numel()
+    # log(v / vhat) of a Gaussian gradient against its factored estimate: centred near 0, spread out
+    centre = int((counts * torch.arange(256)).sum()) / param.numel()
+    assert 100 < centre < 140 and int((counts > 0).sum()) > 20
+
+
+def test_empty_rows_keep_zero_statistics():
+    for shape in ((0, 5), (4, 0)):
+        p = torch.zeros(shape)
+        st = init_m4v4_state(p, shape)
+        h = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        _torch_step(p, torch.zeros(shape), st, standin_codebook(), standin_codebook(), h, 0, 0)
+        assert int(st["step"]) == 1
+        assert not st["v_col"].isnan().any() and not st["v_row"].isnan().any()
