@@ -71,17 +71,6 @@ def global_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(p.shape)
 
 
-def row_offset(p: torch.Tensor) -> int:
-    """The global index of this rank's first row of ``p`` (0 unless a DTensor splits its rows):
-    what makes per-element rounding noise a function of the global element index."""
-    if not is_dtensor(p) or not p.dim():
-        return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return int(offset[0])
-
-
 def state_period(state: dict, shape: tuple[int, ...]) -> int:
     """The block length of a parameter's state: its ``period`` field, or (layouts without one)
     the shape's (``shape_period``)."""

@@ -125,7 +125,7 @@ class Layout:
     col0: int
 
 
-def _root_dims(name: str, p: torch.Tensor) -> tuple[object, list[int]]:
+def _root_dims(p: torch.Tensor) -> tuple[object, list[int]]:
     """The root mesh of ``p``'s mesh and, for each of its dimensions, the root dimension it is."""
     mesh = p.device_mesh
     root = mesh._get_root_mesh()
@@ -151,7 +151,7 @@ def describe_layout(name: str, p: torch.Tensor) -> Layout:
                           "(unsupported layout); Shard(0) (FSDP2, ColwiseParallel) and, for 2-D parameters, "
                           "Shard(1) (RowwiseParallel) on one mesh dimension work")
 
-    root, dims = _root_dims(name, p)
+    root, dims = _root_dims(p)
     row_dims, col_dims, replicated = set(), [], set(range(root.ndim)) - set(dims)
     for mesh_dim, placement in zip(dims, placements):
         if placement.is_partial():
@@ -174,7 +174,7 @@ def describe_layout(name: str, p: torch.Tensor) -> Layout:
         # the hash and the checkpoint need each rank's rows to be one contiguous range
         row_only = tuple(pl if shard_dim(pl) == 0 else Replicate() for pl in placements)
         rows = distribute_tensor(torch.arange(p.shape[0]), p.device_mesh, row_only, src_data_rank=None).to_local()
-        if not torch.equal(rows, torch.arange(row0, row0 + local_shape[0])):
+        if not torch.equal(rows.cpu(), torch.arange(row0, row0 + local_shape[0])):
             raise refuse("gives this rank rows that are not one contiguous range")
     coordinate = root.get_coordinate()
     return Layout(root, tuple(coordinate), frozenset(row_dims), col_dims[0] if col_dims else None,
@@ -215,6 +215,11 @@ class ReductionPlan:
         other columns of those rows has too)?"""
         lay = self.layout(p)
         return self._first_copy(p, (*lay.replicated, lay.col_dim) if lay else ())
+
+    def offsets(self, p: torch.Tensor) -> tuple[int, int]:
+        """The global (row, column) of this rank's first element of ``p`` (0, 0 unless it is split)."""
+        lay = self.layout(p)
+        return (lay.row0, lay.col0) if lay is not None else (0, 0)
 
     def splits_columns(self, p: torch.Tensor) -> bool:
         lay = self.layout(p)

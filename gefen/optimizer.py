@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gefen.base import CompressedOptimizer, global_shape, local_tensor, row_offset
+from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.codebook import solve_codebook
 from gefen.compile import eager_step
 from gefen.contract import FieldSpec, OptimizerContract
@@ -270,10 +270,10 @@ class Gefen(CompressedOptimizer):
             if local.device not in ratios:
                 ratios[local.device] = ratio_table(self._v_book(local.device))
             v_row, partials = pending[i]
+            row0, col0 = plan.offsets(p)
             m4v4_update_(local, local_grad, self.state[p], codebook.to(local.device), ratios[local.device], h,
                          global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=position[id(p)],
-                         seed=group["seed"], row0=row_offset(p), col0=_col_offset(plan, p), row_len=_row_len(p),
-                         row_max=row_max.get(i))
+                         seed=group["seed"], row0=row0, col0=col0, row_len=_row_len(p), row_max=row_max.get(i))
 
     def _v_book(self, device) -> torch.Tensor:
         return standin_codebook(device) if self.v_codebook is None else self.v_codebook.to(device)
@@ -304,9 +304,3 @@ class Gefen(CompressedOptimizer):
 def _row_len(p: torch.Tensor) -> int:
     """The global row length of ``p`` (elements per row of the whole parameter)."""
     return rows_and_row_numel(global_shape(p))[1]
-
-
-def _col_offset(plan, p: torch.Tensor) -> int:
-    """The global column of this rank's first column of ``p`` (0 unless its columns are split)."""
-    layout = plan.layout(p)
-    return layout.col0 if layout is not None else 0

@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen_ckpt.dcp import GefenDCPState
+from gefen_ckpt.errors import UnsupportedLayoutError
 
 from distributed import row_scaled_grads, run
 
@@ -165,6 +167,11 @@ def _world_2x2(rank: int, world: int, path: str) -> dict:
     train(m, opt, 0, STEPS)
     out = {"m4v4": snapshot(m, opt)}
     save(m, opt, path)
+    try:  # gefen_ckpt's own DCP state hands each rank whole rows: it refuses a column split
+        GefenDCPState(opt, m).state_dict()
+        out["gefen_ckpt"] = "exported"
+    except UnsupportedLayoutError as exc:
+        out["gefen_ckpt"] = str(exc)
     for kind in M8_KINDS:
         m = parallel_model(0, mesh, COLWISE)
         opt = make_opt(kind, m)
@@ -217,7 +224,8 @@ def test_stock_checkpoint_of_2x2_resumes_on_other_meshes(two_by_two):
 
 def test_unsupported_tensor_parallel_layouts_are_refused(two_by_two):
     """m8 with columns split, and GefenMuon / GefenMuonHybrid on any tensor-parallel matrix: one
-    line naming the parameter, its placements and the alternative; no state allocated."""
+    line naming the parameter, its placements and the alternative; no state allocated. gefen_ckpt's
+    GefenDCPState (whole rows per rank) refuses a column split, naming the parameter."""
     _, results = two_by_two
     for r in results:
         refusals = r["refusals"]
@@ -226,6 +234,7 @@ def test_unsupported_tensor_parallel_layouts_are_refused(two_by_two):
             assert "\n" not in message and "unsupported layout" in message, (kind, message)
             assert "parameter '" in message and "Shard(dim=" in message, (kind, message)
         assert "moments='m4v4'" in refusals["m8"][0]
+        assert "emb.weight" in r["gefen_ckpt"] and "Shard(dim=1)" in r["gefen_ckpt"], r["gefen_ckpt"]
         for kind in ("muon", "hybrid"):
             message = refusals[kind][0]
             assert "GefenMuon" in message and "with Gefen" in message and "backup" in message, message
