@@ -24,7 +24,8 @@ from gefen_ckpt.errors import UnsupportedLayoutError
 
 from distributed import row_scaled_grads, run
 
-pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 STEPS, MORE = 3, 2
 #: every TP style on uneven splits: an embedding split by columns (ColwiseParallel on an
@@ -193,7 +194,6 @@ def two_by_two(tmp_path_factory):
     return path, run(_world_2x2, 4, path, timeout=400)
 
 
-@pytest.mark.timeout(500)
 def test_2x2_matches_one_process(two_by_two):
     """The same global gradients on a (dp, tp) = (2, 2) mesh and in one process: every state field
     (compared whole through the DTensors state_dict() presents) and parameter is bit for bit equal;
@@ -207,7 +207,6 @@ def test_2x2_matches_one_process(two_by_two):
             assert_same(value, r[kind], f"{kind} on 2x2")
 
 
-@pytest.mark.timeout(600)
 def test_stock_checkpoint_of_2x2_resumes_on_other_meshes(two_by_two):
     """get_state_dict + dcp.save on 2x2, then a fresh model and optimizer on 1x3, 3x1 and one
     process: get_state_dict, dcp.load, set_state_dict, continue; each equals the uninterrupted run
