@@ -214,7 +214,8 @@ def test_stock_state_dict_is_filled_without_learning_from_zeros(kind):
         assert entry["mv_code"].shape == (24, 16) and entry["m_row_scale"].shape == (24,)
         assert entry["codebook"].shape == entry["v_codebook"].shape == (16,)
         assert not entry["codebook"].any() and not entry["v_codebook"].any() and opt.v_codebook is None
-    assert not any(v.any() for e in osd["state"].values() for k, v in e.items() if k not in ("step", "period"))
+    # every moment is zero (m4v4's codes of a zero row are stochastic 0-neighbours: scale 0 decodes them to 0)
+    assert not any(v.any() for e in osd["state"].values() for k, v in e.items() if k not in ("step", "period", "mv_code"))
     train(model, opt, 0, 1)
 
     plain = model_on(0, None)
