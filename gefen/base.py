@@ -8,6 +8,7 @@ Subclasses supply ``contract()``, ``_state_fields(group, shape)``, ``_check_grou
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -16,7 +17,8 @@ import torch
 from gefen import native
 from gefen.codebook import histogram_normalised_blocks, learn_codebook
 from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
-from gefen.distributed import ReductionPlan, as_field_dtensor, is_dtensor, plan_reduction
+from gefen.distributed import Layout, ReductionPlan, as_field_dtensor, is_dtensor, plan_reduction, refusal
+from gefen.functional import row_abs_max, rows_view
 from gefen.geometry import (
     as_blocks,
     field_global_shape,
@@ -32,8 +34,11 @@ from gefen.validation import (
 )
 
 
-def _block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """The C pass when it applies, else the torch reference (the same counts)."""
+def _block_histogram(blocks, num_bins: int) -> torch.Tensor:
+    """The C pass when it applies, else the torch reference (the same counts). A ``(rows, scale)``
+    pair is a column-split tensor's local rows with the whole rows' max-abs (tensor parallelism)."""
+    if isinstance(blocks, tuple):
+        return histogram_normalised_blocks(blocks[0].unsqueeze(1), num_bins, scale=blocks[1])
     counts = native.block_histogram(blocks, num_bins)
     return histogram_normalised_blocks(blocks, num_bins) if counts is None else counts
 
@@ -64,17 +69,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def global_shape(p: torch.Tensor) -> tuple[int, ...]:
     """Logical shape of the whole parameter (a DTensor reports its global shape)."""
     return tuple(p.shape)
-
-
-def row_offset(p: torch.Tensor) -> int:
-    """The global index of this rank's first row of ``p`` (0 unless a DTensor splits its rows):
-    what makes per-element rounding noise a function of the global element index."""
-    if not is_dtensor(p) or not p.dim():
-        return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return int(offset[0])
 
 
 def state_period(state: dict, shape: tuple[int, ...]) -> int:
@@ -131,6 +125,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _init_param_state(self, group: dict, param: torch.Tensor, period: int) -> dict:
         raise NotImplementedError
 
+    def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
+        """Refuse, before any state exists, a layout the step cannot honour: by default one that
+        splits columns (tensor parallelism's ``Shard(1)``), whose row statistics it does not reduce."""
+        if layout.col_dim is not None:
+            raise refusal(name, param, type(self).__name__,
+                          "use Gefen(moments='m4v4'), which reduces row statistics over the tensor-parallel "
+                          "dimension")
+
     # ----- parameters -----------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         probe = dict(param_group)
@@ -163,7 +165,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         key = tuple(id(p) for g in self.param_groups for p in g["params"])
         if self._plan is None or self._plan[0] != key:
             named = [(param_label(g, i), p) for g in self.param_groups for i, p in enumerate(g["params"])]
-            self._plan = (key, plan_reduction(named))
+            plan = plan_reduction(named)
+            for name, p in named:
+                if (layout := plan.layout(p)) is not None:
+                    self._check_layout(name, p, layout)
+            self._plan = (key, plan)
         return self._plan[1]
 
     def _begin_step(self, closure) -> tuple[object, list[tuple[dict, torch.Tensor, torch.Tensor]]]:
@@ -205,8 +211,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         plan.reducer.sum_(signal)
         if not int(signal):
             return None
-        periods = [(g, state_period(self.state[p], global_shape(p))) for p, g in counted]
-        blocks = [as_blocks(g, period) for g, period in periods if period > 1]
+        # tensor parallelism: a column-split row is normalised by its whole row's max-abs
+        split = [(p, rows_view(local_tensor(grad))) for _, p, grad in work if plan.splits_columns(p)]
+        maxes = plan.reduce_rows_("max", [row_abs_max(g.float()) for _, g in split])
+        scales = {id(p): m for (p, _), m in zip(split, maxes)}
+        periods = [(p, g, state_period(self.state[p], global_shape(p))) for p, g in counted]
+        blocks = [(rows_view(g), scales[id(p)]) if id(p) in scales else as_blocks(g, period)
+                  for p, g, period in periods if period > 1]
         codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_,
                                   histogram=_block_histogram)
         return codebook.to(work[0][1].device)
@@ -388,12 +399,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
 def _local_shape(geometry: str, local: torch.Size, shape: tuple[int, ...], period: int) -> tuple[int, ...]:
     """Shape of a field on this rank: its global shape (``field_global_shape``) with this rank's
-    rows where the field follows the parameter's rows."""
+    rows where the field follows the parameter's rows, and its columns where it follows the
+    parameter's columns (tensor parallelism's ``Shard(1)``)."""
     if geometry == "param":
         return tuple(local)
     global_shape_ = field_global_shape(geometry, shape, period)
     if geometry in ("block", "row"):
         return (local[0] if len(local) else 1, *global_shape_[1:])
+    if geometry == "col" and len(local) > 1:
+        return (math.prod(local[1:]),)
     return global_shape_
 
 

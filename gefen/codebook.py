@@ -43,13 +43,16 @@ _native = _load_native()
 _warned_fallback = False
 
 
-def histogram_normalised_blocks(blocks: torch.Tensor, num_bins: int) -> torch.Tensor:
+def histogram_normalised_blocks(blocks: torch.Tensor, num_bins: int,
+                                scale: torch.Tensor | None = None) -> torch.Tensor:
     """Histogram of block-normalised values over [-1, 1]; int64 counts ``[num_bins]``.
 
     Each block (last dim) is divided by its max-abs in fp32 (an all-zero block stays 0), and
     value x goes to bin ``clamp(floor((x + 1) / 2 * num_bins), 0, num_bins - 1)`` evaluated
     in fp32 in that order.  IEEE fp32 makes the counts identical on every device and rank,
-    so all-reduced histograms (exact integer sums) agree everywhere.
+    so all-reduced histograms (exact integer sums) agree everywhere. ``scale``: each block's
+    max-abs when the block is only part of one (a column split: the whole row's, reduced over
+    the ranks holding its other columns).
     """
     counts = torch.zeros(num_bins, dtype=torch.int64, device=blocks.device)
     if blocks.numel() == 0:
@@ -58,9 +61,12 @@ def histogram_normalised_blocks(blocks: torch.Tensor, num_bins: int) -> torch.Te
     step = max(1, _HIST_CHUNK // flat.shape[1])
     for start in range(0, flat.shape[0], step):
         chunk = flat[start : start + step].float()
-        scale = chunk.abs().amax(dim=1, keepdim=True)
-        scale.masked_fill_(scale == 0, 1.0)
-        x = chunk.div(scale).add_(1.0).div_(2.0).mul_(num_bins)
+        if scale is None:
+            chunk_scale = chunk.abs().amax(dim=1, keepdim=True)
+        else:
+            chunk_scale = scale.reshape(-1, 1)[start : start + step].float().clone()
+        chunk_scale.masked_fill_(chunk_scale == 0, 1.0)
+        x = chunk.div(chunk_scale).add_(1.0).div_(2.0).mul_(num_bins)
         idx = x.to(torch.int64).clamp_(0, num_bins - 1)  # truncation == floor: x >= 0
         counts += torch.bincount(idx.reshape(-1), minlength=num_bins)
     return counts

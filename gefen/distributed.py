@@ -1,14 +1,23 @@
-"""How an optimizer sees torch.distributed: which ranks hold *different rows* of its parameters.
+"""How an optimizer sees torch.distributed: which ranks hold *different parts* of its parameters.
 
-Global statistics (period choice, codebook histogram, factored second moment) must be summed
-over exactly the ranks that split a parameter's rows: the shard dimension of an FSDP2/HSDP
-mesh. Replicas (DDP, the replicate dimension of HSDP) hold the same rows and must not be
-counted twice, so a parameter that is not row-sharded contributes from one rank only.
+Global statistics (codebook histogram, factored second moment) must be summed over exactly the
+ranks that hold different parts of a parameter; replicas (DDP, the replicate dimension of HSDP,
+the tensor-parallel dimension of a parameter that tensor parallelism leaves whole) hold the same
+values and must not be counted twice, so only the replica at coordinate 0 contributes.
+
+Every DTensor parameter is described on the *root* mesh its mesh was sliced from (FSDP2 over
+tensor parallelism puts some parameters on the 2-D ``(dp, tp)`` mesh and others on its ``dp``
+slice): :class:`Layout` says which root dimensions split its rows (``Shard(0)``, and the
+``_StridedShard(0)`` FSDP2 puts over a tensor-parallel ``Shard(0)``) and which one splits its
+columns (``Shard(1)``: ``RowwiseParallel``), and where the rank's block starts. One collective
+over the ranks that split anything sums column statistics placed at their *global* positions;
+row statistics that a column split cuts (row sums, row max-abs) are reduced over the one mesh
+dimension that splits columns.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,27 +29,46 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "placements") and hasattr(t, "device_mesh")
 
 
+def shard_dim(placement) -> int | None:
+    """The tensor dimension a placement splits (``Shard`` or torch's ``_StridedShard``, whose
+    ``is_shard()`` is False), or None for ``Replicate``."""
+    if placement.is_partial():
+        raise ValueError("Partial placements hold no definite values")
+    dim = getattr(placement, "dim", None)
+    return dim if placement.is_shard() or dim is not None else None
+
+
+def _on_dim(placement, dim: int):
+    """``placement`` moved to tensor dimension ``dim`` (keeping a strided shard's split factor)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(dim, split_factor=placement.split_factor)
+    return Shard(dim)
+
+
 def field_placements(geometry: str, param: torch.Tensor) -> tuple:
     """Placements of a state field of ``geometry`` for the DTensor ``param``.
 
-    Fields indexed by the parameter's rows (``param``, ``block``, ``row``) split like its rows;
-    ``param`` fields follow every split; a split along another dimension cuts blocks and rows,
-    whose statistics are then reduced over that mesh dimension, so such fields are ``Replicate``
-    there. ``col`` fields are indexed by the second dimension: ``Shard(0)`` where the parameter
-    is ``Shard(1)``, else ``Replicate``.
+    Fields indexed by the parameter's rows (``block``, ``row``) split like its rows and are
+    ``Replicate`` where a split cuts columns (their statistics are reduced over it); ``param``
+    fields follow every split; ``col`` fields (indexed by the flattened row position) split where
+    the parameter's dim 1 is split and are ``Replicate`` where its rows are.
     """
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
 
     out = []
     for placement in param.placements:
         if placement.is_partial():
             raise ValueError(f"Partial placements hold no definite values ({tuple(param.placements)})")
-        if geometry == "param" or not placement.is_shard():
+        dim = shard_dim(placement)
+        if geometry == "param" or dim is None:
             out.append(placement)
         elif geometry in ("block", "row"):
-            out.append(placement if placement.dim == 0 else Replicate())
+            out.append(placement if dim == 0 else Replicate())
         elif geometry == "col":
-            out.append(Shard(0) if placement.dim == 1 else Replicate())
+            out.append(_on_dim(placement, 0) if dim == 1 else Replicate())
         else:
             raise ValueError(f"geometry {geometry!r} is replicated, not laid out on a mesh")
     return tuple(out)
@@ -60,7 +88,7 @@ def as_field_dtensor(local: torch.Tensor, param: torch.Tensor, geometry: str, sh
 
 
 class ProcessGroupReducer:
-    """Sum over the process group of one mesh dimension (float64/int64 tensors, in place)."""
+    """Sum over one process group (float64/int64 tensors, in place)."""
 
     def __init__(self, group):
         self.group = group
@@ -71,36 +99,182 @@ class ProcessGroupReducer:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
+    def max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
 
-def _row_shard_dim(name: str, p: torch.Tensor) -> int | None:
-    """The mesh dimension that splits ``p``'s rows, or None if every rank holds all of them."""
-    dims = []
-    for i, placement in enumerate(p.placements):
-        if placement.is_shard():
-            if placement.dim != 0:
-                raise ValueError(
-                    f"parameter {name}: layout {tuple(p.placements)} shards dim {placement.dim}, which cuts the "
-                    "rows Gefen's blocks and row statistics live in (unsupported layout); shard dim 0 "
-                    "(FSDP2 fully_shard, ColwiseParallel) or replicate it"
-                )
-            dims.append(i)
-        elif placement.is_partial():
-            raise ValueError(f"parameter {name}: Partial placements are not supported (unsupported layout)")
-    if len(dims) > 1:
-        raise ValueError(f"parameter {name}: rows sharded over several mesh dimensions (unsupported layout)")
-    return dims[0] if dims else None
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank's block of one DTensor parameter lies, in terms of the root mesh.
+
+    ``row_dims``: root mesh dimensions that split dim 0; ``col_dim``: the one that splits dim 1
+    (tensor parallelism's ``Shard(1)``), if any; ``replicated``: dimensions holding copies.
+    ``row0``/``col0``: the global row and column of the block's first element (``col0`` counts
+    the parameter's dim 1; on a 2-D parameter that is the flattened column).
+    """
+
+    root: object
+    coordinate: tuple[int, ...]
+    row_dims: frozenset[int]
+    col_dim: int | None
+    replicated: frozenset[int]
+    row0: int
+    col0: int
+
+
+def _root_dims(p: torch.Tensor) -> tuple[object, list[int]]:
+    """The root mesh of ``p``'s mesh and, for each of its dimensions, the root dimension it is."""
+    mesh = p.device_mesh
+    root = mesh._get_root_mesh()
+    if root is mesh or root == mesh:
+        return mesh, list(range(mesh.ndim))
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if not names or not root_names or any(n not in root_names for n in names):
+        # a flattened dimension: only the mesh itself is known
+        return mesh, list(range(mesh.ndim))
+    return root, [root_names.index(n) for n in names]
+
+
+def describe_layout(name: str, p: torch.Tensor) -> Layout:
+    """The :class:`Layout` of the DTensor ``p``; refuses what no reduction can repair, naming the
+    parameter, its placements and what works."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tuple(p.placements)
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"parameter {name}: layout {placements} on mesh {tuple(p.device_mesh.shape)} {why} "
+                          "(unsupported layout); Shard(0) (FSDP2, ColwiseParallel) and, for 2-D parameters, "
+                          "Shard(1) (RowwiseParallel) on one mesh dimension work")
+
+    root, dims = _root_dims(p)
+    row_dims, col_dims, replicated = set(), [], set(range(root.ndim)) - set(dims)
+    for mesh_dim, placement in zip(dims, placements):
+        if placement.is_partial():
+            raise refuse("has Partial placements, which hold no definite values")
+        dim = shard_dim(placement)
+        if dim is None:
+            replicated.add(mesh_dim)
+        elif dim == 0:
+            row_dims.add(mesh_dim)
+        elif dim == 1 and p.dim() == 2:
+            col_dims.append(mesh_dim)
+        else:
+            raise refuse(f"shards dim {dim} of a {p.dim()}-D tensor")
+    if len(col_dims) > 1:
+        raise refuse("splits columns over several mesh dimensions")
+    row0 = col0 = 0
+    if p.dim():
+        local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+        row0, col0 = offset[0], (offset[1] if p.dim() > 1 else 0)
+        # the hash and the checkpoint need each rank's rows to be one contiguous range
+        row_only = tuple(pl if shard_dim(pl) == 0 else Replicate() for pl in placements)
+        rows = distribute_tensor(torch.arange(p.shape[0]), p.device_mesh, row_only, src_data_rank=None).to_local()
+        if not torch.equal(rows.cpu(), torch.arange(row0, row0 + local_shape[0])):
+            raise refuse("gives this rank rows that are not one contiguous range")
+    coordinate = root.get_coordinate()
+    return Layout(root, tuple(coordinate), frozenset(row_dims), col_dims[0] if col_dims else None,
+                  frozenset(replicated), int(row0), int(col0))
 
 
 @dataclass
 class ReductionPlan:
-    """The reducer for global sums, and which parameters this rank must count."""
+    """The reducers for global statistics, and which parameters this rank must count.
+
+    ``reducer`` sums over every rank that holds a different part of some parameter (``group``,
+    spanning the root mesh dimensions ``dims``); ``columns`` reduces over the one mesh dimension
+    that splits columns (None without tensor parallelism).
+    """
 
     reducer: Reducer
-    silent: set[int] = field(default_factory=set)  # ids of params whose rows another rank counts
-    group: object = None  # the process group of the row-shard mesh dimension (None: one process)
+    group: object = None  # the process group ``reducer`` sums over (None: one process)
+    layouts: dict[int, Layout] = field(default_factory=dict)  # id(param) -> layout, DTensor params only
+    dims: frozenset[int] = frozenset()
+    columns: ProcessGroupReducer | None = None
+
+    def layout(self, p: torch.Tensor) -> Layout | None:
+        return self.layouts.get(id(p))
+
+    def _first_copy(self, p: torch.Tensor, copies: Iterable[int | None]) -> bool:
+        lay = self.layout(p)
+        if lay is None:  # a plain tensor: every rank of the group holds all of it
+            return self.group is None or _group_rank(self.group) == 0
+        return all(lay.coordinate[d] == 0 for d in copies if d in self.dims)
 
     def counts(self, p: torch.Tensor) -> bool:
-        return id(p) not in self.silent
+        """Does this rank count its elements of ``p`` (no other rank of ``group`` holds them)?"""
+        lay = self.layout(p)
+        return self._first_copy(p, lay.replicated if lay else ())
+
+    def counts_rows(self, p: torch.Tensor) -> bool:
+        """Does this rank count its *rows* of ``p`` (per-row values, which every rank holding
+        other columns of those rows has too)?"""
+        lay = self.layout(p)
+        return self._first_copy(p, (*lay.replicated, lay.col_dim) if lay else ())
+
+    def offsets(self, p: torch.Tensor) -> tuple[int, int]:
+        """The global (row, column) of this rank's first element of ``p`` (0, 0 unless it is split)."""
+        lay = self.layout(p)
+        return (lay.row0, lay.col0) if lay is not None else (0, 0)
+
+    def splits_columns(self, p: torch.Tensor) -> bool:
+        lay = self.layout(p)
+        return lay is not None and lay.col_dim is not None
+
+    def spread_partials(self, p: torch.Tensor, partials: torch.Tensor, columns: int) -> torch.Tensor:
+        """This rank's share of a global sum ``[per-column sums (all ``columns``)..., per-row sums...]``
+        from its ``partials = [its columns' sums..., per-row sums over its rows...]``: its columns
+        at their global positions (zeros elsewhere: other ranks fill them), each part zeroed where
+        another rank counts the same values."""
+        lay = self.layout(p)
+        out = partials
+        if lay is not None and lay.col_dim is not None:
+            n = local_size(p, 1)
+            out = partials.new_zeros(columns + partials.numel() - n)
+            out[lay.col0:lay.col0 + n] = partials[:n]
+            out[columns:] = partials[n:]
+        if not self.counts(p):
+            out[:columns].zero_()
+        if not self.counts_rows(p):
+            out[columns:].zero_()
+        return out
+
+    def take_partials(self, p: torch.Tensor, total: torch.Tensor, columns: int) -> torch.Tensor:
+        """This rank's columns (then the per-row sums) of a summed ``spread_partials`` buffer."""
+        lay = self.layout(p)
+        if lay is None or lay.col_dim is None:
+            return total
+        return torch.cat([total[lay.col0:lay.col0 + local_size(p, 1)], total[columns:]])
+
+    def reduce_rows_(self, op: str, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-row values of column-split parameters reduced (``"sum"``/``"max"``) over the ranks
+        holding the other columns of the same rows: one collective for all of them."""
+        if self.columns is None or not rows:
+            return list(rows)
+        flat = torch.cat([r.reshape(-1) for r in rows])
+        (self.columns.sum_ if op == "sum" else self.columns.max_)(flat)
+        return [part.view_as(r) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
+
+
+def local_size(p: torch.Tensor, dim: int) -> int:
+    to_local = getattr(p, "to_local", None)
+    return (to_local() if to_local is not None else p).shape[dim]
+
+
+def _group_rank(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+def refusal(name: str, p: torch.Tensor, who: str, alternative: str) -> ValueError:
+    """The one-line error for a tensor-parallel layout an optimizer cannot honour."""
+    return ValueError(f"parameter {name}: {who} does not support the tensor-parallel layout "
+                      f"{tuple(p.placements)} (unsupported layout); {alternative}")
 
 
 def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -147,22 +321,39 @@ class RowGather:
         return [o[bounds[i][me][0]:bounds[i][me][1]] if i in bounds else o for i, o in enumerate(out)]
 
 
+def _group_over(root, dims: list[int]):
+    """The process group of the ranks that differ only in the root mesh dimensions ``dims``."""
+    import torch.distributed as dist
+
+    if len(dims) == 1:
+        return root.get_group(dims[0])
+    if len(dims) == root.ndim and root.size() == dist.get_world_size():
+        return dist.group.WORLD
+    names = root.mesh_dim_names
+    if not names:
+        raise ValueError(f"parameters are split over mesh dimensions {dims} of an unnamed mesh; name its "
+                         "dimensions (init_device_mesh(..., mesh_dim_names=...))")
+    return root[tuple(names[d] for d in dims)]._flatten().get_group()
+
+
 def plan_reduction(named_params: Iterable[tuple[str, torch.Tensor]]) -> ReductionPlan:
-    named = list(named_params)
-    groups, replicated = {}, []
-    for name, p in named:
-        dim = _row_shard_dim(name, p) if is_dtensor(p) else None
-        if dim is None:
-            replicated.append(p)
-        else:
-            groups[(p.device_mesh, dim)] = (p.device_mesh, dim, name)  # equal meshes compare equal
-    if not groups:
-        return ReductionPlan(LocalReducer())
-    if len(groups) > 1:
-        names = [n for _, _, n in groups.values()]
-        raise ValueError(f"parameters {names[:2]} are sharded over different meshes; one optimizer needs one mesh")
-    mesh, dim, _ = next(iter(groups.values()))
-    local_rank = mesh.get_local_rank(dim)
-    silent = {id(p) for p in replicated} if local_rank != 0 else set()
-    group = mesh.get_group(dim)
-    return ReductionPlan(ProcessGroupReducer(group), silent, group)
+    layouts, roots = {}, {}
+    for name, p in named_params:
+        if is_dtensor(p):
+            lay = describe_layout(name, p)
+            layouts[id(p)] = lay
+            roots.setdefault(lay.root, name)  # equal meshes compare equal
+    if len(roots) > 1:
+        names = list(roots.values())
+        raise ValueError(f"parameters {names[:2]} are on different meshes; one optimizer needs one (root) mesh")
+    dims = frozenset(d for lay in layouts.values() for d in (*lay.row_dims, lay.col_dim) if d is not None)
+    if not dims:
+        return ReductionPlan(LocalReducer(), layouts=layouts)
+    col_dims = {lay.col_dim for lay in layouts.values()} - {None}
+    if len(col_dims) > 1:
+        raise ValueError(f"columns are split over several mesh dimensions {sorted(col_dims)}; tensor parallelism "
+                         "needs one")
+    root = next(iter(roots))
+    group = _group_over(root, sorted(dims))
+    columns = ProcessGroupReducer(root.get_group(col_dims.pop())) if col_dims else None
+    return ReductionPlan(ProcessGroupReducer(group), group, layouts, dims, columns)

@@ -178,13 +178,19 @@ def init_m4v4_state(param: torch.Tensor, global_shape: tuple[int, ...]) -> dict:
     state["mv_code"] = torch.zeros(param.shape, dtype=torch.uint8, device=dev)
     state["m_row_scale"] = torch.zeros(local_rows, dtype=torch.bfloat16, device=dev)
     state["v_row"] = torch.zeros(local_rows, dtype=torch.float32, device=dev)
-    state["v_col"] = torch.zeros(math.prod(global_shape[1:]), dtype=torch.float32, device=dev)
+    # this rank's columns: all of them unless tensor parallelism splits them
+    state["v_col"] = torch.zeros(math.prod(param.shape[1:]), dtype=torch.float32, device=dev)
     return state
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """A >= 2-D tensor as fp32 ``[rows, row_numel]``."""
-    return t.float().reshape(t.shape[0], math.prod(t.shape[1:]))
+    return rows_view(t.float())
+
+
+def rows_view(t: torch.Tensor) -> torch.Tensor:
+    """A >= 2-D tensor as ``[rows, row_numel]`` (its own dtype)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
 def _div(x: torch.Tensor, s: float) -> torch.Tensor:
@@ -193,16 +199,27 @@ def _div(x: torch.Tensor, s: float) -> torch.Tensor:
     return x / torch.tensor(s, dtype=torch.float32, device=x.device)
 
 
-def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
+def row_square_sums(grad: torch.Tensor) -> torch.Tensor:
+    """float64 sums of g^2 along each (local) row: the statistic a column split cuts, so tensor
+    parallelism sums it over the ranks holding the row's other columns before ``m4v4_partials``."""
+    g = _rows(grad)
+    return (g * g).sum(1, dtype=torch.float64)
+
+
+def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: torch.Tensor | None = None,
+                  row_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 1 of an m4v4 step for a coded tensor: the new ``v_row`` (rank-local) and the float64
     partial sums that need a global reduction, ``[column sums of g^2 (C values), sum of the new
-    v_row, sum of the old v_row]``. Row statistics are float64 sums rounded once."""
-    if (fused := native.fused_m4v4_partials(grad, state, beta2)) is not None:  # same numbers, one C call
-        return fused
+    v_row, sum of the old v_row]``. Row statistics are float64 sums rounded once.
+
+    Tensor parallelism (columns split) passes ``row_sum``, the whole rows' ``row_square_sums``,
+    and ``row_len``, the global row length; the column sums stay those of the local columns."""
+    if row_sum is None and (fused := native.fused_m4v4_partials(grad, state, beta2)) is not None:
+        return fused  # same numbers, one C call
     g = _rows(grad)
     sq = g * g
-    row_sum = sq.sum(1, dtype=torch.float64)
-    v_row = state["v_row"] * beta2 + (row_sum / max(g.shape[1], 1)).float() * (1 - beta2)
+    row_sum = sq.sum(1, dtype=torch.float64) if row_sum is None else row_sum
+    v_row = state["v_row"] * beta2 + (row_sum / max(g.shape[1] if row_len is None else row_len, 1)).float() * (1 - beta2)
     partials = torch.cat([sq.sum(0, dtype=torch.float64), v_row.sum(dtype=torch.float64).reshape(1),
                           state["v_row"].sum(dtype=torch.float64).reshape(1)])
     return v_row, partials
@@ -245,15 +262,18 @@ def m4v4_update_(
     row0: int = 0,
     col0: int = 0,
     row_len: int | None = None,
+    row_max: torch.Tensor | None = None,
 ) -> None:
     """Phase 2 of an m4v4 step for a coded tensor, in place (docs/format.md, "The m4v4 step").
 
     ``codebook``: the 16-entry first-moment codebook; ``ratio``: ``ratio_table(v_codebook)``;
     ``v_row``/``partials``: ``m4v4_partials``' results after the global sum; ``pidx``/``seed``:
     the rounding noise's salts; ``row0``/``col0``: the global index of this shard's first row and
-    column; ``row_len``: the global row length (default: the local one).
+    column; ``row_len``: the global row length (default: the local one); ``row_max``: tensor
+    parallelism's max |m| of each whole row (``m4v4_momentum`` reduced over the ranks holding the
+    row's other columns; the fused kernels do not take it).
     """
-    if native.fused_m4v4_update_(param, grad, state, codebook, ratio, h, global_rows=global_rows, v_row=v_row,
+    if row_max is None and native.fused_m4v4_update_(param, grad, state, codebook, ratio, h, global_rows=global_rows, v_row=v_row,
                                  partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0, row_len=row_len):
         return
     b1, b2 = h.beta1, h.beta2
@@ -266,6 +286,8 @@ def m4v4_update_(
     if g.numel() == 0:
         state["v_row"].copy_(v_row)
         state["v_col"].copy_(v_col)
+        if row_max is not None:  # rows without local columns: the scale the other columns' ranks keep
+            state["m_row_scale"].copy_(row_max)
         return
     gidx = element_index(rows, cols, row0=row0, row_len=cols if row_len is None else row_len, col0=col0,
                          device=g.device)
@@ -279,9 +301,8 @@ def m4v4_update_(
     denom = _div(vq.sqrt(), math.sqrt(1 - b2**step)) + h.eps
 
     # first moment: per-row max-abs scale (bf16), 4-bit code
-    m = codebook.take((state["mv_code"].reshape(rows, cols) & 15).long()) * state["m_row_scale"].float()[:, None]
-    m = m * b1 + g * (1 - b1)
-    s_f = m.abs().amax(1).to(torch.bfloat16).float()
+    m = m4v4_momentum(g, state, codebook, b1)
+    s_f = (row_abs_max(m) if row_max is None else row_max).to(torch.bfloat16).float()
     x = m / torch.where(s_f == 0, 1.0, s_f)[:, None]
     mcode = encode(x, codebook, hash_uniform(gidx, step, salt_m))
     mq = codebook.take(mcode) * s_f[:, None]
@@ -298,6 +319,19 @@ def m4v4_update_(
     state["m_row_scale"].copy_(s_f)
     state["v_row"].copy_(v_row)
     state["v_col"].copy_(v_col)
+
+
+def m4v4_momentum(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1: float) -> torch.Tensor:
+    """The new first moment of a coded tensor, fp32 ``[rows, row_numel]`` (before re-quantisation):
+    the decoded old one, then the EMA."""
+    g = _rows(grad)
+    m = codebook.take((state["mv_code"].reshape(g.shape) & 15).long()) * state["m_row_scale"].float()[:, None]
+    return m * beta1 + g * (1 - beta1)
+
+
+def row_abs_max(m: torch.Tensor) -> torch.Tensor:
+    """max |m| of each row of a ``[rows, cols]`` tensor (0 for rows without columns)."""
+    return m.abs().amax(1) if m.shape[1] else m.new_zeros(m.shape[0])
 
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper) -> None:

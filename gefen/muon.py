@@ -17,7 +17,7 @@ import torch
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.compile import eager_step
 from gefen.contract import FieldSpec, OptimizerContract
-from gefen.distributed import RowGather
+from gefen.distributed import Layout, RowGather, refusal
 from gefen.functional import init_momentum_state, update_momentum_
 from gefen.newton_schulz import orthogonalise, resolve_schedule
 from gefen.validation import check_range, param_label
@@ -143,6 +143,15 @@ class GefenMuon(CompressedOptimizer):
         if group["normuon"]:
             state["v_row"] = torch.zeros(local.shape[0], dtype=torch.float32, device=local.device)
         return state
+
+    def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
+        """Newton-Schulz gathers whole matrices along the one mesh dimension that splits rows:
+        tensor parallelism (columns split, or rows split over a second dimension) is refused."""
+        if layout.col_dim is not None or len(layout.row_dims) > 1:
+            raise refusal(name, param, "GefenMuon",
+                          "optimise tensor-parallel matrices with Gefen (GefenMuonHybrid: pass explicit "
+                          "(muon, backup) lists with them in backup), or keep GefenMuon on data-parallel "
+                          "(FSDP2/HSDP) layouts")
 
     @eager_step
     @torch.no_grad()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from gefen.base import CompressedOptimizer, global_shape, local_tensor, row_offset
+from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.codebook import solve_codebook
 from gefen.compile import eager_step
 from gefen.contract import FieldSpec, OptimizerContract
+from gefen.distributed import Layout
 from gefen.functional import (
     EXACT_FIELDS,
     M4V4_MATRIX_FIELDS,
@@ -18,11 +19,15 @@ from gefen.functional import (
     init_state,
     is_coded,
     is_factored,
+    m4v4_momentum,
     m4v4_partials,
     m4v4_update_,
+    row_abs_max,
+    row_square_sums,
     second_moment_partials,
     v_ratio_histogram,
 )
+from gefen.geometry import rows_and_row_numel
 from gefen.stochastic import CODES, ratio_table, standin_codebook
 from gefen.validation import check_adamw_options, check_betas, check_range
 
@@ -199,24 +204,36 @@ class Gefen(CompressedOptimizer):
             self._step_m8(work)
         return loss
 
+    def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
+        if self.moments == "m8":  # its row statistics are fp32 cascade sums no column split reproduces
+            super()._check_layout(name, param, layout)
+
     def _reduced_partials(self, work, fields: str, partials_fn) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Phase 1: every factored tensor's (new v_row, globally summed partials), by position in
-        ``work``, after ONE reduction of all of them together."""
+        ``work``, after ONE reduction of all of them together (a tensor whose columns tensor
+        parallelism splits puts its column sums at their global positions and gets its own back).
+        ``partials_fn(param, local grad, state, beta2)``."""
         plan = self.reduction_plan()
         factored = []
         for i, (group, p, grad) in enumerate(work):
             if fields in self.state[p]:
-                v_row, parts = partials_fn(local_tensor(grad), self.state[p], group["betas"][1])
-                factored.append((i, v_row, parts if plan.counts(p) else parts.zero_()))
+                v_row, parts = partials_fn(p, local_tensor(grad), self.state[p], group["betas"][1])
+                factored.append((i, p, v_row, plan.spread_partials(p, parts, _row_len(p))))
         if not factored:
             return {}
-        flat = torch.cat([parts for _, _, parts in factored])
+        flat = torch.cat([parts for *_, parts in factored])
         plan.reducer.sum_(flat)
-        sums = flat.split([parts.numel() for _, _, parts in factored])
-        return {i: (v_row, total) for (i, v_row, _), total in zip(factored, sums)}
+        sums = flat.split([parts.numel() for *_, parts in factored])
+        return {i: (v_row, plan.take_partials(p, total, _row_len(p))) for (i, p, v_row, _), total in zip(factored, sums)}
+
+    def _split_rows(self, work) -> list[tuple[int, dict, torch.Tensor, torch.Tensor]]:
+        """The coded tensors whose columns tensor parallelism splits: (position, group, param, grad)."""
+        plan = self.reduction_plan()
+        return [(i, g, p, grad) for i, (g, p, grad) in enumerate(work)
+                if "mv_code" in self.state[p] and plan.splits_columns(p)]
 
     def _step_m8(self, work) -> None:
-        pending = self._reduced_partials(work, "v_row", second_moment_partials)
+        pending = self._reduced_partials(work, "v_row", lambda p, *args: second_moment_partials(*args))
         codebook = self._step_codebook()
         for i, (group, p, grad) in enumerate(work):
             beta1, beta2 = group["betas"]
@@ -227,10 +244,21 @@ class Gefen(CompressedOptimizer):
                           global_rows=shape[0] if shape else 1, v_row=v_row, partials=partials)
 
     def _step_m4v4(self, work) -> None:
-        pending = self._reduced_partials(work, "mv_code", m4v4_partials)
+        plan, split = self.reduction_plan(), self._split_rows(work)
+        # tensor parallelism: whole rows' sums of g^2 first (one collective for every split tensor)
+        sums = plan.reduce_rows_("sum", [row_square_sums(local_tensor(grad)) for *_, grad in split])
+        row_sums = {id(p): s for (_, _, p, _), s in zip(split, sums)}
+        pending = self._reduced_partials(
+            work, "mv_code", lambda p, g, state, beta2: m4v4_partials(g, state, beta2, row_sum=row_sums.get(id(p)),
+                                                                      row_len=_row_len(p)))
         if self.codebook is None:
             self._learn_m4v4_codebooks(work, pending)
         codebook = self._step_codebook()
+        # tensor parallelism: whole rows' max |m| (one collective for every split tensor)
+        maxes = plan.reduce_rows_("max", [row_abs_max(m4v4_momentum(local_tensor(grad), self.state[p],
+                                                                    codebook.to(grad.device), group["betas"][0]))
+                                          for _, group, p, grad in split])
+        row_max = {i: m for (i, *_), m in zip(split, maxes)}
         ratios = {}  # device -> ratio table
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for i, (group, p, grad) in enumerate(work):
@@ -243,9 +271,10 @@ class Gefen(CompressedOptimizer):
             if local.device not in ratios:
                 ratios[local.device] = ratio_table(self._v_book(local.device))
             v_row, partials = pending[i]
+            row0, col0 = plan.offsets(p)
             m4v4_update_(local, local_grad, self.state[p], codebook.to(local.device), ratios[local.device], h,
                          global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=position[id(p)],
-                         seed=group["seed"], row0=row_offset(p))
+                         seed=group["seed"], row0=row0, col0=col0, row_len=_row_len(p), row_max=row_max.get(i))
 
     def _v_book(self, device) -> torch.Tensor:
         return standin_codebook(device) if self.v_codebook is None else self.v_codebook.to(device)
@@ -271,3 +300,8 @@ class Gefen(CompressedOptimizer):
         plan.reducer.sum_(counts)
         self.v_codebook = solve_codebook(counts, CODES).to(codebook.device)
         self.codebook = codebook
+
+
+def _row_len(p: torch.Tensor) -> int:
+    """The global row length of ``p`` (elements per row of the whole parameter)."""
+    return rows_and_row_numel(global_shape(p))[1]

@@ -122,6 +122,8 @@ def live_view(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = 
             for index, fqn, p in zip(saved["params"], fqns, live["params"]):
                 if fqn in params:
                     raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
+                if layout.is_dtensor(p):
+                    layout.local_rows(p, fqn)  # whole rows on every rank: refuses a column split (Shard(1))
                 entry = sd["state"].get(index)
                 # optimizer-wide fields that each parameter's entry repeats for torch's API (the codebook)
                 state = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v)

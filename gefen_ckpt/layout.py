@@ -26,8 +26,9 @@ def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
     for placement in param.placements:
         if placement.is_shard() and placement.dim != 0:
             raise UnsupportedLayoutError(
-                f"{name}: unsupported layout {param.placements} shards dim {placement.dim}; only Shard(0) and Replicate "
-                "keep whole blocks on every rank"
+                f"{name}: unsupported layout {param.placements} shards dim {placement.dim}; gefen_ckpt's own formats "
+                "need whole rows on every rank (Shard(0) and Replicate): checkpoint tensor-parallel state with "
+                "torch's get_state_dict + dcp.save (docs/dcp.md)"
             )
         if placement.is_partial():
             raise UnsupportedLayoutError(f"{name}: Partial placements hold no definite values")

@@ -1,0 +1,239 @@
+"""Tensor parallelism on a 2-D ``(dp, tp)`` mesh: torch's ``ColwiseParallel`` (``Shard(0)``) and
+``RowwiseParallel`` (``Shard(1)``) under FSDP2 ``fully_shard`` on ``dp`` (which puts a
+``_StridedShard(0)`` over a tensor-parallel ``Shard(0)``), on real gloo ranks.
+
+The same global gradients give the same state and parameters bit for bit on every ``(dp, tp)``
+layout and in one process, and torch's own checkpoint API reshards the state between meshes.
+Every field is compared as the DTensor ``state_dict()`` presents it (``full_tensor()``), so the
+field placements are checked too.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen_ckpt.dcp import GefenDCPState
+from gefen_ckpt.errors import UnsupportedLayoutError
+
+from distributed import row_scaled_grads, run
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+STEPS, MORE = 3, 2
+#: every TP style on uneven splits: an embedding split by columns (ColwiseParallel on an
+#: Embedding is Shard(1)), a Linear split by rows (14 rows: 7+7 / 5+5+4), one split by columns
+#: (14 columns), and a LayerNorm tensor parallelism leaves whole (on the dp slice of the mesh)
+STYLES = {"emb": "colwise", "up": "colwise", "down": "rowwise"}
+
+
+def model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(OrderedDict(emb=nn.Embedding(20, 24), up=nn.Linear(24, 14), act=nn.GELU(),
+                                     down=nn.Linear(14, 10), norm=nn.LayerNorm(10)))
+
+
+def mesh_of(dp: int, tp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def parallel_model(seed: int, mesh, styles: dict[str, str] = STYLES) -> nn.Module:
+    """``model(seed)`` tensor-parallel on ``mesh["tp"]``, then fully_shard-ed on ``mesh["dp"]``
+    (None: the plain model)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    m = model(seed)
+    if mesh is None:
+        return m
+    kinds = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(m, mesh["tp"], {name: kinds[style]() for name, style in styles.items()})
+    for layer in m:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(m, mesh=mesh["dp"])
+
+
+def train(m: nn.Module, opt, start: int, steps: int) -> None:
+    """``steps`` optimizer steps with the same global gradients on every layout."""
+    from torch.distributed.tensor import distribute_tensor
+
+    named = dict(m.named_parameters())
+    for step in range(start, start + steps):
+        grads = row_scaled_grads({n: tuple(p.shape) for n, p in named.items()}, step)
+        for name, p in named.items():
+            g = grads[name]
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) \
+                if hasattr(p, "device_mesh") else g
+        opt.step()
+        opt.zero_grad()
+
+
+def full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def snapshot(m: nn.Module, opt) -> dict[str, torch.Tensor]:
+    """Every parameter and state field as a whole tensor (DTensor fields through ``full_tensor``:
+    a collective every rank runs in the same order)."""
+    out = {f"param/{n}": full(p) for n, p in m.named_parameters()}
+    sd = opt.state_dict()
+    names = [n for g in sd["param_groups"] for n in g["param_names"]]
+    for index, entry in sorted(sd["state"].items()):
+        for field, value in sorted(entry.items()):
+            out[f"{names[index]}/{field}"] = full(value)
+    return out
+
+
+def assert_same(want: dict, got: dict, what: str) -> None:
+    assert sorted(want) == sorted(got), what
+    for key, value in want.items():
+        assert value.dtype == got[key].dtype and torch.equal(value, got[key]), f"{what}: {key}"
+
+
+def make_opt(kind: str, m: nn.Module):
+    named = list(m.named_parameters())
+    if kind == "m4v4":
+        return Gefen(named, lr=1e-2, weight_decay=0.1)
+    if kind == "m8":
+        return Gefen(named, lr=1e-2, weight_decay=0.1, moments="m8")
+    if kind == "m8_block":
+        return Gefen(named, lr=1e-2, factored_v_2d=False, moments="m8")
+    raise ValueError(kind)
+
+
+#: rows split over both mesh dimensions only (ColwiseParallel under FSDP2; RowwiseParallel on an
+#: Embedding is Shard(0)): every second-moment layout works there, m8 included
+COLWISE = {"emb": "rowwise", "up": "colwise"}
+M8_KINDS = ("m8", "m8_block")
+
+
+def uninterrupted(kind: str, styles: dict, steps: int) -> dict[str, torch.Tensor]:
+    m = parallel_model(0, None, styles)
+    opt = make_opt(kind, m)
+    train(m, opt, 0, steps)
+    return snapshot(m, opt)
+
+
+def save(m, opt, path: str) -> None:
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def resume(path: str, mesh) -> tuple[nn.Module, object]:
+    """A fresh model (other initial weights) and optimizer (no state), filled the stock way."""
+    m = parallel_model(1, mesh)
+    opt = make_opt("m4v4", m)
+    msd, osd = get_state_dict(m, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd)
+    return m, opt
+
+
+def _refusals(mesh) -> dict[str, tuple[str, bool]]:
+    """What each optimizer that cannot honour tensor parallelism says at its first step, and
+    whether it left its state empty."""
+    makers = {
+        "m8": lambda m: Gefen(m.named_parameters(), lr=1e-2, moments="m8"),
+        "muon": lambda m: GefenMuon([(n, p) for n, p in m.named_parameters() if p.dim() == 2], lr=1e-2),
+        "hybrid": lambda m: GefenMuonHybrid(m, lr=1e-2),
+    }
+    out = {}
+    for kind, make in makers.items():
+        m = parallel_model(0, mesh)
+        opt = make(m)
+        try:
+            train(m, opt, 0, 1)
+            out[kind] = ("stepped", False)
+        except ValueError as exc:
+            out[kind] = (str(exc), all(not s for s in opt.state.values()))
+    return out
+
+
+def _world_2x2(rank: int, world: int, path: str) -> dict:
+    """On a (dp, tp) = (2, 2) mesh: m4v4 with every TP style (saved the stock way to ``path``),
+    every layout on row splits only, and the refusals."""
+    mesh = mesh_of(2, 2)
+    m = parallel_model(0, mesh)
+    opt = make_opt("m4v4", m)
+    train(m, opt, 0, STEPS)
+    out = {"m4v4": snapshot(m, opt)}
+    save(m, opt, path)
+    try:  # gefen_ckpt's own DCP state hands each rank whole rows: it refuses a column split
+        GefenDCPState(opt, m).state_dict()
+        out["gefen_ckpt"] = "exported"
+    except UnsupportedLayoutError as exc:
+        out["gefen_ckpt"] = str(exc)
+    for kind in M8_KINDS:
+        m = parallel_model(0, mesh, COLWISE)
+        opt = make_opt(kind, m)
+        train(m, opt, 0, STEPS)
+        out[kind] = snapshot(m, opt)
+    out["refusals"] = _refusals(mesh)
+    return out
+
+
+def _resume_world(rank: int, world: int, dp: int, path: str) -> dict:
+    m, opt = resume(path, mesh_of(dp, world // dp))
+    train(m, opt, STEPS, MORE)
+    return snapshot(m, opt)
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tp") / "2x2")
+    return path, run(_world_2x2, 4, path, timeout=400)
+
+
+def test_2x2_matches_one_process(two_by_two):
+    """The same global gradients on a (dp, tp) = (2, 2) mesh and in one process: every state field
+    (compared whole through the DTensors state_dict() presents) and parameter is bit for bit equal;
+    ColwiseParallel (rows split over dp and tp) and RowwiseParallel (columns split over tp) on
+    uneven splits, for m4v4 and, on row splits only, for m8."""
+    _, results = two_by_two
+    want = {"m4v4": uninterrupted("m4v4", STYLES, STEPS)} | {k: uninterrupted(k, COLWISE, STEPS) for k in M8_KINDS}
+    assert any(k.endswith("/mv_code") for k in want["m4v4"]) and any(k.endswith("/v_col") for k in want["m4v4"])
+    for r in results:
+        for kind, value in want.items():
+            assert_same(value, r[kind], f"{kind} on 2x2")
+
+
+def test_stock_checkpoint_of_2x2_resumes_on_other_meshes(two_by_two):
+    """get_state_dict + dcp.save on 2x2, then a fresh model and optimizer on 1x3, 3x1 and one
+    process: get_state_dict, dcp.load, set_state_dict, continue; each equals the uninterrupted run
+    bit for bit."""
+    path, _ = two_by_two
+    want = uninterrupted("m4v4", STYLES, STEPS + MORE)
+    for dp in (1, 3):
+        for r in run(_resume_world, 3, dp, path, timeout=300):
+            assert_same(want, r, f"2x2 -> {dp}x{3 // dp}")
+    m, opt = resume(path, None)
+    train(m, opt, STEPS, MORE)
+    assert_same(want, snapshot(m, opt), "2x2 -> one process")
+
+
+def test_unsupported_tensor_parallel_layouts_are_refused(two_by_two):
+    """m8 with columns split, and GefenMuon / GefenMuonHybrid on any tensor-parallel matrix: one
+    line naming the parameter, its placements and the alternative; no state allocated. gefen_ckpt's
+    GefenDCPState (whole rows per rank) refuses a column split, naming the parameter."""
+    _, results = two_by_two
+    for r in results:
+        refusals = r["refusals"]
+        for kind, (message, untouched) in refusals.items():
+            assert untouched, (kind, message)
+            assert "\n" not in message and "unsupported layout" in message, (kind, message)
+            assert "parameter '" in message and "Shard(dim=" in message, (kind, message)
+        assert "moments='m4v4'" in refusals["m8"][0]
+        assert "emb.weight" in r["gefen_ckpt"] and "Shard(dim=1)" in r["gefen_ckpt"], r["gefen_ckpt"]
+        for kind in ("muon", "hybrid"):
+            message = refusals[kind][0]
+            assert "GefenMuon" in message and "with Gefen" in message and "backup" in message, message
