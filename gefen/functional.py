@@ -33,6 +33,7 @@ from gefen.stochastic import (
     histogram_fixed,
     salts,
 )
+from gefen.triton import dispatch as triton_dispatch
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,8 @@ def update_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: tor
     so the update uses exactly the state it leaves behind (shared by Gefen and GefenMuon)."""
     if (fused := native.fused_momentum_(state, grad, beta, codebook)) is not None:
         return fused  # one C call, bit-identical (gefen/native.py)
+    if (fused := triton_dispatch.momentum_(state, grad, beta, codebook)) is not None:
+        return fused  # the Triton kernel on CUDA (gefen/triton)
     period = int(state["period"])
     m = dequantise(state["m_code"], state["m_scale"], codebook, period)
     m.lerp_(grad, 1 - beta)
@@ -251,9 +254,10 @@ def m4v4_update_(
     the rounding noise's salts; ``row0``/``col0``: the global index of this shard's first row and
     column; ``row_len``: the global row length (default: the local one).
     """
-    if native.fused_m4v4_update_(param, grad, state, codebook, ratio, h, global_rows=global_rows, v_row=v_row,
-                                 partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0, row_len=row_len):
-        return
+    for fused in (triton_dispatch.m4v4_update_, native.fused_m4v4_update_):  # CUDA: Triton; CPU: C
+        if fused(param, grad, state, codebook, ratio, h, global_rows=global_rows, v_row=v_row, partials=partials,
+                 pidx=pidx, seed=seed, row0=row0, col0=col0, row_len=row_len):
+            return
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1
     g = _rows(grad)
@@ -300,6 +304,8 @@ def m4v4_update_(
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper) -> None:
     """An m4v4 step of a 1-D/0-D tensor: exact AdamW with the m4v4 op discipline, in place."""
+    if triton_dispatch.adamw_update_(param, grad, state, h):
+        return  # the Triton kernel on CUDA (gefen/triton)
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1
     g = grad.float()

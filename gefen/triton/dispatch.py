@@ -1,0 +1,167 @@
+"""When a step runs the Triton kernels: the one decision point between the eager references in
+``gefen.functional`` and ``gefen.triton.launch``.
+
+``m4v4_update_``, ``adamw_update_`` and ``momentum_`` take the arguments of the functional
+reference of the same name and return True / the momentum when the kernels did the work, or
+False / None (nothing touched) when the eager reference must run.  CUDA tensors (a DTensor's
+local shard included: the step passes local tensors) use the kernels; a CUDA step that falls back
+logs its reason once.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``enabled = False``
+forces the eager path.  Triton is imported on first use only.
+
+Inside ``batched()`` the m4v4 and 1-D updates (which return nothing) are queued and launched together
+when the block ends: one launch per phase for the whole group instead of a few per tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+
+import torch
+
+log = logging.getLogger("gefen.triton")
+
+#: module switch; the environment variable sets its initial value (shared with gefen.native)
+enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
+#: device types the kernels serve; tests add "cpu" to run them in Triton's interpreter
+DEVICES = {"cuda"}
+
+_launch_mod = None
+_import_error: str | None = None
+_logged: set[str] = set()
+_local = threading.local()
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def _kernels():
+    """``gefen.triton.launch`` (importing Triton), or None with the reason remembered."""
+    global _launch_mod, _import_error
+    if _launch_mod is None and _import_error is None:
+        try:
+            from gefen.triton import launch
+        except Exception as exc:  # ImportError, or a Triton that fails to initialise
+            _import_error = f"Triton is not importable ({type(exc).__name__}: {exc})"
+        else:
+            _launch_mod = launch
+    return _launch_mod
+
+
+def available() -> bool:
+    """True when the kernels can run (Triton imports and the path is enabled)."""
+    return enabled and _kernels() is not None
+
+
+def _fallback(reason: str) -> bool:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("gefen: CUDA step uses the eager torch path: %s", reason)
+    return False
+
+
+def _why_not(tensors: list[torch.Tensor], states: list[torch.Tensor]) -> str | None:
+    """None when the kernels apply to these tensors, else why not (for CUDA tensors only: on
+    other devices the caller falls back silently)."""
+    device = tensors[0].device
+    if device.type not in DEVICES:
+        return ""
+    if not enabled:
+        return "disabled (GEFEN_DISABLE_NATIVE=1 or gefen.triton.dispatch.enabled = False)"
+    if _kernels() is None:
+        return _import_error
+    for t in tensors + states:
+        if t.device != device:
+            return f"tensors on different devices ({t.device} and {device})"
+        if not t.is_contiguous():
+            return "a non-contiguous parameter, gradient or state tensor"
+    if any(t.dtype not in _FLOATS for t in tensors):
+        return f"parameter/gradient dtype {[t.dtype for t in tensors if t.dtype not in _FLOATS][0]} (fp32 and bf16 only)"
+    return None
+
+
+def _decide(tensors, states) -> bool:
+    why = _why_not(tensors, states)
+    if why is None:
+        return True
+    if why and tensors[0].device.type == "cuda":
+        _fallback(why)
+    return False
+
+
+@contextlib.contextmanager
+def batched():
+    """Queue m4v4 updates inside the block and launch them together at its end."""
+    if getattr(_local, "queue", None) is not None:  # nested: the outer block launches
+        yield
+        return
+    _local.queue = []
+    try:
+        yield
+        queue = _local.queue
+    finally:
+        _local.queue = None
+    _flush(queue)
+
+
+def _flush(queue) -> None:
+    groups: dict[tuple, list] = {}
+    for item, books in queue:
+        groups.setdefault(tuple(id(b) for b in books), []).append((item, books))
+    for entries in groups.values():
+        codebook, ratio = entries[0][1]
+        _launch_mod.m4v4_update_([item for item, _ in entries], codebook, ratio)
+
+
+def _submit(item, books) -> None:
+    queue = getattr(_local, "queue", None)
+    if queue is None:
+        _launch_mod.m4v4_update_([item], *books)
+    else:
+        queue.append((item, books))
+
+
+def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, partials, pidx, seed, row0=0,
+                 col0=0, row_len=None, **extra) -> bool:
+    """``functional.m4v4_update_`` through the kernels; False when it must run eagerly."""
+    cols = math.prod(param.shape[1:])
+    keys = ("mv_code", "m_row_scale", "v_row", "v_col")
+    if any(k not in state for k in keys):
+        return False
+    if not _decide([param, grad], [state[k] for k in keys] + [codebook, ratio, v_row, partials]):
+        return False
+    if extra or col0 or (row_len is not None and row_len != cols):
+        return _fallback("tensor-parallel column shards (the kernels take whole rows)")
+    if (param.dim() < 2 or param.shape != grad.shape or codebook.numel() != 16 or ratio.numel() != 16
+            or codebook.dtype != torch.float32 or ratio.dtype != torch.float32 or partials.dtype != torch.float64
+            or partials.numel() != cols + 2 or v_row.dtype != torch.float32 or v_row.numel() != param.shape[0]
+            or state["mv_code"].dtype != torch.uint8 or state["m_row_scale"].dtype != torch.bfloat16):
+        return _fallback("an unexpected m4v4 state or argument layout")
+    from gefen.stochastic import salts
+
+    item = _launch_mod.M4V4Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0,
+                                global_rows=global_rows, row_len=row_len, v_row=v_row, partials=partials)
+    _submit(item, (codebook, ratio))
+    return True
+
+
+def adamw_update_(param, grad, state, h) -> bool:
+    """``functional.adamw_update_`` (1-D/0-D tensors of m4v4) through the kernels."""
+    if "exp_avg" not in state or not _decide([param, grad], [state["exp_avg"], state["exp_avg_sq"]]):
+        return False
+    if param.shape != grad.shape or state["exp_avg"].dtype != torch.float32:
+        return _fallback("an unexpected AdamW state layout")
+    _submit(_launch_mod.M4V4Item(param, grad, state, h, int(state["step"]) + 1, 0), (None, None))
+    return True
+
+
+def momentum_(state, grad, beta, codebook) -> torch.Tensor | None:
+    """``functional.update_momentum_`` (GefenMuon, Gefen m8) through the kernels, or None."""
+    codes, scales = state["m_code"], state["m_scale"]
+    if not _decide([grad], [codes, scales, codebook]):
+        return None
+    if codes.dtype != torch.uint8 or scales.dtype != torch.float32 or codes.shape != grad.shape \
+            or codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256:
+        return _fallback("an unexpected compressed-momentum layout") or None
+    return _launch_mod.momentum_([(state, grad, beta)], codebook)[0]
