@@ -8,8 +8,10 @@ download): ``stdlib`` (the top-level ``*.py`` of the standard library; the text 
 were chosen on) and ``packages`` (the sources of the email, json, http, urllib, xml, html and
 logging packages; not tuned on). Characters outside printable ASCII map to one token.
 
-Optimizers: torch AdamW (the baseline, same run), ``gefen.Gefen``, ``gefen.GefenMuonHybrid``
-(Gefen backup) and the prototype storage variants of ``benchmarks/fidelity_variants.py``.
+Optimizers: torch AdamW (the baseline, same run), ``gefen.Gefen`` (the production default,
+``moments="m4v4"``, and ``gefen-m8``, the layout before issue 17), ``gefen.GefenMuonHybrid``
+(Gefen backup), torch's own Muon (+ AdamW on the rest, routed as the hybrid routes) and the
+prototype storage variants of ``benchmarks/fidelity_variants.py``.
 Runs go to ``GEFEN_BENCH_JOBS`` processes (default 2, one thread each). Each finished run is
 also written to ``benchmarks/out/quality/``; ``GEFEN_QUALITY_RESUME=1`` reuses those files
 (the table then says how many runs were reused) so an interrupted full run can be completed.
@@ -132,22 +134,68 @@ def _adamw(model, task, seed):
 
 
 def _gefen(model, task, seed):
+    """The production default; the run's seed also seeds the rounding noise (as the prototype's)."""
     from gefen import Gefen
 
-    return Gefen(model.named_parameters(), lr=task.lr, weight_decay=task.weight_decay)
+    return Gefen(model.named_parameters(), lr=task.lr, weight_decay=task.weight_decay, seed=seed)
+
+
+def _gefen_m8(model, task, seed):
+    from gefen import Gefen
+
+    return Gefen(model.named_parameters(), lr=task.lr, weight_decay=task.weight_decay, moments="m8")
 
 
 def _hybrid(model, task, seed):
     from gefen import GefenMuonHybrid
 
-    return GefenMuonHybrid(model, lr=task.lr, weight_decay=task.weight_decay)
+    return GefenMuonHybrid(model, lr=task.lr, weight_decay=task.weight_decay, seed=seed)
+
+
+class _Chain(torch.optim.Optimizer):
+    """Two torch optimizers as one (param groups, state, step), for the LR schedule; ``children``
+    lets ``state_bytes`` count both."""
+
+    def __init__(self, **children: torch.optim.Optimizer):
+        self.children = children
+        torch.optim.Optimizer.__setstate__(self, {"defaults": {}})
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for child in self.children.values() for g in child.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: st for child in self.children.values() for p, st in child.state.items()}
+
+    def step(self, closure=None):
+        for child in self.children.values():
+            child.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for child in self.children.values():
+            child.zero_grad(set_to_none)
+
+
+def _muon(model, task, seed):
+    """torch.optim.Muon on the hidden matrices and AdamW on the rest, split and scaled as
+    GefenMuonHybrid does (``split_params_for_muon``; Muon's update matched to AdamW's RMS, so one
+    learning rate serves both)."""
+    from gefen import split_params_for_muon
+
+    muon, rest = split_params_for_muon(model)
+    return _Chain(muon=torch.optim.Muon([p for _, p in muon], lr=task.lr, weight_decay=task.weight_decay,
+                                        adjust_lr_fn="match_rms_adamw"),
+                  adamw=torch.optim.AdamW([p for _, p in rest], lr=task.lr, weight_decay=task.weight_decay))
 
 
 #: name -> (description, factory(model, task, seed)); the first is the baseline
 OPTIMIZERS = {
     "adamw": ("torch AdamW (fp32 moments)", _adamw),
-    "gefen": ("Gefen today: 8-bit m, factored v", _gefen),
+    "gefen": ("Gefen (default moments='m4v4': 4-bit m + 4-bit v/factored, stochastic rounding)", _gefen),
+    "gefen-m8": ("Gefen moments='m8' (before issue 17): 8-bit m, factored v", _gefen_m8),
     "hybrid": ("GefenMuonHybrid (Gefen backup)", _hybrid),
+    "muon": ("torch.optim.Muon (hidden matrices) + AdamW (rest)", _muon),
     "p-m8-factored": ("prototype of Gefen today: 8-bit m, factored v", _variant(m_bits=8)),
     "p-m4v4-ratio-sr": ("4-bit m + 4-bit log(v/factored), stochastic rounding",
                         _variant(m_bits=4, v="ratio", v_bits=4, rounding="stochastic")),
@@ -161,21 +209,19 @@ OPTIMIZERS = {
                         _variant(m_bits=6, v="ratio", v_bits=2, rounding="stochastic")),
 }
 BASELINE = "adamw"
-#: quick run: the three shipped optimizers and the recommended variant, stdlib text, seed 0
-QUICK = ("adamw", "gefen", "hybrid", "p-m4v4-ratio-sr")
-CORE = ("adamw", "gefen", "p-m4v4-ratio-sr", "hybrid")  # both texts, seeds 0 and 1
+#: quick run: the shipped optimizers and the layout before issue 17, stdlib text, seed 0
+QUICK = ("adamw", "gefen", "gefen-m8", "hybrid")
+CORE = ("adamw", "gefen", "p-m4v4-ratio-sr", "gefen-m8")  # both texts, seeds 0 and 1
 SCREENED = ("p-m4v4-ratio-near", "p-m5v3-ratio-sr", "p-m4v4-rowlog-sr", "p-m6v2-ratio-sr", "p-m8-factored")
 
 
 def full_plan() -> list[tuple[str, str, int]]:
-    """(text, optimizer, seed) of the full run, most needed first (each run is ~7 CPU-minutes):
-    seed 0 of AdamW, Gefen and the recommended variant on both texts, then the screened variants
-    (seed 0 on stdlib), then seed 1, then the hybrid."""
-    plan = [("stdlib", n, 0) for n in CORE[:3]] + [("packages", n, 0) for n in ("adamw", CORE[2])]
-    plan += [("stdlib", SCREENED[0], 0), ("packages", "gefen", 0)]
-    plan += [(t, n, 1) for t in TEXTS for n in CORE[:3]] + [("stdlib", n, 0) for n in SCREENED[1:]]
-    plan += [(t, "hybrid", s) for s in (0, 1) for t in TEXTS]
-    return plan
+    """(text, optimizer, seed) of the full run, most needed first (each run is ~7-10 CPU-minutes):
+    AdamW and the production default on both texts and seeds, then the prototype it came from and
+    the layout before, then Muon and the hybrid, then the screened variants (seed 0 on stdlib)."""
+    plan = [(t, n, s) for n in CORE for s in (0, 1) for t in TEXTS]
+    plan += [(t, n, s) for n in ("muon", "hybrid") for s in (0, 1) for t in TEXTS]
+    return plan + [("stdlib", n, 0) for n in SCREENED]
 
 
 def state_bytes(opt) -> int:
@@ -188,8 +234,8 @@ def state_bytes(opt) -> int:
     seen, total = set(), 0
     for o in opts:
         tensors = [t for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-        if getattr(o, "codebook", None) is not None:
-            tensors.append(o.codebook)
+        books = o.global_books() if hasattr(o, "global_books") else {}
+        tensors += [getattr(o, name) for name in books if getattr(o, name) is not None]
         for t in tensors:
             key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             if key not in seen:
@@ -353,9 +399,11 @@ def run(quick: bool) -> dict:
         f"{task.context}), {task.steps} steps of batch {task.batch} x {task.context}, cosine LR {task.lr} "
         f"({task.warmup} warm-up steps), weight decay {task.weight_decay}, clipping 1.0, one thread per run; "
         f"held-out loss = mean over {task.eval_batches} fixed batches of the last 10% of the text, seeds "
-        "0 and 1 for the core set (seed 0 only for the screened variants). `stdlib` is the text the variants were chosen on, `packages` one not "
-        "tuned on. `p-*` rows are the eager prototype `benchmarks/fidelity_variants.py` (state bytes as "
-        "packed codes + fp32 per-row/column statistics); the target is <= 1.005 x AdamW at <= 1.05 B/param. "
+        "0 and 1 for the core set (seed 0 only for the screened variants). `stdlib` is the text the variants were "
+        "chosen on, `packages` one not tuned on. `gefen` is the production default (`moments='m4v4'`, state "
+        "bytes as allocated), `gefen-m8` the layout before issue 17; `p-*` rows are the eager prototype "
+        "`benchmarks/fidelity_variants.py` (state bytes as packed codes + fp32 per-row/column statistics); the "
+        "target is <= 1.005 x AdamW at <= 1.05 B/param. "
         "\"vs AdamW\" divides by AdamW's mean over the same seeds.",
         "",
         md_table(header, rows),

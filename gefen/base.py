@@ -66,6 +66,23 @@ def global_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(p.shape)
 
 
+def row_offset(p: torch.Tensor) -> int:
+    """The global index of this rank's first row of ``p`` (0 unless a DTensor splits its rows):
+    what makes per-element rounding noise a function of the global element index."""
+    if not is_dtensor(p) or not p.dim():
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0])
+
+
+def state_period(state: dict, shape: tuple[int, ...]) -> int:
+    """The block length of a parameter's state: its ``period`` field, or (layouts without one)
+    the shape's (``shape_period``)."""
+    return int(state["period"]) if "period" in state else shape_period(shape)
+
+
 class CompressedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, *, codebook_size: int, bins_per_code: int):
         if not isinstance(codebook_size, int) or not 4 <= codebook_size <= 256:
@@ -80,12 +97,25 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.register_state_dict_post_hook(_add_global_state, prepend=True)
 
     def __getstate__(self) -> dict:
-        """torch pickles only defaults/state/param_groups; the codebook and sizes travel too
+        """torch pickles only defaults/state/param_groups; the codebooks and sizes travel too
         (the reduction plan is rebuilt on demand)."""
         state = super().__getstate__()
-        state.update(codebook=self.codebook, codebook_size=self.codebook_size, bins_per_code=self.bins_per_code,
-                     _plan=None)
+        state.update({name: getattr(self, name) for name in self.global_books()})
+        state.update(codebook_size=self.codebook_size, bins_per_code=self.bins_per_code, _plan=None)
         return state
+
+    def global_books(self) -> dict[str, int]:
+        """The optimizer-wide codebooks (attributes of these names, None until learned) and their
+        sizes; every parameter's state_dict entry carries a copy of each (``_add_global_state``)."""
+        return {CODEBOOK: self.codebook_size}
+
+    #: the codebook is learned when the first non-zero gradients are allocated for (``_begin_step``);
+    #: an optimizer that learns it inside its step (with more statistics) sets this False
+    learns_at_allocation = True
+
+    def _moments_nonzero(self, entry: dict) -> bool:
+        """Does this (staged) parameter state hold moments that need the codebooks to decode?"""
+        return bool(entry["m_scale"].any())
 
     # ----- hooks for subclasses -------------------------------------------------------------
     def contract(self) -> OptimizerContract:
@@ -163,20 +193,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
         new = [(g, p) for g, p, _ in work if p not in self.state]
         staged = {p: self._init_param_state(g, p, shape_period(global_shape(p))) for g, p in new}
         self.state.update(staged)
-        if self.codebook is None:
-            self._learn_codebook(work)
+        if self.codebook is None and self.learns_at_allocation:
+            self.codebook = self._learn_codebook(work)
 
-    def _learn_codebook(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
+    def _learn_codebook(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """The first-moment codebook from this step's gradients (None: every gradient is zero on
+        every rank, nothing to learn from); every rank takes part in the same reductions."""
         plan = self.reduction_plan()
         counted = [(p, local_tensor(grad)) for _, p, grad in work if plan.counts(p)]
         signal = torch.tensor([sum(int(g.count_nonzero()) for _, g in counted)], dtype=torch.int64)
         plan.reducer.sum_(signal)
         if not int(signal):
-            return  # every gradient is zero everywhere: nothing to learn from
-        blocks = [as_blocks(g, int(self.state[p]["period"])) for p, g in counted if int(self.state[p]["period"]) > 1]
+            return None
+        periods = [(g, state_period(self.state[p], global_shape(p))) for p, g in counted]
+        blocks = [as_blocks(g, period) for g, period in periods if period > 1]
         codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_,
                                   histogram=_block_histogram)
-        self.codebook = codebook.to(work[0][1].device)
+        return codebook.to(work[0][1].device)
 
     def _step_codebook(self) -> torch.Tensor:
         """The codebook a step quantises with. Before it is learned every moment is zero, and zero
@@ -200,11 +233,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
         publishes it. gefen_ckpt stages on every rank first and publishes only once all ranks have
         succeeded, so a load that fails anywhere changes nothing anywhere."""
         state_dict = apply_load_pre_hooks(self, state_dict)
-        groups, state, codebook = self._stage(state_dict)
+        groups, state, books = self._stage(state_dict)
 
         def publish() -> None:
             self.__setstate__({"state": state, "param_groups": groups})
-            self.codebook = codebook
+            for name, book in books.items():
+                setattr(self, name, book)
             for hook in self._optimizer_load_state_dict_post_hooks.values():
                 hook(self)
 
@@ -230,10 +264,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if live_names and saved_names and list(live_names) != list(saved_names):
                 bad = next(a for a, b in zip(live_names, saved_names) if a != b)
                 raise ValueError(f"param group {gi}: state_dict names differ from the optimizer's (first: {bad!r})")
-            missing = [h for h in contract.hyperparameters if h not in saved]
+            new_group = self._saved_group({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+            missing = [h for h in contract.hyperparameters if h not in new_group]
             if missing:
                 raise ValueError(f"param group {gi} of the state_dict lacks hyperparameters {missing}")
-            new_group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
             new_group["params"] = live["params"]
             if live_names:
                 new_group["param_names"] = live_names
@@ -243,19 +277,34 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 index[key] = (new_group, i)
 
         state = defaultdict(dict)
-        codebooks = []  # (where, tensor): each parameter's copy and the optimizer-wide one
+        sizes = self.global_books()
+        copies = {name: [] for name in sizes}  # name -> [(where, tensor)]: each parameter's copy, the shared one
         for key, entry in sd["state"].items():
             if key not in index:
                 raise ValueError(f"state_dict holds state for unknown parameter index {key!r}")
             group, i = index[key]
-            if isinstance(entry, dict) and CODEBOOK in entry:
+            if isinstance(entry, dict) and set(entry) & set(sizes):
                 entry = dict(entry)
-                codebooks.append((f"parameter {param_label(group, i)}", entry.pop(CODEBOOK)))
+                for name in sizes:
+                    if name in entry:
+                        copies[name].append((f"parameter {param_label(group, i)}", entry.pop(name)))
             state[group["params"][i]] = self._stage_param(contract, group, i, entry)
-        if (shared := (sd.get(GLOBAL_STATE_KEY) or {}).get(CODEBOOK)) is not None:
-            codebooks.append(("the optimizer-wide entry", shared))
-        codebook = self._stage_codebook(codebooks, state)
-        return groups, state, codebook
+        for name in sizes:
+            if (shared := (sd.get(GLOBAL_STATE_KEY) or {}).get(name)) is not None:
+                copies[name].append(("the optimizer-wide entry", shared))
+        books = {name: self._stage_codebook(name, sizes[name], copies[name]) for name in sizes}
+        learned = [name for name, book in books.items() if book is not None]
+        if learned and len(learned) != len(books):
+            missing = sorted(set(books) - set(learned))
+            raise ValueError(f"state_dict has a learned {learned[0]} but no {missing[0]}")
+        if not learned and any(self._moments_nonzero(entry) for entry in state.values()):
+            raise ValueError("state_dict has parameter state but no codebook")
+        return groups, state, books
+
+    def _saved_group(self, group: dict) -> dict:
+        """A saved param group's hyperparameters as this optimizer will use them (a subclass may
+        fill keys older versions did not save, or refuse the group)."""
+        return group
 
     def _stage_param(self, contract: OptimizerContract, group: dict, i: int, entry) -> dict:
         param, label = group["params"][i], param_label(group, i)
@@ -274,12 +323,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 f"state of parameter {label} has fields {sorted(entry)}, expected {sorted(required)} "
                 "(saved with other settings, e.g. factored_v_2d or normuon, or by another optimizer?)"
             )
-        period_t = entry["period"]
-        if not isinstance(period_t, torch.Tensor) or period_t.numel() != 1:
-            raise ValueError(f"parameter {label}: period must be a one-element tensor")
-        period = int(period_t)
-        if not is_valid_period(shape, period):
-            raise ValueError(f"parameter {label}: period {period} is not a valid block length for shape {shape}")
+        period = shape_period(shape)
+        if "period" in required:
+            period_t = entry["period"]
+            if not isinstance(period_t, torch.Tensor) or period_t.numel() != 1:
+                raise ValueError(f"parameter {label}: period must be a one-element tensor")
+            period = int(period_t)
+            if not is_valid_period(shape, period):
+                raise ValueError(f"parameter {label}: period {period} is not a valid block length for shape {shape}")
         local = local_tensor(param)
         staged = {}
         for name in required:
@@ -297,7 +348,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"parameter {label}: field {name!r} has dtype {value.dtype}, expected {spec.dtype}")
             if tuple(value.shape) != want:
                 raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
-            if spec.dtype == "uint8" and self.codebook_size < 256 and value.numel() and int(value.max()) >= self.codebook_size:
+            if name == "m_code" and self.codebook_size < 256 and value.numel() and int(value.max()) >= self.codebook_size:
                 raise ValueError(f"parameter {label}: field {name!r} holds code {int(value.max())}, "
                                  f"the codebook has {self.codebook_size} entries")  # (any uint8 fits 256)
             device = value.device if spec.geometry == "scalar" else local.device
@@ -306,33 +357,31 @@ class CompressedOptimizer(torch.optim.Optimizer):
             staged[name] = (value.detach() if value.requires_grad else value).to(device=device, copy=True)
         return staged
 
-    def _stage_codebook(self, codebooks: list[tuple[str, object]], state: dict) -> torch.Tensor | None:
-        """The one codebook every copy in the state_dict agrees on (None: not learned yet).
+    def _stage_codebook(self, name: str, size: int, copies: list[tuple[str, object]]) -> torch.Tensor | None:
+        """The one codebook ``name`` every copy in the state_dict agrees on (None: not learned yet).
 
         torch's checkpoint API keeps only ``state`` and ``param_groups``, so each parameter's
-        state carries the codebook; an all-zero copy stands for "not learned yet".
+        state carries the codebooks; an all-zero copy stands for "not learned yet".
         """
         first = None
-        for where, book in codebooks:
+        for where, book in copies:
             if not isinstance(book, torch.Tensor) or book.dtype != torch.float32:
-                raise TypeError(f"codebook of {where} must be a float32 tensor")
+                raise TypeError(f"{name} of {where} must be a float32 tensor")
             book = local_tensor(book)
-            if tuple(book.shape) != (self.codebook_size,):
-                raise ValueError(f"codebook of {where} has shape {tuple(book.shape)}, expected ({self.codebook_size},)")
+            if tuple(book.shape) != (size,):
+                raise ValueError(f"{name} of {where} has shape {tuple(book.shape)}, expected ({size},)")
             if first is None:
                 first = (where, book)
             elif not torch.equal(book, first[1]):
-                raise ValueError(f"the codebook of {where} differs from that of {first[0]}: the state_dict mixes "
+                raise ValueError(f"the {name} of {where} differs from that of {first[0]}: the state_dict mixes "
                                  "state of different optimizers")
         codebook = None if first is None or not first[1].any() else first[1]
         if codebook is None:
-            if any(entry["m_scale"].any() for entry in state.values()):
-                raise ValueError("state_dict has parameter state but no codebook")
             return None
         if not torch.isfinite(codebook).all() or codebook[0] != -1 or codebook[-1] != 1:
-            raise ValueError("codebook must be finite with codebook[0] == -1 and codebook[-1] == +1")
+            raise ValueError(f"{name} must be finite with {name}[0] == -1 and {name}[-1] == +1")
         if (codebook[1:] < codebook[:-1]).any():
-            raise ValueError("codebook must be sorted ascending")
+            raise ValueError(f"{name} must be sorted ascending")
         device = self.param_groups[0]["params"][0].device if self.param_groups else codebook.device
         return codebook.detach().to(device=device, copy=True)
 
@@ -354,22 +403,27 @@ def _add_global_state(optimizer: CompressedOptimizer, state_dict: dict) -> dict:
     means "not learned yet", so a fresh optimizer's state_dict already has every key and shape
     ``dcp.load`` fills), and each field of a DTensor parameter as a DTensor of the field's
     global shape, so DCP reshards it like the parameter."""
-    book = None if optimizer.codebook is None else optimizer.codebook.clone()
-    if book is None and state_dict["state"]:
-        device = optimizer.param_groups[0]["params"][0].device
-        book = torch.zeros(optimizer.codebook_size, dtype=torch.float32, device=device)
-    state_dict[GLOBAL_STATE_KEY] = {} if optimizer.codebook is None else {CODEBOOK: book}
+    books, shared = {}, {}
+    for name, size in optimizer.global_books().items():
+        live = getattr(optimizer, name)
+        if live is not None:
+            books[name] = shared[name] = live.clone()
+        elif state_dict["state"]:
+            device = optimizer.param_groups[0]["params"][0].device
+            books[name] = torch.zeros(size, dtype=torch.float32, device=device)
+    state_dict[GLOBAL_STATE_KEY] = shared
     params = [p for group in optimizer.param_groups for p in group["params"]]
     contract = optimizer.contract()
     for index, entry in list(state_dict["state"].items()):
         param = params[index]
         entry = dict(entry)  # torch hands out the live per-parameter dicts
         if is_dtensor(param):
-            shape, period = global_shape(param), int(entry["period"])
+            shape = global_shape(param)
+            period = state_period(entry, shape)
             for name, value in entry.items():
                 geometry = contract.field(name).geometry
                 if geometry not in ("scalar", "global"):
                     entry[name] = as_field_dtensor(value, param, geometry, field_global_shape(geometry, shape, period))
-        entry[CODEBOOK] = book
+        entry.update(books)
         state_dict["state"][index] = entry
     return state_dict

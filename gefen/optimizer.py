@@ -4,15 +4,31 @@ from __future__ import annotations
 
 import torch
 
-from gefen.base import CompressedOptimizer, global_shape, local_tensor
+from gefen.base import CompressedOptimizer, global_shape, local_tensor, row_offset
+from gefen.codebook import solve_codebook
 from gefen.compile import eager_step
 from gefen.contract import FieldSpec, OptimizerContract
-from gefen.functional import Hyper, gefen_update_, init_state, is_factored, second_moment_partials
+from gefen.functional import (
+    EXACT_FIELDS,
+    M4V4_MATRIX_FIELDS,
+    Hyper,
+    adamw_update_,
+    gefen_update_,
+    init_m4v4_state,
+    init_state,
+    is_coded,
+    is_factored,
+    m4v4_partials,
+    m4v4_update_,
+    second_moment_partials,
+    v_ratio_histogram,
+)
+from gefen.stochastic import CODES, ratio_table, standin_codebook
 from gefen.validation import check_adamw_options, check_betas, check_range
 
-__all__ = ["Gefen"]
+__all__ = ["Gefen", "MOMENTS", "version_refusal"]
 
-_FIELDS = (
+_M8_FIELDS = (
     FieldSpec("step", "int64", "scalar"),
     FieldSpec("period", "int64", "scalar"),
     FieldSpec("m_code", "uint8", "param"),
@@ -21,22 +37,61 @@ _FIELDS = (
     FieldSpec("v_row", "float32", "row", optional=True),
     FieldSpec("v_col", "float32", "col", optional=True),
 )
-_CONTRACT = OptimizerContract(
-    implementation="gefen.Gefen",
-    version="1",
-    hyperparameters=("lr", "betas", "eps", "weight_decay", "factored_v_2d"),
-    fields=_FIELDS,
-    global_fields=(FieldSpec("codebook", "float32", "global"),),
+_M4V4_FIELDS = (
+    FieldSpec("step", "int64", "scalar"),
+    FieldSpec("mv_code", "uint8", "param", optional=True),
+    FieldSpec("m_row_scale", "bfloat16", "row", optional=True),
+    FieldSpec("v_row", "float32", "row", optional=True),
+    FieldSpec("v_col", "float32", "col", optional=True),
+    FieldSpec("exp_avg", "float32", "param", optional=True),
+    FieldSpec("exp_avg_sq", "float32", "param", optional=True),
 )
+_HYPER = ("lr", "betas", "eps", "weight_decay", "factored_v_2d")
+#: the state layouts: ``moments=`` value -> its contract (version "1" is the layout before issue 17)
+CONTRACTS = {
+    "m8": OptimizerContract(implementation="gefen.Gefen", version="1", hyperparameters=_HYPER, fields=_M8_FIELDS,
+                            global_fields=(FieldSpec("codebook", "float32", "global"),)),
+    "m4v4": OptimizerContract(implementation="gefen.Gefen", version="2",
+                              hyperparameters=(*_HYPER, "moments", "seed"), fields=_M4V4_FIELDS,
+                              global_fields=(FieldSpec("codebook", "float32", "global"),
+                                             FieldSpec("v_codebook", "float32", "global"))),
+}
+MOMENTS = tuple(CONTRACTS)
+V_CODEBOOK = "v_codebook"
+
+
+def version_refusal(saved_version: str, live_moments: str) -> str | None:
+    """The one-line refusal for Gefen state of contract ``saved_version`` offered to a Gefen with
+    ``moments=live_moments`` (None: the layouts agree)."""
+    live_version = CONTRACTS[live_moments].version
+    if saved_version == live_version:
+        return None
+    saved = next((m for m, c in CONTRACTS.items() if c.version == saved_version), None)
+    if saved is None:
+        return (f"gefen.Gefen state of contract version {saved_version!r} is unknown to this Gefen (it reads "
+                f"{', '.join(repr(c.version) for c in CONTRACTS.values())}): a newer library wrote it?")
+    return (f"gefen.Gefen state of contract version {saved_version!r} (moments={saved!r}) does not load into "
+            f"Gefen(moments={live_moments!r}) (version {live_version!r}): construct Gefen(..., moments={saved!r}) to "
+            f"load it as it is, or convert it: gefen-ckpt convert SRC DST --into Gefen"
+            + ("" if live_moments == "m4v4" else " --moments m8"))
 
 
 class Gefen(CompressedOptimizer):
-    """AdamW with a block-quantised first moment and a factored/per-block second moment.
+    """AdamW with its moments compressed to about one byte per parameter.
+
+    ``moments="m4v4"`` (the default, contract version "2"): every tensor of two or more
+    dimensions keeps one byte per element, a 4-bit first-moment code (per-row bf16 max-abs scale,
+    16-entry learned codebook) and a 4-bit code of ``v / vhat`` against the factored second
+    moment ``vhat`` (row and column EMAs), both re-quantised by unbiased stochastic rounding
+    whose noise is a hash of the element's global index, the step and ``seed``; 1-D tensors keep
+    AdamW's exact moments. ``moments="m8"`` (version "1", the layout before): 8-bit first-moment
+    codes into a ``codebook_size`` codebook and a factored (``factored_v_2d``) or per-block
+    second moment; it loads checkpoints written before version "2".
 
     ``params`` may be tensors, ``(name, tensor)`` pairs (preferred: names become the state's
     identity in checkpoints) or param-group dicts (optionally with ``"param_names"``).
-    ``codebook_size`` codes (uint8) are learned once from the first gradients, with a histogram
-    of ``bins_per_code * codebook_size`` bins.
+    Codebooks are learned once from the first non-zero gradients, with a histogram of
+    ``bins_per_code * codebook_size`` bins.
 
     AdamW's keywords: ``lr`` and ``betas`` may be tensors; ``maximize`` ascends the objective;
     ``foreach`` / ``fused`` are accepted as hints (one implementation serves all); ``amsgrad``,
@@ -45,19 +100,48 @@ class Gefen(CompressedOptimizer):
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, factored_v_2d: bool = True, codebook_size: int = 256,
-                 bins_per_code: int = 16, *, maximize: bool = False, foreach: bool | None = None,
-                 fused: bool | None = None, capturable: bool = False, differentiable: bool = False,
-                 amsgrad: bool = False):
+                 eps: float = 1e-8, weight_decay: float = 0.0, factored_v_2d: bool = True,
+                 codebook_size: int | None = None, bins_per_code: int = 16, *, moments: str = "m4v4", seed: int = 0,
+                 maximize: bool = False, foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False, amsgrad: bool = False):
         check_adamw_options(foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable,
                             amsgrad=amsgrad)
+        if moments not in CONTRACTS:
+            raise ValueError(f"moments must be one of {list(MOMENTS)}, got {moments!r}")
+        if codebook_size is None:
+            codebook_size = CODES if moments == "m4v4" else 256
+        if moments == "m4v4" and codebook_size != CODES:
+            raise ValueError(f"moments='m4v4' packs two 4-bit codes in a byte: codebook_size must be {CODES}, got "
+                             f"{codebook_size!r} (other sizes need moments='m8')")
+        if moments == "m4v4" and factored_v_2d is False:
+            raise ValueError("m4v4 codes the second moment against the factored estimate; factored_v_2d=False "
+                             "needs moments='m8'")
+        self.moments = moments
+        self.v_codebook: torch.Tensor | None = None
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
-                        weight_decay=weight_decay, factored_v_2d=factored_v_2d, maximize=maximize)
+                        weight_decay=weight_decay, factored_v_2d=factored_v_2d, maximize=maximize, moments=moments,
+                        seed=seed)
         self._check_group(defaults)
         super().__init__(params, defaults, codebook_size=codebook_size, bins_per_code=bins_per_code)
 
     def contract(self) -> OptimizerContract:
-        return _CONTRACT
+        return CONTRACTS[self.moments]
+
+    @property
+    def learns_at_allocation(self) -> bool:
+        return self.moments == "m8"  # m4v4 learns both codebooks in its step, from the reduced statistics
+
+    def global_books(self) -> dict[str, int]:
+        books = super().global_books()
+        if self.moments == "m4v4":
+            books[V_CODEBOOK] = CODES
+        return books
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["moments"] = self.moments
+        state.setdefault(V_CODEBOOK, None)
+        return state
 
     def _check_group(self, group: dict) -> None:
         check_range("lr", group["lr"], 0.0)
@@ -67,14 +151,40 @@ class Gefen(CompressedOptimizer):
         for flag in ("factored_v_2d", "maximize"):
             if not isinstance(group.get(flag, False), bool):
                 raise TypeError(f"{flag} must be a bool, got {group[flag]!r}")
+        if group.get("moments", self.moments) != self.moments:
+            raise ValueError(f"moments is optimizer-wide: a param group asks for {group['moments']!r}, the optimizer "
+                             f"keeps {self.moments!r}")
+        if self.moments == "m4v4" and group.get("factored_v_2d") is False:
+            raise ValueError("m4v4 codes the second moment against the factored estimate; factored_v_2d=False "
+                             "needs moments='m8'")
+        seed = group.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+
+    def _saved_group(self, group: dict) -> dict:
+        """Version "1" groups carry no ``moments``: they are m8 state (refused unless this is m8)."""
+        saved = group.get("moments", "m8")
+        refusal = version_refusal(CONTRACTS[saved].version, self.moments) if saved in CONTRACTS else None
+        if refusal:
+            raise ValueError(refusal)
+        return {"moments": "m8", "seed": 0, **group} if saved == "m8" else group
 
     def _state_fields(self, group: dict, shape: tuple[int, ...]) -> tuple[str, ...]:
+        if self.moments == "m4v4":
+            return M4V4_MATRIX_FIELDS if is_coded(shape) else EXACT_FIELDS
         second = ("v_row", "v_col") if is_factored(shape, group["factored_v_2d"]) else ("v",)
         return ("step", "period", "m_code", "m_scale") + second
 
     def _init_param_state(self, group: dict, param: torch.Tensor, period: int) -> dict:
         shape = global_shape(param)
+        if self.moments == "m4v4":
+            return init_m4v4_state(local_tensor(param), shape)
         return init_state(local_tensor(param), shape, period, is_factored(shape, group["factored_v_2d"]))
+
+    def _moments_nonzero(self, entry: dict) -> bool:
+        if self.moments == "m8":
+            return super()._moments_nonzero(entry)
+        return "mv_code" in entry and bool(entry["m_row_scale"].any() or entry["v_row"].any())
 
     @eager_step
     @torch.no_grad()
@@ -82,22 +192,30 @@ class Gefen(CompressedOptimizer):
         loss, work = self._begin_step(closure)
         if not work:
             return loss
+        if self.moments == "m4v4":
+            self._step_m4v4(work)
+        else:
+            self._step_m8(work)
+        return loss
 
-        # phase 1: what the factored second moments must sum over all rows (one reduction)
+    def _reduced_partials(self, work, fields: str, partials_fn) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Phase 1: every factored tensor's (new v_row, globally summed partials), by position in
+        ``work``, after ONE reduction of all of them together."""
         plan = self.reduction_plan()
         factored = []
         for i, (group, p, grad) in enumerate(work):
-            if "v_row" in self.state[p]:
-                v_row, parts = second_moment_partials(local_tensor(grad), self.state[p], group["betas"][1])
+            if fields in self.state[p]:
+                v_row, parts = partials_fn(local_tensor(grad), self.state[p], group["betas"][1])
                 factored.append((i, v_row, parts if plan.counts(p) else parts.zero_()))
-        pending = {}
-        if factored:
-            flat = torch.cat([parts for _, _, parts in factored])
-            plan.reducer.sum_(flat)
-            sums = flat.split([parts.numel() for _, _, parts in factored])
-            pending = {i: (v_row, total) for (i, v_row, _), total in zip(factored, sums)}
+        if not factored:
+            return {}
+        flat = torch.cat([parts for _, _, parts in factored])
+        plan.reducer.sum_(flat)
+        sums = flat.split([parts.numel() for _, _, parts in factored])
+        return {i: (v_row, total) for (i, v_row, _), total in zip(factored, sums)}
 
-        # phase 2: the rank-local update
+    def _step_m8(self, work) -> None:
+        pending = self._reduced_partials(work, "v_row", second_moment_partials)
         codebook = self._step_codebook()
         for i, (group, p, grad) in enumerate(work):
             beta1, beta2 = group["betas"]
@@ -106,4 +224,49 @@ class Gefen(CompressedOptimizer):
             shape = global_shape(p)
             gefen_update_(local_tensor(p), local_tensor(grad), self.state[p], codebook, h,
                           global_rows=shape[0] if shape else 1, v_row=v_row, partials=partials)
-        return loss
+
+    def _step_m4v4(self, work) -> None:
+        pending = self._reduced_partials(work, "mv_code", m4v4_partials)
+        if self.codebook is None:
+            self._learn_m4v4_codebooks(work, pending)
+        codebook = self._step_codebook()
+        ratios = {}  # device -> ratio table
+        position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        for i, (group, p, grad) in enumerate(work):
+            beta1, beta2 = group["betas"]
+            h = Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            local, local_grad = local_tensor(p), local_tensor(grad)
+            if i not in pending:
+                adamw_update_(local, local_grad, self.state[p], h)
+                continue
+            if local.device not in ratios:
+                ratios[local.device] = ratio_table(self._v_book(local.device))
+            v_row, partials = pending[i]
+            m4v4_update_(local, local_grad, self.state[p], codebook.to(local.device), ratios[local.device], h,
+                         global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=position[id(p)],
+                         seed=group["seed"], row0=row_offset(p))
+
+    def _v_book(self, device) -> torch.Tensor:
+        return standin_codebook(device) if self.v_codebook is None else self.v_codebook.to(device)
+
+    def _learn_m4v4_codebooks(self, work, pending) -> None:
+        """Both codebooks at the first step whose gradients are not all zero: the first moment's as
+        for m8, the second moment's from every coded tensor's ``log(v / vhat)`` at this step (a
+        fixed-range histogram, summed over the ranks, solved by the same exact DP)."""
+        codebook = self._learn_codebook(work)
+        if codebook is None:
+            return
+        plan = self.reduction_plan()
+        counts = None
+        for i, (group, p, grad) in enumerate(work):
+            if i in pending and plan.counts(p):
+                v_row, partials = pending[i]
+                local = local_tensor(grad)
+                h = v_ratio_histogram(local, self.state[p], ratio_table(standin_codebook(local.device)),
+                                      group["betas"][1], global_rows=p.shape[0], v_row=v_row, partials=partials)
+                counts = h if counts is None else counts + h.to(counts.device)
+        if counts is None:
+            counts = torch.zeros(16 * CODES, dtype=torch.int64, device=codebook.device)
+        plan.reducer.sum_(counts)
+        self.v_codebook = solve_codebook(counts, CODES).to(codebook.device)
+        self.codebook = codebook

@@ -100,10 +100,18 @@ def check_not_adam_state(state_dict: dict, implementation: str) -> None:
     """A torch Adam/AdamW state_dict handed to a Gefen optimizer: say so and how to convert it
     (otherwise the first complaint would be a missing hyperparameter)."""
     entries = state_dict.get("state")
-    if isinstance(entries, dict) and any(isinstance(e, dict) and "exp_avg" in e and "m_code" not in e
-                                         for e in entries.values()):
+    if isinstance(entries, dict) and any(_is_adam_entry(e) for e in entries.values()):
         short = implementation.rsplit(".", 1)[-1]
         raise ValueError(
             f"this is torch.optim.AdamW's (or Adam's) state, not {implementation}'s: convert it with "
             f"`gefen-ckpt convert SRC DST --into {short}` or gefen_ckpt.convert_state(state, into={short!r})"
         )
+
+
+def _is_adam_entry(entry) -> bool:
+    """torch Adam's per-parameter state: ``exp_avg`` with a floating-point step (Gefen's 1-D
+    tensors keep ``exp_avg`` too, with an int64 step)."""
+    if not isinstance(entry, dict) or "exp_avg" not in entry or "m_code" in entry:
+        return False
+    step = entry.get("step")
+    return not (isinstance(step, torch.Tensor) and step.dtype == torch.int64)

@@ -62,19 +62,22 @@ def test_histogram_declines_other_inputs_and_the_optimizer_falls_back():
     assert native.block_histogram(t.contiguous(), 64) is None
 
 
+@pytest.mark.parametrize("moments", ["m4v4", "m8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_first_step_learns_the_same_codebook(dtype):
+def test_first_step_learns_the_same_codebook(dtype, moments):
     shapes = {"emb": (300, 48), "up": (48, 192), "conv": (16, 8, 3, 3), "odd": (40, 60), "norm": (48,)}
     results = []
     for use_native in (False, True):
         native.enabled = use_native
         params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes.values()]
-        opt = Gefen(params, lr=1e-3)
+        opt = Gefen(params, lr=1e-3, moments=moments)
         for i, p in enumerate(params):
             p.grad = planted(p.shape, 12 if p.dim() > 1 and p.shape[1] % 12 == 0 else 1, seed=i).to(dtype) \
                 if p.dim() > 1 else torch.randn(p.shape).to(dtype)
         opt.step()
-        results.append(([int(opt.state[p]["period"]) for p in params], opt.codebook.clone()))
-    (periods_ref, book_ref), (periods, book) = results
+        periods = [int(opt.state[p]["period"]) for p in params] if moments == "m8" else None
+        results.append((periods, opt.codebook.clone(), opt.v_codebook))
+    (periods_ref, book_ref, v_ref), (periods, book, v_book) = results
     assert periods == periods_ref
     assert torch.equal(book, book_ref)
+    assert (v_book is None) == (moments == "m8") and (v_book is None or torch.equal(v_book, v_ref))

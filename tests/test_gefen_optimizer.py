@@ -91,6 +91,7 @@ def snapshot(opt):
                    for g in opt.param_groups],
         "state": {id(p): {k: bits(v) for k, v in st.items()} for p, st in opt.state.items()},
         "codebook": None if opt.codebook is None else bits(opt.codebook),
+        "v_codebook": None if opt.v_codebook is None else bits(opt.v_codebook),
         "params": [bits(p) for g in opt.param_groups for p in g["params"]],
     }
 
@@ -102,9 +103,10 @@ def assert_same(a, b):
         assert fields.keys() == b["state"][pid].keys()
         for name, value in fields.items():
             assert same_bits(value, b["state"][pid][name]), name
-    assert (a["codebook"] is None) == (b["codebook"] is None)
-    if a["codebook"] is not None:
-        assert same_bits(a["codebook"], b["codebook"])
+    for book in ("codebook", "v_codebook"):
+        assert (a[book] is None) == (b[book] is None)
+        if a[book] is not None:
+            assert same_bits(a[book], b[book])
     assert all(same_bits(x, y) for x, y in zip(a["params"], b["params"]))
 
 
@@ -280,18 +282,43 @@ def test_state_dict_never_casts_codes_or_scales():
     """bf16 parameters: codes stay uint8 and scales/second moments fp32 in state_dict() and
     after loading (torch's default load would cast floating state to the parameter dtype)."""
     model = make_model(dtype=torch.bfloat16)
-    opt = Gefen(model.named_parameters(), lr=1e-2)
+    opt = Gefen(model.named_parameters(), lr=1e-2, moments="m8")
     train(model, opt, 2)
     sd = opt.state_dict()
     for entry in sd["state"].values():
         assert entry["m_code"].dtype == torch.uint8 and entry["m_scale"].dtype == torch.float32
         assert entry["step"].dtype == entry["period"].dtype == torch.int64
     assert sd[GLOBAL_STATE_KEY]["codebook"].dtype == torch.float32
-    fresh = Gefen(copy.deepcopy(model).named_parameters(), lr=1e-2)
+    fresh = Gefen(copy.deepcopy(model).named_parameters(), lr=1e-2, moments="m8")
     fresh.load_state_dict(copy.deepcopy(sd))
     for st in fresh.state.values():
         assert st["m_code"].dtype == torch.uint8
         assert all(v.dtype == torch.float32 for k, v in st.items() if k not in ("m_code", "step", "period"))
+
+
+M4V4_DTYPES = {"step": torch.int64, "mv_code": torch.uint8, "m_row_scale": torch.bfloat16, "v_row": torch.float32,
+               "v_col": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+
+
+def test_m4v4_state_dict_never_casts_codes_or_scales():
+    """The default layout on bf16 parameters: uint8 codes, the bf16 row scale and fp32 statistics
+    and exact moments (also of 1-D bf16 tensors) survive state_dict() and a load unchanged."""
+    model = make_model(dtype=torch.bfloat16)
+    opt = Gefen(model.named_parameters(), lr=1e-2)
+    train(model, opt, 2)
+    sd = opt.state_dict()
+    for entry in sd["state"].values():
+        assert {k: v.dtype for k, v in entry.items() if k in M4V4_DTYPES} == {k: M4V4_DTYPES[k] for k in entry
+                                                                             if k in M4V4_DTYPES}
+    assert {k: v.dtype for k, v in sd[GLOBAL_STATE_KEY].items()} == {"codebook": torch.float32,
+                                                                     "v_codebook": torch.float32}
+    fresh = Gefen(copy.deepcopy(model).named_parameters(), lr=1e-2)
+    fresh.load_state_dict(copy.deepcopy(sd))
+    for p, st in fresh.state.items():
+        assert set(st) == ({"step", "mv_code", "m_row_scale", "v_row", "v_col"} if p.dim() >= 2
+                           else {"step", "exp_avg", "exp_avg_sq"})
+        assert all(v.dtype == M4V4_DTYPES[k] for k, v in st.items())
+    assert_same_state(state_bits(opt), state_bits(fresh))
 
 
 def save_load(sd, how):
@@ -303,17 +330,18 @@ def save_load(sd, how):
     return torch.load(buf, weights_only=True)
 
 
+@pytest.mark.parametrize("moments", ["m4v4", "m8"])
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_round_trip_resumes_bitwise(how, dtype):
+def test_round_trip_resumes_bitwise(how, dtype, moments):
     """Save after 3 steps, load into a fresh optimizer on a copy of the model, run 5 more steps:
     parameters and state are bitwise equal to an uninterrupted run."""
     model = make_model(dtype=dtype)
-    opt = Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.05)
+    opt = Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.05, moments=moments, seed=7)
     train(model, opt, 3)
     sd = save_load(opt.state_dict(), how)
     resumed_model = copy.deepcopy(model)
-    resumed = Gefen(resumed_model.named_parameters(), lr=0.5)  # hyperparameters come from the state_dict
+    resumed = Gefen(resumed_model.named_parameters(), lr=0.5, moments=moments)  # hyperparameters come from the state_dict
     resumed.load_state_dict(sd)
     assert resumed.param_groups[0]["lr"] == 1e-2
     train(model, opt, 5, start=3)
@@ -321,6 +349,9 @@ def test_round_trip_resumes_bitwise(how, dtype):
     assert all(same_bits(a, b) for a, b in zip(params_bits(model), params_bits(resumed_model)))
     assert_same_state(state_bits(opt), state_bits(resumed))
     assert same_bits(bits(opt.codebook), bits(resumed.codebook))
+    assert resumed.param_groups[0]["seed"] == 7
+    if moments == "m4v4":
+        assert same_bits(bits(opt.v_codebook), bits(resumed.v_codebook))
 
 
 def test_loading_an_empty_state_dict_resets_the_optimizer():
@@ -413,13 +444,79 @@ REJECTS = {
 }
 
 
+def _v1_groups(sd):
+    """What a version "1" (m8) state_dict's groups look like: no moments / seed."""
+    for group in sd["param_groups"]:
+        group.pop("moments")
+        group.pop("seed")
+
+
+M4V4_REJECTS = {
+    "float codes": (_set(("state", CONV_W, "mv_code"), lambda t: t.float()), TypeError, "'conv.weight'.*mv_code.*dtype"),
+    "fp32 row scale": (_set(("state", HEAD_W, "m_row_scale"), lambda t: t.float()), TypeError,
+                       "'head.weight'.*m_row_scale.*bfloat16"),
+    "wrong row scale shape": (_set(("state", HEAD_W, "m_row_scale"), lambda t: t[:-1].clone()), ValueError,
+                              "'head.weight'.*m_row_scale.*shape"),
+    "wrong v_col shape": (_set(("state", CONV_W, "v_col"), lambda t: t[:-1].clone()), ValueError, "'conv.weight'.*v_col"),
+    "m8 fields on a matrix": (lambda sd: sd["state"][HEAD_W].update(m_code=sd["state"][HEAD_W].pop("mv_code")),
+                              ValueError, "'head.weight'.*m_code"),
+    "exact moments on a matrix": (lambda sd: sd["state"][HEAD_W].update(exp_avg=torch.zeros(4, 96)), ValueError,
+                                  "'head.weight'.*fields"),
+    "missing exp_avg_sq": (_set(("state", SCALE, "exp_avg_sq"), KeyError), ValueError, "'scale'.*fields"),
+    "bf16 exact moment": (_set(("state", SCALE, "exp_avg"), lambda t: t.bfloat16()), TypeError, "'scale'.*exp_avg"),
+    "v_codebook ends": (lambda sd: [e.update(v_codebook=e["v_codebook"] * 0.5) for e in sd["state"].values()]
+                        and sd[GLOBAL_STATE_KEY].update(v_codebook=sd[GLOBAL_STATE_KEY]["v_codebook"] * 0.5),
+                        ValueError, "v_codebook"),
+    "v_codebooks disagree": (_set(("state", HEAD_W, "v_codebook"), lambda c: c.flip(0).neg() * 0.5), ValueError,
+                             "v_codebook of parameter 'head.weight' differs"),
+    "v_codebook missing": (lambda sd: [e.pop("v_codebook") for e in sd["state"].values()]
+                           and sd[GLOBAL_STATE_KEY].pop("v_codebook"), ValueError, "no v_codebook"),
+    "version 1 groups": (_v1_groups, ValueError, r"""version '1' \(moments='m8'\).*moments='m8'.*gefen-ckpt convert"""),
+    "bad seed": (_set(("param_groups", 0, "seed"), -3), ValueError, "seed"),
+}
+
+
+@pytest.mark.parametrize("case", list(M4V4_REJECTS))
+def test_m4v4_rejected_load_leaves_optimizer_untouched(case):
+    """The default layout's malformed state_dicts: refused naming what is wrong, nothing changes."""
+    corrupt, error, pattern = M4V4_REJECTS[case]
+    model, opt = trained(2)
+    _, other = trained(3, seed=1)
+    sd = copy.deepcopy(other.state_dict())
+    corrupt(sd)
+    before = snapshot(opt)
+    with pytest.raises(error, match=pattern):
+        opt.load_state_dict(sd)
+    assert_same(before, snapshot(opt))
+    opt.load_state_dict(copy.deepcopy(other.state_dict()))
+    assert_same_state(state_bits(other), state_bits(opt))
+
+
+def test_layouts_refuse_each_other_in_one_line_naming_both_ways_out():
+    _, m8 = trained(2, moments="m8")
+    _, m4v4 = trained(2)
+    with pytest.raises(ValueError) as info:
+        Gefen(make_model().named_parameters()).load_state_dict(copy.deepcopy(m8.state_dict()))
+    assert "\n" not in str(info.value)
+    assert "version '1'" in str(info.value) and "Gefen(..., moments='m8')" in str(info.value)
+    assert "gefen-ckpt convert SRC DST --into Gefen" in str(info.value)
+    with pytest.raises(ValueError, match=r"version '2' \(moments='m4v4'\).*Gefen\(moments='m8'\)"):
+        Gefen(make_model().named_parameters(), moments="m8").load_state_dict(copy.deepcopy(m4v4.state_dict()))
+    old = copy.deepcopy(m8.state_dict())  # a version "1" state_dict, as written before the layout change
+    _v1_groups(old)
+    twin = Gefen(make_model().named_parameters(), moments="m8")
+    twin.load_state_dict(old)
+    assert_same_state(state_bits(m8), state_bits(twin))
+    assert twin.param_groups[0]["moments"] == "m8"
+
+
 @pytest.mark.parametrize("case", list(REJECTS))
 def test_rejected_load_leaves_optimizer_untouched(case):
     """Every malformed state_dict raises a ValueError/TypeError naming what is wrong (the FQN for
     per-parameter problems) and the live optimizer is bitwise unchanged."""
     corrupt, error, pattern = REJECTS[case]
-    model, opt = trained(2, codebook_size=64)
-    _, other = trained(3, seed=1, codebook_size=64)  # a different trajectory: a partial load would show
+    model, opt = trained(2, codebook_size=64, moments="m8")
+    _, other = trained(3, seed=1, codebook_size=64, moments="m8")  # a different trajectory: a partial load would show
     sd = copy.deepcopy(other.state_dict())
     corrupt(sd)
     before = snapshot(opt)
@@ -457,8 +554,10 @@ def test_loaded_state_is_a_copy():
     opt.load_state_dict(sd)
     before = snapshot(opt)
     for entry in sd["state"].values():
-        entry["m_scale"].mul_(2)
+        for value in entry.values():
+            value.mul_(2)
     sd[GLOBAL_STATE_KEY]["codebook"].mul_(2)
+    sd[GLOBAL_STATE_KEY]["v_codebook"].mul_(2)
     assert_same(before, snapshot(opt))
 
 
@@ -526,19 +625,19 @@ def test_sparse_and_complex_gradients_raise_before_any_change():
 # ----- contracts ----------------------------------------------------------------------------------
 def make(kind):
     model = make_model()
-    if kind == "Gefen":
-        return Gefen(model.named_parameters(), factored_v_2d=True)
+    if kind.startswith("Gefen"):
+        return Gefen(model.named_parameters(), factored_v_2d=True, moments="m8" if kind == "Gefen-m8" else "m4v4")
     cls = getattr(torch.optim, kind)
     return cls(model.parameters(), lr=0.1, momentum=0.9) if kind == "SGD" else cls(model.parameters())
 
 
-@pytest.mark.parametrize("kind", ["Gefen", "AdamW", "Adam", "SGD"])
+@pytest.mark.parametrize("kind", ["Gefen", "Gefen-m8", "AdamW", "Adam", "SGD"])
 def test_contract_is_frozen_and_round_trips(kind):
     """contract_of is frozen, names the implementation, and survives to_dict/from_dict and msgpack."""
     opt = make(kind)
     contract = gefen.contract_of(opt)
     assert isinstance(contract, OptimizerContract)
-    assert contract.implementation.endswith(kind)
+    assert contract.implementation.endswith(kind.removesuffix("-m8"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         contract.version = "x"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -550,7 +649,7 @@ def test_contract_is_frozen_and_round_trips(kind):
     assert hash(contract) == hash(OptimizerContract.from_dict(plain))
 
 
-@pytest.mark.parametrize("kind", ["Gefen", "AdamW", "Adam", "SGD"])
+@pytest.mark.parametrize("kind", ["Gefen", "Gefen-m8", "AdamW", "Adam", "SGD"])
 def test_contract_describes_the_real_state(kind):
     """Every hyperparameter is a group option, and after a step every state field is declared
     with its dtype and the shape its geometry implies (SPEC 4)."""
@@ -575,12 +674,21 @@ def test_contract_describes_the_real_state(kind):
             assert tuple(value.shape) == want_shape, (kind, name)
         required = {f.name for f in contract.fields if not f.optional}
         assert required <= set(opt.state[p])
-    if kind == "Gefen":
+    if kind == "Gefen-m8":
+        assert contract.version == "1"
         assert [f.name for f in contract.global_fields] == ["codebook"]
         assert contract.field("codebook").geometry == "global"
         assert {f.name: f.geometry for f in contract.fields} == {
             "step": "scalar", "period": "scalar", "m_code": "param", "m_scale": "block",
             "v": "block", "v_row": "row", "v_col": "col"}
+    if kind == "Gefen":
+        assert contract.version == "2"
+        assert {f.name: f.geometry for f in contract.global_fields} == {"codebook": "global", "v_codebook": "global"}
+        assert {f.name: (f.dtype, f.geometry) for f in contract.fields} == {
+            "step": ("int64", "scalar"), "mv_code": ("uint8", "param"), "m_row_scale": ("bfloat16", "row"),
+            "v_row": ("float32", "row"), "v_col": ("float32", "col"), "exp_avg": ("float32", "param"),
+            "exp_avg_sq": ("float32", "param")}
+        assert {"moments", "seed"} <= set(contract.hyperparameters)
 
 
 def test_contract_errors():
@@ -603,17 +711,31 @@ def test_deepcopy_keeps_codebook_and_continues_identically():
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 16)
-    opt = Gefen(model.named_parameters(), lr=1e-2, codebook_size=64)
+    opt = Gefen(model.named_parameters(), lr=1e-2, codebook_size=64, moments="m8")
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
     opt.zero_grad()
     twin_model = copy.deepcopy(model)
     twin = copy.deepcopy(opt)
     assert twin.codebook_size == 64 and torch.equal(twin.codebook, opt.codebook)
-    twin = Gefen(twin_model.named_parameters(), lr=1e-2, codebook_size=64)
+    twin = Gefen(twin_model.named_parameters(), lr=1e-2, codebook_size=64, moments="m8")
     twin.load_state_dict(opt.state_dict())
     for m, o in ((model, opt), (twin_model, twin)):
         torch.manual_seed(1)
         m(torch.randn(4, 8)).sum().backward()
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+
+
+def test_deepcopy_and_pickle_keep_both_codebooks():
+    """The default layout's second codebook and ``moments`` travel with copy.deepcopy / pickle."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 16)
+    opt = Gefen(model.named_parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    for twin in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert twin.moments == "m4v4" and twin.codebook_size == 16
+        assert torch.equal(twin.codebook, opt.codebook) and torch.equal(twin.v_codebook, opt.v_codebook)

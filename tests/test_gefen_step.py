@@ -1,5 +1,9 @@
 """Gefen's step against a dense, slow, obvious reference written here (SPEC 3.1 steps 1-4).
 
+The reference below is the "m8" layout (``moments="m8"``, contract version "1"); the default
+"m4v4" step is pinned bit for bit by tests/test_m4v4_reference.py, and the optimizer's plumbing
+of it (codebook learning, parameter positions, seeds, groups) by the m4v4 tests at the end.
+
 The reference dequantises with ``codebook[codes.long()] * scale``, lerps, takes the per-block
 max-abs, picks codes by ``argmin |x - c|`` (float64, exact for fp32 inputs; ties to the lower
 code), builds the factored ``V = outer(v_row, v_col) / mean(v_row)``, bias-corrects and applies
@@ -23,8 +27,10 @@ import pytest
 import torch
 
 from gefen import Gefen
-from gefen.codebook import learn_codebook
+from gefen.codebook import learn_codebook, solve_codebook
+from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partials, m4v4_update_
 from gefen.geometry import as_blocks, rows_and_row_numel, shape_period
+from gefen.stochastic import ratio_table
 
 HYPER = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
 
@@ -161,7 +167,7 @@ def run_against_reference(specs, steps=4, **opt_kwargs):
     hyper = {**HYPER, **{k: v for k, v in opt_kwargs.items() if k in HYPER}}
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype)) for shape, _, dtype in specs]
-    opt = Gefen(params, **{**HYPER, **opt_kwargs})
+    opt = Gefen(params, **{**HYPER, "moments": "m8", **opt_kwargs})
     refs = [p.detach().clone() for p in params]
     states = [None] * len(params)
     for step in range(steps):
@@ -217,7 +223,7 @@ def test_param_groups_use_their_own_hyperparameters(step_path):
     a, b = torch.nn.Parameter(torch.randn(48, 96)), torch.nn.Parameter(torch.randn(48, 96))
     hyper_a = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     hyper_b = dict(lr=2e-2, betas=(0.5, 0.9), eps=1e-4, weight_decay=0.3)
-    opt = Gefen([{"params": [a], **hyper_a}, {"params": [b], **hyper_b, "factored_v_2d": False}])
+    opt = Gefen([{"params": [a], **hyper_a}, {"params": [b], **hyper_b, "factored_v_2d": False}], moments="m8")
     refs, states = [a.detach().clone(), b.detach().clone()], [None, None]
     for step in range(3):
         grads = [structured_grad(a.shape, 32, 10 * step), structured_grad(b.shape, 32, 10 * step + 1)]
@@ -238,7 +244,7 @@ def test_codebook_is_learned_once_from_the_first_gradients():
     grads = [structured_grad(shape, period, i) for i, (shape, period) in enumerate(specs)]
     for p, g in zip(params, grads):
         p.grad = g
-    opt = Gefen(params, codebook_size=32)
+    opt = Gefen(params, codebook_size=32, moments="m8")
     opt.step()
     want = learn_codebook([as_blocks(g, period) for g, (_, period) in zip(grads, specs) if period > 1], 32, 16)
     assert torch.equal(opt.codebook, want)
@@ -283,3 +289,97 @@ def test_float64_params_keep_float64_precision():
     p.grad = structured_grad(p.shape, 20, 0, torch.float64)
     Gefen([p], lr=0.0, weight_decay=0.1).step()
     assert torch.equal(p.detach(), before)
+
+
+# ----- the m4v4 layout: the optimizer drives the reference functions ------------------------------
+def dense_v_codebook(grads, beta2):
+    """The second-moment codebook as documented: every coded tensor's first-step
+    ``clamp(log(max(v, tiny) / max(vhat, tiny)) / 8, -1, 1)``, ``v = g^2 (1 - b2)``, ``vhat`` the
+    factored estimate, in a 256-bin histogram over [-1, 1], solved by the exact DP."""
+    tiny = torch.finfo(torch.float32).tiny
+    counts = torch.zeros(256, dtype=torch.int64)
+    for g in grads:
+        if g.dim() < 2:
+            continue
+        sq = g.float().reshape(g.shape[0], -1).square()
+        v_row = sq.sum(1, dtype=torch.float64).div(sq.shape[1]).float() * (1 - beta2)
+        v_col = sq.sum(0, dtype=torch.float64).div(sq.shape[0]).float() * (1 - beta2)
+        mean = v_row.sum(dtype=torch.float64).div(sq.shape[0]).float().clamp_min(tiny)
+        vhat = (v_row / mean)[:, None] * v_col[None, :]
+        x = torch.log((sq * (1 - beta2)).clamp_min(tiny) / vhat.clamp_min(tiny)).div(8).clamp(-1, 1)
+        counts += torch.bincount(((x + 1) / 2 * 256).long().clamp(0, 255).reshape(-1), minlength=256)
+    return solve_codebook(counts, 16)
+
+
+def test_m4v4_learns_both_codebooks_at_the_first_nonzero_step():
+    specs = [((48, 96), 96), ((16, 8, 3, 3), 72), ((40,), 1)]
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape, _ in specs]
+    opt = Gefen(params, betas=(0.9, 0.99))
+    for p in params:
+        p.grad = torch.zeros(p.shape)
+    opt.step()
+    assert opt.codebook is None and opt.v_codebook is None  # nothing to learn from yet
+    grads = [structured_grad(shape, period, i) for i, (shape, period) in enumerate(specs)]
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()
+    want = learn_codebook([as_blocks(g, period) for g, (_, period) in zip(grads, specs) if period > 1], 16, 16)
+    assert torch.equal(opt.codebook, want)
+    assert torch.equal(opt.v_codebook, dense_v_codebook(grads, 0.99))
+    assert opt.v_codebook[0] == -1 and opt.v_codebook[-1] == 1 and (opt.v_codebook.diff() >= 0).all()
+    for p in params:
+        p.grad = torch.randn(p.shape) * 100
+    opt.step()
+    assert torch.equal(opt.codebook, want)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_m4v4_optimizer_steps_are_the_reference_functions(seed):
+    """Several groups, a bf16 and a 1-D tensor: each coded tensor takes ``m4v4_update_`` with its
+    position in the flat parameter list and its group's seed, each 1-D tensor ``adamw_update_``."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(24, 40), (10,), (12, 5, 3), (40, 24)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    params[3].data = params[3].data.bfloat16()
+    hyper_b = dict(lr=2e-2, betas=(0.5, 0.9), eps=1e-4, weight_decay=0.3)
+    opt = Gefen([{"params": params[:2]}, {"params": params[2:], **hyper_b, "seed": seed + 1}],
+                lr=1e-2, weight_decay=0.1, seed=seed)
+    hypers = [Hyper(1e-2, 0.9, 0.999, 1e-8, 0.1)] * 2 + [Hyper(2e-2, 0.5, 0.9, 1e-4, 0.3)] * 2
+    seeds = [seed, seed, seed + 1, seed + 1]
+    refs = [p.detach().clone() for p in params]
+    states = [None] * 4
+    for step in range(3):
+        grads = [torch.randn(s, generator=gen).to(p.dtype) for s, p in zip(shapes, params)]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        ratio = ratio_table(opt.v_codebook)
+        for i, (ref, g, h) in enumerate(zip(refs, grads, hypers)):
+            if states[i] is None:
+                states[i] = init_m4v4_state(ref, tuple(ref.shape))
+            if ref.dim() < 2:
+                adamw_update_(ref, g, states[i], h)
+            else:
+                v_row, partials = m4v4_partials(g, states[i], h.beta2)
+                m4v4_update_(ref, g, states[i], opt.codebook, ratio, h, global_rows=ref.shape[0], v_row=v_row,
+                             partials=partials, pidx=i, seed=seeds[i])
+            assert same_bits(params[i].detach(), ref), f"param {i} step {step + 1}"
+            for name, value in states[i].items():
+                assert same_bits(opt.state[params[i]][name], value), f"param {i} {name} step {step + 1}"
+
+
+def test_m4v4_refuses_what_it_cannot_represent():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="codebook_size must be 16"):
+        Gefen([p], codebook_size=256)
+    with pytest.raises(ValueError, match="factored_v_2d=False needs moments='m8'"):
+        Gefen([p], factored_v_2d=False)
+    with pytest.raises(ValueError, match="factored_v_2d=False needs moments='m8'"):
+        Gefen([{"params": [p], "factored_v_2d": False}])
+    with pytest.raises(ValueError, match="moments must be one of"):
+        Gefen([p], moments="m2")
+    with pytest.raises(ValueError, match="seed must be a non-negative int"):
+        Gefen([p], seed=-1)
+    with pytest.raises(ValueError, match="moments is optimizer-wide"):
+        Gefen([{"params": [p], "moments": "m8"}])
+    assert Gefen([p], moments="m8").codebook_size == 256 and Gefen([p]).codebook_size == 16
