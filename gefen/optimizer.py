@@ -24,6 +24,7 @@ from gefen.functional import (
     v_ratio_histogram,
 )
 from gefen.stochastic import CODES, ratio_table, standin_codebook
+from gefen.triton import dispatch as triton_dispatch
 from gefen.validation import check_adamw_options, check_betas, check_range
 
 __all__ = ["Gefen", "MOMENTS", "version_refusal"]
@@ -203,10 +204,13 @@ class Gefen(CompressedOptimizer):
         ``work``, after ONE reduction of all of them together."""
         plan = self.reduction_plan()
         factored = []
-        for i, (group, p, grad) in enumerate(work):
-            if fields in self.state[p]:
-                v_row, parts = partials_fn(local_tensor(grad), self.state[p], group["betas"][1])
-                factored.append((i, v_row, parts if plan.counts(p) else parts.zero_()))
+        todo = [(i, p, (local_tensor(grad), self.state[p], group["betas"][1]))
+                for i, (group, p, grad) in enumerate(work) if fields in self.state[p]]
+        # CUDA: every matrix's partials in two Triton launches (gefen/triton), else one call each
+        fused = triton_dispatch.m4v4_partials_([args for _, _, args in todo]) if partials_fn is m4v4_partials else None
+        for k, (i, p, args) in enumerate(todo):
+            v_row, parts = fused[k] if fused else partials_fn(*args)
+            factored.append((i, v_row, parts if plan.counts(p) else parts.zero_()))
         if not factored:
             return {}
         flat = torch.cat([parts for _, _, parts in factored])

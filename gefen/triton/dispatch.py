@@ -146,6 +146,19 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
     return True
 
 
+def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
+    """``functional.m4v4_partials`` of every ``(grad, state, beta2)`` in two launches (phase 1 of a
+    whole group), or None when any of them must take the eager path."""
+    if not items:
+        return None
+    grads = [g for g, _, _ in items]
+    v_rows = [s["v_row"] for _, s, _ in items]
+    if not _decide(grads, v_rows) or any(g.dim() < 2 or v.shape != g.shape[:1] or v.dtype != torch.float32
+                                         for g, v in zip(grads, v_rows)):
+        return None
+    return _launch_mod.m4v4_partials(items)
+
+
 def adamw_update_(param, grad, state, h) -> bool:
     """``functional.adamw_update_`` (1-D/0-D tensors of m4v4) through the kernels."""
     if "exp_avg" not in state or not _decide([param, grad], [state["exp_avg"], state["exp_avg_sq"]]):

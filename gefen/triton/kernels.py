@@ -321,3 +321,59 @@ def adamw_kernel(progs, ptrs, ints, scal, BLOCK: tl.constexpr, PARAM_T: tl.const
     _store_as(param_p + off, p, mask, PARAM_T)
     tl.store(m_p + off, m, mask=mask)
     tl.store(v_p + off, v, mask=mask)
+
+
+# ----- Gefen m4v4 phase 1: row and column sums of g^2 (float64) --------------------------------
+@triton.jit
+def partials_kernel(progs, ptrs, ints, betas, BR: tl.constexpr, BC: tl.constexpr,
+                    GRAD_T: tl.constexpr):
+    """One program per ``BR`` rows: the rows' float64 sums of g^2 (complete: it owns the rows), the
+    new ``v_row``, and its rows' share of every column sum and of the two ``v_row`` sums, written to
+    its row of a scratch ``[row tiles, C + 2]`` float64 buffer (summed by ``column_sum_kernel``).
+    ptrs = (grad, v_row, v_row_new, scratch); ints[I_ROWS], ints[I_C]; betas = (b2, 1 - b2) fp32."""
+    pid = tl.program_id(0)
+    pidx = tl.load(progs + 2 * pid)
+    r0 = tl.load(progs + 2 * pid + 1)
+    grad_p = _ptr(ptrs, 0, 4, pidx, GRAD_T)
+    v_row_p = _ptr(ptrs, 1, 4, pidx, tl.float32)
+    v_new_p = _ptr(ptrs, 2, 4, pidx, tl.float32)
+    scratch = _ptr(ptrs, 3, 4, pidx, tl.float64)
+    n_rows = tl.load(ints + pidx * N_INTS + I_ROWS)
+    C = tl.load(ints + pidx * N_INTS + I_C)
+    out = scratch + (r0 // BR) * (C + 2)
+    rows = r0 + tl.arange(0, BR).to(tl.int64)
+    rmask = rows < n_rows
+    cols = tl.arange(0, BC).to(tl.int64)
+    row_sum = tl.zeros([BR], dtype=tl.float64)
+    for c0 in range(0, C, BC):
+        c = c0 + cols
+        mask = rmask[:, None] & (c < C)[None, :]
+        g = tl.load(grad_p + rows[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        sq = (g * g).to(tl.float64)
+        row_sum += tl.sum(sq, axis=1)
+        tl.store(out + c, tl.sum(sq, axis=0), mask=c < C)
+    v_old = tl.load(v_row_p + rows, mask=rmask, other=0.0)
+    mean = (row_sum / tl.maximum(C, 1).to(tl.float64)).to(tl.float32)
+    v_new = v_old * tl.load(betas + 2 * pidx) + mean * tl.load(betas + 2 * pidx + 1)
+    tl.store(v_new_p + rows, v_new, mask=rmask)
+    tl.store(out + C, tl.sum(tl.where(rmask, v_new, 0.0).to(tl.float64), axis=0))
+    tl.store(out + C + 1, tl.sum(tl.where(rmask, v_old, 0.0).to(tl.float64), axis=0))
+
+
+@triton.jit
+def column_sum_kernel(progs, ptrs, ints, BC: tl.constexpr, BR: tl.constexpr):
+    """``partials[c] = sum over row tiles of scratch[t, c]`` (float64, tiles in order).
+    ptrs = (scratch, partials); programs = (parameter, first column)."""
+    pid = tl.program_id(0)
+    pidx = tl.load(progs + 2 * pid)
+    c0 = tl.load(progs + 2 * pid + 1)
+    scratch = _ptr(ptrs, 0, 2, pidx, tl.float64)
+    parts = _ptr(ptrs, 1, 2, pidx, tl.float64)
+    n_rows = tl.load(ints + pidx * N_INTS + I_ROWS)
+    width = tl.load(ints + pidx * N_INTS + I_C) + 2
+    c = c0 + tl.arange(0, BC).to(tl.int64)
+    cmask = c < width
+    acc = tl.zeros([BC], dtype=tl.float64)
+    for t in range(0, tl.cdiv(n_rows, BR)):
+        acc += tl.load(scratch + t * width + c, mask=cmask, other=0.0)
+    tl.store(parts + c, acc, mask=cmask)

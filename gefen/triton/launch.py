@@ -18,8 +18,9 @@ import triton
 from gefen.codebook import code_thresholds
 from gefen.triton import kernels
 
-#: Rows longer than this are processed in two passes over column tiles (tests lower it).
-MAX_SINGLE = 8192
+#: Rows longer than this are processed in two passes over column tiles (tests lower it). The tile
+#: sizes are first guesses, not tuned on a GPU yet (docs/decisions.md).
+MAX_SINGLE = 4096
 #: Elements per program when rows are short (several rows per program).
 TILE = 4096
 #: Column tile of the two-pass kernels.
@@ -56,8 +57,9 @@ def _to(device: torch.device, *tables: torch.Tensor) -> list[torch.Tensor]:
 def _launch(kernel, grid: int, *args, **meta) -> None:
     if grid == 0:
         return
+    tile = meta.get("BR", 1) * meta.get("BC", meta.get("BLOCK", 1))
     # no FMA contraction: every mul and add rounds on its own, as in the eager reference
-    kernel[(grid,)](*args, enable_fp_fusion=False, **meta)
+    kernel[(grid,)](*args, enable_fp_fusion=False, num_warps=8 if tile >= 4096 else 4, **meta)
 
 
 # ----- GefenMuon's momentum ------------------------------------------------------------------
@@ -226,3 +228,44 @@ def _adamw_vectors(items: list[M4V4Item], fma_update: bool) -> None:
         progs, ptrs, ints, scal = _to(device, progs, ptrs, ints, scal)
         _launch(kernels.adamw_kernel, progs.shape[0], progs, ptrs, ints, scal, BLOCK=block,
                 PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt], FMA_UPDATE=fma_update)
+
+
+#: rows per program of the phase-1 kernel (its column partial sums cost 8 / BR bytes per element)
+PARTIALS_BR = 32
+
+
+def m4v4_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``functional.m4v4_partials`` for every ``(grad, state, beta2)``: the new ``v_row`` and the
+    float64 partials ``[column sums of g^2, sum of the new v_row, sum of the old v_row]`` of each
+    matrix, in two launches per gradient dtype (rows, then the columns' fixed-order sums)."""
+    device = items[0][0].device
+    shapes = [(g.shape[0], math.prod(g.shape[1:])) for g, _, _ in items]
+    br = PARTIALS_BR
+    tiles = [triton.cdiv(r, br) for r, _ in shapes]
+    scratch = torch.empty(sum(t * (C + 2) for t, (_, C) in zip(tiles, shapes)), dtype=torch.float64, device=device)
+    scratch_views = scratch.split([t * (C + 2) for t, (_, C) in zip(tiles, shapes)])
+    parts = torch.empty(sum(C + 2 for _, C in shapes), dtype=torch.float64, device=device)
+    part_views = list(parts.split([C + 2 for _, C in shapes]))
+    v_rows = [torch.empty(r, dtype=torch.float32, device=device) for r, _ in shapes]
+    ints = torch.zeros(len(items), kernels.N_INTS, dtype=torch.int64)
+    ints[:, kernels.I_ROWS] = torch.tensor([r for r, _ in shapes])
+    ints[:, kernels.I_C] = torch.tensor([C for _, C in shapes])
+    betas = torch.tensor([(b2, 1 - b2) for _, _, b2 in items], dtype=torch.float32)
+    classes = defaultdict(list)
+    for i, (g, _, _) in enumerate(items):
+        classes[g.dtype].append(i)
+    for gdt, idx in classes.items():
+        sel = torch.tensor(idx, dtype=torch.int64)
+        progs = _programs([shapes[i][0] for i in idx], br)
+        ptrs = _ptr_table([[items[i][0], items[i][1]["v_row"], v_rows[i], scratch_views[i]] for i in idx])
+        progs, ptrs, ints_c, betas_c = _to(device, progs, ptrs, ints[sel], betas[sel])
+        bc = max(16, min(triton.next_power_of_2(max(shapes[i][1] for i in idx)), 4096 // br))
+        _launch(kernels.partials_kernel, progs.shape[0], progs, ptrs, ints_c, betas_c, BR=br, BC=bc,
+                GRAD_T=_TRITON_DT[gdt])
+    bc = 256
+    progs = torch.tensor([(i, c) for i, (_, C) in enumerate(shapes) for c in range(0, C + 2, bc)],
+                         dtype=torch.int64).reshape(-1, 2)
+    ptrs = _ptr_table([[s, p] for s, p in zip(scratch_views, part_views)])
+    progs, ptrs, ints = _to(device, progs, ptrs, ints)
+    _launch(kernels.column_sum_kernel, progs.shape[0], progs, ptrs, ints, BC=bc, BR=br)
+    return list(zip(v_rows, part_views))
