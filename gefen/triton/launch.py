@@ -38,10 +38,26 @@ def _geometry(P: int) -> tuple[int, int, bool]:
     return 1, min(TWO_PASS_BC, triton.next_power_of_2(MAX_SINGLE)), False
 
 
-def _programs(rows: list[int], br: int) -> torch.Tensor:
-    """int64 ``[n, 2]``: (parameter index, first row) of every program of a launch."""
-    table = [(i, r) for i, n in enumerate(rows) for r in range(0, n, br)]
-    return torch.tensor(table, dtype=torch.int64).reshape(-1, 2)
+_program_tables: dict[tuple, torch.Tensor] = {}
+
+
+def _programs(rows: list[int], br: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[n, 2]`` on ``device``: (parameter index, first row) of every program of a launch
+    whose parameter ``i`` has ``rows[i]`` rows (or columns), ``br`` per program. It depends on the
+    shapes only, so it is built once (vectorised: a large model has ~10^5 programs) and cached."""
+    key = (tuple(rows), br, str(device))
+    table = _program_tables.get(key)
+    if table is None:
+        counts = torch.tensor([-(-n // br) for n in rows], dtype=torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(rows)), counts)
+        first = torch.cumsum(counts, 0) - counts
+        local = torch.arange(int(counts.sum())) - first[owner]
+        table = torch.stack([owner, local * br], 1)
+        (table,) = _to(device, table)
+        if len(_program_tables) > 64:
+            _program_tables.clear()
+        _program_tables[key] = table
+    return table
 
 
 def _ptr_table(tensors: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -107,10 +123,10 @@ def momentum_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Ten
             sizes.append((grad.numel() // P, P))
             ptrs.append([grad, state["m_code"], state["m_scale"], outs[i]])
             weights.append(1 - beta)
-        progs = _programs([nb for nb, _ in sizes], br)
         device = items[idx[0]][1].device
-        progs, ptr_t, size_t, w_t = _to(device, progs, _ptr_table(ptrs), torch.tensor(sizes, dtype=torch.int64),
-                                        torch.tensor(weights, dtype=torch.float32))
+        progs = _programs([nb for nb, _ in sizes], br, device)
+        ptr_t, size_t, w_t = _to(device, _ptr_table(ptrs), torch.tensor(sizes, dtype=torch.int64),
+                                 torch.tensor(weights, dtype=torch.float32))
         _launch(kernels.momentum_kernel, progs.shape[0], progs, ptr_t, size_t, w_t, book.values, book.thr, book.K,
                 LOG2K=book.log2k, BR=br, BC=bc, SINGLE=single, GRAD_T=_TRITON_DT[gdt])
     return outs
@@ -184,10 +200,8 @@ def _m4v4_matrices(items: list[M4V4Item], codebook, ratios, fma_update: bool) ->
     ints, scal = _to(device, ints, scal)
     # prologue: the new column statistics (scratch) and row means, every parameter in one launch
     bc = 1024
-    progs = torch.tensor([(i, c) for i, (_, C) in enumerate(shapes) for c in range(0, C, bc)],
-                         dtype=torch.int64).reshape(-1, 2)
-    ptrs = _ptr_table([[it.state["v_col"], v, it.partials] for it, v in zip(items, v_new_views)])
-    progs, ptrs = _to(device, progs, ptrs)
+    progs = _programs([C for _, C in shapes], bc, device)
+    (ptrs,) = _to(device, _ptr_table([[it.state["v_col"], v, it.partials] for it, v in zip(items, v_new_views)]))
     _launch(kernels.m4v4_prologue_kernel, progs.shape[0], progs, ptrs, ints, scal, BC=bc)
     # the step, one launch per (dtypes, tile) class
     classes = defaultdict(list)
@@ -200,11 +214,11 @@ def _m4v4_matrices(items: list[M4V4Item], codebook, ratios, fma_update: bool) ->
     cb, R = codebook.contiguous(), ratios.contiguous()
     for (pdt, gdt, (br, bc, single)), idx in classes.items():
         sel = torch.tensor(idx, dtype=torch.int64)
-        progs = _programs([shapes[i][0] for i in idx], br)
+        progs = _programs([shapes[i][0] for i in idx], br, device)
         ptrs = _ptr_table([[items[i].param, items[i].grad, items[i].state["mv_code"], items[i].state["m_row_scale"],
                             items[i].state["v_row"], items[i].v_row, items[i].state["v_col"], v_new_views[i]]
                            for i in idx])
-        progs, ptrs, sel = _to(device, progs, ptrs, sel)
+        ptrs, sel = _to(device, ptrs, sel)
         _launch(kernels.m4v4_kernel, progs.shape[0], progs, ptrs, ints.index_select(0, sel),
                 scal.index_select(0, sel), cb, R, BR=br, BC=bc, SINGLE=single, PARAM_T=_TRITON_DT[pdt],
                 GRAD_T=_TRITON_DT[gdt], FMA_UPDATE=fma_update)
@@ -220,12 +234,11 @@ def _adamw_vectors(items: list[M4V4Item], fma_update: bool) -> None:
         classes[(it.param.dtype, it.grad.dtype)].append(i)
     for (pdt, gdt), idx in classes.items():
         sel = [items[i] for i in idx]
-        progs = torch.tensor([(k, s) for k, it in enumerate(sel) for s in range(0, it.param.numel(), block)],
-                             dtype=torch.int64).reshape(-1, 2)
+        progs = _programs([it.param.numel() for it in sel], block, device)
         ptrs = _ptr_table([[it.param, it.grad, it.state["exp_avg"], it.state["exp_avg_sq"]] for it in sel])
         ints = torch.tensor([_ints(it, it.param.numel(), 1) for it in sel], dtype=torch.int64)
         scal = torch.tensor([_scalars(it) for it in sel], dtype=torch.float32)
-        progs, ptrs, ints, scal = _to(device, progs, ptrs, ints, scal)
+        ptrs, ints, scal = _to(device, ptrs, ints, scal)
         _launch(kernels.adamw_kernel, progs.shape[0], progs, ptrs, ints, scal, BLOCK=block,
                 PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt], FMA_UPDATE=fma_update)
 
@@ -256,16 +269,14 @@ def m4v4_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[t
         classes[g.dtype].append(i)
     for gdt, idx in classes.items():
         sel = torch.tensor(idx, dtype=torch.int64)
-        progs = _programs([shapes[i][0] for i in idx], br)
+        progs = _programs([shapes[i][0] for i in idx], br, device)
         ptrs = _ptr_table([[items[i][0], items[i][1]["v_row"], v_rows[i], scratch_views[i]] for i in idx])
-        progs, ptrs, ints_c, betas_c = _to(device, progs, ptrs, ints[sel], betas[sel])
+        ptrs, ints_c, betas_c = _to(device, ptrs, ints[sel], betas[sel])
         bc = max(16, min(triton.next_power_of_2(max(shapes[i][1] for i in idx)), 4096 // br))
         _launch(kernels.partials_kernel, progs.shape[0], progs, ptrs, ints_c, betas_c, BR=br, BC=bc,
                 GRAD_T=_TRITON_DT[gdt])
     bc = 256
-    progs = torch.tensor([(i, c) for i, (_, C) in enumerate(shapes) for c in range(0, C + 2, bc)],
-                         dtype=torch.int64).reshape(-1, 2)
-    ptrs = _ptr_table([[s, p] for s, p in zip(scratch_views, part_views)])
-    progs, ptrs, ints = _to(device, progs, ptrs, ints)
+    progs = _programs([C + 2 for _, C in shapes], bc, device)
+    ptrs, ints = _to(device, _ptr_table([[s, p] for s, p in zip(scratch_views, part_views)]), ints)
     _launch(kernels.column_sum_kernel, progs.shape[0], progs, ptrs, ints, BC=bc, BR=br)
     return list(zip(v_rows, part_views))
