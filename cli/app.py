@@ -333,6 +333,9 @@ def convert(
     into: Annotated[str | None, typer.Option(
         "--into", help="Convert the state into another optimizer's: Gefen, GefenMuon, GefenMuonHybrid or AdamW "
                        "(default: keep the source's optimizer).")] = None,
+    moments: Annotated[str, typer.Option(
+        "--moments", help="With --into Gefen or GefenMuonHybrid: the Gefen state layout, m4v4 (the default, contract "
+                          "version 2) or m8 (8-bit codes, version 1: what Gefen(moments='m8') loads).")] = "m4v4",
     optimizer: OptimizerOpt = None,
     param_names: ParamNamesOpt = None,
     names_from: NamesFromOpt = None,
@@ -349,13 +352,15 @@ def convert(
 
     Formats: a torch file is loaded with torch.load(weights_only=True) (no pickled code runs) and keyed by FQN from its param groups' param_names (or --param-names / --names-from when it was saved without them); a torch output loads with optimizer.load_state_dict(torch.load(path, weights_only=True)).
 
-    --into: AdamW/Adam -> Gefen, GefenMuon or GefenMuonHybrid (warm start: the codebook is learned from the first moments, exp_avg is quantised as the step quantises, exp_avg_sq becomes Gefen's factored or block second moment; step and hyperparameters carried), and Gefen, GefenMuon or the hybrid -> AdamW (dense exp_avg / exp_avg_sq that torch.optim.AdamW.load_state_dict accepts). The relative errors of the first and second moments are printed. Nothing is written unless the whole conversion succeeds.
+    --into: AdamW/Adam -> Gefen, GefenMuon or GefenMuonHybrid (warm start: the codebooks are learned from the moments as from a first step; Gefen's default m4v4 layout keeps 1-D moments exactly and codes each matrix element's first moment and exp_avg_sq / factored estimate by nearest rounding, --moments m8 quantises exp_avg as the m8 step does and keeps a factored second moment; step and hyperparameters carried), Gefen of one layout -> the other (e.g. a version 1 checkpoint for today's default Gefen), and Gefen, GefenMuon or the hybrid -> AdamW (dense exp_avg / exp_avg_sq that torch.optim.AdamW.load_state_dict accepts). The relative errors of the first and second moments are printed. Nothing is written unless the whole conversion succeeds.
 
     [bold]Examples[/bold]
 
       gefen-ckpt convert optimizer.pt ckpt/step-1000 --to portable
 
       gefen-ckpt convert adamw.pt gefen.pt --into Gefen
+
+      gefen-ckpt convert old-m8-ckpt/ new-ckpt/ --into Gefen
 
       gefen-ckpt convert checkpoint-500/optimizer.pt gefen.pt --into Gefen --param-names names.txt
 
@@ -373,7 +378,7 @@ def convert(
         if into is not None:
             from gefen_ckpt.convert import convert_state
 
-            state = convert_state(state, into)
+            state = convert_state(state, into, moments=moments)
         with common.err().status(f"writing {dst}", spinner="dots") if common.want_progress() else _null():
             common.write_state(state, dst, target, sizes)
     report = state.metadata.get("conversion") if into is not None else None

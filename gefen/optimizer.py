@@ -48,25 +48,26 @@ _M4V4_FIELDS = (
     FieldSpec("exp_avg_sq", "float32", "param", optional=True),
 )
 _HYPER = ("lr", "betas", "eps", "weight_decay", "factored_v_2d")
-#: the state layouts: ``moments=`` value -> its contract (version "1" is the layout before issue 17)
+#: the state layouts: ``moments=`` value -> its contract, the default first (version "1" is the
+#: layout before issue 17)
 CONTRACTS = {
-    "m8": OptimizerContract(implementation="gefen.Gefen", version="1", hyperparameters=_HYPER, fields=_M8_FIELDS,
-                            global_fields=(FieldSpec("codebook", "float32", "global"),)),
     "m4v4": OptimizerContract(implementation="gefen.Gefen", version="2",
                               hyperparameters=(*_HYPER, "moments", "seed"), fields=_M4V4_FIELDS,
                               global_fields=(FieldSpec("codebook", "float32", "global"),
                                              FieldSpec("v_codebook", "float32", "global"))),
+    "m8": OptimizerContract(implementation="gefen.Gefen", version="1", hyperparameters=_HYPER, fields=_M8_FIELDS,
+                            global_fields=(FieldSpec("codebook", "float32", "global"),)),
 }
 MOMENTS = tuple(CONTRACTS)
 V_CODEBOOK = "v_codebook"
 
 
-def version_refusal(saved_version: str, live_moments: str) -> str | None:
-    """The one-line refusal for Gefen state of contract ``saved_version`` offered to a Gefen with
-    ``moments=live_moments`` (None: the layouts agree)."""
-    live_version = CONTRACTS[live_moments].version
+def version_refusal(saved_version: str, live_version: str) -> str | None:
+    """The one-line refusal for gefen.Gefen state of contract ``saved_version`` offered to a Gefen
+    whose contract is ``live_version`` (None: the layouts agree)."""
     if saved_version == live_version:
         return None
+    live_moments = next(m for m, c in CONTRACTS.items() if c.version == live_version)
     saved = next((m for m, c in CONTRACTS.items() if c.version == saved_version), None)
     if saved is None:
         return (f"gefen.Gefen state of contract version {saved_version!r} is unknown to this Gefen (it reads "
@@ -165,7 +166,7 @@ class Gefen(CompressedOptimizer):
     def _saved_group(self, group: dict) -> dict:
         """Version "1" groups carry no ``moments``: they are m8 state (refused unless this is m8)."""
         saved = group.get("moments", "m8")
-        refusal = version_refusal(CONTRACTS[saved].version, self.moments) if saved in CONTRACTS else None
+        refusal = version_refusal(CONTRACTS[saved].version, self.contract().version) if saved in CONTRACTS else None
         if refusal:
             raise ValueError(refusal)
         return {"moments": "m8", "seed": 0, **group} if saved == "m8" else group

@@ -9,6 +9,14 @@ first moments (exactly as from first gradients), ``quantise`` as the step re-qua
 it -- and read back through the same dense view, so the reported error is exactly what the
 target will use against what the source held. Pure functions on ``CanonicalState``: any
 reader and writer of gefen_ckpt works with them.
+
+Gefen targets get the default layout, ``moments="m4v4"`` (contract version "2"), unless
+``moments="m8"`` asks for the layout before it. m4v4 codes are chosen by *nearest* rounding
+(the first moment's in the codebook, the second moment's ``log(v / vhat) / 8`` in the
+``v_codebook``, i.e. nearest in log ratio): a one-off quantisation has no bias to average out
+(stochastic rounding matters for an EMA re-quantised every step), and nearest has the smaller
+error that the report then shows. Both codebooks are learned as at the first step, from the
+first moments' rows and from every matrix's log ratios of ``exp_avg_sq`` to its factored estimate.
 """
 
 from __future__ import annotations
@@ -19,11 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gefen.codebook import learn_codebook
+from gefen.codebook import learn_codebook, nearest_code, solve_codebook
 from gefen.contract import OptimizerContract
-from gefen.functional import is_factored
+from gefen.functional import is_coded, is_factored
 from gefen.geometry import as_blocks, shape_period
 from gefen.quant import dequantise, quantise
+from gefen.stochastic import CODES, LOG_RANGE, TINY, V_BINS, histogram_fixed, ratio_table
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState
 from gefen_ckpt.errors import CheckpointMismatchError
 from gefen_ckpt.torch_format import known_contracts
@@ -57,14 +66,15 @@ def resolve_target(name: str) -> str:
                                   f"{', '.join(t.rsplit('.', 1)[-1] for t in TARGETS)}")
 
 
-def convert_state(state: CanonicalState, into: str, *, factored_v_2d: bool = True, codebook_size: int | None = None,
-                  bins_per_code: int | None = None, backup: str = "gefen",
+def convert_state(state: CanonicalState, into: str, *, moments: str = "m4v4", factored_v_2d: bool = True,
+                  codebook_size: int | None = None, bins_per_code: int | None = None, backup: str = "gefen",
                   muon_params: list[str] | None = None) -> CanonicalState:
-    """``state`` (AdamW, Adam, Gefen, GefenMuon or GefenMuonHybrid) as ``into``'s state.
+    """``state`` (AdamW, Adam, Gefen of either layout, GefenMuon or GefenMuonHybrid) as ``into``'s state.
 
-    ``into``: ``Gefen``, ``GefenMuon``, ``GefenMuonHybrid`` or ``AdamW``. ``factored_v_2d``,
-    ``codebook_size``, ``bins_per_code`` and ``backup`` (the hybrid's) are the target's
-    constructor options (its defaults when omitted). ``muon_params``: the FQNs the hybrid routes
+    ``into``: ``Gefen``, ``GefenMuon``, ``GefenMuonHybrid`` or ``AdamW``. ``moments``,
+    ``factored_v_2d``, ``codebook_size``, ``bins_per_code`` and ``backup`` (the hybrid's) are the
+    target's constructor options (its defaults when omitted; ``moments`` and ``factored_v_2d``
+    apply to Gefen and the hybrid's Gefen backup, ``factored_v_2d=False`` needs ``moments="m8"``). ``muon_params``: the FQNs the hybrid routes
     to Muon, e.g. ``[n for n, _ in split_params_for_muon(model)[0]]``; by default they are routed
     by name and shape alone, which cannot recognise an embedding by its module type. Parameters
     whose source keeps no second moment (Muon's) get no state in a target that needs one: they
@@ -79,7 +89,16 @@ def convert_state(state: CanonicalState, into: str, *, factored_v_2d: bool = Tru
     groups, dense = dense_view(state)
     if backup not in ("gefen", "adamw"):
         raise CheckpointMismatchError(f"backup must be 'gefen' or 'adamw', got {backup!r}")
-    options = {"factored_v_2d": factored_v_2d, "codebook_size": codebook_size, "bins_per_code": bins_per_code}
+    if moments not in _gefen_contracts():
+        raise CheckpointMismatchError(f"moments must be one of {list(_gefen_contracts())}, got {moments!r}")
+    if moments == "m4v4" and not factored_v_2d:
+        raise CheckpointMismatchError("m4v4 codes the second moment against the factored estimate; "
+                                      "factored_v_2d=False needs moments='m8'")
+    if moments == "m4v4" and codebook_size not in (None, CODES):
+        raise CheckpointMismatchError(f"moments='m4v4' packs two 4-bit codes in a byte: codebook_size must be "
+                                      f"{CODES}, got {codebook_size!r} (other sizes need moments='m8')")
+    options = {"moments": moments, "factored_v_2d": factored_v_2d, "codebook_size": codebook_size,
+               "bins_per_code": bins_per_code}
     if target == HYBRID:
         out = _build_hybrid(groups, dense, options, backup, muon_params)
     else:
@@ -97,12 +116,19 @@ def dense_view(state: CanonicalState) -> tuple[list[dict], dict[str, Dense]]:
         child = group.get("child")
         leaf = state.contract.child(child) if child else state.contract
         groups.append({"params": list(group["params"]), "child": child, **_carried(leaf.implementation, group)})
-        codebook_key = f"{child}/codebook" if child else "codebook"
+        books = _books(state.global_fields, child)
         for fqn in group["params"]:
             entry = state.params.get(fqn)
             if entry is not None and entry.fields:
-                dense[fqn] = _dense_param(leaf.implementation, fqn, entry, state.global_fields.get(codebook_key))
+                dense[fqn] = _dense_param(leaf.implementation, fqn, entry, books)
     return groups, dense
+
+
+def _books(global_fields: dict, child: str | None) -> dict:
+    """A leaf's optimizer-wide fields by bare name (``codebook``, ``v_codebook``)."""
+    prefix = f"{child}/" if child else ""
+    return {key[len(prefix):]: src for key, src in global_fields.items()
+            if key.startswith(prefix) and "/" not in key[len(prefix):]}
 
 
 def _number(impl: str, name: str, value) -> float:
@@ -142,16 +168,36 @@ def _carried(impl: str, group: dict) -> dict:
                                   "GefenMuon, GefenMuonHybrid)")
 
 
-def _dense_param(impl: str, fqn: str, entry: ParamState, codebook_src) -> Dense:
+def _dense_param(impl: str, fqn: str, entry: ParamState, books: dict) -> Dense:
     fields = {name: src.read() for name, src in entry.fields.items()}
     step = int(round(float(fields["step"])))
-    if impl in (ADAMW, ADAM):
+    if "exp_avg" in fields:  # AdamW/Adam, and Gefen's exact 1-D moments
         return Dense(entry.shape, entry.dtype, step, fields["exp_avg"].float(), fields["exp_avg_sq"].float())
+    codebook_src = books.get("codebook")
     if codebook_src is None:
         raise CheckpointMismatchError(f"{fqn}: {impl} state without a codebook")
+    if "mv_code" in fields:
+        if books.get("v_codebook") is None:
+            raise CheckpointMismatchError(f"{fqn}: {impl} state without a v_codebook")
+        return _dense_m4v4(entry, step, fields, codebook_src.read().float(), books["v_codebook"].read().float())
     period = int(fields["period"])
     m = dequantise(fields["m_code"], fields["m_scale"], codebook_src.read().float(), period)
     return Dense(entry.shape, entry.dtype, step, m, _second_moment(fields, entry.shape, period))
+
+
+def _vhat(v_row: torch.Tensor, v_col: torch.Tensor) -> torch.Tensor:
+    """The factored estimate as the m4v4 step forms it: ``(v_row / max(mean(v_row), tiny))[i] * v_col[j]``."""
+    mean = (v_row.sum(dtype=torch.float64) / max(v_row.numel(), 1)).float().clamp_min(TINY)
+    return (v_row / mean)[:, None] * v_col[None, :]
+
+
+def _dense_m4v4(entry: ParamState, step: int, fields: dict, codebook: torch.Tensor, v_codebook: torch.Tensor) -> Dense:
+    """An m4v4 coded tensor's moments as the step decodes them."""
+    rows = entry.shape[0]
+    codes = fields["mv_code"].reshape(rows, -1).long()
+    m = codebook[codes & 15] * fields["m_row_scale"].float()[:, None]
+    v = _vhat(fields["v_row"].float(), fields["v_col"].float()) * ratio_table(v_codebook)[codes >> 4]
+    return Dense(entry.shape, entry.dtype, step, m.reshape(entry.shape), v.reshape(entry.shape))
 
 
 def _second_moment(fields: dict, shape: tuple[int, ...], period: int) -> torch.Tensor | None:
@@ -183,9 +229,10 @@ def _target_group(target: str, g: dict, options: dict) -> dict:
         from gefen.optimizer import Gefen
 
         d = _defaults(Gefen)
-        return {"lr": g["lr"], "betas": [g["beta1"], d["betas"][1] if g["beta2"] is None else g["beta2"]],
-                "eps": d["eps"] if g["eps"] is None else g["eps"], "weight_decay": g["weight_decay"],
-                "factored_v_2d": bool(options["factored_v_2d"])}
+        group = {"lr": g["lr"], "betas": [g["beta1"], d["betas"][1] if g["beta2"] is None else g["beta2"]],
+                 "eps": d["eps"] if g["eps"] is None else g["eps"], "weight_decay": g["weight_decay"],
+                 "factored_v_2d": bool(options["factored_v_2d"])}
+        return group | ({"moments": "m4v4", "seed": d["seed"]} if options["moments"] == "m4v4" else {})
     from gefen.muon import GefenMuon
 
     d = _defaults(GefenMuon)  # the lr is AdamW's, so Muon's update is scaled to AdamW's RMS
@@ -193,8 +240,14 @@ def _target_group(target: str, g: dict, options: dict) -> dict:
             "lr": g["lr"], "momentum": g["beta1"], "weight_decay": g["weight_decay"], "adjust_lr": "match_rms_adamw"}
 
 
-def _contract(target: str) -> OptimizerContract:
-    return known_contracts()[target]
+def _gefen_contracts() -> dict[str, OptimizerContract]:
+    from gefen.optimizer import CONTRACTS
+
+    return CONTRACTS
+
+
+def _contract(target: str, options: dict) -> OptimizerContract:
+    return _gefen_contracts()[options["moments"]] if target == GEFEN else known_contracts()[target]
 
 
 def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], options: dict,
@@ -214,7 +267,9 @@ def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], option
     if target != MUON:  # AdamW and Gefen need a second moment: parameters without one start afresh
         members = [fqn for fqn in members if dense[fqn].exp_avg_sq is not None]
     params, global_fields = {}, {}
-    if target == ADAMW:
+    if target == GEFEN and options["moments"] == "m4v4":
+        params, global_fields = _build_m4v4(members, dense, options, child)
+    elif target == ADAMW:
         for fqn in members:
             d = dense[fqn]
             params[fqn] = _state(d, child, step=torch.tensor(float(d.step), dtype=torch.float32),
@@ -222,7 +277,7 @@ def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], option
     elif members:
         cls = _target_class(target)
         defaults = _defaults(cls)
-        size = options["codebook_size"] or defaults["codebook_size"]
+        size = options["codebook_size"] or defaults["codebook_size"] or 256  # (Gefen's m8 default)
         bins = options["bins_per_code"] or defaults["bins_per_code"]
         periods = {fqn: shape_period(dense[fqn].shape) for fqn in members}
         # as at the first step: every block of more than one element, normalised, into one histogram
@@ -237,7 +292,47 @@ def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], option
             if target == GEFEN:
                 fields.update(_gefen_second_moment(d, period, is_factored(d.shape, bool(options["factored_v_2d"]))))
             params[fqn] = _state(d, child, **fields)
-    return CanonicalState(_contract(target), out_groups, params, global_fields)
+    return CanonicalState(_contract(target, options), out_groups, params, global_fields)
+
+
+def _build_m4v4(members: list[str], dense: dict[str, Dense], options: dict, child: str | None):
+    """Gefen's default layout from AdamW's form: exact moments for 1-D tensors; for the others the
+    codebooks as at the first step, then nearest codes (see the module docstring)."""
+    params, global_fields = {}, {}
+    coded = [fqn for fqn in members if is_coded(dense[fqn].shape)]
+    for fqn in members:
+        if fqn not in coded:
+            d = dense[fqn]
+            params[fqn] = _state(d, child, step=torch.tensor(d.step, dtype=torch.int64),
+                                 exp_avg=d.exp_avg.float().reshape(d.shape),
+                                 exp_avg_sq=d.exp_avg_sq.float().reshape(d.shape))
+    if not coded:
+        return params, global_fields
+    bins = options["bins_per_code"] or 16
+    rows = {fqn: dense[fqn].exp_avg.reshape(dense[fqn].shape[0], -1) for fqn in coded}
+    codebook = learn_codebook([m.unsqueeze(1) for m in rows.values() if m.shape[1] > 1], CODES, bins)
+    stats, counts = {}, torch.zeros(V_BINS, dtype=torch.int64)
+    for fqn in coded:
+        v = dense[fqn].exp_avg_sq.reshape(rows[fqn].shape)
+        v_row, v_col = v.double().mean(1).float(), v.double().mean(0).float()
+        x = torch.log(v.clamp_min(TINY) / _vhat(v_row, v_col).clamp_min(TINY)).div_(LOG_RANGE).clamp_(-1.0, 1.0)
+        stats[fqn] = (v_row, v_col, x)
+        counts += histogram_fixed(x, V_BINS)
+    v_codebook = solve_codebook(counts, CODES)
+    prefix = f"{child}/" if child else ""
+    global_fields[prefix + "codebook"] = EagerSource(codebook)
+    global_fields[prefix + "v_codebook"] = EagerSource(v_codebook)
+    for fqn in coded:
+        d, m = dense[fqn], rows[fqn]
+        v_row, v_col, x = stats[fqn]
+        scale = m.abs().amax(1).to(torch.bfloat16) if m.numel() else torch.zeros(m.shape[0], dtype=torch.bfloat16)
+        s_f = scale.float()
+        mcode = nearest_code(m / torch.where(s_f == 0, 1.0, s_f)[:, None], codebook)
+        vcode = nearest_code(x, v_codebook)
+        params[fqn] = _state(d, child, step=torch.tensor(d.step, dtype=torch.int64),
+                             mv_code=(mcode | (vcode << 4)).reshape(d.shape), m_row_scale=scale,
+                             v_row=v_row, v_col=v_col)
+    return params, global_fields
 
 
 def _target_class(target: str):
@@ -296,8 +391,7 @@ def _report(source: str, target: str, before: dict[str, Dense], out: CanonicalSt
     first, second = [], []
     for fqn, entry in out.params.items():  # one parameter's dense view at a time
         leaf = out.contract.child(entry.child) if entry.child else out.contract
-        key = f"{entry.child}/codebook" if entry.child else "codebook"
-        after = _dense_param(leaf.implementation, fqn, entry, out.global_fields.get(key))
+        after = _dense_param(leaf.implementation, fqn, entry, _books(out.global_fields, entry.child))
         first.append((fqn, _squares(after.exp_avg, before[fqn].exp_avg)))
         if after.exp_avg_sq is not None and before[fqn].exp_avg_sq is not None:
             second.append((fqn, _squares(after.exp_avg_sq, before[fqn].exp_avg_sq)))

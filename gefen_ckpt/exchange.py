@@ -26,6 +26,7 @@ from gefen.contract import (
     join_composite,
 )
 from gefen.distributed import as_field_dtensor
+from gefen.optimizer import version_refusal
 from gefen_ckpt import layout
 from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState
 from gefen_ckpt.collective import agree
@@ -174,6 +175,8 @@ def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
         raise CheckpointMismatchError(
             f"checkpoint holds {saved.implementation} state, the live optimizer is {live.implementation}"
         )
+    if live.implementation == "gefen.Gefen" and (refusal := version_refusal(saved.version, live.version)):
+        raise CheckpointMismatchError(refusal)  # another state layout (moments=...)
     if [n for n, _ in saved.children] != [n for n, _ in live.children]:
         raise CheckpointMismatchError(
             f"checkpoint children {[n for n, _ in saved.children]} differ from the optimizer's "

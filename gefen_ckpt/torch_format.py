@@ -79,9 +79,19 @@ _PREFERENCE = ("gefen.Gefen", "gefen.GefenMuon", "torch.optim.AdamW", "torch.opt
 
 # ----- contracts ----------------------------------------------------------------------------
 def known_contracts() -> dict[str, OptimizerContract]:
-    """implementation name -> contract, for torch's AdamW/Adam/SGD and every gefen optimizer
-    whose module exposes a parameter-independent contract (``CONTRACT`` or ``_CONTRACT``)."""
-    out = {c.implementation: c for c in torch_contracts().values()}
+    """implementation name -> contract (the current version), for torch's AdamW/Adam/SGD and every
+    gefen optimizer whose module exposes a parameter-independent contract (``CONTRACT`` or
+    ``_CONTRACT``, or ``CONTRACTS``: every state layout, the default first)."""
+    out = {}
+    for contract in all_contracts():
+        out.setdefault(contract.implementation, contract)
+    return out
+
+
+def all_contracts() -> list[OptimizerContract]:
+    """Every readable contract, older layouts of an implementation after its current one (a
+    ``gefen.Gefen`` state_dict of version "1" is told apart from version "2" by its fields)."""
+    out = list(torch_contracts().values())
     import gefen
 
     for name in getattr(gefen, "__all__", dir(gefen)):
@@ -89,10 +99,12 @@ def known_contracts() -> dict[str, OptimizerContract]:
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             continue
         module = sys.modules.get(cls.__module__)
-        for attr in ("CONTRACT", "_CONTRACT"):
-            contract = getattr(module, attr, None)
-            if isinstance(contract, OptimizerContract) and not contract.children:
-                out.setdefault(contract.implementation, contract)
+        for attr in ("CONTRACTS", "CONTRACT", "_CONTRACT"):
+            found = getattr(module, attr, None)
+            found = list(found.values()) if isinstance(found, dict) else [found]
+            found = [c for c in found if isinstance(c, OptimizerContract) and not c.children and c not in out]
+            if found:
+                out += found
                 break
     return out
 
@@ -130,7 +142,7 @@ def infer_contract(state_dict: dict) -> OptimizerContract:
         observed.update(k for k, v in entry.items() if v is not None)
     groups = state_dict["param_groups"]
     fits = []
-    for contract in known_contracts().values():
+    for contract in all_contracts():
         names = {f.name for f in contract.fields + contract.global_fields}
         if not observed <= names:
             continue

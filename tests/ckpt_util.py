@@ -39,7 +39,7 @@ def make_model(seed: int = 0) -> Tiny:
 
 OPTIMIZERS = {
     "gefen_factored": lambda m: gefen.Gefen(m.named_parameters(), lr=1e-2, weight_decay=0.01),
-    "gefen_block": lambda m: gefen.Gefen(m.named_parameters(), lr=1e-2, factored_v_2d=False),
+    "gefen_block": lambda m: gefen.Gefen(m.named_parameters(), lr=1e-2, factored_v_2d=False, moments="m8"),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01),
     "muon": lambda m: gefen.GefenMuon([(n, p) for n, p in m.named_parameters() if n in ("up.weight", "down.weight")],
                                       lr=1e-2),

@@ -116,7 +116,15 @@ def test_manifest_records_what_inspect_needs(tmp_path):
     assert m["param_groups"][0]["betas"] == [0.9, 0.999]
     entry = m["params"]["up.weight"]
     assert entry["shape"] == [48, 16] and entry["dtype"] == "float32"
-    assert set(entry["fields"]) == {"step", "period", "m_code", "m_scale", "v_row", "v_col"}
+    assert set(entry["fields"]) == {"step", "mv_code", "m_row_scale", "v_row", "v_col"}  # the default layout
+    assert m["contract"]["version"] == "2"
+    assert set(m["params"]["norm.weight"]["fields"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert m["globals"]["codebook"]["shape"] == m["globals"]["v_codebook"]["shape"] == [16]
+    model, opt = trained("gefen_block")  # moments="m8"
+    gefen_ckpt.save(opt, str(tmp_path / "m8"), model=model)
+    m = gefen_ckpt.read_manifest(str(tmp_path / "m8"))
+    assert m["contract"]["version"] == "1" and "v_codebook" not in m["globals"]
+    assert set(m["params"]["up.weight"]["fields"]) == {"step", "period", "m_code", "m_scale", "v"}
     assert m["globals"]["codebook"]["shape"] == [256]
 
 
@@ -125,3 +133,21 @@ def test_progress_bar_runs(tmp_path, capsys):
     gefen_ckpt.save(opt, str(tmp_path / "p"), model=model, progress=True)
     assert gefen_ckpt.verify(str(tmp_path / "p"), progress=True).ok
     assert capsys.readouterr().out == ""  # bars go to stderr: stdout stays clean for --json
+
+
+def test_other_layout_is_refused_in_one_line_before_anything_changes(tmp_path):
+    """A moments='m8' checkpoint (contract version "1") offered to a default Gefen, and the
+    reverse: one line naming the version and both ways out; the live optimizer is untouched."""
+    model8, opt8 = trained("gefen_block")  # moments="m8"
+    gefen_ckpt.save(opt8, str(tmp_path / "m8"), model=model8)
+    model, opt = trained("gefen_factored")  # the default, m4v4
+    gefen_ckpt.save(opt, str(tmp_path / "m4v4"), model=model)
+    before = snapshot(opt, model)
+    with pytest.raises(gefen_ckpt.CheckpointMismatchError) as info:
+        gefen_ckpt.load(opt, str(tmp_path / "m8"), model=model)
+    message = str(info.value)
+    assert "\n" not in message and "version '1'" in message and "moments='m8'" in message
+    assert "gefen-ckpt convert SRC DST --into Gefen" in message
+    assert same(before, snapshot(opt, model))
+    with pytest.raises(gefen_ckpt.CheckpointMismatchError, match=r"version '2' \(moments='m4v4'\)"):
+        gefen_ckpt.load(opt8, str(tmp_path / "m4v4"), model=model8)

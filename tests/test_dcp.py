@@ -49,7 +49,7 @@ def make_opt(kind: str, named):
     if kind == "gefen":
         return Gefen(named, lr=1e-2, weight_decay=0.1)
     if kind == "gefen_block":
-        return Gefen(named, lr=1e-2, factored_v_2d=False)
+        return Gefen(named, lr=1e-2, factored_v_2d=False, moments="m8")
     if kind == "adamw":
         return torch.optim.AdamW(named, lr=1e-2, weight_decay=0.1)
     if kind == "hybrid":

@@ -36,7 +36,7 @@ def make_opt(kind: str, model: torch.nn.Module):
     if kind == "gefen":
         return Gefen(named, lr=1e-2, weight_decay=0.1)
     if kind == "gefen_block":
-        return Gefen(named, lr=1e-2, factored_v_2d=False)
+        return Gefen(named, lr=1e-2, factored_v_2d=False, moments="m8")
     if kind == "muon":
         return GefenMuon([(n, p) for n, p in named if p.dim() == 2], lr=1e-2, normuon=True)
     if kind == "adamw":

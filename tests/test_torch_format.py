@@ -35,7 +35,7 @@ def make_opt(kind: str, model: torch.nn.Module):
     if kind == "gefen":
         return Gefen(named, lr=1e-2, weight_decay=0.01)
     if kind == "gefen_unfactored":
-        return Gefen(named, lr=1e-2, factored_v_2d=False)
+        return Gefen(named, lr=1e-2, factored_v_2d=False, moments="m8")
     if kind == "adamw":
         return torch.optim.AdamW(named, lr=1e-2)
     if kind == "adam":

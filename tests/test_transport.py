@@ -162,7 +162,8 @@ def _make_opt(kind: str, params: dict[str, torch.Tensor]):
     if kind == "adamw":
         return torch.optim.AdamW([{"params": [p for _, p in named], "param_names": [n for n, _ in named]}],
                                  lr=1e-2, weight_decay=0.1)
-    return Gefen(named, lr=1e-2, weight_decay=0.1, factored_v_2d=kind == "gefen_factored")
+    factored = kind == "gefen_factored"  # the default layout; "gefen_block" is m8's per-block v
+    return Gefen(named, lr=1e-2, weight_decay=0.1, factored_v_2d=factored, moments="m4v4" if factored else "m8")
 
 
 def _train(kind: str, make_param=lambda t: torch.nn.Parameter(t.clone()), to_grad=lambda g: g, steps=STEPS):
