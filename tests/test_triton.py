@@ -223,7 +223,7 @@ def test_cuda_fallback_logs_its_reason_once(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="gefen.triton"):
         for _ in range(3):
             assert dispatch._fallback("a test reason") is False
-    assert [r.getMessage() for r in caplog.records] == ["gefen: CUDA step uses the eager torch path: a test reason"]
+    assert [r.getMessage() for r in caplog.records] == ["gefen: a CUDA step uses the eager torch path: a test reason"]
 
 
 def test_without_triton_everything_imports_and_steps():

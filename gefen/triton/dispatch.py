@@ -22,6 +22,8 @@ import threading
 
 import torch
 
+from gefen.stochastic import salts
+
 log = logging.getLogger("gefen.triton")
 
 #: module switch; the environment variable sets its initial value (shared with gefen.native)
@@ -57,7 +59,7 @@ def available() -> bool:
 def _fallback(reason: str) -> bool:
     if reason not in _logged:
         _logged.add(reason)
-        log.warning("gefen: CUDA step uses the eager torch path: %s", reason)
+        log.warning("gefen: a CUDA step uses the eager torch path: %s", reason)
     return False
 
 
@@ -138,8 +140,6 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
             or partials.numel() != cols + 2 or v_row.dtype != torch.float32 or v_row.numel() != param.shape[0]
             or state["mv_code"].dtype != torch.uint8 or state["m_row_scale"].dtype != torch.bfloat16):
         return _fallback("an unexpected m4v4 state or argument layout")
-    from gefen.stochastic import salts
-
     item = _launch_mod.M4V4Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0,
                                 global_rows=global_rows, row_len=row_len, v_row=v_row, partials=partials)
     _submit(item, (codebook, ratio))

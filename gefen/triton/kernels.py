@@ -194,7 +194,7 @@ def _m4v4_first(grad_p, mv_p, cb, off, mask, s_old, b1, omb1):
 
 @triton.jit
 def _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, c, off, mask, s_f, a_new, a_old,
-               ints, scal, pidx, PARAM_T: tl.constexpr, FMA_UPDATE: tl.constexpr):
+               ints, scal, pidx, PARAM_T: tl.constexpr):
     """Codes, moments and the parameter update of one tile, given its new first moment ``m``
     (fp32), gradient ``g`` (fp32) and old codes ``mv``, and the row's new scale ``s_f``."""
     b2 = tl.load(scal + pidx * N_SCALARS + S_B2)
@@ -225,17 +225,14 @@ def _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, c, off, m
     upd = mq / tl.load(scal + pidx * N_SCALARS + S_BIAS1)
     upd = upd / denom
     neg_lr = tl.load(scal + pidx * N_SCALARS + S_NEG_LR)
-    if FMA_UPDATE:
-        p = tl.fma(upd, neg_lr, p)  # torch's add_(upd, alpha=-lr)
-    else:
-        p = p + neg_lr * upd
+    p = tl.fma(upd, neg_lr, p)  # torch's add_(upd, alpha=-lr)
     _store_as(param_p + off, p, mask, PARAM_T)
     tl.store(mv_p + off, (mcode | (vcode << 4)).to(tl.uint8), mask=mask)
 
 
 @triton.jit
 def m4v4_kernel(progs, ptrs, ints, scal, cb, R, BR: tl.constexpr, BC: tl.constexpr, SINGLE: tl.constexpr,
-                PARAM_T: tl.constexpr, GRAD_T: tl.constexpr, FMA_UPDATE: tl.constexpr):
+                PARAM_T: tl.constexpr, GRAD_T: tl.constexpr):
     """Phase 2 of an m4v4 step for a table of matrices (rank-local rows, whole rows).
     ptrs = (param, grad, mv_code, m_row_scale, v_row, v_row_new, v_col, v_col_new)."""
     pid = tl.program_id(0)
@@ -266,7 +263,7 @@ def m4v4_kernel(progs, ptrs, ints, scal, cb, R, BR: tl.constexpr, BC: tl.constex
         m, g, mv = _m4v4_first(grad_p, mv_p, cb, off, mask, s_old, b1, omb1)
         s_bf = _to_bf16(tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1))
         _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, cols, off, mask, s_bf.to(tl.float32),
-                   a_new, a_old, ints, scal, pidx, PARAM_T, FMA_UPDATE)
+                   a_new, a_old, ints, scal, pidx, PARAM_T)
     else:
         s = tl.zeros([BR], dtype=tl.float32)
         for c0 in range(0, C, BC):
@@ -282,15 +279,14 @@ def m4v4_kernel(progs, ptrs, ints, scal, cb, R, BR: tl.constexpr, BC: tl.constex
             mask = rmask[:, None] & (c < C)[None, :]
             m, g, mv = _m4v4_first(grad_p, mv_p, cb, off, mask, s_old, b1, omb1)
             _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, c, off, mask, s_bf.to(tl.float32),
-                       a_new, a_old, ints, scal, pidx, PARAM_T, FMA_UPDATE)
+                       a_new, a_old, ints, scal, pidx, PARAM_T)
     tl.store(ms_p + rows, s_bf, mask=rmask)
     tl.store(v_row_p + rows, v_row_new, mask=rmask)
 
 
 # ----- Gefen m4v4: 1-D and 0-D tensors (exact AdamW moments) -----------------------------------
 @triton.jit
-def adamw_kernel(progs, ptrs, ints, scal, BLOCK: tl.constexpr, PARAM_T: tl.constexpr, GRAD_T: tl.constexpr,
-                 FMA_UPDATE: tl.constexpr):
+def adamw_kernel(progs, ptrs, ints, scal, BLOCK: tl.constexpr, PARAM_T: tl.constexpr, GRAD_T: tl.constexpr):
     """ptrs = (param, grad, exp_avg, exp_avg_sq); ints[I_ROWS] = numel."""
     pid = tl.program_id(0)
     pidx = tl.load(progs + 2 * pid)
@@ -314,10 +310,7 @@ def adamw_kernel(progs, ptrs, ints, scal, BLOCK: tl.constexpr, PARAM_T: tl.const
     upd = m / tl.load(scal + pidx * N_SCALARS + S_BIAS1)
     upd = upd / denom
     neg_lr = tl.load(scal + pidx * N_SCALARS + S_NEG_LR)
-    if FMA_UPDATE:
-        p = tl.fma(upd, neg_lr, p)
-    else:
-        p = p + neg_lr * upd
+    p = tl.fma(upd, neg_lr, p)  # torch's add_(upd, alpha=-lr)
     _store_as(param_p + off, p, mask, PARAM_T)
     tl.store(m_p + off, m, mask=mask)
     tl.store(v_p + off, v, mask=mask)

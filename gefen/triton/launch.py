@@ -26,7 +26,6 @@ TILE = 4096
 #: Column tile of the two-pass kernels.
 TWO_PASS_BC = 2048
 
-_TL = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 _TRITON_DT = {torch.float32: kernels.tl.float32, torch.bfloat16: kernels.tl.bfloat16}
 
 
@@ -175,22 +174,21 @@ def _ints(it: M4V4Item, rows: int, C: int) -> list[int]:
     return row
 
 
-def m4v4_update_(items: list[M4V4Item], codebook: torch.Tensor, ratios: torch.Tensor, *,
-                 fma_update: bool = True) -> None:
+def m4v4_update_(items: list[M4V4Item], codebook: torch.Tensor, ratios: torch.Tensor) -> None:
     """Phase 2 of Gefen m4v4 for every item, in place (state, parameter, step count): matrices
     take three launches per class (column prologue, the step, the v_col copy); 1-D/0-D tensors
     one per dtype class."""
     mats = [it for it in items if it.param.dim() >= 2]
     vecs = [it for it in items if it.param.dim() < 2 and it.param.numel()]
     if mats:
-        _m4v4_matrices(mats, codebook, ratios, fma_update)
+        _m4v4_matrices(mats, codebook, ratios)
     if vecs:
-        _adamw_vectors(vecs, fma_update)
+        _adamw_vectors(vecs)
     for it in items:
         it.state["step"].fill_(it.step)
 
 
-def _m4v4_matrices(items: list[M4V4Item], codebook, ratios, fma_update: bool) -> None:
+def _m4v4_matrices(items: list[M4V4Item], codebook, ratios) -> None:
     device = items[0].param.device
     shapes = [(it.param.shape[0], math.prod(it.param.shape[1:])) for it in items]
     v_new = torch.empty(sum(C for _, C in shapes), dtype=torch.float32, device=device)
@@ -221,12 +219,12 @@ def _m4v4_matrices(items: list[M4V4Item], codebook, ratios, fma_update: bool) ->
         ptrs, sel = _to(device, ptrs, sel)
         _launch(kernels.m4v4_kernel, progs.shape[0], progs, ptrs, ints.index_select(0, sel),
                 scal.index_select(0, sel), cb, R, BR=br, BC=bc, SINGLE=single, PARAM_T=_TRITON_DT[pdt],
-                GRAD_T=_TRITON_DT[gdt], FMA_UPDATE=fma_update)
+                GRAD_T=_TRITON_DT[gdt])
     dst = [it.state["v_col"] for it in items] + [items[i].state["v_row"] for i in empty]
     torch._foreach_copy_(dst, v_new_views + [items[i].v_row for i in empty])
 
 
-def _adamw_vectors(items: list[M4V4Item], fma_update: bool) -> None:
+def _adamw_vectors(items: list[M4V4Item]) -> None:
     device = items[0].param.device
     block = 1024
     classes = defaultdict(list)
@@ -240,7 +238,7 @@ def _adamw_vectors(items: list[M4V4Item], fma_update: bool) -> None:
         scal = torch.tensor([_scalars(it) for it in sel], dtype=torch.float32)
         ptrs, ints, scal = _to(device, ptrs, ints, scal)
         _launch(kernels.adamw_kernel, progs.shape[0], progs, ptrs, ints, scal, BLOCK=block,
-                PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt], FMA_UPDATE=fma_update)
+                PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt])
 
 
 #: rows per program of the phase-1 kernel (its column partial sums cost 8 / BR bytes per element)
