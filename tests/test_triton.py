@@ -202,6 +202,37 @@ def test_momentum_matches_the_reference(K, shape, period, gdt):
         _assert_states_equal(s_ref, s_tri, f"step {step}")
 
 
+def test_muon_step_uses_one_launch_for_every_momentum(monkeypatch):
+    """GefenMuon.step through the hook: bf16 and fp32 parameters and gradients, identical state to the eager step
+    (Newton-Schulz and the update are torch's in both), one kernel call for all momenta."""
+    from gefen import GefenMuon
+
+    gen = torch.Generator().manual_seed(4)
+    shapes = {"a": (12, 20), "b": (20, 12), "c": (7, 9)}
+    dtypes = {"a": torch.float32, "b": torch.float32, "c": torch.bfloat16}
+    init = {n: torch.randn(s, generator=gen).to(device=DEVICE, dtype=dtypes[n]) for n, s in shapes.items()}
+    grads = [{n: _grad(gen, s, dtypes[n], zero_row=False) for n, s in shapes.items()} for _ in range(3)]
+    calls = []
+    real = launch.momentum_
+    monkeypatch.setattr(launch, "momentum_", lambda items, *a: (calls.append(len(items)), real(items, *a))[1])
+
+    def run(use_kernels: bool):
+        dispatch.enabled = use_kernels
+        params = [(n, torch.nn.Parameter(t.clone())) for n, t in init.items()]
+        opt = GefenMuon(params, lr=1e-2)
+        for g in grads:
+            for n, p in params:
+                p.grad = g[n].clone()
+            opt.step()
+        return params, opt
+
+    (ref_params, ref_opt), (params, opt) = run(False), run(True)
+    assert calls == [3] * len(grads)
+    for (name, a), (_, b) in zip(ref_params, params):
+        _assert_states_equal(ref_opt.state[a], opt.state[b], name)
+        assert torch.equal(a, b), name
+
+
 # ----- dispatch ---------------------------------------------------------------------------------
 def test_disabled_or_foreign_devices_fall_back(caplog):
     gen = torch.Generator().manual_seed(0)

@@ -171,10 +171,21 @@ def adamw_update_(param, grad, state, h) -> bool:
 
 def momentum_(state, grad, beta, codebook) -> torch.Tensor | None:
     """``functional.update_momentum_`` (GefenMuon, Gefen m8) through the kernels, or None."""
-    codes, scales = state["m_code"], state["m_scale"]
-    if not _decide([grad], [codes, scales, codebook]):
+    out = momenta_([(state, grad, beta)], codebook)
+    return None if out is None else out[0]
+
+
+def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list | None:
+    """``functional.update_momentum_`` of every ``(state, grad, beta)`` in one launch per class,
+    or None (nothing touched) when any of them must take the eager path."""
+    if not items:
         return None
-    if codes.dtype != torch.uint8 or scales.dtype != torch.float32 or codes.shape != grad.shape \
-            or codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256:
+    grads = [g for _, g, _ in items]
+    codes, scales = [s["m_code"] for s, _, _ in items], [s["m_scale"] for s, _, _ in items]
+    if not _decide(grads, codes + scales + [codebook]):
+        return None
+    if (codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256
+            or any(c.dtype != torch.uint8 or s.dtype != torch.float32 or c.shape != g.shape
+                   for c, s, g in zip(codes, scales, grads))):
         return _fallback("an unexpected compressed-momentum layout") or None
-    return _launch_mod.momentum_([(state, grad, beta)], codebook)[0]
+    return _launch_mod.momentum_(items, codebook)
