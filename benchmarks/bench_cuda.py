@@ -237,7 +237,7 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script without a GPU")
     args = ap.parse_args(argv)
     if args.smoke:
-        device, args.millions, args.d_model, args.vocab, args.reps = torch.device("cpu"), 0.05, 32, 64, 2
+        device, args.millions, args.d_model, args.vocab, args.reps = torch.device("cpu"), 0.01, 16, 32, 2
         if os.environ.get("TRITON_INTERPRET") == "1":  # the Triton rows run the kernels in the interpreter
             dispatch.DEVICES = {"cuda", "cpu"}
     elif not torch.cuda.is_available():
