@@ -226,7 +226,7 @@ def factored_estimates(state: dict, v_row: torch.Tensor, partials: torch.Tensor,
 def _second_moment(state: dict, sq: torch.Tensor, ratio: torch.Tensor, beta2: float,
                    vhat_old: torch.Tensor) -> torch.Tensor:
     """The new per-element second moment (before re-quantisation): decoded old v, then the EMA."""
-    v = vhat_old * ratio[(state["mv_code"].reshape(sq.shape) >> 4).long()]
+    v = vhat_old * ratio.take((state["mv_code"].reshape(sq.shape) >> 4).long())
     return v * beta2 + sq * (1 - beta2)
 
 
@@ -277,16 +277,16 @@ def m4v4_update_(
     v = _second_moment(state, sq, ratio, b2, vhat_old)
     r = v / vhat_new.clamp_min(TINY)
     vcode = encode(r, ratio, hash_uniform(gidx, step, salt_v))
-    vq = vhat_new * ratio[vcode]
+    vq = vhat_new * ratio.take(vcode)
     denom = _div(vq.sqrt(), math.sqrt(1 - b2**step)) + h.eps
 
     # first moment: per-row max-abs scale (bf16), 4-bit code
-    m = codebook[(state["mv_code"].reshape(rows, cols) & 15).long()] * state["m_row_scale"].float()[:, None]
+    m = codebook.take((state["mv_code"].reshape(rows, cols) & 15).long()) * state["m_row_scale"].float()[:, None]
     m = m * b1 + g * (1 - b1)
     s_f = m.abs().amax(1).to(torch.bfloat16).float()
     x = m / torch.where(s_f == 0, 1.0, s_f)[:, None]
     mcode = encode(x, codebook, hash_uniform(gidx, step, salt_m))
-    mq = codebook[mcode] * s_f[:, None]
+    mq = codebook.take(mcode) * s_f[:, None]
 
     # update (the same op order as gefen_update_)
     work = param if param.dtype in (torch.float32, torch.float64) else param.float()

@@ -60,13 +60,10 @@ def encode(x: torch.Tensor, table: torch.Tensor, u: torch.Tensor) -> torch.Tenso
     clamped to [1, 15]) with probability ``p = (x - T[lo]) / max(T[hi] - T[lo], GUARD)`` clamped
     to [0, 1], else ``lo = hi - 1``; decided by ``u < p``. Unbiased inside the table's range;
     out-of-range values go to the end code. NaN: unspecified."""
-    last = table.numel() - 1
-    hi = torch.searchsorted(table, x.contiguous(), side="left").clamp_(1, last)
-    lo = hi - 1
-    t_lo = table[lo]
-    gap = torch.clamp_min(table[hi] - t_lo, GUARD)
-    p = ((x - t_lo) / gap).clamp_(0.0, 1.0)
-    return torch.where(u < p, hi, lo)
+    lo = torch.searchsorted(table, x.contiguous(), side="left").clamp_(1, table.numel() - 1).sub_(1)
+    gaps = torch.clamp_min(table[1:] - table[:-1], GUARD)  # T[hi] - T[lo], per lo
+    p = ((x - table.take(lo)) / gaps.take(lo)).clamp_(0.0, 1.0)
+    return lo.add_(u < p)
 
 
 def ratio_table(v_codebook: torch.Tensor) -> torch.Tensor:

@@ -402,7 +402,7 @@ def _corrupt_muon_shape(sd):
 
 def _corrupt_backup_shape(sd):
     entry = _first_entry(sd, "backup")
-    key = "exp_avg" if "exp_avg" in entry else "m_scale"
+    key = next(k for k in ("exp_avg", "m_scale", "m_row_scale") if k in entry)  # AdamW, Gefen m8 / m4v4 backup
     entry[key] = torch.cat([entry[key], entry[key]])
 
 
@@ -427,7 +427,7 @@ def _foreign_adamw(sd):
 
 
 def _backup_kind_swapped(sd):
-    other = "adamw" if "m_code" in _first_entry(sd, "backup") else "gefen"
+    other = "adamw" if "factored_v_2d" in _groups_of(sd, "backup")[0] else "gefen"  # Gefen's groups have it
     model = TinyGPT(layers=1)
     opt = GefenMuonHybrid(model, backup=other)
     _train(model, opt, [0])

@@ -4,6 +4,7 @@ Both paths run on identical inputs; codes, scales, second moments, step counts A
 must be bit-for-bit identical (fp32 compared as integers, so even the sign of a zero counts)
 after several steps, on the block and factored paths, for 0-D/1-D/2-D/3-D and empty shards,
 odd sizes, fp32 and bf16, with and without weight decay, at several thread counts.
+These test the "m8" layout's kernel (``moments="m8"``); the m4v4 step's fused path has its own tests.
 CUDA has no fused path yet; its tests would skip without a GPU (there are none here).
 """
 
@@ -273,7 +274,7 @@ def test_optimizer_uses_fused_path_and_matches_eager(factored_v_2d):
     for use_native in (False, True):
         native.enabled = use_native
         params = _model_params(0)
-        opt = Gefen(params, lr=1e-2, weight_decay=0.05, factored_v_2d=factored_v_2d)
+        opt = Gefen(params, lr=1e-2, weight_decay=0.05, factored_v_2d=factored_v_2d, moments="m8")
         gen = torch.Generator().manual_seed(1)
         for _ in range(4):
             for _, p in params:
@@ -307,7 +308,7 @@ def test_per_parameter_overhead_is_one_call():
     counts = {}
     for use_native in (False, True):
         native.enabled = use_native
-        opt = Gefen([p.detach().clone().requires_grad_() for p in params], lr=1e-3)
+        opt = Gefen([p.detach().clone().requires_grad_() for p in params], lr=1e-3, moments="m8")
         for q, p in zip(opt.param_groups[0]["params"], params):
             q.grad = p.grad.clone()
         opt.step()  # first step: periods and codebook

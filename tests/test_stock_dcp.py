@@ -37,6 +37,8 @@ def make_opt(kind: str, model: torch.nn.Module):
         return Gefen(named, lr=1e-2, weight_decay=0.1)
     if kind == "gefen_block":
         return Gefen(named, lr=1e-2, factored_v_2d=False, moments="m8")
+    if kind == "gefen_m8":
+        return Gefen(named, lr=1e-2, weight_decay=0.1, moments="m8")
     if kind == "muon":
         return GefenMuon([(n, p) for n, p in named if p.dim() == 2], lr=1e-2, normuon=True)
     if kind == "adamw":
@@ -195,25 +197,35 @@ def test_offline_tools_read_a_stock_checkpoint(tmp_path):
     assert gefen.codebook is not None and all(int(s["step"]) == STEPS for s in gefen.state.values())
 
 
-def test_stock_state_dict_is_filled_without_learning_from_zeros():
+@pytest.mark.parametrize("kind", ["gefen_m8", "gefen"])
+def test_stock_state_dict_is_filled_without_learning_from_zeros(kind):
     """get_state_dict initialises an empty optimizer by a step with zero gradients and lr 0: the
-    state gets the checkpoint's shapes (the codebook among it, all zero = not learned) and the
-    codebook is learned later from the first real gradients, exactly as without that step."""
+    state gets the checkpoint's shapes (the codebooks among it, all zero = not learned) and the
+    codebooks are learned later from the first real gradients, exactly as without that step."""
     model = model_on(0, None)
-    opt = make_opt("gefen", model)
+    opt = make_opt(kind, model)
     _, osd = get_state_dict(model, opt)
     assert opt.codebook is None
     entry = osd["state"]["0.weight"]
-    assert entry["m_code"].shape == (24, 16) and entry["m_scale"].shape == (24, 1)
-    assert entry["codebook"].shape == (256,) and not entry["codebook"].any()
-    assert not any(v.any() for e in osd["state"].values() for k, v in e.items() if k not in ("step", "period"))
+    if kind == "gefen_m8":
+        assert entry["m_code"].shape == (24, 16) and entry["m_scale"].shape == (24, 1)
+        assert entry["codebook"].shape == (256,) and not entry["codebook"].any()
+    else:  # the default layout: both codebooks, 16 entries each
+        assert entry["mv_code"].shape == (24, 16) and entry["m_row_scale"].shape == (24,)
+        assert entry["codebook"].shape == entry["v_codebook"].shape == (16,)
+        assert not entry["codebook"].any() and not entry["v_codebook"].any() and opt.v_codebook is None
+    # every moment is zero (m4v4's codes of a zero row are stochastic 0-neighbours: scale 0 decodes them to 0)
+    assert not any(v.any() for e in osd["state"].values() for k, v in e.items() if k not in ("step", "period", "mv_code"))
     train(model, opt, 0, 1)
 
     plain = model_on(0, None)
-    plain_opt = make_opt("gefen", plain)
+    plain_opt = make_opt(kind, plain)
     train(plain, plain_opt, 0, 1)
     assert torch.equal(opt.codebook, plain_opt.codebook)
-    assert len(opt.codebook.unique()) > 100  # learned from real gradients, not collapsed by zeros
+    # learned from real gradients, not collapsed by zeros
+    assert len(opt.codebook.unique()) > (100 if kind == "gefen_m8" else 12)
+    if kind == "gefen":
+        assert torch.equal(opt.v_codebook, plain_opt.v_codebook) and len(opt.v_codebook.unique()) > 12
 
 
 def test_a_state_dict_whose_parameters_disagree_about_the_codebook_is_refused():

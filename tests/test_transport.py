@@ -362,7 +362,7 @@ def _world_worker(rank: int, world_size: int, tmp: str, kinds: tuple[str, ...], 
         # a source on src that fails mid-transfer
         def bad_source():
             state = reference.materialize()
-            state.params["emb"].fields["m_code"] = _Exploding(state.params["emb"].fields["m_code"])
+            state.params["emb"].fields["mv_code"] = _Exploding(state.params["emb"].fields["mv_code"])
             return state
 
         out["fail/scatter_source"] = _expect_failure(
@@ -378,8 +378,8 @@ def _world_worker(rank: int, world_size: int, tmp: str, kinds: tuple[str, ...], 
         # one rank's own part fails to read in the middle of a redistribute
         state = export_canonical(opt)
         if rank == world_size - 1:
-            part = state.params["proj"].fields["m_scale"]
-            state.params["proj"].fields["m_scale"] = _FlakyPart(part.tensor, part.row_start, part.shape, part.writer)
+            part = state.params["proj"].fields["m_row_scale"]  # a row-sharded field (bf16)
+            state.params["proj"].fields["m_row_scale"] = _FlakyPart(part.tensor, part.row_start, part.shape, part.writer)
         out["fail/redistribute_read"] = _expect_failure(lambda: T.redistribute(state, on_b, budget_bytes=64))
         # one rank cannot even export
         out["fail/gather_export"] = _expect_failure(lambda: T.gather(opt if rank != 1 else object()))
