@@ -233,6 +233,45 @@ def test_muon_step_uses_one_launch_for_every_momentum(monkeypatch):
         assert torch.equal(a, b), name
 
 
+_AOT = """
+import re, sys
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from gefen.triton import kernels as K
+
+tab = {"progs": "*i64", "ptrs": "*i64"}
+cases = [
+    (K.m4v4_kernel, {**tab, "ints": "*i64", "scal": "*fp32", "cb": "*fp32", "R": "*fp32"},
+     {"BR": 2, "BC": 1024, "SINGLE": True, "PARAM_T": tl.float32, "GRAD_T": tl.float32}),
+    (K.m4v4_kernel, {**tab, "ints": "*i64", "scal": "*fp32", "cb": "*fp32", "R": "*fp32"},
+     {"BR": 1, "BC": 1024, "SINGLE": False, "PARAM_T": tl.bfloat16, "GRAD_T": tl.bfloat16}),
+    (K.momentum_kernel, {**tab, "sizes": "*i64", "weights": "*fp32", "cb": "*fp32", "thr": "*fp32", "K": "i32"},
+     {"LOG2K": 8, "BR": 4, "BC": 256, "SINGLE": True, "GRAD_T": tl.bfloat16}),
+    (K.adamw_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BLOCK": 1024, "PARAM_T": tl.bfloat16,
+                                                              "GRAD_T": tl.float32}),
+    (K.m4v4_prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024}),
+    (K.partials_kernel, {**tab, "ints": "*i64", "betas": "*fp32"}, {"BR": 32, "BC": 64, "GRAD_T": tl.float32}),
+    (K.column_sum_kernel, {**tab, "ints": "*i64"}, {"BC": 256, "BR": 32}),
+]
+for fn, sig, consts in cases:
+    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+    ptx = compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
+    bad = sorted(set(re.findall(r"\\b(?:div\\.(?:full|approx)|sqrt\\.approx|rcp\\.approx|ex2|lg2)[.a-z0-9]*", ptx)))
+    print(fn.__name__, "approximate:", bad)
+    assert not bad, (fn.__name__, bad)
+print("ok")
+"""
+
+
+def test_kernels_compile_for_a_gpu_with_ieee_arithmetic():
+    """Compiled for an H100/H200 (sm_90) without one: every kernel lowers, and the PTX holds no
+    approximate division, square root or transcendental (Triton's ``/`` and ``tl.sqrt`` would)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, timeout=280, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout + out.stderr)[-3000:]
+
+
 # ----- dispatch ---------------------------------------------------------------------------------
 def test_disabled_or_foreign_devices_fall_back(caplog):
     gen = torch.Generator().manual_seed(0)

@@ -10,7 +10,9 @@ finds the row's max-abs, the second recomputes the same values and writes).
 
 Arithmetic follows the eager references op for op (one IEEE op each; launch with
 ``enable_fp_fusion=False`` so a GPU build does not contract them into FMAs); ``tl.fma`` appears
-only where the eager op itself is an FMA (torch's ``lerp`` and ``add(alpha=)``).
+only where the eager op itself is an FMA (torch's ``lerp`` and ``add(alpha=)``). fp32 divisions
+are ``tl.div_rn`` and square roots ``tl.sqrt_rn``: Triton's ``/`` and ``tl.sqrt`` compile to
+approximate instructions on NVIDIA (``div.full.f32``, ``sqrt.approx``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
-GUARD = 1e-12  # fp32(1e-12) once cast (the spec's GUARD)
-INV_2_24 = 5.960464477539063e-08  # 2**-24
+# module constants a kernel reads must be tl.constexpr (a compiled kernel refuses plain globals)
+TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny
+GUARD = tl.constexpr(1e-12)  # fp32(1e-12) once cast (the spec's GUARD)
+INV_2_24 = tl.constexpr(5.960464477539063e-08)  # 2**-24
 
 
 @triton.jit
@@ -77,7 +80,7 @@ def _encode(x, table, u):
     lo = hi - 1
     t_lo = tl.load(table + lo)
     t_hi = tl.load(table + hi)
-    p = (x - t_lo) / tl.maximum(t_hi - t_lo, GUARD)
+    p = tl.div_rn(x - t_lo, tl.maximum(t_hi - t_lo, GUARD))
     p = tl.minimum(tl.maximum(p, 0.0), 1.0)
     return tl.where(u < p, hi, lo)
 
@@ -96,7 +99,7 @@ def _momentum_tile(grad_p, codes_p, cb, off, mask, scale, w, small):
 @triton.jit
 def _momentum_store(m, s, off, mask, codes_p, out_p, cb, thr, K, LOG2K: tl.constexpr):
     zero = s == 0.0
-    x = m / tl.where(zero, 1.0, s)[:, None]
+    x = tl.div_rn(m, tl.where(zero, 1.0, s)[:, None])
     code = _count_below(x, thr, LOG2K)
     code = tl.where(x != x, K - 1, code)  # NaN -> the last code, as torch.searchsorted
     code = tl.where(zero[:, None], 0, code)
@@ -149,12 +152,12 @@ def momentum_kernel(progs, ptrs, sizes, weights, cb, thr, K, LOG2K: tl.constexpr
 
 # ----- Gefen m4v4: matrices (>= 2-D, one row = one block) --------------------------------------
 # scalar table columns (fp32, one row per parameter)
-S_B1, S_OMB1, S_B2, S_OMB2, S_BIAS1, S_BIAS2, S_EPS, S_NEG_LR, S_DECAY, S_MEAN_NEW, S_MEAN_OLD = range(11)
-N_SCALARS = 11
+S_B1, S_OMB1, S_B2, S_OMB2, S_BIAS1, S_BIAS2, S_EPS, S_NEG_LR, S_DECAY, S_MEAN_NEW, S_MEAN_OLD = map(tl.constexpr, range(11))
+N_SCALARS = tl.constexpr(11)
 # int table columns (int64): local rows, row length C, global row of local row 0, hash bases, weight decay
 # flag, global rows (>= 1), global row length
-I_ROWS, I_C, I_ROW0, I_BASE_M, I_BASE_V, I_HAS_WD, I_GROWS, I_ROW_LEN = range(8)
-N_INTS = 8
+I_ROWS, I_C, I_ROW0, I_BASE_M, I_BASE_V, I_HAS_WD, I_GROWS, I_ROW_LEN = map(tl.constexpr, range(8))
+N_INTS = tl.constexpr(8)
 
 
 @triton.jit
@@ -208,13 +211,13 @@ def _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, c, off, m
     vhat_old = a_old[:, None] * tl.load(v_col_p + c, mask=cmask, other=0.0)[None, :]
     v = vhat_old * tl.load(R + (mv >> 4))
     v = v * b2 + (g * g) * omb2
-    r = v / tl.maximum(vhat_new, TINY)
+    r = tl.div_rn(v, tl.maximum(vhat_new, TINY))
     base_v = tl.load(ints + pidx * N_INTS + I_BASE_V).to(tl.uint32)
     vcode = _encode(r, R, _hash_uniform(gidx, base_v))
     vq = vhat_new * tl.load(R + vcode)
-    denom = tl.sqrt_rn(vq) / tl.load(scal + pidx * N_SCALARS + S_BIAS2) + tl.load(scal + pidx * N_SCALARS + S_EPS)
+    denom = tl.div_rn(tl.sqrt_rn(vq), tl.load(scal + pidx * N_SCALARS + S_BIAS2)) + tl.load(scal + pidx * N_SCALARS + S_EPS)
     # first moment: code against the row's bf16 max-abs scale
-    x = m / tl.where(s_f == 0.0, 1.0, s_f)[:, None]
+    x = tl.div_rn(m, tl.where(s_f == 0.0, 1.0, s_f)[:, None])
     base_m = tl.load(ints + pidx * N_INTS + I_BASE_M).to(tl.uint32)
     mcode = _encode(x, cb, _hash_uniform(gidx, base_m))
     mq = tl.load(cb + mcode) * s_f[:, None]
@@ -222,8 +225,8 @@ def _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, c, off, m
     p = tl.load(param_p + off, mask=mask, other=0.0).to(tl.float32)
     if tl.load(ints + pidx * N_INTS + I_HAS_WD) != 0:
         p = p * tl.load(scal + pidx * N_SCALARS + S_DECAY)
-    upd = mq / tl.load(scal + pidx * N_SCALARS + S_BIAS1)
-    upd = upd / denom
+    upd = tl.div_rn(mq, tl.load(scal + pidx * N_SCALARS + S_BIAS1))
+    upd = tl.div_rn(upd, denom)
     neg_lr = tl.load(scal + pidx * N_SCALARS + S_NEG_LR)
     p = tl.fma(upd, neg_lr, p)  # torch's add_(upd, alpha=-lr)
     _store_as(param_p + off, p, mask, PARAM_T)
@@ -255,8 +258,8 @@ def m4v4_kernel(progs, ptrs, ints, scal, cb, R, BR: tl.constexpr, BC: tl.constex
     cols = tl.arange(0, BC).to(tl.int64)
     s_old = tl.load(ms_p + rows, mask=rmask, other=0.0).to(tl.float32)
     v_row_new = tl.load(v_row_new_p + rows, mask=rmask, other=0.0)
-    a_new = v_row_new / tl.load(scal + pidx * N_SCALARS + S_MEAN_NEW)
-    a_old = tl.load(v_row_p + rows, mask=rmask, other=0.0) / tl.load(scal + pidx * N_SCALARS + S_MEAN_OLD)
+    a_new = tl.div_rn(v_row_new, tl.load(scal + pidx * N_SCALARS + S_MEAN_NEW))
+    a_old = tl.div_rn(tl.load(v_row_p + rows, mask=rmask, other=0.0), tl.load(scal + pidx * N_SCALARS + S_MEAN_OLD))
     if SINGLE:
         off = rows[:, None] * C + cols[None, :]
         mask = rmask[:, None] & (cols < C)[None, :]
@@ -303,12 +306,12 @@ def adamw_kernel(progs, ptrs, ints, scal, BLOCK: tl.constexpr, PARAM_T: tl.const
     m = m + g * tl.load(scal + pidx * N_SCALARS + S_OMB1)
     v = tl.load(v_p + off, mask=mask, other=0.0) * tl.load(scal + pidx * N_SCALARS + S_B2)
     v = v + (g * g) * tl.load(scal + pidx * N_SCALARS + S_OMB2)
-    denom = tl.sqrt_rn(v) / tl.load(scal + pidx * N_SCALARS + S_BIAS2) + tl.load(scal + pidx * N_SCALARS + S_EPS)
+    denom = tl.div_rn(tl.sqrt_rn(v), tl.load(scal + pidx * N_SCALARS + S_BIAS2)) + tl.load(scal + pidx * N_SCALARS + S_EPS)
     p = tl.load(param_p + off, mask=mask, other=0.0).to(tl.float32)
     if tl.load(ints + pidx * N_INTS + I_HAS_WD) != 0:
         p = p * tl.load(scal + pidx * N_SCALARS + S_DECAY)
-    upd = m / tl.load(scal + pidx * N_SCALARS + S_BIAS1)
-    upd = upd / denom
+    upd = tl.div_rn(m, tl.load(scal + pidx * N_SCALARS + S_BIAS1))
+    upd = tl.div_rn(upd, denom)
     neg_lr = tl.load(scal + pidx * N_SCALARS + S_NEG_LR)
     p = tl.fma(upd, neg_lr, p)  # torch's add_(upd, alpha=-lr)
     _store_as(param_p + off, p, mask, PARAM_T)

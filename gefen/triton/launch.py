@@ -18,13 +18,13 @@ import triton
 from gefen.codebook import code_thresholds
 from gefen.triton import kernels
 
-#: Rows longer than this are processed in two passes over column tiles (tests lower it). The tile
-#: sizes are first guesses, not tuned on a GPU yet (docs/decisions.md).
-MAX_SINGLE = 4096
+#: Rows longer than this are processed in two passes over column tiles (tests lower it). Sizes are
+#: chosen from ptxas' register counts for sm_90 (docs/decisions.md), not yet timed on a GPU.
+MAX_SINGLE = 2048
 #: Elements per program when rows are short (several rows per program).
-TILE = 4096
+TILE = 2048
 #: Column tile of the two-pass kernels.
-TWO_PASS_BC = 2048
+TWO_PASS_BC = 1024
 
 _TRITON_DT = {torch.float32: kernels.tl.float32, torch.bfloat16: kernels.tl.bfloat16}
 
@@ -73,8 +73,9 @@ def _launch(kernel, grid: int, *args, **meta) -> None:
     if grid == 0:
         return
     tile = meta.get("BR", 1) * meta.get("BC", meta.get("BLOCK", 1))
-    # no FMA contraction: every mul and add rounds on its own, as in the eager reference
-    kernel[(grid,)](*args, enable_fp_fusion=False, num_warps=8 if tile >= 4096 else 4, **meta)
+    # ~4 elements per thread keeps the step kernel near 64 registers (ptxas, sm_90): several blocks
+    # per SM to hide memory latency. No FMA contraction: every mul and add rounds on its own.
+    kernel[(grid,)](*args, enable_fp_fusion=False, num_warps=max(4, min(16, tile // 128)), **meta)
 
 
 # ----- GefenMuon's momentum ------------------------------------------------------------------
@@ -154,24 +155,28 @@ def hash_base(t: int, salt: int) -> int:
     return (t * 0x85EBCA77 + salt * 0xC2B2AE3D) & 0xFFFFFFFF
 
 
+def _row(n, values: dict) -> list:
+    """A table row: ``values`` maps the kernels' column constants to numbers."""
+    row = [0] * n.value
+    for col, value in values.items():
+        row[col.value] = value
+    return row
+
+
 def _scalars(it: M4V4Item) -> list[float]:
-    h, t = it.h, it.step
-    row = [0.0] * kernels.N_SCALARS
-    row[kernels.S_B1], row[kernels.S_OMB1] = h.beta1, 1 - h.beta1
-    row[kernels.S_B2], row[kernels.S_OMB2] = h.beta2, 1 - h.beta2
-    row[kernels.S_BIAS1], row[kernels.S_BIAS2] = 1 - h.beta1**t, math.sqrt(1 - h.beta2**t)
-    row[kernels.S_EPS], row[kernels.S_NEG_LR], row[kernels.S_DECAY] = h.eps, -h.lr, 1 - h.lr * h.weight_decay
-    return row  # torch.tensor(..., float32) rounds each like torch rounds a Python scalar
+    h, t, k = it.h, it.step, kernels
+    return _row(k.N_SCALARS, {  # torch.tensor(..., float32) rounds each as torch rounds a Python scalar
+        k.S_B1: h.beta1, k.S_OMB1: 1 - h.beta1, k.S_B2: h.beta2, k.S_OMB2: 1 - h.beta2,
+        k.S_BIAS1: 1 - h.beta1**t, k.S_BIAS2: math.sqrt(1 - h.beta2**t), k.S_EPS: h.eps, k.S_NEG_LR: -h.lr,
+        k.S_DECAY: 1 - h.lr * h.weight_decay})
 
 
 def _ints(it: M4V4Item, rows: int, C: int) -> list[int]:
-    row = [0] * kernels.N_INTS
-    row[kernels.I_ROWS], row[kernels.I_C], row[kernels.I_ROW0] = rows, C, it.row0
-    row[kernels.I_BASE_M] = hash_base(it.step, it.salt_m)
-    row[kernels.I_BASE_V] = hash_base(it.step, (it.salt_m + 1) & 0xFFFFFFFF)
-    row[kernels.I_HAS_WD], row[kernels.I_GROWS] = int(bool(it.h.weight_decay)), max(it.global_rows, 1)
-    row[kernels.I_ROW_LEN] = C if it.row_len is None else it.row_len
-    return row
+    k = kernels
+    return _row(k.N_INTS, {
+        k.I_ROWS: rows, k.I_C: C, k.I_ROW0: it.row0, k.I_BASE_M: hash_base(it.step, it.salt_m),
+        k.I_BASE_V: hash_base(it.step, (it.salt_m + 1) & 0xFFFFFFFF), k.I_HAS_WD: int(bool(it.h.weight_decay)),
+        k.I_GROWS: max(it.global_rows, 1), k.I_ROW_LEN: C if it.row_len is None else it.row_len})
 
 
 def m4v4_update_(items: list[M4V4Item], codebook: torch.Tensor, ratios: torch.Tensor) -> None:
@@ -258,9 +263,8 @@ def m4v4_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[t
     parts = torch.empty(sum(C + 2 for _, C in shapes), dtype=torch.float64, device=device)
     part_views = list(parts.split([C + 2 for _, C in shapes]))
     v_rows = [torch.empty(r, dtype=torch.float32, device=device) for r, _ in shapes]
-    ints = torch.zeros(len(items), kernels.N_INTS, dtype=torch.int64)
-    ints[:, kernels.I_ROWS] = torch.tensor([r for r, _ in shapes])
-    ints[:, kernels.I_C] = torch.tensor([C for _, C in shapes])
+    ints = torch.tensor([_row(kernels.N_INTS, {kernels.I_ROWS: r, kernels.I_C: C}) for r, C in shapes],
+                        dtype=torch.int64)
     betas = torch.tensor([(b2, 1 - b2) for _, _, b2 in items], dtype=torch.float32)
     classes = defaultdict(list)
     for i, (g, _, _) in enumerate(items):
