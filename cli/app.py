@@ -108,6 +108,11 @@ class Target(str, Enum):
     dcp = "dcp"
 
 
+class Moments(str, Enum):
+    m4v4 = "m4v4"
+    m8 = "m8"
+
+
 class ShardedTarget(str, Enum):
     """reshard's outputs: layouts that hold shards (a torch.save file is one process's dict)."""
 
@@ -333,9 +338,9 @@ def convert(
     into: Annotated[str | None, typer.Option(
         "--into", help="Convert the state into another optimizer's: Gefen, GefenMuon, GefenMuonHybrid or AdamW "
                        "(default: keep the source's optimizer).")] = None,
-    moments: Annotated[str, typer.Option(
+    moments: Annotated[Moments, typer.Option(
         "--moments", help="With --into Gefen or GefenMuonHybrid: the Gefen state layout, m4v4 (the default, contract "
-                          "version 2) or m8 (8-bit codes, version 1: what Gefen(moments='m8') loads).")] = "m4v4",
+                          "version 2) or m8 (8-bit codes, version 1: what Gefen(moments='m8') loads).")] = Moments.m4v4,
     optimizer: OptimizerOpt = None,
     param_names: ParamNamesOpt = None,
     names_from: NamesFromOpt = None,
@@ -378,7 +383,7 @@ def convert(
         if into is not None:
             from gefen_ckpt.convert import convert_state
 
-            state = convert_state(state, into, moments=moments)
+            state = convert_state(state, into, moments=moments.value)
         with common.err().status(f"writing {dst}", spinner="dots") if common.want_progress() else _null():
             common.write_state(state, dst, target, sizes)
     report = state.metadata.get("conversion") if into is not None else None
