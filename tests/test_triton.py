@@ -298,7 +298,8 @@ def test_cuda_fallback_logs_its_reason_once(monkeypatch, caplog):
 
 def test_without_triton_everything_imports_and_steps():
     """A machine without Triton: gefen imports and steps on CPU, the kernels' module is never
-    imported (Triton is a lazy, optional import) and the dispatch reports why not."""
+    imported (Triton is a lazy, optional import) and the dispatch reports why not; with
+    GEFEN_DISABLE_NATIVE=1 every fused path (C and Triton) is off."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
@@ -308,9 +309,11 @@ def test_without_triton_everything_imports_and_steps():
         "opt = Gefen([('w', w), ('b', b)]); w.grad = torch.randn(8, 4); b.grad = torch.randn(4); opt.step()\n"
         "m = GefenMuon([('w', w)]); m.step()\n"
         "assert 'gefen.triton.launch' not in sys.modules and 'gefen.triton.kernels' not in sys.modules\n"
-        "assert not dispatch.available() and 'not importable' in dispatch._import_error\n"
+        "assert dispatch._kernels() is None and 'not importable' in dispatch._import_error\n"
+        "from gefen import native\n"
+        "assert not dispatch.enabled and not native.enabled  # GEFEN_DISABLE_NATIVE=1: the eager step\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "TRITON_INTERPRET": "0"})
+                         env={**os.environ, "TRITON_INTERPRET": "0", "GEFEN_DISABLE_NATIVE": "1"})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
