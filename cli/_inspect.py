@@ -185,7 +185,7 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
                        "fields": fields, "state_bytes": nbytes, "bytes_per_param": nbytes / numel if numel else None})
     global_bytes = sum(s.nbytes for s in state.global_fields.values())
     codebooks = [codebook_summary(k, s) for k, s in sorted(state.global_fields.items())
-                 if k.rsplit("/", 1)[-1] == "codebook"]
+                 if k.rsplit("/", 1)[-1] in ("codebook", "v_codebook")]
     groups = [{"index": i, "child": g.get("child"), "params": len(g["params"]),
                "hyperparameters": {k: v for k, v in g.items() if k not in ("params", "child")}}
               for i, g in enumerate(state.param_groups)]

@@ -52,6 +52,12 @@ GEOMETRIES = {
 }
 #: dtype placeholder for fields stored in the parameter's own dtype (torch AdamW's moments)
 LIKE_PARAM = "like_param"
+#: layouts whose per-parameter fields depend on the parameter's number of dimensions (their
+#: contracts mark these fields optional): (implementation, version) -> (the fields of a tensor
+#: of >= 2 dims, the fields of a 1-D or 0-D tensor)
+DIMENSION_FIELDS = {
+    ("gefen.Gefen", "2"): (("step", "mv_code", "m_row_scale", "v_row", "v_col"), ("step", "exp_avg", "exp_avg_sq")),
+}
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from gefen import native
+from gefen.contract import DIMENSION_FIELDS
 from gefen.geometry import as_blocks, block_shape
 from gefen.quant import dequantise, quantise
 from gefen.stochastic import (
@@ -160,8 +161,7 @@ def update_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: tor
 # ----- the "m4v4" layout (contract version "2"): one byte per element -------------------------
 #: state of a tensor of >= 2 dims: low nibble of ``mv_code`` = first-moment code, high nibble =
 #: second-moment code (against the factored estimate); 1-D/0-D tensors keep exact AdamW moments
-M4V4_MATRIX_FIELDS = ("step", "mv_code", "m_row_scale", "v_row", "v_col")
-EXACT_FIELDS = ("step", "exp_avg", "exp_avg_sq")
+M4V4_MATRIX_FIELDS, EXACT_FIELDS = DIMENSION_FIELDS[("gefen.Gefen", "2")]
 
 
 def is_coded(global_shape: tuple[int, ...]) -> bool:

@@ -193,7 +193,7 @@ def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
 
 
 def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: OptimizerContract) -> None:
-    missing = missing_fields(contract, entry.fields) if entry.fields else []
+    missing = missing_fields(contract, entry.fields, entry.shape) if entry.fields else []
     if missing:
         raise CheckpointMismatchError(f"{fqn}: the checkpoint lacks {contract.implementation}'s required "
                                       f"field(s) {missing}")

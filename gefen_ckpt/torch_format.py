@@ -52,6 +52,7 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
 )
 from gefen_ckpt.exchange import plain_value
+from gefen_ckpt.format.manifest import missing_fields
 
 __all__ = [
     "TORCH_META_KEY",
@@ -360,13 +361,14 @@ def _param_state(fqn: str, entry: dict, leaf: OptimizerContract, child: str | No
                 f"{fqn}: field {name!r} is unknown to {leaf.implementation} (a checkpoint of another optimizer? "
                 "pass the optimizer explicitly)") from None
         fields[spec.name] = _field_tensor(value, spec, fqn, spec.name)
-    missing = _required(leaf) - set(fields)
-    if missing:
-        raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {sorted(missing)}")
+    if missing := missing_fields(leaf, fields):
+        raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {missing}")
     like = [n for n in fields if leaf.field(n).geometry == "param"]
     if not like:
         raise CheckpointMismatchError(f"{fqn}: no field of 'param' geometry, so the parameter's shape is unknown")
     shape = tuple(fields[like[0]].shape)
+    if missing := missing_fields(leaf, fields, shape):
+        raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {missing} (shape {shape})")
     if dtype_name is not None:
         dtype = _dtype(dtype_name, fqn)
     else:

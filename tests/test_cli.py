@@ -61,6 +61,17 @@ def gefen_ckpt_dir(tmp_path_factory) -> tuple[Path, torch.nn.Module, Gefen]:
     return path, model, opt
 
 
+@pytest.fixture(scope="module", params=["m8", "m4v4"])
+def layout_ckpt_dir(request, tmp_path_factory) -> tuple[Path, torch.nn.Module, Gefen]:
+    """A checkpoint of each Gefen layout."""
+    model = make_model()
+    opt = Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.01, moments=request.param)
+    train(model, opt, 3)
+    path = tmp_path_factory.mktemp("ckpt") / "step-3"
+    gefen_ckpt.save(opt, str(path))
+    return path, model, opt
+
+
 def invoke(*args: str):
     return runner.invoke(app, [str(a) for a in args])
 
@@ -114,8 +125,9 @@ def test_help_of_every_command():
 
 
 # ----- inspect ------------------------------------------------------------------------------
-def test_inspect_json_matches_the_optimizer(gefen_ckpt_dir):
-    path, model, opt = gefen_ckpt_dir
+def test_inspect_json_matches_the_optimizer(layout_ckpt_dir):
+    path, model, opt = layout_ckpt_dir
+    m8 = opt.moments == "m8"
     result = invoke("inspect", path, "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
@@ -130,20 +142,23 @@ def test_inspect_json_matches_the_optimizer(gefen_ckpt_dir):
     for fqn, p in names.items():
         entry, state = by_fqn[fqn], opt.state[p]
         assert entry["shape"] == list(p.shape)
-        assert entry["period"] == int(state["period"])
+        assert entry["period"] == (int(state["period"]) if m8 else None)  # m4v4 has no block fields
         fields = {f["name"]: f for f in entry["fields"]}
         assert set(fields) == set(state)
         for name, value in state.items():
             assert fields[name]["shape"] == list(value.shape)
             assert fields[name]["dtype"] == str(value.dtype).removeprefix("torch.")
         numel += p.numel()
-    assert any(p["period"] > 1 for p in info["params"])
-    cb = info["codebook"]
-    assert cb["size"] == 256 and cb["min"] == -1.0 and cb["max"] == 1.0 and cb["sorted"]
-    assert set(cb["quantiles"]) == {"0.05", "0.25", "0.5", "0.75", "0.95"}
+    assert not m8 or any(p["period"] > 1 for p in info["params"])
+    books = [info["codebook"]] if m8 else info["codebook"]
+    assert [cb["key"] for cb in books] == (["codebook"] if m8 else ["codebook", "v_codebook"])
+    for cb in books:
+        assert cb["size"] == (256 if m8 else 16) and cb["min"] == -1.0 and cb["max"] == 1.0 and cb["sorted"]
+        assert set(cb["quantiles"]) == {"0.05", "0.25", "0.5", "0.75", "0.95"}
     totals = info["totals"]
     assert totals["numel"] == numel and totals["params"] == len(names)
-    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()) + 256 * 4
+    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    state_bytes += 256 * 4 if m8 else 2 * 16 * 4
     assert totals["state_bytes"] == state_bytes
     assert totals["bytes_per_param"] == pytest.approx(state_bytes / numel)
     assert totals["files"] >= 1 and totals["file_bytes"] > state_bytes
@@ -153,7 +168,8 @@ def test_inspect_table(gefen_ckpt_dir):
     path, model, _ = gefen_ckpt_dir
     result = invoke("inspect", path)
     assert result.exit_code == 0, result.output
-    for needle in ("gefen.Gefen", "step", "codebook", "256 codes", "totals", "B/param", *dict(model.named_parameters())):
+    for needle in ("gefen.Gefen", "step", "codebook", "v_codebook", "16 codes", "totals", "B/param",
+                   *dict(model.named_parameters())):
         assert needle in result.stdout, needle
 
 
@@ -161,8 +177,8 @@ def test_inspect_reads_no_tensor_data(gefen_ckpt_dir, tmp_path):
     src, _, _ = gefen_ckpt_dir
     path = tmp_path / "ckpt"
     shutil.copytree(src, path)
-    file, offset, _ = piece(path, "0.weight", "m_code")
-    flip_byte(file, offset)  # a read of 0.weight/m_code would fail its checksum
+    file, offset, _ = piece(path, "0.weight", "mv_code")
+    flip_byte(file, offset)  # a read of 0.weight/mv_code would fail its checksum
     assert invoke("inspect", path, "--json").exit_code == 0
     assert invoke("verify", path).exit_code == 1
 
@@ -209,11 +225,11 @@ def test_verify_good_and_corrupt(gefen_ckpt_dir, tmp_path):
 
     path = tmp_path / "bad"
     shutil.copytree(src, path)
-    file, offset, nbytes = piece(path, "3.weight", "m_scale")
+    file, offset, nbytes = piece(path, "3.weight", "m_row_scale")
     flip_byte(file, offset + nbytes - 1)
     bad = invoke("verify", path)
     assert bad.exit_code == 1
-    assert file.name in bad.stderr and "checksum" in bad.stderr and "3.weight/m_scale" in bad.stderr
+    assert file.name in bad.stderr and "checksum" in bad.stderr and "3.weight/m_row_scale" in bad.stderr
     assert "FAILED" in bad.stderr
     report = json.loads(invoke("verify", path, "--json").stdout)
     assert not report["ok"] and any(file.name in p for p in report["problems"])
@@ -229,13 +245,13 @@ def test_diff_equal_unequal_and_atol(gefen_ckpt_dir, tmp_path):
 
     # a tiny change in one float field: different bit-exact, equal within a tolerance
     state = gefen_ckpt.read(str(src)).materialize()
-    state.params["0.weight"].fields["m_scale"].tensor.view(-1)[0] += 1e-6
+    state.params["0.weight"].fields["v_row"].tensor.view(-1)[0] += 1e-6
     nudged = tmp_path / "nudged"
     gefen_ckpt.write(state, str(nudged))
     exact = invoke("diff", src, nudged, "--json")
     assert exact.exit_code == 1
     report = json.loads(exact.stdout)
-    assert not report["equal"] and [d["key"] for d in report["differences"]] == ["0.weight/m_scale"]
+    assert not report["equal"] and [d["key"] for d in report["differences"]] == ["0.weight/v_row"]
     assert report["differences"][0]["count"] == 1
     assert invoke("diff", src, nudged, "--atol", "1e-4").exit_code == 0
     assert invoke("diff", src, nudged, "--atol", "1e-9").exit_code == 1
@@ -394,7 +410,7 @@ def test_console_script(gefen_ckpt_dir, tmp_path):
 
     path = tmp_path / "bad"
     shutil.copytree(src, path)
-    file, offset, _ = piece(path, "0.weight", "m_code")
+    file, offset, _ = piece(path, "0.weight", "mv_code")
     flip_byte(file, offset)
     done = run_script("verify", path)
     assert done.returncode == 1 and file.name in done.stderr and "Traceback" not in done.stderr

@@ -86,7 +86,7 @@ def test_inspect_describes_a_float8_codebook(saved, tmp_path):
 @pytest.mark.parametrize("change, words", [
     (lambda m: m["contract"].__setitem__("schema_version", 99), "schema"),
     (lambda m: m["globals"].pop("codebook"), "codebook"),
-    (lambda m: next(iter(m["params"].values()))["fields"].pop("m_code"), "m_code"),
+    (lambda m: next(iter(m["params"].values()))["fields"].pop("mv_code"), "mv_code"),
 ])
 def test_verify_exits_1_on_what_load_refuses(saved, tmp_path, change, words):
     path = _copy_with(saved, tmp_path, change)

@@ -13,14 +13,20 @@ import datetime
 import math
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgpack
 
-from gefen.contract import LIKE_PARAM, SCHEMA_VERSION, OptimizerContract, expected_field_shape
+from gefen.contract import (
+    DIMENSION_FIELDS,
+    LIKE_PARAM,
+    SCHEMA_VERSION,
+    OptimizerContract,
+    expected_field_shape,
+)
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.datafile import ALIGNMENT
@@ -340,11 +346,17 @@ def _contract(x) -> OptimizerContract:
     return contract
 
 
-def missing_fields(leaf: OptimizerContract, present: Iterable[str]) -> list[str]:
-    """The required (non-optional) per-parameter fields of ``leaf`` absent from ``present``:
-    the one home of this rule for manifests (``validate``) and for live imports (``exchange``)."""
+def missing_fields(leaf: OptimizerContract, present: Iterable[str], shape: Sequence[int] | None = None) -> list[str]:
+    """The required per-parameter fields of ``leaf`` absent from ``present``: the non-optional
+    ones, and for a layout whose fields depend on the parameter's dimensions
+    (``DIMENSION_FIELDS``) those of a parameter of ``shape``. The one home of this rule for
+    manifests (``validate``), live imports (``exchange``) and torch state_dicts."""
     have = set(present)
-    return sorted(f.name for f in leaf.fields if not f.optional and f.name not in have)
+    required = {f.name for f in leaf.fields if not f.optional}
+    by_dims = DIMENSION_FIELDS.get((leaf.implementation, leaf.version))
+    if by_dims is not None and shape is not None:
+        required.update(by_dims[0] if len(shape) >= 2 else by_dims[1])
+    return sorted(required - have)
 
 
 def _check_required(contract: OptimizerContract, raw: dict) -> None:
@@ -356,7 +368,7 @@ def _check_required(contract: OptimizerContract, raw: dict) -> None:
             continue
         child = e.get("child")
         with_state.add(child)
-        missing = missing_fields(contract.child(child) if child else contract, e["fields"])
+        missing = missing_fields(contract.child(child) if child else contract, e["fields"], e["shape"])
         if missing:
             _fail(f"params[{fqn!r}].fields"[:300], f"required field(s) {missing} are missing")
     for child in with_state:
