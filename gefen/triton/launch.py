@@ -8,6 +8,7 @@ exactly as torch rounds a Python float scalar (``float32(python float)``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -31,10 +32,15 @@ _TRITON_DT = {torch.float32: kernels.tl.float32, torch.bfloat16: kernels.tl.bflo
 
 def _geometry(P: int) -> tuple[int, int, bool]:
     """(rows per program, column tile, single pass) for rows of ``P`` elements."""
-    if P <= MAX_SINGLE:
+    return _geometry_for(P, MAX_SINGLE, TILE, TWO_PASS_BC)
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry_for(P: int, max_single: int, tile: int, two_pass_bc: int) -> tuple[int, int, bool]:
+    if P <= max_single:
         bc = max(16, triton.next_power_of_2(P))
-        return max(1, TILE // bc), bc, True
-    return 1, min(TWO_PASS_BC, triton.next_power_of_2(MAX_SINGLE)), False
+        return max(1, tile // bc), bc, True
+    return 1, min(two_pass_bc, triton.next_power_of_2(max_single)), False
 
 
 _program_tables: dict[tuple, torch.Tensor] = {}
@@ -155,28 +161,28 @@ def hash_base(t: int, salt: int) -> int:
     return (t * 0x85EBCA77 + salt * 0xC2B2AE3D) & 0xFFFFFFFF
 
 
-def _row(n, values: dict) -> list:
-    """A table row: ``values`` maps the kernels' column constants to numbers."""
+def _row(n, *pairs) -> list:
+    """A table row from ``(column constant, number)`` pairs (tuples: tl.constexpr hashes slowly)."""
     row = [0] * n.value
-    for col, value in values.items():
+    for col, value in pairs:
         row[col.value] = value
     return row
 
 
 def _scalars(it: M4V4Item) -> list[float]:
     h, t, k = it.h, it.step, kernels
-    return _row(k.N_SCALARS, {  # torch.tensor(..., float32) rounds each as torch rounds a Python scalar
-        k.S_B1: h.beta1, k.S_OMB1: 1 - h.beta1, k.S_B2: h.beta2, k.S_OMB2: 1 - h.beta2,
-        k.S_BIAS1: 1 - h.beta1**t, k.S_BIAS2: math.sqrt(1 - h.beta2**t), k.S_EPS: h.eps, k.S_NEG_LR: -h.lr,
-        k.S_DECAY: 1 - h.lr * h.weight_decay})
+    return _row(  # torch.tensor(..., float32) rounds each as torch rounds a Python scalar
+        k.N_SCALARS, (k.S_B1, h.beta1), (k.S_OMB1, 1 - h.beta1), (k.S_B2, h.beta2), (k.S_OMB2, 1 - h.beta2),
+        (k.S_BIAS1, 1 - h.beta1**t), (k.S_BIAS2, math.sqrt(1 - h.beta2**t)), (k.S_EPS, h.eps),
+        (k.S_NEG_LR, -h.lr), (k.S_DECAY, 1 - h.lr * h.weight_decay))
 
 
 def _ints(it: M4V4Item, rows: int, C: int) -> list[int]:
     k = kernels
-    return _row(k.N_INTS, {
-        k.I_ROWS: rows, k.I_C: C, k.I_ROW0: it.row0, k.I_BASE_M: hash_base(it.step, it.salt_m),
-        k.I_BASE_V: hash_base(it.step, (it.salt_m + 1) & 0xFFFFFFFF), k.I_HAS_WD: int(bool(it.h.weight_decay)),
-        k.I_GROWS: max(it.global_rows, 1), k.I_ROW_LEN: C if it.row_len is None else it.row_len})
+    return _row(
+        k.N_INTS, (k.I_ROWS, rows), (k.I_C, C), (k.I_ROW0, it.row0), (k.I_BASE_M, hash_base(it.step, it.salt_m)),
+        (k.I_BASE_V, hash_base(it.step, (it.salt_m + 1) & 0xFFFFFFFF)), (k.I_HAS_WD, int(bool(it.h.weight_decay))),
+        (k.I_GROWS, max(it.global_rows, 1)), (k.I_ROW_LEN, C if it.row_len is None else it.row_len))
 
 
 def m4v4_update_(items: list[M4V4Item], codebook: torch.Tensor, ratios: torch.Tensor) -> None:
@@ -263,7 +269,7 @@ def m4v4_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[t
     parts = torch.empty(sum(C + 2 for _, C in shapes), dtype=torch.float64, device=device)
     part_views = list(parts.split([C + 2 for _, C in shapes]))
     v_rows = [torch.empty(r, dtype=torch.float32, device=device) for r, _ in shapes]
-    ints = torch.tensor([_row(kernels.N_INTS, {kernels.I_ROWS: r, kernels.I_C: C}) for r, C in shapes],
+    ints = torch.tensor([_row(kernels.N_INTS, (kernels.I_ROWS, r), (kernels.I_C, C)) for r, C in shapes],
                         dtype=torch.int64)
     betas = torch.tensor([(b2, 1 - b2) for _, _, b2 in items], dtype=torch.float32)
     classes = defaultdict(list)
