@@ -287,6 +287,33 @@ def test_disabled_or_foreign_devices_fall_back(caplog):
         assert not caplog.records
 
 
+@pytest.mark.parametrize("family", ["m4v4", "momentum"])
+def test_first_use_check_passes_and_catches_a_wrong_kernel(family, monkeypatch):
+    """The check run at a device's first use (gefen.triton.selfcheck) passes with these kernels
+    and reports a kernel whose output differs (here: an update that forgets the last element)."""
+    from gefen.triton import selfcheck
+
+    device = torch.device(DEVICE)
+    monkeypatch.setattr(dispatch, "_checking", True)  # as verify() runs it: the hooks stay out
+    assert selfcheck.run(launch, device, family) is None
+    name = "momentum_" if family == "momentum" else "m4v4_update_"
+    real = getattr(launch, name)
+
+    def broken(items, *args):
+        saved = [copy.deepcopy(it[0] if family == "momentum" else it.state) for it in items]
+        out = real(items, *args)
+        for it, old in zip(items, saved):  # undo the first parameter's codes
+            state = it[0] if family == "momentum" else it.state
+            key = "m_code" if family == "momentum" else "mv_code"
+            if key in state and state[key].numel():
+                state[key].view(-1)[-1] = old[key].view(-1)[-1] ^ 1
+            break
+        return out
+
+    monkeypatch.setattr(launch, name, broken)
+    assert "differs" in selfcheck.run(launch, device, family)
+
+
 def test_cuda_fallback_logs_its_reason_once(monkeypatch, caplog):
     """A CUDA step that cannot use the kernels says why, once (checked with a fake reason)."""
     monkeypatch.setattr(dispatch, "_logged", set())

@@ -5,7 +5,9 @@
 reference of the same name and return True / the momentum when the kernels did the work, or
 False / None (nothing touched) when the eager reference must run.  CUDA tensors (a DTensor's
 local shard included: the step passes local tensors) use the kernels; a CUDA step that falls back
-logs its reason once.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``enabled = False``
+logs its reason once.  At a device's first use each kernel family runs small problems against the
+eager reference (``verify``, ``gefen.triton.selfcheck``); on a mismatch or a build failure the
+eager step is kept, with the reason logged.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``enabled = False``
 forces the eager path.  Triton is imported on first use only.
 
 Inside ``batched()`` the m4v4 and 1-D updates (which return nothing) are queued and launched together
@@ -34,6 +36,8 @@ DEVICES = {"cuda"}
 _launch_mod = None
 _import_error: str | None = None
 _logged: set[str] = set()
+_verified: dict[tuple[str, str], str | None] = {}  # (device, family) -> None (ok) or why not
+_checking = False  # a self-check runs the eager reference: the hooks must stay out of it
 _local = threading.local()
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -63,16 +67,18 @@ def _fallback(reason: str) -> bool:
     return False
 
 
-def _why_not(tensors: list[torch.Tensor], states: list[torch.Tensor]) -> str | None:
+def _why_not(tensors: list[torch.Tensor], states: list[torch.Tensor], family: str) -> str | None:
     """None when the kernels apply to these tensors, else why not (for CUDA tensors only: on
     other devices the caller falls back silently)."""
     device = tensors[0].device
-    if device.type not in DEVICES:
+    if device.type not in DEVICES or _checking:
         return ""
     if not enabled:
         return "disabled (GEFEN_DISABLE_NATIVE=1 or gefen.triton.dispatch.enabled = False)"
     if _kernels() is None:
         return _import_error
+    if device.type == "cuda" and (why := verify(device, family)) is not None:
+        return why
     for t in tensors + states:
         if t.device != device:
             return f"tensors on different devices ({t.device} and {device})"
@@ -83,13 +89,33 @@ def _why_not(tensors: list[torch.Tensor], states: list[torch.Tensor]) -> str | N
     return None
 
 
-def _decide(tensors, states) -> bool:
-    why = _why_not(tensors, states)
+def _decide(tensors, states, family: str = "m4v4") -> bool:
+    why = _why_not(tensors, states, family)
     if why is None:
         return True
     if why and tensors[0].device.type == "cuda":
         _fallback(why)
     return False
+
+
+def verify(device: torch.device, family: str) -> str | None:
+    """Run one kernel family (``"m4v4"``: phases 1 and 2 and the 1-D path; ``"momentum"``) once
+    on small problems on ``device`` against the eager reference, at first use (cached): None when
+    codes, scales and moments match exactly, else the reason the eager path is kept (a Triton or
+    driver that miscompiles or fails to build them). As ``gefen.native`` calibrates its C step."""
+    key = (str(device), family)
+    if key not in _verified:
+        global _checking
+        from gefen.triton import selfcheck
+
+        _checking = True
+        try:
+            _verified[key] = selfcheck.run(_launch_mod, device, family)
+        except Exception as exc:  # a kernel that does not build or launch here
+            _verified[key] = f"the {family} kernels failed their first run ({type(exc).__name__}: {exc})"
+        finally:
+            _checking = False
+    return _verified[key]
 
 
 @contextlib.contextmanager
@@ -182,7 +208,7 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
         return None
     grads = [g for _, g, _ in items]
     codes, scales = [s["m_code"] for s, _, _ in items], [s["m_scale"] for s, _, _ in items]
-    if not _decide(grads, codes + scales + [codebook]):
+    if not _decide(grads, codes + scales + [codebook], "momentum"):
         return None
     if (codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256
             or any(c.dtype != torch.uint8 or s.dtype != torch.float32 or c.shape != g.shape
