@@ -22,10 +22,19 @@ started=$SECONDS
 say() { echo "[gpu.sh $((SECONDS - started))s] $*"; }
 
 # 1. what the checks need; the import test decides, pip runs only for what is missing
-if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    say "no CUDA torch in $py: installing torch (a CUDA build from the package index)"
-    "$py" -m pip install -q "torch>=2.5" || { echo "gpu.sh: could not install a CUDA torch" >&2; exit 1; }
-fi
+# torch: none -> install; a CPU-only build (torch.version.cuda is None) -> the same version's
+# default build from the package index (CUDA on Linux); a CUDA build without a device -> stop
+torch_state=$("$py" -c "import torch; print('cpu-build ' + torch.__version__ if torch.version.cuda is None else 'cuda')" 2>/dev/null || echo missing)
+case "$torch_state" in
+    missing)
+        say "no torch in $py: installing torch from the package index"
+        "$py" -m pip install -q "torch>=2.5" || { echo "gpu.sh: could not install torch" >&2; exit 1; } ;;
+    cpu-build*)
+        version="${torch_state#cpu-build }"
+        say "torch ${version} in $py is a CPU build: installing torch==${version%%+*} (CUDA) from the package index"
+        "$py" -m pip install -q --force-reinstall "torch==${version%%+*}" \
+            || { echo "gpu.sh: could not install a CUDA torch" >&2; exit 1; } ;;
+esac
 missing=$("$py" - <<'PY'
 import importlib.util
 need = {"triton": "triton", "pytest": "pytest", "pytest_timeout": "pytest-timeout", "numpy": "numpy",
