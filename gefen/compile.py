@@ -8,15 +8,26 @@ optimizers, the step runs eagerly between the compiled graphs of a training step
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from gefen.triton.dispatch import batched
 
 REASON = ("Gefen optimizers' step() runs eagerly (a fused C kernel via ctypes on CPU): compile the model "
           "or the training step without fullgraph=True and the step is a graph break")
 
 
 def eager_step(step):
-    """Mark an optimizer's ``step`` as never traced by Dynamo, with the reason when torch has one."""
+    """Mark an optimizer's ``step`` as never traced by Dynamo, with the reason when torch has one;
+    the step's per-tensor kernel calls are batched into a few launches (``gefen.triton.dispatch``)."""
+
+    @functools.wraps(step)
+    def batched_step(*args, **kwargs):
+        with batched():
+            return step(*args, **kwargs)
+
     try:
-        return torch.compiler.disable(step, reason=REASON)
+        return torch.compiler.disable(batched_step, reason=REASON)
     except TypeError:  # torch < 2.8: no reason argument
-        return torch.compiler.disable(step)
+        return torch.compiler.disable(batched_step)

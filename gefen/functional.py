@@ -34,6 +34,7 @@ from gefen.stochastic import (
     histogram_fixed,
     salts,
 )
+from gefen.triton import dispatch as triton_dispatch
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,8 @@ def update_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: tor
     so the update uses exactly the state it leaves behind (shared by Gefen and GefenMuon)."""
     if (fused := native.fused_momentum_(state, grad, beta, codebook)) is not None:
         return fused  # one C call, bit-identical (gefen/native.py)
+    if (fused := triton_dispatch.momentum_(state, grad, beta, codebook)) is not None:
+        return fused  # the Triton kernel on CUDA (gefen/triton)
     period = int(state["period"])
     m = dequantise(state["m_code"], state["m_scale"], codebook, period)
     m.lerp_(grad, 1 - beta)
@@ -273,9 +276,11 @@ def m4v4_update_(
     parallelism's max |m| of each whole row (``m4v4_momentum`` reduced over the ranks holding the
     row's other columns; the fused kernels do not take it).
     """
-    if row_max is None and native.fused_m4v4_update_(param, grad, state, codebook, ratio, h, global_rows=global_rows, v_row=v_row,
-                                 partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0, row_len=row_len):
-        return
+    if row_max is None:  # the fused kernels take whole rows (CUDA: Triton; CPU: C)
+        for fused in (triton_dispatch.m4v4_update_, native.fused_m4v4_update_):
+            if fused(param, grad, state, codebook, ratio, h, global_rows=global_rows, v_row=v_row,
+                     partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0, row_len=row_len):
+                return
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1
     g = _rows(grad)
@@ -336,8 +341,9 @@ def row_abs_max(m: torch.Tensor) -> torch.Tensor:
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper) -> None:
     """An m4v4 step of a 1-D/0-D tensor: exact AdamW with the m4v4 op discipline, in place."""
-    if native.fused_adamw_update_(param, grad, state, h):
-        return  # one C call, bit-identical (gefen/native.py)
+    for fused in (triton_dispatch.adamw_update_, native.fused_adamw_update_):  # CUDA: Triton; CPU: C
+        if fused(param, grad, state, h):
+            return
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1
     g = grad.float()

@@ -20,6 +20,7 @@ from gefen.contract import FieldSpec, OptimizerContract
 from gefen.distributed import Layout, RowGather, refusal
 from gefen.functional import init_momentum_state, update_momentum_
 from gefen.newton_schulz import orthogonalise, resolve_schedule
+from gefen.triton import dispatch as triton_dispatch
 from gefen.validation import check_range, param_label
 
 __all__ = ["GefenMuon", "LocalGather", "lr_scale"]
@@ -162,11 +163,14 @@ class GefenMuon(CompressedOptimizer):
 
         # 1. compressed momentum and the Newton-Schulz input (rank-local)
         codebook = self._step_codebook()
-        inputs = []
-        for group, p, grad in work:
-            state, g, mu = self.state[p], local_tensor(grad).float(), group["momentum"]
+        items = [(self.state[p], local_tensor(grad), group["momentum"]) for group, p, grad in work]
+        for state, _, _ in items:
             state["step"].add_(1)
-            m = update_momentum_(state, g, mu, codebook)
+        # CUDA: every momentum in one Triton launch (gefen/triton, reads bf16 gradients as they are)
+        momenta = triton_dispatch.momenta_(items, codebook) or [
+            update_momentum_(state, g.float(), mu, codebook) for state, g, mu in items]
+        inputs = []
+        for (group, _, _), (_, g, mu), m in zip(work, items, momenta):  # (an fp32 += bf16 add is exact)
             inputs.append(m.mul_(mu).add_(g, alpha=1 - mu) if group["nesterov"] else m)
 
         # 2. orthogonalise: the one step that needs whole matrices

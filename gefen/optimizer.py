@@ -29,6 +29,7 @@ from gefen.functional import (
 )
 from gefen.geometry import rows_and_row_numel
 from gefen.stochastic import CODES, ratio_table, standin_codebook
+from gefen.triton import dispatch as triton_dispatch
 from gefen.validation import check_adamw_options, check_betas, check_range
 
 __all__ = ["Gefen", "MOMENTS", "version_refusal"]
@@ -208,17 +209,22 @@ class Gefen(CompressedOptimizer):
         if self.moments == "m8":  # its row statistics are fp32 cascade sums no column split reproduces
             super()._check_layout(name, param, layout)
 
-    def _reduced_partials(self, work, fields: str, partials_fn) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def _reduced_partials(self, work, fields: str, partials_fn,
+                          batched_fn=None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Phase 1: every factored tensor's (new v_row, globally summed partials), by position in
         ``work``, after ONE reduction of all of them together (a tensor whose columns tensor
         parallelism splits puts its column sums at their global positions and gets its own back).
-        ``partials_fn(param, local grad, state, beta2)``."""
+        ``partials_fn(param, local grad, state, beta2)``; ``batched_fn([(local grad, state, beta2)])``
+        computes them all at once where a kernel applies (else None)."""
         plan = self.reduction_plan()
         factored = []
-        for i, (group, p, grad) in enumerate(work):
-            if fields in self.state[p]:
-                v_row, parts = partials_fn(p, local_tensor(grad), self.state[p], group["betas"][1])
-                factored.append((i, p, v_row, plan.spread_partials(p, parts, _row_len(p))))
+        todo = [(i, p, local_tensor(grad), group["betas"][1])
+                for i, (group, p, grad) in enumerate(work) if fields in self.state[p]]
+        # CUDA: every matrix's partials in two Triton launches (gefen/triton), else one call each
+        fused = batched_fn([(g, self.state[p], b2) for _, p, g, b2 in todo]) if batched_fn and todo else None
+        for k, (i, p, g, b2) in enumerate(todo):
+            v_row, parts = fused[k] if fused else partials_fn(p, g, self.state[p], b2)
+            factored.append((i, p, v_row, plan.spread_partials(p, parts, _row_len(p))))
         if not factored:
             return {}
         flat = torch.cat([parts for *_, parts in factored])
@@ -250,7 +256,8 @@ class Gefen(CompressedOptimizer):
         row_sums = {id(p): s for (_, _, p, _), s in zip(split, sums)}
         pending = self._reduced_partials(
             work, "mv_code", lambda p, g, state, beta2: m4v4_partials(g, state, beta2, row_sum=row_sums.get(id(p)),
-                                                                      row_len=_row_len(p)))
+                                                                      row_len=_row_len(p)),
+            batched_fn=None if split else triton_dispatch.m4v4_partials_)
         if self.codebook is None:
             self._learn_m4v4_codebooks(work, pending)
         codebook = self._step_codebook()

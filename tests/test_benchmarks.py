@@ -25,3 +25,21 @@ def test_cuda_section_without_a_device_says_how_to_measure():
     section = bench_cuda.run(quick=True)
     run_all._check(section)
     assert "gpu.sh" in section["markdown"]
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gpu.sh measures on the GPU")
+def test_gpu_benchmark_dry_run_on_cpu(tmp_path, monkeypatch):
+    """gpu.sh's Python parts on a tiny model: bench_cuda --smoke (bf16; fp32 differs only in the
+    dtype; the Triton rows in Triton's interpreter when TRITON_INTERPRET=1) and the docs section
+    rendered from its JSON."""
+    pytest.importorskip("triton")
+    from benchmarks import bench_cuda
+    from gefen.triton import dispatch
+
+    monkeypatch.setattr(dispatch, "DEVICES", set(dispatch.DEVICES))  # --smoke may add "cpu"
+    bench_cuda.main(["--smoke", "--dtype", "bfloat16", "--out", str(tmp_path)])
+    monkeypatch.setenv("GEFEN_CUDA_RESULTS", str(tmp_path))
+    section = bench_cuda.run(quick=True)
+    run_all._check(section)
+    assert "### bfloat16 parameters" in section["markdown"] and "| Gefen (Triton) |" in section["markdown"]

@@ -1,0 +1,217 @@
+"""When a step runs the Triton kernels: the one decision point between the eager references in
+``gefen.functional`` and ``gefen.triton.launch``.
+
+``m4v4_update_``, ``adamw_update_`` and ``momentum_`` take the arguments of the functional
+reference of the same name and return True / the momentum when the kernels did the work, or
+False / None (nothing touched) when the eager reference must run.  CUDA tensors (a DTensor's
+local shard included: the step passes local tensors) use the kernels; a CUDA step that falls back
+logs its reason once.  At a device's first use each kernel family runs small problems against the
+eager reference (``verify``, ``gefen.triton.selfcheck``); on a mismatch or a build failure the
+eager step is kept, with the reason logged.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``enabled = False``
+forces the eager path.  Triton is imported on first use only.
+
+Inside ``batched()`` the m4v4 and 1-D updates (which return nothing) are queued and launched together
+when the block ends: one launch per phase for the whole group instead of a few per tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+
+import torch
+
+from gefen.stochastic import salts
+
+log = logging.getLogger("gefen.triton")
+
+#: module switch; the environment variable sets its initial value (shared with gefen.native)
+enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
+#: device types the kernels serve; tests add "cpu" to run them in Triton's interpreter
+DEVICES = {"cuda"}
+
+_launch_mod = None
+_import_error: str | None = None
+_logged: set[str] = set()
+_verified: dict[tuple[str, str], str | None] = {}  # (device, family) -> None (ok) or why not
+_checking = False  # a self-check runs the eager reference: the hooks must stay out of it
+_local = threading.local()
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def _kernels():
+    """``gefen.triton.launch`` (importing Triton), or None with the reason remembered."""
+    global _launch_mod, _import_error
+    if _launch_mod is None and _import_error is None:
+        try:
+            from gefen.triton import launch
+        except Exception as exc:  # ImportError, or a Triton that fails to initialise
+            _import_error = f"Triton is not importable ({type(exc).__name__}: {exc})"
+        else:
+            _launch_mod = launch
+    return _launch_mod
+
+
+def available() -> bool:
+    """True when the kernels can run (Triton imports and the path is enabled)."""
+    return enabled and _kernels() is not None
+
+
+def _fallback(reason: str) -> bool:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("gefen: a CUDA step uses the eager torch path: %s", reason)
+    return False
+
+
+def _why_not(tensors: list[torch.Tensor], states: list[torch.Tensor], family: str) -> str | None:
+    """None when the kernels apply to these tensors, else why not (for CUDA tensors only: on
+    other devices the caller falls back silently)."""
+    device = tensors[0].device
+    if device.type not in DEVICES or _checking:
+        return ""
+    if not enabled:
+        return "disabled (GEFEN_DISABLE_NATIVE=1 or gefen.triton.dispatch.enabled = False)"
+    if _kernels() is None:
+        return _import_error
+    if device.type == "cuda" and (why := verify(device, family)) is not None:
+        return why
+    for t in tensors + states:
+        if t.device != device:
+            return f"tensors on different devices ({t.device} and {device})"
+        if not t.is_contiguous():
+            return "a non-contiguous parameter, gradient or state tensor"
+    if any(t.dtype not in _FLOATS for t in tensors):
+        return f"parameter/gradient dtype {[t.dtype for t in tensors if t.dtype not in _FLOATS][0]} (fp32 and bf16 only)"
+    return None
+
+
+def _decide(tensors, states, family: str = "m4v4") -> bool:
+    why = _why_not(tensors, states, family)
+    if why is None:
+        return True
+    if why and tensors[0].device.type == "cuda":
+        _fallback(why)
+    return False
+
+
+def verify(device: torch.device, family: str) -> str | None:
+    """Run one kernel family (``"m4v4"``: phases 1 and 2 and the 1-D path; ``"momentum"``) once
+    on small problems on ``device`` against the eager reference, at first use (cached): None when
+    codes, scales and moments match exactly, else the reason the eager path is kept (a Triton or
+    driver that miscompiles or fails to build them). As ``gefen.native`` calibrates its C step."""
+    key = (str(device), family)
+    if key not in _verified:
+        global _checking
+        from gefen.triton import selfcheck
+
+        _checking = True
+        try:
+            _verified[key] = selfcheck.run(_launch_mod, device, family)
+        except Exception as exc:  # a kernel that does not build or launch here
+            _verified[key] = f"the {family} kernels failed their first run ({type(exc).__name__}: {exc})"
+        finally:
+            _checking = False
+    return _verified[key]
+
+
+@contextlib.contextmanager
+def batched():
+    """Queue m4v4 updates inside the block and launch them together at its end."""
+    if getattr(_local, "queue", None) is not None:  # nested: the outer block launches
+        yield
+        return
+    _local.queue = []
+    try:
+        yield
+        queue = _local.queue
+    finally:
+        _local.queue = None
+    _flush(queue)
+
+
+def _flush(queue) -> None:
+    groups: dict[tuple, list] = {}
+    for item, books in queue:
+        groups.setdefault(tuple(id(b) for b in books), []).append((item, books))
+    for entries in groups.values():
+        codebook, ratio = entries[0][1]
+        _launch_mod.m4v4_update_([item for item, _ in entries], codebook, ratio)
+
+
+def _submit(item, books) -> None:
+    queue = getattr(_local, "queue", None)
+    if queue is None:
+        _launch_mod.m4v4_update_([item], *books)
+    else:
+        queue.append((item, books))
+
+
+def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, partials, pidx, seed, row0=0,
+                 col0=0, row_len=None, **extra) -> bool:
+    """``functional.m4v4_update_`` through the kernels; False when it must run eagerly."""
+    cols = math.prod(param.shape[1:])
+    keys = ("mv_code", "m_row_scale", "v_row", "v_col")
+    if any(k not in state for k in keys):
+        return False
+    if not _decide([param, grad], [state[k] for k in keys] + [codebook, ratio, v_row, partials]):
+        return False
+    if extra or col0 or (row_len is not None and row_len != cols):
+        return _fallback("tensor-parallel column shards (the kernels take whole rows)")
+    if (param.dim() < 2 or param.shape != grad.shape or codebook.numel() != 16 or ratio.numel() != 16
+            or codebook.dtype != torch.float32 or ratio.dtype != torch.float32 or partials.dtype != torch.float64
+            or partials.numel() != cols + 2 or v_row.dtype != torch.float32 or v_row.numel() != param.shape[0]
+            or state["mv_code"].dtype != torch.uint8 or state["m_row_scale"].dtype != torch.bfloat16):
+        return _fallback("an unexpected m4v4 state or argument layout")
+    item = _launch_mod.M4V4Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0,
+                                global_rows=global_rows, row_len=row_len, v_row=v_row, partials=partials)
+    _submit(item, (codebook, ratio))
+    return True
+
+
+def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
+    """``functional.m4v4_partials`` of every ``(grad, state, beta2)`` in two launches (phase 1 of a
+    whole group), or None when any of them must take the eager path."""
+    if not items:
+        return None
+    grads = [g for g, _, _ in items]
+    v_rows = [s["v_row"] for _, s, _ in items]
+    if not _decide(grads, v_rows) or any(g.dim() < 2 or v.shape != g.shape[:1] or v.dtype != torch.float32
+                                         for g, v in zip(grads, v_rows)):
+        return None
+    return _launch_mod.m4v4_partials(items)
+
+
+def adamw_update_(param, grad, state, h) -> bool:
+    """``functional.adamw_update_`` (1-D/0-D tensors of m4v4) through the kernels."""
+    if "exp_avg" not in state or not _decide([param, grad], [state["exp_avg"], state["exp_avg_sq"]]):
+        return False
+    if param.shape != grad.shape or state["exp_avg"].dtype != torch.float32:
+        return _fallback("an unexpected AdamW state layout")
+    _submit(_launch_mod.M4V4Item(param, grad, state, h, int(state["step"]) + 1, 0), (None, None))
+    return True
+
+
+def momentum_(state, grad, beta, codebook) -> torch.Tensor | None:
+    """``functional.update_momentum_`` (GefenMuon, Gefen m8) through the kernels, or None."""
+    out = momenta_([(state, grad, beta)], codebook)
+    return None if out is None else out[0]
+
+
+def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list | None:
+    """``functional.update_momentum_`` of every ``(state, grad, beta)`` in one launch per class,
+    or None (nothing touched) when any of them must take the eager path."""
+    if not items:
+        return None
+    grads = [g for _, g, _ in items]
+    codes, scales = [s["m_code"] for s, _, _ in items], [s["m_scale"] for s, _, _ in items]
+    if not _decide(grads, codes + scales + [codebook], "momentum"):
+        return None
+    if (codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256
+            or any(c.dtype != torch.uint8 or s.dtype != torch.float32 or c.shape != g.shape
+                   for c, s, g in zip(codes, scales, grads))):
+        return _fallback("an unexpected compressed-momentum layout") or None
+    return _launch_mod.momentum_(items, codebook)

@@ -1,0 +1,290 @@
+"""Host side of the Triton kernels: parameter tables, launch classes, per-step scalars.
+
+Imported only through ``gefen.triton`` once Triton is known to import.  A launch serves every
+parameter of one *class* (dtypes and tile shape), so a step costs a few launches per phase
+whatever the number of tensors.  The scalars a kernel multiplies by are rounded to fp32 here
+exactly as torch rounds a Python float scalar (``float32(python float)``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from gefen.codebook import code_thresholds
+from gefen.triton import kernels
+
+#: Rows longer than this are processed in two passes over column tiles (tests lower it). Sizes are
+#: chosen from ptxas' register counts for sm_90 (docs/decisions.md), not yet timed on a GPU.
+MAX_SINGLE = 2048
+#: Elements per program when rows are short (several rows per program).
+TILE = 2048
+#: Column tile of the two-pass kernels.
+TWO_PASS_BC = 1024
+
+_TRITON_DT = {torch.float32: kernels.tl.float32, torch.bfloat16: kernels.tl.bfloat16}
+
+
+def _geometry(P: int) -> tuple[int, int, bool]:
+    """(rows per program, column tile, single pass) for rows of ``P`` elements."""
+    return _geometry_for(P, MAX_SINGLE, TILE, TWO_PASS_BC)
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry_for(P: int, max_single: int, tile: int, two_pass_bc: int) -> tuple[int, int, bool]:
+    if P <= max_single:
+        bc = max(16, triton.next_power_of_2(P))
+        return max(1, tile // bc), bc, True
+    return 1, min(two_pass_bc, triton.next_power_of_2(max_single)), False
+
+
+_program_tables: dict[tuple, torch.Tensor] = {}
+
+
+def _programs(rows: list[int], br: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[n, 2]`` on ``device``: (parameter index, first row) of every program of a launch
+    whose parameter ``i`` has ``rows[i]`` rows (or columns), ``br`` per program. It depends on the
+    shapes only, so it is built once (vectorised: a large model has ~10^5 programs) and cached."""
+    key = (tuple(rows), br, str(device))
+    table = _program_tables.get(key)
+    if table is None:
+        counts = torch.tensor([-(-n // br) for n in rows], dtype=torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(rows)), counts)
+        first = torch.cumsum(counts, 0) - counts
+        local = torch.arange(int(counts.sum())) - first[owner]
+        table = torch.stack([owner, local * br], 1)
+        (table,) = _to(device, table)
+        if len(_program_tables) > 64:
+            _program_tables.clear()
+        _program_tables[key] = table
+    return table
+
+
+def _ptr_table(tensors: list[list[torch.Tensor]]) -> torch.Tensor:
+    return torch.tensor([[t.data_ptr() for t in row] for row in tensors], dtype=torch.int64)
+
+
+def _to(device: torch.device, *tables: torch.Tensor) -> list[torch.Tensor]:
+    if device.type == "cpu":
+        return list(tables)
+    return [t.pin_memory().to(device, non_blocking=True) for t in tables]
+
+
+def _launch(kernel, grid: int, *args, **meta) -> None:
+    if grid == 0:
+        return
+    tile = meta.get("BR", 1) * meta.get("BC", meta.get("BLOCK", 1))
+    # ~4 elements per thread keeps the step kernel near 64 registers (ptxas, sm_90): several blocks
+    # per SM to hide memory latency. No FMA contraction: every mul and add rounds on its own.
+    kernel[(grid,)](*args, enable_fp_fusion=False, num_warps=max(4, min(16, tile // 128)), **meta)
+
+
+# ----- GefenMuon's momentum ------------------------------------------------------------------
+class _Codebook:
+    """The codebook and its padded decision thresholds on the codebook's device (cached)."""
+
+    def __init__(self, codebook: torch.Tensor):
+        self.source, self.version = codebook, codebook._version
+        K = codebook.numel()
+        self.log2k = max(1, math.ceil(math.log2(K)))
+        thr = torch.full((1 << self.log2k,), float("inf"), dtype=torch.float32)
+        thr[: K - 1] = code_thresholds(codebook.detach().cpu().float())
+        self.K = K
+        self.values = codebook.detach().float().contiguous()
+        self.thr = thr.to(codebook.device)
+
+
+_books: dict[int, _Codebook] = {}
+
+
+def codebook_tables(codebook: torch.Tensor) -> _Codebook:
+    book = _books.get(id(codebook))
+    if book is None or book.source is not codebook or book.version != codebook._version:
+        if len(_books) > 8:
+            _books.clear()
+        book = _books[id(codebook)] = _Codebook(codebook)
+    return book
+
+
+def momentum_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list[torch.Tensor]:
+    """``functional.update_momentum_`` for every ``(state, grad, beta)`` in ``items``: codes and
+    scales updated in place; returns each re-quantised fp32 momentum (one launch per class)."""
+    book = codebook_tables(codebook)
+    outs = [torch.empty(g.shape, dtype=torch.float32, device=g.device) for _, g, _ in items]
+    classes = defaultdict(list)
+    for i, (state, grad, _) in enumerate(items):
+        P = int(state["period"])
+        if grad.numel():
+            classes[(grad.dtype, _geometry(P))].append(i)
+    for (gdt, (br, bc, single)), idx in classes.items():
+        sizes, ptrs, weights = [], [], []
+        for i in idx:
+            state, grad, beta = items[i]
+            P = int(state["period"])
+            sizes.append((grad.numel() // P, P))
+            ptrs.append([grad, state["m_code"], state["m_scale"], outs[i]])
+            weights.append(1 - beta)
+        device = items[idx[0]][1].device
+        progs = _programs([nb for nb, _ in sizes], br, device)
+        ptr_t, size_t, w_t = _to(device, _ptr_table(ptrs), torch.tensor(sizes, dtype=torch.int64),
+                                 torch.tensor(weights, dtype=torch.float32))
+        _launch(kernels.momentum_kernel, progs.shape[0], progs, ptr_t, size_t, w_t, book.values, book.thr, book.K,
+                LOG2K=book.log2k, BR=br, BC=bc, SINGLE=single, GRAD_T=_TRITON_DT[gdt])
+    return outs
+
+
+# ----- Gefen m4v4 ----------------------------------------------------------------------------
+@dataclass
+class M4V4Item:
+    """One parameter's phase-2 inputs (rank-local tensors; ``v_row``/``partials`` only for >= 2-D)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    state: dict
+    h: object  # gefen.functional.Hyper
+    step: int  # the step being taken (t)
+    salt_m: int
+    row0: int = 0  # global row of local row 0
+    global_rows: int = 1
+    row_len: int | None = None  # global row length (default: the local one)
+    v_row: torch.Tensor | None = None
+    partials: torch.Tensor | None = None
+
+
+def hash_base(t: int, salt: int) -> int:
+    """``(t * 0x85EBCA77 + salt * 0xC2B2AE3D) mod 2**32``: the per-parameter part of the hash."""
+    return (t * 0x85EBCA77 + salt * 0xC2B2AE3D) & 0xFFFFFFFF
+
+
+def _row(n, *pairs) -> list:
+    """A table row from ``(column constant, number)`` pairs (tuples: tl.constexpr hashes slowly)."""
+    row = [0] * n.value
+    for col, value in pairs:
+        row[col.value] = value
+    return row
+
+
+def _scalars(it: M4V4Item) -> list[float]:
+    h, t, k = it.h, it.step, kernels
+    return _row(  # torch.tensor(..., float32) rounds each as torch rounds a Python scalar
+        k.N_SCALARS, (k.S_B1, h.beta1), (k.S_OMB1, 1 - h.beta1), (k.S_B2, h.beta2), (k.S_OMB2, 1 - h.beta2),
+        (k.S_BIAS1, 1 - h.beta1**t), (k.S_BIAS2, math.sqrt(1 - h.beta2**t)), (k.S_EPS, h.eps),
+        (k.S_NEG_LR, -h.lr), (k.S_DECAY, 1 - h.lr * h.weight_decay))
+
+
+def _ints(it: M4V4Item, rows: int, C: int) -> list[int]:
+    k = kernels
+    return _row(
+        k.N_INTS, (k.I_ROWS, rows), (k.I_C, C), (k.I_ROW0, it.row0), (k.I_BASE_M, hash_base(it.step, it.salt_m)),
+        (k.I_BASE_V, hash_base(it.step, (it.salt_m + 1) & 0xFFFFFFFF)), (k.I_HAS_WD, int(bool(it.h.weight_decay))),
+        (k.I_GROWS, max(it.global_rows, 1)), (k.I_ROW_LEN, C if it.row_len is None else it.row_len))
+
+
+def m4v4_update_(items: list[M4V4Item], codebook: torch.Tensor, ratios: torch.Tensor) -> None:
+    """Phase 2 of Gefen m4v4 for every item, in place (state, parameter, step count): matrices
+    take three launches per class (column prologue, the step, the v_col copy); 1-D/0-D tensors
+    one per dtype class."""
+    mats = [it for it in items if it.param.dim() >= 2]
+    vecs = [it for it in items if it.param.dim() < 2 and it.param.numel()]
+    if mats:
+        _m4v4_matrices(mats, codebook, ratios)
+    if vecs:
+        _adamw_vectors(vecs)
+    for it in items:
+        it.state["step"].fill_(it.step)
+
+
+def _m4v4_matrices(items: list[M4V4Item], codebook, ratios) -> None:
+    device = items[0].param.device
+    shapes = [(it.param.shape[0], math.prod(it.param.shape[1:])) for it in items]
+    v_new = torch.empty(sum(C for _, C in shapes), dtype=torch.float32, device=device)
+    v_new_views = list(v_new.split([C for _, C in shapes]))
+    ints = torch.tensor([_ints(it, r, C) for it, (r, C) in zip(items, shapes)], dtype=torch.int64)
+    scal = torch.tensor([_scalars(it) for it in items], dtype=torch.float32)
+    ints, scal = _to(device, ints, scal)
+    # prologue: the new column statistics (scratch) and row means, every parameter in one launch
+    bc = 1024
+    progs = _programs([C for _, C in shapes], bc, device)
+    (ptrs,) = _to(device, _ptr_table([[it.state["v_col"], v, it.partials] for it, v in zip(items, v_new_views)]))
+    _launch(kernels.m4v4_prologue_kernel, progs.shape[0], progs, ptrs, ints, scal, BC=bc)
+    # the step, one launch per (dtypes, tile) class
+    classes = defaultdict(list)
+    empty = []  # no elements: only the statistics move (as in the reference)
+    for i, (it, (_, C)) in enumerate(zip(items, shapes)):
+        if it.param.numel():
+            classes[(it.param.dtype, it.grad.dtype, _geometry(C))].append(i)
+        else:
+            empty.append(i)
+    cb, R = codebook.contiguous(), ratios.contiguous()
+    for (pdt, gdt, (br, bc, single)), idx in classes.items():
+        sel = torch.tensor(idx, dtype=torch.int64)
+        progs = _programs([shapes[i][0] for i in idx], br, device)
+        ptrs = _ptr_table([[items[i].param, items[i].grad, items[i].state["mv_code"], items[i].state["m_row_scale"],
+                            items[i].state["v_row"], items[i].v_row, items[i].state["v_col"], v_new_views[i]]
+                           for i in idx])
+        ptrs, sel = _to(device, ptrs, sel)
+        _launch(kernels.m4v4_kernel, progs.shape[0], progs, ptrs, ints.index_select(0, sel),
+                scal.index_select(0, sel), cb, R, BR=br, BC=bc, SINGLE=single, PARAM_T=_TRITON_DT[pdt],
+                GRAD_T=_TRITON_DT[gdt])
+    dst = [it.state["v_col"] for it in items] + [items[i].state["v_row"] for i in empty]
+    torch._foreach_copy_(dst, v_new_views + [items[i].v_row for i in empty])
+
+
+def _adamw_vectors(items: list[M4V4Item]) -> None:
+    device = items[0].param.device
+    block = 1024
+    classes = defaultdict(list)
+    for i, it in enumerate(items):
+        classes[(it.param.dtype, it.grad.dtype)].append(i)
+    for (pdt, gdt), idx in classes.items():
+        sel = [items[i] for i in idx]
+        progs = _programs([it.param.numel() for it in sel], block, device)
+        ptrs = _ptr_table([[it.param, it.grad, it.state["exp_avg"], it.state["exp_avg_sq"]] for it in sel])
+        ints = torch.tensor([_ints(it, it.param.numel(), 1) for it in sel], dtype=torch.int64)
+        scal = torch.tensor([_scalars(it) for it in sel], dtype=torch.float32)
+        ptrs, ints, scal = _to(device, ptrs, ints, scal)
+        _launch(kernels.adamw_kernel, progs.shape[0], progs, ptrs, ints, scal, BLOCK=block,
+                PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt])
+
+
+#: rows per program of the phase-1 kernel (its column partial sums cost 8 / BR bytes per element)
+PARTIALS_BR = 32
+
+
+def m4v4_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``functional.m4v4_partials`` for every ``(grad, state, beta2)``: the new ``v_row`` and the
+    float64 partials ``[column sums of g^2, sum of the new v_row, sum of the old v_row]`` of each
+    matrix, in two launches per gradient dtype (rows, then the columns' fixed-order sums)."""
+    device = items[0][0].device
+    shapes = [(g.shape[0], math.prod(g.shape[1:])) for g, _, _ in items]
+    br = PARTIALS_BR
+    tiles = [triton.cdiv(r, br) for r, _ in shapes]
+    scratch = torch.empty(sum(t * (C + 2) for t, (_, C) in zip(tiles, shapes)), dtype=torch.float64, device=device)
+    scratch_views = scratch.split([t * (C + 2) for t, (_, C) in zip(tiles, shapes)])
+    parts = torch.empty(sum(C + 2 for _, C in shapes), dtype=torch.float64, device=device)
+    part_views = list(parts.split([C + 2 for _, C in shapes]))
+    v_rows = [torch.empty(r, dtype=torch.float32, device=device) for r, _ in shapes]
+    ints = torch.tensor([_row(kernels.N_INTS, (kernels.I_ROWS, r), (kernels.I_C, C)) for r, C in shapes],
+                        dtype=torch.int64)
+    betas = torch.tensor([(b2, 1 - b2) for _, _, b2 in items], dtype=torch.float32)
+    classes = defaultdict(list)
+    for i, (g, _, _) in enumerate(items):
+        classes[g.dtype].append(i)
+    for gdt, idx in classes.items():
+        sel = torch.tensor(idx, dtype=torch.int64)
+        progs = _programs([shapes[i][0] for i in idx], br, device)
+        ptrs = _ptr_table([[items[i][0], items[i][1]["v_row"], v_rows[i], scratch_views[i]] for i in idx])
+        ptrs, ints_c, betas_c = _to(device, ptrs, ints[sel], betas[sel])
+        bc = max(16, min(triton.next_power_of_2(max(shapes[i][1] for i in idx)), 4096 // br))
+        _launch(kernels.partials_kernel, progs.shape[0], progs, ptrs, ints_c, betas_c, BR=br, BC=bc,
+                GRAD_T=_TRITON_DT[gdt])
+    bc = 256
+    progs = _programs([C + 2 for _, C in shapes], bc, device)
+    ptrs, ints = _to(device, _ptr_table([[s, p] for s, p in zip(scratch_views, part_views)]), ints)
+    _launch(kernels.column_sum_kernel, progs.shape[0], progs, ptrs, ints, BC=bc, BR=br)
+    return list(zip(v_rows, part_views))

@@ -1,0 +1,104 @@
+"""The kernels' first use on a device: small problems against the eager reference.
+
+``gefen.triton.dispatch.verify`` runs this once per device and kernel family; on any mismatch
+(a Triton or driver that builds the kernels differently) the eager step is kept and the reason
+is logged, as ``gefen.native`` does for its C step. The problems reach both row paths (one tile,
+two passes), bf16 and fp32, an all-zero row and, for m4v4, the 1-D path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from gefen import functional as F
+from gefen.stochastic import ratio_table, salts
+
+_H = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+
+
+def run(launch, device: torch.device, family: str) -> str | None:
+    """None when the ``family`` kernels (``"m4v4"`` or ``"momentum"``) reproduce the reference
+    on ``device``, else what differs."""
+    gen = torch.Generator().manual_seed(0)
+    return _momentum(launch, device, gen) if family == "momentum" else _m4v4(launch, device, gen)
+
+
+def _grad(gen, shape, dtype, device):
+    g = torch.randn(shape, generator=gen) * (torch.rand(shape[0], *[1] * (len(shape) - 1), generator=gen) + 0.1)
+    if len(shape) >= 2:
+        g[1] = 0  # an all-zero row: zero scale
+    return g.to(device=device, dtype=dtype)
+
+
+def _book(gen, n: int, device) -> torch.Tensor:
+    book = torch.sort(torch.rand(n, generator=gen) * 2 - 1).values
+    book[0], book[-1] = -1.0, 1.0
+    return book.to(device)
+
+
+def _same(ref: dict, got: dict) -> str | None:
+    bad = [k for k, v in ref.items() if not torch.equal(v, got[k])]
+    return f"state {bad} differs from the eager step" if bad else None
+
+
+def _close(before: torch.Tensor, ref: torch.Tensor, got: torch.Tensor) -> bool:
+    """Equal up to one rounding of the update and of the result (torch's CPU sqrt is MKL's)."""
+    before, r, g = before.float(), ref.float(), got.float()
+    return bool(((r - g).abs() <= torch.finfo(ref.dtype).eps * (r.abs() + (r - before).abs()) + 1e-30).all())
+
+
+def _m4v4(launch, device, gen) -> str | None:
+    cb, R = _book(gen, 16, device), ratio_table(_book(gen, 16, device))
+    shapes = [((33, 17), torch.float32), ((3, launch.MAX_SINGLE + 70), torch.bfloat16), ((9,), torch.float32)]
+    ref, got = [], []
+    for shape, dtype in shapes:
+        p = (torch.randn(shape, generator=gen) * 0.1).to(device=device, dtype=dtype)
+        state = F.init_m4v4_state(p, shape)
+        ref.append((p, state))
+        got.append((p.clone(), copy.deepcopy(state)))
+    for step in (1, 2):
+        grads = [_grad(gen, shape, dtype, device) for shape, dtype in shapes]
+        mats = [i for i, (shape, _) in enumerate(shapes) if len(shape) >= 2]
+        phase1 = launch.m4v4_partials([(grads[i], got[i][1], _H.beta2) for i in mats])
+        items, before = [], [p.clone() for p, _ in ref]
+        for k, i in enumerate(mats):
+            v_row, parts = F.m4v4_partials(grads[i], ref[i][1], _H.beta2)
+            if not torch.equal(phase1[k][0], v_row) or not torch.allclose(phase1[k][1], parts, rtol=1e-12, atol=0):
+                return f"phase 1 (row/column sums) differs from the eager step at step {step}"
+            rows = shapes[i][0][0]
+            F.m4v4_update_(ref[i][0], grads[i], ref[i][1], cb, R, _H, global_rows=rows, v_row=v_row,
+                           partials=parts, pidx=i, seed=0)
+            items.append(launch.M4V4Item(got[i][0], grads[i], got[i][1], _H, step, salts(i, 0)[0],
+                                         global_rows=rows, v_row=v_row.clone(), partials=parts))
+        for i, (shape, _) in enumerate(shapes):
+            if len(shape) < 2:
+                F.adamw_update_(ref[i][0], grads[i], ref[i][1], _H)
+                items.append(launch.M4V4Item(got[i][0], grads[i], got[i][1], _H, step, 0))
+        launch.m4v4_update_(items, cb, R)
+        for i, ((p_ref, s_ref), (p_got, s_got)) in enumerate(zip(ref, got)):
+            if (why := _same(s_ref, s_got)) is not None:
+                return f"{why} (shape {shapes[i][0]}, step {step})"
+            if not _close(before[i], p_ref, p_got):
+                return f"parameters differ from the eager step beyond rounding (shape {shapes[i][0]}, step {step})"
+            p_got.copy_(p_ref)
+    return None
+
+
+def _momentum(launch, device, gen) -> str | None:
+    cb = _book(gen, 256, device)
+    cases = [((33, 17), 17, torch.float32), ((6, 40), 8, torch.bfloat16), ((3, launch.MAX_SINGLE + 70), None,
+                                                                             torch.float32)]
+    states = []
+    for shape, period, _ in cases:
+        state = F.init_momentum_state(torch.zeros(shape, device=device), shape, period or shape[1])
+        states.append((state, copy.deepcopy(state)))
+    for beta in (0.9, 0.3):  # torch's lerp takes its two formulas on either side of weight 0.5
+        grads = [_grad(gen, shape, dtype, device) for shape, _, dtype in cases]
+        got = launch.momentum_([(s, g, beta) for (_, s), g in zip(states, grads)], cb)
+        for (s_ref, s_got), g, m in zip(states, grads, got):
+            ref = F.update_momentum_(s_ref, g.float(), beta, cb)
+            if not torch.equal(ref, m) or (why := _same(s_ref, s_got)) is not None:
+                return f"the compressed momentum differs from the eager step ({why or 'returned momentum'})"
+    return None
