@@ -69,6 +69,18 @@ def test_cuda_bf16_parameters_keep_their_dtype_and_state_layout():
                    for v in opt.state[p].values())
 
 
+def test_cuda_bf16_parameters_keep_fp32_state():
+    params, opt = _run("cuda", dtype=torch.bfloat16, moments="m8")
+    for _, p in params:
+        assert p.dtype == torch.bfloat16 and torch.isfinite(p.float()).all()
+        assert opt.state[p]["m_scale"].dtype == torch.float32
+    params, opt = _run("cuda", dtype=torch.bfloat16)  # the default layout: bf16 row scale, fp32 statistics
+    for _, p in params:
+        assert p.dtype == torch.bfloat16 and torch.isfinite(p.float()).all()
+        st = opt.state[p]
+        assert st["m_row_scale"].dtype == torch.bfloat16 if p.dim() >= 2 else st["exp_avg"].dtype == torch.float32
+
+
 def test_muon_steps_on_cuda():
     gen = torch.Generator().manual_seed(1)
     w = torch.nn.Parameter(torch.randn(128, 64, generator=gen).cuda())
