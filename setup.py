@@ -29,7 +29,8 @@ setup(
     ext_modules=[
         Extension("gefen._kmeans_dp", ["gefen/csrc/kmeans_dp.c"], extra_compile_args=["-O3"]),
         # -ffp-contract=off: no implicit fused multiply-adds; bit-parity with torch depends on it.
-        Extension("gefen._gefen_step", ["gefen/csrc/gefen_step.c", "gefen/csrc/first_step.c"], optional=True,
+        Extension("gefen._gefen_step", ["gefen/csrc/gefen_step.c", "gefen/csrc/first_step.c",
+                                                  "gefen/csrc/m4v4_step.c"], optional=True,
                   depends=["gefen/csrc/gefen_common.h"],
                   extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
                   extra_link_args=["-fopenmp"]),

@@ -36,12 +36,12 @@ from gefen.codebook import code_thresholds
 from gefen.geometry import rows_and_row_numel
 
 __all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_momentum_", "calibrate",
-           "block_histogram"]
+           "block_histogram", "fused_m4v4_partials", "fused_m4v4_update_", "fused_adamw_update_"]
 
 #: Module switch (tests and benchmarks); the environment variable sets its initial value.
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 
-_ABI = 11
+_ABI = 12
 _lib_path: str | None = None
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _P = ctypes.c_void_p
@@ -63,6 +63,36 @@ class _StepArgs(ctypes.Structure):
         ("lut_M", ctypes.c_int32), ("W", ctypes.c_int32), ("T", ctypes.c_int32),
         ("has_wd", ctypes.c_int32), ("factored", ctypes.c_int32),
         ("scale_mode", ctypes.c_int32), ("momentum_only", ctypes.c_int32), ("m_out", _P),
+    ]
+
+
+class _M4v4Args(ctypes.Structure):
+    """Mirror of ``m4v4_args`` in m4v4_step.c (field order and types must match)."""
+
+    _fields_ = [
+        ("param", _P), ("grad", _P), ("codes", _P), ("m_scale", _P), ("v_row", _P), ("v_row_new", _P),
+        ("v_col", _P), ("partials", _P), ("step_ptr", _P), ("codebook", _P), ("ratios", _P),
+        ("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("global_rows", ctypes.c_int64),
+        ("global_cols", ctypes.c_int64), ("row_offset", ctypes.c_int64), ("col_offset", ctypes.c_int64),
+        ("step", ctypes.c_int64),
+        ("beta1", ctypes.c_double), ("omb1", ctypes.c_double), ("beta2", ctypes.c_double), ("omb2", ctypes.c_double),
+        ("bias1", ctypes.c_double), ("bias2_sqrt", ctypes.c_double), ("eps", ctypes.c_double),
+        ("neg_lr", ctypes.c_double), ("decay", ctypes.c_double),
+        ("salt_m", ctypes.c_uint32), ("salt_v", ctypes.c_uint32),
+        ("param_dtype", ctypes.c_int32), ("grad_dtype", ctypes.c_int32), ("has_wd", ctypes.c_int32),
+    ]
+
+
+class _AdamwArgs(ctypes.Structure):
+    """Mirror of ``adamw_args`` in m4v4_step.c."""
+
+    _fields_ = [
+        ("param", _P), ("grad", _P), ("exp_avg", _P), ("exp_avg_sq", _P), ("step_ptr", _P),
+        ("n", ctypes.c_int64), ("step", ctypes.c_int64),
+        ("beta1", ctypes.c_double), ("omb1", ctypes.c_double), ("beta2", ctypes.c_double), ("omb2", ctypes.c_double),
+        ("bias1", ctypes.c_double), ("bias2_sqrt", ctypes.c_double), ("eps", ctypes.c_double),
+        ("neg_lr", ctypes.c_double), ("decay", ctypes.c_double),
+        ("param_dtype", ctypes.c_int32), ("grad_dtype", ctypes.c_int32), ("has_wd", ctypes.c_int32),
     ]
 
 
@@ -89,6 +119,14 @@ def _load():
     lib.gefen_build_lut.restype = ctypes.c_int
     lib.gefen_step.argtypes = [ctypes.POINTER(_StepArgs)]
     lib.gefen_step.restype = ctypes.c_int
+    lib.gefen_m4v4_partials.argtypes = [_P, i32, i64, i64, i64, _P, _P, _P, dbl, dbl, i32, i32]
+    lib.gefen_m4v4_partials.restype = ctypes.c_int
+    lib.gefen_m4v4_step.argtypes = [ctypes.POINTER(_M4v4Args)]
+    lib.gefen_m4v4_step.restype = ctypes.c_int
+    lib.gefen_adamw_step.argtypes = [ctypes.POINTER(_AdamwArgs)]
+    lib.gefen_adamw_step.restype = ctypes.c_int
+    lib.gefen_m4v4_isa.argtypes = [ctypes.c_int]
+    lib.gefen_m4v4_isa.restype = ctypes.c_int
     lib.gefen_block_histogram.argtypes = [_P, i32, i64, i64, i64, _P]
     lib.gefen_block_histogram.restype = ctypes.c_int
     lib.gefen_force_portable.argtypes = [ctypes.c_int]
@@ -119,6 +157,7 @@ def _torch_vml_sqrt() -> tuple[int, int | None] | None:
 _lib = _load()
 _width: int | None = None  # torch's Vectorized<float>::size() as found by calibrate(); 0 = failed
 _sqrt_is_vml = False  # whether calibrate() settled on MKL's square root
+_m4v4_ok = False  # whether the m4v4 kernels reproduced the m4v4 reference at that width (calibrate)
 _scale_mode = 0  # how gefen.quant signs the scale of an all-zero block (see _probe_scale_mode)
 _quant_cache: dict = {}
 
@@ -286,6 +325,110 @@ def _momentum_args(state: dict, grad: torch.Tensor, gdt: int, codebook: torch.Te
     return a
 
 
+# ----- the m4v4 layout: gefen/csrc/m4v4_step.c (phase 2, AdamW), gefen_m4v4_partials (phase 1) -----
+def _m4v4_ready() -> bool:
+    """Built, enabled, and checked against the m4v4 reference on this machine (``calibrate``)."""
+    return _lib is not None and enabled and _vector_width() > 0 and _m4v4_ok
+
+
+def fused_m4v4_partials(grad: torch.Tensor, state: dict, beta2: float):
+    """``functional.m4v4_partials`` (same ``(v_row, partials)``, bit for bit) in one C call, or
+    None when it does not apply."""
+    gdt = _DT.get(grad.dtype)
+    v_row_old = state.get("v_row")
+    if gdt is None or grad.dim() < 2 or v_row_old is None or not _m4v4_ready():
+        return None
+    rows, cols = rows_and_row_numel(grad.shape)
+    if (cols < 1 or v_row_old.dtype != torch.float32 or v_row_old.shape != (rows,)
+            or not _cpu_contiguous(grad, v_row_old)):
+        return None
+    v_row = torch.empty(rows, dtype=torch.float32)
+    partials = torch.empty(cols + 2, dtype=torch.float64)
+    rc = _lib.gefen_m4v4_partials(grad.data_ptr(), gdt, rows, cols, cols, v_row_old.data_ptr(), v_row.data_ptr(),
+                                  partials.data_ptr(), beta2, 1 - beta2, _width, torch.get_num_threads())
+    return (v_row, partials) if rc == 0 else None
+
+
+_M4V4_DTYPES = {"mv_code": torch.uint8, "m_row_scale": torch.bfloat16, "v_row": torch.float32, "v_col": torch.float32}
+
+
+def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor,
+                       ratio: torch.Tensor, h, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor,
+                       pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None) -> bool:
+    """``functional.m4v4_update_`` in one C call; returns False (touching nothing) when it does
+    not apply (then the caller runs the reference)."""
+    pdt, gdt = _DT.get(param.dtype), _DT.get(grad.dtype)
+    if pdt is None or gdt is None or param.shape != grad.shape or grad.dim() < 2 or not _m4v4_ready():
+        return False
+    rows, cols = rows_and_row_numel(grad.shape)
+    fields = [state.get(k) for k in _M4V4_DTYPES]
+    if cols < 1 or any(t is None or t.dtype != dt for t, dt in zip(fields, _M4V4_DTYPES.values())):
+        return False
+    codes, scale, v_row_old, v_col = fields
+    tables = (codebook, ratio)
+    if (v_row.dtype != torch.float32 or partials.dtype != torch.float64
+            or any(t.dtype != torch.float32 or t.numel() != 16 for t in tables)
+            or not _cpu_contiguous(param, grad, *fields, v_row, partials, *tables)):
+        return False
+    if (codes.numel() != rows * cols or scale.numel() != rows or v_row_old.numel() != rows or v_row.numel() != rows
+            or v_col.numel() != cols or partials.numel() != cols + 2):
+        return False
+    from gefen.stochastic import salts
+
+    step_t = state["step"]
+    step = int(step_t) + 1
+    a = _M4v4Args()
+    a.param, a.grad, a.codes, a.m_scale = param.data_ptr(), grad.data_ptr(), codes.data_ptr(), scale.data_ptr()
+    a.v_row, a.v_row_new, a.v_col, a.partials = v_row_old.data_ptr(), v_row.data_ptr(), v_col.data_ptr(), partials.data_ptr()
+    direct_step = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
+    a.step_ptr = step_t.data_ptr() if direct_step else None
+    a.codebook, a.ratios = codebook.data_ptr(), ratio.data_ptr()
+    a.rows, a.cols, a.global_rows, a.global_cols = rows, cols, global_rows, cols if row_len is None else row_len
+    a.row_offset, a.col_offset, a.step = row0, col0, step
+    a.salt_m, a.salt_v = salts(pidx, seed)
+    _set_scalars(a, h, step)
+    a.param_dtype, a.grad_dtype = pdt, gdt
+    if _lib.gefen_m4v4_step(ctypes.byref(a)) != 0:
+        return False
+    if not direct_step:
+        step_t.fill_(step)
+    return True
+
+
+def fused_adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h) -> bool:
+    """``functional.adamw_update_`` (m4v4's exact 1-D/0-D step) in one C call; False (touching
+    nothing) when it does not apply."""
+    pdt, gdt = _DT.get(param.dtype), _DT.get(grad.dtype)
+    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+    if pdt is None or gdt is None or m is None or v is None or not _m4v4_ready():
+        return False
+    if (param.shape != grad.shape or m.shape != param.shape or v.shape != param.shape
+            or m.dtype != torch.float32 or v.dtype != torch.float32 or not _cpu_contiguous(param, grad, m, v)):
+        return False
+    step_t = state["step"]
+    step = int(step_t) + 1
+    a = _AdamwArgs()
+    a.param, a.grad, a.exp_avg, a.exp_avg_sq = param.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr()
+    direct_step = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
+    a.step_ptr = step_t.data_ptr() if direct_step else None
+    a.n, a.step = param.numel(), step
+    _set_scalars(a, h, step)
+    a.param_dtype, a.grad_dtype = pdt, gdt
+    if _lib.gefen_adamw_step(ctypes.byref(a)) != 0:
+        return False
+    if not direct_step:
+        step_t.fill_(step)
+    return True
+
+
+def _set_scalars(a, h, step: int) -> None:
+    """The step's scalars exactly as the reference forms them (Python floats; the C code rounds
+    each to fp32 once, as torch does with a Python scalar operand)."""
+    a.beta1, a.omb1, a.beta2, a.omb2 = h.beta1, 1 - h.beta1, h.beta2, 1 - h.beta2
+    a.bias1, a.bias2_sqrt = 1 - h.beta1**step, math.sqrt(1 - h.beta2**step)
+    a.eps, a.neg_lr, a.decay, a.has_wd = h.eps, -h.lr, 1 - h.lr * h.weight_decay, bool(h.weight_decay)
+
+
 # ----- the first step: the codebook histogram ---------------------------
 def _first_step_input(x: torch.Tensor) -> int | None:
     """The C dtype code of ``x`` when the first-step kernels can read it in place, else None."""
@@ -375,11 +518,12 @@ def _update_with(W, *args):
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (fp32 compared as int32, so -0.0 != +0.0)."""
+    """Bitwise equality (fp32/bf16 compared as integers, so -0.0 != +0.0)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    if a.dtype == torch.float32:
-        a, b = a.view(torch.int32), b.view(torch.int32)
+    if a.dtype in (torch.float32, torch.bfloat16):
+        ints = torch.int32 if a.dtype == torch.float32 else torch.int16
+        a, b = a.view(ints), b.view(ints)
     return torch.equal(a, b)
 
 
@@ -400,7 +544,7 @@ def _probe_scale_mode() -> int:
 def calibrate() -> int:
     """torch's float vector width that makes the C step reproduce the eager step bit for bit on
     ``_problems()`` with the current thread count, or 0 (native path off) when none does."""
-    global _scale_mode, _sqrt_is_vml
+    global _scale_mode, _sqrt_is_vml, _m4v4_ok
     if _lib is None:
         return 0
     _scale_mode = _probe_scale_mode()
@@ -414,13 +558,75 @@ def calibrate() -> int:
             for W in widths:
                 if all(_matches(case, ref, W) for case, ref in zip(_problems(), reference)):
                     _sqrt_is_vml = sqrt_fns is vml
+                    _m4v4_ok = _m4v4_matches(W)
+                    if not _m4v4_ok:
+                        _warn_mismatch("m4v4 ")
                     return W
     _warn_mismatch()
     return 0
 
 
-def _warn_mismatch() -> None:
-    warnings.warn("gefen._gefen_step does not reproduce torch's eager Gefen step on this machine "
+def _m4v4_problems():
+    """(shape, dtype) cases for the m4v4 kernels: float64 row sums (vectorised, short, single-row
+    two-pass), one-pass phase 1 with a partial chunk, bf16, and the exact 1-D/0-D step."""
+    return [((37, 33), torch.float32), ((600, 130), torch.float32), ((1, 33000), torch.float32),
+            ((45, 29), torch.bfloat16), ((3, 5, 8), torch.float32), ((5000,), torch.float32), ((), torch.bfloat16)]
+
+
+def _run_m4v4(shape, dtype, use_native: bool):
+    """Two m4v4 steps of one tensor through the reference or the kernels (None: a kernel refused)."""
+    global enabled
+    from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partials, m4v4_update_
+    from gefen.stochastic import ratio_table
+
+    gen = torch.Generator().manual_seed(4321 + len(shape))
+    p = torch.randn(shape, generator=gen).to(dtype)
+    state = init_m4v4_state(p, tuple(shape))
+    codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
+    ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values)
+    h = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    saved, enabled = enabled, use_native
+    try:
+        for _ in range(2):
+            g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
+            if len(shape) < 2:
+                if not use_native:
+                    adamw_update_(p, g, state, h)
+                elif not fused_adamw_update_(p, g, state, h):
+                    return None
+                continue
+            out = fused_m4v4_partials(g, state, h.beta2) if use_native else m4v4_partials(g, state, h.beta2)
+            if out is None:
+                return None
+            kw = dict(global_rows=shape[0], v_row=out[0], partials=out[1], pidx=3, seed=1, row0=5)
+            if not use_native:
+                m4v4_update_(p, g, state, codebook, ratio, h, **kw)
+            elif not fused_m4v4_update_(p, g, state, codebook, ratio, h, **kw):
+                return None
+    finally:
+        enabled = saved
+    return p, state
+
+
+def _m4v4_matches(W: int) -> bool:
+    """Whether the m4v4 kernels reproduce the m4v4 reference at torch vector width W."""
+    global _width, _m4v4_ok
+    saved = _width, _m4v4_ok
+    try:
+        for case in _m4v4_problems():
+            ref = _run_m4v4(*case, use_native=False)
+            _width, _m4v4_ok = W, True
+            got = _run_m4v4(*case, use_native=True)
+            _width, _m4v4_ok = saved
+            if got is None or not (_same(got[0], ref[0]) and all(_same(got[1][k], ref[1][k]) for k in ref[1])):
+                return False
+        return True
+    finally:
+        _width, _m4v4_ok = saved
+
+
+def _warn_mismatch(what: str = "") -> None:
+    warnings.warn(f"gefen._gefen_step does not reproduce torch's eager {what}Gefen step on this machine "
                   f"(torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}); "
                   "using the eager step", RuntimeWarning, stacklevel=3)
 
@@ -465,15 +671,16 @@ def _cache_file() -> str:
 
 def _apply(entry: dict) -> int | None:
     """Restore a cached calibration (width, square root, zero-scale sign); None if it cannot apply."""
-    global _scale_mode, _sqrt_is_vml
-    width, use_vml, mode = entry.get("width"), entry.get("vml"), entry.get("scale_mode")
+    global _scale_mode, _sqrt_is_vml, _m4v4_ok
+    width, use_vml, mode, m4v4 = (entry.get(k) for k in ("width", "vml", "scale_mode", "m4v4"))
     vml = _torch_vml_sqrt()
-    if width not in (0, 8, 16) or not isinstance(use_vml, bool) or mode not in (0, 1) or (use_vml and not vml):
+    if (width not in (0, 8, 16) or not isinstance(use_vml, bool) or mode not in (0, 1) or (use_vml and not vml)
+            or not isinstance(m4v4, bool)):
         return None
-    _scale_mode, _sqrt_is_vml = mode, use_vml
+    _scale_mode, _sqrt_is_vml, _m4v4_ok = mode, use_vml, m4v4
     _lib.gefen_set_sqrt(*(vml if use_vml else (None, None)))
-    if width == 0:
-        _warn_mismatch()
+    if width == 0 or not m4v4:
+        _warn_mismatch("" if width == 0 else "m4v4 ")
     return width
 
 
@@ -492,7 +699,7 @@ def calibrate_cached() -> int:
         width = calibrate()
         if path:
             _write_entry(path, {"width": width, "vml": bool(width) and _sqrt_is_vml, "scale_mode": _scale_mode,
-                                "torch": torch.__version__})
+                                "m4v4": bool(width) and _m4v4_ok, "torch": torch.__version__})
     return width
 
 

@@ -20,11 +20,11 @@ pytestmark = pytest.mark.skipif(native._lib is None, reason="gefen._gefen_step i
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """An empty cache directory and an uncalibrated module (restored afterwards)."""
-    saved = (native._width, native._scale_mode, native._sqrt_is_vml)
+    saved = (native._width, native._scale_mode, native._sqrt_is_vml, native._m4v4_ok)
     monkeypatch.setenv("GEFEN_CACHE_DIR", str(tmp_path / "cache"))
     native._width = None
     yield tmp_path / "cache"
-    native._width, native._scale_mode, native._sqrt_is_vml = saved
+    native._width, native._scale_mode, native._sqrt_is_vml, native._m4v4_ok = saved
     native.calibrate_cached()  # restore the square root the kernel uses (from the cache just written)
 
 
@@ -39,6 +39,7 @@ def test_first_use_calibrates_and_caches(fresh):
     assert name == f"native-calibration-{native.cache_key()}.json"
     entry = json.loads((fresh / name).read_text())
     assert entry["width"] == width and entry["scale_mode"] == native._scale_mode
+    assert entry["m4v4"] is native._m4v4_ok is True
 
 
 def test_a_cached_result_skips_calibration(fresh, monkeypatch):

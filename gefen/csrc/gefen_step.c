@@ -43,16 +43,9 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define GEFEN_X86 1
-#include <immintrin.h>
-#else
-#define GEFEN_X86 0
-#endif
-
 #include "gefen_common.h"
 
-#define GEFEN_ABI 11
+#define GEFEN_ABI 12
 #define GRAIN 32768   /* at::internal::GRAIN_SIZE */
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 #define MAX_T 1024    /* largest torch thread count we emulate */
@@ -60,14 +53,6 @@
 static int force_portable = 0;
 
 /* ----- scalar helpers ------------------------------------------------------------------- */
-
-/* c10::BFloat16 round-to-nearest-even (NaN -> 0x7FC0). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    if (f != f) return 0x7FC0;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
-}
 
 static inline float bits_f32(uint32_t u) {
     float f;
@@ -188,18 +173,11 @@ DEF_SUMS(f64, double, LD_F64)
 
 #if GEFEN_X86
 /* ----- AVX2 + FMA helpers (the same roundings, 8 lanes at a time) -------------------------- */
-#define AVX2 __attribute__((target("avx2,fma")))
 #define CLONES __attribute__((target_clones("avx2", "default")))
 
 static int cpu_has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
-static AVX2 inline __m256 ld8_g(const void *g, int dt, int64_t i) {
-    if (dt == DT_F32) return _mm256_loadu_ps((const float *)g + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)g + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 /* inner_sq_*_w(.., 8) with 8-lane registers: one multi_row_sum cascade over quads of vectors. */
@@ -461,6 +439,13 @@ static int max_threads(void) {
  * chunks computes their sums exactly as the sequential cascade would (both levels start from 0
  * at a chunk boundary), and so can also compute the row sums of the rows it streams.  The
  * levels above are then combined per column, in order, by combine_chunks. */
+/* float64 sum of row r's g^2, as sq.sum(1, dtype=float64) computes it (torch casts sq to float64
+ * first); `single` = the matrix has one row (then torch may take its two-pass strategy). */
+static double row_sumd(const void *g, int dt, int64_t r, int64_t cols, int Wd, int T, int single) {
+    if (single) return tsum_sqd((const char *)g + r * cols * (dt == DT_F32 ? 4 : 2), dt, cols, Wd, T);
+    return 0.0 + (dt == DT_F32 ? inner_sqd_f32(g, r * cols, cols, Wd) : inner_sqd_bf16(g, r * cols, cols, Wd));
+}
+
 typedef struct {
     const void *g;
     int dt, W, T;
@@ -468,6 +453,8 @@ typedef struct {
     const float *v_row_old;
     float *v_row_new;
     float b2, o2, fcols;
+    int m4v4;     /* row statistics: 1 = float64 sum / dcols (m4v4), 0 = fp32 mean (m8) */
+    double dcols; /* m4v4: the global row length */
     double *c2;   /* [nfull][cols]: level-2 chunk sums */
     double *tail; /* [2][cols]: the last, partial chunk's level-1 sum and trailing rows */
 } p1ctx;
@@ -501,7 +488,8 @@ static void phase1_chunks(const p1ctx *x, int64_t k0, int64_t k1, double *acc) {
         memset(acc, 0, (size_t)(2 * cols) * sizeof(double));
         int64_t in_chunk1 = 0;
         for (int64_t r = r0; r < r1; ++r) {
-            float mean = (0.0f + inner_sq(x->g, x->dt, r * cols, cols, x->W)) / x->fcols;
+            float mean = x->m4v4 ? (float)(row_sumd(x->g, x->dt, r, cols, x->W / 2, x->T, 0) / x->dcols)
+                                 : (0.0f + inner_sq(x->g, x->dt, r * cols, cols, x->W)) / x->fcols;
             x->v_row_new[r] = x->v_row_old[r] * x->b2 + mean * x->o2;
             add_sq_row(a0, x->g, x->dt, r * cols, cols);
             if (++in_chunk1 == x->S) {
@@ -538,12 +526,14 @@ static void combine_chunks(const p1ctx *x, int lp, int has_tail, int64_t c0, int
 
 /* Returns 0, or -1 when it does not apply / is out of memory (then nothing useful was written). */
 static int phase1_one_pass(const void *grad, int dt, int64_t rows, int64_t cols, const float *v_row_old,
-                           float *v_row_new, double *partials, float b2, float o2, int W, int T, int nthreads) {
+                           float *v_row_new, double *partials, float b2, float o2, int W, int T, int nthreads,
+                           int m4v4, double dcols) {
     const int lp = level_power(rows);
     const int64_t S = (int64_t)1 << lp, S2 = S * S;
     const int64_t nfull = rows / S2, nchunks = divup(rows, S2);
     if (cols < 2 || nchunks < nthreads || (rows == 1 && cols >= GRAIN && T > 1)) return -1;
-    p1ctx x = {grad, dt, W, T, rows, cols, S, S2, nfull, v_row_old, v_row_new, b2, o2, (float)cols, NULL, NULL};
+    p1ctx x = {grad, dt, W, T, rows, cols, S, S2, nfull, v_row_old, v_row_new, b2, o2, (float)cols, m4v4, dcols,
+               NULL, NULL};
     x.c2 = (double *)malloc((size_t)(nfull * cols + 2 * cols) * sizeof(double));
     double *accs = (double *)malloc((size_t)nthreads * (size_t)(2 * cols) * sizeof(double));
     if (!x.c2 || !accs) {
@@ -586,7 +576,7 @@ GEFEN_EXPORT int gefen_partials(const void *grad, int32_t gdt, int64_t rows, int
     const float b2 = (float)beta2, o2 = (float)omb2, fcols = (float)cols;
     const int single = rows == 1, nthreads = max_threads();
     if (rows * cols < PAR_MIN || phase1_one_pass(grad, gdt, rows, cols, v_row_old, v_row_new, partials, b2, o2, W, T,
-                                                 nthreads) != 0) {
+                                                 nthreads, 0, 0.0) != 0) {
         int64_t r = 0;
 #pragma omp parallel for schedule(static) if (rows * cols >= PAR_MIN)
         for (r = 0; r < rows; ++r) {
@@ -596,6 +586,32 @@ GEFEN_EXPORT int gefen_partials(const void *grad, int32_t gdt, int64_t rows, int
         column_sums(grad, gdt, rows, cols, W / 2, T, partials, nthreads);
     }
     partials[cols] = tsum_d_f32(v_row_new, rows, W / 2, T);
+    return 0;
+}
+
+/* m4v4's phase 1 (the m4v4 reference's partials): row statistics are float64 sums divided by the
+ * global row length and rounded once,
+ *   v_row_new = v_row * b2 + fp32(sum_cols(g^2) / global_cols) * (1 - b2)
+ *   partials  = [sum_rows(g^2) as float64..., sum(v_row_new), sum(v_row_old)]   (cols + 2 values) */
+GEFEN_EXPORT int gefen_m4v4_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols, int64_t global_cols,
+                                     const float *v_row_old, float *v_row_new, double *partials, double beta2,
+                                     double omb2, int32_t W, int32_t T) {
+    if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0 || global_cols < 1) return -2;
+    const float b2 = (float)beta2, o2 = (float)omb2;
+    const double dcols = (double)global_cols;
+    const int single = rows == 1, nthreads = max_threads();
+    if (rows * cols < PAR_MIN || phase1_one_pass(grad, gdt, rows, cols, v_row_old, v_row_new, partials, b2, o2, W, T,
+                                                 nthreads, 1, dcols) != 0) {
+        int64_t r = 0;
+#pragma omp parallel for schedule(static) if (rows * cols >= PAR_MIN)
+        for (r = 0; r < rows; ++r) {
+            float mean = (float)(row_sumd(grad, gdt, r, cols, W / 2, T, single) / dcols);
+            v_row_new[r] = v_row_old[r] * b2 + mean * o2;
+        }
+        column_sums(grad, gdt, rows, cols, W / 2, T, partials, nthreads);
+    }
+    partials[cols] = tsum_d_f32(v_row_new, rows, W / 2, T);
+    partials[cols + 1] = tsum_d_f32(v_row_old, rows, W / 2, T);
     return 0;
 }
 
@@ -905,20 +921,7 @@ static NOVEC void lookup_codes(const kctx *c, const float *x, const int32_t *b, 
 #if GEFEN_X86
 static AVX2 inline __m256 ld8_p(const gefen_step_args *a, int64_t i) { return ld8_g(a->param, a->param_dtype, i); }
 
-static AVX2 inline void st8_p(const gefen_step_args *a, int64_t i, __m256 v) {
-    if (a->param_dtype == DT_F32) {
-        _mm256_storeu_ps((float *)a->param + i, v);
-        return;
-    }
-    /* round to nearest even, NaN -> 0x7FC0 (c10::BFloat16) */
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(isnan));
-    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128((__m128i *)((uint16_t *)a->param + i), packed);
-}
+static AVX2 inline void st8_p(const gefen_step_args *a, int64_t i, __m256 v) { st8_g(a->param, a->param_dtype, i, v); }
 
 static AVX2 float hmax8(__m256 v) {
     float t[8];
@@ -1144,6 +1147,11 @@ GEFEN_EXPORT void gefen_set_sqrt(void *fn, void *threads_local) {
     vms_sqrt = (vms_sqrt_fn)fn;
     mkl_threads_local = fn ? (mkl_threads_fn)threads_local : NULL;
 }
+/* for m4v4_step.c (declared in gefen_common.h) */
+void gefen_sqrt_n(float *x, int64_t n) { sqrt_n(x, n); }
+int gefen_mkl_threads_local(int n) { return mkl_threads_local ? mkl_threads_local(n) : -1; }
+int gefen_avx2_on(void) { return avx2_on(); }
+
 GEFEN_EXPORT int gefen_has_openmp(void) {
 #ifdef _OPENMP
     return 1;

@@ -1,0 +1,268 @@
+"""The fused m4v4 step (gefen/csrc/m4v4_step.c and gefen_m4v4_partials in gefen_step.c) against
+the torch reference (gefen.functional.m4v4_partials / m4v4_update_ / adamw_update_).
+
+Both paths run on identical inputs; every state tensor (codes, bf16 row scales, v_row, v_col,
+exp_avg, exp_avg_sq, step) AND the parameter must be bit-for-bit identical (compared as integers,
+so even the sign of a zero counts) after several steps: odd shapes, 3-D/4-D tensors, empty row
+shards, shards that start at row0 != 0, fp32 and bf16, weight decay on and off, all-zero rows,
+stand-in and tied tables, 1-3 threads, the AVX2 and the portable kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gefen.native as native
+from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partials, m4v4_update_
+from gefen.stochastic import ratio_table, standin_codebook
+
+HYPER = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    threads, enabled = torch.get_num_threads(), native.enabled
+    yield
+    torch.set_num_threads(threads)
+    native.enabled = enabled
+    native._lib.gefen_force_portable(0)
+
+
+def test_m4v4_kernels_are_verified():
+    assert native.available(), "the fused m8 step does not reproduce the eager step on this machine"
+    assert native._m4v4_ok, "the m4v4 kernels do not reproduce the m4v4 reference on this machine"
+
+
+# ----- helpers ----------------------------------------------------------------------------------
+_INTS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INTS[t.dtype]) if t.dtype in _INTS else t
+
+
+def assert_identical(a: torch.Tensor, b: torch.Tensor, what: str):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    diff = (bits(a) != bits(b)).sum().item()
+    assert diff == 0, f"{what}: {diff} of {a.numel()} elements differ"
+
+
+def tables(kind: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first-moment codebook, second-moment ratio table) of 16 sorted entries each."""
+    if kind == "standin":  # before the codebooks are learned
+        return standin_codebook(), ratio_table(standin_codebook())
+    if kind == "tied":  # repeated entries: zero gaps, the GUARD divisor
+        cb = torch.tensor([-1.0, -0.5, -0.5, -0.2, 0.0, 0.0, 0.0, 0.1, 0.3, 0.3, 0.5, 0.7, 1.0, 1.0, 1.0, 1.0])
+        return cb, ratio_table(torch.tensor([-1.0] * 3 + torch.linspace(-0.5, 0.5, 10).tolist() + [1.0] * 3))
+    inner = torch.sort(torch.rand(14, generator=gen) * 2 - 1).values
+    cb = torch.cat([torch.tensor([-1.0]), inner, torch.tensor([1.0])])
+    vcb = torch.sort(torch.rand(16, generator=gen) * 1.2 - 0.6).values  # ratios e^-4.8 .. e^4.8
+    return cb, ratio_table(vcb)
+
+
+def grads_for(shape, dtype, gen, steps):
+    out = []
+    for _ in range(steps):
+        if shape:
+            g = torch.randn(shape, generator=gen) * torch.rand(shape[:1] + (1,) * (len(shape) - 1), generator=gen)
+        else:
+            g = torch.randn((), generator=gen)
+        if len(shape) >= 1 and shape[0] > 2:
+            g[1] = 0.0  # an all-zero row: zero row scale, zero row statistics
+        out.append(g.to(dtype))
+    return out
+
+
+def run(shape, *, use_native, dtype=torch.float32, grad_dtype=None, steps=3, h=HYPER, kind="random",
+        global_rows=None, row0=0, pidx=0, seed=0, gen_seed=0):
+    gen = torch.Generator().manual_seed(gen_seed)
+    param = torch.randn(shape, generator=gen).to(dtype)
+    grads = grads_for(shape, grad_dtype or dtype, gen, steps)
+    codebook, ratio = tables(kind, gen)
+    rows = global_rows if global_rows is not None else (shape[0] if shape else 1)
+    state = init_m4v4_state(param, (rows,) + tuple(shape[1:]) if shape else ())
+    native.enabled = use_native
+    for g in grads:
+        if len(shape) < 2:
+            if use_native:
+                assert native.fused_adamw_update_(param, g, state, h), "the fused AdamW step did not apply"
+            else:
+                adamw_update_(param, g, state, h)
+            continue
+        if use_native:
+            out = native.fused_m4v4_partials(g, state, h.beta2)
+            assert out is not None, "fused_m4v4_partials did not apply"
+        else:
+            out = m4v4_partials(g, state, h.beta2)
+        kw = dict(global_rows=rows, v_row=out[0], partials=out[1], pidx=pidx, seed=seed, row0=row0)
+        if use_native:
+            assert native.fused_m4v4_update_(param, g, state, codebook, ratio, h, **kw), "the fused step did not apply"
+        else:
+            m4v4_update_(param, g, state, codebook, ratio, h, **kw)
+    return param, state
+
+
+def check_parity(shape, **kwargs):
+    p_ref, s_ref = run(shape, use_native=False, **kwargs)
+    p_nat, s_nat = run(shape, use_native=True, **kwargs)
+    assert set(s_ref) == set(s_nat)
+    for key in s_ref:
+        assert_identical(s_nat[key], s_ref[key], key)
+    assert_identical(p_nat, p_ref, "param")
+    return p_nat, s_nat
+
+
+# ----- parity ------------------------------------------------------------------------------------
+MATRICES = [(64, 48), (33, 40), (300, 130), (1, 40000), (45, 29), (40000, 2), (7, 3), (130, 300), (5, 1),
+            # one-pass phase 1 (whole 256-row chunks per thread): partial last chunk, short rows, many rows
+            (600, 48), (600, 130), (4396, 20), (70000, 3),
+            (4, 6, 10), (8, 3, 5), (3, 2, 2, 7)]
+VECTORS = [(777,), (40000,), (), (1,), (9,)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", MATRICES + VECTORS)
+def test_parity(shape, threads):
+    torch.set_num_threads(threads)
+    check_parity(shape)
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (300, 130), (1, 40000), (777,)])
+def test_three_threads(shape):
+    """torch splits its float64 sums by its thread count; the C emulation must follow any count."""
+    torch.set_num_threads(3)
+    check_parity(shape)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.3])
+@pytest.mark.parametrize("betas", [(0.8, 0.95), (0.5, 0.999), (0.0, 0.9)])
+@pytest.mark.parametrize("shape", [(48, 64), (5, 4, 12), (33,)])
+def test_hyperparameters(shape, betas, weight_decay):
+    h = Hyper(lr=3e-3, beta1=betas[0], beta2=betas[1], eps=1e-6, weight_decay=weight_decay)
+    check_parity(shape, h=h, steps=5)
+
+
+@pytest.mark.parametrize("kind", ["standin", "tied"])
+def test_tables(kind):
+    check_parity((40, 96), kind=kind)
+    check_parity((6, 5, 16), kind=kind)
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (300, 130), (7, 3), (777,), ()])
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)])
+def test_bf16(shape, dtypes):
+    check_parity(shape, dtype=dtypes[0], grad_dtype=dtypes[1])
+
+
+def test_many_steps_and_salts():
+    """Ten steps (the codes feed back into themselves), another parameter index and seed."""
+    check_parity((96, 80), steps=10, pidx=7, seed=3)
+    check_parity((96, 80), steps=10, pidx=7, seed=3, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(0, 32), (0, 4, 8)])
+def test_empty_local_shard(shape):
+    """A rank can hold 0 rows; the column EMA and the step still advance."""
+    p, st = check_parity(shape, global_rows=10, row0=10)
+    assert int(st["step"]) == 3 and st["v_col"].abs().sum() == 0
+
+
+@pytest.mark.parametrize("row0", [1, 37, 2**31 // 48 + 5])  # the last one wraps the 32-bit index
+def test_row_offset(row0):
+    """A shard that starts at a later global row: the noise follows the global index."""
+    check_parity((64, 48), global_rows=row0 + 64 + 3, row0=row0)
+
+
+def test_row_sharded_matches_between_paths():
+    """Two row shards with summed partials (what the optimizer's all-reduce does), both paths;
+    the sharded native run also equals the unsharded reference."""
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(50, 64, generator=gen)
+    grads = [torch.randn(50, 64, generator=gen) for _ in range(3)]
+    codebook, ratio = tables("random", gen)
+    results = {}
+    for use_native in (False, True):
+        native.enabled = use_native
+        shards = [full[:23].clone(), full[23:].clone()]
+        states = [init_m4v4_state(s, (50, 64)) for s in shards]
+        for g in grads:
+            gs = g.split([23, 27])
+            parts = [(native.fused_m4v4_partials if use_native else m4v4_partials)(x, st, HYPER.beta2)
+                     for x, st in zip(gs, states)]
+            total = parts[0][1] + parts[1][1]
+            for s, x, st, (v_row, _), row0 in zip(shards, gs, states, parts, (0, 23)):
+                kw = dict(global_rows=50, v_row=v_row, partials=total, pidx=2, seed=0, row0=row0)
+                if use_native:
+                    assert native.fused_m4v4_update_(s, x, st, codebook, ratio, HYPER, **kw)
+                else:
+                    m4v4_update_(s, x, st, codebook, ratio, HYPER, **kw)
+        results[use_native] = (shards, states)
+    for i in range(2):
+        assert_identical(results[True][0][i], results[False][0][i], f"shard {i} param")
+        for key in results[False][1][i]:
+            assert_identical(results[True][1][i][key], results[False][1][i][key], f"shard {i} {key}")
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (9, 21), (300, 130), (3, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_instruction_sets_agree(shape, dtype):
+    """The AVX-512, AVX2 and portable kernels (those this CPU has) leave identical bits."""
+    results = []
+    try:
+        for cap in (2, 1, 0):
+            if native._lib.gefen_m4v4_isa(cap) == cap:
+                results.append(run(shape, use_native=True, dtype=dtype))
+    finally:
+        native._lib.gefen_m4v4_isa(2)
+    if len(results) < 2:
+        pytest.skip("this CPU runs the portable kernel only")
+    for p, st in results[1:]:
+        assert_identical(p, results[0][0], "param")
+        for key in st:
+            assert_identical(st[key], results[0][1][key], key)
+
+
+def test_first_step_moments_are_zero_whatever_the_codes():
+    """v_row_old = 0 at the first step: the old codes decode to exactly zero in both paths."""
+    gen = torch.Generator().manual_seed(11)
+    codebook, ratio = tables("random", gen)
+    g = torch.randn(20, 30, generator=gen)
+    out = []
+    for use_native in (False, True):
+        native.enabled = use_native
+        p = torch.zeros(20, 30)
+        st = init_m4v4_state(p, (20, 30))
+        st["mv_code"].random_(0, 256, generator=torch.Generator().manual_seed(1))  # garbage codes
+        v_row, partials = (native.fused_m4v4_partials if use_native else m4v4_partials)(g, st, HYPER.beta2)
+        kw = dict(global_rows=20, v_row=v_row, partials=partials, pidx=0, seed=0)
+        if use_native:
+            assert native.fused_m4v4_update_(p, g, st, codebook, ratio, HYPER, **kw)
+        else:
+            m4v4_update_(p, g, st, codebook, ratio, HYPER, **kw)
+        out.append((p, st))
+    assert_identical(out[0][0], out[1][0], "param")
+    assert torch.equal(out[0][1]["mv_code"], out[1][1]["mv_code"])
+
+
+# ----- refusals: nothing touched, the reference runs --------------------------------------------
+def test_refuses_what_it_cannot_do():
+    gen = torch.Generator().manual_seed(0)
+    codebook, ratio = tables("random", gen)
+    p = torch.randn(8, 6)
+    st = init_m4v4_state(p, (8, 6))
+    g = torch.randn(8, 6)
+    v_row, partials = m4v4_partials(g, st, HYPER.beta2)
+    before = {k: v.clone() for k, v in st.items()}
+    kw = dict(global_rows=8, v_row=v_row, partials=partials, pidx=0, seed=0)
+    assert not native.fused_m4v4_update_(p.double(), g.double(), st, codebook, ratio, HYPER, **kw)
+    assert not native.fused_m4v4_update_(p.t(), g.t(), st, codebook, ratio, HYPER, **kw)  # not contiguous
+    assert not native.fused_m4v4_update_(p, g, st, codebook[:8], ratio, HYPER, **kw)  # not 16 entries
+    assert not native.fused_m4v4_update_(p, g, st, codebook, ratio, HYPER, **(kw | {"partials": partials[:-1]}))
+    native.enabled = False
+    assert not native.fused_m4v4_update_(p, g, st, codebook, ratio, HYPER, **kw)
+    assert native.fused_m4v4_partials(g, st, HYPER.beta2) is None
+    assert not native.fused_adamw_update_(torch.zeros(3), torch.ones(3), init_m4v4_state(torch.zeros(3), (3,)), HYPER)
+    for k, v in st.items():
+        assert torch.equal(v, before[k]), k
