@@ -1,9 +1,12 @@
 """Gefen step time vs torch AdamW (foreach and fused) on transformer-shaped tensors, CPU, 2 threads.
 
 For each shape set (~25M and ~42M parameters, ``common.transformer_shapes``) the parameters get
-random gradients with row/column scale structure, then Gefen, ``AdamW(foreach=True)`` and
-``AdamW(fused=True)`` step the same parameters in interleaved rounds (so load changes on a shared
-machine hit all three alike); each number is the median over the rounds after one warm-up step.
+random gradients with row/column scale structure, then Gefen (the default m4v4 layout, fused C
+kernels), the same Gefen with the kernels off (its torch reference: identical numbers, measured in
+only the first ``REFERENCE_REPS`` rounds because one step takes seconds), Gefen with the m8 layout
+(the layout before issue 17), ``AdamW(foreach=True)`` and ``AdamW(fused=True)`` step the same
+parameters in interleaved rounds (so load changes on a shared machine hit all alike); each number
+is the median over the rounds after one warm-up step.
 Also measured: Gefen's first step (state allocation + codebook + step, on a fresh optimizer, one
 sample per shape set) as a multiple of its steady step, and the bytes of optimizer state per
 parameter. ``quick`` runs the 25M set only, with 3 rounds.
@@ -35,6 +38,7 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/bench_step.py`
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
+from benchmarks.bench_quality import state_bytes
 from benchmarks.common import (
     ROOT,
     machine_limits,
@@ -45,19 +49,19 @@ from benchmarks.common import (
     transformer_shapes,
     write_json,
 )
-from gefen import Gefen
+from gefen import Gefen, native
 
 SIZES = (25, 42)
 THREADS = 2
-KINDS = ("Gefen", "AdamW foreach", "AdamW fused")
+REFERENCE = "Gefen torch reference"
+KINDS = ("Gefen", REFERENCE, "Gefen m8", "AdamW foreach", "AdamW fused")
+REFERENCE_REPS = 3  # rounds that include the torch reference (quick: 1)
 
 
 def _native_state() -> str:
-    try:
-        from gefen import native
-    except ImportError:
-        return "eager (no native module)"
-    return "native fused C step" if native.available() else "eager torch ops (native step unavailable)"
+    if not native.available():
+        return "eager torch ops (native step unavailable)"
+    return "native fused C step" if native._m4v4_ok else "eager m4v4 torch ops (m4v4 kernels unavailable)"
 
 
 def _params(shapes, seed=0):
@@ -72,17 +76,13 @@ def _params(shapes, seed=0):
 
 def _make(kind, named):
     params = [p for _, p in named]
-    if kind == "Gefen":
+    if kind in ("Gefen", REFERENCE):
         return Gefen(named, lr=1e-4, weight_decay=0.01)
+    if kind == "Gefen m8":
+        return Gefen(named, lr=1e-4, weight_decay=0.01, moments="m8")
     if kind == "AdamW foreach":
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True)
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
-
-
-def _state_bytes(opt) -> int:
-    total = sum(v.nbytes for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
-    codebook = getattr(opt, "codebook", None)
-    return total + (codebook.nbytes if isinstance(codebook, torch.Tensor) else 0)
 
 
 def _timed(fn) -> float:
@@ -91,7 +91,17 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _measure(size: int, reps: int, first_samples: int) -> dict:
+def _step(kind, opt) -> float:
+    """Seconds of one step; the torch reference runs with the kernels off (same numbers)."""
+    saved = native.enabled
+    native.enabled = saved and kind != REFERENCE
+    try:
+        return _timed(opt.step)
+    finally:
+        native.enabled = saved
+
+
+def _measure(size: int, reps: int, first_samples: int, reference_reps: int) -> dict:
     shapes = transformer_shapes(size)
     n = numel(shapes)
     params = _params(shapes)
@@ -105,14 +115,15 @@ def _measure(size: int, reps: int, first_samples: int) -> dict:
         gc.collect()
     opts = {kind: _make(kind, named) for kind in KINDS}
     for kind, opt in opts.items():  # warm-up: AdamW allocates its state, Gefen takes its first step
-        seconds = _timed(opt.step)
+        seconds = _step(kind, opt)
         if kind == "Gefen":
             firsts.append(seconds)
     times = {kind: [] for kind in KINDS}
     for r in range(reps):
         order = KINDS[r % len(KINDS):] + KINDS[: r % len(KINDS)]
         for kind in order:
-            times[kind].append(_timed(opts[kind].step))
+            if kind != REFERENCE or r < reference_reps:
+                times[kind].append(_step(kind, opts[kind]))
     med = {kind: statistics.median(t) for kind, t in times.items()}
     result = {
         "params": n,
@@ -121,10 +132,11 @@ def _measure(size: int, reps: int, first_samples: int) -> dict:
         "ms_per_mparam": {kind: med[kind] * 1e3 / (n / 1e6) for kind in KINDS},
         "gefen_vs_foreach": med["Gefen"] / med["AdamW foreach"],
         "gefen_vs_fused": med["Gefen"] / med["AdamW fused"],
+        "speedup_vs_reference": med[REFERENCE] / med["Gefen"],
+        "gefen_vs_m8": med["Gefen"] / med["Gefen m8"],
         "first_step_s": firsts,
         "first_step_multiple": statistics.median(firsts) / med["Gefen"],
-        "bytes_per_param": {kind: _state_bytes(opts[kind]) / n for kind in KINDS},
-        "periods": sorted({int(st["period"]) for st in opts["Gefen"].state.values()}),
+        "bytes_per_param": {kind: state_bytes(opts[kind]) / n for kind in KINDS},
         "step_times_s": times,
     }
     del opts, params, named
@@ -182,13 +194,15 @@ def run(quick: bool = False) -> dict:
     warm.grad = torch.randn(64, 96)
     Gefen([warm]).step()
     limits = machine_limits()
-    reps, first_samples = (3, 1) if quick else (10, 1)
-    sizes = {f"{s}M": _measure(s, reps, first_samples) for s in (SIZES[:1] if quick else SIZES)}
+    reps, first_samples, reference_reps = (3, 1, 1) if quick else (10, 1, REFERENCE_REPS)
+    sizes = {f"{s}M": _measure(s, reps, first_samples, reference_reps) for s in (SIZES[:1] if quick else SIZES)}
     fresh = _fresh_processes(1 if quick else 3)
-    data = {"machine": limits, "threads": THREADS, "reps": reps, "quick": quick,
+    data = {"machine": limits, "threads": THREADS, "reps": reps, "reference_reps": reference_reps, "quick": quick,
             "gefen_path": _native_state(), "sizes": sizes, "fresh_process": fresh}
     write_json("step", data)
-    png = plot("step", {f"{k} ({v['params'] / 1e6:.1f}M)": v["ms_per_mparam"] for k, v in sizes.items()},
+    shown = [kind for kind in KINDS if kind != REFERENCE]  # the reference is ~100x off the scale
+    png = plot("step", {f"{k} ({v['params'] / 1e6:.1f}M)": {kind: v["ms_per_mparam"][kind] for kind in shown}
+                        for k, v in sizes.items()},
                ylabel="ms per million parameters", title=f"Optimizer step, CPU, {THREADS} threads (lower is better)")
     return {"title": "Optimizer step time (CPU)", "markdown": _markdown(data), "plots": [str(png)], "data": data}
 
@@ -197,7 +211,8 @@ def _markdown(data: dict) -> str:
     sizes, m = data["sizes"], data["machine"]
     intro = (
         f"`benchmarks/bench_step.py`: {data['threads']} threads, median of {data['reps']} interleaved steps "
-        f"after a warm-up step{' (quick run)' if data['quick'] else ''}; random gradients with row/column "
+        f"after a warm-up step ({data['reference_reps']} for the torch reference)"
+        f"{' (quick run)' if data['quick'] else ''}; random gradients with row/column "
         f"scale structure on transformer-shaped tensors (d=512, vocab 16384). Gefen path: {data['gefen_path']}. "
         f"Machine: {m['cpu']}, {m['cpu_count']} CPUs ({m['cpu_capability']}), memcpy {m['memcpy_gbps']} GB/s, "
         f"torch {m['torch']}."
@@ -206,11 +221,14 @@ def _markdown(data: dict) -> str:
     for name, r in sizes.items():
         ms = r["ms_per_mparam"]
         rows.append([f"{name} ({r['params'] / 1e6:.1f}M, {r['tensors']} tensors)", f"{ms['Gefen']:.2f}",
+                     f"{ms[REFERENCE]:.1f}", f"{r['speedup_vs_reference']:.0f}x", f"{ms['Gefen m8']:.2f}",
                      f"{ms['AdamW foreach']:.2f}", f"{ms['AdamW fused']:.2f}", f"{r['gefen_vs_foreach']:.2f}x",
                      f"{r['gefen_vs_fused']:.2f}x", f"{r['first_step_multiple']:.1f}x",
-                     f"{r['bytes_per_param']['Gefen']:.4f}", f"{r['bytes_per_param']['AdamW foreach']:.2f}"])
-    table = md_table(["shape set", "Gefen ms/M", "AdamW foreach ms/M", "AdamW fused ms/M", "Gefen/foreach",
-                      "Gefen/fused", "first step / steady", "Gefen B/param", "AdamW B/param"], rows)
+                     f"{r['bytes_per_param']['Gefen']:.4f}", f"{r['bytes_per_param']['Gefen m8']:.4f}",
+                     f"{r['bytes_per_param']['AdamW foreach']:.2f}"])
+    table = md_table(["shape set", "Gefen (m4v4, C) ms/M", "m4v4 torch reference ms/M", "C speed-up",
+                      "Gefen m8 (C) ms/M", "AdamW foreach ms/M", "AdamW fused ms/M", "Gefen/foreach", "Gefen/fused",
+                      "first step / steady", "Gefen B/param", "m8 B/param", "AdamW B/param"], rows)
 
     def verdict(ok):
         return "met" if ok else "**not met**"

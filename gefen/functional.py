@@ -197,6 +197,8 @@ def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float) -> tuple[torch.
     """Phase 1 of an m4v4 step for a coded tensor: the new ``v_row`` (rank-local) and the float64
     partial sums that need a global reduction, ``[column sums of g^2 (C values), sum of the new
     v_row, sum of the old v_row]``. Row statistics are float64 sums rounded once."""
+    if (fused := native.fused_m4v4_partials(grad, state, beta2)) is not None:  # same numbers, one C call
+        return fused
     g = _rows(grad)
     sq = g * g
     row_sum = sq.sum(1, dtype=torch.float64)
@@ -300,6 +302,8 @@ def m4v4_update_(
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper) -> None:
     """An m4v4 step of a 1-D/0-D tensor: exact AdamW with the m4v4 op discipline, in place."""
+    if native.fused_adamw_update_(param, grad, state, h):
+        return  # one C call, bit-identical (gefen/native.py)
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1
     g = grad.float()

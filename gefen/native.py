@@ -728,7 +728,3 @@ def _write_entry(path: str, entry: dict) -> None:
     except OSError:
         pass
 
-
-def fused_m4v4_update_(*args, **kwargs) -> bool:
-    """``gefen.functional.m4v4_update_`` in one C call; False (touching nothing) until it exists."""
-    return False
