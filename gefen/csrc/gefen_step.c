@@ -429,16 +429,10 @@ static int max_threads(void) {
 #endif
 }
 
-/* ----- phase 1: second_moment_partials ---------------------------------------------------
+/* ----- phase 1: second_moment_partials (m8) and m4v4_partials -----------------------------
  * v_row_new = v_row * b2 + mean_cols(g^2) * (1 - b2)          (fp32, two products and a sum)
- * partials  = [sum_rows(g^2) as float64..., sum(v_row_new) as float64]
+ * partials  = [sum_rows(g^2) as float64..., sum(v_row_new) as float64 (, m4v4: sum(v_row) too)]
  */
-/* ----- phase 1 in one pass --------------------------------------------------------------------
- * Column sums in "A" order are one cascade down all rows per column: level-1 chunks of S rows,
- * level-2 chunks of S^2 rows, ... (S = 2^level_power(rows)).  A thread that owns whole level-2
- * chunks computes their sums exactly as the sequential cascade would (both levels start from 0
- * at a chunk boundary), and so can also compute the row sums of the rows it streams.  The
- * levels above are then combined per column, in order, by combine_chunks. */
 /* float64 sum of row r's g^2, as sq.sum(1, dtype=float64) computes it (torch casts sq to float64
  * first); `single` = the matrix has one row (then torch may take its two-pass strategy). */
 static double row_sumd(const void *g, int dt, int64_t r, int64_t cols, int Wd, int T, int single) {
@@ -446,15 +440,29 @@ static double row_sumd(const void *g, int dt, int64_t r, int64_t cols, int Wd, i
     return 0.0 + (dt == DT_F32 ? inner_sqd_f32(g, r * cols, cols, Wd) : inner_sqd_bf16(g, r * cols, cols, Wd));
 }
 
+/* Row r's mean of g^2 as each layout's reference forms it: m8 sq.mean(1) (fp32 sum / cols), m4v4
+ * fp32(sq.sum(1, dtype=float64) / len) with len the global row length. */
+static float row_mean_sq(const void *g, int dt, int64_t r, int64_t cols, int W, int T, int single, int m4v4,
+                         double len) {
+    if (m4v4) return (float)(row_sumd(g, dt, r, cols, W / 2, T, single) / len);
+    return tsum_sq(g, dt, r * cols, cols, W, T, single) / (float)cols;
+}
+
+/* ----- phase 1 in one pass --------------------------------------------------------------------
+ * Column sums in "A" order are one cascade down all rows per column: level-1 chunks of S rows,
+ * level-2 chunks of S^2 rows, ... (S = 2^level_power(rows)).  A thread that owns whole level-2
+ * chunks computes their sums exactly as the sequential cascade would (both levels start from 0
+ * at a chunk boundary), and so can also compute the row sums of the rows it streams.  The
+ * levels above are then combined per column, in order, by combine_chunks. */
 typedef struct {
     const void *g;
     int dt, W, T;
     int64_t rows, cols, S, S2, nfull;
     const float *v_row_old;
     float *v_row_new;
-    float b2, o2, fcols;
-    int m4v4;     /* row statistics: 1 = float64 sum / dcols (m4v4), 0 = fp32 mean (m8) */
-    double dcols; /* m4v4: the global row length */
+    float b2, o2;
+    int m4v4;   /* row statistics of the m4v4 layout (see row_mean_sq) */
+    double len; /* m4v4: the global row length */
     double *c2;   /* [nfull][cols]: level-2 chunk sums */
     double *tail; /* [2][cols]: the last, partial chunk's level-1 sum and trailing rows */
 } p1ctx;
@@ -488,8 +496,7 @@ static void phase1_chunks(const p1ctx *x, int64_t k0, int64_t k1, double *acc) {
         memset(acc, 0, (size_t)(2 * cols) * sizeof(double));
         int64_t in_chunk1 = 0;
         for (int64_t r = r0; r < r1; ++r) {
-            float mean = x->m4v4 ? (float)(row_sumd(x->g, x->dt, r, cols, x->W / 2, x->T, 0) / x->dcols)
-                                 : (0.0f + inner_sq(x->g, x->dt, r * cols, cols, x->W)) / x->fcols;
+            float mean = row_mean_sq(x->g, x->dt, r, cols, x->W, x->T, 0, x->m4v4, x->len);
             x->v_row_new[r] = x->v_row_old[r] * x->b2 + mean * x->o2;
             add_sq_row(a0, x->g, x->dt, r * cols, cols);
             if (++in_chunk1 == x->S) {
@@ -527,13 +534,12 @@ static void combine_chunks(const p1ctx *x, int lp, int has_tail, int64_t c0, int
 /* Returns 0, or -1 when it does not apply / is out of memory (then nothing useful was written). */
 static int phase1_one_pass(const void *grad, int dt, int64_t rows, int64_t cols, const float *v_row_old,
                            float *v_row_new, double *partials, float b2, float o2, int W, int T, int nthreads,
-                           int m4v4, double dcols) {
+                           int m4v4, double len) {
     const int lp = level_power(rows);
     const int64_t S = (int64_t)1 << lp, S2 = S * S;
     const int64_t nfull = rows / S2, nchunks = divup(rows, S2);
     if (cols < 2 || nchunks < nthreads || (rows == 1 && cols >= GRAIN && T > 1)) return -1;
-    p1ctx x = {grad, dt, W, T, rows, cols, S, S2, nfull, v_row_old, v_row_new, b2, o2, (float)cols, m4v4, dcols,
-               NULL, NULL};
+    p1ctx x = {grad, dt, W, T, rows, cols, S, S2, nfull, v_row_old, v_row_new, b2, o2, m4v4, len, NULL, NULL};
     x.c2 = (double *)malloc((size_t)(nfull * cols + 2 * cols) * sizeof(double));
     double *accs = (double *)malloc((size_t)nthreads * (size_t)(2 * cols) * sizeof(double));
     if (!x.c2 || !accs) {
@@ -569,50 +575,42 @@ static int phase1_one_pass(const void *grad, int dt, int64_t rows, int64_t cols,
     return 0;
 }
 
-GEFEN_EXPORT int gefen_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols,
-                                const float *v_row_old, float *v_row_new, double *partials,
-                                double beta2, double omb2, int32_t W, int32_t T) {
-    if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0) return -2;
-    const float b2 = (float)beta2, o2 = (float)omb2, fcols = (float)cols;
+/* Phase 1 of either layout; m4v4 adds sum(v_row_old) at partials[cols + 1]. */
+static int partials_impl(const void *grad, int32_t gdt, int64_t rows, int64_t cols, const float *v_row_old,
+                         float *v_row_new, double *partials, double beta2, double omb2, int32_t W, int32_t T, int m4v4,
+                         int64_t len) {
+    if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0 || len < 1) return -2;
+    const float b2 = (float)beta2, o2 = (float)omb2;
     const int single = rows == 1, nthreads = max_threads();
     if (rows * cols < PAR_MIN || phase1_one_pass(grad, gdt, rows, cols, v_row_old, v_row_new, partials, b2, o2, W, T,
-                                                 nthreads, 0, 0.0) != 0) {
+                                                 nthreads, m4v4, (double)len) != 0) {
         int64_t r = 0;
 #pragma omp parallel for schedule(static) if (rows * cols >= PAR_MIN)
         for (r = 0; r < rows; ++r) {
-            float mean = tsum_sq(grad, gdt, r * cols, cols, W, T, single) / fcols;
+            float mean = row_mean_sq(grad, gdt, r, cols, W, T, single, m4v4, (double)len);
             v_row_new[r] = v_row_old[r] * b2 + mean * o2;
         }
         column_sums(grad, gdt, rows, cols, W / 2, T, partials, nthreads);
     }
     partials[cols] = tsum_d_f32(v_row_new, rows, W / 2, T);
+    if (m4v4) partials[cols + 1] = tsum_d_f32(v_row_old, rows, W / 2, T);
     return 0;
 }
 
-/* m4v4's phase 1 (the m4v4 reference's partials): row statistics are float64 sums divided by the
+GEFEN_EXPORT int gefen_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols,
+                                const float *v_row_old, float *v_row_new, double *partials,
+                                double beta2, double omb2, int32_t W, int32_t T) {
+    return partials_impl(grad, gdt, rows, cols, v_row_old, v_row_new, partials, beta2, omb2, W, T, 0, cols);
+}
+
+/* m4v4's phase 1 (functional.m4v4_partials): row statistics are float64 sums divided by the
  * global row length and rounded once,
  *   v_row_new = v_row * b2 + fp32(sum_cols(g^2) / global_cols) * (1 - b2)
  *   partials  = [sum_rows(g^2) as float64..., sum(v_row_new), sum(v_row_old)]   (cols + 2 values) */
 GEFEN_EXPORT int gefen_m4v4_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols, int64_t global_cols,
                                      const float *v_row_old, float *v_row_new, double *partials, double beta2,
                                      double omb2, int32_t W, int32_t T) {
-    if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0 || global_cols < 1) return -2;
-    const float b2 = (float)beta2, o2 = (float)omb2;
-    const double dcols = (double)global_cols;
-    const int single = rows == 1, nthreads = max_threads();
-    if (rows * cols < PAR_MIN || phase1_one_pass(grad, gdt, rows, cols, v_row_old, v_row_new, partials, b2, o2, W, T,
-                                                 nthreads, 1, dcols) != 0) {
-        int64_t r = 0;
-#pragma omp parallel for schedule(static) if (rows * cols >= PAR_MIN)
-        for (r = 0; r < rows; ++r) {
-            float mean = (float)(row_sumd(grad, gdt, r, cols, W / 2, T, single) / dcols);
-            v_row_new[r] = v_row_old[r] * b2 + mean * o2;
-        }
-        column_sums(grad, gdt, rows, cols, W / 2, T, partials, nthreads);
-    }
-    partials[cols] = tsum_d_f32(v_row_new, rows, W / 2, T);
-    partials[cols + 1] = tsum_d_f32(v_row_old, rows, W / 2, T);
-    return 0;
+    return partials_impl(grad, gdt, rows, cols, v_row_old, v_row_new, partials, beta2, omb2, W, T, 1, global_cols);
 }
 
 /* ----- the quantiser ------------------------------------------------------------------------ */
