@@ -278,8 +278,7 @@ def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
         a.v_row, a.v_col, a.v_row_new, a.partials = (t.data_ptr() for t in extra)
     else:
         a.v = extra[0].data_ptr()
-    direct_step = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
-    a.step_ptr = step_t.data_ptr() if direct_step else None
+    a.step_ptr = _step_pointer(step_t)
     a.global_rows, a.step = global_rows, step
     # scalars exactly as gefen_update_ forms them (Python floats, cast to fp32 in C like torch does)
     a.omb1, a.beta2, a.omb2 = 1 - h.beta1, h.beta2, 1 - h.beta2
@@ -288,9 +287,16 @@ def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
     a.param_dtype, a.factored = pdt, factored
     if _lib.gefen_step(ctypes.byref(a)) != 0:
         return False
-    if not direct_step:
+    if a.step_ptr is None:
         step_t.fill_(step)
     return True
+
+
+def _step_pointer(step_t: torch.Tensor) -> int | None:
+    """Where the kernel may write the new step count (an int64 CPU scalar), else None: the caller
+    fills it after the call."""
+    ok = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
+    return step_t.data_ptr() if ok else None
 
 
 def fused_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor | None:
@@ -387,8 +393,7 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
     a = _M4v4Args()
     a.param, a.grad, a.codes, a.m_scale = param.data_ptr(), grad.data_ptr(), codes.data_ptr(), scale.data_ptr()
     a.v_row, a.v_row_new, a.v_col, a.partials = v_row_old.data_ptr(), v_row.data_ptr(), v_col.data_ptr(), partials.data_ptr()
-    direct_step = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
-    a.step_ptr = step_t.data_ptr() if direct_step else None
+    a.step_ptr = _step_pointer(step_t)
     a.codebook, a.ratios = codebook.data_ptr(), ratio.data_ptr()
     a.rows, a.cols, a.global_rows, a.global_cols = rows, cols, global_rows, cols if row_len is None else row_len
     a.row_offset, a.col_offset, a.step = row0, col0, step
@@ -397,7 +402,7 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
     a.param_dtype, a.grad_dtype = pdt, gdt
     if _lib.gefen_m4v4_step(ctypes.byref(a)) != 0:
         return False
-    if not direct_step:
+    if a.step_ptr is None:
         step_t.fill_(step)
     return True
 
@@ -416,14 +421,13 @@ def fused_adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h)
     step = int(step_t) + 1
     a = _AdamwArgs()
     a.param, a.grad, a.exp_avg, a.exp_avg_sq = param.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr()
-    direct_step = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
-    a.step_ptr = step_t.data_ptr() if direct_step else None
+    a.step_ptr = _step_pointer(step_t)
     a.n, a.step = param.numel(), step
     _set_scalars(a, h, step)
     a.param_dtype, a.grad_dtype = pdt, gdt
     if _lib.gefen_adamw_step(ctypes.byref(a)) != 0:
         return False
-    if not direct_step:
+    if a.step_ptr is None:
         step_t.fill_(step)
     return True
 
