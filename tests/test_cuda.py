@@ -32,7 +32,8 @@ def _run(device: str, steps: int = 3, dtype=torch.float32, **kwargs):
 
 @pytest.mark.parametrize("factored", [True, False])
 def test_cuda_step_tracks_the_cpu_reference(factored):
-    (cpu_params, cpu_opt), (gpu_params, gpu_opt) = (_run(d, factored_v_2d=factored) for d in ("cpu", "cuda"))
+    (cpu_params, cpu_opt), (gpu_params, gpu_opt) = (_run(d, factored_v_2d=factored, moments="m8")
+                                                    for d in ("cpu", "cuda"))
     for (name, a), (_, b) in zip(cpu_params, gpu_params):
         assert b.device.type == "cuda"
         torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5, msg=name)
@@ -43,10 +44,15 @@ def test_cuda_step_tracks_the_cpu_reference(factored):
 
 
 def test_cuda_bf16_parameters_keep_fp32_state():
-    params, opt = _run("cuda", dtype=torch.bfloat16)
+    params, opt = _run("cuda", dtype=torch.bfloat16, moments="m8")
     for _, p in params:
         assert p.dtype == torch.bfloat16 and torch.isfinite(p.float()).all()
         assert opt.state[p]["m_scale"].dtype == torch.float32
+    params, opt = _run("cuda", dtype=torch.bfloat16)  # the default layout: bf16 row scale, fp32 statistics
+    for _, p in params:
+        assert p.dtype == torch.bfloat16 and torch.isfinite(p.float()).all()
+        st = opt.state[p]
+        assert st["m_row_scale"].dtype == torch.bfloat16 if p.dim() >= 2 else st["exp_avg"].dtype == torch.float32
 
 
 def test_muon_steps_on_cuda():
