@@ -184,11 +184,10 @@ class Gefen(CompressedOptimizer):
         sums = flat.split([parts.numel() for *_, parts in factored])
         return {i: (v_row, plan.take_partials(p, total, _row_len(p))) for (i, p, v_row, _), total in zip(factored, sums)}
 
-    def _split_rows(self, work) -> list[tuple[int, dict, torch.Tensor, torch.Tensor]]:
-        """The coded tensors whose columns tensor parallelism splits: (position, group, param, grad)."""
+    def _split_rows(self, work) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
+        """The coded tensors whose columns tensor parallelism splits: (group, param, grad)."""
         plan = self.reduction_plan()
-        return [(i, g, p, grad) for i, (g, p, grad) in enumerate(work)
-                if "mv_code" in self.state[p] and plan.splits_columns(p)]
+        return [(g, p, grad) for g, p, grad in work if "mv_code" in self.state[p] and plan.splits_columns(p)]
 
     def _step_m8(self, work) -> None:
         pending = self._reduced_partials(work, "v_row", lambda p, *args: second_moment_partials(*args))
@@ -205,7 +204,7 @@ class Gefen(CompressedOptimizer):
         plan, split = self.reduction_plan(), self._split_rows(work)
         # tensor parallelism: whole rows' sums of g^2 first (one collective for every split tensor)
         sums = plan.reduce_rows_("sum", [row_square_sums(local_tensor(grad)) for *_, grad in split])
-        row_sums = {id(p): s for (_, _, p, _), s in zip(split, sums)}
+        row_sums = {id(p): s for (_, p, _), s in zip(split, sums)}
         pending = self._reduced_partials(
             work, "mv_code", lambda p, g, state, beta2: m4v4_partials(g, state, beta2, row_sum=row_sums.get(id(p)),
                                                                       row_len=_row_len(p)),
@@ -216,8 +215,8 @@ class Gefen(CompressedOptimizer):
         # tensor parallelism: whole rows' max |m| (one collective for every split tensor)
         maxes = plan.reduce_rows_("max", [row_abs_max(m4v4_momentum(local_tensor(grad), self.state[p],
                                                                     codebook.to(grad.device), group["betas"][0]))
-                                          for _, group, p, grad in split])
-        row_max = {i: m for (i, *_), m in zip(split, maxes)}
+                                          for group, p, grad in split])
+        row_max = {id(p): m for (_, p, _), m in zip(split, maxes)}
         ratios = {}  # device -> ratio table
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for i, (group, p, grad) in enumerate(work):
@@ -233,7 +232,7 @@ class Gefen(CompressedOptimizer):
             row0, col0 = plan.offsets(p)
             m4v4_update_(local, local_grad, self.state[p], codebook.to(local.device), ratios[local.device], h,
                          global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=position[id(p)],
-                         seed=group["seed"], row0=row0, col0=col0, row_len=_row_len(p), row_max=row_max.get(i))
+                         seed=group["seed"], row0=row0, col0=col0, row_len=_row_len(p), row_max=row_max.get(id(p)))
 
     def _v_book(self, device) -> torch.Tensor:
         return standin_codebook(device) if self.v_codebook is None else self.v_codebook.to(device)
