@@ -28,9 +28,8 @@ def make_model(seed: int = 0) -> torch.nn.Module:
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     tensors = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    codebook = getattr(optimizer, "codebook", None)
-    if codebook is not None:
-        tensors.append(codebook)
+    books = optimizer.global_books() if hasattr(optimizer, "global_books") else {}  # Gefen's codebooks
+    tensors += [getattr(optimizer, name) for name in books if getattr(optimizer, name) is not None]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -193,6 +193,11 @@ def test_keywords_and_overrides_reach_the_right_child():
     default = GefenMuonHybrid(TinyGPT())
     assert default.children["muon"].param_groups[0]["adjust_lr"] == "match_rms_adamw"
     assert isinstance(default.children["backup"], Gefen) and isinstance(default.children["muon"], GefenMuon)
+    # the Gefen backup takes Gefen's default layout (and its keywords); GefenMuon keeps 8-bit momentum
+    assert default.children["backup"].moments == "m4v4" and default.children["muon"].codebook_size == 256
+    seeded = GefenMuonHybrid(TinyGPT(), moments="m8", seed=3)
+    assert seeded.children["backup"].moments == "m8" and seeded.children["backup"].param_groups[0]["seed"] == 3
+    assert seeded.contract().child("backup").version == "1" and default.contract().child("backup").version == "2"
 
 
 # ----- one torch optimizer -----------------------------------------------------------------------

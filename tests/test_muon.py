@@ -209,7 +209,7 @@ def test_momentum_state_is_gefens_encoder_bit_for_bit():
     grads = [torch.randn(shape, generator=gen) * torch.linspace(0.1, 3, shape[1]) for _ in range(4)]
     a, b = torch.nn.Parameter(torch.randn(shape)), torch.nn.Parameter(torch.randn(shape))
     muon = GefenMuon([("w", a)], momentum=0.9)
-    gef = Gefen([("w", b)], betas=(0.9, 0.999))
+    gef = Gefen([("w", b)], betas=(0.9, 0.999), moments="m8")  # GefenMuon keeps the m8 momentum
     m = torch.zeros(shape)
     for g in grads:
         a.grad, b.grad = g.clone(), g.clone()
