@@ -127,7 +127,7 @@ def synthetic_gefen(shapes: dict[str, tuple[int, ...]], seed: int):
     matrices (always a legal period), per-element state for vectors, a sorted codebook."""
     gen = torch.Generator().manual_seed(seed)
     params = [(name, nn.Parameter(torch.zeros(shape))) for name, shape in shapes.items()]
-    opt = gefen.Gefen(params, lr=1e-3)
+    opt = gefen.Gefen(params, lr=1e-3, moments="m8")  # m8 state, written directly
     codebook = torch.sort(torch.rand(256, generator=gen) * 2 - 1).values
     codebook[0], codebook[-1] = -1.0, 1.0
     state = {}

@@ -57,7 +57,7 @@ def refused(target, url, error, *names):
     return str(info.value)
 
 
-def piece(url, fqn="up.weight", field="m_code"):
+def piece(url, fqn="up.weight", field="mv_code"):
     m = gefen_ckpt.read_manifest(url)
     p = m["params"][fqn]["fields"][field]["pieces"][0]
     return os.path.join(url, m["files"][p["file"]]["name"]), p
@@ -89,7 +89,7 @@ def read_path(request, monkeypatch):
 def test_truncated_data_file(ck, target):
     path, _ = piece(ck)
     os.truncate(path, os.path.getsize(path) - 7)
-    refused(target, ck, CheckpointCorruptError, os.path.basename(path), "up.weight/m_code", "truncated")
+    refused(target, ck, CheckpointCorruptError, os.path.basename(path), "up.weight/mv_code", "truncated")
     assert not gefen_ckpt.verify(ck).ok
 
 
@@ -101,11 +101,11 @@ def test_flipped_byte_names_file_and_fqn(ck, target):
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x10]))
-    refused(target, ck, CheckpointCorruptError, os.path.basename(path), "up.weight/m_code", "checksum")
+    refused(target, ck, CheckpointCorruptError, os.path.basename(path), "up.weight/mv_code", "checksum")
     report = gefen_ckpt.verify(ck)
-    assert not report.ok and any("up.weight/m_code" in m and "checksum" in m for m in report.problems)
-    with pytest.raises(CheckpointCorruptError, match="up.weight/m_code"):  # lazy partial reads verify too
-        gefen_ckpt.read(ck).params["up.weight"].fields["m_code"].read(0, 1)
+    assert not report.ok and any("up.weight/mv_code" in m and "checksum" in m for m in report.problems)
+    with pytest.raises(CheckpointCorruptError, match="up.weight/mv_code"):  # lazy partial reads verify too
+        gefen_ckpt.read(ck).params["up.weight"].fields["mv_code"].read(0, 1)
 
 
 def test_flipped_byte_in_safetensors_header_is_found_by_verify(ck):
@@ -120,7 +120,7 @@ def test_flipped_byte_in_safetensors_header_is_found_by_verify(ck):
 def test_missing_data_file(ck, target):
     path, _ = piece(ck)
     os.remove(path)
-    refused(target, ck, CheckpointCorruptError, os.path.basename(path), "missing", "up.weight/m_code")
+    refused(target, ck, CheckpointCorruptError, os.path.basename(path), "missing", "up.weight/mv_code")
     assert any("missing" in m for m in gefen_ckpt.verify(ck).problems)
 
 
@@ -172,15 +172,15 @@ def test_not_our_format(ck, target):
 
 def test_coverage_gap_and_overlap_are_format_errors(ck, target):
     def drop(m):
-        m["params"]["embed.weight"]["fields"]["m_code"]["pieces"][0]["rows"][0] += 1
+        m["params"]["embed.weight"]["fields"]["mv_code"]["pieces"][0]["rows"][0] += 1
 
     rewrite_manifest(ck, drop)
-    refused(target, ck, CheckpointFormatError, "embed.weight", "m_code")
+    refused(target, ck, CheckpointFormatError, "embed.weight", "mv_code")
 
 
 def test_pieces_sharing_bytes_are_a_format_error_naming_both(ck, target):
     m = gefen_ckpt.read_manifest(ck)
-    a = m["params"]["up.weight"]["fields"]["m_code"]["pieces"][0]
+    a = m["params"]["up.weight"]["fields"]["mv_code"]["pieces"][0]
     size = m["files"][a["file"]]["bytes"]
     b = next(p for e in m["params"].values() for f in e["fields"].values() for p in f["pieces"]
              if p["file"] == a["file"] and p["offset"] != a["offset"] and a["offset"] + p["bytes"] <= size)
@@ -193,7 +193,7 @@ def test_pieces_sharing_bytes_are_a_format_error_naming_both(ck, target):
                         p["offset"] = a["offset"]
 
     rewrite_manifest(ck, alias)
-    message = refused(target, ck, CheckpointFormatError, "overlaps", "params['up.weight'].fields['m_code'].pieces[0]")
+    message = refused(target, ck, CheckpointFormatError, "overlaps", "params['up.weight'].fields['mv_code'].pieces[0]")
     assert message.count(".pieces[") == 2, message
 
 

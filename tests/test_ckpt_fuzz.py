@@ -122,7 +122,7 @@ def test_damaged_manifest_bytes(base, data):
 
 def test_hostile_sizes_are_refused_before_allocation(base):
     m = copy.deepcopy(base[1])
-    field = m["params"]["up.weight"]["fields"]["m_code"]
+    field = m["params"]["up.weight"]["fields"]["mv_code"]
     field["shape"] = [2**40, 16]  # a terabyte of codes, but the files hold kilobytes
     with pytest.raises(CheckpointError):
         _exercise_raising(base, m)

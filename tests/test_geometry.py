@@ -58,21 +58,30 @@ def test_the_optimizer_allocates_state_from_the_shape_alone():
     nothing is learned from zeros (the codebook stays unlearned, the moments zero)."""
     w, b = torch.nn.Parameter(torch.randn(12, 40)), torch.nn.Parameter(torch.randn(12))
     w.grad, b.grad = torch.zeros_like(w), torch.zeros_like(b)
-    opt = Gefen([w, b], lr=0.0)
+    opt = Gefen([w, b], lr=0.0, moments="m8")
     opt.step()
     assert int(opt.state[w]["period"]) == 40 and opt.state[w]["m_scale"].shape == (12, 1)
     assert opt.codebook is None
     assert not opt.state[w]["m_scale"].any() and not opt.state[w]["v_row"].any()
+    default = Gefen([w, b], lr=0.0)  # m4v4: no period, rows are the blocks
+    default.step()
+    assert default.state[w]["m_row_scale"].shape == (12,) and default.state[b]["exp_avg"].shape == (12,)
+    assert default.codebook is None and default.v_codebook is None
+    assert not default.state[w]["m_row_scale"].any() and not default.state[w]["v_row"].any()
+    assert not default.state[b]["exp_avg"].any() and not default.state[b]["exp_avg_sq"].any()
 
 
 def test_optimizer_gives_vectors_and_scalars_period_one():
     """The optimizer's state agrees: P = 1 and one block per element for 1-D/0-D parameters."""
     vec, scalar = torch.nn.Parameter(torch.randn(40)), torch.nn.Parameter(torch.tensor(0.5))
     vec.grad, scalar.grad = planted((40,), 1, 0), torch.tensor(0.25)
-    opt = Gefen([vec, scalar])
+    opt = Gefen([vec, scalar], moments="m8")
     opt.step()
     assert int(opt.state[vec]["period"]) == 1 and opt.state[vec]["m_scale"].shape == (40, 1)
     assert int(opt.state[scalar]["period"]) == 1 and opt.state[scalar]["m_scale"].shape == (1, 1)
+    default = Gefen([vec, scalar])  # m4v4: AdamW's exact per-element moments
+    default.step()
+    assert default.state[vec]["exp_avg"].shape == (40,) and default.state[scalar]["exp_avg_sq"].shape == ()
 
 
 @pytest.mark.parametrize("shape,period", [((6, 12), 4), ((6, 12), 12), ((6, 12), 1), ((4, 3, 2, 5), 10), ((), 1), ((9,), 1)])
