@@ -241,7 +241,7 @@ def _target_group(target: str, g: dict, options: dict) -> dict:
 
 
 def _gefen_contracts() -> dict[str, OptimizerContract]:
-    from gefen.optimizer import CONTRACTS
+    from gefen.layouts import CONTRACTS
 
     return CONTRACTS
 

@@ -26,7 +26,7 @@ from gefen.contract import (
     join_composite,
 )
 from gefen.distributed import as_field_dtensor
-from gefen.optimizer import version_refusal
+from gefen.layouts import version_refusal
 from gefen_ckpt import layout
 from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState
 from gefen_ckpt.collective import agree
