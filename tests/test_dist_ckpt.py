@@ -32,7 +32,8 @@ def _optimizer(kind: str, params: dict[str, torch.Tensor]):
     named = list(params.items())
     if kind == "adamw":
         return torch.optim.AdamW(named, lr=1e-2, weight_decay=0.1)
-    return Gefen(named, lr=1e-2, weight_decay=0.1, factored_v_2d=kind == "gefen-factored")
+    factored = kind == "gefen-factored"  # the default layout; "gefen-block" is m8's per-block v
+    return Gefen(named, lr=1e-2, weight_decay=0.1, factored_v_2d=factored, moments="m4v4" if factored else "m8")
 
 
 def _session(kind: str, steps: range, load_from: str | None, save_to: str | None, mesh=None):
