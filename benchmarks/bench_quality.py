@@ -403,7 +403,10 @@ def run(quick: bool) -> dict:
         "chosen on, `packages` one not tuned on. `gefen` is the production default (`moments='m4v4'`, state "
         "bytes as allocated), `gefen-m8` the layout before issue 17; `p-*` rows are the eager prototype "
         "`benchmarks/fidelity_variants.py` (state bytes as packed codes + fp32 per-row/column statistics); the "
-        "target is <= 1.005 x AdamW at <= 1.05 B/param. "
+        "target is <= 1.005 x AdamW at <= 1.05 B/param. `gefen` beating AdamW by more than the seed spread is "
+        "partly larger steps (its decoded second moment is ~10% below the exact one in geometric mean: "
+        "docs/decisions.md, \"The default's loss on real text\"). `muon` is torch.optim.Muon on the hidden "
+        "matrices and AdamW on the rest, routed and scaled as `hybrid` routes GefenMuon and its Gefen backup. "
         "\"vs AdamW\" divides by AdamW's mean over the same seeds.",
         "",
         md_table(header, rows),
