@@ -61,14 +61,6 @@ def test_cuda_default_step_runs_the_triton_kernels(monkeypatch):
     assert calls == [3, 1] * 2  # the three matrices in one batch, the 1-D norm in another
 
 
-def test_cuda_bf16_parameters_keep_their_dtype_and_state_layout():
-    params, opt = _run("cuda", dtype=torch.bfloat16)
-    for _, p in params:
-        assert p.dtype == torch.bfloat16 and torch.isfinite(p.float()).all()
-        assert all(v.dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.int64)
-                   for v in opt.state[p].values())
-
-
 def test_cuda_bf16_parameters_keep_fp32_state():
     params, opt = _run("cuda", dtype=torch.bfloat16, moments="m8")
     for _, p in params:
