@@ -138,7 +138,7 @@ def _markdown(data: dict) -> str:
     children = md_table(["child", "state B/param of its own parameters"],
                         [[k, f"{v:.4f}"] for k, v in data["child_bytes_per_param"].items()])
     gefen_bytes = data["bytes_per_param"][KINDS[1]]
-    target = md_table(["what (SPEC 12)", "target", "hybrid, Gefen backup", "status"],
+    target = md_table(["what (docs/design.md 12)", "target", "hybrid, Gefen backup", "status"],
                       [["optimizer state, bytes/param", "<= 1.05", f"{gefen_bytes:.4f}",
                         "met" if gefen_bytes <= 1.05 else "**not met**"]])
     return f"{intro}\n\n{table}\n\n{children}\n\n{target}\n"

@@ -242,7 +242,7 @@ def _markdown(data: dict) -> str:
     ):
         values = [key(r) for r in sizes.values()]
         targets.append([label, target, " / ".join(f"{v:.3g}" for v in values), verdict(max(values) <= limit)])
-    target_table = md_table(["what (SPEC 12 / issue 2)", "target", " / ".join(sizes), "status"], targets)
+    target_table = md_table(["what (docs/design.md 12 / issue 2)", "target", " / ".join(sizes), "status"], targets)
     return f"{intro}\n\n{table}\n\n{target_table}\n\n{_fresh_markdown(data['fresh_process'])}"
 
 

@@ -13,7 +13,7 @@ The convention each benchmark module follows::
         return {
             "title": str,       # heading of its section in docs/benchmarks.md
             "markdown": str,    # the section body: what was measured and how, a table of the
-                                #   numbers, and a table against the SPEC 12 targets they answer to
+                                #   numbers, and a table against the docs/design.md 12 targets they answer to
                                 #   (ratios to baselines measured in the same run, since absolute
                                 #   times on shared machines are noisy)
             "plots": [str],     # paths of the PNGs it wrote (usually benchmarks/out/*.png)

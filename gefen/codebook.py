@@ -1,6 +1,6 @@
 """The optimizer-wide codebook: histogram, exact pinned 1-D k-means, nearest-code lookup.
 
-SPEC 3.1 "Learning the codebook".  Pure functions, no optimizer state.  The k-means solver
+docs/design.md 3.1 "Learning the codebook".  Pure functions, no optimizer state.  The k-means solver
 runs a native divide-and-conquer DP (``gefen/csrc/kmeans_dp.c``, built as
 ``gefen._kmeans_dp`` and loaded with ctypes) and falls back to a vectorised numpy version
 of the same algorithm, with identical floating-point results, when the library is missing.

@@ -1,4 +1,4 @@
-"""Contracts: how the checkpoint subsystem sees an optimizer's state (SPEC section 4).
+"""Contracts: how the checkpoint subsystem sees an optimizer's state (docs/design.md 4).
 
 A contract is a frozen, msgpack-able description of every state field: its name, dtype and
 *geometry*, which says how the field is laid out relative to the parameter and therefore how

@@ -1,4 +1,4 @@
-"""Gefen's per-parameter math (SPEC 3.1), free of optimizer bookkeeping.
+"""Gefen's per-parameter math (docs/design.md 3.1), free of optimizer bookkeeping.
 
 A step is two phases so that distributed runs need one all-reduce per step:
 ``second_moment_partials`` computes what must be summed over ranks (factored tensors only),
@@ -99,7 +99,7 @@ def gefen_update_(
     v_row: torch.Tensor | None = None,
     partials: torch.Tensor | None = None,
 ) -> None:
-    """Apply one Gefen step in place (SPEC 3.1 steps 1-4).
+    """Apply one Gefen step in place (docs/design.md 3.1, m8).
 
     ``v_row``/``partials`` are the factored tensor's results of ``second_moment_partials`` after
     the global sum; block-path tensors pass neither.

@@ -3,7 +3,7 @@
 Every block is a contiguous run of ``P`` elements inside one row of the *global* parameter
 (``rows = shape[0]``, ``row_numel = prod(shape[1:])``), so ``P`` always divides ``row_numel``.
 Any split along dim 0 therefore hands every rank whole blocks: that is what makes the
-compressed state reshardable bit-exactly (SPEC section 1).
+compressed state reshardable bit-exactly (docs/design.md 1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``GefenMuonHybrid``: Muon on hidden matrices, a backup optimizer on the rest (SPEC 3.2).
+"""``GefenMuonHybrid``: Muon on hidden matrices, a backup optimizer on the rest (docs/design.md 3.2).
 
 Muon only suits hidden 2-D weights: embeddings and output heads (tied or not) see sparse or
 very skewed gradients, and 1-D or conv tensors are not matrices to orthogonalise. The hybrid

@@ -1,4 +1,4 @@
-"""``GefenMuon``: Muon whose momentum is stored like Gefen's first moment (SPEC 3.2).
+"""``GefenMuon``: Muon whose momentum is stored like Gefen's first moment (docs/design.md 3.2).
 
 The momentum keeps Gefen's compressed form (uint8 codes into the optimizer-wide codebook plus
 one scale per block, blocks inside rows of the global matrix), so it row-shards and reshards

@@ -1,4 +1,4 @@
-"""Newton-Schulz orthogonalisation for Muon (SPEC 3.2), as pure functions.
+"""Newton-Schulz orthogonalisation for Muon (docs/design.md 3.2), as pure functions.
 
 Muon replaces an update matrix by (an approximation of) its polar factor ``U V^T``. An odd
 matrix polynomial ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` pushes every singular value
@@ -17,7 +17,7 @@ Triple = tuple[float, float, float]
 
 #: Keller Jordan's quintic: fast growth of small singular values, band ~[0.7, 1.1] after 5 steps.
 STANDARD: Triple = (3.4445, -4.7750, 2.0315)
-#: Fixed-length schedules with per-step coefficients (SPEC 3.2); their length is the step count.
+#: Fixed-length schedules with per-step coefficients (docs/design.md 3.2); their length is the step count.
 TUNED: dict[str, tuple[Triple, ...]] = {
     "tuned3": ((5.0067, -14.4125, 10.6001), (3.7534, -6.8083, 3.3840), (3.2080, -4.3501, 2.0330)),
     "tuned4": (

@@ -1,4 +1,4 @@
-"""``Gefen``: a drop-in for ``torch.optim.AdamW`` with ~1 byte of state per parameter (SPEC 3.1)."""
+"""``Gefen``: a drop-in for ``torch.optim.AdamW`` with ~1 byte of state per parameter (docs/design.md 3.1)."""
 
 from __future__ import annotations
 

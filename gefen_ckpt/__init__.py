@@ -1,4 +1,4 @@
-"""gefen_ckpt: portable, reshardable checkpoints of optimizer state (SPEC sections 4-10).
+"""gefen_ckpt: portable, reshardable checkpoints of optimizer state (docs/design.md sections 4-10).
 
 The exception types are imported eagerly; everything else on first use, so that reading a
 manifest (``gefen-ckpt inspect``/``verify``) does not pay for importing torch.

@@ -1,5 +1,5 @@
 """The public checkpoint calls: ``save``/``load`` an optimizer, ``write``/``read`` a canonical
-state, ``read_manifest`` and ``verify`` (SPEC 7, 11). Any fsspec URL works: local paths,
+state, ``read_manifest`` and ``verify`` (docs/design.md 7, 11). Any fsspec URL works: local paths,
 ``file://``, ``memory://``, ``s3://``...; ``storage_options`` go to its filesystem (endpoint,
 credentials, timeouts), and ``timeout`` bounds how long a collective save or load waits for a
 stalled rank (``collective.DEFAULT_TIMEOUT``).

@@ -1,4 +1,4 @@
-"""The canonical state: an optimizer's state with no topology left in it (SPEC section 5).
+"""The canonical state: an optimizer's state with no topology left in it (docs/design.md 5).
 
 Every per-parameter field is a *global logical tensor* (what a single process would hold),
 keyed by the parameter's FQN. Tensors are ``TensorSource`` objects, so a field can be a live

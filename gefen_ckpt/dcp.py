@@ -1,4 +1,4 @@
-"""``torch.distributed.checkpoint`` (DCP) integration (SPEC 8, ``docs/dcp.md``).
+"""``torch.distributed.checkpoint`` (DCP) integration (docs/design.md 8, ``docs/dcp.md``).
 
 ``GefenDCPState(optimizer)`` is a DCP ``Stateful`` that presents an optimizer's state with
 *global* shapes, so stock ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` reshard it natively,

@@ -1,6 +1,6 @@
 """``export_canonical`` / ``import_canonical``: between a live optimizer and ``CanonicalState``.
 
-Both work only through the optimizer's contract (SPEC 4) and its ``state_dict()`` /
+Both work only through the optimizer's contract (docs/design.md 4) and its ``state_dict()`` /
 ``load_state_dict()``, so Gefen, GefenMuon, the hybrid and torch's AdamW/Adam/SGD share one
 path. Import validates everything against the live optimizer (FQNs, global shapes, dtypes,
 contract and schema version, hyperparameters, group membership) and builds the complete local

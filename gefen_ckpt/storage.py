@@ -1,4 +1,4 @@
-"""The one place that touches files: a thin layer over fsspec (SPEC 7).
+"""The one place that touches files: a thin layer over fsspec (docs/design.md 7).
 
 A ``Store`` is one checkpoint directory on any fsspec filesystem. Local filesystems take a
 direct path (``os.pwrite``/``os.preadv``, ``fsync``, an atomic ``os.replace``) because that

@@ -1,4 +1,4 @@
-"""Moving optimizer state between ranks, in chunks under a byte budget (SPEC 9).
+"""Moving optimizer state between ranks, in chunks under a byte budget (docs/design.md 9).
 
 * ``gather``: the canonical state assembled on one rank (e.g. to write a canonical checkpoint
   or inspect it), every row coming from the one rank that writes it;
@@ -9,7 +9,7 @@
 
 Why it is shaped like this:
 
-* **Everything is a plan of row ranges.** Block geometry lives inside rows (SPEC 1), so every
+* **Everything is a plan of row ranges.** Block geometry lives inside rows (docs/design.md 1), so every
   layout gives each rank one contiguous range of global rows of each field. Moving state is
   therefore "for each tensor and each receiving rank, which rows come from which holder": a
   pure function of row ranges (``assign_rows``, ``chunk_elements``, ``plan_moves``,

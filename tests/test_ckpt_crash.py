@@ -1,4 +1,4 @@
-"""Crash safety (SPEC 13): a process SIGKILLed at a random instant while saving never costs
+"""Crash safety (docs/design.md 13): a process SIGKILLed at a random instant while saving never costs
 the previous checkpoint, and an interrupted save is never taken for a complete one."""
 
 from __future__ import annotations

@@ -242,7 +242,7 @@ def test_learn_codebook_sums_and_all_reduces():
 
 
 def test_native_speed_4096_bins_256_codes():
-    """SPEC target: < 50 ms on one core; asserted at 100 ms to absorb noisy CI machines."""
+    """Design target (docs/design.md 12): < 50 ms on one core; asserted at 100 ms to absorb noisy CI machines."""
     x = bin_centres(4096)
     counts = torch.from_numpy(np.round(1e6 * np.exp(-(x**2) / (2 * 0.2**2))).astype(np.int64) + 1)
     threads = torch.get_num_threads()

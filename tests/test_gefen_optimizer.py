@@ -652,7 +652,7 @@ def test_contract_is_frozen_and_round_trips(kind):
 @pytest.mark.parametrize("kind", ["Gefen", "Gefen-m8", "AdamW", "Adam", "SGD"])
 def test_contract_describes_the_real_state(kind):
     """Every hyperparameter is a group option, and after a step every state field is declared
-    with its dtype and the shape its geometry implies (SPEC 4)."""
+    with its dtype and the shape its geometry implies (docs/design.md 4)."""
     opt = make(kind)
     model_params = [p for g in opt.param_groups for p in g["params"]]
     contract = gefen.contract_of(opt)

@@ -1,4 +1,4 @@
-"""Gefen's step against a dense, slow, obvious reference written here (SPEC 3.1 steps 1-4).
+"""Gefen's step against a dense, slow, obvious reference written here (docs/design.md 3.1, m8).
 
 The reference below is the "m8" layout (``moments="m8"``, contract version "1"); the default
 "m4v4" step is pinned bit for bit by tests/test_m4v4_reference.py, and the optimizer's plumbing

@@ -138,7 +138,7 @@ def _reference_ns(u: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 def _reference_muon(w, grads, lr, mu, nesterov, wd, adjust, normuon=False, beta2=0.95, eps=1e-8):
-    """Dense fp32 Muon (SPEC 3.2) with an uncompressed momentum."""
+    """Dense fp32 Muon (docs/design.md 3.2) with an uncompressed momentum."""
     w, m, v = w.clone(), torch.zeros_like(w), torch.zeros(w.shape[0])
     rows, cols = w.shape
     scale = math.sqrt(max(1, rows / cols)) if adjust == "original" else 0.2 * math.sqrt(max(rows, cols))

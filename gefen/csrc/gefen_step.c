@@ -1,5 +1,5 @@
 /*
- * Fused Gefen step on CPU (SPEC 3.1 "Step"), bit-identical to the eager reference in
+ * Fused Gefen step on CPU (docs/design.md 3.1 "Step"), bit-identical to the eager reference in
  * gefen/functional.py (second_moment_partials + gefen_update_).
  *
  * Plain C99 + optional OpenMP, no Python C-API and no torch headers: gefen.native loads this

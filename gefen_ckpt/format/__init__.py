@@ -1,4 +1,4 @@
-"""The portable wire format (SPEC 7, ``docs/format.md``): a directory of aligned safetensors
+"""The portable wire format (docs/design.md 7, ``docs/format.md``): a directory of aligned safetensors
 data files and one msgpack manifest, published last.
 
 One module per job: ``dtypes`` (names), ``checksum``, ``datafile`` (safetensors headers),
