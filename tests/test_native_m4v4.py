@@ -171,7 +171,7 @@ def test_empty_local_shard(shape):
     assert int(st["step"]) == 3 and st["v_col"].abs().sum() == 0
 
 
-@pytest.mark.parametrize("row0", [1, 37, 2**31 // 48 + 5])  # the last one wraps the 32-bit index
+@pytest.mark.parametrize("row0", [1, 37, 2**31 // 48 + 5, 2**32 // 48 - 30])  # past 2^31; across 2^32 (wraps)
 def test_row_offset(row0):
     """A shard that starts at a later global row: the noise follows the global index."""
     check_parity((64, 48), global_rows=row0 + 64 + 3, row0=row0)
