@@ -250,8 +250,8 @@ class Gefen(CompressedOptimizer):
             if i in pending and plan.counts(p):
                 v_row, partials = pending[i]
                 local = local_tensor(grad)
-                h = v_ratio_histogram(local, self.state[p], ratio_table(standin_codebook(local.device)),
-                                      group["betas"][1], global_rows=p.shape[0], v_row=v_row, partials=partials)
+                h = v_ratio_histogram(local, self.state[p], group["betas"][1], global_rows=p.shape[0], v_row=v_row,
+                                      partials=partials)
                 counts = h if counts is None else counts + h.to(counts.device)
         if counts is None:
             counts = torch.zeros(16 * CODES, dtype=torch.int64, device=codebook.device)

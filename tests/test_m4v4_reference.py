@@ -13,7 +13,9 @@ import torch
 from gefen.codebook import solve_codebook
 from gefen.functional import (
     Hyper,
+    _second_moment,
     adamw_update_,
+    factored_estimates,
     init_m4v4_state,
     m4v4_partials,
     m4v4_update_,
@@ -21,6 +23,7 @@ from gefen.functional import (
 )
 from gefen.stochastic import (
     GUARD,
+    LOG_RANGE,
     element_index,
     encode,
     hash_uniform,
@@ -268,9 +271,15 @@ def test_v_ratio_histogram_counts_every_element_of_the_first_step():
     param, grads, _, _ = _problem(6)
     st = init_m4v4_state(param, tuple(param.shape))
     v_row, partials = m4v4_partials(grads[0], st, 0.999)
-    counts = v_ratio_histogram(grads[0], st, ratio_table(standin_codebook()), 0.999, global_rows=6, v_row=v_row,
-                               partials=partials)
+    st["mv_code"].random_(0, 256)  # whatever the codes hold, zero statistics decode to zero
+    counts = v_ratio_histogram(grads[0], st, 0.999, global_rows=6, v_row=v_row, partials=partials)
     assert counts.dtype == torch.int64 and counts.shape == (256,) and int(counts.sum()) == param.numel()
+    # the definition, decoding the old moments as the step does: the same counts
+    _, vhat_old, vhat_new = factored_estimates(st, v_row, partials, 0.999, global_rows=6)
+    g = grads[0].reshape(6, -1)
+    v = _second_moment(st, g * g, ratio_table(standin_codebook()), 0.999, vhat_old)
+    x = torch.log(v.clamp_min(float(TINY)) / vhat_new.clamp_min(float(TINY))) / LOG_RANGE
+    assert torch.equal(counts, histogram_fixed(x.clamp(-1.0, 1.0), 256))
     # log(v / vhat) of a Gaussian gradient against its factored estimate: centred near 0, spread out
     centre = int((counts * torch.arange(256)).sum()) / param.numel()
     assert 100 < centre < 140 and int((counts > 0).sum()) > 20
