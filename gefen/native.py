@@ -400,11 +400,7 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
     a.salt_m, a.salt_v = salts(pidx, seed)
     _set_scalars(a, h, step)
     a.param_dtype, a.grad_dtype = pdt, gdt
-    if _lib.gefen_m4v4_step(ctypes.byref(a)) != 0:
-        return False
-    if a.step_ptr is None:
-        step_t.fill_(step)
-    return True
+    return _run_step(_lib.gefen_m4v4_step, a, step_t, step)
 
 
 def fused_adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h) -> bool:
@@ -425,7 +421,13 @@ def fused_adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h)
     a.n, a.step = param.numel(), step
     _set_scalars(a, h, step)
     a.param_dtype, a.grad_dtype = pdt, gdt
-    if _lib.gefen_adamw_step(ctypes.byref(a)) != 0:
+    return _run_step(_lib.gefen_adamw_step, a, step_t, step)
+
+
+def _run_step(fn, a, step_t: torch.Tensor, step: int) -> bool:
+    """Run a fused m4v4 / 1-D step; the kernel writes the step count itself when it can reach
+    it (``a.step_ptr``), else it is written here. False when the kernel refused (nothing touched)."""
+    if fn(ctypes.byref(a)) != 0:
         return False
     if a.step_ptr is None:
         step_t.fill_(step)
