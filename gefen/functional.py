@@ -30,8 +30,10 @@ from gefen.stochastic import (
     V_BINS,
     element_index,
     encode,
+    hash_bits,
     hash_uniform,
     histogram_fixed,
+    round_bf16,
     salts,
 )
 from gefen.triton import dispatch as triton_dispatch
@@ -174,7 +176,7 @@ def init_m4v4_state(param: torch.Tensor, global_shape: tuple[int, ...]) -> dict:
     dev = param.device
     state = {"step": torch.zeros((), dtype=torch.int64)}
     if not is_coded(global_shape):
-        state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=dev)
+        state["exp_avg"] = torch.zeros(param.shape, dtype=torch.bfloat16, device=dev)
         state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=dev)
         return state
     local_rows = param.shape[0]
@@ -339,15 +341,19 @@ def row_abs_max(m: torch.Tensor) -> torch.Tensor:
     return m.abs().amax(1) if m.shape[1] else m.new_zeros(m.shape[0])
 
 
-def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper) -> None:
-    """An m4v4 step of a 1-D/0-D tensor: exact AdamW with the m4v4 op discipline, in place."""
+def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper, *, pidx: int, seed: int,
+                  row0: int = 0) -> None:
+    """An m4v4 step of a 1-D/0-D tensor, in place: AdamW with the m4v4 op discipline, its first
+    moment kept in bf16 by unbiased stochastic rounding (noise: the hash of the element's global
+    index ``row0 + i``, the step and the parameter's first salt), its second moment in fp32. The
+    update uses the new fp32 moment, as AdamW does; only what is stored is rounded."""
     for fused in (triton_dispatch.adamw_update_, native.fused_adamw_update_):  # CUDA: Triton; CPU: C
-        if fused(param, grad, state, h):
+        if fused(param, grad, state, h, pidx=pidx, seed=seed, row0=row0):
             return
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1
     g = grad.float()
-    m = state["exp_avg"] * b1 + g * (1 - b1)
+    m = state["exp_avg"].float() * b1 + g * (1 - b1)
     v = state["exp_avg_sq"] * b2 + (g * g) * (1 - b2)
     denom = _div(v.sqrt(), math.sqrt(1 - b2**step)) + h.eps
     state["step"].fill_(step)
@@ -357,7 +363,8 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper
     work.add_(_div(m, 1 - b1**step) / denom, alpha=-h.lr)
     if work is not param:
         param.copy_(work)
-    state["exp_avg"].copy_(m)
+    gidx = torch.arange(row0, row0 + m.numel(), dtype=torch.int64, device=m.device).reshape(m.shape)
+    state["exp_avg"].copy_(round_bf16(m, hash_bits(gidx, step, salts(pidx, seed)[0])))
     state["exp_avg_sq"].copy_(v)
 
 

@@ -25,7 +25,7 @@ _M4V4_FIELDS = (
     FieldSpec("m_row_scale", "bfloat16", "row", optional=True),
     FieldSpec("v_row", "float32", "row", optional=True),
     FieldSpec("v_col", "float32", "col", optional=True),
-    FieldSpec("exp_avg", "float32", "param", optional=True),
+    FieldSpec("exp_avg", "bfloat16", "param", optional=True),  # 1-D/0-D: stochastically rounded
     FieldSpec("exp_avg_sq", "float32", "param", optional=True),
 )
 _HYPER = ("lr", "betas", "eps", "weight_decay", "factored_v_2d")

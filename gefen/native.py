@@ -15,7 +15,7 @@ pay the calibration again.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``nat
 forces the eager path; both paths compute the same numbers, so this only changes speed.
 
 ``fused_m4v4_partials``, ``fused_m4v4_update_`` and ``fused_adamw_update_`` do the same for the
-default m4v4 layout (``m4v4_partials``, ``m4v4_update_`` and the exact 1-D ``adamw_update_`` of
+default m4v4 layout (``m4v4_partials``, ``m4v4_update_`` and the 1-D ``adamw_update_`` of
 ``gefen.functional``; C in ``gefen/csrc/m4v4_step.c`` and ``gefen_step.c``). After its float64
 sums every m4v4 value is a chain of single fp32 operations, so parity needs no emulation beyond
 the sums and the square root; the calibration also runs a few m4v4 problems and turns off only
@@ -95,10 +95,10 @@ class _AdamwArgs(ctypes.Structure):
 
     _fields_ = [
         ("param", _P), ("grad", _P), ("exp_avg", _P), ("exp_avg_sq", _P), ("step_ptr", _P),
-        ("n", ctypes.c_int64), ("step", ctypes.c_int64),
+        ("n", ctypes.c_int64), ("row_offset", ctypes.c_int64), ("step", ctypes.c_int64),
         ("beta1", ctypes.c_double), ("omb1", ctypes.c_double), ("beta2", ctypes.c_double), ("omb2", ctypes.c_double),
         ("bias1", ctypes.c_double), ("bias2_sqrt", ctypes.c_double), ("eps", ctypes.c_double),
-        ("neg_lr", ctypes.c_double), ("decay", ctypes.c_double),
+        ("neg_lr", ctypes.c_double), ("decay", ctypes.c_double), ("salt", ctypes.c_uint32),
         ("param_dtype", ctypes.c_int32), ("grad_dtype", ctypes.c_int32), ("has_wd", ctypes.c_int32),
     ]
 
@@ -403,22 +403,26 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
     return _run_step(_lib.gefen_m4v4_step, a, step_t, step)
 
 
-def fused_adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h) -> bool:
-    """``functional.adamw_update_`` (m4v4's exact 1-D/0-D step) in one C call; False (touching
+def fused_adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h, *, pidx: int, seed: int,
+                        row0: int = 0) -> bool:
+    """``functional.adamw_update_`` (m4v4's 1-D/0-D step) in one C call; False (touching
     nothing) when it does not apply."""
     pdt, gdt = _DT.get(param.dtype), _DT.get(grad.dtype)
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
     if pdt is None or gdt is None or m is None or v is None or not _m4v4_ready():
         return False
     if (param.shape != grad.shape or m.shape != param.shape or v.shape != param.shape
-            or m.dtype != torch.float32 or v.dtype != torch.float32 or not _cpu_contiguous(param, grad, m, v)):
+            or m.dtype != torch.bfloat16 or v.dtype != torch.float32 or not _cpu_contiguous(param, grad, m, v)):
         return False
+    from gefen.stochastic import salts
+
     step_t = state["step"]
     step = int(step_t) + 1
     a = _AdamwArgs()
     a.param, a.grad, a.exp_avg, a.exp_avg_sq = param.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr()
     a.step_ptr = _step_pointer(step_t)
-    a.n, a.step = param.numel(), step
+    a.n, a.row_offset, a.step = param.numel(), row0, step
+    a.salt = salts(pidx, seed)[0]
     _set_scalars(a, h, step)
     a.param_dtype, a.grad_dtype = pdt, gdt
     return _run_step(_lib.gefen_adamw_step, a, step_t, step)
@@ -605,8 +609,8 @@ def _run_m4v4(shape, dtype, use_native: bool):
             g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
             if len(shape) < 2:
                 if not use_native:
-                    adamw_update_(p, g, state, h)
-                elif not fused_adamw_update_(p, g, state, h):
+                    adamw_update_(p, g, state, h, pidx=3, seed=1, row0=5)
+                elif not fused_adamw_update_(p, g, state, h, pidx=3, seed=1, row0=5):
                     return None
                 continue
             out = fused_m4v4_partials(g, state, h.beta2) if use_native else m4v4_partials(g, state, h.beta2)

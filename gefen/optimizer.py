@@ -223,13 +223,13 @@ class Gefen(CompressedOptimizer):
             beta1, beta2 = group["betas"]
             h = Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             local, local_grad = local_tensor(p), local_tensor(grad)
+            row0, col0 = plan.offsets(p)
             if i not in pending:
-                adamw_update_(local, local_grad, self.state[p], h)
+                adamw_update_(local, local_grad, self.state[p], h, pidx=position[id(p)], seed=group["seed"], row0=row0)
                 continue
             if local.device not in ratios:
                 ratios[local.device] = ratio_table(self._v_book(local.device))
             v_row, partials = pending[i]
-            row0, col0 = plan.offsets(p)
             m4v4_update_(local, local_grad, self.state[p], codebook.to(local.device), ratios[local.device], h,
                          global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=position[id(p)],
                          seed=group["seed"], row0=row0, col0=col0, row_len=_row_len(p), row_max=row_max.get(id(p)))

@@ -43,16 +43,30 @@ def element_index(rows: int, cols: int, *, row0: int, row_len: int, col0: int = 
     return r[:, None] + c[None, :]
 
 
-def hash_uniform(gidx: torch.Tensor, step: int, salt: int) -> torch.Tensor:
-    """fp32 uniform noise in [0, 1) (multiples of 2^-24) from the 32-bit counter hash of
-    (``gidx`` mod 2^32, ``step``, ``salt``). int64 wrap-around of ``gidx * K`` keeps the low
-    32 bits exact, so any int64 index works."""
+def hash_bits(gidx: torch.Tensor, step: int, salt: int) -> torch.Tensor:
+    """int64 tensor of the 32-bit counter hash of (``gidx`` mod 2^32, ``step``, ``salt``). int64
+    wrap-around of ``gidx * K`` keeps the low 32 bits exact, so any int64 index works."""
     base = (step * _K_STEP + salt * _K_SALT) & _MASK
     x = gidx.mul(_K_INDEX).add_(base).bitwise_and_(_MASK)
     x = (x ^ (x >> 16)).mul_(0x7FEB352D).bitwise_and_(_MASK)
     x = (x ^ (x >> 15)).mul_(0x846CA68B).bitwise_and_(_MASK)
-    x = x ^ (x >> 16)
-    return (x >> 8).to(torch.float32).mul_(2.0**-24)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(gidx: torch.Tensor, step: int, salt: int) -> torch.Tensor:
+    """fp32 uniform noise in [0, 1) (multiples of 2^-24): the hash's top 24 bits."""
+    return (hash_bits(gidx, step, salt) >> 8).to(torch.float32).mul_(2.0**-24)
+
+
+def round_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Unbiased stochastic rounding of fp32 ``x`` to bfloat16: the hash's top 16 bits are added
+    below the kept mantissa and the low half is dropped, so ``x`` rounds away from zero with
+    probability (dropped part) / 2^16 and ``E[result] = x``. NaN stays NaN. A nearest rounding
+    would freeze an EMA whose per-step change is below half a bf16 step (0.2%)."""
+    b = x.float().contiguous().view(torch.int32).to(torch.int64).bitwise_and_(_MASK)
+    b = b.add_(bits >> 16).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
+    out = b.sub_(b.ge(0x8000).long() << 16).to(torch.int16).view(torch.bfloat16)  # two's complement
+    return torch.where(x.isnan(), x.to(torch.bfloat16), out)
 
 
 def encode(x: torch.Tensor, table: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

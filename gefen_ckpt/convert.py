@@ -13,7 +13,8 @@ reader and writer of gefen_ckpt works with them.
 Gefen targets get the default layout, ``moments="m4v4"`` (contract version "2"), unless
 ``moments="m8"`` asks for the layout before it. m4v4 codes are chosen by *nearest* rounding
 (the first moment's in the codebook, the second moment's ``log(v / vhat) / 8`` in the
-``v_codebook``, i.e. nearest in log ratio): a one-off quantisation has no bias to average out
+``v_codebook``, i.e. nearest in log ratio; a 1-D tensor's ``exp_avg`` to the nearest bf16): a
+one-off quantisation has no bias to average out
 (stochastic rounding matters for an EMA re-quantised every step), and nearest has the smaller
 error that the report then shows. Both codebooks are learned as at the first step, from the
 first moments' rows and from every matrix's log ratios of ``exp_avg_sq`` to its factored estimate.
@@ -171,7 +172,7 @@ def _carried(impl: str, group: dict) -> dict:
 def _dense_param(impl: str, fqn: str, entry: ParamState, books: dict) -> Dense:
     fields = {name: src.read() for name, src in entry.fields.items()}
     step = int(round(float(fields["step"])))
-    if "exp_avg" in fields:  # AdamW/Adam, and Gefen's exact 1-D moments
+    if "exp_avg" in fields:  # AdamW/Adam, and Gefen's 1-D moments
         return Dense(entry.shape, entry.dtype, step, fields["exp_avg"].float(), fields["exp_avg_sq"].float())
     codebook_src = books.get("codebook")
     if codebook_src is None:
@@ -296,15 +297,16 @@ def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], option
 
 
 def _build_m4v4(members: list[str], dense: dict[str, Dense], options: dict, child: str | None):
-    """Gefen's default layout from AdamW's form: exact moments for 1-D tensors; for the others the
-    codebooks as at the first step, then nearest codes (see the module docstring)."""
+    """Gefen's default layout from AdamW's form: 1-D tensors keep their moments (``exp_avg``
+    rounded to the nearest bf16); for the others the codebooks as at the first step, then
+    nearest codes (see the module docstring)."""
     params, global_fields = {}, {}
     coded = [fqn for fqn in members if is_coded(dense[fqn].shape)]
     for fqn in members:
         if fqn not in coded:
             d = dense[fqn]
             params[fqn] = _state(d, child, step=torch.tensor(d.step, dtype=torch.int64),
-                                 exp_avg=d.exp_avg.float().reshape(d.shape),
+                                 exp_avg=d.exp_avg.to(torch.bfloat16).reshape(d.shape),
                                  exp_avg_sq=d.exp_avg_sq.float().reshape(d.shape))
     if not coded:
         return params, global_fields

@@ -456,10 +456,10 @@ def test_foreign_checkpoint_is_refused_before_anything_is_read(tmp_path):
     assert_same(model_before, dict(model.state_dict()), "model after a refused load")
 
 
-@pytest.mark.parametrize("kind,names", [("gefen_block", "exp_avg"), ("gefen", "0.weight/step: checkpoint dtype")])
+@pytest.mark.parametrize("kind,names", [("gefen_block", "exp_avg"), ("gefen", "0.weight/exp_avg: checkpoint dtype")])
 def test_foreign_checkpoint_saved_without_our_planner_is_refused(tmp_path, kind, names):
-    """m8 knows no exp_avg; the default layout keeps exp_avg for 1-D tensors only, and AdamW's
-    float step is what it refuses first."""
+    """m8 knows no exp_avg; the default layout keeps exp_avg (bf16) for 1-D tensors only, and
+    AdamW's fp32 exp_avg is what it refuses first."""
     _, adam = _trained("adamw")
     dcp.save({"optim": GefenDCPState(adam)}, checkpoint_id=tmp_path)  # stock planner: no record
     _, opt = _trained(kind, steps=2)

@@ -297,7 +297,7 @@ def test_state_dict_never_casts_codes_or_scales():
 
 
 M4V4_DTYPES = {"step": torch.int64, "mv_code": torch.uint8, "m_row_scale": torch.bfloat16, "v_row": torch.float32,
-               "v_col": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+               "v_col": torch.float32, "exp_avg": torch.bfloat16, "exp_avg_sq": torch.float32}
 
 
 def test_m4v4_state_dict_never_casts_codes_or_scales():
@@ -463,7 +463,9 @@ M4V4_REJECTS = {
     "exact moments on a matrix": (lambda sd: sd["state"][HEAD_W].update(exp_avg=torch.zeros(4, 96)), ValueError,
                                   "'head.weight'.*fields"),
     "missing exp_avg_sq": (_set(("state", SCALE, "exp_avg_sq"), KeyError), ValueError, "'scale'.*fields"),
-    "bf16 exact moment": (_set(("state", SCALE, "exp_avg"), lambda t: t.bfloat16()), TypeError, "'scale'.*exp_avg"),
+    "fp32 first moment": (_set(("state", SCALE, "exp_avg"), lambda t: t.float()), TypeError, "'scale'.*exp_avg"),
+    "bf16 second moment": (_set(("state", SCALE, "exp_avg_sq"), lambda t: t.bfloat16()), TypeError,
+                           "'scale'.*exp_avg_sq"),
     "v_codebook ends": (lambda sd: [e.update(v_codebook=e["v_codebook"] * 0.5) for e in sd["state"].values()]
                         and sd[GLOBAL_STATE_KEY].update(v_codebook=sd[GLOBAL_STATE_KEY]["v_codebook"] * 0.5),
                         ValueError, "v_codebook"),
@@ -686,7 +688,7 @@ def test_contract_describes_the_real_state(kind):
         assert {f.name: f.geometry for f in contract.global_fields} == {"codebook": "global", "v_codebook": "global"}
         assert {f.name: (f.dtype, f.geometry) for f in contract.fields} == {
             "step": ("int64", "scalar"), "mv_code": ("uint8", "param"), "m_row_scale": ("bfloat16", "row"),
-            "v_row": ("float32", "row"), "v_col": ("float32", "col"), "exp_avg": ("float32", "param"),
+            "v_row": ("float32", "row"), "v_col": ("float32", "col"), "exp_avg": ("bfloat16", "param"),
             "exp_avg_sq": ("float32", "param")}
         assert {"moments", "seed"} <= set(contract.hyperparameters)
 

@@ -256,8 +256,10 @@ def test_codebook_is_learned_once_from_the_first_gradients():
 
 
 def test_vectors_follow_torch_adamw():
-    """Cross-check with torch: per-element state (P = 1) is lossless, so on a 1-D tensor Gefen
-    takes AdamW's steps (up to rounding) for many steps."""
+    """Cross-check with torch: on a 1-D tensor Gefen takes AdamW's steps up to its bf16 first
+    moment's unbiased rounding (relative noise up to 2^-8 per step in each update, a random walk):
+    after 20 steps of lr 1e-2 (up to 0.2 of movement) the parameters agree to 5% of one step
+    (measured: 2.6%), and the gradient-free elements exactly."""
     p1, p2 = torch.nn.Parameter(torch.ones(64)), torch.nn.Parameter(torch.ones(64))
     gefen, adamw = Gefen([p1], **HYPER), torch.optim.AdamW([p2], **HYPER)
     gen = torch.Generator().manual_seed(0)
@@ -267,7 +269,8 @@ def test_vectors_follow_torch_adamw():
         p1.grad, p2.grad = g.clone(), g.clone()
         gefen.step()
         adamw.step()
-    assert torch.allclose(p1, p2, rtol=1e-5, atol=1e-6)
+    assert float((p1 - p2).detach().abs().max()) < 0.05 * HYPER["lr"]
+    assert torch.equal(p1[:4], p2[:4])
 
 
 def test_step_never_writes_into_the_gradient():
@@ -358,7 +361,7 @@ def test_m4v4_optimizer_steps_are_the_reference_functions(seed):
             if states[i] is None:
                 states[i] = init_m4v4_state(ref, tuple(ref.shape))
             if ref.dim() < 2:
-                adamw_update_(ref, g, states[i], h)
+                adamw_update_(ref, g, states[i], h, pidx=i, seed=seeds[i])
             else:
                 v_row, partials = m4v4_partials(g, states[i], h.beta2)
                 m4v4_update_(ref, g, states[i], opt.codebook, ratio, h, global_rows=ref.shape[0], v_row=v_row,

@@ -26,9 +26,11 @@ from gefen.stochastic import (
     LOG_RANGE,
     element_index,
     encode,
+    hash_bits,
     hash_uniform,
     histogram_fixed,
     ratio_table,
+    round_bf16,
     salts,
     standin_codebook,
 )
@@ -250,21 +252,58 @@ def test_bf16_parameter_step_runs_in_fp32_and_rounds_once():
     assert pbf.dtype == torch.bfloat16 and torch.equal(pbf, p32.bfloat16())
 
 
-def test_exact_adamw_path_tracks_torch_adamw():
+def np_round_bf16(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """The spec's bf16 stochastic rounding on uint32 bit patterns, as float32 values."""
+    b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return (((b + (bits.astype(np.uint64) >> 16)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def test_round_bf16_matches_the_formula_keeps_bf16_values_and_is_unbiased():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2000, generator=gen) * torch.logspace(-30, 30, 2000)
+    bits = hash_bits(torch.arange(2000), 4, 9)
+    got = round_bf16(x, bits)
+    assert got.dtype == torch.bfloat16
+    np.testing.assert_array_equal(got.float().numpy(), np_round_bf16(x.numpy(), bits.numpy()))
+    # a value bf16 holds is kept; anything else goes to one of its two bf16 neighbours
+    exact = x.bfloat16()
+    assert torch.equal(round_bf16(exact.float(), bits), exact)
+    lo_bits = x.view(torch.int32) & -(1 << 16)  # the bf16 neighbour toward zero, then the one away
+    lo, hi = lo_bits.view(torch.float32), (lo_bits + (1 << 16)).view(torch.float32)
+    assert bool(((got.float() == lo) | (got.float() == hi)).all())
+    # E[round(x)] = x: 1/3 of the way from 1 to the next bf16 value, over 200k hash draws
+    third = torch.full((200_000,), 1.0 + 2.0**-7 / 3)
+    mean = round_bf16(third, hash_bits(torch.arange(200_000), 1, 0)).double().mean()
+    assert abs(float(mean) - (1.0 + 2.0**-7 / 3)) < 2.0**-7 * 0.01
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+    out = round_bf16(special, hash_bits(torch.arange(5), 1, 0)).float()
+    assert out[0].isnan() and out[1] == float("inf") and out[2] == -float("inf") and not out[3:].any()
+
+
+def test_vector_path_is_adamw_with_a_stochastically_rounded_first_moment():
+    """With torch AdamW's exp_avg set to the stored bf16 one after every step, the parameters
+    agree to fp32 rounding; the stored moment is always a bf16 neighbour of AdamW's fp32 one."""
     gen = torch.Generator().manual_seed(5)
     p = torch.randn(33, generator=gen)
     ref = p.clone().requires_grad_()
     opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     h = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
     st = init_m4v4_state(p, (33,))
-    assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
-    for _ in range(20):
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and st["exp_avg"].dtype == torch.bfloat16
+    rounded_up = 0
+    for step in range(1, 21):
         g = torch.randn(33, generator=gen)
         ref.grad = g.clone()
         opt.step()
-        adamw_update_(p, g, st, h)
-    torch.testing.assert_close(p, ref.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(st["exp_avg_sq"], opt.state[ref]["exp_avg_sq"], rtol=1e-5, atol=0)
+        adamw_update_(p, g, st, h, pidx=2, seed=7, row0=100)
+        torch.testing.assert_close(p, ref.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(st["exp_avg_sq"], opt.state[ref]["exp_avg_sq"], rtol=1e-5, atol=0)
+        m = opt.state[ref]["exp_avg"]
+        want = round_bf16(m, hash_bits(torch.arange(100, 133), step, salts(2, 7)[0]))
+        assert torch.equal(st["exp_avg"], want), f"step {step}"
+        rounded_up += int((want.float().abs() > m.abs()).sum())
+        m.copy_(st["exp_avg"].float())
+    assert 100 < rounded_up < 560  # both directions occur (660 roundings in all)
 
 
 def test_v_ratio_histogram_counts_every_element_of_the_first_step():

@@ -88,9 +88,10 @@ def run(shape, *, use_native, dtype=torch.float32, grad_dtype=None, steps=3, h=H
     for g in grads:
         if len(shape) < 2:
             if use_native:
-                assert native.fused_adamw_update_(param, g, state, h), "the fused AdamW step did not apply"
+                assert native.fused_adamw_update_(param, g, state, h, pidx=pidx, seed=seed, row0=row0), \
+                    "the fused AdamW step did not apply"
             else:
-                adamw_update_(param, g, state, h)
+                adamw_update_(param, g, state, h, pidx=pidx, seed=seed, row0=row0)
             continue
         if use_native:
             out = native.fused_m4v4_partials(g, state, h.beta2)
@@ -175,6 +176,7 @@ def test_empty_local_shard(shape):
 def test_row_offset(row0):
     """A shard that starts at a later global row: the noise follows the global index."""
     check_parity((64, 48), global_rows=row0 + 64 + 3, row0=row0)
+    check_parity((5000,), row0=row0 * 48, pidx=2, seed=5)  # a 1-D shard: its first moment's rounding noise
 
 
 def test_row_sharded_matches_between_paths():
@@ -325,6 +327,7 @@ def test_refuses_what_it_cannot_do():
     native.enabled = False
     assert not native.fused_m4v4_update_(p, g, st, codebook, ratio, HYPER, **kw)
     assert native.fused_m4v4_partials(g, st, HYPER.beta2) is None
-    assert not native.fused_adamw_update_(torch.zeros(3), torch.ones(3), init_m4v4_state(torch.zeros(3), (3,)), HYPER)
+    assert not native.fused_adamw_update_(torch.zeros(3), torch.ones(3), init_m4v4_state(torch.zeros(3), (3,)), HYPER,
+                                          pidx=0, seed=0)
     for k, v in st.items():
         assert torch.equal(v, before[k]), k

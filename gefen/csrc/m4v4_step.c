@@ -497,33 +497,46 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
     return 0;
 }
 
-/* ----- 1-D / 0-D tensors: exact AdamW with the same op discipline ------------------------------ */
+/* ----- 1-D / 0-D tensors: AdamW with the same op discipline, exp_avg in bf16 -------------------- */
 typedef struct {
     void *param;
     const void *grad;
-    float *exp_avg, *exp_avg_sq;
+    uint16_t *exp_avg; /* bf16, stochastically rounded (round_bf16) */
+    float *exp_avg_sq;
     int64_t *step_ptr;
-    int64_t n, step;
+    int64_t n, row_offset, step;
     double beta1, omb1, beta2, omb2, bias1, bias2_sqrt, eps, neg_lr, decay;
+    uint32_t salt;
     int32_t param_dtype, grad_dtype, has_wd;
 } adamw_args;
 
 #define ADAMW_CHUNK 4096
 
-static void adamw_chunk(const adamw_args *a, int64_t i0, int64_t i1, float *den) {
+/* gefen.stochastic.round_bf16: the hash's top 16 bits added below the bf16 mantissa, then dropped */
+static inline uint16_t round_bf16(float x, uint32_t bits) {
+    if (x != x) return f32_to_bf16(x);
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    return (uint16_t)((b + (bits >> 16)) >> 16);
+}
+
+static void adamw_chunk(const adamw_args *a, int64_t i0, int64_t i1, float *den, float *mbuf) {
     const float b1 = (float)a->beta1, o1 = (float)a->omb1, b2 = (float)a->beta2, o2 = (float)a->omb2;
     const float bc1 = (float)a->bias1, b2s = (float)a->bias2_sqrt, eps = (float)a->eps, nlr = (float)a->neg_lr;
     const float decay = (float)a->decay;
+    const uint32_t key = (uint32_t)a->step * H_STEP + a->salt * H_SALT;
     for (int64_t i = i0; i < i1; ++i) {
         const float g = ld_g(a->grad, a->grad_dtype, i);
-        a->exp_avg[i] = a->exp_avg[i] * b1 + g * o1;
+        const float m = bf16_to_f32(a->exp_avg[i]) * b1 + g * o1;
+        mbuf[i - i0] = m;
+        a->exp_avg[i] = round_bf16(m, mix((uint32_t)(a->row_offset + i) * H_IDX + key));
         const float v = a->exp_avg_sq[i] * b2 + (g * g) * o2;
         a->exp_avg_sq[i] = v;
         den[i - i0] = v;
     }
     gefen_sqrt_n(den, i1 - i0);
     for (int64_t i = i0; i < i1; ++i) {
-        float u = a->exp_avg[i] / bc1;
+        float u = mbuf[i - i0] / bc1;
         u = u / (den[i - i0] / b2s + eps);
         float p = ld_g(a->param, a->param_dtype, i);
         if (a->has_wd) p = p * decay;
@@ -539,10 +552,10 @@ GEFEN_EXPORT int gefen_adamw_step(const adamw_args *a) {
     int64_t k = 0;
 #pragma omp parallel for schedule(static) if (a->n >= M4_PAR_MIN)
     for (k = 0; k < nchunks; ++k) {
-        float den[ADAMW_CHUNK];
+        float den[ADAMW_CHUNK], mbuf[ADAMW_CHUNK];
         const int mkl_prev = gefen_mkl_threads_local(1);
         const int64_t i0 = k * ADAMW_CHUNK, i1 = i0 + ADAMW_CHUNK < a->n ? i0 + ADAMW_CHUNK : a->n;
-        adamw_chunk(a, i0, i1, den);
+        adamw_chunk(a, i0, i1, den, mbuf);
         if (mkl_prev >= 0) gefen_mkl_threads_local(mkl_prev);
     }
     if (a->step_ptr) *a->step_ptr = a->step;

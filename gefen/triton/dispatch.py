@@ -185,13 +185,15 @@ def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None
     return _launch_mod.m4v4_partials(items)
 
 
-def adamw_update_(param, grad, state, h) -> bool:
+def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0) -> bool:
     """``functional.adamw_update_`` (1-D/0-D tensors of m4v4) through the kernels."""
     if "exp_avg" not in state or not _decide([param, grad], [state["exp_avg"], state["exp_avg_sq"]]):
         return False
-    if param.shape != grad.shape or state["exp_avg"].dtype != torch.float32:
+    if (param.shape != grad.shape or state["exp_avg"].dtype != torch.bfloat16
+            or state["exp_avg_sq"].dtype != torch.float32):
         return _fallback("an unexpected AdamW state layout")
-    _submit(_launch_mod.M4V4Item(param, grad, state, h, int(state["step"]) + 1, 0), (None, None))
+    _submit(_launch_mod.M4V4Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0),
+            (None, None))
     return True
 
 

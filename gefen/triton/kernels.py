@@ -62,14 +62,28 @@ def _count_below(x, table, LOG2K: tl.constexpr):
 
 
 @triton.jit
-def _hash_uniform(gidx, base):
+def _hash_bits(gidx, base):
     """The spec's counter hash: ``gidx`` int64 (low 32 bits used), ``base`` uint32 =
-    (t * 0x85EBCA77 + salt * 0xC2B2AE3D) mod 2**32 precomputed per parameter; uniform fp32 in [0, 1)."""
+    (t * 0x85EBCA77 + salt * 0xC2B2AE3D) mod 2**32 precomputed per parameter; uint32."""
     x = gidx.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32) + base
     x = (x ^ (x >> 16)) * tl.full([], 0x7FEB352D, tl.uint32)
     x = (x ^ (x >> 15)) * tl.full([], 0x846CA68B, tl.uint32)
-    x = x ^ (x >> 16)
-    return (x >> 8).to(tl.float32) * INV_2_24
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _hash_uniform(gidx, base):
+    """Uniform fp32 in [0, 1): the hash's top 24 bits."""
+    return (_hash_bits(gidx, base) >> 8).to(tl.float32) * INV_2_24
+
+
+@triton.jit
+def _round_bf16(x, bits):
+    """gefen.stochastic.round_bf16: the hash's top 16 bits added below the bf16 mantissa, then
+    dropped (NaN stays NaN); returned as the bf16 value."""
+    b = (x.to(tl.uint32, bitcast=True) + (bits >> 16)) & 0xFFFF0000
+    out = b.to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, out).to(tl.bfloat16)
 
 
 @triton.jit
@@ -287,22 +301,23 @@ def m4v4_kernel(progs, ptrs, ints, scal, cb, R, BR: tl.constexpr, BC: tl.constex
     tl.store(v_row_p + rows, v_row_new, mask=rmask)
 
 
-# ----- Gefen m4v4: 1-D and 0-D tensors (exact AdamW moments) -----------------------------------
+# ----- Gefen m4v4: 1-D and 0-D tensors (AdamW; exp_avg in bf16, stochastically rounded) -----------------------------------
 @triton.jit
 def adamw_kernel(progs, ptrs, ints, scal, BLOCK: tl.constexpr, PARAM_T: tl.constexpr, GRAD_T: tl.constexpr):
-    """ptrs = (param, grad, exp_avg, exp_avg_sq); ints[I_ROWS] = numel."""
+    """ptrs = (param, grad, exp_avg (bf16), exp_avg_sq); ints[I_ROWS] = numel, ints[I_ROW0] = the
+    global index of element 0, ints[I_BASE_M] = the first salt's hash base."""
     pid = tl.program_id(0)
     pidx = tl.load(progs + 2 * pid)
     start = tl.load(progs + 2 * pid + 1)
     param_p = _ptr(ptrs, 0, 4, pidx, PARAM_T)
     grad_p = _ptr(ptrs, 1, 4, pidx, GRAD_T)
-    m_p = _ptr(ptrs, 2, 4, pidx, tl.float32)
+    m_p = _ptr(ptrs, 2, 4, pidx, tl.bfloat16)
     v_p = _ptr(ptrs, 3, 4, pidx, tl.float32)
     n = tl.load(ints + pidx * N_INTS + I_ROWS)
     off = start + tl.arange(0, BLOCK).to(tl.int64)
     mask = off < n
     g = tl.load(grad_p + off, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_p + off, mask=mask, other=0.0) * tl.load(scal + pidx * N_SCALARS + S_B1)
+    m = tl.load(m_p + off, mask=mask, other=0.0).to(tl.float32) * tl.load(scal + pidx * N_SCALARS + S_B1)
     m = m + g * tl.load(scal + pidx * N_SCALARS + S_OMB1)
     v = tl.load(v_p + off, mask=mask, other=0.0) * tl.load(scal + pidx * N_SCALARS + S_B2)
     v = v + (g * g) * tl.load(scal + pidx * N_SCALARS + S_OMB2)
@@ -315,7 +330,9 @@ def adamw_kernel(progs, ptrs, ints, scal, BLOCK: tl.constexpr, PARAM_T: tl.const
     neg_lr = tl.load(scal + pidx * N_SCALARS + S_NEG_LR)
     p = tl.fma(upd, neg_lr, p)  # torch's add_(upd, alpha=-lr)
     _store_as(param_p + off, p, mask, PARAM_T)
-    tl.store(m_p + off, m, mask=mask)
+    gidx = tl.load(ints + pidx * N_INTS + I_ROW0) + off
+    tl.store(m_p + off, _round_bf16(m, _hash_bits(gidx, tl.load(ints + pidx * N_INTS + I_BASE_M).to(tl.uint32))),
+             mask=mask)
     tl.store(v_p + off, v, mask=mask)
 
 

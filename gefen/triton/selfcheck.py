@@ -74,8 +74,8 @@ def _m4v4(launch, device, gen) -> str | None:
                                          global_rows=rows, v_row=v_row.clone(), partials=parts))
         for i, (shape, _) in enumerate(shapes):
             if len(shape) < 2:
-                F.adamw_update_(ref[i][0], grads[i], ref[i][1], _H)
-                items.append(launch.M4V4Item(got[i][0], grads[i], got[i][1], _H, step, 0))
+                F.adamw_update_(ref[i][0], grads[i], ref[i][1], _H, pidx=i, seed=0, row0=3)
+                items.append(launch.M4V4Item(got[i][0], grads[i], got[i][1], _H, step, salts(i, 0)[0], row0=3))
         launch.m4v4_update_(items, cb, R)
         for i, ((p_ref, s_ref), (p_got, s_got)) in enumerate(zip(ref, got)):
             if (why := _same(s_ref, s_got)) is not None:
