@@ -162,12 +162,12 @@ def update_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: tor
 
 # ----- the "m4v4" layout (contract version "2"): one byte per element -------------------------
 #: state of a tensor of >= 2 dims: low nibble of ``mv_code`` = first-moment code, high nibble =
-#: second-moment code (against the factored estimate); 1-D/0-D tensors keep exact AdamW moments
-M4V4_MATRIX_FIELDS, EXACT_FIELDS = DIMENSION_FIELDS[("gefen.Gefen", "2")]
+#: second-moment code (against the factored estimate); 1-D/0-D tensors keep AdamW moments
+M4V4_MATRIX_FIELDS, VECTOR_FIELDS = DIMENSION_FIELDS[("gefen.Gefen", "2")]
 
 
 def is_coded(global_shape: tuple[int, ...]) -> bool:
-    """Under m4v4, tensors of two or more dims are coded; the rest keep exact moments."""
+    """Under m4v4, tensors of two or more dims are coded; the rest keep AdamW moments."""
     return len(global_shape) >= 2
 
 

@@ -585,7 +585,7 @@ def calibrate() -> int:
 
 def _m4v4_problems():
     """(shape, dtype) cases for the m4v4 kernels: float64 row sums (vectorised, short, single-row
-    two-pass), one-pass phase 1 with a partial chunk, bf16, and the exact 1-D/0-D step."""
+    two-pass), one-pass phase 1 with a partial chunk, bf16, and the 1-D/0-D step."""
     return [((37, 33), torch.float32), ((300, 130), torch.float32), ((1, 33000), torch.float32),
             ((45, 29), torch.bfloat16), ((3, 5, 8), torch.float32), ((5000,), torch.float32), ((), torch.bfloat16)]
 

@@ -10,8 +10,8 @@ from gefen.compile import eager_step
 from gefen.contract import OptimizerContract
 from gefen.distributed import Layout
 from gefen.functional import (
-    EXACT_FIELDS,
     M4V4_MATRIX_FIELDS,
+    VECTOR_FIELDS,
     Hyper,
     adamw_update_,
     gefen_update_,
@@ -43,7 +43,7 @@ class Gefen(CompressedOptimizer):
     16-entry learned codebook) and a 4-bit code of ``v / vhat`` against the factored second
     moment ``vhat`` (row and column EMAs), both re-quantised by unbiased stochastic rounding
     whose noise is a hash of the element's global index, the step and ``seed``; 1-D tensors keep
-    AdamW's exact moments. ``moments="m8"`` (version "1", the layout before): 8-bit first-moment
+    AdamW's moments (the first in bf16, rounded by the same hashed noise). ``moments="m8"`` (version "1", the layout before): 8-bit first-moment
     codes into a ``codebook_size`` codebook and a factored (``factored_v_2d``) or per-block
     second moment; it loads checkpoints written before version "2".
 
@@ -130,7 +130,7 @@ class Gefen(CompressedOptimizer):
 
     def _state_fields(self, group: dict, shape: tuple[int, ...]) -> tuple[str, ...]:
         if self.moments == "m4v4":
-            return M4V4_MATRIX_FIELDS if is_coded(shape) else EXACT_FIELDS
+            return M4V4_MATRIX_FIELDS if is_coded(shape) else VECTOR_FIELDS
         second = ("v_row", "v_col") if is_factored(shape, group["factored_v_2d"]) else ("v",)
         return ("step", "period", "m_code", "m_scale") + second
 
