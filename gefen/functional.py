@@ -104,8 +104,9 @@ def gefen_update_(
     ``v_row``/``partials`` are the factored tensor's results of ``second_moment_partials`` after
     the global sum; block-path tensors pass neither.
     """
-    if native.fused_update_(param, grad, state, codebook, h, global_rows=global_rows, v_row=v_row, partials=partials):
-        return  # the fused C step (gefen/native.py): bit-identical, used when it applies
+    for fused in (triton_dispatch.gefen_update_, native.fused_update_):  # CUDA: Triton; CPU: C (bit-identical)
+        if fused(param, grad, state, codebook, h, global_rows=global_rows, v_row=v_row, partials=partials):
+            return
     period = int(state["period"])
     g = grad.float()
     step = int(state["step"]) + 1
@@ -119,11 +120,11 @@ def gefen_update_(
         state["v_col"].mul_(h.beta2).add_(col_mean, alpha=1 - h.beta2)
         row_mean = (partials[-1] / global_rows).float().clamp_min(torch.finfo(torch.float32).tiny)
         denom = torch.outer(state["v_row"], state["v_col"]).div_(row_mean)
-        denom = as_blocks(denom.sqrt_().div_(bias2_sqrt).add_(h.eps), period)
+        denom = as_blocks(_div(denom.sqrt_(), bias2_sqrt).add_(h.eps), period)
     else:
         block_sq = as_blocks(g, period).square().mean(-1)
         state["v"].mul_(h.beta2).add_(block_sq, alpha=1 - h.beta2)
-        denom = state["v"].sqrt().div_(bias2_sqrt).add_(h.eps).unsqueeze(-1)
+        denom = _div(state["v"].sqrt(), bias2_sqrt).add_(h.eps).unsqueeze(-1)
 
     # 2. step count and decoupled weight decay
     state["step"].fill_(step)
@@ -135,7 +136,7 @@ def gefen_update_(
     update = update_momentum_(state, g, h.beta1, codebook)
 
     # 4. update with the re-quantised momentum
-    update.div_(bias1)
+    update = _div(update, bias1)
     as_blocks(update, period).div_(denom)
     work.add_(update, alpha=-h.lr)
     if work is not param:
