@@ -275,7 +275,7 @@ def test_m8_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
     assert calls == [("m8_partials", 2), ("m8_update_", 4)] * len(grads)
 
 
-def test_m8_unexpected_layout_falls_back_untouched(caplog):
+def test_m8_unexpected_layout_falls_back_untouched(caplog, monkeypatch):
     """State the kernels do not expect (here an fp64 block second moment) takes the eager path:
     nothing is modified and the reason is logged once."""
     shape = (4, 6)
@@ -283,6 +283,7 @@ def test_m8_unexpected_layout_falls_back_untouched(caplog):
     state = F.init_state(p, shape, 6, False)
     state["v"] = state["v"].double()
     saved = copy.deepcopy(state)
+    monkeypatch.setattr(dispatch, "_logged", set())
     with caplog.at_level("WARNING", logger="gefen.triton"):
         assert not dispatch.gefen_update_(p, torch.randn(shape).to(DEVICE), state, torch.linspace(-1, 1, 16).to(DEVICE),
                                           H, global_rows=4)
