@@ -255,7 +255,8 @@ def run(quick: bool) -> dict:
         return {"title": title, "plots": [], "markdown": (
             "No CUDA device on the machine that ran this page, so nothing was measured here. "
             "`bash benchmarks/gpu.sh` on a machine with one runs the CUDA tests and this benchmark "
-            "(fp32 and bf16) in one call.")}
+            "(fp32 and bf16; Gefen m4v4 and m8 with the Triton kernels, m4v4 eager, torch AdamW fused and "
+            "foreach) in one call.")}
     millions, reps = (200.0, 3) if quick else (1750.0, 10)
     data = {str(dt).removeprefix("torch."): measure_all(torch.device("cuda"), millions, 2048, 32768, dt, reps)
             for dt in (torch.float32, torch.bfloat16)}

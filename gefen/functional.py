@@ -10,7 +10,8 @@ moment: ``second_moment_partials`` / ``gefen_update_``) and the default "m4v4" (
 4-bit first-moment code and a 4-bit code of the second moment against the factored estimate in
 one byte, both stochastically rounded: ``m4v4_partials`` / ``m4v4_update_``, exact AdamW
 ``adamw_update_`` for 1-D tensors). The m4v4 functions are the reference the fused kernels
-reproduce bit for bit (docs/format.md, "The m4v4 step").
+reproduce bit for bit (docs/format.md, "The m4v4 step"); the m8 ones the C kernel's (bit for
+bit) and the Triton kernels' (up to the fp32 means' summation order, docs/decisions.md).
 """
 
 from __future__ import annotations

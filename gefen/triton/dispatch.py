@@ -207,11 +207,11 @@ def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, p
     if any(t is None for t in extra) or not _decide([param, grad], [state[k] for k in keys] + [codebook] + extra, "m8"):
         return False
     period = int(state["period"])
-    blocks = param.numel() // period if period > 0 else -1
-    second = (state["v_row"], state["v_col"], v_row) if factored else (state["v"],)
     cols = math.prod(param.shape[1:]) if param.dim() else 1
+    blocks = param.numel() // max(period, 1)
+    second = (state["v_row"], state["v_col"], v_row) if factored else (state["v"],)
     if (param.shape != grad.shape or codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256
-            or blocks * period != param.numel() or cols % period or state["m_code"].dtype != torch.uint8
+            or period < 1 or cols % period or state["m_code"].dtype != torch.uint8
             or state["m_code"].shape != param.shape or state["m_scale"].dtype != torch.float32
             or state["m_scale"].numel() != blocks or any(t.dtype != torch.float32 for t in second)
             or (not factored and state["v"].numel() != blocks)
