@@ -1,8 +1,8 @@
 """When a step runs the Triton kernels: the one decision point between the eager references in
 ``gefen.functional`` and ``gefen.triton.launch``.
 
-``m4v4_update_``, ``adamw_update_``, ``gefen_update_`` (m8) and ``momentum_`` take the arguments of the functional
-reference of the same name and return True / the momentum when the kernels did the work, or
+``m4v4_update_``, ``adamw_update_``, ``gefen_update_`` (m8) and ``momentum_`` take the arguments
+of the functional reference of the same name and return True / the momentum when the kernels did the work, or
 False / None (nothing touched) when the eager reference must run.  CUDA tensors (a DTensor's
 local shard included: the step passes local tensors) use the kernels; a CUDA step that falls back
 logs its reason once.  At a device's first use each kernel family runs small problems against the
@@ -10,8 +10,8 @@ eager reference (``verify``, ``gefen.triton.selfcheck``); on a mismatch or a bui
 eager step is kept, with the reason logged.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``enabled = False``
 forces the eager path.  Triton is imported on first use only.
 
-Inside ``batched()`` the m4v4, 1-D and m8 updates (which return nothing) are queued and launched together
-when the block ends: one launch per phase for the whole group instead of a few per tensor.
+Inside ``batched()`` the m4v4, 1-D and m8 updates (which return nothing) are queued and launched
+together when the block ends: one launch per phase for the whole group instead of a few per tensor.
 """
 
 from __future__ import annotations
@@ -100,10 +100,10 @@ def _decide(tensors, states, family: str = "m4v4") -> bool:
 
 def verify(device: torch.device, family: str) -> str | None:
     """Run one kernel family (``"m4v4"``: phases 1 and 2 and the 1-D path; ``"m8"``: both phases,
-    both second-moment forms; ``"momentum"``) once
-    on small problems on ``device`` against the eager reference, at first use (cached): None when
-    codes, scales and moments match exactly, else the reason the eager path is kept (a Triton or
-    driver that miscompiles or fails to build them). As ``gefen.native`` calibrates its C step."""
+    both second-moment forms; ``"momentum"``) once on small problems on ``device`` against the
+    eager reference, at first use (cached): None when codes, scales and moments match (exactly;
+    m8's fp32 means to ``selfcheck.M8_V_RTOL``), else the reason the eager path is kept (a Triton
+    or driver that miscompiles or fails to build them). As ``gefen.native`` calibrates its C step."""
     key = (str(device), family)
     if key not in _verified:
         global _checking

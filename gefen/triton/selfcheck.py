@@ -130,19 +130,14 @@ def m8_params_close(before: torch.Tensor, ref: torch.Tensor, got: torch.Tensor) 
     return bool(((r - g).abs() <= tol).all())
 
 
-def m8_cases(max_single: int) -> list[tuple[tuple[int, ...], int, bool, torch.dtype]]:
-    """(shape, block length, factored, dtype): both forms, one tile and two passes, blocks shorter
-    than a row, 1-D and 0-D (one element per block)."""
-    long = max_single + 70
-    return [((33, 17), 17, True, torch.float32), ((3, long), long, True, torch.bfloat16),
-            ((6, 40), 8, True, torch.float32), ((4, 3, 10), 30, False, torch.bfloat16),
-            ((2, 2, long), 2 * long, False, torch.float32), ((9,), 1, False, torch.float32),
-            ((), 1, False, torch.bfloat16)]
-
-
 def _m8(launch, device, gen) -> str | None:
     cb = _book(gen, 256, device)
-    cases = m8_cases(launch.MAX_SINGLE)
+    long = launch.MAX_SINGLE + 70
+    cases = [  # (shape, block length, factored, dtype): both forms, one tile and two passes, blocks
+        # shorter than a row, 1-D and 0-D (one element per block)
+        ((33, 17), 17, True, torch.float32), ((3, long), long, True, torch.bfloat16), ((6, 40), 8, True, torch.float32),
+        ((4, 3, 10), 30, False, torch.bfloat16), ((2, 2, long), 2 * long, False, torch.float32),
+        ((9,), 1, False, torch.float32), ((), 1, False, torch.bfloat16)]
     ref, got = [], []
     for shape, period, factored, dtype in cases:
         p = (torch.randn(shape, generator=gen) * 0.1).to(device=device, dtype=dtype)
