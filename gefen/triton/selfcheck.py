@@ -108,8 +108,10 @@ def _momentum(launch, device, gen) -> str | None:
 
 #: m8's per-block and per-row second moments are fp32 means of g^2: the eager step sums in torch's
 #: order (ATen's cascade on CPU, a tree on CUDA), the kernels in float64 rounded once, so the two
-#: agree to a few ulps, not bit for bit (docs/decisions.md, "Triton kernels for m8")
-M8_V_RTOL = 1e-6
+#: agree to a few ulps, not bit for bit. A tree sum of n positive fp32 terms is within about
+#: (log2 n + 4) 2^-24 of exact (~1e-6 for the 4236-element blocks here): the bound is 4x that
+#: (docs/decisions.md, "Triton kernels for m8")
+M8_V_RTOL = 4e-6
 M8_APPROX = ("v", "v_row")
 
 
