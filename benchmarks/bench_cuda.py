@@ -4,7 +4,7 @@ Transformer-shaped parameters (``common.transformer_shapes``; default ~1.75B at 
 vocab 32768), gradients with row structure, fp32 or bf16 parameters and gradients. For each
 optimizer -- torch AdamW ``fused=True`` and ``foreach=True``, Gefen (default m4v4 layout) with the
 Triton kernels (``gefen/triton``) and with the eager torch reference (``GEFEN_DISABLE_NATIVE``'s
-switch) -- the first step is timed on its own (state allocation, Gefen's codebooks and, in a fresh
+switch), and Gefen ``moments="m8"`` with the kernels, factored and per-block second moment -- the first step is timed on its own (state allocation, Gefen's codebooks and, in a fresh
 process, Triton's compilation: ``first_step_s``), then a second optimizer's first step on the same
 parameters (kernels already compiled: ``first_step_warm_s``), two warm-up steps and the median of
 ``--reps`` steps timed with CUDA events. The device's copy bandwidth (``Tensor.copy_``, bytes read
@@ -37,8 +37,11 @@ from benchmarks.common import md_table, numel, transformer_shapes
 from gefen import Gefen
 from gefen.triton import dispatch
 
-KINDS = ("AdamW fused", "AdamW foreach", "Gefen (Triton)", "Gefen (eager)")
 TRITON = "Gefen (Triton)"
+#: Gefen's rows: the keywords each one passes (the eager one runs with the kernels switched off)
+GEFEN = {TRITON: {}, "Gefen (eager)": {}, "Gefen m8 (Triton)": {"moments": "m8"},
+         "Gefen m8 block v (Triton)": {"moments": "m8", "factored_v_2d": False}}
+KINDS = ("AdamW fused", "AdamW foreach", *GEFEN)
 
 
 class Clock:
@@ -96,19 +99,31 @@ def make_optimizer(kind: str, named):
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     if kind == "AdamW foreach":
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True)
-    return Gefen(named, lr=1e-4, weight_decay=0.01)
+    return Gefen(named, lr=1e-4, weight_decay=0.01, **GEFEN[kind])
 
 
 def traffic_bytes(kind: str, named) -> int:
     """Bytes a step must move at least: parameter read + write and gradient read; AdamW reads and
-    writes two moments in the parameter's dtype; Gefen reads and writes one code byte per element
-    of a matrix (plus its row/column statistics) and two fp32 moments per 1-D element, and reads
-    the gradient a second time (phase 1: the row and column sums)."""
+    writes two moments in the parameter's dtype; Gefen m4v4 reads and writes one code byte per
+    element of a matrix (plus its row/column statistics) and two fp32 moments per 1-D element, and
+    reads the gradient a second time (phase 1: the row and column sums); m8 reads and writes one
+    code byte per element and an fp32 scale per block (one per row of a tensor of two or more
+    dims, one per element of a 1-D one) and the second moment (per block; or factored, whose
+    phase 1 reads the gradient a second time)."""
     total = 0
+    m8 = GEFEN.get(kind, {}).get("moments") == "m8"
+    factored = GEFEN.get(kind, {}).get("factored_v_2d", True)
     for _, p in named:
         n, size = p.numel(), p.element_size()
         if kind.startswith("AdamW"):
             total += n * (3 * size + 4 * size)
+        elif m8:
+            rows = p.shape[0] if p.dim() >= 2 else n  # blocks: a row each, or an element each
+            total += n * (3 * size + 2) + rows * 2 * 4
+            if factored and p.dim() == 2:
+                total += n * size + rows * 2 * 4 + (n // rows) * 2 * 4
+            else:
+                total += rows * 2 * 4
         elif p.dim() >= 2:
             rows, cols = p.shape[0], n // p.shape[0]
             total += n * (2 * size + 2 * size + 2) + rows * (2 * 2 + 3 * 4) + cols * 2 * 4
@@ -118,11 +133,13 @@ def traffic_bytes(kind: str, named) -> int:
 
 
 def kernel_times(opt, device) -> dict:
-    """Device seconds of one step's kernel calls (gefen.triton.launch: phase 1 ``m4v4_partials``,
-    phase 2 ``m4v4_update_``): what is left of the step time is torch's work and host overhead."""
+    """Device seconds of one step's kernel calls (gefen.triton.launch: phase 1 ``m4v4_partials`` /
+    ``m8_partials``, phase 2 ``m4v4_update_`` / ``m8_update_``): what is left of the step time is
+    torch's work and host overhead."""
     from gefen.triton import launch
 
     spans = {}
+    phases = {"m4v4_partials": "phase1", "m8_partials": "phase1", "m4v4_update_": "phase2", "m8_update_": "phase2"}
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -132,17 +149,19 @@ def kernel_times(opt, device) -> dict:
             return out
         return wrapper
 
-    saved = launch.m4v4_partials, launch.m4v4_update_
-    launch.m4v4_partials, launch.m4v4_update_ = timed("phase1", saved[0]), timed("phase2", saved[1])
+    saved = {name: getattr(launch, name) for name in phases}
+    for name, phase in phases.items():
+        setattr(launch, name, timed(phase, saved[name]))
     try:
         opt.step()
     finally:
-        launch.m4v4_partials, launch.m4v4_update_ = saved
+        for name, fn in saved.items():
+            setattr(launch, name, fn)
     return spans
 
 
 def measure(kind: str, named, device, reps: int) -> dict:
-    dispatch.enabled = kind != "Gefen (eager)"
+    dispatch.enabled = "eager" not in kind
     opt = make_optimizer(kind, named)
     result = {}
     with Clock(device) as c:
@@ -162,7 +181,7 @@ def measure(kind: str, named, device, reps: int) -> dict:
         times.append(c.seconds)
     result["median_step_s"] = statistics.median(times)
     result["step_times_s"] = times
-    if kind == TRITON:
+    if "Triton" in kind:
         result["kernel_s"] = kernel_times(opt, device)
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     state += [b for b in (getattr(opt, "codebook", None), getattr(opt, "v_codebook", None))
@@ -212,10 +231,10 @@ def markdown(data: dict) -> str:
         ratio = gefen["median_step_s"] / fused
         first = gefen["first_step_s"] / gefen["median_step_s"]
         warm = gefen["first_step_warm_s"] / gefen["median_step_s"]
-        spans = gefen.get("kernel_s") or {}
-        if spans:
-            targets += ("\n\nGefen (Triton), one step's kernel calls alone (each timed with a synchronisation): "
-                        + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in spans.items()) + ".")
+        for kind, r in data["results"].items():
+            if spans := r.get("kernel_s"):
+                targets += (f"\n\n{kind}, one step's kernel calls alone (each timed with a synchronisation): "
+                            + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in spans.items()) + ".")
         targets += "\n\n" + md_table(["target (issue 15)", "measured", "met"], [
             ["Gefen step <= 0.5x torch fused AdamW", f"{ratio:.2f}x", "yes" if ratio <= 0.5 else "no"],
             ["first step <= 3x a steady step, compilation included", f"{first:.1f}x", "yes" if first <= 3 else "no"],
@@ -236,7 +255,8 @@ def run(quick: bool) -> dict:
         return {"title": title, "plots": [], "markdown": (
             "No CUDA device on the machine that ran this page, so nothing was measured here. "
             "`bash benchmarks/gpu.sh` on a machine with one runs the CUDA tests and this benchmark "
-            "(fp32 and bf16) in one call.")}
+            "(fp32 and bf16; Gefen m4v4 and m8 with the Triton kernels, m4v4 eager, torch AdamW fused and "
+            "foreach) in one call.")}
     millions, reps = (200.0, 3) if quick else (1750.0, 10)
     data = {str(dt).removeprefix("torch."): measure_all(torch.device("cuda"), millions, 2048, 32768, dt, reps)
             for dt in (torch.float32, torch.bfloat16)}
@@ -267,7 +287,7 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script without a GPU")
     args = ap.parse_args(argv)
     if args.smoke:
-        device, args.millions, args.d_model, args.vocab, args.reps = torch.device("cpu"), 0.01, 16, 32, 2
+        device, args.millions, args.d_model, args.vocab, args.reps = torch.device("cpu"), 0.001, 16, 32, 2
         if os.environ.get("TRITON_INTERPRET") == "1":  # the Triton rows run the kernels in the interpreter
             dispatch.DEVICES = {"cuda", "cpu"}
     elif not torch.cuda.is_available():

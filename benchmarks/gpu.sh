@@ -3,9 +3,9 @@
 # 1. a CUDA torch and Triton (installed from the package index when python3 has none),
 # 2. the C extensions built in place, the CUDA tests (tests/test_cuda.py, and tests/test_triton.py,
 #    which compares the Triton kernels with the eager reference on the GPU),
-# 3. the step benchmark (Gefen with the Triton kernels and eager vs torch AdamW fused and foreach,
-#    ~1.75B parameters) in fp32 and bf16, each in a fresh process with an empty Triton cache, so the
-#    first step includes compiling,
+# 3. the step benchmark (Gefen with the Triton kernels and eager, and Gefen m8 with the kernels in
+#    both second-moment forms, vs torch AdamW fused and foreach, ~1.75B parameters) in fp32 and bf16,
+#    each in a fresh process with an empty Triton cache, so the first step includes compiling,
 # 4. the CUDA section of docs/benchmarks.md (run_all --only cuda from this run's JSON).
 # Everything lands in $OUT (the device tool's folder) or benchmarks/out: build.log, cuda_tests.log,
 # cuda.json, cuda_bfloat16.json, cuda*.md, benchmarks.md, benchmarks.json.

@@ -10,7 +10,8 @@ moment: ``second_moment_partials`` / ``gefen_update_``) and the default "m4v4" (
 4-bit first-moment code and a 4-bit code of the second moment against the factored estimate in
 one byte, both stochastically rounded: ``m4v4_partials`` / ``m4v4_update_``, exact AdamW
 ``adamw_update_`` for 1-D tensors). The m4v4 functions are the reference the fused kernels
-reproduce bit for bit (docs/format.md, "The m4v4 step").
+reproduce bit for bit (docs/format.md, "The m4v4 step"); the m8 ones the C kernel's (bit for
+bit) and the Triton kernels' (up to the fp32 means' summation order, docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ def gefen_update_(
     ``v_row``/``partials`` are the factored tensor's results of ``second_moment_partials`` after
     the global sum; block-path tensors pass neither.
     """
-    if native.fused_update_(param, grad, state, codebook, h, global_rows=global_rows, v_row=v_row, partials=partials):
-        return  # the fused C step (gefen/native.py): bit-identical, used when it applies
+    for fused in (triton_dispatch.gefen_update_, native.fused_update_):  # CUDA: Triton; CPU: C (bit-identical)
+        if fused(param, grad, state, codebook, h, global_rows=global_rows, v_row=v_row, partials=partials):
+            return
     period = int(state["period"])
     g = grad.float()
     step = int(state["step"]) + 1
@@ -121,11 +123,11 @@ def gefen_update_(
         state["v_col"].mul_(h.beta2).add_(col_mean, alpha=1 - h.beta2)
         row_mean = (partials[-1] / global_rows).float().clamp_min(torch.finfo(torch.float32).tiny)
         denom = torch.outer(state["v_row"], state["v_col"]).div_(row_mean)
-        denom = as_blocks(denom.sqrt_().div_(bias2_sqrt).add_(h.eps), period)
+        denom = as_blocks(_div(denom.sqrt_(), bias2_sqrt).add_(h.eps), period)
     else:
         block_sq = as_blocks(g, period).square().mean(-1)
         state["v"].mul_(h.beta2).add_(block_sq, alpha=1 - h.beta2)
-        denom = state["v"].sqrt().div_(bias2_sqrt).add_(h.eps).unsqueeze(-1)
+        denom = _div(state["v"].sqrt(), bias2_sqrt).add_(h.eps).unsqueeze(-1)
 
     # 2. step count and decoupled weight decay
     state["step"].fill_(step)
@@ -137,7 +139,7 @@ def gefen_update_(
     update = update_momentum_(state, g, h.beta1, codebook)
 
     # 4. update with the re-quantised momentum
-    update.div_(bias1)
+    update = _div(update, bias1)
     as_blocks(update, period).div_(denom)
     work.add_(update, alpha=-h.lr)
     if work is not param:

@@ -172,7 +172,7 @@ class Gefen(CompressedOptimizer):
         factored = []
         todo = [(i, p, local_tensor(grad), group["betas"][1])
                 for i, (group, p, grad) in enumerate(work) if fields in self.state[p]]
-        # CUDA: every matrix's partials in two Triton launches (gefen/triton), else one call each
+        # CUDA: every matrix's partials in two Triton launches per dtype (gefen/triton), else one call each
         fused = batched_fn([(g, self.state[p], b2) for _, p, g, b2 in todo]) if batched_fn and todo else None
         for k, (i, p, g, b2) in enumerate(todo):
             v_row, parts = fused[k] if fused else partials_fn(p, g, self.state[p], b2)
@@ -190,7 +190,8 @@ class Gefen(CompressedOptimizer):
         return [(g, p, grad) for g, p, grad in work if "mv_code" in self.state[p] and plan.splits_columns(p)]
 
     def _step_m8(self, work) -> None:
-        pending = self._reduced_partials(work, "v_row", lambda p, *args: second_moment_partials(*args))
+        pending = self._reduced_partials(work, "v_row", lambda p, *args: second_moment_partials(*args),
+                                         batched_fn=triton_dispatch.m8_partials_)
         codebook = self._step_codebook()
         for i, (group, p, grad) in enumerate(work):
             beta1, beta2 = group["betas"]

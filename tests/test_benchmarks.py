@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,14 @@ from benchmarks import run_all
 def test_every_benchmark_module_follows_the_run_convention(name):
     module = importlib.import_module(f"benchmarks.bench_{name}")
     assert list(inspect.signature(module.run).parameters) == ["quick"], name
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_gpu_script_parses():
+    """benchmarks/gpu.sh runs only on a GPU machine: at least its syntax is checked everywhere."""
+    out = subprocess.run(["bash", "-n", str(Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.sh")],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures for minutes on a GPU")
@@ -43,3 +55,7 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path, monkeypatch):
     section = bench_cuda.run(quick=True)
     run_all._check(section)
     assert "### bfloat16 parameters" in section["markdown"] and "| Gefen (Triton) |" in section["markdown"]
+    results = json.loads((tmp_path / "cuda_bfloat16.json").read_text())["results"]
+    # the m8 rows ran the kernels: both phases for the factored form, phase 2 alone for the per-block one
+    for kind, phases in (("Gefen m8 (Triton)", {"phase1", "phase2"}), ("Gefen m8 block v (Triton)", {"phase2"})):
+        assert f"| {kind} |" in section["markdown"] and set(results[kind]["kernel_s"]) == phases, kind

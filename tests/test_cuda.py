@@ -1,8 +1,9 @@
 """Gefen and gefen_ckpt on a CUDA device (skipped without one; `benchmarks/gpu.sh` runs them).
 
-On CUDA the default (m4v4) step runs the Triton kernels (gefen/triton; tests/test_triton.py
-compares them with the eager reference on the same device), the m8 layout the eager step: both
-run, keep the state compressed, track the CPU step to fp32 rounding, and checkpoint to CPU.
+On CUDA both layouts' steps (m4v4, the default, and m8 with either second-moment form) run the
+Triton kernels (gefen/triton; tests/test_triton.py compares them with the eager reference on the
+same device): they keep the state compressed, track the CPU step to fp32 rounding, and checkpoint
+to CPU.
 """
 
 from __future__ import annotations
@@ -50,15 +51,20 @@ def test_cuda_step_tracks_the_cpu_reference(layout):
                 torch.testing.assert_close(sb[key].cpu(), value, rtol=1e-4, atol=1e-6, msg=f"{name}.{key}")
 
 
-def test_cuda_default_step_runs_the_triton_kernels(monkeypatch):
+@pytest.mark.parametrize("layout,launcher,batches", [("m4v4", "m4v4_update_", [3, 1]), ("m8 factored", "m8_update_", [4]),
+                                                     ("m8 block", "m8_update_", [4])])
+def test_cuda_step_runs_the_triton_kernels(layout, launcher, batches, monkeypatch):
     from gefen.triton import dispatch, launch
 
     assert dispatch.available(), dispatch._import_error
+    monkeypatch.setattr(dispatch, "_logged", set())
     calls = []
-    real = launch.m4v4_update_
-    monkeypatch.setattr(launch, "m4v4_update_", lambda items, *a, **k: (calls.append(len(items)), real(items, *a, **k)))
-    _run("cuda", steps=2)
-    assert calls == [3, 1] * 2  # the three matrices in one batch, the 1-D norm in another
+    real = getattr(launch, launcher)
+    monkeypatch.setattr(launch, launcher, lambda items, *a, **k: (calls.append(len(items)), real(items, *a, **k)))
+    _run("cuda", steps=2, **LAYOUTS[layout])
+    # m4v4: the three matrices in one batch, the 1-D norm in another; m8: every tensor in one
+    assert calls == batches * 2
+    assert not dispatch._logged, dispatch._logged  # no CUDA step fell back to the eager path
 
 
 def test_cuda_bf16_parameters_keep_fp32_state():

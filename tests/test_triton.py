@@ -22,7 +22,7 @@ from gefen.functional import Hyper
 from gefen.stochastic import ratio_table
 
 triton = pytest.importorskip("triton")
-from gefen.triton import dispatch, launch  # noqa: E402
+from gefen.triton import dispatch, launch, selfcheck  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -179,6 +179,118 @@ def test_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
         assert _same_step(init[name], a.detach(), b.detach(), steps=len(grads)), name
 
 
+# ----- Gefen m8 (8-bit codes; block or factored second moment) ---------------------------------
+M8_CASES = [  # shape, block length, factored, parameter dtype, gradient dtype, codebook size
+    ((37, 33), 33, True, torch.float32, torch.float32, 256),  # odd shape, one tile
+    ((3, 150), 150, True, torch.bfloat16, torch.float32, 100),  # rows longer than MAX_SINGLE: two passes
+    ((6, 40), 8, True, torch.float32, torch.bfloat16, 2),  # blocks shorter than a row
+    ((5, 4, 10), 40, False, torch.bfloat16, torch.bfloat16, 16),  # 3-D: the per-block second moment
+    ((3, 150), 150, False, torch.float32, torch.float32, 256),  # per-block, two passes
+    ((0, 12), 12, True, torch.float32, torch.float32, 16),  # empty row shards
+    ((0, 3, 4), 12, False, torch.float32, torch.float32, 16),
+    ((7,), 1, False, torch.float32, torch.float32, 4),  # 1-D and 0-D: one element per block
+    ((), 1, False, torch.bfloat16, torch.bfloat16, 256),
+]
+
+
+@pytest.mark.parametrize("shape,period,factored,pdt,gdt,K", M8_CASES, ids=str)
+def test_m8_matches_the_reference(shape, period, factored, pdt, gdt, K):
+    """Both phases through the hooks over three steps: codes, scales, v_col and the step count
+    identical; v / v_row within M8_V_RTOL and parameters within one rounding plus M8_V_RTOL of
+    the update (the fp32 means of g^2 differ only in summation order; docs/decisions.md)."""
+    gen = torch.Generator().manual_seed(K + len(shape) * 10 + period)
+    cb = torch.sort(torch.rand(K, generator=gen) * 2 - 1).values
+    cb[0], cb[-1] = -1.0, 1.0
+    cb = cb.to(DEVICE)
+    p_ref = (torch.randn(shape, generator=gen) * 0.1).to(device=DEVICE, dtype=pdt)
+    s_ref = F.init_state(p_ref, shape, period, factored)
+    p_tri, s_tri = p_ref.clone(), copy.deepcopy(s_ref)
+    global_rows = (shape[0] if shape else 1) + 7  # a row shard of a larger parameter
+    for step in range(3):
+        g = _grad(gen, shape, gdt, zero_row=step == 1)
+        before = p_ref.clone()
+        kw = kw_tri = {}
+        if factored:
+            dispatch.enabled = False
+            v_row, parts = F.second_moment_partials(g, s_ref, H.beta2)
+            dispatch.enabled = True
+            ((v_row_tri, parts_tri),) = dispatch.m8_partials_([(g, s_tri, H.beta2)])
+            torch.testing.assert_close(v_row_tri, v_row, rtol=selfcheck.M8_V_RTOL, atol=0)
+            torch.testing.assert_close(parts_tri[:-1], parts[:-1], rtol=1e-13, atol=0)  # float64 column sums
+            torch.testing.assert_close(parts_tri[-1:], parts[-1:], rtol=selfcheck.M8_V_RTOL, atol=0)  # sum of v_row
+            kw, kw_tri = dict(v_row=v_row, partials=parts), dict(v_row=v_row_tri, partials=parts_tri)
+        dispatch.enabled = False  # the reference must not reach the kernels
+        F.gefen_update_(p_ref, g, s_ref, cb, H, global_rows=global_rows, **kw)
+        dispatch.enabled = True
+        assert dispatch.gefen_update_(p_tri, g, s_tri, cb, H, global_rows=global_rows, **kw_tri)
+        assert (why := selfcheck.m8_differences(s_ref, s_tri)) is None, f"step {step}: {why}"
+        assert selfcheck.m8_params_close(before, p_ref, p_tri), f"step {step}: parameters differ beyond the tolerance"
+        p_tri.copy_(p_ref)  # every step is compared from the same parameters
+
+
+def test_m8_tolerance_is_needed_and_holds():
+    """The stated tolerance is not vacuous: torch's fp32 mean of g^2 and the kernels' (a float64
+    sum rounded once) differ somewhere on these rows, and by no more than M8_V_RTOL."""
+    gen = torch.Generator().manual_seed(11)
+    shape = (64, 33)
+    state = F.init_state(torch.zeros(shape, device=DEVICE), shape, 33, True)
+    g = _grad(gen, shape, torch.float32, zero_row=False)
+    ((v_row, _),) = launch.m8_partials([(g, state, 0.0)])  # beta2 = 0: v_row is the mean itself
+    ref = (g.cpu() * g.cpu()).mean(1)  # torch's CPU mean (its cascade sum) on every device
+    rel = ((v_row.cpu() - ref).abs() / ref).max().item()
+    assert 0 < rel <= selfcheck.M8_V_RTOL, rel
+
+
+def test_m8_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
+    """Gefen(moments="m8").step through the hooks, both second-moment forms in one optimizer: the
+    same state as the eager step (up to the stated tolerance), one phase-1 call for the factored
+    matrices and one phase-2 call for every tensor of the step."""
+    from gefen import Gefen
+
+    shapes = {"w1": (9, 20), "w2": (20, 9), "b": (20,), "e": (3, 2, 5)}
+    gen = torch.Generator().manual_seed(8)
+    init = {n: torch.randn(s, generator=gen).to(DEVICE) for n, s in shapes.items()}
+    grads = [{n: _grad(gen, s, torch.float32, zero_row=False) for n, s in shapes.items()} for _ in range(3)]
+    calls = []
+    for name in ("m8_partials", "m8_update_"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda items, *a, _r=real, _n=name: (calls.append((_n, len(items))),
+                                                                              _r(items, *a))[1])
+    optimizers = []
+    for _ in range(2):  # the eager step, the kernels
+        params = [(n, torch.nn.Parameter(t.clone())) for n, t in init.items()]
+        optimizers.append((params, Gefen(params, lr=1e-2, weight_decay=0.1, moments="m8", codebook_size=64)))
+    for g in grads:
+        for use_kernels, (params, opt) in zip((False, True), optimizers):
+            for n, p in params:
+                p.grad = g[n].clone()
+            dispatch.enabled = use_kernels
+            opt.step()
+        (ref_params, ref_opt), (params, opt) = optimizers
+        for (name, a), (_, b) in zip(ref_params, params):
+            assert (why := selfcheck.m8_differences(ref_opt.state[a], opt.state[b])) is None, f"{name}: {why}"
+            assert selfcheck.m8_params_close(init[name], a.detach(), b.detach()), name
+            b.data.copy_(a.data)
+            init[name] = a.detach().clone()
+    assert calls == [("m8_partials", 2), ("m8_update_", 4)] * len(grads)
+
+
+def test_m8_unexpected_layout_falls_back_untouched(caplog, monkeypatch):
+    """State the kernels do not expect (here an fp64 block second moment) takes the eager path:
+    nothing is modified and the reason is logged once."""
+    shape = (4, 6)
+    p = torch.randn(shape).to(DEVICE)
+    state = F.init_state(p, shape, 6, False)
+    state["v"] = state["v"].double()
+    saved = copy.deepcopy(state)
+    monkeypatch.setattr(dispatch, "_logged", set())
+    with caplog.at_level("WARNING", logger="gefen.triton"):
+        assert not dispatch.gefen_update_(p, torch.randn(shape).to(DEVICE), state, torch.linspace(-1, 1, 16).to(DEVICE),
+                                          H, global_rows=4)
+    _assert_states_equal(saved, state, "fallback")
+    assert any("unexpected m8 state" in r.getMessage() for r in caplog.records)
+
+
 # ----- GefenMuon's compressed momentum (m8 codes) ----------------------------------------------
 @pytest.mark.parametrize("K", [4, 16, 100, 256])
 @pytest.mark.parametrize("shape,period,gdt", [((37, 33), 33, torch.float32), ((6, 40), 8, torch.float32),
@@ -253,6 +365,14 @@ cases = [
     (K.m4v4_prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024}),
     (K.partials_kernel, {**tab, "ints": "*i64", "betas": "*fp32"}, {"BR": 32, "BC": 64, "GRAD_T": tl.float32}),
     (K.column_sum_kernel, {**tab, "ints": "*i64"}, {"BC": 256, "BR": 32}),
+    (K.m8_kernel, {**tab, "ints": "*i64", "scal": "*fp32", "cb": "*fp32", "thr": "*fp32", "K": "i32"},
+     {"LOG2K": 8, "BR": 2, "BC": 1024, "SINGLE": True, "FACTORED": True, "PARAM_T": tl.float32,
+      "GRAD_T": tl.float32}),
+    (K.m8_kernel, {**tab, "ints": "*i64", "scal": "*fp32", "cb": "*fp32", "thr": "*fp32", "K": "i32"},
+     {"LOG2K": 4, "BR": 1, "BC": 1024, "SINGLE": False, "FACTORED": False, "PARAM_T": tl.bfloat16,
+      "GRAD_T": tl.bfloat16}),
+    (K.m8_prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024}),
+    (K.m8_partials_kernel, {**tab, "ints": "*i64", "betas": "*fp32"}, {"BR": 32, "BC": 64, "GRAD_T": tl.bfloat16}),
 ]
 for fn, sig, consts in cases:
     src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
@@ -287,16 +407,14 @@ def test_disabled_or_foreign_devices_fall_back(caplog):
         assert not caplog.records
 
 
-@pytest.mark.parametrize("family", ["m4v4", "momentum"])
+@pytest.mark.parametrize("family", ["m4v4", "m8", "momentum"])
 def test_first_use_check_passes_and_catches_a_wrong_kernel(family, monkeypatch):
     """The check run at a device's first use (gefen.triton.selfcheck) passes with these kernels
     and reports a kernel whose output differs (here: an update that forgets the last element)."""
-    from gefen.triton import selfcheck
-
     device = torch.device(DEVICE)
     monkeypatch.setattr(dispatch, "_checking", True)  # as verify() runs it: the hooks stay out
     assert selfcheck.run(launch, device, family) is None
-    name = "momentum_" if family == "momentum" else "m4v4_update_"
+    name = {"momentum": "momentum_", "m8": "m8_update_"}.get(family, "m4v4_update_")
     real = getattr(launch, name)
 
     def broken(items, *args):
@@ -304,7 +422,7 @@ def test_first_use_check_passes_and_catches_a_wrong_kernel(family, monkeypatch):
         out = real(items, *args)
         for it, old in zip(items, saved):  # undo the first parameter's codes
             state = it[0] if family == "momentum" else it.state
-            key = "m_code" if family == "momentum" else "mv_code"
+            key = "mv_code" if family == "m4v4" else "m_code"
             if key in state and state[key].numel():
                 state[key].view(-1)[-1] = old[key].view(-1)[-1] ^ 1
             break
@@ -344,3 +462,47 @@ def test_without_triton_everything_imports_and_steps():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "TRITON_INTERPRET": "0", "GEFEN_DISABLE_NATIVE": "1"})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def _m8_dtensor_worker(rank: int, world_size: int):
+    """Gefen(moments="m8") on row-sharded DTensors (as FSDP2 leaves them) with and without the
+    kernels: the m8 kernels get the local shards; the state agrees up to the stated tolerance."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from gefen import Gefen
+
+    dispatch.DEVICES, F.native.enabled = {"cuda", "cpu"}, False
+    mesh = init_device_mesh("cpu", (world_size,))
+    gen = torch.Generator().manual_seed(2)
+    shapes = {"emb": (9, 16), "tiny": (1, 8), "norm": (16,), "conv": (4, 2, 3)}  # "tiny": an empty shard
+    init = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(2)]
+    calls = []
+    real = launch.m8_update_
+    launch.m8_update_ = lambda items, *a: (calls.append(sorted(tuple(it.param.shape) for it in items)), real(items, *a))
+    states = []
+    for use_kernels in (False, True):
+        dispatch.enabled = use_kernels
+        params = {n: torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for n, t in init.items()}
+        opt = Gefen(list(params.items()), lr=1e-2, moments="m8")
+        for g in grads:
+            for n, p in params.items():
+                p.grad = distribute_tensor(g[n], mesh, [Shard(0)])
+            opt.step()
+        states.append({n: (opt.state[p], p.to_local()) for n, p in params.items()})
+    diffs = [selfcheck.m8_differences(states[0][n][0], states[1][n][0]) for n in shapes]
+    close = [torch.allclose(states[0][n][1], states[1][n][1], rtol=1e-5, atol=1e-7) for n in shapes]
+    return {"calls": calls, "diffs": diffs, "close": close}
+
+
+@pytest.mark.dist
+def test_m8_kernels_take_dtensor_local_shards():
+    """Two gloo ranks, parameters row-sharded as DTensors: each rank's step sends its local shards
+    (an empty one included) to the m8 kernels in one call, and its state matches the eager step's."""
+    from distributed import run
+
+    for rank, r in enumerate(run(_m8_dtensor_worker, 2, timeout=120)):
+        local = [(5 - rank, 16), (2, 2, 3), (8,), (1 - rank, 8)]
+        assert r["calls"] == [sorted(local)] * 2, r["calls"]
+        assert r["diffs"] == [None] * 4 and all(r["close"]), r

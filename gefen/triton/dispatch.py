@@ -1,8 +1,8 @@
 """When a step runs the Triton kernels: the one decision point between the eager references in
 ``gefen.functional`` and ``gefen.triton.launch``.
 
-``m4v4_update_``, ``adamw_update_`` and ``momentum_`` take the arguments of the functional
-reference of the same name and return True / the momentum when the kernels did the work, or
+``m4v4_update_``, ``adamw_update_``, ``gefen_update_`` (m8) and ``momentum_`` take the arguments
+of the functional reference of the same name and return True / the momentum when the kernels did the work, or
 False / None (nothing touched) when the eager reference must run.  CUDA tensors (a DTensor's
 local shard included: the step passes local tensors) use the kernels; a CUDA step that falls back
 logs its reason once.  At a device's first use each kernel family runs small problems against the
@@ -10,8 +10,8 @@ eager reference (``verify``, ``gefen.triton.selfcheck``); on a mismatch or a bui
 eager step is kept, with the reason logged.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``enabled = False``
 forces the eager path.  Triton is imported on first use only.
 
-Inside ``batched()`` the m4v4 and 1-D updates (which return nothing) are queued and launched together
-when the block ends: one launch per phase for the whole group instead of a few per tensor.
+Inside ``batched()`` the m4v4, 1-D and m8 updates (which return nothing) are queued and launched
+together when the block ends: one launch per phase for the whole group instead of a few per tensor.
 """
 
 from __future__ import annotations
@@ -99,10 +99,11 @@ def _decide(tensors, states, family: str = "m4v4") -> bool:
 
 
 def verify(device: torch.device, family: str) -> str | None:
-    """Run one kernel family (``"m4v4"``: phases 1 and 2 and the 1-D path; ``"momentum"``) once
-    on small problems on ``device`` against the eager reference, at first use (cached): None when
-    codes, scales and moments match exactly, else the reason the eager path is kept (a Triton or
-    driver that miscompiles or fails to build them). As ``gefen.native`` calibrates its C step."""
+    """Run one kernel family (``"m4v4"``: phases 1 and 2 and the 1-D path; ``"m8"``: both phases,
+    both second-moment forms; ``"momentum"``) once on small problems on ``device`` against the
+    eager reference, at first use (cached): None when codes, scales and moments match (exactly;
+    m8's fp32 means to ``selfcheck.M8_V_RTOL``), else the reason the eager path is kept (a Triton
+    or driver that miscompiles or fails to build them). As ``gefen.native`` calibrates its C step."""
     key = (str(device), family)
     if key not in _verified:
         global _checking
@@ -135,19 +136,20 @@ def batched():
 
 def _flush(queue) -> None:
     groups: dict[tuple, list] = {}
-    for item, books in queue:
-        groups.setdefault(tuple(id(b) for b in books), []).append((item, books))
-    for entries in groups.values():
-        codebook, ratio = entries[0][1]
-        _launch_mod.m4v4_update_([item for item, _ in entries], codebook, ratio)
+    for run, item, books in queue:
+        groups.setdefault((run, *(id(b) for b in books)), []).append((item, books))
+    for (run, *_), entries in groups.items():
+        getattr(_launch_mod, run)([item for item, _ in entries], *entries[0][1])
 
 
-def _submit(item, books) -> None:
+def _submit(item, books, run: str = "m4v4_update_") -> None:
+    """Launch ``gefen.triton.launch.<run>([item], *books)`` now, or at the end of ``batched()``
+    together with the other items of the same ``run`` and codebooks."""
     queue = getattr(_local, "queue", None)
     if queue is None:
-        _launch_mod.m4v4_update_([item], *books)
+        getattr(_launch_mod, run)([item], *books)
     else:
-        queue.append((item, books))
+        queue.append((run, item, books))
 
 
 def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, partials, pidx, seed, row0=0,
@@ -195,6 +197,46 @@ def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0)
     _submit(_launch_mod.M4V4Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0),
             (None, None))
     return True
+
+
+def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> bool:
+    """``functional.gefen_update_`` (the m8 layout) through the kernels; False when it must run eagerly."""
+    factored = "v_row" in state
+    keys = ("m_code", "m_scale") + (("v_row", "v_col") if factored else ("v",))
+    if any(k not in state for k in keys):
+        return False
+    extra = [v_row, partials] if factored else []
+    if any(t is None for t in extra) or not _decide([param, grad], [state[k] for k in keys] + [codebook] + extra, "m8"):
+        return False
+    period = int(state["period"])
+    cols = math.prod(param.shape[1:]) if param.dim() else 1
+    blocks = param.numel() // max(period, 1)
+    second = (state["v_row"], state["v_col"], v_row) if factored else (state["v"],)
+    if (param.shape != grad.shape or codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256
+            or period < 1 or cols % period or state["m_code"].dtype != torch.uint8
+            or state["m_code"].shape != param.shape or state["m_scale"].dtype != torch.float32
+            or state["m_scale"].numel() != blocks or any(t.dtype != torch.float32 for t in second)
+            or (not factored and state["v"].numel() != blocks)
+            or (factored and (param.dim() != 2 or v_row.numel() != param.shape[0] or state["v_col"].numel() != cols
+                              or partials.dtype != torch.float64 or partials.numel() != cols + 1))):
+        return _fallback("an unexpected m8 state or argument layout")
+    item = _launch_mod.M8Item(param, grad, state, h, int(state["step"]) + 1, global_rows=global_rows, v_row=v_row,
+                              partials=partials)
+    _submit(item, (codebook,), "m8_update_")
+    return True
+
+
+def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
+    """``functional.second_moment_partials`` of every factored ``(grad, state, beta2)`` in two
+    launches (phase 1 of a whole m8 group), or None when any of them must take the eager path."""
+    if not items:
+        return None
+    grads = [g for g, _, _ in items]
+    v_rows = [s["v_row"] for _, s, _ in items]
+    if not _decide(grads, v_rows, "m8") or any(g.dim() != 2 or v.shape != g.shape[:1] or v.dtype != torch.float32
+                                               for g, v in zip(grads, v_rows)):
+        return None
+    return _launch_mod.m8_partials(items)
 
 
 def momentum_(state, grad, beta, codebook) -> torch.Tensor | None:

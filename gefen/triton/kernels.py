@@ -101,24 +101,38 @@ def _encode(x, table, u):
 
 # ----- GefenMuon's compressed momentum (8-bit codes, per-block max-abs, nearest code) ---------------
 @triton.jit
-def _momentum_tile(grad_p, codes_p, cb, off, mask, scale, w, small):
+def _momentum_and_grad(grad_p, codes_p, cb, off, mask, scale, w, small):
+    """The new first moment ``lerp(cb[code] * scale, g, w)`` (fp32) and the fp32 gradient."""
     code = tl.load(codes_p + off, mask=mask, other=0).to(tl.int32)
     m = tl.load(cb + code) * scale[:, None]
     g = tl.load(grad_p + off, mask=mask, other=0.0).to(tl.float32)
     # torch's lerp: w < 0.5 ? fma(w, g - m, m) : fma(w - 1, g - m, g)
     coef = tl.where(small, w, w - 1.0)
-    return tl.fma(coef, g - m, tl.where(small, m, g))
+    return tl.fma(coef, g - m, tl.where(small, m, g)), g
 
 
 @triton.jit
-def _momentum_store(m, s, off, mask, codes_p, out_p, cb, thr, K, LOG2K: tl.constexpr):
+def _momentum_tile(grad_p, codes_p, cb, off, mask, scale, w, small):
+    m, _ = _momentum_and_grad(grad_p, codes_p, cb, off, mask, scale, w, small)
+    return m
+
+
+@triton.jit
+def _requantise(m, s, cb, thr, K, LOG2K: tl.constexpr):
+    """Nearest codes (int32) of ``m`` in blocks of max-abs ``s`` and the decoded ``cb[code] * s``."""
     zero = s == 0.0
     x = tl.div_rn(m, tl.where(zero, 1.0, s)[:, None])
     code = _count_below(x, thr, LOG2K)
     code = tl.where(x != x, K - 1, code)  # NaN -> the last code, as torch.searchsorted
     code = tl.where(zero[:, None], 0, code)
+    return code, tl.load(cb + code) * s[:, None]
+
+
+@triton.jit
+def _momentum_store(m, s, off, mask, codes_p, out_p, cb, thr, K, LOG2K: tl.constexpr):
+    code, mq = _requantise(m, s, cb, thr, K, LOG2K)
     tl.store(codes_p + off, code.to(tl.uint8), mask=mask)
-    tl.store(out_p + off, tl.load(cb + code) * s[:, None], mask=mask)
+    tl.store(out_p + off, mq, mask=mask)
 
 
 @triton.jit
@@ -390,3 +404,176 @@ def column_sum_kernel(progs, ptrs, ints, BC: tl.constexpr, BR: tl.constexpr):
     for t in range(0, tl.cdiv(n_rows, BR)):
         acc += tl.load(scratch + t * width + c, mask=cmask, other=0.0)
     tl.store(parts + c, acc, mask=cmask)
+
+
+# ----- Gefen m8 (contract version "1"): 8-bit first-moment codes, block or factored second moment
+# scalar table columns (fp32, one row per parameter): lerp weight 1 - b1, b2, 1 - b2, 1 - b1^t,
+# sqrt(1 - b2^t), eps, -lr, 1 - lr * wd, the factored row mean (written by m8_prologue_kernel)
+M_W, M_B2, M_OMB2, M_BIAS1, M_BIAS2, M_EPS, M_NEG_LR, M_DECAY, M_ROW_MEAN = map(tl.constexpr, range(9))
+M_NSCAL = tl.constexpr(9)
+# int table columns (int64): blocks, block length P, blocks per row, row length C, weight decay flag,
+# global rows (the divisor of the factored column and row sums)
+J_NB, J_P, J_BPR, J_C, J_HAS_WD, J_GROWS = map(tl.constexpr, range(6))
+M_NINTS = tl.constexpr(6)
+
+
+@triton.jit
+def m8_partials_kernel(progs, ptrs, ints, betas, BR: tl.constexpr, BC: tl.constexpr, GRAD_T: tl.constexpr):
+    """Phase 1 of an m8 step for factored matrices (``functional.second_moment_partials``), one
+    program per ``BR`` rows: the new ``v_row = v_row * b2 + mean(g^2) * (1 - b2)`` (the mean an fp32
+    sum divided by C, as torch's ``mean``; the sum here is float64 rounded once) and the rows' share
+    of the float64 column sums and of the new v_row's sum, into row ``r0 // BR`` of a scratch
+    ``[row tiles, C + 2]`` buffer (its last slot 0) that ``column_sum_kernel`` sums. Arguments as
+    ``partials_kernel``'s: ptrs = (grad, v_row, v_row_new, scratch); ints[I_ROWS], ints[I_C]."""
+    pid = tl.program_id(0)
+    pidx = tl.load(progs + 2 * pid)
+    r0 = tl.load(progs + 2 * pid + 1)
+    grad_p = _ptr(ptrs, 0, 4, pidx, GRAD_T)
+    v_row_p = _ptr(ptrs, 1, 4, pidx, tl.float32)
+    v_new_p = _ptr(ptrs, 2, 4, pidx, tl.float32)
+    scratch = _ptr(ptrs, 3, 4, pidx, tl.float64)
+    n_rows = tl.load(ints + pidx * N_INTS + I_ROWS)
+    C = tl.load(ints + pidx * N_INTS + I_C)
+    out = scratch + (r0 // BR) * (C + 2)
+    rows = r0 + tl.arange(0, BR).to(tl.int64)
+    rmask = rows < n_rows
+    cols = tl.arange(0, BC).to(tl.int64)
+    row_sum = tl.zeros([BR], dtype=tl.float64)
+    for c0 in range(0, C, BC):
+        c = c0 + cols
+        mask = rmask[:, None] & (c < C)[None, :]
+        g = tl.load(grad_p + rows[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        sq = (g * g).to(tl.float64)
+        row_sum += tl.sum(sq, axis=1)
+        tl.store(out + c, tl.sum(sq, axis=0), mask=c < C)
+    v_old = tl.load(v_row_p + rows, mask=rmask, other=0.0)
+    mean = tl.div_rn(row_sum.to(tl.float32), C.to(tl.float32))
+    v_new = v_old * tl.load(betas + 2 * pidx) + mean * tl.load(betas + 2 * pidx + 1)
+    tl.store(v_new_p + rows, v_new, mask=rmask)
+    tl.store(out + C, tl.sum(tl.where(rmask, v_new, 0.0).to(tl.float64), axis=0))
+    tl.store(out + C + 1, 0.0)
+
+
+@triton.jit
+def m8_prologue_kernel(progs, ptrs, ints, scal, BC: tl.constexpr):
+    """Factored matrices before the step: ``v_col = v_col * b2 + fp32(col_sum / rows) * (1 - b2)``
+    in place (torch's ``mul_`` then ``add_(alpha=)``: one FMA) and, by the program of column 0, the
+    row mean ``max(fp32(S / rows), TINY)`` into the scalar table.
+    ptrs = (v_col, partials[f64: col sums..., S]); programs = (parameter, first column)."""
+    pid = tl.program_id(0)
+    pidx = tl.load(progs + 2 * pid)
+    c0 = tl.load(progs + 2 * pid + 1)
+    v_col = _ptr(ptrs, 0, 2, pidx, tl.float32)
+    parts = _ptr(ptrs, 1, 2, pidx, tl.float64)
+    C = tl.load(ints + pidx * M_NINTS + J_C)
+    grows = tl.load(ints + pidx * M_NINTS + J_GROWS).to(tl.float64)
+    b2 = tl.load(scal + pidx * M_NSCAL + M_B2)
+    omb2 = tl.load(scal + pidx * M_NSCAL + M_OMB2)
+    c = c0 + tl.arange(0, BC).to(tl.int64)
+    mask = c < C
+    col_mean = (tl.load(parts + c, mask=mask, other=0.0) / grows).to(tl.float32)
+    tl.store(v_col + c, tl.fma(col_mean, omb2, tl.load(v_col + c, mask=mask, other=0.0) * b2), mask=mask)
+    if c0 == 0:
+        row_mean = (tl.load(parts + C) / grows).to(tl.float32)
+        tl.store(scal + pidx * M_NSCAL + M_ROW_MEAN, tl.maximum(row_mean, TINY, propagate_nan=tl.PropagateNan.ALL))
+
+
+@triton.jit
+def _m8_apply(m, s, den, param_p, codes_p, off, mask, sb, has_wd, cb, thr, K, LOG2K: tl.constexpr,
+              PARAM_T: tl.constexpr):
+    """Re-quantise a tile's new first moment ``m`` (block max-abs ``s``), store its codes and apply
+    ``p = p * (1 - lr wd) - lr * (cb[code] * s / (1 - b1^t)) / den`` (torch's op order)."""
+    code, mq = _requantise(m, s, cb, thr, K, LOG2K)
+    tl.store(codes_p + off, code.to(tl.uint8), mask=mask)
+    p = tl.load(param_p + off, mask=mask, other=0.0).to(tl.float32)
+    if has_wd:
+        p = p * tl.load(sb + M_DECAY)
+    upd = tl.div_rn(tl.div_rn(mq, tl.load(sb + M_BIAS1)), den)
+    p = tl.fma(upd, tl.load(sb + M_NEG_LR), p)  # torch's add_(upd, alpha=-lr)
+    _store_as(param_p + off, p, mask, PARAM_T)
+
+
+@triton.jit
+def _m8_factored_den(v_p, v_col_p, blocks, c, bmask, mask, bpr, P, sb):
+    """``sqrt(v_row[i] * v_col[j] / row_mean) / sqrt(1 - b2^t) + eps`` per element of the tile."""
+    v_row = tl.load(v_p + blocks // bpr, mask=bmask, other=0.0)
+    j = (blocks % bpr)[:, None] * P + c[None, :]
+    v_col = tl.load(v_col_p + j, mask=mask, other=0.0)
+    den = tl.div_rn(v_row[:, None] * v_col, tl.load(sb + M_ROW_MEAN))
+    return tl.div_rn(tl.sqrt_rn(den), tl.load(sb + M_BIAS2)) + tl.load(sb + M_EPS)
+
+
+@triton.jit
+def _m8_block_den(sq_sum, v_p, blocks, bmask, P, sb):
+    """The block path's new ``v = v * b2 + mean(g^2) * (1 - b2)`` (stored; the mean an fp32 sum
+    divided by P, as torch's ``mean``) and its ``sqrt(v) / sqrt(1 - b2^t) + eps`` per block."""
+    mean = tl.div_rn(sq_sum.to(tl.float32), P.to(tl.float32))
+    v = tl.fma(mean, tl.load(sb + M_OMB2), tl.load(v_p + blocks, mask=bmask, other=0.0) * tl.load(sb + M_B2))
+    tl.store(v_p + blocks, v, mask=bmask)
+    return (tl.div_rn(tl.sqrt_rn(v), tl.load(sb + M_BIAS2)) + tl.load(sb + M_EPS))[:, None]
+
+
+@triton.jit
+def m8_kernel(progs, ptrs, ints, scal, cb, thr, K, LOG2K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+              SINGLE: tl.constexpr, FACTORED: tl.constexpr, PARAM_T: tl.constexpr, GRAD_T: tl.constexpr):
+    """Phase 2 of an m8 step (``functional.gefen_update_``) for a table of parameters viewed as
+    ``[blocks, P]``, ``BR`` blocks per program: second moment and denominators, the compressed first
+    moment (as ``momentum_kernel``) and the parameter update, every state byte read and written once
+    (two passes over a block longer than ``BC``: its max-abs comes first).
+    ptrs = (param, grad, m_code, m_scale, v (block path) or the new v_row (factored), v_col (factored:
+    already updated by ``m8_prologue_kernel``))."""
+    pid = tl.program_id(0)
+    pidx = tl.load(progs + 2 * pid)
+    b0 = tl.load(progs + 2 * pid + 1)
+    param_p = _ptr(ptrs, 0, 6, pidx, PARAM_T)
+    grad_p = _ptr(ptrs, 1, 6, pidx, GRAD_T)
+    codes_p = _ptr(ptrs, 2, 6, pidx, tl.uint8)
+    scales_p = _ptr(ptrs, 3, 6, pidx, tl.float32)
+    v_p = _ptr(ptrs, 4, 6, pidx, tl.float32)
+    v_col_p = _ptr(ptrs, 5, 6, pidx, tl.float32)
+    ib = ints + pidx * M_NINTS
+    sb = scal + pidx * M_NSCAL
+    nb = tl.load(ib + J_NB)
+    P = tl.load(ib + J_P)
+    bpr = tl.load(ib + J_BPR)
+    has_wd = tl.load(ib + J_HAS_WD) != 0
+    w = tl.load(sb + M_W)
+    small = w < 0.5
+    blocks = b0 + tl.arange(0, BR).to(tl.int64)
+    bmask = blocks < nb
+    cols = tl.arange(0, BC).to(tl.int64)
+    scale = tl.load(scales_p + blocks, mask=bmask, other=0.0)
+    if SINGLE:
+        off = blocks[:, None] * P + cols[None, :]
+        mask = bmask[:, None] & (cols < P)[None, :]
+        m, g = _momentum_and_grad(grad_p, codes_p, cb, off, mask, scale, w, small)
+        s = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1)
+        if FACTORED:
+            den = _m8_factored_den(v_p, v_col_p, blocks, cols, bmask, mask, bpr, P, sb)
+        else:
+            den = _m8_block_den(tl.sum((g * g).to(tl.float64), axis=1), v_p, blocks, bmask, P, sb)
+        _m8_apply(m, s, den, param_p, codes_p, off, mask, sb, has_wd, cb, thr, K, LOG2K, PARAM_T)
+    else:
+        s = tl.zeros([BR], dtype=tl.float32)
+        sq_sum = tl.zeros([BR], dtype=tl.float64)
+        for c0 in range(0, P, BC):
+            c = c0 + cols
+            off = blocks[:, None] * P + c[None, :]
+            mask = bmask[:, None] & (c < P)[None, :]
+            m, g = _momentum_and_grad(grad_p, codes_p, cb, off, mask, scale, w, small)
+            s = tl.maximum(s, tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1))
+            if not FACTORED:
+                sq_sum += tl.sum((g * g).to(tl.float64), axis=1)
+        if not FACTORED:
+            block_den = _m8_block_den(sq_sum, v_p, blocks, bmask, P, sb)
+        for c0 in range(0, P, BC):
+            c = c0 + cols
+            off = blocks[:, None] * P + c[None, :]
+            mask = bmask[:, None] & (c < P)[None, :]
+            m = _momentum_tile(grad_p, codes_p, cb, off, mask, scale, w, small)
+            if FACTORED:
+                den = _m8_factored_den(v_p, v_col_p, blocks, c, bmask, mask, bpr, P, sb)
+            else:
+                den = block_den
+            _m8_apply(m, s, den, param_p, codes_p, off, mask, sb, has_wd, cb, thr, K, LOG2K, PARAM_T)
+    tl.store(scales_p + blocks, s, mask=bmask)

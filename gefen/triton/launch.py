@@ -260,6 +260,12 @@ def m4v4_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[t
     """``functional.m4v4_partials`` for every ``(grad, state, beta2)``: the new ``v_row`` and the
     float64 partials ``[column sums of g^2, sum of the new v_row, sum of the old v_row]`` of each
     matrix, in two launches per gradient dtype (rows, then the columns' fixed-order sums)."""
+    return _partials(items, kernels.partials_kernel)
+
+
+def _partials(items, kernel) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Phase 1 of either layout: ``kernel`` writes each row tile's share of the ``C + 2`` float64
+    partials to a scratch buffer that ``column_sum_kernel`` sums in a fixed order."""
     device = items[0][0].device
     shapes = [(g.shape[0], math.prod(g.shape[1:])) for g, _, _ in items]
     br = PARTIALS_BR
@@ -281,10 +287,87 @@ def m4v4_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[t
         ptrs = _ptr_table([[items[i][0], items[i][1]["v_row"], v_rows[i], scratch_views[i]] for i in idx])
         ptrs, ints_c, betas_c = _to(device, ptrs, ints[sel], betas[sel])
         bc = max(16, min(triton.next_power_of_2(max(shapes[i][1] for i in idx)), 4096 // br))
-        _launch(kernels.partials_kernel, progs.shape[0], progs, ptrs, ints_c, betas_c, BR=br, BC=bc,
+        _launch(kernel, progs.shape[0], progs, ptrs, ints_c, betas_c, BR=br, BC=bc,
                 GRAD_T=_TRITON_DT[gdt])
     bc = 256
     progs = _programs([C + 2 for _, C in shapes], bc, device)
     ptrs, ints = _to(device, _ptr_table([[s, p] for s, p in zip(scratch_views, part_views)]), ints)
     _launch(kernels.column_sum_kernel, progs.shape[0], progs, ptrs, ints, BC=bc, BR=br)
     return list(zip(v_rows, part_views))
+
+
+# ----- Gefen m8 ------------------------------------------------------------------------------
+@dataclass
+class M8Item:
+    """One parameter's m8 phase-2 inputs (rank-local tensors; ``v_row``/``partials``: a factored
+    matrix's results of phase 1 after the global sum)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    state: dict
+    h: object  # gefen.functional.Hyper
+    step: int  # the step being taken (t)
+    global_rows: int = 1
+    v_row: torch.Tensor | None = None
+    partials: torch.Tensor | None = None
+
+
+def _m8_scalars(it: M8Item) -> list[float]:
+    h, t, k = it.h, it.step, kernels
+    lr, wd = float(h.lr), float(h.weight_decay)
+    return _row(  # fp32 roundings of the Python floats torch multiplies and divides by
+        k.M_NSCAL, (k.M_W, 1 - h.beta1), (k.M_B2, h.beta2), (k.M_OMB2, 1 - h.beta2), (k.M_BIAS1, 1 - h.beta1**t),
+        (k.M_BIAS2, math.sqrt(1 - h.beta2**t)), (k.M_EPS, h.eps), (k.M_NEG_LR, -lr), (k.M_DECAY, 1 - lr * wd))
+
+
+def _m8_ints(it: M8Item) -> list[int]:
+    k, P = kernels, int(it.state["period"])
+    C = math.prod(it.param.shape[1:]) if it.param.dim() else 1
+    return _row(k.M_NINTS, (k.J_NB, it.param.numel() // P), (k.J_P, P), (k.J_BPR, max(C // P, 1)), (k.J_C, C),
+                (k.J_HAS_WD, int(bool(it.h.weight_decay))), (k.J_GROWS, it.global_rows))
+
+
+def m8_update_(items: list[M8Item], codebook: torch.Tensor) -> None:
+    """Phase 2 of Gefen m8 for every item, in place (state, parameter, step count): the factored
+    matrices' column statistics in one launch, then the step in one launch per (dtypes, block
+    geometry, second-moment form) class."""
+    items = sorted(items, key=lambda it: "v_row" not in it.state)  # factored first: the prologue's rows
+    factored = [it for it in items if "v_row" in it.state]
+    device = items[0].param.device
+    book = codebook_tables(codebook)
+    ints = torch.tensor([_m8_ints(it) for it in items], dtype=torch.int64)
+    scal = torch.tensor([_m8_scalars(it) for it in items], dtype=torch.float32)
+    ints, scal = _to(device, ints, scal)
+    if factored:
+        bc = 1024
+        progs = _programs([it.state["v_col"].numel() for it in factored], bc, device)
+        (ptrs,) = _to(device, _ptr_table([[it.state["v_col"], it.partials] for it in factored]))
+        _launch(kernels.m8_prologue_kernel, progs.shape[0], progs, ptrs, ints, scal, BC=bc)
+    classes = defaultdict(list)
+    for i, it in enumerate(items):
+        if it.param.numel():
+            key = (it.param.dtype, it.grad.dtype, _geometry(int(it.state["period"])), "v_row" in it.state)
+            classes[key].append(i)
+    for (pdt, gdt, (br, bc, single), fact), idx in classes.items():
+        sel = torch.tensor(idx, dtype=torch.int64)
+        progs = _programs([items[i].param.numel() // int(items[i].state["period"]) for i in idx], br, device)
+        ptrs = []
+        for i in idx:
+            it, st = items[i], items[i].state
+            v = [it.v_row, st["v_col"]] if fact else [st["v"], st["v"]]
+            ptrs.append([it.param, it.grad, st["m_code"], st["m_scale"], *v])
+        ptrs, sel = _to(device, _ptr_table(ptrs), sel)
+        _launch(kernels.m8_kernel, progs.shape[0], progs, ptrs, ints.index_select(0, sel), scal.index_select(0, sel),
+                book.values, book.thr, book.K, LOG2K=book.log2k, BR=br, BC=bc, SINGLE=single, FACTORED=fact,
+                PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt])
+    if factored:
+        torch._foreach_copy_([it.state["v_row"] for it in factored], [it.v_row for it in factored])
+    for it in items:
+        it.state["step"].fill_(it.step)
+
+
+def m8_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``functional.second_moment_partials`` for every factored ``(grad, state, beta2)``: the new
+    ``v_row`` and the float64 partials ``[column sums of g^2, sum of the new v_row]`` of each matrix,
+    in two launches per gradient dtype (rows, then the columns' fixed-order sums)."""
+    return [(v_row, parts[:-1]) for v_row, parts in _partials(items, kernels.m8_partials_kernel)]

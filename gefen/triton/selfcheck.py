@@ -3,7 +3,8 @@
 ``gefen.triton.dispatch.verify`` runs this once per device and kernel family; on any mismatch
 (a Triton or driver that builds the kernels differently) the eager step is kept and the reason
 is logged, as ``gefen.native`` does for its C step. The problems reach both row paths (one tile,
-two passes), bf16 and fp32, an all-zero row and, for m4v4, the 1-D path.
+two passes), bf16 and fp32, an all-zero row and, for m4v4 and m8, the 1-D path; for m8 both
+second-moment forms, whose fp32 means agree to ``M8_V_RTOL`` (``m8_differences``).
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ _H = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
 
 
 def run(launch, device: torch.device, family: str) -> str | None:
-    """None when the ``family`` kernels (``"m4v4"`` or ``"momentum"``) reproduce the reference
+    """None when the ``family`` kernels (``"m4v4"``, ``"m8"`` or ``"momentum"``) reproduce the reference
     on ``device``, else what differs."""
     gen = torch.Generator().manual_seed(0)
-    return _momentum(launch, device, gen) if family == "momentum" else _m4v4(launch, device, gen)
+    return {"momentum": _momentum, "m8": _m8}.get(family, _m4v4)(launch, device, gen)
 
 
 def _grad(gen, shape, dtype, device):
-    g = torch.randn(shape, generator=gen) * (torch.rand(shape[0], *[1] * (len(shape) - 1), generator=gen) + 0.1)
+    rows = torch.rand(shape[0], *[1] * (len(shape) - 1), generator=gen) if shape else torch.rand((), generator=gen)
+    g = torch.randn(shape, generator=gen) * (rows + 0.1)
     if len(shape) >= 2:
         g[1] = 0  # an all-zero row: zero scale
     return g.to(device=device, dtype=dtype)
@@ -101,4 +103,72 @@ def _momentum(launch, device, gen) -> str | None:
             ref = F.update_momentum_(s_ref, g.float(), beta, cb)
             if not torch.equal(ref, m) or (why := _same(s_ref, s_got)) is not None:
                 return f"the compressed momentum differs from the eager step ({why or 'returned momentum'})"
+    return None
+
+
+#: m8's per-block and per-row second moments are fp32 means of g^2: the eager step sums in torch's
+#: order (ATen's cascade on CPU, a tree on CUDA), the kernels in float64 rounded once, so the two
+#: agree to a few ulps, not bit for bit. A tree sum of n positive fp32 terms is within about
+#: (log2 n + 4) 2^-24 of exact (~1e-6 for the 4236-element blocks here): the bound is 4x that
+#: (docs/decisions.md, "Triton kernels for m8")
+M8_V_RTOL = 4e-6
+M8_APPROX = ("v", "v_row")
+
+
+def m8_differences(ref: dict, got: dict) -> str | None:
+    """None when the m8 state ``got`` is ``ref`` up to the fp32 means' summation order: codes,
+    scales, ``v_col`` and the step identical, ``v`` / ``v_row`` within ``M8_V_RTOL``."""
+    bad = [k for k, v in ref.items()
+           if not (torch.allclose(got[k], v, rtol=M8_V_RTOL, atol=0, equal_nan=True) if k in M8_APPROX
+                   else torch.equal(v, got[k]))]
+    return f"state {bad} differs from the eager step" if bad else None
+
+
+def m8_params_close(before: torch.Tensor, ref: torch.Tensor, got: torch.Tensor) -> bool:
+    """Equal up to one rounding of the result and ``M8_V_RTOL`` of the update (the denominators'
+    share of the second moments' difference)."""
+    before, r, g = before.float(), ref.float(), got.float()
+    tol = torch.finfo(ref.dtype).eps * r.abs() + M8_V_RTOL * (r - before).abs() + 1e-30
+    return bool(((r - g).abs() <= tol).all())
+
+
+def _m8(launch, device, gen) -> str | None:
+    cb = _book(gen, 256, device)
+    long = launch.MAX_SINGLE + 70
+    cases = [  # (shape, block length, factored, dtype): both forms, one tile and two passes, blocks
+        # shorter than a row, 1-D and 0-D (one element per block)
+        ((33, 17), 17, True, torch.float32), ((3, long), long, True, torch.bfloat16), ((6, 40), 8, True, torch.float32),
+        ((4, 3, 10), 30, False, torch.bfloat16), ((2, 2, long), 2 * long, False, torch.float32),
+        ((9,), 1, False, torch.float32), ((), 1, False, torch.bfloat16)]
+    ref, got = [], []
+    for shape, period, factored, dtype in cases:
+        p = (torch.randn(shape, generator=gen) * 0.1).to(device=device, dtype=dtype)
+        state = F.init_state(p, shape, period, factored)
+        ref.append((p, state))
+        got.append((p.clone(), copy.deepcopy(state)))
+    for step in (1, 2):
+        grads = [_grad(gen, shape, dtype, device) for shape, _, _, dtype in cases]
+        fact = [i for i, case in enumerate(cases) if case[2]]
+        phase1 = dict(zip(fact, launch.m8_partials([(grads[i], got[i][1], _H.beta2) for i in fact])))
+        items, before = [], [p.clone() for p, _ in ref]
+        for i, (shape, _, factored, _) in enumerate(cases):
+            kw = dict(global_rows=shape[0] + 3 if shape else 1)  # a row shard of a larger matrix
+            if factored:
+                v_row, parts = F.second_moment_partials(grads[i], ref[i][1], _H.beta2)
+                if not (torch.allclose(phase1[i][0], v_row, rtol=M8_V_RTOL, atol=0)
+                        and torch.allclose(phase1[i][1], parts, rtol=M8_V_RTOL, atol=0)
+                        and torch.allclose(phase1[i][1][:-1], parts[:-1], rtol=1e-12, atol=0)):
+                    return f"m8 phase 1 (row/column sums) differs from the eager step at step {step}"
+                kw.update(v_row=v_row, partials=parts)
+            F.gefen_update_(ref[i][0], grads[i], ref[i][1], cb, _H, **kw)
+            if factored:
+                kw.update(v_row=phase1[i][0], partials=phase1[i][1])
+            items.append(launch.M8Item(got[i][0], grads[i], got[i][1], _H, step, **kw))
+        launch.m8_update_(items, cb)
+        for i, ((p_ref, s_ref), (p_got, s_got)) in enumerate(zip(ref, got)):
+            if (why := m8_differences(s_ref, s_got)) is not None:
+                return f"{why} (m8, shape {cases[i][0]}, step {step})"
+            if not m8_params_close(before[i], p_ref, p_got):
+                return f"parameters differ from the eager step beyond rounding (m8, shape {cases[i][0]}, step {step})"
+            p_got.copy_(p_ref)
     return None
