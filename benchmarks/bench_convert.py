@@ -11,7 +11,7 @@ errors (relative Frobenius error of the first moment and of the second moment's 
 come from the conversion report; the round trip AdamW -> Gefen -> AdamW has exactly these errors.
 ``quick`` uses K = 40, the full run K = 200.
 
-``tests/test_convert.py`` trains the same task (K = 40) and asserts the margins. Writes
+``tests/ckpt/test_convert.py`` trains the same task (K = 40) and asserts the margins. Writes
 ``benchmarks/out/convert.json``. Run alone with ``python -m benchmarks.bench_convert [--quick]``.
 """
 

@@ -221,7 +221,7 @@ def _markdown(data: dict) -> str:
                     " / ".join(f"{r['effective_gbps']['Gefen fused'] / copy:.0%}" for r in sizes.values()), "-"])
     target_table = md_table(["what (issue 6)", "target", " / ".join(sizes), "status"], targets)
     note = (
-        "The fused step reproduces the eager step bit for bit (tests/test_native_step.py), so it repeats "
+        "The fused step reproduces the eager step bit for bit (tests/optim/test_native_step.py), so it repeats "
         "the eager op chain's roundings: five fp32 divisions per element on the factored path, MKL's "
         "square root, and three table lookups (old code -> value, value -> new code, new code -> value) "
         "that AVX2 can only do with gathers, which are slower than scalar loads on the CPUs measured; "

@@ -419,7 +419,7 @@ def _busy_markdown(busy: dict) -> str:
         f"With another thread of the process running Python the whole time (a data-loading or logging thread), "
         f"{SIZES[0]}M optimizer state, one round, seconds (lower is better). Each GIL release of the measured code "
         "then waits up to the 5 ms switch interval: what counts is how many torch ops and system calls a method "
-        "makes per tensor. gefen_ckpt saves and stages with a constant number (tests/test_ckpt_gil.py).",
+        "makes per tensor. gefen_ckpt saves and stages with a constant number (tests/ckpt/test_ckpt_gil.py).",
         md_table(["method", "save s", "load (cold) s"], rows),
         f"Cold load into the live Gefen optimizer: {e2e} (the optimizer's own copy is one torch op per tensor).",
     ])

@@ -9,7 +9,7 @@ State: Gefen over transformer-shaped tensors (``common.transformer_shapes``, ~25
   same command's ``--dry-run`` wall time is shown as the start-up baseline: same imports, the
   plan, no tensor data), MB/s = state bytes / wall time, peak RSS =
   ``getrusage(RUSAGE_CHILDREN).ru_maxrss`` read in a fresh wrapper process (as
-  tests/test_cli_reshard.py does) next to the dry run's peak RSS. Fidelity: ``gefen_ckpt.read`` of source and result, every
+  tests/cli/test_cli_reshard.py does) next to the dry run's peak RSS. Fidelity: ``gefen_ckpt.read`` of source and result, every
   tensor compared bit for bit.
 * distributed load: the 2-rank sharded checkpoint (the offline 1 -> 2 result) is loaded with
   ``gefen_ckpt.load`` onto M real gloo ranks (tests/distributed.py) whose parameters are

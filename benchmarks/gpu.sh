@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15's GPU checks in one call, for a machine with a CUDA device (e.g. the device tool's H200).
 # 1. a CUDA torch and Triton (installed from the package index when python3 has none),
-# 2. the C extensions built in place, the CUDA tests (tests/test_cuda.py, and tests/test_triton.py,
+# 2. the C extensions built in place, the CUDA tests (tests/optim/test_cuda.py, and tests/optim/test_triton.py,
 #    which compares the Triton kernels with the eager reference on the GPU),
 # 3. the step benchmark (Gefen with the Triton kernels and eager, and Gefen m8 with the kernels in
 #    both second-moment forms, vs torch AdamW fused and foreach, ~1.75B parameters) in fp32 and bf16,
@@ -52,8 +52,8 @@ fi
 # 2. C extensions (CPU reference in the tests) and the CUDA tests
 "$py" setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || say "C extensions not built (see build.log): eager CPU paths only"
 say "CUDA tests"
-timeout 240 "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton.py \
-    "tests/test_native_step.py::test_cuda_uses_the_eager_path" 2>&1 | tee "$out/cuda_tests.log" || say "CUDA tests failed or timed out (see cuda_tests.log)"
+timeout 240 "$py" -m pytest -q -p no:cacheprovider tests/optim/test_cuda.py tests/optim/test_triton.py \
+    "tests/optim/test_native_step.py::test_cuda_uses_the_eager_path" 2>&1 | tee "$out/cuda_tests.log" || say "CUDA tests failed or timed out (see cuda_tests.log)"
 
 # 3. the benchmark, one fresh process and an empty Triton cache per dtype
 for dtype in float32 bfloat16; do

@@ -7,7 +7,7 @@ Trains a small next-token MLP on a 2x2 ``(dp, tp)`` mesh: ``ColwiseParallel`` /
 with ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` and continue. No gefen_ckpt call in the
 training code. Runs on CPU with gloo. Each step uses the same global batch, split over ``dp``, so
 every mesh follows the same loss curve up to float reduction order in the model's own collectives
-(the optimizer's state is bit-identical across meshes for the same gradients: tests/test_tp.py).
+(the optimizer's state is bit-identical across meshes for the same gradients: tests/dist/test_tp.py).
 
     python examples/fsdp_tp_resume.py [--workdir DIR] [--steps N]
 """

@@ -19,17 +19,10 @@ from torch import nn
 
 from gefen import Gefen
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LRS = (1e-3, 2e-3, 4e-3)
 IN, HIDDEN, OUT, NOISE, STEPS, BATCH = 32, 128, 8, 0.5, 250, 64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread (OpenMP spin-waits only cost time on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----- the regression task ------------------------------------------------------------------------

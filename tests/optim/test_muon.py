@@ -15,17 +15,8 @@ from gefen.muon import lr_scale
 from gefen.newton_schulz import STANDARD, TUNED, orthogonalise, resolve_schedule
 from gefen.quant import dequantise, quantise
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine every parallel
-    region waits for a descheduled peer: one thread keeps these tests fast and steady."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 #: Singular-value band measured on Gaussian matrices with aspect ratio != 1 (3 seeds x 5 shapes):
 #: standard 0.679..1.137, tuned3 0.885..1.147, tuned4 0.990..1.011; asserted with a small margin.

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from gefen_cli.app import app
 
-DOC = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
 COMMANDS = sorted(typer.main.get_command(app).commands)
 
 

@@ -1,7 +1,7 @@
 """Gefen's step against a dense, slow, obvious reference written here (docs/design.md 3.1, m8).
 
 The reference below is the "m8" layout (``moments="m8"``, contract version "1"); the default
-"m4v4" step is pinned bit for bit by tests/test_m4v4_reference.py, and the optimizer's plumbing
+"m4v4" step is pinned bit for bit by tests/optim/test_m4v4_reference.py, and the optimizer's plumbing
 of it (codebook learning, parameter positions, seeds, groups) by the m4v4 tests at the end.
 
 The reference dequantises with ``codebook[codes.long()] * scale``, lerps, takes the per-block
@@ -32,16 +32,9 @@ from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partial
 from gefen.geometry import as_blocks, rows_and_row_numel, shape_period
 from gefen.stochastic import ratio_table
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 HYPER = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread (OpenMP spin-waits only cost time on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=["eager", "native"])

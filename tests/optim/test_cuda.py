@@ -1,7 +1,7 @@
 """Gefen and gefen_ckpt on a CUDA device (skipped without one; `benchmarks/gpu.sh` runs them).
 
 On CUDA both layouts' steps (m4v4, the default, and m8 with either second-moment form) run the
-Triton kernels (gefen/triton; tests/test_triton.py compares them with the eager reference on the
+Triton kernels (gefen/triton; tests/optim/test_triton.py compares them with the eager reference on the
 same device): they keep the state compressed, track the CPU step to fp32 rounding, and checkpoint
 to CPU.
 """

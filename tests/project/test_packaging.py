@@ -10,7 +10,7 @@ from pathlib import Path
 
 import tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 INSTALLED = ("gefen", "gefen_ckpt", "cli")  # cli/ is installed as gefen_cli
 FIRST_PARTY = {"gefen", "gefen_ckpt", "gefen_cli"}
 #: optional imports: declared in the ``gpu`` extra and confined to modules that are imported only

@@ -14,18 +14,8 @@ from torch import nn
 from gefen import Gefen, GefenMuon, GefenMuonHybrid, contract_of, split_params_for_muon
 from gefen.contract import CHILD_KEY, CHILDREN_KEY, OptimizerContract
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 BACKUPS = ["gefen", "adamw"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine every parallel
-    region waits for a descheduled peer: one thread keeps these tests fast and steady."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----- a tiny GPT: tied embedding / LM head, norms, biases ---------------------------------------

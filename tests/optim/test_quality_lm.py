@@ -17,21 +17,14 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from benchmarks.bench_quality import Task, corpus, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TASK = Task(d=64, layers=2, heads=4, context=64, batch=16, steps=150, warmup=20, eval_batches=8)
 SEEDS = (0, 1)
 MARGIN = 1.01
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def mean_held_out(name: str, data) -> float:

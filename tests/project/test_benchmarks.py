@@ -25,7 +25,7 @@ def test_every_benchmark_module_follows_the_run_convention(name):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_gpu_script_parses():
     """benchmarks/gpu.sh runs only on a GPU machine: at least its syntax is checked everywhere."""
-    out = subprocess.run(["bash", "-n", str(Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.sh")],
+    out = subprocess.run(["bash", "-n", str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.sh")],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
 

@@ -26,21 +26,14 @@ from gefen_ckpt.names import name_state_dict, read_model_params
 from gefen_ckpt.torch_format import canonical_from_state_dict, state_dict_from_canonical
 from gefen_cli.app import app
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 runner = CliRunner()
 K = 40
 #: a converted optimizer's continuation may lose at most this much against the unconverted one,
 #: over its first and its last 10 steps (measured with K = 40: AdamW -> Gefen -0.03 % / +0.01 %,
 #: Gefen -> AdamW 0.00 %, a fresh Gefen +3.4 % / +0.2 %: `python -m benchmarks.bench_convert --quick`)
 MARGIN = 0.005
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model gains nothing from threads and loses much on a busy machine (1.2 s vs 7.6 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,7 @@ from gefen import Gefen
 from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
 from gefen.validation import check_grad
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread (OpenMP spin-waits only cost time on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----- a small model with every kind of tensor ----------------------------------------------------

@@ -1,5 +1,5 @@
 """The fused C step of the m8 layout (gefen/native.py, gefen/csrc/gefen_step.c) against the eager
-reference (the m4v4 layout's kernels: tests/test_native_m4v4.py).
+reference (the m4v4 layout's kernels: tests/optim/test_native_m4v4.py).
 
 Both paths run on identical inputs; codes, scales, second moments, step counts AND parameters
 must be bit-for-bit identical (fp32 compared as integers, so even the sign of a zero counts)

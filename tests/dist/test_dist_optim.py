@@ -54,7 +54,7 @@ def _sharded_worker(rank: int, world_size: int):
     column_split = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
     column_split.grad = distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)])
     errors = []
-    refused = Gefen([("blocks.col_split", column_split)], moments="m8")  # m4v4 takes it: tests/test_tp.py
+    refused = Gefen([("blocks.col_split", column_split)], moments="m8")  # m4v4 takes it: tests/dist/test_tp.py
     try:
         refused.step()
     except ValueError as exc:

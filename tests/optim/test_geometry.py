@@ -10,14 +10,7 @@ import torch
 from gefen import Gefen
 from gefen.geometry import as_blocks, block_shape, is_valid_period, rows_and_row_numel, shape_period
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread (OpenMP spin-waits only cost time on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def planted(shape, period, seed, noise="normal"):
