@@ -10,6 +10,7 @@ field placements are checked too.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 
 import pytest
@@ -115,8 +116,9 @@ def make_opt(kind: str, m: nn.Module):
     raise ValueError(kind)
 
 
-#: what a 2x2 run saves and the resumed runs continue (every TP style)
+#: what a 2x2 run saves and the resumed runs continue (every TP style); ASYNC saves with dcp.async_save
 STOCK_KINDS = ("m4v4", "muon", "hybrid")
+ASYNC = "muon"
 
 
 #: rows split over both mesh dimensions only (ColwiseParallel under FSDP2; RowwiseParallel on an
@@ -132,9 +134,12 @@ def uninterrupted(kind: str, styles: dict, steps: int) -> dict[str, torch.Tensor
     return snapshot(m, opt)
 
 
-def save(m, opt, path: str) -> None:
+def save(m, opt, path: str, use_async: bool = False) -> None:
     msd, osd = get_state_dict(m, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    if use_async:
+        dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path).result()
+    else:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
 
 def resume(path: str, mesh, kind: str) -> tuple[nn.Module, object]:
@@ -184,7 +189,7 @@ def _world_2x2(rank: int, world: int, path: str) -> dict:
         opt = make_opt(kind, m)
         train(m, opt, 0, STEPS)
         out[kind] = snapshot(m, opt)
-        save(m, opt, f"{path}/{kind}")
+        save(m, opt, f"{path}/{kind}", use_async=kind == ASYNC)
         if kind == "m4v4":
             try:  # gefen_ckpt's own DCP state hands each rank whole rows: it refuses a column split
                 GefenDCPState(opt, m).state_dict()
@@ -233,9 +238,9 @@ def test_2x2_matches_one_process(two_by_two):
 
 
 def test_stock_checkpoint_of_2x2_resumes_on_other_meshes(two_by_two):
-    """get_state_dict + dcp.save on 2x2, then a fresh model and optimizer on 1x3, 3x1 and one
-    process: get_state_dict, dcp.load, set_state_dict, continue; each equals the uninterrupted run
-    bit for bit (m4v4, GefenMuon, GefenMuonHybrid)."""
+    """get_state_dict + dcp.save (dcp.async_save for GefenMuon) on 2x2, then a fresh model and
+    optimizer on 1x3, 3x1 and one process: get_state_dict, dcp.load, set_state_dict, continue; each
+    equals the uninterrupted run bit for bit (m4v4, GefenMuon, GefenMuonHybrid)."""
     path, _ = two_by_two
     want = {kind: uninterrupted(kind, STYLES, STEPS + MORE) for kind in STOCK_KINDS}
     for dp in (1, 3):
@@ -264,3 +269,43 @@ def test_unsupported_tensor_parallel_layouts_are_refused(two_by_two):
         assert "emb.weight" in r["gefen_ckpt"] and "Shard(dim=1)" in r["gefen_ckpt"], r["gefen_ckpt"]
         message = refusals["muon"][0]
         assert "down.weight" in message and "one block per row" in message and "splits rows only" in message, message
+
+
+def test_offline_tools_read_a_tensor_parallel_stock_checkpoint(two_by_two, tmp_path):
+    """The stock 2x2 checkpoints (model + optimizer, columns and rows split): torch's own
+    dcp_to_torch_save gives a file that a one-process model and optimizer resume from exactly, and
+    ``gefen-ckpt inspect / verify / convert / reshard`` read them into the same state."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from typer.testing import CliRunner
+
+    import gefen_ckpt
+    from gefen import contract_of
+    from gefen_cli.app import app
+
+    from test_dcp import canonical_tensors
+
+    path, _ = two_by_two
+    cli = CliRunner()
+    for kind in STOCK_KINDS:
+        src = f"{path}/{kind}"
+        dcp_to_torch_save(src, tmp_path / f"{kind}.pt")
+        saved = torch.load(tmp_path / f"{kind}.pt", weights_only=False)
+        m = parallel_model(1, None)
+        opt = make_opt(kind, m)
+        set_state_dict(m, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+        want = canonical_tensors(opt)
+        train(m, opt, STEPS, MORE)
+        assert_same(uninterrupted(kind, STYLES, STEPS + MORE), snapshot(m, opt), f"{kind}: dcp_to_torch_save")
+
+        shown = cli.invoke(app, ["inspect", src, "--json"])
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.output)["optimizer"]["implementation"] == contract_of(opt).implementation
+        verified = cli.invoke(app, ["verify", src])
+        assert verified.exit_code == 0, verified.output
+        for command in (["reshard", src, str(tmp_path / f"{kind}-r3"), "--world-size", "3"],
+                        ["convert", src, str(tmp_path / f"{kind}-portable"), "--to", "portable"]):
+            result = cli.invoke(app, command)
+            assert result.exit_code == 0, result.output
+            fresh = make_opt(kind, parallel_model(1, None))
+            gefen_ckpt.load(fresh, command[2])
+            assert_same(want, canonical_tensors(fresh), f"{kind}: gefen-ckpt {command[0]}")
