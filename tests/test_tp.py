@@ -47,9 +47,9 @@ def mesh_of(dp: int, tp: int):
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def parallel_model(seed: int, mesh, styles: dict[str, str] = STYLES) -> nn.Module:
-    """``model(seed)`` tensor-parallel on ``mesh["tp"]``, then fully_shard-ed on ``mesh["dp"]``
-    (None: the plain model)."""
+def parallel_model(seed: int, mesh, styles: dict[str, str] = STYLES, dp: tuple[str, ...] = ("dp",)) -> nn.Module:
+    """``model(seed)`` tensor-parallel on ``mesh["tp"]``, then fully_shard-ed on ``mesh[dp]`` (two
+    names: HSDP, replicate x shard) (None: the plain model)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -60,8 +60,8 @@ def parallel_model(seed: int, mesh, styles: dict[str, str] = STYLES) -> nn.Modul
     parallelize_module(m, mesh["tp"], {name: kinds[style]() for name, style in styles.items()})
     for layer in m:
         if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh["dp"])
-    return fully_shard(m, mesh=mesh["dp"])
+            fully_shard(layer, mesh=mesh[dp])
+    return fully_shard(m, mesh=mesh[dp])
 
 
 def train(m: nn.Module, opt, start: int, steps: int) -> None:
@@ -309,3 +309,32 @@ def test_offline_tools_read_a_tensor_parallel_stock_checkpoint(two_by_two, tmp_p
             fresh = make_opt(kind, parallel_model(1, None))
             gefen_ckpt.load(fresh, command[2])
             assert_same(want, canonical_tensors(fresh), f"{kind}: gefen-ckpt {command[0]}")
+
+
+#: HSDP x TP on 4 ranks: (replicate, shard, tp) meshes
+HSDP_TP = ((2, 1, 2), (1, 2, 2))
+
+
+def _world_hsdp_tp(rank: int, world: int) -> dict:
+    """Every stock kind on each 3-D (replicate, shard, tp) mesh of ``HSDP_TP``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    for shape in HSDP_TP:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp"))
+        for kind in STOCK_KINDS:
+            m = parallel_model(0, mesh, dp=("replicate", "shard"))
+            opt = make_opt(kind, m)
+            train(m, opt, 0, STEPS)
+            out[shape, kind] = snapshot(m, opt)
+    return out
+
+
+def test_hsdp_by_tp_matches_one_process():
+    """A 3-D mesh, HSDP (replicate x shard) over tensor parallelism, (2, 1, 2) and (1, 2, 2): the
+    same global gradients give every state field and parameter of one process bit for bit."""
+    results = run(_world_hsdp_tp, 4, timeout=300)
+    want = {kind: uninterrupted(kind, STYLES, STEPS) for kind in STOCK_KINDS}
+    for r in results:
+        for (shape, kind), got in r.items():
+            assert_same(want[kind], got, f"{kind} on (replicate, shard, tp) = {shape}")
