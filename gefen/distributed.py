@@ -12,7 +12,8 @@ slice): :class:`Layout` says which root dimensions split its rows (``Shard(0)``,
 columns (``Shard(1)``: ``RowwiseParallel``), and where the rank's block starts. One collective
 over the ranks that split anything sums column statistics placed at their *global* positions;
 row statistics that a column split cuts (row sums, row max-abs) are reduced over the one mesh
-dimension that splits columns.
+dimension that splits columns. The one computation that needs whole matrices (Muon's
+Newton-Schulz) gathers every rank's block over the same ranks (:class:`RowGather`).
 """
 
 from __future__ import annotations
