@@ -112,7 +112,11 @@ def _rank(rank: int, d: int, layers: int, rounds: int, workdir: str, muon: bool)
     dist.destroy_process_group()
 
 
-def run(quick: bool, muon: bool = False) -> dict:
+def run(quick: bool) -> dict:
+    return measure(quick, muon=False)
+
+
+def measure(quick: bool, muon: bool) -> dict:
     import torch.multiprocessing as mp
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -154,5 +158,5 @@ def run(quick: bool, muon: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    out = run("--quick" in sys.argv, muon="--muon" in sys.argv)
+    out = measure("--quick" in sys.argv, muon="--muon" in sys.argv)
     print(out["markdown"])
