@@ -113,6 +113,8 @@ def make_opt(kind: str, m: nn.Module):
         return GefenMuon([(n, p) for n, p in named if p.dim() == 2], lr=1e-2, weight_decay=0.1, normuon=True)
     if kind == "hybrid":  # up and down to Muon; the embedding, biases and norm to Gefen m4v4
         return GefenMuonHybrid(m, lr=1e-2, weight_decay=0.1)
+    if kind == "hybrid_adamw":  # the same with torch's AdamW (DTensor state) as the backup
+        return GefenMuonHybrid(m, lr=1e-2, weight_decay=0.1, backup="adamw")
     raise ValueError(kind)
 
 
@@ -196,6 +198,10 @@ def _world_2x2(rank: int, world: int, path: str) -> dict:
                 out["gefen_ckpt"] = "exported"
             except UnsupportedLayoutError as exc:
                 out["gefen_ckpt"] = str(exc)
+    m = parallel_model(0, mesh)
+    opt = make_opt("hybrid_adamw", m)
+    train(m, opt, 0, STEPS)
+    out["hybrid_adamw"] = snapshot(m, opt)
     for kind in M8_KINDS:
         m = parallel_model(0, mesh, COLWISE)
         opt = make_opt(kind, m)
@@ -224,14 +230,15 @@ def test_2x2_matches_one_process(two_by_two):
     """The same global gradients on a (dp, tp) = (2, 2) mesh and in one process: every state field
     (compared whole through the DTensors state_dict() presents) and parameter is bit for bit equal;
     ColwiseParallel (rows split over dp and tp) and RowwiseParallel (columns split over tp) on
-    uneven splits, for m4v4, GefenMuon (NorMuon) and GefenMuonHybrid (Gefen backup) and, on row
-    splits only, for m8."""
+    uneven splits, for m4v4, GefenMuon (NorMuon) and GefenMuonHybrid (Gefen and AdamW backups)
+    and, on row splits only, for m8."""
     _, results = two_by_two
-    want = {k: uninterrupted(k, STYLES, STEPS) for k in STOCK_KINDS} | {k: uninterrupted(k, COLWISE, STEPS)
-                                                                         for k in M8_KINDS}
+    want = {k: uninterrupted(k, STYLES, STEPS) for k in (*STOCK_KINDS, "hybrid_adamw")}
+    want |= {k: uninterrupted(k, COLWISE, STEPS) for k in M8_KINDS}
     assert any(k.endswith("/mv_code") for k in want["m4v4"]) and any(k.endswith("/v_col") for k in want["m4v4"])
     assert {"down.weight/m_scale", "emb.weight/v_row"} <= set(want["muon"])
     assert {"down.weight/m_code", "emb.weight/mv_code"} <= set(want["hybrid"])
+    assert {"down.weight/m_code", "emb.weight/exp_avg"} <= set(want["hybrid_adamw"])
     for r in results:
         for kind, value in want.items():
             assert_same(value, r[kind], f"{kind} on 2x2")
