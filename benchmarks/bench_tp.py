@@ -12,7 +12,9 @@ column-split matrices (the fused kernels do not take column splits). Also report
 optimizer's state bytes per parameter summed over the ranks (row statistics of a column-split
 matrix are held by each of its ``tp`` ranks).
 
-Run alone with ``python -m benchmarks.bench_tp [--quick]``.
+Run alone with ``python -m benchmarks.bench_tp [--quick] [--muon]``; ``--muon`` times ``GefenMuon``
+on the matrices instead (under tensor parallelism: one small max over ``tp`` for the column-split
+rows' momentum scales; both layouts gather whole matrices for Newton-Schulz).
 """
 
 from __future__ import annotations
@@ -71,18 +73,19 @@ def global_state_bytes(opt) -> int:
                for name, v in entry.items() if isinstance(v, torch.Tensor) and not name.endswith("codebook"))
 
 
-def _rank(rank: int, d: int, layers: int, rounds: int, workdir: str) -> None:
+def _rank(rank: int, d: int, layers: int, rounds: int, workdir: str, muon: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
-    from gefen import Gefen
+    from gefen import Gefen, GefenMuon
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=WORLD)
     setups = {}
     for name, dims in LAYOUTS.items():
         model = laid_out(d, layers, dims)
-        opt = Gefen(model.named_parameters(), lr=1e-3, weight_decay=0.1)
+        opt = GefenMuon([(n, p) for n, p in model.named_parameters() if p.dim() == 2], lr=1e-3) if muon \
+            else Gefen(model.named_parameters(), lr=1e-3, weight_decay=0.1)
         gen = torch.Generator().manual_seed(1)
         for p in model.parameters():
             p.grad = distribute_tensor(structured_tensor(tuple(p.shape), gen, 0.02), p.device_mesh, p.placements,
@@ -110,12 +113,16 @@ def _rank(rank: int, d: int, layers: int, rounds: int, workdir: str) -> None:
 
 
 def run(quick: bool) -> dict:
+    return measure(quick, muon=False)
+
+
+def measure(quick: bool, muon: bool) -> dict:
     import torch.multiprocessing as mp
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     d, layers, rounds = (256, 2, 3) if quick else (512, 4, 7)
     with tempfile.TemporaryDirectory() as workdir:
-        mp.spawn(_rank, args=(d, layers, rounds, workdir), nprocs=WORLD)
+        mp.spawn(_rank, args=(d, layers, rounds, workdir, muon), nprocs=WORLD)
         result = torch.load(os.path.join(workdir, "result.pt"))
     times, n = result["times"], result["numel"]
     med = {name: statistics.median(ts) for name, ts in times.items()}
@@ -126,9 +133,10 @@ def run(quick: bool) -> dict:
     data = {"params": n, "d_model": d, "layers": layers, "rounds": rounds, "world": WORLD, "times_s": times,
             "median_s": med, "state_bytes_per_param": per_param, "global_state_bytes_per_param": per_param_global,
             "tp_over_dp": ratio}
-    write_json("tp", data)
-    png = plot("tp", {"optimizer step": {k: v * 1e3 for k, v in med.items()}}, ylabel="ms (median, slowest rank)",
-               title=f"Gefen step, {n / 1e6:.1f}M params on {WORLD} gloo ranks")
+    name = "tp_muon" if muon else "tp"
+    write_json(name, data)
+    png = plot(name, {"optimizer step": {k: v * 1e3 for k, v in med.items()}}, ylabel="ms (median, slowest rank)",
+               title=f"{'GefenMuon' if muon else 'Gefen'} step, {n / 1e6:.1f}M params on {WORLD} gloo ranks")
     rows = [[name, f"{med[name] * 1e3:.0f}", f"{per_param_global[name]:.3f}", f"{per_param[name]:.3f}"]
             for name in LAYOUTS]
     markdown = "\n\n".join([
@@ -150,5 +158,5 @@ def run(quick: bool) -> dict:
 
 
 if __name__ == "__main__":
-    out = run("--quick" in sys.argv)
+    out = measure("--quick" in sys.argv, muon="--muon" in sys.argv)
     print(out["markdown"])

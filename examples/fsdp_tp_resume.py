@@ -1,15 +1,17 @@
-"""Tensor parallelism x FSDP2 with Gefen, checkpointed with torch's own API, resumed on other meshes.
+"""Tensor parallelism x FSDP2 with Gefen or GefenMuonHybrid, checkpointed with torch's own API, resumed on other meshes.
 
 Trains a small next-token MLP on a 2x2 ``(dp, tp)`` mesh: ``ColwiseParallel`` /
 ``RowwiseParallel`` on ``tp`` (parameters split by rows and by columns), ``fully_shard`` on
 ``dp``. Saves with ``get_state_dict`` + ``dcp.save``; then a *fresh* model and optimizer on a
 1x3 mesh (tensor parallelism over 3 ranks) and on 3 ranks of plain FSDP2 (3x1) fill themselves
-with ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` and continue. No gefen_ckpt call in the
+with ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` and continue. ``--optimizer hybrid``
+trains with ``GefenMuonHybrid`` instead of ``Gefen``: Muon on the hidden matrices (one split by
+rows, one by columns), Gefen on the embedding, the head, biases and the norm. No gefen_ckpt call in the
 training code. Runs on CPU with gloo. Each step uses the same global batch, split over ``dp``, so
 every mesh follows the same loss curve up to float reduction order in the model's own collectives
 (the optimizer's state is bit-identical across meshes for the same gradients: tests/dist/test_tp.py).
 
-    python examples/fsdp_tp_resume.py [--workdir DIR] [--steps N]
+    python examples/fsdp_tp_resume.py [--workdir DIR] [--steps N] [--optimizer {gefen,hybrid}]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -27,7 +30,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from gefen import Gefen
+from gefen import Gefen, GefenMuonHybrid
 
 VOCAB, DIM, BATCH = 64, 48, 48
 
@@ -40,10 +43,11 @@ def make_model(mesh) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM),
-                          nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB))
-    parallelize_module(model, mesh["tp"], {"1": ColwiseParallel(), "3": RowwiseParallel(),
-                                           "5": ColwiseParallel(output_layouts=Replicate())})
+    model = nn.Sequential(OrderedDict(emb=nn.Embedding(VOCAB, DIM), up=nn.Linear(DIM, 4 * DIM), act=nn.GELU(),
+                                      down=nn.Linear(4 * DIM, DIM), norm=nn.LayerNorm(DIM),
+                                      lm_head=nn.Linear(DIM, VOCAB)))
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel(),
+                                           "lm_head": ColwiseParallel(output_layouts=Replicate())})
     for layer in model:
         if any(True for _ in layer.parameters()):
             fully_shard(layer, mesh=mesh["dp"])
@@ -59,15 +63,21 @@ def batch(step: int, dp_rank: int, dp: int):
     return x[dp_rank * share:(dp_rank + 1) * share], y[dp_rank * share:(dp_rank + 1) * share]
 
 
+def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "hybrid":  # routes by itself: up/down to Muon; emb, lm_head, biases, norm to Gefen
+        return GefenMuonHybrid(model, lr=3e-3, weight_decay=0.01)
+    return Gefen(model.named_parameters(), lr=3e-3, weight_decay=0.01)
+
+
 def worker(rank: int, dp: int, tp: int, rendezvous: str, steps: range, load_from: str | None,
-           save_to: str | None, log: str) -> None:
+           save_to: str | None, log: str, kind: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=dp * tp)
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = make_model(mesh)
-    opt = Gefen(model.named_parameters(), lr=3e-3, weight_decay=0.01)
+    opt = make_optimizer(kind, model)
     if load_from:  # a fresh model and optimizer, filled the stock way
         msd, osd = get_state_dict(model, opt)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=load_from)
@@ -91,10 +101,11 @@ def worker(rank: int, dp: int, tp: int, rendezvous: str, steps: range, load_from
     dist.destroy_process_group()
 
 
-def launch(dp: int, tp: int, steps: range, load_from: str | None, save_to: str | None, workdir: str) -> list[float]:
-    tag = f"{dp}x{tp}-{steps.start}-{steps.stop}"
+def launch(dp: int, tp: int, steps: range, load_from: str | None, save_to: str | None, workdir: str,
+           kind: str) -> list[float]:
+    tag = f"{kind}-{dp}x{tp}-{steps.start}-{steps.stop}"
     rendezvous, log = os.path.join(workdir, f"rdzv-{tag}"), os.path.join(workdir, f"loss-{tag}.txt")
-    mp.spawn(worker, args=(dp, tp, rendezvous, steps, load_from, save_to, log), nprocs=dp * tp)
+    mp.spawn(worker, args=(dp, tp, rendezvous, steps, load_from, save_to, log, kind), nprocs=dp * tp)
     with open(log) as fh:
         return [float(line.split()[1]) for line in fh]
 
@@ -103,18 +114,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=None, help="where the checkpoint goes (default: a temp dir, removed)")
     parser.add_argument("--steps", type=int, default=20, help="steps before and after the resume")
+    parser.add_argument("--optimizer", choices=("gefen", "hybrid"), default="gefen",
+                        help="Gefen (default) or GefenMuonHybrid (Muon on the hidden matrices)")
     args = parser.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="gefen-tp-")
     os.makedirs(workdir, exist_ok=True)
     print(f"working in {workdir}", flush=True)
-    n, ckpt = args.steps, os.path.join(workdir, "ckpt")
+    n, kind, ckpt = args.steps, args.optimizer, os.path.join(workdir, f"ckpt-{args.optimizer}")
+    name = {"gefen": "Gefen", "hybrid": "GefenMuonHybrid"}[kind]
     try:
-        print(f"1) {n} steps on a 2x2 (dp, tp) mesh (TP + FSDP2 + Gefen), then get_state_dict + dcp.save", flush=True)
-        first = launch(2, 2, range(n), None, ckpt, workdir)
+        print(f"1) {n} steps on a 2x2 (dp, tp) mesh (TP + FSDP2 + {name}), then get_state_dict + dcp.save", flush=True)
+        first = launch(2, 2, range(n), None, ckpt, workdir, kind)
         print(f"   loss {first[0]:.4f} -> {first[-1]:.4f}; saved to {ckpt}\n", flush=True)
 
         print(f"2) fresh models + optimizers: get_state_dict, dcp.load, set_state_dict; {n} more steps", flush=True)
-        curves = {mesh: launch(*mesh, range(n, 2 * n), ckpt, None, workdir) for mesh in ((1, 3), (3, 1), (2, 2))}
+        curves = {mesh: launch(*mesh, range(n, 2 * n), ckpt, None, workdir, kind) for mesh in ((1, 3), (3, 1), (2, 2))}
         print(f"   {'step':>5} {'1x3 (TP)':>10} {'3x1 (FSDP2)':>12} {'2x2 (as saved)':>15}")
         for i in range(0, n, max(1, n // 6)):
             print(f"   {n + i:>5} {curves[1, 3][i]:>10.6f} {curves[3, 1][i]:>12.6f} {curves[2, 2][i]:>15.6f}")

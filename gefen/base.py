@@ -17,7 +17,15 @@ import torch
 from gefen import native
 from gefen.codebook import histogram_normalised_blocks, learn_codebook
 from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
-from gefen.distributed import Layout, ReductionPlan, as_field_dtensor, is_dtensor, plan_reduction, refusal
+from gefen.distributed import (
+    Layout,
+    ReductionPlan,
+    as_field_dtensor,
+    is_dtensor,
+    local_tensor,
+    plan_reduction,
+    refusal,
+)
 from gefen.functional import row_abs_max, rows_view
 from gefen.geometry import (
     as_blocks,
@@ -58,12 +66,6 @@ def apply_load_pre_hooks(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
         if result is not None:
             state_dict = result
     return state_dict
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local part of a (possibly DTensor) parameter or gradient."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def global_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -342,6 +344,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             period = int(period_t)
             if not is_valid_period(shape, period):
                 raise ValueError(f"parameter {label}: period {period} is not a valid block length for shape {shape}")
+            if period != shape_period(shape) and is_dtensor(param) and self.reduction_plan().splits_columns(param):
+                raise ValueError(f"parameter {label}: the state's blocks of {period} elements cannot follow the "
+                                 f"tensor-parallel layout {tuple(param.placements)}, which splits columns "
+                                 f"(unsupported layout); it needs one block per row ({shape_period(shape)}): load "
+                                 "this state on a layout that splits rows only")
         local = local_tensor(param)
         staged = {}
         for name in required:

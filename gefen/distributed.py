@@ -12,7 +12,8 @@ slice): :class:`Layout` says which root dimensions split its rows (``Shard(0)``,
 columns (``Shard(1)``: ``RowwiseParallel``), and where the rank's block starts. One collective
 over the ranks that split anything sums column statistics placed at their *global* positions;
 row statistics that a column split cuts (row sums, row max-abs) are reduced over the one mesh
-dimension that splits columns.
+dimension that splits columns. The one computation that needs whole matrices (Muon's
+Newton-Schulz) gathers every rank's block over the same ranks (:class:`RowGather`).
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ class ReductionPlan:
     layouts: dict[int, Layout] = field(default_factory=dict)  # id(param) -> layout, DTensor params only
     dims: frozenset[int] = frozenset()
     columns: ProcessGroupReducer | None = None
+    _tables: dict = field(default_factory=dict)  # block_table's cache
 
     def layout(self, p: torch.Tensor) -> Layout | None:
         return self.layouts.get(id(p))
@@ -220,6 +222,33 @@ class ReductionPlan:
         """The global (row, column) of this rank's first element of ``p`` (0, 0 unless it is split)."""
         lay = self.layout(p)
         return (lay.row0, lay.col0) if lay is not None else (0, 0)
+
+    def splits(self, p: torch.Tensor) -> bool:
+        """Is ``p`` split (rows or columns) over some mesh dimension?"""
+        lay = self.layout(p)
+        return lay is not None and (bool(lay.row_dims) or lay.col_dim is not None)
+
+    def block_table(self, params: Sequence[torch.Tensor]) -> list[list[list[int]]]:
+        """Where every rank of ``group`` holds each of the 2-D ``params``: ``table[rank][i] =
+        [row0, rows, col0, cols, sends]`` (``sends``: 0 for a replica, so the senders' blocks tile
+        each matrix once). One small ``all_gather`` the first time these parameters are asked for;
+        a table whose blocks do not tile a matrix is refused."""
+        key = tuple(id(p) for p in params)
+        if key not in self._tables:
+            import torch.distributed as dist
+
+            rows = [[*self.offsets(p)[:1], local_size(p, 0), self.offsets(p)[1], local_size(p, 1), int(self.counts(p))]
+                    for p in params]
+            mine = torch.tensor(rows, dtype=torch.int64, device=local_tensor(params[0]).device)
+            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(everyone, mine, group=self.group)
+            table = [t.tolist() for t in everyone]
+            for i, p in enumerate(params):
+                if sum(rank[i][1] * rank[i][3] for rank in table if rank[i][4]) != p.numel():
+                    raise ValueError(f"the ranks' shards of a {tuple(p.shape)} parameter with placements "
+                                     f"{tuple(p.placements)} do not tile it once (a mesh whose shards disagree)")
+            self._tables[key] = table
+        return self._tables[key]
 
     def splits_columns(self, p: torch.Tensor) -> bool:
         lay = self.layout(p)
@@ -260,9 +289,14 @@ class ReductionPlan:
         return [part.view_as(r) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
 
 
-def local_size(p: torch.Tensor, dim: int) -> int:
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The rank-local part of a (possibly DTensor) parameter or gradient."""
     to_local = getattr(p, "to_local", None)
-    return (to_local() if to_local is not None else p).shape[dim]
+    return to_local() if to_local is not None else p
+
+
+def local_size(p: torch.Tensor, dim: int) -> int:
+    return local_tensor(p).shape[dim]
 
 
 def _group_rank(group) -> int:
@@ -277,48 +311,50 @@ def refusal(name: str, p: torch.Tensor, who: str, alternative: str) -> ValueErro
                       f"{tuple(p.placements)} (unsupported layout); {alternative}")
 
 
-def chunk_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
-    """Each rank's rows under ``Shard(0)`` (``torch.chunk`` semantics; trailing ranks may be empty)."""
-    size = -(-rows // parts) if parts else 0
-    return [(min(r * size, rows), min((r + 1) * size, rows)) for r in range(parts)]
-
-
 class RowGather:
     """Whole matrices for the one computation that needs them (Muon's Newton-Schulz).
 
-    Every row-sharded matrix's local rows go into one flat buffer, one ``all_gather`` moves
-    them all, every rank runs ``fn`` on the whole matrices and keeps its own rows. Matrices
-    that are not row-sharded are already whole.
+    Every rank puts its block of every split matrix (its rows and, under tensor parallelism, its
+    columns; a replica sends nothing) into one flat buffer, one ``all_gather`` over the plan's
+    group moves them all, and every rank places the blocks at their global positions, runs ``fn``
+    on the whole matrices and keeps its own rows *whole*: row statistics (NorMuon's) then need no
+    reduction, and the caller keeps its columns. Where every rank's blocks lie is exchanged once
+    per plan (``ReductionPlan.block_table``).
     """
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, plan: ReductionPlan):
+        self.plan = plan
 
-    def orthogonalise_rows(self, params: list[torch.Tensor], rows: list[torch.Tensor], fn) -> list[torch.Tensor]:
+    def orthogonalise_rows(self, params: list[torch.Tensor], blocks: list[torch.Tensor], fn) -> list[torch.Tensor]:
         import torch.distributed as dist
 
-        world, me = dist.get_world_size(self.group), dist.get_rank(self.group)
-        sharded = [i for i, p in enumerate(params) if is_dtensor(p) and any(pl.is_shard() for pl in p.placements)]
-        bounds = {i: chunk_bounds(params[i].shape[0], world) for i in sharded}
-        cols = {i: rows[i].shape[1] for i in sharded}
-        sizes = [sum((bounds[i][r][1] - bounds[i][r][0]) * cols[i] for i in sharded) for r in range(world)]
-        mine = torch.zeros(max(sizes, default=0), dtype=torch.float32, device=rows[0].device if rows else None)
-        if sharded:
-            flat = torch.cat([rows[i].reshape(-1).float() for i in sharded])
-            mine[: flat.numel()] = flat
-        everyone = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(everyone, mine, group=self.group)
-        full = list(rows)
-        offsets = [0] * world
-        for i in sharded:
-            parts = []
-            for r in range(world):
-                n = (bounds[i][r][1] - bounds[i][r][0]) * cols[i]
-                parts.append(everyone[r][offsets[r]:offsets[r] + n].view(-1, cols[i]))
-                offsets[r] += n
-            full[i] = torch.cat(parts).to(rows[i].dtype)
+        split = [i for i, p in enumerate(params) if self.plan.splits(p)]
+        if not split:
+            return fn(list(blocks))
+        table = self.plan.block_table([params[i] for i in split])
+        me, device = dist.get_rank(self.plan.group), blocks[split[0]].device
+        sizes = [sum(r * c for _, r, _, c, sends in rank if sends) for rank in table]
+        mine = torch.zeros(max(sizes), dtype=torch.float32, device=device)
+        sent = [blocks[i].reshape(-1).float() for i, (*_, sends) in zip(split, table[me]) if sends]
+        if sent:
+            flat = torch.cat(sent)
+            mine[:flat.numel()] = flat
+        everyone = [torch.empty_like(mine) for _ in table]
+        dist.all_gather(everyone, mine, group=self.plan.group)
+        full = list(blocks)
+        for i in split:
+            full[i] = torch.empty(tuple(params[i].shape), dtype=torch.float32, device=device)
+        for buffer, rank in zip(everyone, table):
+            at = 0
+            for i, (row0, r, col0, c, sends) in zip(split, rank):
+                if sends:
+                    full[i][row0:row0 + r, col0:col0 + c] = buffer[at:at + r * c].view(r, c)
+                    at += r * c
+        for i in split:
+            full[i] = full[i].to(blocks[i].dtype)
         out = fn(full)
-        return [o[bounds[i][me][0]:bounds[i][me][1]] if i in bounds else o for i, o in enumerate(out)]
+        rows = {i: (row0, r) for i, (row0, r, *_) in zip(split, table[me])}
+        return [o[rows[i][0]:rows[i][0] + rows[i][1]] if i in rows else o for i, o in enumerate(out)]
 
 
 def _group_over(root, dims: list[int]):

@@ -153,13 +153,33 @@ def update_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: tor
         return fused  # one C call, bit-identical (gefen/native.py)
     if (fused := triton_dispatch.momentum_(state, grad, beta, codebook)) is not None:
         return fused  # the Triton kernel on CUDA (gefen/triton)
-    period = int(state["period"])
-    m = dequantise(state["m_code"], state["m_scale"], codebook, period)
-    m.lerp_(grad, 1 - beta)
-    codes, scales = quantise(m, codebook, period)
+    return store_momentum_(state, momentum_ema(state, grad, beta, codebook), codebook)
+
+
+def momentum_ema(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor:
+    """The new compressed-layout first moment before re-quantisation (fp32, shaped like ``grad``):
+    the decoded old one, then the EMA."""
+    return dequantise(state["m_code"], state["m_scale"], codebook, _local_period(state)).lerp_(grad, 1 - beta)
+
+
+def store_momentum_(state: dict, m: torch.Tensor, codebook: torch.Tensor,
+                    scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Re-quantise ``m`` into the state; returns the re-quantised momentum (fp32). ``scales``:
+    tensor parallelism's max-abs of each whole row (``[rows, 1]``, the one block per row a column
+    split cuts), reduced over the ranks holding the row's other columns; the kernels never see it."""
+    period = _local_period(state)
+    codes, scales = quantise(m, codebook, period, scales)
     state["m_code"].copy_(codes)
     state["m_scale"].copy_(scales)
     return dequantise(codes, scales, codebook, period)
+
+
+def _local_period(state: dict) -> int:
+    """The block length on this rank: the state's ``period``, or, on a shard whose columns tensor
+    parallelism splits (one block per whole row, its scale the whole row's), the local row length."""
+    period, blocks = int(state["period"]), state["m_scale"].shape[-1]
+    local = math.prod(state["m_code"].shape[1:])
+    return period if local == period * blocks else max(local, 1)
 
 
 # ----- the "m4v4" layout (contract version "2"): one byte per element -------------------------

@@ -1,9 +1,10 @@
 """``GefenMuon``: Muon whose momentum is stored like Gefen's first moment (docs/design.md 3.2).
 
 The momentum keeps Gefen's compressed form (uint8 codes into the optimizer-wide codebook plus
-one scale per block, blocks inside rows of the global matrix), so it row-shards and reshards
+one scale per block, blocks inside rows of the global matrix), so it shards and reshards
 exactly like Gefen's state. Everything in a step is rank-local except Newton-Schulz, which
-needs whole matrices: it goes through the ``LocalGather`` seam.
+needs whole matrices (it goes through the ``LocalGather`` seam), and, where tensor parallelism
+splits columns, each row's momentum scale (a max over the tensor-parallel dimension).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.compile import eager_step
 from gefen.contract import FieldSpec, OptimizerContract
-from gefen.distributed import Layout, RowGather, refusal
-from gefen.functional import init_momentum_state, update_momentum_
+from gefen.distributed import Layout, RowGather
+from gefen.functional import init_momentum_state, momentum_ema, rows_view, store_momentum_, update_momentum_
 from gefen.newton_schulz import orthogonalise, resolve_schedule
+from gefen.quant import block_scales
 from gefen.triton import dispatch as triton_dispatch
 from gefen.validation import check_range, param_label
 
@@ -45,15 +47,16 @@ _CONTRACT = OptimizerContract(
 class LocalGather:
     """The seam between row-sharded momentum and Newton-Schulz, which needs whole matrices.
 
-    ``orthogonalise_rows(params, rows, fn)`` receives each parameter's rank-local rows of the
-    update input and must return this rank's rows of ``fn(full matrices)``. One process holds
-    every row, so it simply applies ``fn``; under a row-sharding process group the step uses
-    ``gefen.distributed.RowGather``, which all-gathers along dim 0 and keeps its own rows.
+    ``orthogonalise_rows(params, blocks, fn)`` receives each parameter's rank-local block of the
+    update input and must return this rank's rows, whole, of ``fn(full matrices)``. One process
+    holds everything, so it simply applies ``fn``; on a mesh the step uses
+    ``gefen.distributed.RowGather``, which all-gathers every rank's block (rows and, under tensor
+    parallelism, columns) and keeps its own rows.
     """
 
-    def orthogonalise_rows(self, params: list[torch.Tensor], rows: list[torch.Tensor],
+    def orthogonalise_rows(self, params: list[torch.Tensor], blocks: list[torch.Tensor],
                            fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
-        return fn(rows)
+        return fn(blocks)
 
 
 def lr_scale(shape: tuple[int, int], adjust_lr: str) -> float:
@@ -105,7 +108,7 @@ class GefenMuon(CompressedOptimizer):
         self._check_group(defaults)
         super().__init__(params, defaults, codebook_size=codebook_size, bins_per_code=bins_per_code)
 
-    gather = LocalGather()  # stateless; replaced by RowGather under a row-sharding process group
+    gather = LocalGather()  # stateless; replaced by RowGather on a mesh
 
     def contract(self) -> OptimizerContract:
         return _CONTRACT
@@ -146,13 +149,10 @@ class GefenMuon(CompressedOptimizer):
         return state
 
     def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
-        """Newton-Schulz gathers whole matrices along the one mesh dimension that splits rows:
-        tensor parallelism (columns split, or rows split over a second dimension) is refused."""
-        if layout.col_dim is not None or len(layout.row_dims) > 1:
-            raise refusal(name, param, "GefenMuon",
-                          "optimise tensor-parallel matrices with Gefen (GefenMuonHybrid: pass explicit "
-                          "(muon, backup) lists with them in backup), or keep GefenMuon on data-parallel "
-                          "(FSDP2/HSDP) layouts")
+        """Every layout ``describe_layout`` accepts works: Newton-Schulz gathers whole matrices over
+        all the mesh dimensions that split them, and a column split's cut of the momentum's one
+        block per row is repaired by a max over the tensor-parallel dimension (state with shorter
+        blocks is refused when it is loaded onto such a layout)."""
 
     @eager_step
     @torch.no_grad()
@@ -160,42 +160,47 @@ class GefenMuon(CompressedOptimizer):
         loss, work = self._begin_step(closure)
         if not work:
             return loss
+        plan = self.reduction_plan()
 
         # 1. compressed momentum and the Newton-Schulz input (rank-local)
         codebook = self._step_codebook()
         items = [(self.state[p], local_tensor(grad), group["momentum"]) for group, p, grad in work]
         for state, _, _ in items:
             state["step"].add_(1)
-        # CUDA: every momentum in one Triton launch (gefen/triton, reads bf16 gradients as they are)
-        momenta = triton_dispatch.momenta_(items, codebook) or [
-            update_momentum_(state, g.float(), mu, codebook) for state, g, mu in items]
+        cut = [k for k, (_, p, _) in enumerate(work) if plan.splits_columns(p)]  # tensor parallelism's Shard(1)
+        whole = [k for k in range(len(items)) if k not in cut]
+        momenta = dict(zip(whole, momenta_([items[k] for k in whole], codebook)))
+        momenta.update(zip(cut, self._cut_momenta_([items[k] for k in cut], codebook)))
         inputs = []
-        for (group, _, _), (_, g, mu), m in zip(work, items, momenta):  # (an fp32 += bf16 add is exact)
-            inputs.append(m.mul_(mu).add_(g, alpha=1 - mu) if group["nesterov"] else m)
+        for k, (group, _, _) in enumerate(work):  # (an fp32 += bf16 add is exact)
+            _, g, mu = items[k]
+            inputs.append(momenta[k].mul_(mu).add_(g, alpha=1 - mu) if group["nesterov"] else momenta[k])
 
-        # 2. orthogonalise: the one step that needs whole matrices
+        # 2. orthogonalise: the one step that needs whole matrices (this rank gets its rows, whole)
         schedules = [resolve_schedule(group["ns_schedule"], group["ns_steps"]) for group, _, _ in work]
-        group = self.reduction_plan().group
-        gather = RowGather(group) if group is not None else self.gather
+        gather = RowGather(plan) if plan.group is not None else self.gather
         ortho = gather.orthogonalise_rows([p for _, p, _ in work], inputs,
                                           lambda full: orthogonalise_batched(full, schedules))
 
-        # 3. NorMuon: rows normalised locally, Frobenius norms restored with one reduction
+        # 3. NorMuon: whole rows normalised locally, Frobenius norms restored with one reduction
         normed = [i for i, (group, _, _) in enumerate(work) if group["normuon"]]
         if normed:
-            plan, partials = self.reduction_plan(), []
+            partials = []
             for i in normed:
                 group, p, _ = work[i]
                 ortho[i] = ortho[i].float()
                 sums = normuon_(ortho[i], self.state[p], group["beta2"], group["eps"])
-                partials.append(sums if plan.counts(p) else sums.zero_())  # replicated: one rank counts
+                partials.append(sums if plan.counts_rows(p) else sums.zero_())  # the same rows elsewhere: one counts
             sums = plan.reducer.sum_(torch.stack(partials)).tolist()
             for i, (before, after) in zip(normed, sums):
                 ortho[i].mul_(math.sqrt(before / after) if after > 0 else 0.0)
 
-        # 4. decoupled weight decay with the plain lr, then the scaled orthogonal step
-        for (group, p, _), o in zip(work, ortho):
+        # 4. decoupled weight decay with the plain lr, then the scaled orthogonal step (own columns)
+        for k, ((group, p, _), o) in enumerate(zip(work, ortho)):
             param = local_tensor(p)
+            if k in cut:
+                col0 = plan.offsets(p)[1]
+                o = o[:, col0:col0 + param.shape[1]]
             work_p = param if param.dtype in (torch.float32, torch.float64) else param.float()
             if group["weight_decay"]:
                 work_p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -203,6 +208,23 @@ class GefenMuon(CompressedOptimizer):
             if work_p is not param:
                 param.copy_(work_p)
         return loss
+
+    def _cut_momenta_(self, items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list:
+        """``update_momentum_`` of shards whose columns tensor parallelism splits: each row's one
+        block is cut, so its max-abs scale is reduced over the ranks holding the row's other columns
+        (one collective for all of them) before the codes are chosen, as one process would."""
+        ema = [momentum_ema(state, g.float(), mu, codebook) for state, g, mu in items]
+        scales = self.reduction_plan().reduce_rows_("max", [block_scales(rows_view(m).unsqueeze(1)) for m in ema])
+        return [store_momentum_(state, m, codebook, s) for (state, _, _), m, s in zip(items, ema, scales)]
+
+
+def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list[torch.Tensor]:
+    """``update_momentum_`` of every item; on CUDA all in one Triton launch (gefen/triton, which
+    reads bf16 gradients as they are)."""
+    if not items:
+        return []
+    return triton_dispatch.momenta_(items, codebook) or [
+        update_momentum_(state, g.float(), mu, codebook) for state, g, mu in items]
 
 
 def orthogonalise_batched(matrices: list[torch.Tensor], schedules: list[tuple]) -> list[torch.Tensor]:

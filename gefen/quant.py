@@ -15,10 +15,21 @@ def dequantise(codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor
     return values
 
 
-def quantise(moment: torch.Tensor, codebook: torch.Tensor, period: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block max-abs scale and nearest code of ``moment / scale`` (code 0 where the scale is 0)."""
+def block_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Each block's max-abs scale, ``[..., blocks, P] -> [..., blocks]`` (-inf for empty blocks, so
+    a MAX over the ranks holding a row's other columns ignores them)."""
+    if not blocks.shape[-1]:
+        return blocks.new_full(blocks.shape[:-1], float("-inf"))
+    return torch.maximum(blocks.amax(-1), blocks.amin(-1).neg())
+
+
+def quantise(moment: torch.Tensor, codebook: torch.Tensor, period: int,
+             scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block max-abs scale and nearest code of ``moment / scale`` (code 0 where the scale is 0).
+    ``scales`` given: the blocks' scales computed elsewhere (a block a column split cuts, whose
+    max-abs is reduced over the ranks holding its other columns)."""
     blocks = as_blocks(moment, period)
-    scales = torch.maximum(blocks.amax(-1), blocks.amin(-1).neg())
+    scales = block_scales(blocks) if scales is None else scales
     zero = scales == 0
     normalised = blocks / torch.where(zero, 1.0, scales).unsqueeze(-1)
     codes = nearest_code(normalised, codebook)
