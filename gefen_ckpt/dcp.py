@@ -323,22 +323,6 @@ def _canonical(meta: dict, entries: Mapping[str, Any], *, what: str) -> Canonica
                           metadata={"source_format": "dcp"})
 
 
-# ----- fail-before-mutation import, agreed by every rank -------------------------------------
-def _failed_ranks(failed: bool, group) -> list[int]:
-    """Every rank learns which ranks failed (one all-reduce); [] or [0] without a process group."""
-    if group is False or not (dist.is_available() and dist.is_initialized()):
-        return [0] if failed else []
-    world = dist.get_world_size(group)
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    flags = torch.zeros(world, dtype=torch.int32, device=device)
-    flags[dist.get_rank(group)] = int(failed)
-    collective.checkin("loading the optimizer state (DCP)", group)  # a stalled rank is named, not waited on
-    dist.all_reduce(flags, group=group)
-    return [i for i, f in enumerate(flags.tolist()) if f]
-
-
 # ----- the Stateful ------------------------------------------------------------------------------
 class _GefenStateDict(dict):
     """The dict ``GefenDCPState.state_dict()`` returns; ``GefenLoadPlanner`` finds it by type.
@@ -415,7 +399,6 @@ class GefenDCPState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Import what ``dcp.load`` read into ``state_dict`` (fail before mutation, on all ranks)."""
-        group = False if self.no_dist else self.process_group
         error: BaseException | None = None
         publish = None
         try:
@@ -423,14 +406,12 @@ class GefenDCPState(Stateful):
             publish = stage_import(self.optimizer, state, self.model)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
             error = exc
-        with collective.deadline(self.timeout):
-            failed = _failed_ranks(error is not None, group)
-        if error is not None:
-            raise error
-        if failed:
-            raise CheckpointError(
-                f"loading the optimizer state failed on rank(s) {failed}; this rank's optimizer is unchanged"
-            )
+        if self.no_dist:
+            if error is not None:
+                raise error
+        else:
+            with collective.deadline(self.timeout):
+                collective.agree(error, "loading the optimizer state (DCP)", self.process_group)
         publish()
 
     def _to_canonical(self, state_dict: Mapping[str, Any]) -> CanonicalState:
