@@ -2,8 +2,8 @@
 
 Every collective save/load/transport/DCP path stages its work, then calls ``agree`` (or
 ``exchange``, which also all-gathers a payload): if any rank failed, every rank raises (the
-failing rank its own error, the others a ``CheckpointError`` naming every failed rank and its
-error) before anything is published, so no rank hangs and no rank's optimizer or checkpoint
+failing rank its own error, the others a ``CheckpointError`` naming every failed rank and
+carrying its error) before anything is published, so no rank hangs and no rank's optimizer or checkpoint
 changes alone. This is the one agreement protocol of the package. Bytes move as uint8 tensors
 (msgpack payloads), so no pickle crosses ranks.
 
@@ -136,7 +136,7 @@ def describe_error(exc: BaseException) -> str:
 def exchange(payload: dict, error: BaseException | None, what: str, group=None) -> list[dict]:
     """Every rank's ``payload`` (msgpack-able), in rank order; but first, if any rank of
     ``group`` reports an ``error``, raise on every rank: the failing rank its own error, the
-    others a ``CheckpointError`` naming each failed rank and its error. Without a process
+    others a ``CheckpointError`` naming each failed rank (``_failure``). Without a process
     group: ``[payload]``, or ``error`` raised."""
     payload = dict(payload, error=None if error is None else describe_error(error))
     try:
@@ -147,12 +147,22 @@ def exchange(payload: dict, error: BaseException | None, what: str, group=None) 
     everyone = [unpack(b) for b in all_gather_bytes(data, what, group)]
     if error is not None:
         raise error
-    failed = [(r, p["error"]) for r, p in enumerate(everyone) if p.get("error") is not None]
+    failed = {r: p["error"] for r, p in enumerate(everyone) if p.get("error") is not None}
     if failed:
-        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-        raise CheckpointError(f"{what} failed on rank(s) {[r for r, _ in failed]} ({detail}); "
-                              "nothing was changed on this rank")
+        kinds = "; ".join(f"rank {r}: {e.split(':', 1)[0]}" for r, e in failed.items())
+        raise _failure(f"{what} failed on rank(s) {list(failed)} ({kinds}); nothing was changed on this rank", failed)
     return everyone
+
+
+def _failure(message: str, failed: dict[int, str]) -> CheckpointError:
+    """The error the ranks that did not fail raise: the message names each failed rank and its
+    error's type; ``rank_errors`` (and, on Python >= 3.11, the notes a traceback shows) hold each
+    one's full error, which can be long and is that rank's own to print."""
+    error = CheckpointError(message)
+    error.rank_errors = failed
+    for r, e in failed.items():
+        getattr(error, "add_note", lambda _: None)(f"rank {r}: {e}")
+    return error
 
 
 def agree(error: BaseException | None, what: str, group=None) -> None:
