@@ -22,7 +22,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 from gefen_ckpt import native
 from gefen_ckpt.errors import CheckpointError, CheckpointStorageError
-from gefen_ckpt.format import checksum
 
 WRITE_BUFFER = 2**20
 WRITE_CHUNK = 2 * 2**20
@@ -146,16 +145,7 @@ class Store:
         if not self.local:
             return lambda: None
         path = self.path(name)
-        handle = native.lib.gefen_fsync_start(os.fsencode(path)) if native.io else None
-        if handle is None:
-            return _fsync_in_thread(path)
-
-        def wait() -> None:
-            error = native.lib.gefen_fsync_wait(handle)
-            if error:
-                raise OSError(error, os.strerror(error), path)
-
-        return wait
+        return (native.fsync_start(path) if native.io else None) or _fsync_in_thread(path)
 
     def sync(self) -> None:
         """Make the directory's entries durable (local only; object stores have no directories)."""
@@ -256,19 +246,6 @@ def _fsync_in_thread(path: str) -> Callable[[], None]:
     return wait
 
 
-def _native_prefetch(files: list[tuple[str, int]], lead: int):
-    """``gefen_prefetch_start`` of ``files``; None if it could not start a thread."""
-    paths = (ctypes.c_char_p * len(files))(*(os.fsencode(path) for path, _ in files))
-    sizes = (ctypes.c_int64 * len(files))(*(size for _, size in files))
-    return native.lib.gefen_prefetch_start(len(files), paths, sizes, PREFETCH_CHUNK, lead) or None
-
-
-def _free_native_prefetch(handle: int, owner: int) -> None:
-    """Stop, join and free a native prefetch; in a forked child (which has no such thread) nothing."""
-    if os.getpid() == owner:
-        native.lib.gefen_prefetch_free(handle)
-
-
 class Prefetch:
     """Files read into the page cache, in order, by a daemon thread, for a reader that follows
     (``wait``): a load's disk reads overlap its manifest validation and its checksumming.
@@ -290,9 +267,9 @@ class Prefetch:
         self._cv = threading.Condition()
         self._cached = self._wanted = 0  # positions in the files laid end to end
         self._stopped = False
-        self._native = _native_prefetch(files, lead) if native.io else None
+        self._native = native.prefetch_start(files, PREFETCH_CHUNK, lead) if native.io else None
         if self._native is not None:  # the same loop in C: no GIL needed between its reads
-            weakref.finalize(self, _free_native_prefetch, self._native, os.getpid())
+            weakref.finalize(self, native.prefetch_free, self._native, os.getpid())
         else:
             threading.Thread(target=self._run, name="gefen-ckpt-prefetch", daemon=True).start()
 
@@ -300,7 +277,7 @@ class Prefetch:
     def cached(self) -> int:
         """Bytes read so far (or given up on), counting the files end to end."""
         if self._native is not None:
-            return native.lib.gefen_prefetch_wait(self._native, 0)
+            return native.prefetch_wait(self._native, 0)
         with self._cv:
             return self._cached
 
@@ -310,7 +287,7 @@ class Prefetch:
         if base is None:
             return
         if self._native is not None:
-            native.lib.gefen_prefetch_wait(self._native, base + end)
+            native.prefetch_wait(self._native, base + end)
             return
         with self._cv:
             self._wanted = max(self._wanted, base + end)
@@ -319,7 +296,7 @@ class Prefetch:
 
     def stop(self) -> None:
         if self._native is not None:
-            native.lib.gefen_prefetch_stop(self._native)
+            native.prefetch_stop(self._native)
             return
         with self._cv:
             self._stopped = True
@@ -426,7 +403,7 @@ class Writer:
         for address, size in spans:
             data = (ctypes.c_ubyte * size).from_address(address) if size else b""
             self.write(data)
-            crcs.append(checksum.update(0, data))
+            crcs.append(native.crc32(0, data))
         return crcs
 
     def close(self, durable: bool = True) -> None:
@@ -442,7 +419,7 @@ class LocalWriter(Writer):
     fsync has little left to wait for (``posix_fadvise(DONTNEED)`` starts writeback of dirty
     pages; pages already on disk then leave the page cache instead of crowding out the
     training job's). ``write_hashed`` writes, hashes and starts writeback in one C call when the
-    library is built (``checksum.native_io``): no Python, so no GIL, between the system calls.
+    library is built (``native.io``): no Python, so no GIL, between the system calls.
     """
 
     def __init__(self, path: str):
@@ -462,10 +439,10 @@ class LocalWriter(Writer):
         self._write_out(view)
 
     def write_hashed(self, spans: list[tuple[int, int]]) -> list[int]:
-        if not checksum.native_io():
+        if not native.io:
             return super().write_hashed(spans)
         self._flush_batch()
-        return checksum.write_hashed(self.fd, spans, WRITE_CHUNK, WRITEBACK_EVERY, self.progress)
+        return native.write_hashed(self.fd, spans, WRITE_CHUNK, WRITEBACK_EVERY, self.progress)
 
     def _flush_batch(self) -> None:
         if self.batch:
