@@ -1,11 +1,9 @@
-"""The optional C library ``gefen_ckpt._native``, loaded with ctypes: the one module that calls it.
+"""The optional C library ``gefen_ckpt._native`` (``csrc/``: the fast CRC-32, and the I/O loops that
+must run without the GIL), loaded with ctypes: the one module that calls it.
 
-``csrc/crc32.c`` is the fast CRC-32; ``csrc/file_io.c`` the I/O loops that must run without
-the GIL: hashed reads and writes of whole files, and an fsync and a read-ahead (prefetch) on
-threads of their own. ``lib`` is None when the library is not built, the CPU lacks the
-carry-less multiply, or it does not reproduce ``zlib.crc32`` on a self-check; ``crc32`` and
-``crc32_ranges`` then compute the same values with zlib, and ``io`` is False, so the callers
-of the I/O loops take their Python paths.
+``lib`` is None when the library is not built, the CPU lacks the carry-less multiply, or it does
+not reproduce ``zlib.crc32`` on a self-check; ``crc32`` then uses zlib (same values), and ``io``
+is False, so the callers of the I/O loops take their Python paths.
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ def _load():
 
 
 lib = _load()
-#: The C I/O loops (``read_hashed``, ``write_hashed``, ``fsync_start``, ``prefetch_start``) are
-#: usable: the library is loaded, on POSIX.
+#: The C I/O loops (``read_hashed`` ... ``prefetch_start``) are usable: the library, on POSIX.
 io = lib is not None and os.name == "posix"
 
 
@@ -66,7 +63,6 @@ def _check(rc: int) -> None:
         raise OSError(-rc, os.strerror(-rc))
 
 
-# ----- the checksum (both paths release the GIL) ------------------------------------------------
 def accelerated() -> bool:
     return lib is not None
 
@@ -94,7 +90,6 @@ def crc32_ranges(data: np.ndarray, offsets: list[int], sizes: list[int]) -> list
     return crcs.tolist()
 
 
-# ----- the I/O loops (only when ``io``) ----------------------------------------------------------
 def read_hashed(fd: int, offsets: list[int], sizes: list[int], addresses: list[int],
                 chunk: int) -> tuple[list[int], list[int]]:
     """Read ``sizes[i]`` bytes at ``offsets[i]`` of ``fd`` into memory at ``addresses[i]`` and
@@ -148,8 +143,7 @@ def prefetch_start(files: list[tuple[str, int]], chunk: int, lead: int):
 
 
 def prefetch_wait(handle, position: int) -> int:
-    """Block (GIL released) until ``position`` (the files laid end to end) is cached or the
-    prefetch has ended; returns the bytes cached so far."""
+    """Block until ``position`` (files end to end) is cached or the prefetch ended; bytes cached."""
     return lib.gefen_prefetch_wait(handle, position)
 
 

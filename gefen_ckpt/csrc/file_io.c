@@ -1,8 +1,4 @@
-/*
- * The loops of a save or load that must run without the GIL: hashed reads and writes of whole
- * files (checksummed with crc32.c in the same pass), an fsync and a read-ahead (prefetch) on
- * threads of their own.  POSIX only; gefen_ckpt/native.py falls back to Python I/O elsewhere.
- */
+/* The loops of a save or load that must run without the GIL (POSIX only; each below says why). */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,7 +7,6 @@
 #include <pthread.h>
 #include <unistd.h>
 #endif
-
 #include "native.h"
 
 /*
