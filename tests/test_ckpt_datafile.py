@@ -152,7 +152,7 @@ def test_fused_read_and_checksum(tmp_path):
 @pytest.mark.parametrize("native", [True, False])
 def test_checksums_of_ranges_in_memory(monkeypatch, native):
     if not native:
-        monkeypatch.setattr(native, "lib", None)
+        monkeypatch.setattr("gefen_ckpt.native.lib", None)
     elif not checksum.accelerated():
         pytest.skip("no accelerated checksum on this machine/build")
     data = np.random.default_rng(5).integers(0, 256, 200_000, dtype=np.uint8)
