@@ -1,22 +1,17 @@
-"""Any checkpoint by URL: ``open`` tells the formats apart by what is there and reads each as a
-``CanonicalState``; ``write`` writes one in any format; ``convert_checkpoint`` does both, with an
-optional change of optimizer in between (docs/design.md 10). The CLI is these calls plus printing.
-
-* ``"portable"``: a gefen_ckpt directory (the manifest is checked when it is read): lazy;
-* ``"dcp"``: a ``torch.distributed.checkpoint`` directory (it has ``.metadata``): lazy;
-* ``"torch"``: a ``torch.save`` file of an optimizer ``state_dict`` (``weights_only``): in memory.
-"""
+"""Any checkpoint by URL (docs/design.md 10): ``open`` reads a portable or DCP directory (lazily)
+or a ``torch.save`` file as a ``CanonicalState``, ``write`` writes one in any format, and
+``convert_checkpoint`` does both with an optional change of optimizer between. The CLI is these
+calls plus printing."""
 
 from __future__ import annotations
 
 PORTABLE, DCP, TORCH = "portable", "dcp", "torch"
 FORMATS = (PORTABLE, DCP, TORCH)
 
-__all__ = ["FORMATS", "detect_format", "open", "write", "convert_checkpoint"]
-
 
 def detect_format(url: str) -> str:
-    """``"dcp"``, ``"portable"`` or ``"torch"`` (see the module); a clear error for anything else."""
+    """``"dcp"`` (a directory with ``.metadata``), ``"portable"`` (another directory: its manifest
+    is checked when read) or ``"torch"``; a clear error for anything else."""
     import fsspec
 
     from gefen_ckpt.errors import CheckpointFormatError, CheckpointIncompleteError
@@ -56,14 +51,11 @@ def check_optimizer(url: str, implementation: str, optimizer: str | None) -> Non
 
 def open(url: str, *, format: str | None = None, optimizer: str | None = None, param_names: str | None = None,
          names_from: str | None = None):
-    """The checkpoint at ``url`` as a ``CanonicalState``, whatever its format (``format``: skip
-    the detection).
+    """The checkpoint at ``url`` as a ``CanonicalState`` (``format``: skip the detection).
 
-    ``optimizer`` names the optimizer that wrote it: needed for a torch file whose state does not
-    say (e.g. ``"Adam"`` vs ``"AdamW"``), checked otherwise. A torch state_dict saved without
-    parameter names (as ``transformers`` saves them) gets them from ``param_names`` (a text file,
-    one name per line, in the optimizer's order) or ``names_from`` (a model checkpoint whose
-    parameters are in that order)."""
+    ``optimizer`` names the optimizer that wrote it (checked; needed for a torch file whose state
+    does not say, e.g. Adam vs AdamW). A torch state_dict saved without names gets them from
+    ``param_names`` (a file, one name a line) or ``names_from`` (a model checkpoint, in order)."""
     format = format or detect_format(url)
     check_names(url, format, param_names, names_from)
     if format == TORCH:
@@ -127,10 +119,9 @@ def write(state, url: str, format: str = PORTABLE, *, world_size: int | None = N
 def convert_checkpoint(src: str, dst: str, *, to: str | None = None, into: str | None = None, moments: str = "m4v4",
                        format: str | None = None, optimizer: str | None = None, param_names: str | None = None,
                        names_from: str | None = None, **write_options):
-    """Read ``src`` (``open``), convert its state into the optimizer ``into`` if given
-    (``convert_state``: e.g. ``"Gefen"`` from AdamW, ``"AdamW"`` from Gefen), and write it to
-    ``dst`` as ``to`` (default: ``src``'s format; ``write_options`` go to ``write``). Returns the
-    state written; nothing is written unless the whole conversion succeeds."""
+    """``open`` ``src``, ``convert_state`` it ``into`` another optimizer if given (e.g. ``"Gefen"``
+    from AdamW), ``write`` it to ``dst`` as ``to`` (default: ``src``'s format) and return it;
+    nothing is written unless the whole conversion succeeds."""
     if str(src).rstrip("/") == str(dst).rstrip("/"):
         raise ValueError("src and dst are the same location")
     format = format or detect_format(src)
