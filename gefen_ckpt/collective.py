@@ -27,6 +27,7 @@ import msgpack
 import torch
 
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
+from gefen_ckpt.format.dtypes import plain
 
 #: Seconds a rank waits for the others at each collective step of a save or load (the skew
 #: between ranks, not the length of the save): well under the backends' 30 minutes.
@@ -108,21 +109,9 @@ def checkin(what: str, group=None) -> None:
 
 
 def pack(obj) -> bytes:
-    """``obj`` as msgpack (what crosses ranks; never pickle): tensors of one element as numbers,
-    tuples and sets as lists, dtypes by name, anything else as its ``str``."""
-    return msgpack.packb(obj, use_bin_type=True, default=_packable)
-
-
-def _packable(value):
-    from gefen_ckpt.format.dtypes import dtype_name
-
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    if isinstance(value, (tuple, set, frozenset)):
-        return list(value)
-    if isinstance(value, torch.dtype):
-        return dtype_name(value)
-    return str(value)
+    """``obj`` as msgpack (what crosses ranks; never pickle), values made ``plain`` (unknown ones
+    as their ``str``)."""
+    return msgpack.packb(obj, use_bin_type=True, default=plain)
 
 
 def unpack(data: bytes):

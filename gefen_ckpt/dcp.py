@@ -87,11 +87,11 @@ from gefen_ckpt.exchange import (
     LiveParam,
     check_contract,
     live_view,
-    plain_value,
     stage_import,
 )
+from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
-from gefen_ckpt.layout import local_rows
+from gefen_ckpt.layout import local_rows, to_local
 from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_stock_keys, read_stock
 
 __all__ = [
@@ -225,10 +225,6 @@ def _meta_dict(contract: OptimizerContract, groups: list[dict], params: list[lis
     }
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 # ----- the live optimizer, seen through its contract ----------------------------------------
 @dataclasses.dataclass
 class _Live:
@@ -238,7 +234,7 @@ class _Live:
     global_fields: dict[str, torch.Tensor]
 
     def meta(self) -> dict:
-        params = [[fqn, list(lp.param.shape), _dtype_name(lp.param.dtype), lp.child, lp.state is not None]
+        params = [[fqn, list(lp.param.shape), dtype_name(lp.param.dtype), lp.child, lp.state is not None]
                   for fqn, lp in self.params.items()]
         return _meta_dict(self.contract, self.groups, params)
 
@@ -558,7 +554,7 @@ def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.T
             raise CheckpointMismatchError(
                 f"optimizer-wide field {name!r} of the checkpoint is not part of {live.contract.implementation}'s state"
             ) from None
-        if _dtype_name(dtype) != spec.dtype:
+        if dtype != torch_dtype(spec.dtype):
             raise CheckpointMismatchError(f"optimizer-wide field {name!r}: dtype {dtype}, expected {spec.dtype}")
         return torch.empty(shape, dtype=dtype)
     split = _split_key(key)
@@ -583,7 +579,7 @@ def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.T
             f"{fqn}/{name}: checkpoint shape {shape} is not a valid {spec.geometry} shape for the live "
             f"parameter's {tuple(param.shape)}"
         )
-    local_param = param.to_local() if _is_dtensor(param) else param
+    local_param = to_local(param)
     device = torch.device("cpu") if spec.geometry == "scalar" else local_param.device
     if spec.row_sharded and _is_dtensor(param) and shape:
         start, stop = local_rows(param, fqn)
@@ -748,21 +744,13 @@ class DCPSource:
     def __init__(self, reader: _DCPReader, key: str):
         self._reader, self.key = reader, key
         md = reader.metadata.state_dict_metadata[key]
-        self._shape, self._dtype = tuple(md.size), md.properties.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
+        self.shape, self.dtype = tuple(md.size), md.properties.dtype
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         return self._reader.read(self.key, start, stop)
 
     def __repr__(self) -> str:
-        return f"DCPSource({self.key!r}, shape={self._shape}, dtype={self._dtype})"
+        return f"DCPSource({self.key!r}, shape={self.shape}, dtype={self.dtype})"
 
 
 def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
@@ -850,9 +838,9 @@ class _CanonicalSavePlanner(SavePlanner):
         params = []
         for fqn in state.fqns():
             e = shapes.get(fqn)
-            params.append([fqn, None if e is None else list(e.shape), None if e is None else _dtype_name(e.dtype),
+            params.append([fqn, None if e is None else list(e.shape), None if e is None else dtype_name(e.dtype),
                            childs.get(fqn), e is not None])
-        meta = _meta_dict(state.contract, [_plain_group(g) for g in state.param_groups], params)
+        meta = _meta_dict(state.contract, plain(state.param_groups, "param_groups"), params)
         meta_tensor = _encode_meta(meta)
         self.sources: dict[str, TensorSource] = {prefix + META_KEY: EagerSource(meta_tensor)}
         for k in sorted(state.global_fields):
@@ -908,10 +896,6 @@ class _CanonicalSavePlanner(SavePlanner):
             return src.read().detach().reshape(())
         start = chunk.offsets[0]
         return src.read(start, start + chunk.sizes[0]).detach().contiguous()
-
-
-def _plain_group(group: dict) -> dict:
-    return {k: (list(v) if k == "params" else plain_value(v)) for k, v in group.items()}
 
 
 def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "optim",

@@ -31,6 +31,7 @@ from gefen_ckpt import layout
 from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState
 from gefen_ckpt.collective import agree
 from gefen_ckpt.errors import CheckpointMismatchError
+from gefen_ckpt.format.dtypes import plain
 from gefen_ckpt.format.manifest import missing_fields
 
 
@@ -63,15 +64,6 @@ def leaves(optimizer, contract: OptimizerContract, child: str | None = None):
         raise TypeError(f"{contract.implementation} declares children but has no `children` dict")
     for name, child_contract in contract.children:
         yield from leaves(children[name], child_contract, name)
-
-
-def plain_value(value):
-    """Hyperparameter values as msgpack-able plain data (tensors -> numbers, tuples -> lists)."""
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    if isinstance(value, (tuple, list)):
-        return [plain_value(v) for v in value]
-    return value
 
 
 def _global_key(child: str | None, name: str) -> str:
@@ -114,7 +106,7 @@ def live_view(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = 
                 global_fields[_global_key(child, key)] = value
         for live, saved in zip(opt.param_groups, sd["param_groups"]):
             fqns = group_fqns(live, names, leaf.implementation)
-            group = {h: plain_value(saved[h]) for h in leaf.hyperparameters if h in saved}
+            group = {h: plain(saved[h], f"hyperparameter {h!r}") for h in leaf.hyperparameters if h in saved}
             group["params"] = fqns
             if child is not None:
                 group["child"] = child
@@ -157,8 +149,7 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
 
 def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.Tensor) -> LocalPart:
     """A field of this rank's state as a slice of the global field."""
-    if layout.is_dtensor(value):  # torch optimizers keep DTensor state for DTensor params
-        value = value.to_local()
+    value = layout.to_local(value)  # torch optimizers keep DTensor state for DTensor params
     if row_sharded and value.dim():
         start, _ = layout.local_rows(param, fqn)
         rows = param.shape[0] if param.dim() else 1

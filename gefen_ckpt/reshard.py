@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gefen_ckpt.canonical import CanonicalState, nbytes
-from gefen_ckpt.format.writer import chunk_rows
+from gefen_ckpt.layout import chunk_rows
 
 
 @dataclass(frozen=True)

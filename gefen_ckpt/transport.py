@@ -48,6 +48,7 @@ from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
 from gefen_ckpt.format.dtypes import dtype_name
+from gefen_ckpt.layout import chunk_rows, is_dtensor, to_local
 
 __all__ = ["gather", "scatter", "redistribute", "last_stats", "TransportStats"]
 
@@ -70,12 +71,8 @@ class Move:
 
 
 def chunk_ranges(rows: int, parts: int) -> list[Range]:
-    """How ``torch.chunk`` (and so FSDP2 ``Shard(0)``) splits ``rows`` over ``parts`` ranks:
-    ``ceil(rows/parts)`` rows each, trailing ranks possibly short or empty."""
-    if parts < 1 or rows < 0:
-        raise ValueError(f"cannot split {rows} rows over {parts} parts")
-    size = -(-rows // parts) if rows else 0
-    return [(min(rows, r * size), min(rows, (r + 1) * size)) for r in range(parts)]
+    """Every rank's rows when ``rows`` are split over ``parts`` ranks (``layout.chunk_rows``)."""
+    return [chunk_rows(rows, parts, r) for r in range(parts)]
 
 
 def assign_rows(rows: int, have: Sequence[Range | None], want: Sequence[Range | None], *,
@@ -267,40 +264,24 @@ class _Skeleton:
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
-        self._shape, self._dtype, self.wanted = tuple(shape), dtype, None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
+        self.shape, self.dtype, self.wanted = tuple(shape), dtype, None
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        rows = self._shape[0] if self._shape else 1
+        rows = self.shape[0] if self.shape else 1
         stop = rows if stop is None else stop
         if self.wanted is not None:
             start, stop = min(start, self.wanted[0]), max(stop, self.wanted[1])
         self.wanted = (start, stop)
-        if not self._shape:
-            return torch.zeros((), dtype=self._dtype)
-        return torch.zeros((), dtype=self._dtype).expand(stop - start, *self._shape[1:])
+        if not self.shape:
+            return torch.zeros((), dtype=self.dtype)
+        return torch.zeros((), dtype=self.dtype).expand(stop - start, *self.shape[1:])
 
 
 class _Absent:
     """A tensor this rank was not sent because its import does not read it."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, label: str):
-        self._shape, self._dtype, self.label = tuple(shape), dtype, label
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
+        self.shape, self.dtype, self.label = tuple(shape), dtype, label
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         raise CheckpointError(f"{self.label} was not transported to this rank")
@@ -405,16 +386,11 @@ def _check_budget(budget_bytes) -> int:
 
 
 # ===== the data phase =========================================================================
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
-
-
 def _normalise(source):
     """A LocalPart over a DTensor (torch optimizers' state on FSDP2 params) as one over the
     local tensor: slicing the DTensor itself would be a collective."""
-    if isinstance(source, LocalPart) and hasattr(source.tensor, "to_local"):
-        return LocalPart(_local(source.tensor), source.row_start, source.shape, source.writer)
+    if isinstance(source, LocalPart) and is_dtensor(source.tensor):
+        return LocalPart(to_local(source.tensor), source.row_start, source.shape, source.writer)
     return source
 
 
@@ -468,7 +444,7 @@ class _Mover:
         value = source.read(r0, r1)
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{info.label}: source returned {type(value).__name__}, not a tensor")
-        value = _local(value)
+        value = to_local(value)
         expected = tuple(info.shape) if not info.shape else (r1 - r0, *info.shape[1:])
         if tuple(value.shape) != expected or value.dtype != self.dtypes[t]:
             raise CheckpointError(f"{info.label}: source returned rows {r0}:{r1} as {tuple(value.shape)} "

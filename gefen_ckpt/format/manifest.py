@@ -30,7 +30,7 @@ from gefen.contract import (
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.datafile import ALIGNMENT
-from gefen_ckpt.format.dtypes import DTYPES, dtype_name, itemsize
+from gefen_ckpt.format.dtypes import DTYPES, dtype_name, itemsize, plain
 
 if TYPE_CHECKING:  # reading a manifest needs no torch
     from gefen_ckpt.canonical import CanonicalState, TensorSource
@@ -130,17 +130,6 @@ def tensor_label(fqn: str | None, field: str) -> str:
 
 
 # ----- building -----------------------------------------------------------------------------
-def _plain(value, what: str):
-    """``value`` as msgpack-able plain data (tuples become lists); anything else is an error."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, what) for v in value]
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {k: _plain(v, what) for k, v in value.items()}
-    raise ValueError(f"{what}: {type(value).__name__} values cannot be stored in a manifest")
-
-
 def _created() -> dict:
     import torch
 
@@ -173,7 +162,7 @@ def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[
         "alignment": ALIGNMENT,
         "checksum": checksum.ALGORITHM,
         "contract": state.contract.to_dict(),
-        "param_groups": _plain(state.param_groups, "param_groups"),
+        "param_groups": plain(state.param_groups, "param_groups"),
         "files": [{"name": f.name, "bytes": f.nbytes} for f in files],
         "globals": {k: tensor(None, k, s) for k, s in state.global_fields.items()},
         "params": {
@@ -181,9 +170,9 @@ def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[
                   "fields": {name: tensor(fqn, name, s) for name, s in e.fields.items()}}
             for fqn, e in state.params.items()
         },
-        "topology": _plain(state.metadata.get("source_topology", {}), "metadata"),
+        "topology": plain(state.metadata.get("source_topology", {}), "metadata"),
         "created": _created(),
-        "metadata": _plain({k: v for k, v in state.metadata.items() if k not in ("source_topology", "created")},
+        "metadata": plain({k: v for k, v in state.metadata.items() if k not in ("source_topology", "created")},
                            "metadata"),
     }
     if by_tensor:

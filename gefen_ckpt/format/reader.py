@@ -113,15 +113,8 @@ class PieceSource:
 
     def __init__(self, store: Store, tensor: TensorRecord, mapped: MappedFiles | None = None):
         self.store, self.tensor, self.mapped = store, tensor, mapped
+        self.shape, self.dtype = tensor.shape, torch_dtype(tensor.dtype)
         self._starts = [p.rows[0] for p in tensor.pieces]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.tensor.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.tensor.dtype)
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         t = self.tensor

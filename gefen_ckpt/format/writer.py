@@ -39,6 +39,7 @@ from gefen_ckpt.format.manifest import (
     validate,
 )
 from gefen_ckpt.format.writelock import WriterLock, acquire
+from gefen_ckpt.layout import chunk_rows
 from gefen_ckpt.storage import Store, Writer
 
 DATA_FILE = re.compile(r"data-[0-9a-f]+-r\d+-\d+\.safetensors")
@@ -68,25 +69,11 @@ class RowRange:
 
     def __init__(self, source: TensorSource, start: int, stop: int):
         self.source, self.start, self.stop = source, start, stop
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.stop - self.start, *self.source.shape[1:])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.source.dtype
+        self.shape, self.dtype = (stop - start, *source.shape[1:]), source.dtype
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         stop = self.stop - self.start if stop is None else stop
         return self.source.read(self.start + start, self.start + stop)
-
-
-def chunk_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s rows under ``torch.chunk`` along dim 0 (FSDP2's ``Shard(0)``; may be empty)."""
-    size = -(-rows // world_size)
-    start = min(rank * size, rows)
-    return start, min(start + size, rows)
 
 
 def _source(value) -> TensorSource:
