@@ -354,7 +354,9 @@ class Store:
     local = False  # files this process can map and lock (reader.py, writelock.py)
     _Reader, _Writer = RemoteReader, RemoteWriter
 
-    def __new__(cls, url: str, storage_options: dict | None = None):
+    def __new__(cls, url: str | None = None, storage_options: dict | None = None):
+        if url is None:  # copy/pickle: the attributes follow
+            return super().__new__(cls)
         url = str(url)
         try:
             fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
