@@ -66,12 +66,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.stateful import Stateful
 
 from gefen.contract import (
-    LIKE_PARAM,
     SCHEMA_VERSION,
     FieldSpec,
     OptimizerContract,
     contract_of,
-    expected_field_shape,
 )
 from gefen.distributed import as_field_dtensor
 from gefen_ckpt import collective
@@ -86,10 +84,11 @@ from gefen_ckpt.errors import (
 from gefen_ckpt.exchange import (
     LiveParam,
     check_contract,
+    field_spec,
     live_view,
     stage_import,
 )
-from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
+from gefen_ckpt.format.dtypes import dtype_name, plain
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
 from gefen_ckpt.layout import local_rows, to_local
 from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_stock_keys, read_stock
@@ -554,8 +553,8 @@ def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.T
             raise CheckpointMismatchError(
                 f"optimizer-wide field {name!r} of the checkpoint is not part of {live.contract.implementation}'s state"
             ) from None
-        if dtype != torch_dtype(spec.dtype):
-            raise CheckpointMismatchError(f"optimizer-wide field {name!r}: dtype {dtype}, expected {spec.dtype}")
+        if problem := spec.check_dtype(dtype):
+            raise CheckpointMismatchError(f"optimizer-wide field {name!r}: {problem}")
         return torch.empty(shape, dtype=dtype)
     split = _split_key(key)
     if split is None:
@@ -564,21 +563,9 @@ def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.T
     lp = live.params.get(fqn)
     if lp is None:
         raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
-    try:
-        spec = lp.contract.field(name)
-    except KeyError:
-        raise CheckpointMismatchError(
-            f"{fqn}: field {name!r} of the checkpoint is not part of {lp.contract.implementation}'s state"
-        ) from None
-    param = lp.param
-    want = param.dtype if spec.dtype == LIKE_PARAM else getattr(torch, spec.dtype)
-    if dtype != want:
-        raise CheckpointMismatchError(f"{fqn}/{name}: checkpoint dtype {dtype}, expected {want}")
-    if not expected_field_shape(spec.geometry, tuple(param.shape), shape):
-        raise CheckpointMismatchError(
-            f"{fqn}/{name}: checkpoint shape {shape} is not a valid {spec.geometry} shape for the live "
-            f"parameter's {tuple(param.shape)}"
-        )
+    spec, param = field_spec(lp.contract, fqn, name), lp.param
+    if problem := spec.check(param.shape, shape, dtype, param.dtype):
+        raise CheckpointMismatchError(f"{fqn}/{name}: checkpoint {problem}")
     local_param = to_local(param)
     device = torch.device("cpu") if spec.geometry == "scalar" else local_param.device
     if spec.row_sharded and _is_dtensor(param) and shape:
@@ -811,17 +798,9 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
 
 
 def _check_stored_field(contract: OptimizerContract, fqn: str, entry: ParamState, name: str, src) -> None:
-    leaf = contract.child(entry.child) if entry.child else contract
-    try:
-        spec = leaf.field(name)
-    except KeyError:
-        raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {leaf.implementation}") from None
-    want = entry.dtype if spec.dtype == LIKE_PARAM else getattr(torch, spec.dtype)
-    if src.dtype != want:
-        raise CheckpointFormatError(f"{fqn}/{name}: stored dtype {src.dtype}, expected {want}")
-    if not expected_field_shape(spec.geometry, tuple(entry.shape), tuple(src.shape)):
-        raise CheckpointFormatError(f"{fqn}/{name}: stored shape {tuple(src.shape)} is not a valid "
-                                    f"{spec.geometry} shape for {tuple(entry.shape)}")
+    if problem := field_spec(contract.leaf(entry.child), fqn, name).check(entry.shape, src.shape, src.dtype,
+                                                                          entry.dtype):
+        raise CheckpointFormatError(f"{fqn}/{name}: stored {problem}")
 
 
 class _CanonicalSavePlanner(SavePlanner):

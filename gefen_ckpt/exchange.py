@@ -18,11 +18,10 @@ import torch
 
 from gefen.contract import (
     GLOBAL_STATE_KEY,
-    LIKE_PARAM,
     SCHEMA_VERSION,
+    FieldSpec,
     OptimizerContract,
     contract_of,
-    expected_field_shape,
     join_composite,
 )
 from gefen.distributed import as_field_dtensor
@@ -185,6 +184,14 @@ def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
             )
 
 
+def field_spec(contract: OptimizerContract, fqn: str, name: str) -> FieldSpec:
+    """``contract``'s field ``name`` (of parameter ``fqn``); a mismatch naming both if it has none."""
+    try:
+        return contract.field(name)
+    except KeyError:
+        raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {contract.implementation}") from None
+
+
 def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: OptimizerContract) -> None:
     missing = missing_fields(contract, entry.fields, entry.shape) if entry.fields else []
     if missing:
@@ -195,17 +202,8 @@ def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: Opt
             f"{fqn}: checkpoint shape {tuple(entry.shape)} differs from the live parameter's {tuple(param.shape)}"
         )
     for name, source in entry.fields.items():
-        try:
-            spec = contract.field(name)
-        except KeyError:
-            raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {contract.implementation}") from None
-        want_dtype = param.dtype if spec.dtype == LIKE_PARAM else getattr(torch, spec.dtype)
-        if source.dtype != want_dtype:
-            raise CheckpointMismatchError(f"{fqn}/{name}: dtype {source.dtype}, expected {want_dtype}")
-        if not expected_field_shape(spec.geometry, entry.shape, tuple(source.shape)):
-            raise CheckpointMismatchError(
-                f"{fqn}/{name}: shape {tuple(source.shape)} is not a valid {spec.geometry} shape for {entry.shape}"
-            )
+        if problem := field_spec(contract, fqn, name).check(entry.shape, source.shape, source.dtype, param.dtype):
+            raise CheckpointMismatchError(f"{fqn}/{name}: {problem}")
 
 
 def _check_groups(opt, leaf: OptimizerContract, child: str | None, state: CanonicalState,

@@ -39,7 +39,6 @@ from gefen.contract import (
     LIKE_PARAM,
     OptimizerContract,
     composite_children,
-    expected_field_shape,
     join_composite,
     split_composite,
     torch_contracts,
@@ -375,15 +374,8 @@ def _param_state(fqn: str, entry: dict, leaf: OptimizerContract, child: str | No
         like_param = [n for n in fields if leaf.field(n).dtype == LIKE_PARAM]
         dtype = fields[like_param[0]].dtype if like_param else torch.float32
     for name, t in fields.items():
-        spec = leaf.field(name)
-        if spec.dtype != LIKE_PARAM and t.dtype != _dtype(spec.dtype, f"{fqn}/{name}"):
-            raise CheckpointMismatchError(f"{fqn}/{name}: dtype {t.dtype}, {leaf.implementation} stores {spec.dtype}")
-        if spec.dtype == LIKE_PARAM and t.dtype != dtype:
-            raise CheckpointMismatchError(f"{fqn}/{name}: dtype {t.dtype} differs from the parameter's {dtype}")
-        if not expected_field_shape(spec.geometry, shape, tuple(t.shape)):
-            raise CheckpointMismatchError(
-                f"{fqn}/{name}: shape {tuple(t.shape)} is not a valid {spec.geometry} shape for a parameter of "
-                f"shape {shape}")
+        if problem := leaf.field(name).check(shape, t.shape, t.dtype, dtype):
+            raise CheckpointMismatchError(f"{fqn}/{name}: {problem} ({leaf.implementation})")
     return ParamState(shape, dtype, {n: EagerSource(t) for n, t in fields.items()}, child)
 
 

@@ -25,7 +25,6 @@ from gefen.contract import (
     LIKE_PARAM,
     SCHEMA_VERSION,
     OptimizerContract,
-    expected_field_shape,
 )
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
 from gefen_ckpt.format import checksum
@@ -357,12 +356,11 @@ def _check_required(contract: OptimizerContract, raw: dict) -> None:
             continue
         child = e.get("child")
         with_state.add(child)
-        missing = missing_fields(contract.child(child) if child else contract, e["fields"], e["shape"])
+        missing = missing_fields(contract.leaf(child), e["fields"], e["shape"])
         if missing:
             _fail(f"params[{fqn!r}].fields"[:300], f"required field(s) {missing} are missing")
     for child in with_state:
-        leaf = contract.child(child) if child else contract
-        for f in leaf.global_fields:
+        for f in contract.leaf(child).global_fields:
             key = f"{child}/{f.name}" if child else f.name
             if not f.optional and key not in raw["globals"]:
                 _fail("globals", f"required field {key!r} is missing (the optimizer has parameter state)")
@@ -491,8 +489,7 @@ def _checked_tensor(x, path: str, fqn: str | None, field: str, files: tuple[File
 
 def _spec(contract: OptimizerContract, child: str | None, field: str, where: Callable[[], str]):
     try:
-        leaf = contract.child(child) if child is not None else contract
-        return leaf.field(field)
+        return contract.leaf(child).field(field)
     except KeyError as exc:
         _fail(where(), str(exc)[:300])
 
@@ -556,11 +553,10 @@ def validate(raw: dict) -> Manifest:
 
             spec = _spec(contract, child, name, fpath)
             rec = _tensor(t, fpath, fqn, name, files, spans)
-            want = dtype if spec.dtype == LIKE_PARAM else spec.dtype
-            if rec.dtype != want:
-                _fail(f"{fpath()}.dtype", f"{rec.dtype}, expected {want}")
-            if spec.geometry == "global" or not expected_field_shape(spec.geometry, shape, rec.shape):
-                _fail(f"{fpath()}.shape", f"{list(rec.shape)} is not a {spec.geometry} shape for {list(shape)}")
+            if problem := spec.check_dtype(rec.dtype, dtype):
+                _fail(f"{fpath()}.dtype", problem)
+            if problem := ("an optimizer-wide field" if spec.geometry == "global" else spec.check_shape(shape, rec.shape)):
+                _fail(f"{fpath()}.shape", problem)
             tensors[(fqn, name)] = rec
 
     _check_required(contract, raw)

@@ -86,7 +86,7 @@ def items(state: CanonicalState, rank: int = 0, world_size: int | None = None) -
     ``torch.chunk`` rows of row-sharded fields plus, on rank 0, one copy of every replicated one."""
     out = [WriteItem(None, key, 0, _source(src)) for key, src in state.global_fields.items() if rank == 0]
     for fqn, entry in state.params.items():
-        leaf = state.contract.child(entry.child) if entry.child else state.contract
+        leaf = state.contract.leaf(entry.child)
         for name, src in entry.fields.items():
             src = _source(src)
             if world_size is None or not src.shape or not leaf.field(name).row_sharded:
