@@ -169,13 +169,6 @@ def allow_bucket_creation(create_bucket: bool) -> None:
         os.environ[CREATE_BUCKET_ENV] = "1"
 
 
-def api():
-    """The portable-format API of gefen_ckpt (imported lazily: --help must stay fast)."""
-    import gefen_ckpt
-
-    return gefen_ckpt
-
-
 def settle_imports() -> None:
     """Import torch and the rest of gefen_ckpt, then exempt everything imported (torch alone is
     ~170k objects) from the cyclic garbage collector: in a short-lived CLI process its full

@@ -215,7 +215,9 @@ def verify(
                 from gefen_ckpt.storage import Store
 
                 common.check_optimizer(path, open_checkpoint(Store(path)).contract.implementation, optimizer)
-            report = common.api().verify(path, progress=common.want_progress())
+            from gefen_ckpt.format.verify import verify as verify_portable
+
+            report = verify_portable(path, progress=common.want_progress())
             data = {"path": path, "format": fmt, "ok": bool(report.ok),
                     "problems": [str(p) for p in report.problems],
                     "warnings": [str(w) for w in getattr(report, "warnings", [])]}
@@ -245,16 +247,15 @@ def verify(
 def _verify_dcp(path: str, optimizer: str | None) -> dict:
     """DCP stores no checksums: read every row of every tensor in bounded chunks and collect
     problems (unreadable or missing chunks, shapes that contradict the description)."""
-    import math
-
     from gefen_ckpt.dcp import read_dcp
     from gefen_ckpt.errors import CheckpointError
+    from gefen_ckpt.layout import rows_per_chunk
 
     state, problems, checked = read_dcp(path), [], 0
     common.check_optimizer(path, state.contract.implementation, optimizer)
     for key, source in state.tensors():
         rows = source.shape[0] if source.shape else 1
-        step = max(1, (64 << 20) // max(1, source.dtype.itemsize * math.prod(source.shape[1:])))
+        step = rows_per_chunk(source.shape, source.dtype.itemsize, 64 << 20)
         try:
             for start in range(0, rows, step):
                 checked += source.read(start, min(rows, start + step)).nbytes

@@ -90,7 +90,7 @@ from gefen_ckpt.exchange import (
 )
 from gefen_ckpt.format.dtypes import dtype_name, plain
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
-from gefen_ckpt.layout import local_rows, to_local
+from gefen_ckpt.layout import local_rows, rows_per_chunk, to_local
 from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_stock_keys, read_stock
 
 __all__ = [
@@ -843,8 +843,7 @@ class _CanonicalSavePlanner(SavePlanner):
                 items.append(WriteItem(MetadataIndex(key, ()), WriteItemType.TENSOR, tensor_data=TensorWriteData(
                     ChunkStorageMetadata(torch.Size(()), torch.Size(())), props, size)))
                 continue
-            row_bytes = max(1, math.prod(shape[1:]) * src.dtype.itemsize)
-            step = max(1, self.chunk_bytes // row_bytes)
+            step = rows_per_chunk(shape, src.dtype.itemsize, self.chunk_bytes)
             starts = list(range(0, shape[0], step)) or [0]
             kind = WriteItemType.TENSOR if len(starts) == 1 else WriteItemType.SHARD
             for start in starts:

@@ -7,6 +7,8 @@ rank one contiguous range of global rows; that range is all the checkpoint code 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gefen_ckpt.errors import UnsupportedLayoutError
@@ -51,6 +53,11 @@ def chunk_rows(rows: int, parts: int, rank: int) -> tuple[int, int]:
     size = -(-rows // parts)
     start = min(rank * size, rows)
     return start, min(start + size, rows)
+
+
+def rows_per_chunk(shape: tuple[int, ...], itemsize: int, budget: int) -> int:
+    """Whole rows of a tensor of ``shape`` that fit in ``budget`` bytes (at least one)."""
+    return max(1, budget // max(1, math.prod(shape[1:]) * itemsize))
 
 
 def rank() -> int:
