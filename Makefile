@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 2
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt Makefile setup.py $(wildcard gefen/csrc/*.[ch] gefen_ckpt/csrc/*.c)
+$(STAMP): pyproject.toml constraints.txt Makefile setup.py $(wildcard gefen/csrc/*.[ch] gefen_ckpt/csrc/*.[ch])
 	@echo "installing into $(VENV): torch (CPU) and gefen with its test/bench extras; a few minutes the first time"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip

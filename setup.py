@@ -1,8 +1,8 @@
 """Only declares the C extensions; all metadata lives in pyproject.toml.
 
 gefen._kmeans_dp, gefen._gefen_step (the fused step and the first step's statistics) and
-gefen_ckpt._crc32 (the checkpoint checksum) are plain C99 (no Python C-API) loaded with ctypes by
-gefen.codebook, gefen.native and gefen_ckpt.format.checksum; setuptools merely compiles them next to the package (in place
+gefen_ckpt._native (the checkpoint checksum and I/O loops) are plain C99 (no Python C-API) loaded with ctypes by
+gefen.codebook, gefen.native and gefen_ckpt.native; setuptools merely compiles them next to the package (in place
 for editable installs).  _gefen_step uses OpenMP when the compiler has it (else it is built
 serial), and is optional: without it gefen runs the eager torch step.
 """
@@ -36,7 +36,8 @@ setup(
                   extra_link_args=["-fopenmp"]),
         # CRC-32 with carry-less multiplies and the hashed reads/writes; optional: gefen_ckpt falls
         # back to zlib.crc32 and Python I/O.
-        Extension("gefen_ckpt._crc32", ["gefen_ckpt/csrc/crc32.c"], optional=True,
+        Extension("gefen_ckpt._native", ["gefen_ckpt/csrc/crc32.c", "gefen_ckpt/csrc/file_io.c"], optional=True,
+                  depends=["gefen_ckpt/csrc/native.h"],
                   extra_compile_args=["-O3", "-pthread"], extra_link_args=["-pthread"]),
     ],
     cmdclass={"build_ext": BuildExt},

@@ -73,7 +73,7 @@ def synthesize(root: Path, shapes: dict[str, tuple[int, ...]], ranks: int) -> di
     from gefen_ckpt.format import manifest as mf
     from gefen_ckpt.format.datafile import ALIGNMENT
     from gefen_ckpt.format.dtypes import itemsize
-    from gefen_ckpt.format.writer import chunk_rows
+    from gefen_ckpt.layout import chunk_rows
 
     contract = contract_of(gefen.Gefen([torch.nn.Parameter(torch.zeros(1))], lr=1e-3))
     token = "0123456789abcdef"

@@ -80,7 +80,7 @@ def concurrent_writers_delayed(n: int) -> dict:
     import gefen_ckpt.storage as storage
 
     failures = 0
-    real = storage.Store.publish
+    real = storage.LocalStore.publish
     for i in range(n):
         url = tempfile.mkdtemp()
         model, opt = _trained(seed=i)
@@ -93,7 +93,7 @@ def concurrent_writers_delayed(n: int) -> dict:
                 x_done.wait(20)
             return real(self, *args, **kwargs)
 
-        storage.Store.publish = publish
+        storage.LocalStore.publish = publish
         errors = []
 
         def save_y(opt=opt, url=url, model=model, errors=errors, at_publish=at_publish):
@@ -112,7 +112,7 @@ def concurrent_writers_delayed(n: int) -> dict:
             errors.append(exc)
         x_done.set()
         y.join(30)
-        storage.Store.publish = real
+        storage.LocalStore.publish = real
         bad_error = any(not isinstance(e, gefen_ckpt.CheckpointError) for e in errors)
         failures += int(bad_error or not _loads(url))
         shutil.rmtree(url, ignore_errors=True)

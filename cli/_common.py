@@ -20,12 +20,12 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-# gefen_ckpt (and with it torch) is imported inside the commands, so `--help` stays fast.
+# torch (and the gefen_ckpt modules that import it) is imported inside the commands, so `--help` stays
+# fast; gefen_ckpt.formats imports nothing heavy.
+from gefen_ckpt.formats import DCP, PORTABLE, TORCH, check_optimizer, detect_format  # noqa: F401
 
 #: exit codes (documented in docs/cli.md)
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
-
-PORTABLE, TORCH, DCP = "portable", "torch", "dcp"
 
 
 def out() -> Console:
@@ -148,27 +148,7 @@ def parse_size(text: str | None) -> int | None:
     return value
 
 
-# ----- opening checkpoints ------------------------------------------------------------------
-def detect_format(url: str) -> str:
-    """``"dcp"`` for a torch.distributed.checkpoint directory (it has ``.metadata``),
-    ``"portable"`` for another directory (our manifest is checked when it is read), ``"torch"``
-    for a ``torch.save`` file; a clear error for anything else."""
-    import fsspec
-
-    from gefen_ckpt.errors import CheckpointFormatError, CheckpointIncompleteError
-
-    fs, path = fsspec.core.url_to_fs(url)
-    if fs.isdir(path):
-        return DCP if fs.exists(path.rstrip("/") + "/.metadata") else PORTABLE
-    if not fs.exists(path):
-        raise CheckpointIncompleteError(f"{url}: no such file or directory")
-    from gefen_ckpt.torch_format import is_torch_file  # imports torch: only for a file
-
-    if is_torch_file(url):
-        return TORCH
-    raise CheckpointFormatError(f"{url}: not a checkpoint (neither a gefen_ckpt directory nor a torch.save file)")
-
-
+# ----- opening checkpoints (gefen_ckpt.formats) ---------------------------------------------
 def check_destination(url: str, overwrite: bool) -> None:
     """Refuse to write over an existing file or non-empty directory unless ``--overwrite``: a
     typo in DST must not replace a checkpoint (an empty directory is fine)."""
@@ -189,103 +169,50 @@ def allow_bucket_creation(create_bucket: bool) -> None:
         os.environ[CREATE_BUCKET_ENV] = "1"
 
 
-def api():
-    """The portable-format API of gefen_ckpt (imported lazily: --help must stay fast)."""
-    import gefen_ckpt
-
-    return gefen_ckpt
-
-
 def settle_imports() -> None:
-    """Exempt everything imported so far (torch alone is ~170k objects) from the cyclic garbage
-    collector: in a short-lived CLI process its full collections cost up to a third of a reshard
-    of a 25M-parameter state (measured 0.49 -> 0.31 s of work)."""
+    """Import torch and the rest of gefen_ckpt, then exempt everything imported (torch alone is
+    ~170k objects) from the cyclic garbage collector: in a short-lived CLI process its full
+    collections cost up to a third of a reshard of a 25M-parameter state (measured 0.49 -> 0.31 s
+    of work)."""
     import gc
+
+    import gefen_ckpt.api  # noqa: F401
 
     gc.freeze()
 
 
 def refuse_names(url: str, fmt: str, param_names: str | None, names_from: str | None) -> None:
-    """Names can be given only to a torch state_dict (the other formats record them), and only once."""
-    if param_names and names_from:
-        raise typer.BadParameter("give --param-names or --names-from, not both")
-    if (param_names or names_from) and fmt != TORCH:
-        raise typer.BadParameter(f"--param-names/--names-from name the parameters of a torch.save'd optimizer "
-                                 f"state_dict; {url} is a {fmt} checkpoint, which records its names")
+    """--param-names/--names-from: only for a torch state_dict, and only one of them (a usage error)."""
+    from gefen_ckpt.formats import check_names
+
+    try:
+        check_names(url, fmt, param_names, names_from)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--param-names/--names-from") from None
 
 
-def check_optimizer(url: str, implementation: str, optimizer: str | None) -> None:
-    """``--optimizer`` on a checkpoint that records its optimizer: it must be that one (short,
-    case-insensitive names such as ``adamw`` or ``GefenMuonHybrid`` work)."""
-    if optimizer is not None and optimizer.lower() not in (implementation.lower(),
-                                                           implementation.rsplit(".", 1)[-1].lower()):
-        from gefen_ckpt.errors import CheckpointMismatchError
+@contextmanager
+def optimizer_hint() -> Iterator[None]:
+    """A wrong --optimizer: say what the option means (and what converts)."""
+    from gefen_ckpt.errors import CheckpointMismatchError
 
-        raise CheckpointMismatchError(f"{url} holds {implementation} state, not {optimizer}")
+    try:
+        yield
+    except CheckpointMismatchError as exc:
+        if getattr(exc, "held", None) is None:
+            raise
+        raise CheckpointMismatchError(f"{exc}: --optimizer names the optimizer that wrote SRC (convert's --into "
+                                      "names the one to convert into)") from None
 
 
 def open_state(url: str, fmt: str | None = None, optimizer: str | None = None,
                param_names: str | None = None, names_from: str | None = None):
-    """(format, CanonicalState) of a checkpoint: lazy for the portable format, in memory for torch.
+    """(format, CanonicalState) of a checkpoint (``gefen_ckpt.open``)."""
+    import gefen_ckpt
 
-    ``param_names``/``names_from`` name the parameters of a torch state_dict saved without names."""
     fmt = fmt or detect_format(url)
-    import gefen_ckpt.api  # noqa: F401  (torch and the rest, before settle_imports)
-
     settle_imports()
     refuse_names(url, fmt, param_names, names_from)
-    if fmt == TORCH:
-        from gefen_ckpt.errors import CheckpointMismatchError
-        from gefen_ckpt.torch_format import canonical_from_state_dict, load_torch_state_dict
-
-        sd = load_torch_state_dict(url)
-        if param_names or names_from:
-            from gefen_ckpt.names import name_state_dict, read_model_params, read_param_names
-
-            sd = (name_state_dict(sd, names=read_param_names(param_names), source=param_names) if param_names
-                  else name_state_dict(sd, model_params=read_model_params(names_from), source=names_from))
-        try:
-            return fmt, canonical_from_state_dict(sd, optimizer)
-        except CheckpointMismatchError:
-            if optimizer is None:
-                raise
-            held = _inferred(sd)
-            if held is None:
-                raise
-            raise CheckpointMismatchError(
-                f"{url} holds {held} state, not {optimizer}'s: --optimizer names the optimizer that wrote SRC "
-                "(convert's --into names the one to convert into)") from None
-    if fmt == DCP:
-        from gefen_ckpt.dcp import read_dcp
-
-        state = read_dcp(url)
-    else:
-        state = api().read(url)
-    check_optimizer(url, state.contract.implementation, optimizer)
-    return fmt, state
-
-
-def _inferred(sd: dict) -> str | None:
-    """The optimizer a torch state_dict's own fields say wrote it, if they say."""
-    from gefen_ckpt.errors import CheckpointError
-    from gefen_ckpt.torch_format import canonical_from_state_dict
-
-    try:
-        return canonical_from_state_dict(sd).contract.implementation
-    except CheckpointError:
-        return None
-
-
-def write_state(state, url: str, fmt: str, sizes: dict, world_size: int | None = None) -> None:
-    """Write ``state`` to ``url`` as ``fmt`` (portable: sharded over ``world_size`` if given)."""
-    if fmt == DCP:
-        from gefen_ckpt.dcp import write_dcp
-
-        budget = sizes.get("memory_budget")
-        write_dcp(state, url, **({"chunk_bytes": budget // 4} if budget else {}))
-    elif fmt == TORCH:
-        from gefen_ckpt.torch_format import write_torch
-
-        write_torch(state, url)
-    else:
-        api().write(state, url, world_size=world_size, progress=want_progress(), **sizes)
+    with optimizer_hint():
+        return fmt, gefen_ckpt.open(url, format=fmt, optimizer=optimizer, param_names=param_names,
+                                    names_from=names_from)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from gefen_ckpt.canonical import CanonicalState
+from gefen_ckpt.layout import rows_per_chunk
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -52,7 +53,7 @@ def _compare_chunks(a, b, atol: float | None, chunk_bytes: int, advance: Callabl
     rows = shape[0] if shape else 1
     row_numel = _numel(shape[1:]) if shape else 1
     itemsize = a.dtype.itemsize
-    step = max(1, chunk_bytes // max(1, row_numel * itemsize))
+    step = rows_per_chunk(shape, itemsize, chunk_bytes)
     batch = max(1, chunk_bytes // 8 // 4)  # elements per float64 comparison batch
     numeric = a.dtype != torch.bool and not a.dtype.is_complex
     count, worst = 0, 0.0

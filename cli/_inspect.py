@@ -82,14 +82,13 @@ def describe_state(state) -> Described:
     """A ``gefen_ckpt.CanonicalState`` (DCP, torch.save files)."""
     import torch
 
-    def name(dtype: torch.dtype) -> str:
-        return str(dtype).removeprefix("torch.")
+    from gefen_ckpt.format.dtypes import dtype_name
 
     def stored(source) -> Stored:
-        return Stored(tuple(source.shape), name(source.dtype), _numel(source.shape) * source.dtype.itemsize,
+        return Stored(tuple(source.shape), dtype_name(source.dtype), _numel(source.shape) * source.dtype.itemsize,
                       lambda: source.read().detach().to(torch.float64).reshape(-1).numpy())
 
-    params = {fqn: StoredParam(tuple(e.shape), name(e.dtype), e.child, {k: stored(s) for k, s in e.fields.items()})
+    params = {fqn: StoredParam(tuple(e.shape), dtype_name(e.dtype), e.child, {k: stored(s) for k, s in e.fields.items()})
               for fqn, e in state.params.items()}
     return Described(state.contract, state.param_groups, params,
                      {k: stored(s) for k, s in state.global_fields.items()}, state.metadata)

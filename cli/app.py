@@ -215,7 +215,9 @@ def verify(
                 from gefen_ckpt.storage import Store
 
                 common.check_optimizer(path, open_checkpoint(Store(path)).contract.implementation, optimizer)
-            report = common.api().verify(path, progress=common.want_progress())
+            from gefen_ckpt.format.verify import verify as verify_portable
+
+            report = verify_portable(path, progress=common.want_progress())
             data = {"path": path, "format": fmt, "ok": bool(report.ok),
                     "problems": [str(p) for p in report.problems],
                     "warnings": [str(w) for w in getattr(report, "warnings", [])]}
@@ -245,16 +247,15 @@ def verify(
 def _verify_dcp(path: str, optimizer: str | None) -> dict:
     """DCP stores no checksums: read every row of every tensor in bounded chunks and collect
     problems (unreadable or missing chunks, shapes that contradict the description)."""
-    import math
-
     from gefen_ckpt.dcp import read_dcp
     from gefen_ckpt.errors import CheckpointError
+    from gefen_ckpt.layout import rows_per_chunk
 
     state, problems, checked = read_dcp(path), [], 0
     common.check_optimizer(path, state.contract.implementation, optimizer)
     for key, source in state.tensors():
         rows = source.shape[0] if source.shape else 1
-        step = max(1, (64 << 20) // max(1, source.dtype.itemsize * math.prod(source.shape[1:])))
+        step = rows_per_chunk(source.shape, source.dtype.itemsize, 64 << 20)
         try:
             for start in range(0, rows, step):
                 checked += source.read(start, min(rows, start + step)).nbytes
@@ -371,21 +372,23 @@ def convert(
 
       gefen-ckpt convert ckpt/step-1000 adamw.pt --into AdamW --to torch
     """
-    sizes = {k: v for k, v in (("max_file_bytes", common.parse_size(max_file_bytes)),
-                               ("memory_budget", common.parse_size(memory_budget))) if v is not None}
+    sizes = {"max_file_bytes": common.parse_size(max_file_bytes), "memory_budget": common.parse_size(memory_budget)}
     with common.handled():
         if src.rstrip("/") == dst.rstrip("/"):
             raise typer.BadParameter("SRC and DST are the same location")
         common.check_destination(dst, overwrite)
         common.allow_bucket_creation(create_bucket)
-        fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from)
+        fmt = common.detect_format(src)
+        common.refuse_names(src, fmt, param_names, names_from)
         target = to.value if to is not None else fmt
-        if into is not None:
-            from gefen_ckpt.convert import convert_state
+        common.settle_imports()
+        from gefen_ckpt import convert_checkpoint
 
-            state = convert_state(state, into, moments=moments.value)
-        with common.err().status(f"writing {dst}", spinner="dots") if common.want_progress() else _null():
-            common.write_state(state, dst, target, sizes)
+        with common.optimizer_hint(), \
+                common.err().status(f"converting {src}", spinner="dots") if common.want_progress() else _null():
+            state = convert_checkpoint(src, dst, to=target, into=into, moments=moments.value, format=fmt,
+                                       optimizer=optimizer, param_names=param_names, names_from=names_from,
+                                       progress=common.want_progress(), **sizes)
     report = state.metadata.get("conversion") if into is not None else None
     if as_json:
         _echo_json({"src": src, "dst": dst, "from_format": fmt, "to": target,
@@ -453,8 +456,7 @@ def reshard(
     """
     from gefen_ckpt.reshard import Mesh, plan, retarget
 
-    sizes = {k: v for k, v in (("max_file_bytes", common.parse_size(max_file_bytes)),
-                               ("memory_budget", common.parse_size(memory_budget))) if v is not None}
+    sizes = {"max_file_bytes": common.parse_size(max_file_bytes), "memory_budget": common.parse_size(memory_budget)}
     with common.handled():
         if mesh is not None:
             try:
@@ -477,7 +479,10 @@ def reshard(
         if dry_run or as_json:
             _print_plan(src, dst, target, ranks, state.total_bytes(), as_json)
         if not dry_run:
-            common.write_state(retarget(state, target), dst, to.value, sizes, world_size=target.shard)
+            from gefen_ckpt import formats
+
+            formats.write(retarget(state, target), dst, to.value, world_size=target.shard,
+                          progress=common.want_progress(), **sizes)
             if not as_json:
                 common.out().print(f"[green]wrote[/] {dst}: {target.shard} shard(s) x {target.replicate} replica(s), "
                                    f"{state.total_bytes():,} bytes of state from {src} ({fmt})", soft_wrap=True)

@@ -8,7 +8,6 @@ Subclasses supply ``contract()``, ``_state_fields(group, shape)``, ``_check_grou
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -353,7 +352,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         staged = {}
         for name in required:
             value, spec = entry[name], contract.field(name)
-            want = _local_shape(spec.geometry, local.shape, shape, period)
+            want = spec.local_shape(local.shape, shape, period)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"parameter {label}: field {name!r} is a {type(value).__name__}, not a tensor")
             if is_dtensor(value):  # torch's get/set_state_dict hand back the DTensors state_dict() made
@@ -362,8 +361,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"parameter {label}: field {name!r} has global shape {tuple(value.shape)}, "
                                      f"expected {expected}")
                 value = value.to_local()
-            if str(value.dtype).removeprefix("torch.") != spec.dtype:
-                raise TypeError(f"parameter {label}: field {name!r} has dtype {value.dtype}, expected {spec.dtype}")
+            if problem := spec.check_dtype(value.dtype):
+                raise TypeError(f"parameter {label}: field {name!r} has {problem}")
             if tuple(value.shape) != want:
                 raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
             if name == "m_code" and self.codebook_size < 256 and value.numel() and int(value.max()) >= self.codebook_size:
@@ -402,20 +401,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{name} must be sorted ascending")
         device = self.param_groups[0]["params"][0].device if self.param_groups else codebook.device
         return codebook.detach().to(device=device, copy=True)
-
-
-def _local_shape(geometry: str, local: torch.Size, shape: tuple[int, ...], period: int) -> tuple[int, ...]:
-    """Shape of a field on this rank: its global shape (``field_global_shape``) with this rank's
-    rows where the field follows the parameter's rows, and its columns where it follows the
-    parameter's columns (tensor parallelism's ``Shard(1)``)."""
-    if geometry == "param":
-        return tuple(local)
-    global_shape_ = field_global_shape(geometry, shape, period)
-    if geometry in ("block", "row"):
-        return (local[0] if len(local) else 1, *global_shape_[1:])
-    if geometry == "col" and len(local) > 1:
-        return (math.prod(local[1:]),)
-    return global_shape_
 
 
 def _add_global_state(optimizer: CompressedOptimizer, state_dict: dict) -> dict:

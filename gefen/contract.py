@@ -75,6 +75,51 @@ class FieldSpec:
     def row_sharded(self) -> bool:
         return GEOMETRIES[self.geometry]
 
+    def check(self, shape: tuple[int, ...], value_shape, value_dtype, param_dtype=None) -> str | None:
+        """Why a value (global shape, dtype) cannot be this field of a parameter of global ``shape``
+        and ``param_dtype``; None when it can. The one answer for every reader and loader: each
+        only chooses the exception."""
+        return self.check_dtype(value_dtype, param_dtype) or self.check_shape(shape, value_shape)
+
+    def check_dtype(self, dtype, param_dtype=None) -> str | None:
+        """Torch dtypes or their names; ``param_dtype`` None: any floating dtype is like the parameter's."""
+        got = _dtype_name(dtype)
+        if self.dtype != LIKE_PARAM:
+            want = self.dtype
+        elif param_dtype is not None:
+            want = _dtype_name(param_dtype)
+        else:
+            want = got if got.startswith(("float", "bfloat")) else "a floating dtype"
+        return None if got == want else f"dtype {got}, expected {want}"
+
+    def check_shape(self, shape: tuple[int, ...], value_shape) -> str | None:
+        shape, value_shape = tuple(shape), tuple(value_shape)
+        rows, row_numel = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+        ok = {"scalar": value_shape == (), "param": value_shape == shape, "row": value_shape == (rows,),
+              "col": value_shape == (row_numel,), "global": True,  # optimizer-wide: any shape
+              "block": len(value_shape) == 2 and value_shape[0] == rows and value_shape[1] > 0
+              and row_numel % value_shape[1] == 0}[self.geometry]
+        return None if ok else f"shape {list(value_shape)} is not a valid {self.geometry} shape for {list(shape)}"
+
+    def local_shape(self, local: tuple[int, ...], shape: tuple[int, ...], period: int) -> tuple[int, ...]:
+        """Shape of the field on a rank holding ``local`` of a parameter of global ``shape``: the
+        global shape with this rank's rows where the field follows the parameter's rows, and its
+        columns where it follows the parameter's columns (tensor parallelism's ``Shard(1)``)."""
+        from gefen.geometry import field_global_shape
+
+        if self.geometry == "param":
+            return tuple(local)
+        global_shape = field_global_shape(self.geometry, shape, period)
+        if self.geometry in ("block", "row"):
+            return (local[0] if len(local) else 1, *global_shape[1:])
+        if self.geometry == "col" and len(local) > 1:
+            return (math.prod(local[1:]),)
+        return global_shape
+
+
+def _dtype_name(dtype) -> str:  # torch.float32 or "float32" -> "float32" (no torch import here)
+    return str(dtype).removeprefix("torch.")
+
 
 @dataclass(frozen=True)
 class OptimizerContract:
@@ -100,6 +145,10 @@ class OptimizerContract:
             if child_name == name:
                 return contract
         raise KeyError(f"{self.implementation} has no child optimizer {name!r}")
+
+    def leaf(self, child: str | None) -> OptimizerContract:
+        """The contract of the optimizer that owns a parameter: ``child``'s, or this one (None)."""
+        return self if child is None else self.child(child)
 
     def to_dict(self) -> dict:
         """Plain dict of str/int/list only (msgpack- and JSON-able)."""
@@ -133,23 +182,6 @@ class OptimizerContract:
 
 def _field_to_dict(f: FieldSpec) -> dict:
     return {"name": f.name, "dtype": f.dtype, "geometry": f.geometry, "optional": f.optional}
-
-
-def expected_field_shape(geometry: str, shape: tuple[int, ...], value_shape: tuple[int, ...]) -> bool:
-    """Is ``value_shape`` a valid global shape for a field of ``geometry`` on a param of ``shape``?"""
-    rows = shape[0] if shape else 1
-    row_numel = math.prod(shape[1:]) if shape else 1
-    if geometry == "scalar":
-        return value_shape == ()
-    if geometry == "param":
-        return value_shape == tuple(shape)
-    if geometry == "block":
-        return len(value_shape) == 2 and value_shape[0] == rows and value_shape[1] > 0 and row_numel % value_shape[1] == 0
-    if geometry == "row":
-        return value_shape == (rows,)
-    if geometry == "col":
-        return value_shape == (row_numel,)
-    return True  # global: any shape
 
 
 _ADAM_FIELDS = (

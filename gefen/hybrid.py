@@ -22,7 +22,7 @@ from gefen.base import apply_load_pre_hooks, local_tensor
 from gefen.compile import eager_step
 from gefen.contract import (
     CONTRACT_KEY,
-    LIKE_PARAM,
+    FieldSpec,
     OptimizerContract,
     contract_of,
     join_composite,
@@ -336,16 +336,15 @@ def _check_plain_state_dict(opt: torch.optim.Optimizer, sd) -> None:
             raise ValueError(f"state of parameter {label} has fields {got}, but {contract.implementation} keeps "
                              f"{sorted(required)} (+ optional {sorted(set(fields) - required)}); another optimizer's?")
         for name, value in entry.items():
-            _check_plain_field(label, name, value, fields[name].dtype, fields[name].geometry, group["params"][i])
+            _check_plain_field(label, name, value, fields[name], group["params"][i])
 
 
-def _check_plain_field(label: str, name: str, value, dtype: str, geometry: str, param: torch.Tensor) -> None:
+def _check_plain_field(label: str, name: str, value, spec: FieldSpec, param: torch.Tensor) -> None:
     """torch optimizers' fields are per-parameter tensors or scalars (``param``/``scalar`` geometry)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"parameter {label}: field {name!r} is a {type(value).__name__}, not a tensor")
-    ok_dtype = value.is_floating_point() if dtype == LIKE_PARAM else str(value.dtype).removeprefix("torch.") == dtype
-    if not ok_dtype:
-        raise TypeError(f"parameter {label}: field {name!r} has dtype {value.dtype}, expected {dtype}")
-    want = () if geometry == "scalar" else tuple(local_tensor(param).shape)
+    if problem := spec.check_dtype(value.dtype):
+        raise TypeError(f"parameter {label}: field {name!r} has {problem}")
+    want = spec.local_shape(local_tensor(param).shape, tuple(param.shape), 1)
     if tuple(local_tensor(value).shape) != want:  # a torch optimizer keeps DTensor state for DTensor params
         raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")

@@ -22,6 +22,7 @@ _LAZY = {
     **dict.fromkeys(("VerifyReport", "verify"), "gefen_ckpt.format.verify"),
     **dict.fromkeys(("CanonicalState", "EagerSource", "ParamState", "TensorSource"), "gefen_ckpt.canonical"),
     **dict.fromkeys(("export_canonical", "import_canonical"), "gefen_ckpt.exchange"),
+    **dict.fromkeys(("open", "detect_format", "convert_checkpoint"), "gefen_ckpt.formats"),
     "convert_state": "gefen_ckpt.convert",
     "name_state_dict": "gefen_ckpt.names",
 }
@@ -34,6 +35,9 @@ __all__ = [
     "export_canonical",
     "import_canonical",
     "convert_state",
+    "open",
+    "detect_format",
+    "convert_checkpoint",
     "name_state_dict",
     "save",
     "load",

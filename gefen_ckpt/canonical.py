@@ -35,15 +35,7 @@ class EagerSource:
     """A tensor already in memory (it is not copied: a live optimizer's tensor stays live)."""
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
+        self.tensor, self.shape, self.dtype = tensor, tuple(tensor.shape), tensor.dtype
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         if self.tensor.dim() == 0 or (start == 0 and stop in (None, self.tensor.shape[0])):
@@ -64,15 +56,8 @@ class LocalPart:
     """
 
     def __init__(self, tensor: torch.Tensor, row_start: int, shape: tuple[int, ...], writer: bool):
-        self.tensor, self.row_start, self._shape, self.writer = tensor, row_start, tuple(shape), writer
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
+        self.tensor, self.row_start, self.shape, self.writer = tensor, row_start, tuple(shape), writer
+        self.dtype = tensor.dtype
 
     @property
     def row_stop(self) -> int:
@@ -81,7 +66,7 @@ class LocalPart:
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         if self.tensor.dim() == 0:
             return self.tensor
-        stop = self._shape[0] if stop is None else stop
+        stop = self.shape[0] if stop is None else stop
         if start < self.row_start or stop > self.row_stop:
             from gefen_ckpt.errors import CheckpointError
 
@@ -95,10 +80,6 @@ class LocalPart:
 
     def __repr__(self) -> str:
         return f"LocalPart(rows={self.row_start}:{self.row_stop}, shape={self.shape}, dtype={self.dtype})"
-
-
-def as_source(value) -> TensorSource:
-    return value if isinstance(value, TensorSource) and not isinstance(value, torch.Tensor) else EagerSource(value)
 
 
 def nbytes(source: TensorSource) -> int:

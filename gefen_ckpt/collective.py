@@ -1,10 +1,11 @@
 """Small collectives that keep ranks in step: agreeing on failure and moving bytes.
 
-Every collective save/load/transport path stages its work, then calls ``agree``: if any rank
-failed, every rank raises (the failing rank its own error, the others a ``CheckpointError``
-naming the failed ranks) before anything is published, so no rank hangs and no rank's
-optimizer or checkpoint changes alone. Bytes move as uint8 tensors (msgpack payloads), so no
-pickle crosses ranks.
+Every collective save/load/transport/DCP path stages its work, then calls ``agree`` (or
+``exchange``, which also all-gathers a payload): if any rank failed, every rank raises (the
+failing rank its own error, the others a ``CheckpointError`` naming every failed rank and
+carrying its error) before anything is published, so no rank hangs and no rank's optimizer or checkpoint
+changes alone. This is the one agreement protocol of the package. Bytes move as uint8 tensors
+(msgpack payloads), so no pickle crosses ranks.
 
 Every collective first checks in (``checkin``) through the process group's store with a
 timeout (``DEFAULT_TIMEOUT``, or ``deadline(seconds)`` around a call): a rank that stalls or
@@ -22,9 +23,11 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import msgpack
 import torch
 
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
+from gefen_ckpt.format.dtypes import plain
 
 #: Seconds a rank waits for the others at each collective step of a save or load (the skew
 #: between ranks, not the length of the save): well under the backends' 30 minutes.
@@ -33,17 +36,22 @@ _local = threading.local()
 _sequence: dict[tuple, int] = {}
 
 
-def active() -> bool:
-    """True under an initialised process group of more than one rank."""
+def active(group=None) -> bool:
+    """True under an initialised process group (``group``: default the world) of more than one rank."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _device() -> torch.device:
+def device(group=None) -> torch.device:
+    """Where this rank's collective tensors live: the current GPU under NCCL alone, else the CPU
+    (gloo, and a mixed ``cpu:gloo,cuda:nccl`` backend, take CPU tensors); the CPU with no group."""
+    if not active(group):
+        return torch.device("cpu")
     import torch.distributed as dist
 
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    nccl = str(dist.get_backend(group)).lower() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def current_timeout() -> float:
@@ -100,40 +108,73 @@ def checkin(what: str, group=None) -> None:
                                      f"({timeout:g} s); nothing was changed")
 
 
-def agree(error: BaseException | None, what: str) -> None:
-    """Raise on every rank if ``error`` is set on any rank (no-op without a process group)."""
-    if not active():
-        if error is not None:
-            raise error
-        return
-    import torch.distributed as dist
+def pack(obj) -> bytes:
+    """``obj`` as msgpack (what crosses ranks; never pickle), values made ``plain`` (unknown ones
+    as their ``str``)."""
+    return msgpack.packb(obj, use_bin_type=True, default=plain)
 
-    checkin(what)
-    flags = [torch.zeros(1, dtype=torch.int32, device=_device()) for _ in range(dist.get_world_size())]
-    dist.all_gather(flags, torch.tensor([int(error is not None)], dtype=torch.int32, device=_device()))
-    failed = [r for r, f in enumerate(flags) if int(f)]
+
+def unpack(data: bytes):
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def exchange(payload: dict, error: BaseException | None, what: str, group=None) -> list[dict]:
+    """Every rank's ``payload`` (msgpack-able), in rank order; but first, if any rank of
+    ``group`` reports an ``error``, raise on every rank: the failing rank its own error, the
+    others a ``CheckpointError`` naming each failed rank (``_failure``). Without a process
+    group: ``[payload]``, or ``error`` raised."""
+    payload = dict(payload, error=None if error is None else describe_error(error))
+    try:
+        data = pack(payload)
+    except Exception as exc:  # an unpackable payload must not leave the other ranks waiting
+        error = error or exc
+        data = pack({"error": describe_error(exc)})
+    everyone = [unpack(b) for b in all_gather_bytes(data, what, group)]
     if error is not None:
         raise error
+    failed = {r: p["error"] for r, p in enumerate(everyone) if p.get("error") is not None}
     if failed:
-        raise CheckpointError(f"{what} failed on rank(s) {failed}; nothing was changed on this rank")
+        kinds = "; ".join(f"rank {r}: {e.split(':', 1)[0]}" for r, e in failed.items())
+        raise _failure(f"{what} failed on rank(s) {list(failed)} ({kinds}); nothing was changed on this rank", failed)
+    return everyone
 
 
-def all_gather_bytes(payload: bytes) -> list[bytes]:
-    """Every rank's ``payload``, in rank order, on every rank."""
-    if not active():
+def _failure(message: str, failed: dict[int, str]) -> CheckpointError:
+    """The error the ranks that did not fail raise: the message names each failed rank and its
+    error's type; ``rank_errors`` (and, on Python >= 3.11, the notes a traceback shows) hold each
+    one's full error, which can be long and is that rank's own to print."""
+    error = CheckpointError(message)
+    error.rank_errors = failed
+    for r, e in failed.items():
+        getattr(error, "add_note", lambda _: None)(f"rank {r}: {e}")
+    return error
+
+
+def agree(error: BaseException | None, what: str, group=None) -> None:
+    """Raise on every rank of ``group`` if ``error`` is set on any rank (``exchange`` of nothing)."""
+    exchange({}, error, what, group)
+
+
+def all_gather_bytes(payload: bytes, what: str = "exchanging checkpoint records", group=None) -> list[bytes]:
+    """Every rank's ``payload``, in rank order, on every rank of ``group``."""
+    if not active(group):
         return [payload]
     import torch.distributed as dist
 
-    checkin("exchanging checkpoint records")
-    dev, ws = _device(), dist.get_world_size()
+    checkin(what, group)
+    dev, ws = device(group), dist.get_world_size(group)
     size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(ws)]
-    dist.all_gather(sizes, size)
+    dist.all_gather(sizes, size, group=group)
     longest = max(int(s) for s in sizes)
     mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
     mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
     out = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(ws)]
-    dist.all_gather(out, mine)
+    dist.all_gather(out, mine, group=group)
     return [bytes(t[: int(s)].cpu().numpy()) for t, s in zip(out, sizes)]
 
 
@@ -144,7 +185,7 @@ def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
     import torch.distributed as dist
 
     checkin("sharing checkpoint metadata")
-    dev = _device()
+    dev = device()
     size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=dev)
     dist.broadcast(size, src)
     buf = torch.zeros(int(size), dtype=torch.uint8, device=dev)

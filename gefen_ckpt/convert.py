@@ -115,7 +115,7 @@ def dense_view(state: CanonicalState) -> tuple[list[dict], dict[str, Dense]]:
     groups, dense = [], {}
     for group in state.param_groups:
         child = group.get("child")
-        leaf = state.contract.child(child) if child else state.contract
+        leaf = state.contract.leaf(child)
         groups.append({"params": list(group["params"]), "child": child, **_carried(leaf.implementation, group)})
         books = _books(state.global_fields, child)
         for fqn in group["params"]:
@@ -392,7 +392,7 @@ def _report(source: str, target: str, before: dict[str, Dense], out: CanonicalSt
     """What the target will use against what the source held (plain data: it goes into manifests)."""
     first, second = [], []
     for fqn, entry in out.params.items():  # one parameter's dense view at a time
-        leaf = out.contract.child(entry.child) if entry.child else out.contract
+        leaf = out.contract.leaf(entry.child)
         after = _dense_param(leaf.implementation, fqn, entry, _books(out.global_fields, entry.child))
         first.append((fqn, _squares(after.exp_avg, before[fqn].exp_avg)))
         if after.exp_avg_sq is not None and before[fqn].exp_avg_sq is not None:

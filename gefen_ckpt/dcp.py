@@ -66,12 +66,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.stateful import Stateful
 
 from gefen.contract import (
-    LIKE_PARAM,
     SCHEMA_VERSION,
     FieldSpec,
     OptimizerContract,
     contract_of,
-    expected_field_shape,
 )
 from gefen.distributed import as_field_dtensor
 from gefen_ckpt import collective
@@ -86,12 +84,13 @@ from gefen_ckpt.errors import (
 from gefen_ckpt.exchange import (
     LiveParam,
     check_contract,
+    field_spec,
     live_view,
-    plain_value,
     stage_import,
 )
+from gefen_ckpt.format.dtypes import dtype_name, plain
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
-from gefen_ckpt.layout import local_rows
+from gefen_ckpt.layout import local_rows, rows_per_chunk, to_local
 from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_stock_keys, read_stock
 
 __all__ = [
@@ -225,10 +224,6 @@ def _meta_dict(contract: OptimizerContract, groups: list[dict], params: list[lis
     }
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 # ----- the live optimizer, seen through its contract ----------------------------------------
 @dataclasses.dataclass
 class _Live:
@@ -238,7 +233,7 @@ class _Live:
     global_fields: dict[str, torch.Tensor]
 
     def meta(self) -> dict:
-        params = [[fqn, list(lp.param.shape), _dtype_name(lp.param.dtype), lp.child, lp.state is not None]
+        params = [[fqn, list(lp.param.shape), dtype_name(lp.param.dtype), lp.child, lp.state is not None]
                   for fqn, lp in self.params.items()]
         return _meta_dict(self.contract, self.groups, params)
 
@@ -323,22 +318,6 @@ def _canonical(meta: dict, entries: Mapping[str, Any], *, what: str) -> Canonica
                           metadata={"source_format": "dcp"})
 
 
-# ----- fail-before-mutation import, agreed by every rank -------------------------------------
-def _failed_ranks(failed: bool, group) -> list[int]:
-    """Every rank learns which ranks failed (one all-reduce); [] or [0] without a process group."""
-    if group is False or not (dist.is_available() and dist.is_initialized()):
-        return [0] if failed else []
-    world = dist.get_world_size(group)
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    flags = torch.zeros(world, dtype=torch.int32, device=device)
-    flags[dist.get_rank(group)] = int(failed)
-    collective.checkin("loading the optimizer state (DCP)", group)  # a stalled rank is named, not waited on
-    dist.all_reduce(flags, group=group)
-    return [i for i, f in enumerate(flags.tolist()) if f]
-
-
 # ----- the Stateful ------------------------------------------------------------------------------
 class _GefenStateDict(dict):
     """The dict ``GefenDCPState.state_dict()`` returns; ``GefenLoadPlanner`` finds it by type.
@@ -415,7 +394,6 @@ class GefenDCPState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Import what ``dcp.load`` read into ``state_dict`` (fail before mutation, on all ranks)."""
-        group = False if self.no_dist else self.process_group
         error: BaseException | None = None
         publish = None
         try:
@@ -423,14 +401,12 @@ class GefenDCPState(Stateful):
             publish = stage_import(self.optimizer, state, self.model)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
             error = exc
-        with collective.deadline(self.timeout):
-            failed = _failed_ranks(error is not None, group)
-        if error is not None:
-            raise error
-        if failed:
-            raise CheckpointError(
-                f"loading the optimizer state failed on rank(s) {failed}; this rank's optimizer is unchanged"
-            )
+        if self.no_dist:
+            if error is not None:
+                raise error
+        else:
+            with collective.deadline(self.timeout):
+                collective.agree(error, "loading the optimizer state (DCP)", self.process_group)
         publish()
 
     def _to_canonical(self, state_dict: Mapping[str, Any]) -> CanonicalState:
@@ -577,8 +553,8 @@ def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.T
             raise CheckpointMismatchError(
                 f"optimizer-wide field {name!r} of the checkpoint is not part of {live.contract.implementation}'s state"
             ) from None
-        if _dtype_name(dtype) != spec.dtype:
-            raise CheckpointMismatchError(f"optimizer-wide field {name!r}: dtype {dtype}, expected {spec.dtype}")
+        if problem := spec.check_dtype(dtype):
+            raise CheckpointMismatchError(f"optimizer-wide field {name!r}: {problem}")
         return torch.empty(shape, dtype=dtype)
     split = _split_key(key)
     if split is None:
@@ -587,22 +563,10 @@ def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.T
     lp = live.params.get(fqn)
     if lp is None:
         raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
-    try:
-        spec = lp.contract.field(name)
-    except KeyError:
-        raise CheckpointMismatchError(
-            f"{fqn}: field {name!r} of the checkpoint is not part of {lp.contract.implementation}'s state"
-        ) from None
-    param = lp.param
-    want = param.dtype if spec.dtype == LIKE_PARAM else getattr(torch, spec.dtype)
-    if dtype != want:
-        raise CheckpointMismatchError(f"{fqn}/{name}: checkpoint dtype {dtype}, expected {want}")
-    if not expected_field_shape(spec.geometry, tuple(param.shape), shape):
-        raise CheckpointMismatchError(
-            f"{fqn}/{name}: checkpoint shape {shape} is not a valid {spec.geometry} shape for the live "
-            f"parameter's {tuple(param.shape)}"
-        )
-    local_param = param.to_local() if _is_dtensor(param) else param
+    spec, param = field_spec(lp.contract, fqn, name), lp.param
+    if problem := spec.check(param.shape, shape, dtype, param.dtype):
+        raise CheckpointMismatchError(f"{fqn}/{name}: checkpoint {problem}")
+    local_param = to_local(param)
     device = torch.device("cpu") if spec.geometry == "scalar" else local_param.device
     if spec.row_sharded and _is_dtensor(param) and shape:
         start, stop = local_rows(param, fqn)
@@ -767,21 +731,13 @@ class DCPSource:
     def __init__(self, reader: _DCPReader, key: str):
         self._reader, self.key = reader, key
         md = reader.metadata.state_dict_metadata[key]
-        self._shape, self._dtype = tuple(md.size), md.properties.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
+        self.shape, self.dtype = tuple(md.size), md.properties.dtype
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         return self._reader.read(self.key, start, stop)
 
     def __repr__(self) -> str:
-        return f"DCPSource({self.key!r}, shape={self._shape}, dtype={self._dtype})"
+        return f"DCPSource({self.key!r}, shape={self.shape}, dtype={self.dtype})"
 
 
 def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
@@ -842,17 +798,9 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
 
 
 def _check_stored_field(contract: OptimizerContract, fqn: str, entry: ParamState, name: str, src) -> None:
-    leaf = contract.child(entry.child) if entry.child else contract
-    try:
-        spec = leaf.field(name)
-    except KeyError:
-        raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {leaf.implementation}") from None
-    want = entry.dtype if spec.dtype == LIKE_PARAM else getattr(torch, spec.dtype)
-    if src.dtype != want:
-        raise CheckpointFormatError(f"{fqn}/{name}: stored dtype {src.dtype}, expected {want}")
-    if not expected_field_shape(spec.geometry, tuple(entry.shape), tuple(src.shape)):
-        raise CheckpointFormatError(f"{fqn}/{name}: stored shape {tuple(src.shape)} is not a valid "
-                                    f"{spec.geometry} shape for {tuple(entry.shape)}")
+    if problem := field_spec(contract.leaf(entry.child), fqn, name).check(entry.shape, src.shape, src.dtype,
+                                                                          entry.dtype):
+        raise CheckpointFormatError(f"{fqn}/{name}: stored {problem}")
 
 
 class _CanonicalSavePlanner(SavePlanner):
@@ -869,9 +817,9 @@ class _CanonicalSavePlanner(SavePlanner):
         params = []
         for fqn in state.fqns():
             e = shapes.get(fqn)
-            params.append([fqn, None if e is None else list(e.shape), None if e is None else _dtype_name(e.dtype),
+            params.append([fqn, None if e is None else list(e.shape), None if e is None else dtype_name(e.dtype),
                            childs.get(fqn), e is not None])
-        meta = _meta_dict(state.contract, [_plain_group(g) for g in state.param_groups], params)
+        meta = _meta_dict(state.contract, plain(state.param_groups, "param_groups"), params)
         meta_tensor = _encode_meta(meta)
         self.sources: dict[str, TensorSource] = {prefix + META_KEY: EagerSource(meta_tensor)}
         for k in sorted(state.global_fields):
@@ -895,8 +843,7 @@ class _CanonicalSavePlanner(SavePlanner):
                 items.append(WriteItem(MetadataIndex(key, ()), WriteItemType.TENSOR, tensor_data=TensorWriteData(
                     ChunkStorageMetadata(torch.Size(()), torch.Size(())), props, size)))
                 continue
-            row_bytes = max(1, math.prod(shape[1:]) * src.dtype.itemsize)
-            step = max(1, self.chunk_bytes // row_bytes)
+            step = rows_per_chunk(shape, src.dtype.itemsize, self.chunk_bytes)
             starts = list(range(0, shape[0], step)) or [0]
             kind = WriteItemType.TENSOR if len(starts) == 1 else WriteItemType.SHARD
             for start in starts:
@@ -927,10 +874,6 @@ class _CanonicalSavePlanner(SavePlanner):
             return src.read().detach().reshape(())
         start = chunk.offsets[0]
         return src.read(start, start + chunk.sizes[0]).detach().contiguous()
-
-
-def _plain_group(group: dict) -> dict:
-    return {k: (list(v) if k == "params" else plain_value(v)) for k, v in group.items()}
 
 
 def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "optim",

@@ -18,11 +18,10 @@ import torch
 
 from gefen.contract import (
     GLOBAL_STATE_KEY,
-    LIKE_PARAM,
     SCHEMA_VERSION,
+    FieldSpec,
     OptimizerContract,
     contract_of,
-    expected_field_shape,
     join_composite,
 )
 from gefen.distributed import as_field_dtensor
@@ -31,6 +30,7 @@ from gefen_ckpt import layout
 from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState
 from gefen_ckpt.collective import agree
 from gefen_ckpt.errors import CheckpointMismatchError
+from gefen_ckpt.format.dtypes import plain
 from gefen_ckpt.format.manifest import missing_fields
 
 
@@ -63,15 +63,6 @@ def leaves(optimizer, contract: OptimizerContract, child: str | None = None):
         raise TypeError(f"{contract.implementation} declares children but has no `children` dict")
     for name, child_contract in contract.children:
         yield from leaves(children[name], child_contract, name)
-
-
-def plain_value(value):
-    """Hyperparameter values as msgpack-able plain data (tensors -> numbers, tuples -> lists)."""
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    if isinstance(value, (tuple, list)):
-        return [plain_value(v) for v in value]
-    return value
 
 
 def _global_key(child: str | None, name: str) -> str:
@@ -114,7 +105,7 @@ def live_view(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = 
                 global_fields[_global_key(child, key)] = value
         for live, saved in zip(opt.param_groups, sd["param_groups"]):
             fqns = group_fqns(live, names, leaf.implementation)
-            group = {h: plain_value(saved[h]) for h in leaf.hyperparameters if h in saved}
+            group = {h: plain(saved[h], f"hyperparameter {h!r}") for h in leaf.hyperparameters if h in saved}
             group["params"] = fqns
             if child is not None:
                 group["child"] = child
@@ -157,8 +148,7 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
 
 def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.Tensor) -> LocalPart:
     """A field of this rank's state as a slice of the global field."""
-    if layout.is_dtensor(value):  # torch optimizers keep DTensor state for DTensor params
-        value = value.to_local()
+    value = layout.to_local(value)  # torch optimizers keep DTensor state for DTensor params
     if row_sharded and value.dim():
         start, _ = layout.local_rows(param, fqn)
         rows = param.shape[0] if param.dim() else 1
@@ -194,6 +184,14 @@ def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
             )
 
 
+def field_spec(contract: OptimizerContract, fqn: str, name: str) -> FieldSpec:
+    """``contract``'s field ``name`` (of parameter ``fqn``); a mismatch naming both if it has none."""
+    try:
+        return contract.field(name)
+    except KeyError:
+        raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {contract.implementation}") from None
+
+
 def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: OptimizerContract) -> None:
     missing = missing_fields(contract, entry.fields, entry.shape) if entry.fields else []
     if missing:
@@ -204,17 +202,8 @@ def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: Opt
             f"{fqn}: checkpoint shape {tuple(entry.shape)} differs from the live parameter's {tuple(param.shape)}"
         )
     for name, source in entry.fields.items():
-        try:
-            spec = contract.field(name)
-        except KeyError:
-            raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {contract.implementation}") from None
-        want_dtype = param.dtype if spec.dtype == LIKE_PARAM else getattr(torch, spec.dtype)
-        if source.dtype != want_dtype:
-            raise CheckpointMismatchError(f"{fqn}/{name}: dtype {source.dtype}, expected {want_dtype}")
-        if not expected_field_shape(spec.geometry, entry.shape, tuple(source.shape)):
-            raise CheckpointMismatchError(
-                f"{fqn}/{name}: shape {tuple(source.shape)} is not a valid {spec.geometry} shape for {entry.shape}"
-            )
+        if problem := field_spec(contract, fqn, name).check(entry.shape, source.shape, source.dtype, param.dtype):
+            raise CheckpointMismatchError(f"{fqn}/{name}: {problem}")
 
 
 def _check_groups(opt, leaf: OptimizerContract, child: str | None, state: CanonicalState,

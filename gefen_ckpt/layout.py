@@ -7,6 +7,8 @@ rank one contiguous range of global rows; that range is all the checkpoint code 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gefen_ckpt.errors import UnsupportedLayoutError
@@ -14,6 +16,11 @@ from gefen_ckpt.errors import UnsupportedLayoutError
 
 def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "placements") and hasattr(t, "device_mesh")
+
+
+def to_local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; any other tensor as it is."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
@@ -36,6 +43,21 @@ def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
         return 0, 1
     local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return offset[0], offset[0] + local_shape[0]
+
+
+def chunk_rows(rows: int, parts: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows ``[start, stop)`` when ``torch.chunk`` (and so FSDP2 ``Shard(0)``) splits
+    ``rows`` over ``parts`` ranks: ``ceil(rows/parts)`` each, trailing ranks possibly short or empty."""
+    if parts < 1 or rows < 0:
+        raise ValueError(f"cannot split {rows} rows over {parts} parts")
+    size = -(-rows // parts)
+    start = min(rank * size, rows)
+    return start, min(start + size, rows)
+
+
+def rows_per_chunk(shape: tuple[int, ...], itemsize: int, budget: int) -> int:
+    """Whole rows of a tensor of ``shape`` that fit in ``budget`` bytes (at least one)."""
+    return max(1, budget // max(1, math.prod(shape[1:]) * itemsize))
 
 
 def rank() -> int:

@@ -1,10 +1,9 @@
-"""The optional C library ``gefen_ckpt._crc32`` (``gefen_ckpt/csrc/crc32.c``), loaded with ctypes.
+"""The optional C library ``gefen_ckpt._native`` (``csrc/``: the fast CRC-32, and the I/O loops that
+must run without the GIL), loaded with ctypes: the one module that calls it.
 
-It holds the fast CRC-32 and the I/O loops that must run without the GIL: hashed reads and
-writes of whole files, and an fsync and a read-ahead (prefetch) on threads of their own.
-``lib`` is None when the library is not built, the CPU lacks the carry-less multiply, or it
-does not reproduce ``zlib.crc32`` on a self-check; every caller then has a plain-Python path
-with the same results.
+``lib`` is None when the library is not built, the CPU lacks the carry-less multiply, or it does
+not reproduce ``zlib.crc32`` on a self-check; ``crc32`` then uses zlib (same values), and ``io``
+is False, so the callers of the I/O loops take their Python paths.
 """
 
 from __future__ import annotations
@@ -29,11 +28,13 @@ _SIGNATURES = {  # name -> (argument types, result type)
     "gefen_prefetch_stop": ([_P], None),
     "gefen_prefetch_free": ([_P], None),
 }
+#: Below this many bytes the ctypes call costs more than zlib's slower loop.
+NATIVE_MIN_BYTES = 4096
 
 
 def _load():
     try:
-        spec = importlib.util.find_spec("gefen_ckpt._crc32")
+        spec = importlib.util.find_spec("gefen_ckpt._native")
         if spec is None or not spec.origin:
             return None
         lib = ctypes.CDLL(spec.origin)
@@ -53,5 +54,104 @@ def _load():
 
 
 lib = _load()
-#: The C I/O loops are POSIX-only.
+#: The C I/O loops (``read_hashed`` ... ``prefetch_start``) are usable: the library, on POSIX.
 io = lib is not None and os.name == "posix"
+
+
+def _check(rc: int) -> None:
+    if rc < 0:
+        raise OSError(-rc, os.strerror(-rc))
+
+
+def accelerated() -> bool:
+    return lib is not None
+
+
+def crc32(value: int, data) -> int:
+    """``zlib.crc32(data, value)``: extend a running checksum (start from 0) with ``data`` (any
+    contiguous buffer)."""
+    if lib is None:
+        return zlib.crc32(data, value)
+    view = np.frombuffer(data, dtype=np.uint8)
+    if view.nbytes < NATIVE_MIN_BYTES:
+        return zlib.crc32(view, value)
+    return lib.gefen_crc32(value, view.ctypes.data, view.nbytes)
+
+
+def crc32_ranges(data: np.ndarray, offsets: list[int], sizes: list[int]) -> list[int]:
+    """The checksum of each range ``[offsets[i], offsets[i] + sizes[i])`` of the uint8 array
+    ``data`` (ranges must lie inside it), in one C call when accelerated."""
+    if lib is None:
+        return [crc32(0, data[o:o + n]) for o, n in zip(offsets, sizes)]
+    addresses = np.asarray(offsets, np.uint64) + np.uint64(data.ctypes.data)
+    sizes_ = np.asarray(sizes, np.int64)
+    crcs = np.zeros(len(sizes_), np.uint32)
+    lib.gefen_crc32_many(len(sizes_), addresses.ctypes.data, sizes_.ctypes.data, crcs.ctypes.data)
+    return crcs.tolist()
+
+
+def read_hashed(fd: int, offsets: list[int], sizes: list[int], addresses: list[int],
+                chunk: int) -> tuple[list[int], list[int]]:
+    """Read ``sizes[i]`` bytes at ``offsets[i]`` of ``fd`` into memory at ``addresses[i]`` and
+    checksum them in the same pass (one C call, GIL released). Returns (bytes read, checksum)
+    lists; fewer bytes only at end of file; ``OSError`` on a failed read."""
+    n = len(offsets)
+    arrays = [np.asarray(offsets, np.int64), np.asarray(sizes, np.int64), np.asarray(addresses, np.uint64)]
+    got, crcs = np.zeros(n, np.int64), np.zeros(n, np.uint32)
+    _check(lib.gefen_read_hashed(fd, n, *(a.ctypes.data for a in arrays), chunk, got.ctypes.data, crcs.ctypes.data))
+    return got.tolist(), crcs.tolist()
+
+
+def write_hashed(fd: int, spans: list[tuple[int, int]], chunk: int, writeback_every: int,
+                 progress: list[int]) -> list[int]:
+    """Append the memory at each ``(address, size)`` to ``fd`` and return the checksum of each, in
+    one C call (GIL released). ``progress`` is ``[bytes written, bytes handed to writeback]`` of
+    the file so far, updated in place (also when a write fails: ``OSError``)."""
+    n = len(spans)
+    table = np.asarray(spans, np.int64).reshape(n, 2)
+    addresses, sizes = np.ascontiguousarray(table[:, 0]), np.ascontiguousarray(table[:, 1])
+    state = np.asarray(progress, np.int64)
+    crcs = np.zeros(n, np.uint32)
+    rc = lib.gefen_write_hashed(fd, n, addresses.ctypes.data, sizes.ctypes.data, chunk, writeback_every,
+                                state.ctypes.data, crcs.ctypes.data)
+    progress[:] = state.tolist()
+    _check(rc)
+    return crcs.tolist()
+
+
+def fsync_start(path: str):
+    """Start fsync'ing ``path`` on a C thread; returns a waiter that joins it (``OSError`` if the
+    fsync failed), or None when no thread could be started."""
+    handle = lib.gefen_fsync_start(os.fsencode(path))
+    if handle is None:
+        return None
+
+    def wait() -> None:
+        error = lib.gefen_fsync_wait(handle)
+        if error:
+            raise OSError(error, os.strerror(error), path)
+
+    return wait
+
+
+def prefetch_start(files: list[tuple[str, int]], chunk: int, lead: int):
+    """A C thread reading ``files`` ((path, size), in order) into the page cache, at most ``lead``
+    bytes ahead of the furthest position waited for; its handle, or None if none could start."""
+    paths = (ctypes.c_char_p * len(files))(*(os.fsencode(path) for path, _ in files))
+    sizes = (ctypes.c_int64 * len(files))(*(size for _, size in files))
+    return lib.gefen_prefetch_start(len(files), paths, sizes, chunk, lead) or None
+
+
+def prefetch_wait(handle, position: int) -> int:
+    """Block until ``position`` (files end to end) is cached or the prefetch ended; bytes cached."""
+    return lib.gefen_prefetch_wait(handle, position)
+
+
+def prefetch_stop(handle) -> None:
+    lib.gefen_prefetch_stop(handle)
+
+
+def prefetch_free(handle, owner: int) -> None:
+    """Stop, join and free a prefetch; in a forked child (which has no such thread) nothing."""
+    if os.getpid() == owner:
+        lib.gefen_prefetch_free(handle)

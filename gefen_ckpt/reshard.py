@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gefen_ckpt.canonical import CanonicalState, nbytes
-from gefen_ckpt.format.writer import chunk_rows
+from gefen_ckpt.layout import chunk_rows
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def plan(state: CanonicalState, shards: int) -> list[RankPlan]:
     replicated = sum(nbytes(src) for src in state.global_fields.values())
     per_rank = [[0, 0] for _ in range(shards)]
     for entry in state.params.values():
-        leaf = state.contract.child(entry.child) if entry.child else state.contract
+        leaf = state.contract.leaf(entry.child)
         for name, src in entry.fields.items():
             size = nbytes(src)
             if not leaf.field(name).row_sharded or not src.shape:

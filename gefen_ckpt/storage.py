@@ -1,10 +1,7 @@
 """The one place that touches files: a thin layer over fsspec (docs/design.md 7).
 
-A ``Store`` is one checkpoint directory on any fsspec filesystem. Local filesystems take a
-direct path (``os.pwrite``/``os.preadv``, ``fsync``, an atomic ``os.replace``) because that
-is what reaches disk speed and what makes a rename durable; every other filesystem
-(``memory://``, ``s3://``, ...) gets whole-object writes, which object stores publish
-atomically on close, and range reads.
+A ``Store`` is one checkpoint directory on any fsspec filesystem; a ``LocalStore`` (direct system
+calls) is one on a local disk.
 """
 
 from __future__ import annotations
@@ -15,14 +12,13 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
 from gefen_ckpt import native
 from gefen_ckpt.errors import CheckpointError, CheckpointStorageError
-from gefen_ckpt.format import checksum
 
 WRITE_BUFFER = 2**20
 WRITE_CHUNK = 2 * 2**20
@@ -31,186 +27,6 @@ READ_CHUNK = 2**20
 #: How far ``Prefetch`` may run ahead of its reader (page cache, not this process's memory).
 PREFETCH_LEAD = 256 * 2**20
 PREFETCH_CHUNK = 2 * 2**20
-
-
-class Store:
-    """A checkpoint directory: create, read ranges of, list, publish and delete its files.
-
-    ``storage_options`` go to the fsspec filesystem (e.g. ``endpoint_url``, ``key``/``secret``,
-    ``config_kwargs={"connect_timeout": 5, "read_timeout": 30}`` for s3fs). Failures of the
-    storage itself (disk full, unreachable endpoint, missing credentials) are raised as
-    ``CheckpointStorageError`` naming the path; a missing file stays ``FileNotFoundError``.
-    """
-
-    def __init__(self, url: str, storage_options: dict | None = None):
-        self.url = str(url)
-        try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
-        except Exception as exc:  # unknown protocol, missing backend package, bad options
-            raise CheckpointStorageError(f"{self.url}: {_describe(exc)}") from exc
-        self.root = self.root.rstrip("/") or "/"
-        self.local = isinstance(self.fs, LocalFileSystem)
-
-    @contextmanager
-    def io(self, name: str | None = None) -> Iterator[None]:
-        """Storage failures inside the block -- an ``OSError``, or on other filesystems an
-        exception of the backend's own (botocore's, aiohttp's) -- become ``CheckpointStorageError``
-        naming the path. ``FileNotFoundError``, ``FileExistsError``, ``CheckpointError`` and
-        builtin exceptions of the caller's own code pass through."""
-        try:
-            yield
-        except (FileNotFoundError, FileExistsError, NotADirectoryError, CheckpointError):
-            raise
-        except Exception as exc:
-            if not isinstance(exc, OSError) and (self.local or type(exc).__module__ == "builtins"):
-                raise
-            where = self.path(name) if name else self.url
-            error = CheckpointStorageError(f"{where}: {_describe(exc)}")
-            error.errno = getattr(exc, "errno", None)  # e.g. ENOSPC, for callers that act on it
-            raise error from exc
-
-    def path(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
-    def makedirs(self) -> None:
-        require_bucket(self.fs, self.root)
-        self.fs.makedirs(self.root, exist_ok=True)
-
-    def listing(self) -> dict[str, int]:
-        """name -> size of every plain file directly in the directory ({} if it does not exist)."""
-        if self.local:
-            try:
-                with self.io(), os.scandir(self.root) as it:
-                    return {e.name: size for e in it if (size := _size(e)) is not None}
-            except (FileNotFoundError, NotADirectoryError):
-                return {}
-        try:
-            with self.io():
-                self.fs.invalidate_cache(self.root)
-                entries = self.fs.ls(self.root, detail=True)
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
-        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
-                for e in entries if e.get("type") == "file"}
-
-    def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
-        """Bytes ``[start, end)`` of a file (to its end when ``end`` is None)."""
-        with self.io(name):
-            if self.local:
-                with open(self.path(name), "rb") as f:
-                    f.seek(start)
-                    return f.read(-1 if end is None else end - start)
-            return self.fs.cat_file(self.path(name), start=start, end=end)
-
-    def prefetch(self, files: dict[str, int]) -> Prefetch | None:
-        """Start reading local files (name -> size), in order, into the page cache for a reader
-        that calls ``Prefetch.wait`` with ``self.path(name)``; None on other filesystems."""
-        if not self.local or not hasattr(os, "sendfile"):
-            return None
-        return Prefetch([(self.path(name), size) for name, size in files.items()])
-
-    @contextmanager
-    def reader(self, name: str) -> Iterator[RangeReader]:
-        with self.io(name):
-            handle = LocalReader(self.path(name)) if self.local else RemoteReader(self.fs, self.path(name))
-        try:
-            with self.io(name):
-                yield handle
-        finally:
-            handle.close()
-
-    @contextmanager
-    def create(self, name: str, durable: bool = True) -> Iterator[Writer]:
-        """A new file, complete (and with ``durable``, fsync'd) when the block exits without
-        error; without it, call ``durable_soon`` (and wait) before anything may depend on the file.
-
-        On error the partial file is removed where possible; on a crash it is garbage that no
-        manifest references.
-        """
-        with self.io(name):
-            writer = LocalWriter(self.path(name)) if self.local else RemoteWriter(self.fs, self.path(name))
-        try:
-            with self.io(name):
-                yield writer
-                writer.close(durable)  # may raise too
-        except BaseException:
-            writer.abort()
-            raise
-
-    def durable_soon(self, name: str) -> Callable[[], None]:
-        """Start making ``name`` (created with ``durable=False``) durable; the returned callable
-        waits for it and raises ``OSError`` if it failed. Locally the fsync runs on a C thread
-        (``gefen_ckpt.native``): a Python thread would need the GIL between its system calls,
-        which the caller holds while it builds the manifest (docs/decisions.md). Object stores:
-        an object is complete on close, nothing to wait for."""
-        if not self.local:
-            return lambda: None
-        path = self.path(name)
-        handle = native.lib.gefen_fsync_start(os.fsencode(path)) if native.io else None
-        if handle is None:
-            return _fsync_in_thread(path)
-
-        def wait() -> None:
-            error = native.lib.gefen_fsync_wait(handle)
-            if error:
-                raise OSError(error, os.strerror(error), path)
-
-        return wait
-
-    def sync(self) -> None:
-        """Make the directory's entries durable (local only; object stores have no directories)."""
-        if self.local:
-            fd = os.open(self.root, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def publish(self, name: str, data: bytes, temp_name: str) -> None:
-        """Replace ``name`` with ``data`` atomically and durably: readers see the old file or the
-        new one. Locally the directory is synced before the rename too, so the entries of every
-        file written before (data files) are durable before the new file can name them."""
-        if not self.local:
-            with self.io(name):
-                self.fs.pipe_file(self.path(name), data)  # an object PUT is atomic
-            return
-        with self.create(temp_name) as w:
-            w.write(data)
-        try:
-            with self.io(name):
-                self.sync()
-                os.replace(self.path(temp_name), self.path(name))
-        except BaseException:
-            self.remove(temp_name)
-            raise
-        with self.io(name):
-            self.sync()
-
-    def create_exclusive(self, name: str, data: bytes) -> None:
-        """Create ``name`` holding ``data``, or raise ``FileExistsError`` if it exists. Atomic
-        locally (``O_EXCL``) and on object stores whose fsspec backend implements
-        ``pipe_file(mode="create")`` as a conditional write (s3fs: ``If-None-Match``); elsewhere
-        fsspec checks, then writes (docs/format.md: writer lock)."""
-        with self.io(name):
-            if not self.local:
-                self.fs.pipe_file(self.path(name), data, mode="create")
-                return
-            fd = os.open(self.path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def remove(self, name: str) -> None:
-        try:
-            with self.io(name):
-                if self.local:
-                    os.unlink(self.path(name))
-                else:
-                    self.fs.rm_file(self.path(name))
-        except FileNotFoundError:
-            pass
 
 
 def _size(entry: os.DirEntry) -> int | None:
@@ -230,6 +46,14 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_in_thread(path: str) -> Callable[[], None]:
     """fsync ``path`` on a Python thread (without the C library); the returned callable joins it
     and re-raises its error."""
@@ -237,11 +61,7 @@ def _fsync_in_thread(path: str) -> Callable[[], None]:
 
     def run() -> None:
         try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(path)
         except OSError as exc:
             errors.append(exc)
 
@@ -254,19 +74,6 @@ def _fsync_in_thread(path: str) -> Callable[[], None]:
             raise errors[0]
 
     return wait
-
-
-def _native_prefetch(files: list[tuple[str, int]], lead: int):
-    """``gefen_prefetch_start`` of ``files``; None if it could not start a thread."""
-    paths = (ctypes.c_char_p * len(files))(*(os.fsencode(path) for path, _ in files))
-    sizes = (ctypes.c_int64 * len(files))(*(size for _, size in files))
-    return native.lib.gefen_prefetch_start(len(files), paths, sizes, PREFETCH_CHUNK, lead) or None
-
-
-def _free_native_prefetch(handle: int, owner: int) -> None:
-    """Stop, join and free a native prefetch; in a forked child (which has no such thread) nothing."""
-    if os.getpid() == owner:
-        native.lib.gefen_prefetch_free(handle)
 
 
 class Prefetch:
@@ -290,9 +97,9 @@ class Prefetch:
         self._cv = threading.Condition()
         self._cached = self._wanted = 0  # positions in the files laid end to end
         self._stopped = False
-        self._native = _native_prefetch(files, lead) if native.io else None
+        self._native = native.prefetch_start(files, PREFETCH_CHUNK, lead) if native.io else None
         if self._native is not None:  # the same loop in C: no GIL needed between its reads
-            weakref.finalize(self, _free_native_prefetch, self._native, os.getpid())
+            weakref.finalize(self, native.prefetch_free, self._native, os.getpid())
         else:
             threading.Thread(target=self._run, name="gefen-ckpt-prefetch", daemon=True).start()
 
@@ -300,7 +107,7 @@ class Prefetch:
     def cached(self) -> int:
         """Bytes read so far (or given up on), counting the files end to end."""
         if self._native is not None:
-            return native.lib.gefen_prefetch_wait(self._native, 0)
+            return native.prefetch_wait(self._native, 0)
         with self._cv:
             return self._cached
 
@@ -310,7 +117,7 @@ class Prefetch:
         if base is None:
             return
         if self._native is not None:
-            native.lib.gefen_prefetch_wait(self._native, base + end)
+            native.prefetch_wait(self._native, base + end)
             return
         with self._cv:
             self._wanted = max(self._wanted, base + end)
@@ -319,7 +126,7 @@ class Prefetch:
 
     def stop(self) -> None:
         if self._native is not None:
-            native.lib.gefen_prefetch_stop(self._native)
+            native.prefetch_stop(self._native)
             return
         with self._cv:
             self._stopped = True
@@ -379,7 +186,7 @@ class RangeReader:
 
 
 class LocalReader(RangeReader):
-    def __init__(self, path: str):
+    def __init__(self, fs, path: str):
         self.fd = os.open(path, os.O_RDONLY)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -426,7 +233,7 @@ class Writer:
         for address, size in spans:
             data = (ctypes.c_ubyte * size).from_address(address) if size else b""
             self.write(data)
-            crcs.append(checksum.update(0, data))
+            crcs.append(native.crc32(0, data))
         return crcs
 
     def close(self, durable: bool = True) -> None:
@@ -442,10 +249,10 @@ class LocalWriter(Writer):
     fsync has little left to wait for (``posix_fadvise(DONTNEED)`` starts writeback of dirty
     pages; pages already on disk then leave the page cache instead of crowding out the
     training job's). ``write_hashed`` writes, hashes and starts writeback in one C call when the
-    library is built (``checksum.native_io``): no Python, so no GIL, between the system calls.
+    library is built (``native.io``): no Python, so no GIL, between the system calls.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, fs, path: str):
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self.batch = bytearray()
@@ -462,10 +269,10 @@ class LocalWriter(Writer):
         self._write_out(view)
 
     def write_hashed(self, spans: list[tuple[int, int]]) -> list[int]:
-        if not checksum.native_io():
+        if not native.io:
             return super().write_hashed(spans)
         self._flush_batch()
-        return checksum.write_hashed(self.fd, spans, WRITE_CHUNK, WRITEBACK_EVERY, self.progress)
+        return native.write_hashed(self.fd, spans, WRITE_CHUNK, WRITEBACK_EVERY, self.progress)
 
     def _flush_batch(self) -> None:
         if self.batch:
@@ -530,6 +337,194 @@ class RemoteWriter(Writer):
             self.fs.rm_file(self.path)
         except OSError:
             pass
+
+
+class Store:
+    """A checkpoint directory: create, read ranges of, list, publish and delete its files.
+
+    This class is the generic way, over fsspec (``memory://``, ``s3://``, ...): whole-object
+    writes, which object stores publish atomically on close, and range reads; ``Store(url)`` of
+    a local path is a ``LocalStore``, which overrides the I/O methods. ``storage_options`` go to
+    the fsspec filesystem (e.g. ``endpoint_url``, ``key``/``secret``, ``config_kwargs=
+    {"connect_timeout": 5, "read_timeout": 30}`` for s3fs). Failures of the storage itself
+    (disk full, unreachable endpoint, missing credentials) are raised as
+    ``CheckpointStorageError`` naming the path; a missing file stays ``FileNotFoundError``.
+    """
+
+    local = False  # files this process can map and lock (reader.py, writelock.py)
+    _Reader, _Writer = RemoteReader, RemoteWriter
+
+    def __new__(cls, url: str | None = None, storage_options: dict | None = None):
+        if url is None:  # copy/pickle: the attributes follow
+            return super().__new__(cls)
+        url = str(url)
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except Exception as exc:  # unknown protocol, missing backend package, bad options
+            raise CheckpointStorageError(f"{url}: {_describe(exc)}") from exc
+        if cls is Store and isinstance(fs, LocalFileSystem):
+            cls = LocalStore
+        self = super().__new__(cls)
+        self.url, self.fs, self.root = url, fs, root.rstrip("/") or "/"
+        return self
+
+    @contextmanager
+    def io(self, name: str | None = None) -> Iterator[None]:
+        """Storage failures inside the block -- an ``OSError``, or on other filesystems an
+        exception of the backend's own (botocore's, aiohttp's) -- become ``CheckpointStorageError``
+        naming the path. ``FileNotFoundError``, ``FileExistsError``, ``CheckpointError`` and
+        builtin exceptions of the caller's own code pass through."""
+        try:
+            yield
+        except (FileNotFoundError, FileExistsError, NotADirectoryError, CheckpointError):
+            raise
+        except Exception as exc:
+            if not isinstance(exc, OSError) and (self.local or type(exc).__module__ == "builtins"):
+                raise
+            where = self.path(name) if name else self.url
+            error = CheckpointStorageError(f"{where}: {_describe(exc)}")
+            error.errno = getattr(exc, "errno", None)  # e.g. ENOSPC, for callers that act on it
+            raise error from exc
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def makedirs(self) -> None:
+        require_bucket(self.fs, self.root)
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    @contextmanager
+    def reader(self, name: str) -> Iterator[RangeReader]:
+        with self.io(name):
+            handle = self._Reader(self.fs, self.path(name))
+        try:
+            with self.io(name):
+                yield handle
+        finally:
+            handle.close()
+
+    @contextmanager
+    def create(self, name: str, durable: bool = True) -> Iterator[Writer]:
+        """A new file, complete (and with ``durable``, fsync'd) when the block exits without
+        error; without it, call ``durable_soon`` (and wait) before anything may depend on the file.
+
+        On error the partial file is removed where possible; on a crash it is garbage that no
+        manifest references.
+        """
+        with self.io(name):
+            writer = self._Writer(self.fs, self.path(name))
+        try:
+            with self.io(name):
+                yield writer
+                writer.close(durable)  # may raise too
+        except BaseException:
+            writer.abort()
+            raise
+
+    def remove(self, name: str) -> None:
+        with suppress(FileNotFoundError), self.io(name):
+            self.fs.rm_file(self.path(name))
+
+    def prefetch(self, files: dict[str, int]) -> Prefetch | None:
+        """Start reading files (name -> size) into the page cache (None: there is none)."""
+
+    def durable_soon(self, name: str) -> Callable[[], None]:
+        """Start making ``name`` (created with ``durable=False``) durable; the returned callable
+        waits for it and raises ``OSError`` if it failed. An object is complete on close."""
+        return lambda: None
+
+    def sync(self) -> None:
+        """Make the directory's entries durable (object stores have no directories)."""
+
+    # -- the generic (fsspec) way; LocalStore overrides each ----------------------------------------
+    def listing(self) -> dict[str, int]:
+        """name -> size of every plain file directly in the directory ({} if it does not exist)."""
+        try:
+            with self.io():
+                self.fs.invalidate_cache(self.root)
+                entries = self.fs.ls(self.root, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+                for e in entries if e.get("type") == "file"}
+
+    def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of a file (to its end when ``end`` is None)."""
+        with self.io(name):
+            return self.fs.cat_file(self.path(name), start=start, end=end)
+
+    def publish(self, name: str, data: bytes, temp_name: str) -> None:
+        """Replace ``name`` with ``data`` atomically and durably: readers see the old file or the
+        new one (an object PUT is atomic)."""
+        with self.io(name):
+            self.fs.pipe_file(self.path(name), data)
+
+    def create_exclusive(self, name: str, data: bytes) -> None:
+        """Create ``name`` holding ``data``, or raise ``FileExistsError`` if it exists. Atomic on
+        object stores whose fsspec backend implements ``pipe_file(mode="create")`` as a conditional
+        write (s3fs: ``If-None-Match``); elsewhere fsspec checks, then writes (docs/format.md:
+        writer lock)."""
+        with self.io(name):
+            self.fs.pipe_file(self.path(name), data, mode="create")
+
+
+class LocalStore(Store):
+    """A local directory: ``os.pwrite``/``os.preadv``, ``fsync`` and an atomic ``os.replace``,
+    because that is what reaches disk speed and what makes a rename durable."""
+
+    local = True
+    _Reader, _Writer = LocalReader, LocalWriter
+
+    def listing(self) -> dict[str, int]:
+        try:
+            with self.io(), os.scandir(self.root) as it:
+                return {e.name: size for e in it if (size := _size(e)) is not None}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+
+    def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        with self.io(name), open(self.path(name), "rb") as f:
+            f.seek(start)
+            return f.read(-1 if end is None else end - start)
+
+    def prefetch(self, files: dict[str, int]) -> Prefetch | None:
+        if not hasattr(os, "sendfile"):
+            return None
+        return Prefetch([(self.path(name), size) for name, size in files.items()])
+
+    def durable_soon(self, name: str) -> Callable[[], None]:
+        """The fsync runs on a C thread (``gefen_ckpt.native``): a Python thread would need the
+        GIL between its system calls, which the caller holds while it builds the manifest
+        (docs/decisions.md)."""
+        path = self.path(name)
+        return (native.fsync_start(path) if native.io else None) or _fsync_in_thread(path)
+
+    def sync(self) -> None:
+        _fsync(self.root)
+
+    def publish(self, name: str, data: bytes, temp_name: str) -> None:
+        """The directory is synced before the rename too, so the entries of every file written
+        before (data files) are durable before the new file can name them."""
+        with self.create(temp_name) as w:
+            w.write(data)
+        try:
+            with self.io(name):
+                self.sync()
+                os.replace(self.path(temp_name), self.path(name))
+        except BaseException:
+            self.remove(temp_name)
+            raise
+        with self.io(name):
+            self.sync()
+
+    def create_exclusive(self, name: str, data: bytes) -> None:  # atomic: O_EXCL
+        with self.io(name):
+            fd = os.open(self.path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 #: Opt-in to creating a missing bucket (``gefen-ckpt convert/reshard --create-bucket`` sets it).

@@ -39,7 +39,6 @@ from gefen.contract import (
     LIKE_PARAM,
     OptimizerContract,
     composite_children,
-    expected_field_shape,
     join_composite,
     split_composite,
     torch_contracts,
@@ -51,7 +50,7 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.exchange import plain_value
+from gefen_ckpt.format.dtypes import dtype_name, plain
 from gefen_ckpt.format.manifest import missing_fields
 
 __all__ = [
@@ -320,7 +319,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             if len(names) != len(saved["params"]):
                 raise CheckpointFormatError(f"{where}: param group {gi} has {len(saved['params'])} params but "
                                             f"{len(names)} param_names")
-            group = {h: plain_value(saved[h]) for h in leaf.hyperparameters if h in saved}
+            group = {h: plain(saved[h], f"hyperparameter {h!r}") for h in leaf.hyperparameters if h in saved}
             group["params"] = [str(n) for n in names]
             if child is not None:
                 group[CHILD_KEY] = child
@@ -351,7 +350,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
                           metadata={"source_topology": {"kind": "single"}, "source_format": "torch"})
 
 
-def _param_state(fqn: str, entry: dict, leaf: OptimizerContract, child: str | None, dtype_name) -> ParamState:
+def _param_state(fqn: str, entry: dict, leaf: OptimizerContract, child: str | None, stored_dtype) -> ParamState:
     fields: dict[str, torch.Tensor] = {}
     for name, value in entry.items():
         try:
@@ -369,21 +368,14 @@ def _param_state(fqn: str, entry: dict, leaf: OptimizerContract, child: str | No
     shape = tuple(fields[like[0]].shape)
     if missing := missing_fields(leaf, fields, shape):
         raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {missing} (shape {shape})")
-    if dtype_name is not None:
-        dtype = _dtype(dtype_name, fqn)
+    if stored_dtype is not None:
+        dtype = _dtype(stored_dtype, fqn)
     else:
         like_param = [n for n in fields if leaf.field(n).dtype == LIKE_PARAM]
         dtype = fields[like_param[0]].dtype if like_param else torch.float32
     for name, t in fields.items():
-        spec = leaf.field(name)
-        if spec.dtype != LIKE_PARAM and t.dtype != _dtype(spec.dtype, f"{fqn}/{name}"):
-            raise CheckpointMismatchError(f"{fqn}/{name}: dtype {t.dtype}, {leaf.implementation} stores {spec.dtype}")
-        if spec.dtype == LIKE_PARAM and t.dtype != dtype:
-            raise CheckpointMismatchError(f"{fqn}/{name}: dtype {t.dtype} differs from the parameter's {dtype}")
-        if not expected_field_shape(spec.geometry, shape, tuple(t.shape)):
-            raise CheckpointMismatchError(
-                f"{fqn}/{name}: shape {tuple(t.shape)} is not a valid {spec.geometry} shape for a parameter of "
-                f"shape {shape}")
+        if problem := leaf.field(name).check(shape, t.shape, t.dtype, dtype):
+            raise CheckpointMismatchError(f"{fqn}/{name}: {problem} ({leaf.implementation})")
     return ParamState(shape, dtype, {n: EagerSource(t) for n, t in fields.items()}, child)
 
 
@@ -445,7 +437,7 @@ def state_dict_from_canonical(state: CanonicalState) -> dict:
     sd[TORCH_META_KEY] = {
         "version": TORCH_META_VERSION,
         "contract": contract.to_dict(),
-        "param_dtypes": {fqn: str(e.dtype).removeprefix("torch.") for fqn, e in state.params.items()},
+        "param_dtypes": {fqn: dtype_name(e.dtype) for fqn, e in state.params.items()},
     }
     return sd
 

@@ -41,13 +41,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import msgpack
 import torch
 
 from gefen.contract import OptimizerContract
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
+from gefen_ckpt.format.dtypes import dtype_name
+from gefen_ckpt.layout import chunk_rows, is_dtensor, to_local
 
 __all__ = ["gather", "scatter", "redistribute", "last_stats", "TransportStats"]
 
@@ -70,12 +71,8 @@ class Move:
 
 
 def chunk_ranges(rows: int, parts: int) -> list[Range]:
-    """How ``torch.chunk`` (and so FSDP2 ``Shard(0)``) splits ``rows`` over ``parts`` ranks:
-    ``ceil(rows/parts)`` rows each, trailing ranks possibly short or empty."""
-    if parts < 1 or rows < 0:
-        raise ValueError(f"cannot split {rows} rows over {parts} parts")
-    size = -(-rows // parts) if rows else 0
-    return [(min(rows, r * size), min(rows, (r + 1) * size)) for r in range(parts)]
+    """Every rank's rows when ``rows`` are split over ``parts`` ranks (``layout.chunk_rows``)."""
+    return [chunk_rows(rows, parts, r) for r in range(parts)]
 
 
 def assign_rows(rows: int, have: Sequence[Range | None], want: Sequence[Range | None], *,
@@ -228,33 +225,11 @@ def last_stats() -> TransportStats:
 
 
 # ===== descriptions (msgpack) =================================================================
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _dtype(name) -> torch.dtype:
     value = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(value, torch.dtype):
         raise CheckpointError(f"unknown dtype {name!r} in a transported state description")
     return value
-
-
-def _pack(obj) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True, default=_plain)
-
-
-def _plain(value):
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    if isinstance(value, (tuple, set, frozenset)):
-        return list(value)
-    if isinstance(value, torch.dtype):
-        return _dtype_name(value)
-    return str(value)
-
-
-def _unpack(data: bytes):
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 def _describe(state: CanonicalState) -> dict:
@@ -263,12 +238,12 @@ def _describe(state: CanonicalState) -> dict:
         raise TypeError(f"expected a CanonicalState, got {type(state).__name__}")
 
     def tensor(src: TensorSource) -> list:
-        return [[int(s) for s in src.shape], _dtype_name(src.dtype)]
+        return [[int(s) for s in src.shape], dtype_name(src.dtype)]
 
     return {
         "contract": state.contract.to_dict(),
         "groups": state.param_groups,
-        "params": [[fqn, [int(s) for s in e.shape], _dtype_name(e.dtype), e.child,
+        "params": [[fqn, [int(s) for s in e.shape], dtype_name(e.dtype), e.child,
                     [[name, *tensor(e.fields[name])] for name in sorted(e.fields)]]
                    for fqn, e in state.params.items()],
         "globals": [[key, *tensor(state.global_fields[key])] for key in sorted(state.global_fields)],
@@ -276,7 +251,7 @@ def _describe(state: CanonicalState) -> dict:
 
 
 def _digest(description: dict) -> bytes:
-    return hashlib.sha256(_pack(description)).digest()
+    return hashlib.sha256(collective.pack(description)).digest()
 
 
 class _Skeleton:
@@ -289,40 +264,24 @@ class _Skeleton:
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
-        self._shape, self._dtype, self.wanted = tuple(shape), dtype, None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
+        self.shape, self.dtype, self.wanted = tuple(shape), dtype, None
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        rows = self._shape[0] if self._shape else 1
+        rows = self.shape[0] if self.shape else 1
         stop = rows if stop is None else stop
         if self.wanted is not None:
             start, stop = min(start, self.wanted[0]), max(stop, self.wanted[1])
         self.wanted = (start, stop)
-        if not self._shape:
-            return torch.zeros((), dtype=self._dtype)
-        return torch.zeros((), dtype=self._dtype).expand(stop - start, *self._shape[1:])
+        if not self.shape:
+            return torch.zeros((), dtype=self.dtype)
+        return torch.zeros((), dtype=self.dtype).expand(stop - start, *self.shape[1:])
 
 
 class _Absent:
     """A tensor this rank was not sent because its import does not read it."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, label: str):
-        self._shape, self._dtype, self.label = tuple(shape), dtype, label
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
+        self.shape, self.dtype, self.label = tuple(shape), dtype, label
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         raise CheckpointError(f"{self.label} was not transported to this rank")
@@ -372,35 +331,47 @@ def _world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _describe_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _exchange(payload: dict, error: BaseException | None, what: str) -> list[dict]:
-    """All-gather every rank's ``payload``; raise on every rank if any rank reported an error."""
-    payload = dict(payload, error=None if error is None else _describe_error(error))
-    try:
-        data = _pack(payload)
-    except Exception as exc:  # an unpackable payload must not leave the other ranks waiting
-        error = error or exc
-        data = _pack({"error": _describe_error(exc)})
-    everyone = [_unpack(b) for b in collective.all_gather_bytes(data)]
-    _raise_if_failed([p.get("error") for p in everyone], error, what)
+def _agreed(payload: dict, error: BaseException | None, what: str, stats: TransportStats,
+            **same: str) -> list[dict]:
+    """The first exchange of every call: all ranks' payloads (raising everywhere if any rank
+    failed), checked to carry the same value under each key of ``same`` (its name for the error),
+    and the call's budget: the smallest any rank passed."""
+    everyone = collective.exchange(payload, error, what)
+    for key, name in same.items():
+        _check_same([p[key] for p in everyone], what, name)
+    stats.budget_bytes = min(p["budget"] for p in everyone)
     return everyone
 
 
-def _raise_if_failed(errors: Sequence[str | None], mine: BaseException | None, what: str) -> None:
-    if mine is not None:
-        raise mine
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-        raise CheckpointError(f"{what} failed on rank(s) {[r for r, _ in failed]} ({detail}); "
-                              "nothing was changed on this rank")
+def _ranges(everyone: list[dict], key: str, count: int) -> list[list[Range | None]]:
+    """``[tensor][rank]`` row ranges from every rank's payload list under ``key``."""
+    return [[_range(p[key][t]) for p in everyone] for t in range(count)]
 
 
-def _agree(error: BaseException | None, what: str) -> None:
-    _exchange({}, error, what)
+def _offer(state: CanonicalState, budget_bytes, writers_only: bool) -> tuple[dict, list, dict]:
+    """What ``gather``/``redistribute`` send first: the state's description, its tensors in
+    order, and the payload (budget, digest of the description, rows held of each tensor)."""
+    budget = _check_budget(budget_bytes)
+    description = _describe(state)
+    ordered = [(label, _normalise(src)) for label, src in state.tensors()]
+    payload = {"budget": budget, "digest": _digest(description),
+               "held": [_held(src, writers_only) for _, src in ordered]}
+    return description, ordered, payload
+
+
+def _import(what: str, received: tuple[list, BaseException | None], optimizer, description: dict,
+            metadata: dict, want, model) -> None:
+    """Agree on the data phase (``_move``'s outputs and error), then load this rank's rows
+    through ``import_canonical``, which validates again and agrees before it loads."""
+    from gefen_ckpt.exchange import import_canonical
+
+    outputs, error = received
+    collective.agree(error, what)
+    rank, _ = _world()
+    import_canonical(optimizer, _local_state(description, metadata, outputs, [w[rank] for w in want]), model=model)
+
+
+_DIFFERENT_STATES = "states (contract, param groups, FQNs, shapes or dtypes differ)"
 
 
 def _check_same(values: Sequence, what: str, name: str) -> None:
@@ -415,16 +386,11 @@ def _check_budget(budget_bytes) -> int:
 
 
 # ===== the data phase =========================================================================
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
-
-
 def _normalise(source):
     """A LocalPart over a DTensor (torch optimizers' state on FSDP2 params) as one over the
     local tensor: slicing the DTensor itself would be a collective."""
-    if isinstance(source, LocalPart) and hasattr(source.tensor, "to_local"):
-        return LocalPart(_local(source.tensor), source.row_start, source.shape, source.writer)
+    if isinstance(source, LocalPart) and is_dtensor(source.tensor):
+        return LocalPart(to_local(source.tensor), source.row_start, source.shape, source.writer)
     return source
 
 
@@ -447,7 +413,7 @@ class _Mover:
         self.budget = budget
         self.error = error
         self.rank, _ = _world()
-        self.device = collective._device() if collective.active() else torch.device("cpu")
+        self.device = collective.device()
         self._window: tuple[int, int, int] | None = None
         self._window_flat: torch.Tensor | None = None
         self._window_bytes = 0
@@ -478,7 +444,7 @@ class _Mover:
         value = source.read(r0, r1)
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{info.label}: source returned {type(value).__name__}, not a tensor")
-        value = _local(value)
+        value = to_local(value)
         expected = tuple(info.shape) if not info.shape else (r1 - r0, *info.shape[1:])
         if tuple(value.shape) != expected or value.dtype != self.dtypes[t]:
             raise CheckpointError(f"{info.label}: source returned rows {r0}:{r1} as {tuple(value.shape)} "
@@ -589,27 +555,26 @@ def _allocate(shape: tuple[int, ...], dtype: torch.dtype, rows: Range, device) -
     return torch.empty((rows[1] - rows[0], *shape[1:]), dtype=dtype, device=device)
 
 
-def _move(infos, dtypes, sources, have, want, budget: int, rank: int, out_device,
-          stats: TransportStats, error: BaseException | None):
+def _move(infos, dtypes, sources, have, want, out_device, stats: TransportStats):
     """Plan (identically everywhere), allocate this rank's outputs, run the rounds.
 
     Returns (outputs, error): ``outputs[t]`` the tensor of rows ``want[t][rank]`` (None where
     this rank wants nothing), and this rank's error, if any (the caller agrees on it).
     """
+    budget, (rank, _), error = stats.budget_bytes, _world(), None
     moves = plan_moves(infos, have, want, budget)  # deterministic: raises alike on every rank
     rounds = plan_rounds(moves, [i.itemsize for i in infos], budget)
     stats.extra.update(moves=len(moves), planned_rounds=len(rounds))
     outputs: list[torch.Tensor | None] = [None] * len(infos)
     flats: list[tuple[torch.Tensor, int] | None] = [None] * len(infos)
-    if error is None:
-        try:
-            for t, info in enumerate(infos):
-                span = want[t][rank]
-                if span is not None:
-                    outputs[t] = _allocate(info.shape, dtypes[t], span, out_device)
-                    flats[t] = (outputs[t].reshape(-1), span[0] * info.row_numel)
-        except Exception as exc:
-            error, outputs, flats = exc, [None] * len(infos), [None] * len(infos)
+    try:
+        for t, info in enumerate(infos):
+            span = want[t][rank]
+            if span is not None:
+                outputs[t] = _allocate(info.shape, dtypes[t], span, out_device)
+                flats[t] = (outputs[t].reshape(-1), span[0] * info.row_numel)
+    except Exception as exc:
+        error, outputs, flats = exc, [None] * len(infos), [None] * len(infos)
     mover = _Mover(infos, dtypes, sources, flats, stats, budget, error)
     mover.run(rounds)
     return outputs, mover.error
@@ -671,9 +636,8 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
     """
     stats = _begin("gather", budget_bytes)
     rank, world = _world()
-    error, description, ordered, payload = None, None, [], {}
+    error, ordered, payload = None, [], {}
     try:
-        budget = _check_budget(budget_bytes)
         if not isinstance(dst, int) or not 0 <= dst < world:
             raise ValueError(f"dst must be a rank in [0, {world}), got {dst!r}")
         state = optimizer_or_state
@@ -681,30 +645,22 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
             from gefen_ckpt.exchange import export_canonical
 
             state = export_canonical(optimizer_or_state, model=model)
-        description = _describe(state)
-        ordered = [(label, _normalise(src)) for label, src in state.tensors()]
-        payload = {"budget": budget, "root": dst, "digest": _digest(description),
-                   "held": [_held(src, writers_only=True) for _, src in ordered]}
+        _, ordered, payload = _offer(state, budget_bytes, writers_only=True)
+        payload["root"] = dst
     except Exception as exc:
         error = exc
-    everyone = _exchange(payload, error, "gather")
-    _check_same([p["root"] for p in everyone], "gather", "dst ranks")
-    _check_same([p["digest"] for p in everyone], "gather",
-                "states (contract, param groups, FQNs, shapes or dtypes differ)")
-    budget = min(p["budget"] for p in everyone)
-    stats.budget_bytes = budget
+    everyone = _agreed(payload, error, "gather", stats, root="dst ranks", digest=_DIFFERENT_STATES)
     infos = _infos(ordered)
-    have = [[_range(p["held"][t]) for p in everyone] for t in range(len(infos))]
     want = [[(0, info.rows) if r == dst else None for r in range(world)] for info in infos]
     outputs, error = _move(infos, [src.dtype for _, src in ordered], [src for _, src in ordered],
-                           have, want, budget, rank, torch.device("cpu"), stats, None)
+                           _ranges(everyone, "held", len(infos)), want, torch.device("cpu"), stats)
     result = None
     if rank == dst and error is None:
         try:
             result = _assembled(state, outputs)
         except Exception as exc:
             error = exc
-    _agree(error, "gather")
+    collective.agree(error, "gather")
     return result
 
 
@@ -754,17 +710,14 @@ def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: tor
     """
     stats = _begin("scatter", budget_bytes)
     rank, world = _world()
-    error = None
+    error, budget = None, 0
     try:
         budget = _check_budget(budget_bytes)
         if not isinstance(src, int) or not 0 <= src < world:
             raise ValueError(f"src must be a rank in [0, {world}), got {src!r}")
     except Exception as exc:
-        error, budget = exc, 0
-    everyone = _exchange({"budget": budget, "root": src}, error, "scatter")
-    _check_same([p["root"] for p in everyone], "scatter", "src ranks")
-    budget = min(p["budget"] for p in everyone)
-    stats.budget_bytes = budget
+        error = exc
+    _agreed({"budget": budget, "root": src}, error, "scatter", stats, root="src ranks")
 
     # 1. the description, from src
     header, ordered = None, []
@@ -772,11 +725,11 @@ def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: tor
         try:
             header = {"description": _describe(state), "metadata": dict(state.metadata)}
             ordered = [(label, _normalise(s)) for label, s in state.tensors()]
-            data = _pack(header)
+            data = collective.pack(header)
         except Exception as exc:
             error = exc
-            data = _pack({"error": _describe_error(exc)})
-    received = _unpack(collective.broadcast_bytes(data if rank == src else None, src))
+            data = collective.pack({"error": collective.describe_error(exc)})
+    received = collective.unpack(collective.broadcast_bytes(data if rank == src else None, src))
     if "error" in received:
         if error is not None:
             raise error
@@ -790,24 +743,15 @@ def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: tor
         skeleton, wanted = _wanted_rows(optimizer, description, model)
     except Exception as exc:
         error = exc
-    everyone = _exchange({"want": wanted}, error, "scatter")
+    everyone = collective.exchange({"want": wanted}, error, "scatter")
     infos = _infos(skeleton)
-    dtypes = [s.dtype for _, s in skeleton]
     have = [[(0, info.rows) if r == src else None for r in range(world)] for info in infos]
-    want = [[_range(p["want"][t]) for p in everyone] for t in range(len(infos))]
+    want = _ranges(everyone, "want", len(infos))
 
-    # 3. the rows, then the import (which validates again and agrees before it loads)
+    # 3. the rows, then the import
     sources = [s for _, s in ordered] if rank == src else [None] * len(infos)
-    outputs, error = _move(infos, dtypes, sources, have, want, budget, rank, _out_device(), stats, None)
-    _agree(error, "scatter")
-    from gefen_ckpt.exchange import import_canonical
-
-    import_canonical(optimizer, _local_state(description, received["metadata"], outputs,
-                                             [want[t][rank] for t in range(len(infos))]), model=model)
-
-
-def _out_device() -> torch.device:
-    return collective._device() if collective.active() else torch.device("cpu")
+    _import("scatter", _move(infos, [s.dtype for _, s in skeleton], sources, have, want, collective.device(), stats),
+            optimizer, description, received["metadata"], want, model)
 
 
 # ===== redistribute ===========================================================================
@@ -824,30 +768,15 @@ def redistribute(state: CanonicalState, optimizer: torch.optim.Optimizer, *,
     together and nothing changes unless every rank staged successfully.
     """
     stats = _begin("redistribute", budget_bytes)
-    rank, world = _world()
     error, description, ordered, payload = None, None, [], {}
     try:
-        budget = _check_budget(budget_bytes)
-        description = _describe(state)
-        ordered = [(label, _normalise(src)) for label, src in state.tensors()]
-        _, wanted = _wanted_rows(optimizer, description, model)
-        payload = {"budget": budget, "digest": _digest(description),
-                   "held": [_held(src, writers_only=False) for _, src in ordered], "want": wanted}
+        description, ordered, payload = _offer(state, budget_bytes, writers_only=False)
+        _, payload["want"] = _wanted_rows(optimizer, description, model)
     except Exception as exc:
         error = exc
-    everyone = _exchange(payload, error, "redistribute")
-    _check_same([p["digest"] for p in everyone], "redistribute",
-                "states (contract, param groups, FQNs, shapes or dtypes differ)")
-    budget = min(p["budget"] for p in everyone)
-    stats.budget_bytes = budget
+    everyone = _agreed(payload, error, "redistribute", stats, digest=_DIFFERENT_STATES)
     infos = _infos(ordered)
-    have = [[_range(p["held"][t]) for p in everyone] for t in range(len(infos))]
-    want = [[_range(p["want"][t]) for p in everyone] for t in range(len(infos))]
-    outputs, error = _move(infos, [s.dtype for _, s in ordered], [s for _, s in ordered], have,
-                           want, budget, rank, _out_device(), stats, None)
-    _agree(error, "redistribute")
-    from gefen_ckpt.exchange import import_canonical
-
-    import_canonical(optimizer, _local_state(description, state.metadata, outputs,
-                                             [want[t][rank] for t in range(len(infos))]), model=model)
-
+    want = _ranges(everyone, "want", len(infos))
+    _import("redistribute", _move(infos, [s.dtype for _, s in ordered], [s for _, s in ordered],
+                                  _ranges(everyone, "held", len(infos)), want, collective.device(), stats),
+            optimizer, description, state.metadata, want, model)

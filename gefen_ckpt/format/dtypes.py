@@ -1,6 +1,7 @@
-"""Dtype names: the manifest spells them like torch (``"float32"``), data files like safetensors.
+"""How the format spells values: dtype names (the manifest like torch, ``"float32"``; data files
+like safetensors) and plain data (hyperparameters, metadata, anything msgpack carries).
 
-Torch-free (reading a manifest needs no torch); ``torch_dtype``/``dtype_name`` import it.
+Torch-free (reading a manifest needs no torch); the functions that take torch objects import it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,28 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise KeyError(name)
     return getattr(torch, name)
+
+
+def plain(value, what: str | None = None):
+    """``value`` as msgpack-able plain data: one-element tensors as numbers, tuples and sets as
+    lists, dtypes by name, str-keyed dicts and lists element by element. Anything else is a
+    ``ValueError`` naming ``what``, or, when ``what`` is None, its ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain(v, what) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: plain(v, what) for k, v in value.items()}
+    if type(value).__module__.startswith("torch"):
+        import torch
+
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return value.item()
+        if isinstance(value, torch.dtype):
+            return dtype_name(value)
+    if what is None:
+        return str(value)
+    raise ValueError(f"{what}: {type(value).__name__} values cannot be stored as plain data")
 
 
 def safetensors_code(name: str) -> str:

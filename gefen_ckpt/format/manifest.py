@@ -25,12 +25,11 @@ from gefen.contract import (
     LIKE_PARAM,
     SCHEMA_VERSION,
     OptimizerContract,
-    expected_field_shape,
 )
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.datafile import ALIGNMENT
-from gefen_ckpt.format.dtypes import DTYPES, dtype_name, itemsize
+from gefen_ckpt.format.dtypes import DTYPES, dtype_name, itemsize, plain
 
 if TYPE_CHECKING:  # reading a manifest needs no torch
     from gefen_ckpt.canonical import CanonicalState, TensorSource
@@ -130,17 +129,6 @@ def tensor_label(fqn: str | None, field: str) -> str:
 
 
 # ----- building -----------------------------------------------------------------------------
-def _plain(value, what: str):
-    """``value`` as msgpack-able plain data (tuples become lists); anything else is an error."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, what) for v in value]
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {k: _plain(v, what) for k, v in value.items()}
-    raise ValueError(f"{what}: {type(value).__name__} values cannot be stored in a manifest")
-
-
 def _created() -> dict:
     import torch
 
@@ -173,7 +161,7 @@ def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[
         "alignment": ALIGNMENT,
         "checksum": checksum.ALGORITHM,
         "contract": state.contract.to_dict(),
-        "param_groups": _plain(state.param_groups, "param_groups"),
+        "param_groups": plain(state.param_groups, "param_groups"),
         "files": [{"name": f.name, "bytes": f.nbytes} for f in files],
         "globals": {k: tensor(None, k, s) for k, s in state.global_fields.items()},
         "params": {
@@ -181,9 +169,9 @@ def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[
                   "fields": {name: tensor(fqn, name, s) for name, s in e.fields.items()}}
             for fqn, e in state.params.items()
         },
-        "topology": _plain(state.metadata.get("source_topology", {}), "metadata"),
+        "topology": plain(state.metadata.get("source_topology", {}), "metadata"),
         "created": _created(),
-        "metadata": _plain({k: v for k, v in state.metadata.items() if k not in ("source_topology", "created")},
+        "metadata": plain({k: v for k, v in state.metadata.items() if k not in ("source_topology", "created")},
                            "metadata"),
     }
     if by_tensor:
@@ -368,12 +356,11 @@ def _check_required(contract: OptimizerContract, raw: dict) -> None:
             continue
         child = e.get("child")
         with_state.add(child)
-        missing = missing_fields(contract.child(child) if child else contract, e["fields"], e["shape"])
+        missing = missing_fields(contract.leaf(child), e["fields"], e["shape"])
         if missing:
             _fail(f"params[{fqn!r}].fields"[:300], f"required field(s) {missing} are missing")
     for child in with_state:
-        leaf = contract.child(child) if child else contract
-        for f in leaf.global_fields:
+        for f in contract.leaf(child).global_fields:
             key = f"{child}/{f.name}" if child else f.name
             if not f.optional and key not in raw["globals"]:
                 _fail("globals", f"required field {key!r} is missing (the optimizer has parameter state)")
@@ -502,8 +489,7 @@ def _checked_tensor(x, path: str, fqn: str | None, field: str, files: tuple[File
 
 def _spec(contract: OptimizerContract, child: str | None, field: str, where: Callable[[], str]):
     try:
-        leaf = contract.child(child) if child is not None else contract
-        return leaf.field(field)
+        return contract.leaf(child).field(field)
     except KeyError as exc:
         _fail(where(), str(exc)[:300])
 
@@ -567,11 +553,10 @@ def validate(raw: dict) -> Manifest:
 
             spec = _spec(contract, child, name, fpath)
             rec = _tensor(t, fpath, fqn, name, files, spans)
-            want = dtype if spec.dtype == LIKE_PARAM else spec.dtype
-            if rec.dtype != want:
-                _fail(f"{fpath()}.dtype", f"{rec.dtype}, expected {want}")
-            if spec.geometry == "global" or not expected_field_shape(spec.geometry, shape, rec.shape):
-                _fail(f"{fpath()}.shape", f"{list(rec.shape)} is not a {spec.geometry} shape for {list(shape)}")
+            if problem := spec.check_dtype(rec.dtype, dtype):
+                _fail(f"{fpath()}.dtype", problem)
+            if problem := ("an optimizer-wide field" if spec.geometry == "global" else spec.check_shape(shape, rec.shape)):
+                _fail(f"{fpath()}.shape", problem)
             tensors[(fqn, name)] = rec
 
     _check_required(contract, raw)

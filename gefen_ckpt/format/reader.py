@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from gefen_ckpt import native
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.format import checksum
@@ -78,9 +79,9 @@ def read_verified(store: Store, reader: RangeReader, batch: Batch, hasher: Threa
         if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() * dst.element_size() != piece.nbytes:
             raise ValueError(f"{t.label}: destination {tuple(dst.shape)} {dst.dtype} on {dst.device} is not a "
                              f"contiguous {piece.nbytes}-byte CPU buffer")
-    if isinstance(reader, LocalReader) and checksum.native_io():
-        got, crcs = checksum.read_hashed(reader.fd, [p.offset for p, _, _ in batch], [p.nbytes for p, _, _ in batch],
-                                         [dst.data_ptr() for _, _, dst in batch], READ_CHUNK)
+    if isinstance(reader, LocalReader) and native.io:
+        got, crcs = native.read_hashed(reader.fd, [p.offset for p, _, _ in batch], [p.nbytes for p, _, _ in batch],
+                                       [dst.data_ptr() for _, _, dst in batch], READ_CHUNK)
         for (piece, t, _), n, crc in zip(batch, got, crcs):
             check_length(store, t, piece, n)
             check_checksum(store, t, piece, crc)
@@ -112,15 +113,8 @@ class PieceSource:
 
     def __init__(self, store: Store, tensor: TensorRecord, mapped: MappedFiles | None = None):
         self.store, self.tensor, self.mapped = store, tensor, mapped
+        self.shape, self.dtype = tensor.shape, torch_dtype(tensor.dtype)
         self._starts = [p.rows[0] for p in tensor.pieces]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.tensor.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.tensor.dtype)
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         t = self.tensor

@@ -39,6 +39,7 @@ from gefen_ckpt.format.manifest import (
     validate,
 )
 from gefen_ckpt.format.writelock import WriterLock, acquire
+from gefen_ckpt.layout import chunk_rows
 from gefen_ckpt.storage import Store, Writer
 
 DATA_FILE = re.compile(r"data-[0-9a-f]+-r\d+-\d+\.safetensors")
@@ -68,25 +69,11 @@ class RowRange:
 
     def __init__(self, source: TensorSource, start: int, stop: int):
         self.source, self.start, self.stop = source, start, stop
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.stop - self.start, *self.source.shape[1:])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.source.dtype
+        self.shape, self.dtype = (stop - start, *source.shape[1:]), source.dtype
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         stop = self.stop - self.start if stop is None else stop
         return self.source.read(self.start + start, self.start + stop)
-
-
-def chunk_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s rows under ``torch.chunk`` along dim 0 (FSDP2's ``Shard(0)``; may be empty)."""
-    size = -(-rows // world_size)
-    start = min(rank * size, rows)
-    return start, min(start + size, rows)
 
 
 def _source(value) -> TensorSource:
@@ -99,7 +86,7 @@ def items(state: CanonicalState, rank: int = 0, world_size: int | None = None) -
     ``torch.chunk`` rows of row-sharded fields plus, on rank 0, one copy of every replicated one."""
     out = [WriteItem(None, key, 0, _source(src)) for key, src in state.global_fields.items() if rank == 0]
     for fqn, entry in state.params.items():
-        leaf = state.contract.child(entry.child) if entry.child else state.contract
+        leaf = state.contract.leaf(entry.child)
         for name, src in entry.fields.items():
             src = _source(src)
             if world_size is None or not src.shape or not leaf.field(name).row_sharded:

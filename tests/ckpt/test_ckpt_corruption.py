@@ -10,6 +10,7 @@ import pytest
 
 import gefen
 import gefen_ckpt
+from gefen_ckpt import native
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -17,7 +18,7 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.format import checksum, reader
+from gefen_ckpt.format import reader
 from gefen_ckpt.format.manifest import encode
 
 from ckpt_util import Tiny, fresh_like, same, snapshot, train, trained
@@ -80,8 +81,8 @@ def read_path(request, monkeypatch):
     if request.param != "mapped":
         monkeypatch.setattr(reader, "_stage_mapped", reader._stage_read)
     if request.param == "python":
-        monkeypatch.setattr(checksum, "native_io", lambda: False)
-    elif not checksum.native_io():
+        monkeypatch.setattr(native, "io", False)
+    elif not native.io:
         pytest.skip("no fused read+checksum on this machine/build")
 
 

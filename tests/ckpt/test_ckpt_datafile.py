@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import gefen_ckpt
+from gefen_ckpt import native
 from gefen_ckpt.format import checksum, datafile
 from gefen_ckpt.format.dtypes import DTYPES, torch_dtype
 from gefen_ckpt.format.manifest import open_checkpoint
@@ -126,7 +127,7 @@ def test_accelerated_checksum_equals_zlib_at_every_length_and_alignment():
     assert checksum.update(0, data.tobytes()) == zlib.crc32(data)  # read-only bytes
 
 
-@pytest.mark.skipif(not checksum.native_io(), reason="no fused read+checksum on this machine/build")
+@pytest.mark.skipif(not native.io, reason="no fused read+checksum on this machine/build")
 def test_fused_read_and_checksum(tmp_path):
     data = np.random.default_rng(4).integers(0, 256, 300_000, dtype=np.uint8)
     path = tmp_path / "f.bin"
@@ -136,7 +137,7 @@ def test_fused_read_and_checksum(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     try:
         for chunk in (1, 4096, 2**20):
-            got, crcs = checksum.read_hashed(fd, [o for o, _ in spans], [n for _, n in spans],
+            got, crcs = native.read_hashed(fd, [o for o, _ in spans], [n for _, n in spans],
                                              [out.ctypes.data for out in outs], chunk)
             for (offset, n), out, g, crc in zip(spans, outs, got, crcs):
                 stored = data[offset:offset + n]  # short at the end of the file: only what is there
@@ -145,13 +146,13 @@ def test_fused_read_and_checksum(tmp_path):
     finally:
         os.close(fd)
     with pytest.raises(OSError):
-        checksum.read_hashed(fd, [0], [4], [outs[2].ctypes.data], 4096)  # a closed descriptor
+        native.read_hashed(fd, [0], [4], [outs[2].ctypes.data], 4096)  # a closed descriptor
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_checksums_of_ranges_in_memory(monkeypatch, native):
     if not native:
-        monkeypatch.setattr(checksum, "_lib", None)
+        monkeypatch.setattr("gefen_ckpt.native.lib", None)
     elif not checksum.accelerated():
         pytest.skip("no accelerated checksum on this machine/build")
     data = np.random.default_rng(5).integers(0, 256, 200_000, dtype=np.uint8)

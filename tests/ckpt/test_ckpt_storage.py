@@ -103,12 +103,12 @@ def test_local_writer_keeps_order_across_writes_and_hashed_spans(tmp_path, nativ
     import os
     import zlib
 
+    import gefen_ckpt.native
     import gefen_ckpt.storage as storage
-    from gefen_ckpt.format import checksum
 
-    if native and not checksum.native_io():
+    if native and not gefen_ckpt.native.io:
         pytest.skip("no C write path on this machine/build")
-    monkeypatch.setattr(checksum, "native_io", lambda: native)
+    monkeypatch.setattr(gefen_ckpt.native, "io", native)
     monkeypatch.setattr(storage, "WRITEBACK_EVERY", 3 * storage.WRITE_BUFFER + 11)
     small, large = [os.urandom(n) for n in (10, 100, 5)], [os.urandom(n) for n in (storage.WRITE_BUFFER + 7, 0, 1, 999_999)]
     hashed = [os.urandom(n) for n in (3 * storage.WRITE_BUFFER, 0, 4097, 2)]
@@ -130,12 +130,12 @@ def test_a_failed_write_surfaces_and_removes_the_file(tmp_path, native, monkeypa
     ``with`` block, and no partial file left behind."""
     import os
 
+    import gefen_ckpt.native
     import gefen_ckpt.storage as storage
-    from gefen_ckpt.format import checksum
 
-    if not os.path.exists("/dev/full") or (native and not checksum.native_io()):
+    if not os.path.exists("/dev/full") or (native and not gefen_ckpt.native.io):
         pytest.skip("needs /dev/full (and the C write path for the C case)")
-    monkeypatch.setattr(checksum, "native_io", lambda: native)
+    monkeypatch.setattr(gefen_ckpt.native, "io", native)
     owners, spans = _spans([b"x" * (2 * storage.WRITE_BUFFER)] * 3)
     store = storage.Store(str(tmp_path))
     with pytest.raises(OSError) as failure:

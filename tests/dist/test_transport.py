@@ -303,7 +303,7 @@ def _expect_failure(fn) -> dict:
     try:
         fn()
     except Exception as exc:  # recorded for the parent to check
-        return {"type": type(exc).__name__, "message": str(exc)}
+        return {"type": type(exc).__name__, "message": str(exc), "rank_errors": getattr(exc, "rank_errors", {})}
     return {"type": None, "message": "did not raise"}
 
 
@@ -438,6 +438,7 @@ def _check_failures(results: list[dict], world_size: int) -> None:
             assert shape["type"] == "CheckpointMismatchError" and "proj" in shape["message"], shape
         else:
             assert shape["type"] == "CheckpointError" and "rank(s) [1]" in shape["message"], shape
+            assert "proj" in shape["rank_errors"][1], shape  # every rank learns the failed rank's error
         read = r["fail/redistribute_read"]
         last = world_size - 1
         assert read["type"] == ("OSError" if rank == last else "CheckpointError"), (rank, read)

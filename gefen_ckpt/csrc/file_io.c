@@ -1,0 +1,332 @@
+/* The loops of a save or load that must run without the GIL (POSIX only; each below says why). */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#if !defined(_WIN32)
+#include <fcntl.h>
+#include <pthread.h>
+#include <unistd.h>
+#endif
+#include "native.h"
+
+/*
+ * Read byte ranges of an open file into their buffers and checksum each chunk right after it
+ * arrives, while it is still in cache: one pass over the data instead of a read then a hash,
+ * and one call (GIL released) for a whole file instead of Python work per piece.
+ *
+ * Piece i is sizes[i] bytes at offsets[i], read into dests[i] in chunks of `chunk` bytes (the
+ * size that keeps the kernel's asynchronous readahead going).  got[i] receives the bytes read
+ * (fewer only at end of file) and crcs[i] their CRC-32.  Returns 0, or -errno of a failed read
+ * (the pieces before it are complete).  Not available on Windows (returns -ENOSYS).
+ */
+NATIVE_EXPORT int gefen_read_hashed(int fd, int64_t n, const int64_t *offsets, const int64_t *sizes,
+                                 void *const *dests, int64_t chunk, int64_t *got, uint32_t *crcs) {
+#if defined(_WIN32)
+    (void)fd; (void)n; (void)offsets; (void)sizes; (void)dests; (void)chunk; (void)got; (void)crcs;
+    return -ENOSYS;
+#else
+    if (chunk <= 0) return -EINVAL;
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t *dst = dests[i];
+        int64_t done = 0, size = sizes[i];
+        uint32_t crc = 0;
+        while (done < size) {
+            size_t want = (size_t)(size - done < chunk ? size - done : chunk);
+            ssize_t r = pread(fd, dst + done, want, (off_t)(offsets[i] + done));
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                return -errno;
+            }
+            if (r == 0) break;
+            crc = gefen_crc32(crc, dst + done, (size_t)r);
+            done += r;
+        }
+        got[i] = done;
+        crcs[i] = crc;
+    }
+    return 0;
+#endif
+}
+
+/*
+ * The write side of gefen_read_hashed: append n buffers to an open file and checksum each one
+ * in the same pass (a chunk is hashed, then written while it is still in cache), in one call
+ * without the GIL.  Python between the writes needs the GIL back after every system call, and
+ * waits up to the interpreter's switch interval for it whenever another thread is running
+ * Python (docs/decisions.md).
+ *
+ * Buffer i is sizes[i] bytes at srcs[i], written in chunks of `chunk` bytes; crcs[i] receives
+ * its CRC-32.  progress[0] is the file offset written so far and progress[1] the offset up to
+ * which writeback was started: every `writeback_every` bytes the kernel is asked to start
+ * writing the new bytes out (posix_fadvise DONTNEED), so the disk works while the rest is
+ * produced.  Both are updated as the call goes.  Returns 0, or -errno of a failed write (the
+ * buffers before it are complete).  Not available on Windows (returns -ENOSYS).
+ */
+NATIVE_EXPORT int gefen_write_hashed(int fd, int64_t n, const void *const *srcs, const int64_t *sizes, int64_t chunk,
+                                  int64_t writeback_every, int64_t *progress, uint32_t *crcs) {
+#if defined(_WIN32)
+    (void)fd; (void)n; (void)srcs; (void)sizes; (void)chunk; (void)writeback_every; (void)progress; (void)crcs;
+    return -ENOSYS;
+#else
+    if (chunk <= 0) return -EINVAL;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *src = srcs[i];
+        int64_t done = 0, size = sizes[i];
+        uint32_t crc = 0;
+        while (done < size) {
+            size_t want = (size_t)(size - done < chunk ? size - done : chunk);
+            crc = gefen_crc32(crc, src + done, want);
+            for (size_t put = 0; put < want;) {
+                ssize_t w = write(fd, src + done + put, want - put);
+                if (w < 0) {
+                    if (errno == EINTR) continue;
+                    return -errno;
+                }
+                put += (size_t)w;
+                progress[0] += w;
+            }
+            done += (int64_t)want;
+#if defined(POSIX_FADV_DONTNEED) /* not on macOS: there the kernel decides alone */
+            if (writeback_every > 0 && progress[0] - progress[1] >= writeback_every) {
+                posix_fadvise(fd, (off_t)progress[1], (off_t)(progress[0] - progress[1]), POSIX_FADV_DONTNEED);
+                progress[1] = progress[0];
+            }
+#else
+            (void)writeback_every;
+#endif
+        }
+        crcs[i] = crc;
+    }
+    return 0;
+#endif
+}
+
+/*
+ * fsync a file on a thread of its own, so a save can build its manifest (Python) while the disk
+ * flushes.  A Python helper thread would need the GIL back between its system calls and wait up
+ * to the interpreter's switch interval for it while the saving thread runs Python (measured:
+ * the flush of a save's data started ~4 ms after it was asked for).  gefen_fsync_start returns a
+ * handle, or NULL when no thread could be started (the caller then uses one of its own);
+ * gefen_fsync_wait joins it and returns 0 or the errno of the failed open or fsync.
+ */
+#if !defined(_WIN32)
+struct fsync_job {
+    pthread_t thread;
+    int result;
+    char path[];
+};
+
+static void *fsync_path(void *arg) {
+    struct fsync_job *job = arg;
+    int fd = open(job->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        job->result = errno;
+        return NULL;
+    }
+    job->result = fsync(fd) ? errno : 0;
+    close(fd);
+    return NULL;
+}
+#endif
+
+NATIVE_EXPORT void *gefen_fsync_start(const char *path) {
+#if defined(_WIN32)
+    (void)path;
+    return NULL;
+#else
+    size_t n = strlen(path) + 1;
+    struct fsync_job *job = malloc(sizeof *job + n);
+    if (job == NULL) return NULL;
+    memcpy(job->path, path, n);
+    job->result = 0;
+    if (pthread_create(&job->thread, NULL, fsync_path, job) != 0) {
+        free(job);
+        return NULL;
+    }
+    return job;
+#endif
+}
+
+NATIVE_EXPORT int gefen_fsync_wait(void *handle) {
+#if defined(_WIN32)
+    (void)handle;
+    return ENOSYS;
+#else
+    struct fsync_job *job = handle;
+    pthread_join(job->thread, NULL);
+    int result = job->result;
+    free(job);
+    return result;
+#endif
+}
+
+/*
+ * Read files into the page cache, in order, on a thread of its own, for a reader that follows
+ * (storage.Prefetch): a load's disk reads overlap its manifest validation.  The Python version
+ * of this loop needs the GIL after each chunk and, while the loading thread validates the
+ * manifest in Python, waited up to the switch interval for it per chunk (measured: a cold 25 MB
+ * load got its first 4 MiB ~9 ms after the prefetch started).
+ *
+ * Positions count the files laid end to end.  The thread stays at most `lead` bytes ahead of the
+ * furthest position a reader has waited for; gefen_prefetch_wait(h, position) blocks (without the
+ * GIL) until that position is cached or the prefetch has ended; a file that cannot be opened or
+ * read is skipped (its reader reports the error).  Linux: sendfile to /dev/null, which copies
+ * nothing to user space; elsewhere pread into a scratch buffer.
+ */
+#if !defined(_WIN32)
+#if defined(__linux__)
+#include <sys/sendfile.h>
+#endif
+
+struct prefetch {
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t changed;
+    int64_t cached, wanted, lead, chunk;
+    int stopped;
+    int64_t n;
+    int64_t *sizes;
+    char **paths;
+};
+
+static void prefetch_advance(struct prefetch *p, int64_t position) {
+    pthread_mutex_lock(&p->lock);
+    if (position > p->cached) p->cached = position;
+    pthread_cond_broadcast(&p->changed);
+    pthread_mutex_unlock(&p->lock);
+}
+
+/* Wait until position `at` may be read (within the lead); 0 when the prefetch was stopped. */
+static int prefetch_may_read(struct prefetch *p, int64_t at) {
+    pthread_mutex_lock(&p->lock);
+    while (!p->stopped && at >= p->wanted + p->lead) pthread_cond_wait(&p->changed, &p->lock);
+    int go = !p->stopped;
+    pthread_mutex_unlock(&p->lock);
+    return go;
+}
+
+static void *prefetch_run(void *arg) {
+    struct prefetch *p = arg;
+#if defined(__linux__)
+    int sink = open("/dev/null", O_WRONLY | O_CLOEXEC);
+    char *scratch = NULL;
+#else
+    int sink = -1;
+    char *scratch = malloc((size_t)p->chunk);
+#endif
+    int64_t base = 0;
+    for (int64_t i = 0; i < p->n; i++) {
+        int64_t size = p->sizes[i];
+        int fd = (sink >= 0 || scratch != NULL) ? open(p->paths[i], O_RDONLY | O_CLOEXEC) : -1;
+        int64_t offset = 0;
+        int go = 1;
+        while (fd >= 0 && offset < size && (go = prefetch_may_read(p, base + offset))) {
+            size_t want = (size_t)(size - offset < p->chunk ? size - offset : p->chunk);
+#if defined(__linux__)
+            off_t at = (off_t)offset;
+            ssize_t got = sendfile(sink, fd, &at, want);
+#else
+            ssize_t got = pread(fd, scratch, want, (off_t)offset);
+#endif
+            if (got < 0 && errno == EINTR) continue;
+            if (got <= 0) break;
+            offset += got;
+            prefetch_advance(p, base + offset);
+        }
+        if (fd >= 0) close(fd);
+        if (!go) break; /* stopped: what was not read stays uncounted */
+        base += size;
+        prefetch_advance(p, base);
+    }
+    if (sink >= 0) close(sink);
+    free(scratch);
+    pthread_mutex_lock(&p->lock);
+    p->stopped = 1;
+    pthread_cond_broadcast(&p->changed);
+    pthread_mutex_unlock(&p->lock);
+    return NULL;
+}
+
+static void prefetch_release(struct prefetch *p) {
+    for (int64_t i = 0; i < p->n; i++) free(p->paths[i]);
+    free(p->paths);
+    free(p->sizes);
+    pthread_mutex_destroy(&p->lock);
+    pthread_cond_destroy(&p->changed);
+    free(p);
+}
+#endif
+
+/* Start prefetching n files (paths[i], sizes[i] bytes); NULL when no thread could be started. */
+NATIVE_EXPORT void *gefen_prefetch_start(int64_t n, const char *const *paths, const int64_t *sizes, int64_t chunk,
+                                      int64_t lead) {
+#if defined(_WIN32)
+    (void)n; (void)paths; (void)sizes; (void)chunk; (void)lead;
+    return NULL;
+#else
+    if (chunk <= 0) return NULL;
+    struct prefetch *p = calloc(1, sizeof *p);
+    if (p == NULL) return NULL;
+    p->n = n;
+    p->chunk = chunk;
+    p->lead = lead;
+    p->sizes = malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
+    p->paths = calloc((size_t)(n ? n : 1), sizeof(char *));
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->changed, NULL);
+    int ok = p->sizes != NULL && p->paths != NULL;
+    for (int64_t i = 0; ok && i < n; i++) {
+        p->sizes[i] = sizes[i];
+        p->paths[i] = strdup(paths[i]);
+        ok = p->paths[i] != NULL;
+    }
+    if (!ok || pthread_create(&p->thread, NULL, prefetch_run, p) != 0) {
+        prefetch_release(p);
+        return NULL;
+    }
+    return p;
+#endif
+}
+
+/* Block until `position` is cached or the prefetch has ended; returns the bytes cached so far. */
+NATIVE_EXPORT int64_t gefen_prefetch_wait(void *handle, int64_t position) {
+#if defined(_WIN32)
+    (void)handle; (void)position;
+    return 0;
+#else
+    struct prefetch *p = handle;
+    pthread_mutex_lock(&p->lock);
+    if (position > p->wanted) {
+        p->wanted = position;
+        pthread_cond_broadcast(&p->changed);
+    }
+    while (!p->stopped && p->cached < position) pthread_cond_wait(&p->changed, &p->lock);
+    int64_t cached = p->cached;
+    pthread_mutex_unlock(&p->lock);
+    return cached;
+#endif
+}
+
+/* End the prefetch (within a chunk) and release waiters; gefen_prefetch_free joins and frees. */
+NATIVE_EXPORT void gefen_prefetch_stop(void *handle) {
+#if !defined(_WIN32)
+    struct prefetch *p = handle;
+    pthread_mutex_lock(&p->lock);
+    p->stopped = 1;
+    pthread_cond_broadcast(&p->changed);
+    pthread_mutex_unlock(&p->lock);
+#else
+    (void)handle;
+#endif
+}
+
+NATIVE_EXPORT void gefen_prefetch_free(void *handle) {
+#if !defined(_WIN32)
+    struct prefetch *p = handle;
+    gefen_prefetch_stop(p);
+    pthread_join(p->thread, NULL);
+    prefetch_release(p);
+#else
+    (void)handle;
+#endif
+}

@@ -1,0 +1,134 @@
+"""Any checkpoint by URL (docs/design.md 10): ``open`` reads a portable or DCP directory (lazily)
+or a ``torch.save`` file as a ``CanonicalState``, ``write`` writes one in any format, and
+``convert_checkpoint`` does both with an optional change of optimizer between. The CLI is these
+calls plus printing."""
+
+from __future__ import annotations
+
+PORTABLE, DCP, TORCH = "portable", "dcp", "torch"
+FORMATS = (PORTABLE, DCP, TORCH)
+
+
+def detect_format(url: str) -> str:
+    """``"dcp"`` (a directory with ``.metadata``), ``"portable"`` (another directory: its manifest
+    is checked when read) or ``"torch"``; a clear error for anything else."""
+    import fsspec
+
+    from gefen_ckpt.errors import CheckpointFormatError, CheckpointIncompleteError
+
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.isdir(path):
+        return DCP if fs.exists(path.rstrip("/") + "/.metadata") else PORTABLE
+    if not fs.exists(path):
+        raise CheckpointIncompleteError(f"{url}: no such file or directory")
+    from gefen_ckpt.torch_format import is_torch_file  # imports torch: only for a file
+
+    if is_torch_file(url):
+        return TORCH
+    raise CheckpointFormatError(f"{url}: not a checkpoint (neither a gefen_ckpt directory nor a torch.save file)")
+
+
+def check_names(url: str, format: str, param_names: str | None, names_from: str | None) -> None:
+    """Names can be given only to a torch state_dict (the other formats record them), and only once."""
+    if param_names and names_from:
+        raise ValueError("give the parameter names one way (a names file or a model), not both")
+    if (param_names or names_from) and format != TORCH:
+        raise ValueError(f"parameter names can be given only for a torch.save'd optimizer state_dict; "
+                         f"{url} is a {format} checkpoint, which records its names")
+
+
+def check_optimizer(url: str, implementation: str, optimizer: str | None) -> None:
+    """``optimizer``, when given, must be the one that wrote ``url`` (short, case-insensitive names
+    such as ``adamw`` or ``GefenMuonHybrid`` work); the error's ``held`` names the one that did."""
+    if optimizer is not None and optimizer.lower() not in (implementation.lower(),
+                                                           implementation.rsplit(".", 1)[-1].lower()):
+        from gefen_ckpt.errors import CheckpointMismatchError
+
+        error = CheckpointMismatchError(f"{url} holds {implementation} state, not {optimizer}")
+        error.held = implementation
+        raise error
+
+
+def open(url: str, *, format: str | None = None, optimizer: str | None = None, param_names: str | None = None,
+         names_from: str | None = None):
+    """The checkpoint at ``url`` as a ``CanonicalState`` (``format``: skip the detection).
+
+    ``optimizer`` names the optimizer that wrote it (checked; needed for a torch file whose state
+    does not say, e.g. Adam vs AdamW). A torch state_dict saved without names gets them from
+    ``param_names`` (a file, one name a line) or ``names_from`` (a model checkpoint, in order)."""
+    format = format or detect_format(url)
+    check_names(url, format, param_names, names_from)
+    if format == TORCH:
+        return _open_torch(url, optimizer, param_names, names_from)
+    if format == DCP:
+        from gefen_ckpt.dcp import read_dcp
+
+        state = read_dcp(url)
+    else:
+        from gefen_ckpt.api import read
+
+        state = read(url)
+    check_optimizer(url, state.contract.implementation, optimizer)
+    return state
+
+
+def _open_torch(url: str, optimizer: str | None, param_names: str | None, names_from: str | None):
+    from gefen_ckpt.errors import CheckpointError, CheckpointMismatchError
+    from gefen_ckpt.torch_format import canonical_from_state_dict, load_torch_state_dict
+
+    sd = load_torch_state_dict(url)
+    if param_names or names_from:
+        from gefen_ckpt.names import name_state_dict, read_model_params, read_param_names
+
+        sd = (name_state_dict(sd, names=read_param_names(param_names), source=param_names) if param_names
+              else name_state_dict(sd, model_params=read_model_params(names_from), source=names_from))
+    try:
+        return canonical_from_state_dict(sd, optimizer)
+    except CheckpointMismatchError as exc:
+        if optimizer is None:
+            raise
+        try:  # what the state_dict's own fields say wrote it, if they say
+            held = canonical_from_state_dict(sd).contract.implementation
+        except CheckpointError:
+            raise exc from None
+        check_optimizer(url, held, optimizer)
+        raise
+
+
+def write(state, url: str, format: str = PORTABLE, *, world_size: int | None = None,
+          max_file_bytes: int | None = None, memory_budget: int | None = None, progress: bool = False) -> None:
+    """Write ``state`` to ``url`` as ``format`` (portable: sharded over ``world_size`` if given;
+    DCP: in chunks of a quarter of ``memory_budget``)."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format == DCP:
+        from gefen_ckpt.dcp import write_dcp
+
+        write_dcp(state, url, **({"chunk_bytes": memory_budget // 4} if memory_budget else {}))
+    elif format == TORCH:
+        from gefen_ckpt.torch_format import write_torch
+
+        write_torch(state, url)
+    else:
+        from gefen_ckpt.api import write as write_portable
+
+        sizes = {k: v for k, v in (("max_file_bytes", max_file_bytes), ("memory_budget", memory_budget)) if v}
+        write_portable(state, url, world_size=world_size, progress=progress, **sizes)
+
+
+def convert_checkpoint(src: str, dst: str, *, to: str | None = None, into: str | None = None, moments: str = "m4v4",
+                       format: str | None = None, optimizer: str | None = None, param_names: str | None = None,
+                       names_from: str | None = None, **write_options):
+    """``open`` ``src``, ``convert_state`` it ``into`` another optimizer if given (e.g. ``"Gefen"``
+    from AdamW), ``write`` it to ``dst`` as ``to`` (default: ``src``'s format) and return it;
+    nothing is written unless the whole conversion succeeds."""
+    if str(src).rstrip("/") == str(dst).rstrip("/"):
+        raise ValueError("src and dst are the same location")
+    format = format or detect_format(src)
+    state = open(src, format=format, optimizer=optimizer, param_names=param_names, names_from=names_from)
+    if into is not None:
+        from gefen_ckpt.convert import convert_state
+
+        state = convert_state(state, into, moments=moments)
+    write(state, dst, to or format, **write_options)
+    return state
