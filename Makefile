@@ -35,4 +35,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check gefen gefen_ckpt cli tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache gefen/_*.so
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache gefen/_*.so gefen_ckpt/_*.so
