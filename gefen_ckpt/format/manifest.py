@@ -51,7 +51,7 @@ _TRAILER = msgpack.packb(MANIFEST_CHECKSUM) + b"\xce"
 #: manifest takes at least ~27 bytes (a one-piece field: its map, shape, piece list, piece map
 #: and row pair in ~135 bytes); one per ``_BYTES_PER_CONTAINER`` is admitted, which keeps the
 #: decoded objects of any manifest within ``DECODE_MEMORY_FACTOR`` x its size (measured by
-#: tests/test_ckpt_limits.py on the worst shapes: tiny maps, short strings, nils).
+#: tests/ckpt/test_ckpt_reliability.py on the worst shapes: tiny maps, short strings, nils).
 _BYTES_PER_CONTAINER = 16
 _MAX_LEN = 2**22  # elements of one array or map: params, files, pieces of one tensor
 DECODE_MEMORY_FACTOR = 32
