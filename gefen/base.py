@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from gefen import native
-from gefen.codebook import histogram_normalised_blocks, learn_codebook
+from gefen.codebook import learn_codebook
 from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
+from gefen.dispatch import block_histogram
 from gefen.distributed import (
     Layout,
     ReductionPlan,
@@ -39,16 +39,6 @@ from gefen.validation import (
     param_label,
     plain_hyperparameters,
 )
-
-
-def _block_histogram(blocks, num_bins: int) -> torch.Tensor:
-    """The C pass when it applies, else the torch reference (the same counts). A ``(rows, scale)``
-    pair is a column-split tensor's local rows with the whole rows' max-abs (tensor parallelism)."""
-    if isinstance(blocks, tuple):
-        return histogram_normalised_blocks(blocks[0].unsqueeze(1), num_bins, scale=blocks[1])
-    counts = native.block_histogram(blocks, num_bins)
-    return histogram_normalised_blocks(blocks, num_bins) if counts is None else counts
-
 
 #: the optimizer-wide field that every parameter's state_dict entry also carries
 CODEBOOK = "codebook"
@@ -220,7 +210,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         blocks = [(rows_view(g), scales[id(p)]) if id(p) in scales else as_blocks(g, period)
                   for p, g, period in periods if period > 1]
         codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_,
-                                  histogram=_block_histogram)
+                                  histogram=block_histogram)
         return codebook.to(work[0][1].device)
 
     def _step_codebook(self) -> torch.Tensor:

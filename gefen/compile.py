@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from gefen.triton.dispatch import batched
+from gefen.dispatch import batched
 
 REASON = ("Gefen optimizers' step() runs eagerly (a fused C kernel via ctypes on CPU): compile the model "
           "or the training step without fullgraph=True and the step is a graph break")
@@ -20,7 +20,7 @@ REASON = ("Gefen optimizers' step() runs eagerly (a fused C kernel via ctypes on
 
 def eager_step(step):
     """Mark an optimizer's ``step`` as never traced by Dynamo, with the reason when torch has one;
-    the step's per-tensor kernel calls are batched into a few launches (``gefen.triton.dispatch``)."""
+    the step's per-tensor kernel calls are batched into a few launches (``gefen.dispatch``)."""
 
     @functools.wraps(step)
     def batched_step(*args, **kwargs):

@@ -12,6 +12,8 @@ one byte, both stochastically rounded: ``m4v4_partials`` / ``m4v4_update_``, exa
 ``adamw_update_`` for 1-D tensors). The m4v4 functions are the reference the fused kernels
 reproduce bit for bit (docs/format.md, "The m4v4 step"); the m8 ones the C kernel's (bit for
 bit) and the Triton kernels' (up to the fp32 means' summation order, docs/decisions.md).
+Pure torch, no kernel: ``gefen.dispatch`` picks the kernels or these, and the kernels' checks
+(``gefen.native.calibrate``, ``gefen.triton.selfcheck``) call these directly.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gefen import native
 from gefen.contract import DIMENSION_FIELDS
 from gefen.geometry import as_blocks, block_shape
 from gefen.quant import dequantise, quantise
@@ -37,7 +38,6 @@ from gefen.stochastic import (
     round_bf16,
     salts,
 )
-from gefen.triton import dispatch as triton_dispatch
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,6 @@ def init_state(param: torch.Tensor, global_shape: tuple[int, ...], period: int, 
 def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
     """For a factored tensor: the new ``v_row`` (rank-local) and the float64 partial sums that
     need a global reduction, ``[column sums of g^2..., sum of the new v_row]``."""
-    if (fused := native.fused_partials(grad, state, beta2)) is not None:  # same numbers, one C call
-        return fused
     sq = grad.float().square()
     v_row = state["v_row"] * beta2 + sq.mean(1) * (1 - beta2)
     partials = torch.cat([sq.sum(0, dtype=torch.float64), v_row.sum(dtype=torch.float64).reshape(1)])
@@ -107,9 +105,6 @@ def gefen_update_(
     ``v_row``/``partials`` are the factored tensor's results of ``second_moment_partials`` after
     the global sum; block-path tensors pass neither.
     """
-    for fused in (triton_dispatch.gefen_update_, native.fused_update_):  # CUDA: Triton; CPU: C (bit-identical)
-        if fused(param, grad, state, codebook, h, global_rows=global_rows, v_row=v_row, partials=partials):
-            return
     period = int(state["period"])
     g = grad.float()
     step = int(state["step"]) + 1
@@ -149,10 +144,6 @@ def gefen_update_(
 def update_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor:
     """``m = lerp(m, g, 1 - beta)`` stored re-quantised; returns the *re-quantised* momentum (fp32),
     so the update uses exactly the state it leaves behind (shared by Gefen and GefenMuon)."""
-    if (fused := native.fused_momentum_(state, grad, beta, codebook)) is not None:
-        return fused  # one C call, bit-identical (gefen/native.py)
-    if (fused := triton_dispatch.momentum_(state, grad, beta, codebook)) is not None:
-        return fused  # the Triton kernel on CUDA (gefen/triton)
     return store_momentum_(state, momentum_ema(state, grad, beta, codebook), codebook)
 
 
@@ -241,8 +232,6 @@ def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: tor
 
     Tensor parallelism (columns split) passes ``row_sum``, the whole rows' ``row_square_sums``,
     and ``row_len``, the global row length; the column sums stay those of the local columns."""
-    if row_sum is None and (fused := native.fused_m4v4_partials(grad, state, beta2)) is not None:
-        return fused  # same numbers, one C call
     g = _rows(grad)
     sq = g * g
     row_sum = sq.sum(1, dtype=torch.float64) if row_sum is None else row_sum
@@ -300,11 +289,6 @@ def m4v4_update_(
     parallelism's max |m| of each whole row (``m4v4_momentum`` reduced over the ranks holding the
     row's other columns; the fused kernels do not take it).
     """
-    if row_max is None:  # the fused kernels take whole rows (CUDA: Triton; CPU: C)
-        for fused in (triton_dispatch.m4v4_update_, native.fused_m4v4_update_):
-            if fused(param, grad, state, codebook, ratio, h, global_rows=global_rows, v_row=v_row,
-                     partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0, row_len=row_len):
-                return
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1
     g = _rows(grad)
@@ -369,9 +353,6 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper
     moment kept in bf16 by unbiased stochastic rounding (noise: the hash of the element's global
     index ``row0 + i``, the step and the parameter's first salt), its second moment in fp32. The
     update uses the new fp32 moment, as AdamW does; only what is stored is rounded."""
-    for fused in (triton_dispatch.adamw_update_, native.fused_adamw_update_):  # CUDA: Triton; CPU: C
-        if fused(param, grad, state, h, pidx=pidx, seed=seed, row0=row0):
-            return
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1
     g = grad.float()

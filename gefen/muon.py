@@ -18,11 +18,11 @@ import torch
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.compile import eager_step
 from gefen.contract import FieldSpec, OptimizerContract
+from gefen.dispatch import momenta_
 from gefen.distributed import Layout, RowGather
-from gefen.functional import init_momentum_state, momentum_ema, rows_view, store_momentum_, update_momentum_
+from gefen.functional import init_momentum_state, momentum_ema, rows_view, store_momentum_
 from gefen.newton_schulz import orthogonalise, resolve_schedule
 from gefen.quant import block_scales
-from gefen.triton import dispatch as triton_dispatch
 from gefen.validation import check_range, param_label
 
 __all__ = ["GefenMuon", "LocalGather", "lr_scale"]
@@ -216,15 +216,6 @@ class GefenMuon(CompressedOptimizer):
         ema = [momentum_ema(state, g.float(), mu, codebook) for state, g, mu in items]
         scales = self.reduction_plan().reduce_rows_("max", [block_scales(rows_view(m).unsqueeze(1)) for m in ema])
         return [store_momentum_(state, m, codebook, s) for (state, _, _), m, s in zip(items, ema, scales)]
-
-
-def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list[torch.Tensor]:
-    """``update_momentum_`` of every item; on CUDA all in one Triton launch (gefen/triton, which
-    reads bf16 gradients as they are)."""
-    if not items:
-        return []
-    return triton_dispatch.momenta_(items, codebook) or [
-        update_momentum_(state, g.float(), mu, codebook) for state, g, mu in items]
 
 
 def orthogonalise_batched(matrices: list[torch.Tensor], schedules: list[tuple]) -> list[torch.Tensor]:

@@ -7,9 +7,10 @@ when they do not apply (not CPU, not contiguous, dtype other than fp32/bf16, lib
 disabled), and the caller then runs the eager reference.  Nothing is modified in that case.
 
 The C code reproduces the rounding order of the eager torch ops, including ATen's cascade
-summation, whose vector width depends on torch's CPU capability.  At first use the two paths are
-run side by side on a few small problems (``calibrate``); on any mismatch the native path stays off
-and a warning says so.  The result is cached per library build, CPU and torch in the user's cache
+summation, whose vector width depends on torch's CPU capability.  At first use the kernels, at each
+candidate width (their ``width`` argument), and the pure reference are run side by side on a few
+small problems (``calibrate``; no module state is swapped); on any mismatch the native path stays
+off and a warning says so.  The result is cached per library build, CPU and torch in the user's cache
 directory (``calibrate_cached``; ``$GEFEN_CACHE_DIR`` overrides it), so a fresh process does not
 pay the calibration again.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``native.enabled = False``
 forces the eager path; both paths compute the same numbers, so this only changes speed.
@@ -39,8 +40,11 @@ import warnings
 
 import torch
 
+from gefen import functional as F
 from gefen.codebook import code_thresholds
 from gefen.geometry import rows_and_row_numel
+from gefen.quant import quantise
+from gefen.stochastic import ratio_table, salts
 
 __all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_momentum_", "calibrate",
            "block_histogram", "fused_m4v4_partials", "fused_m4v4_update_", "fused_adamw_update_"]
@@ -229,14 +233,15 @@ def _cpu_contiguous(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
-def fused_partials(grad: torch.Tensor, state: dict, beta2: float):
-    """``second_moment_partials`` in one C call, or None when the fused path does not apply."""
+def fused_partials(grad: torch.Tensor, state: dict, beta2: float, *, width: int = 0):
+    """``second_moment_partials`` in one C call, or None when the fused path does not apply.
+    ``width``: calibration's vector width to try (then ``enabled`` is not consulted); 0: the calibrated one."""
     gdt = _DT.get(grad.dtype)
     v_row_old = state["v_row"]
-    if (gdt is None or grad.dim() != 2 or not enabled or _lib is None or v_row_old.dtype != torch.float32
+    if (gdt is None or grad.dim() != 2 or not (width or enabled) or _lib is None or v_row_old.dtype != torch.float32
             or not _cpu_contiguous(grad, v_row_old) or v_row_old.shape != grad.shape[:1] or grad.shape[1] < 1):
         return None
-    W = _vector_width()
+    W = width or _vector_width()
     if not W:
         return None
     rows, cols = grad.shape
@@ -248,10 +253,12 @@ def fused_partials(grad: torch.Tensor, state: dict, beta2: float):
 
 
 def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
-                  global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None) -> bool:
-    """``gefen_update_`` in one C call; returns False (touching nothing) when it does not apply."""
+                  global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None,
+                  width: int = 0) -> bool:
+    """``gefen_update_`` in one C call; returns False (touching nothing) when it does not apply
+    (``width``: as for ``fused_partials``)."""
     pdt, gdt = _DT.get(param.dtype), _DT.get(grad.dtype)
-    if pdt is None or gdt is None or not enabled or _lib is None or param.shape != grad.shape:
+    if pdt is None or gdt is None or not (width or enabled) or _lib is None or param.shape != grad.shape:
         return False
     codes, scales = state["m_code"], state["m_scale"]
     factored = "v_row" in state
@@ -265,7 +272,7 @@ def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
         return False
     if any(t.dtype != torch.float32 for t in (scales, *extra[:2])):
         return False
-    a = _momentum_args(state, grad, gdt, codebook)
+    a = _momentum_args(state, grad, gdt, codebook, width)
     if a is None:
         return False
     rows, row_numel = a.rows, a.bpr * a.period
@@ -308,7 +315,7 @@ def fused_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torc
         return None
     if not _cpu_contiguous(grad, codes, scales) or codes.shape != grad.shape:
         return None
-    a = _momentum_args(state, grad, gdt, codebook)
+    a = _momentum_args(state, grad, gdt, codebook, 0)
     if a is None:
         return None
     out = torch.empty(grad.shape, dtype=torch.float32)
@@ -317,10 +324,11 @@ def fused_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torc
     return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
 
 
-def _momentum_args(state: dict, grad: torch.Tensor, gdt: int, codebook: torch.Tensor) -> _StepArgs | None:
+def _momentum_args(state: dict, grad: torch.Tensor, gdt: int, codebook: torch.Tensor,
+                   width: int) -> _StepArgs | None:
     """Kernel arguments shared by the full step and the momentum alone: gradient, codes, scales,
-    block geometry, quantiser, threads; None when the fused path does not apply."""
-    W = _vector_width()
+    block geometry, quantiser, threads, vector width; None when the fused path does not apply."""
+    W = width or _vector_width()
     q = _quantiser(codebook) if W else None
     if q is None:
         return None
@@ -339,17 +347,20 @@ def _momentum_args(state: dict, grad: torch.Tensor, gdt: int, codebook: torch.Te
 
 
 # ----- the m4v4 layout: gefen/csrc/m4v4_step.c (phase 2, AdamW), gefen_m4v4_partials (phase 1) -----
-def _m4v4_ready() -> bool:
-    """Built, enabled, and checked against the m4v4 reference on this machine (``calibrate``)."""
-    return _lib is not None and enabled and _vector_width() > 0 and _m4v4_ok
+def _m4v4_width(width: int) -> int:
+    """The vector width the m4v4 kernels run at: calibration's ``width``, else the calibrated one
+    when they are built, enabled and checked against the m4v4 reference here (``calibrate``); 0: off."""
+    if _lib is None:
+        return 0
+    return width or (_width if enabled and _vector_width() > 0 and _m4v4_ok else 0)
 
 
-def fused_m4v4_partials(grad: torch.Tensor, state: dict, beta2: float):
+def fused_m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, width: int = 0):
     """``functional.m4v4_partials`` (same ``(v_row, partials)``, bit for bit) in one C call, or
-    None when it does not apply."""
+    None when it does not apply (``width``: as for ``fused_partials``)."""
     gdt = _DT.get(grad.dtype)
     v_row_old = state.get("v_row")
-    if gdt is None or grad.dim() < 2 or v_row_old is None or not _m4v4_ready():
+    if gdt is None or grad.dim() < 2 or v_row_old is None or not (W := _m4v4_width(width)):
         return None
     rows, cols = rows_and_row_numel(grad.shape)
     if (cols < 1 or v_row_old.dtype != torch.float32 or v_row_old.shape != (rows,)
@@ -358,7 +369,7 @@ def fused_m4v4_partials(grad: torch.Tensor, state: dict, beta2: float):
     v_row = torch.empty(rows, dtype=torch.float32)
     partials = torch.empty(cols + 2, dtype=torch.float64)
     rc = _lib.gefen_m4v4_partials(grad.data_ptr(), gdt, rows, cols, cols, v_row_old.data_ptr(), v_row.data_ptr(),
-                                  partials.data_ptr(), beta2, 1 - beta2, _width, torch.get_num_threads())
+                                  partials.data_ptr(), beta2, 1 - beta2, W, torch.get_num_threads())
     return (v_row, partials) if rc == 0 else None
 
 
@@ -367,11 +378,12 @@ _M4V4_DTYPES = {"mv_code": torch.uint8, "m_row_scale": torch.bfloat16, "v_row": 
 
 def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor,
                        ratio: torch.Tensor, h, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor,
-                       pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None) -> bool:
+                       pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None,
+                       width: int = 0) -> bool:
     """``functional.m4v4_update_`` in one C call; returns False (touching nothing) when it does
-    not apply (then the caller runs the reference)."""
+    not apply (then the caller runs the reference; ``width``: as for ``fused_partials``)."""
     pdt, gdt = _DT.get(param.dtype), _DT.get(grad.dtype)
-    if pdt is None or gdt is None or param.shape != grad.shape or grad.dim() < 2 or not _m4v4_ready():
+    if pdt is None or gdt is None or param.shape != grad.shape or grad.dim() < 2 or not _m4v4_width(width):
         return False
     rows, cols = rows_and_row_numel(grad.shape)
     fields = [state.get(k) for k in _M4V4_DTYPES]
@@ -386,8 +398,6 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
     if (codes.numel() != rows * cols or scale.numel() != rows or v_row_old.numel() != rows or v_row.numel() != rows
             or v_col.numel() != cols or partials.numel() != cols + 2):
         return False
-    from gefen.stochastic import salts
-
     step_t = state["step"]
     step = int(step_t) + 1
     a = _M4v4Args()
@@ -404,18 +414,16 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
 
 
 def fused_adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h, *, pidx: int, seed: int,
-                        row0: int = 0) -> bool:
+                        row0: int = 0, width: int = 0) -> bool:
     """``functional.adamw_update_`` (m4v4's 1-D/0-D step) in one C call; False (touching
-    nothing) when it does not apply."""
+    nothing) when it does not apply (``width``: as for ``fused_partials``)."""
     pdt, gdt = _DT.get(param.dtype), _DT.get(grad.dtype)
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
-    if pdt is None or gdt is None or m is None or v is None or not _m4v4_ready():
+    if pdt is None or gdt is None or m is None or v is None or not _m4v4_width(width):
         return False
     if (param.shape != grad.shape or m.shape != param.shape or v.shape != param.shape
             or m.dtype != torch.bfloat16 or v.dtype != torch.float32 or not _cpu_contiguous(param, grad, m, v)):
         return False
-    from gefen.stochastic import salts
-
     step_t = state["step"]
     step = int(step_t) + 1
     a = _AdamwArgs()
@@ -478,26 +486,16 @@ def _problems():
     ]
 
 
-def _run_problem(shape, period, factored, use_native: bool, W: int):
-    global enabled
-    saved = enabled
-    enabled = use_native  # the reference run must take the eager path
-    try:
-        return _run_problem_inner(shape, period, factored, use_native, W)
-    finally:
-        enabled = saved
-
-
-def _run_problem_inner(shape, period, factored, use_native: bool, W: int):
-    from gefen.functional import Hyper, gefen_update_, init_state, second_moment_partials
-
+def _run_problem(shape, period, factored, W: int):
+    """Two m8 steps of one problem (one for the big ones) through the reference (``W == 0``) or the
+    C kernels at vector width ``W`` (None: a kernel refused)."""
     gen = torch.Generator().manual_seed(1234 + len(shape) + period)
     p = torch.randn(shape, generator=gen)
-    state = init_state(p, tuple(shape), period, factored)
+    state = F.init_state(p, tuple(shape), period, factored)
     codebook = torch.cat([torch.tensor([-1.0]), torch.sort(torch.rand(62, generator=gen) * 2 - 1).values,
                           torch.tensor([1.0])])
     # beta1 <= 0.5 takes ATen's other lerp formula (|weight| >= 0.5): check both
-    h = Hyper(lr=1e-2, beta1=0.9 if period % 2 else 0.4, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    h = F.Hyper(lr=1e-2, beta1=0.9 if period % 2 else 0.4, beta2=0.99, eps=1e-8, weight_decay=0.05)
     rows = shape[0] if shape else 1
     for _ in range(1 if p.numel() >= 32768 else 2):  # big ones only test the parallel split rules
         g = torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)
@@ -505,33 +503,14 @@ def _run_problem_inner(shape, period, factored, use_native: bool, W: int):
             g[1] = 0  # all-zero blocks: zero scales (and their sign)
         v_row = partials = None
         if factored:
-            out = _partials_with(W, g, state, h.beta2) if use_native else None
-            v_row, partials = out if out is not None else second_moment_partials(g, state, h.beta2)
-        if use_native:
-            if not _update_with(W, p, g, state, codebook, h, rows, v_row, partials):
-                return None
-        else:
-            gefen_update_(p, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
+            out = fused_partials(g, state, h.beta2, width=W) if W else None
+            v_row, partials = out if out is not None else F.second_moment_partials(g, state, h.beta2)
+        kw = dict(global_rows=rows, v_row=v_row, partials=partials)
+        if not W:
+            F.gefen_update_(p, g, state, codebook, h, **kw)
+        elif not fused_update_(p, g, state, codebook, h, width=W, **kw):
+            return None
     return p, state
-
-
-def _partials_with(W, g, state, beta2):
-    global _width
-    saved, _width = _width, W
-    try:
-        return fused_partials(g, state, beta2)
-    finally:
-        _width = saved
-
-
-def _update_with(W, *args):
-    global _width
-    saved, _width = _width, W
-    p, g, state, codebook, h, rows, v_row, partials = args
-    try:
-        return fused_update_(p, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
-    finally:
-        _width = saved
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -544,16 +523,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _matches(case, ref, W: int) -> bool:
-    got = _run_problem(*case, use_native=True, W=W)
+def _same_run(got, ref) -> bool:
+    """Whether a kernel run's ``(param, state)`` (None: refused) is the reference's, bit for bit."""
     return got is not None and _same(got[0], ref[0]) and all(_same(got[1][k], ref[1][k]) for k in ref[1])
 
 
 def _probe_scale_mode() -> int:
     """0 when gefen.quant's all-zero blocks get torch.maximum(+0, -0)'s sign (-0 in the vectorised
     part), 1 when they get +0 (a max of |m|)."""
-    from gefen.quant import quantise
-
     scales = quantise(torch.zeros(1, 40 * 8), torch.linspace(-1.0, 1.0, 16), 8)[1]
     return 0 if torch.signbit(scales).any() else 1
 
@@ -569,11 +546,11 @@ def calibrate() -> int:
     widths = (16, 8) if "512" in capability else (8, 16)
     vml = _torch_vml_sqrt()
     with torch.no_grad():
-        reference = [_run_problem(*case, use_native=False, W=0) for case in _problems()]
+        reference = [_run_problem(*case, W=0) for case in _problems()]
         for sqrt_fns in ([vml] if vml else []) + [(None, None)]:
             _lib.gefen_set_sqrt(*sqrt_fns)
             for W in widths:
-                if all(_matches(case, ref, W) for case, ref in zip(_problems(), reference)):
+                if all(_same_run(_run_problem(*case, W=W), ref) for case, ref in zip(_problems(), reference)):
                     _sqrt_is_vml = sqrt_fns is vml
                     _m4v4_ok = _m4v4_matches(W)
                     if not _m4v4_ok:
@@ -590,57 +567,37 @@ def _m4v4_problems():
             ((45, 29), torch.bfloat16), ((3, 5, 8), torch.float32), ((5000,), torch.float32), ((), torch.bfloat16)]
 
 
-def _run_m4v4(shape, dtype, use_native: bool):
+def _run_m4v4(shape, dtype, W: int):
     """Two m4v4 steps of one tensor (one for the big ones, which only test the summation paths)
-    through the reference or the kernels (None: a kernel refused)."""
-    global enabled
-    from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partials, m4v4_update_
-    from gefen.stochastic import ratio_table
-
+    through the reference (``W == 0``) or the kernels at vector width ``W`` (None: a kernel refused)."""
     gen = torch.Generator().manual_seed(4321 + len(shape))
     p = torch.randn(shape, generator=gen).to(dtype)
-    state = init_m4v4_state(p, tuple(shape))
+    state = F.init_m4v4_state(p, tuple(shape))
     codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
     ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values)
-    h = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
-    saved, enabled = enabled, use_native
-    try:
-        for _ in range(1 if p.numel() >= 32768 else 2):
-            g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
-            if len(shape) < 2:
-                if not use_native:
-                    adamw_update_(p, g, state, h, pidx=3, seed=1, row0=5)
-                elif not fused_adamw_update_(p, g, state, h, pidx=3, seed=1, row0=5):
-                    return None
-                continue
-            out = fused_m4v4_partials(g, state, h.beta2) if use_native else m4v4_partials(g, state, h.beta2)
-            if out is None:
+    h = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    for _ in range(1 if p.numel() >= 32768 else 2):
+        g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
+        if len(shape) < 2:
+            if not W:
+                F.adamw_update_(p, g, state, h, pidx=3, seed=1, row0=5)
+            elif not fused_adamw_update_(p, g, state, h, pidx=3, seed=1, row0=5, width=W):
                 return None
-            kw = dict(global_rows=shape[0], v_row=out[0], partials=out[1], pidx=3, seed=1, row0=5)
-            if not use_native:
-                m4v4_update_(p, g, state, codebook, ratio, h, **kw)
-            elif not fused_m4v4_update_(p, g, state, codebook, ratio, h, **kw):
-                return None
-    finally:
-        enabled = saved
+            continue
+        out = fused_m4v4_partials(g, state, h.beta2, width=W) if W else F.m4v4_partials(g, state, h.beta2)
+        if out is None:
+            return None
+        kw = dict(global_rows=shape[0], v_row=out[0], partials=out[1], pidx=3, seed=1, row0=5)
+        if not W:
+            F.m4v4_update_(p, g, state, codebook, ratio, h, **kw)
+        elif not fused_m4v4_update_(p, g, state, codebook, ratio, h, width=W, **kw):
+            return None
     return p, state
 
 
 def _m4v4_matches(W: int) -> bool:
     """Whether the m4v4 kernels reproduce the m4v4 reference at torch vector width W."""
-    global _width, _m4v4_ok
-    saved = _width, _m4v4_ok
-    try:
-        for case in _m4v4_problems():
-            ref = _run_m4v4(*case, use_native=False)
-            _width, _m4v4_ok = W, True
-            got = _run_m4v4(*case, use_native=True)
-            _width, _m4v4_ok = saved
-            if got is None or not (_same(got[0], ref[0]) and all(_same(got[1][k], ref[1][k]) for k in ref[1])):
-                return False
-        return True
-    finally:
-        _width, _m4v4_ok = saved
+    return all(_same_run(_run_m4v4(*case, W=W), _run_m4v4(*case, W=0)) for case in _m4v4_problems())
 
 
 def _warn_mismatch(what: str = "") -> None:

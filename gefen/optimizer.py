@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from gefen import dispatch
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.codebook import solve_codebook
 from gefen.compile import eager_step
@@ -13,24 +14,18 @@ from gefen.functional import (
     M4V4_MATRIX_FIELDS,
     VECTOR_FIELDS,
     Hyper,
-    adamw_update_,
-    gefen_update_,
     init_m4v4_state,
     init_state,
     is_coded,
     is_factored,
     m4v4_momentum,
-    m4v4_partials,
-    m4v4_update_,
     row_abs_max,
     row_square_sums,
-    second_moment_partials,
     v_ratio_histogram,
 )
 from gefen.geometry import rows_and_row_numel
 from gefen.layouts import CONTRACTS, MOMENTS, V_CODEBOOK, version_refusal
 from gefen.stochastic import CODES, ratio_table, standin_codebook
-from gefen.triton import dispatch as triton_dispatch
 from gefen.validation import check_adamw_options, check_betas, check_range
 
 __all__ = ["Gefen", "MOMENTS", "version_refusal"]
@@ -190,16 +185,16 @@ class Gefen(CompressedOptimizer):
         return [(g, p, grad) for g, p, grad in work if "mv_code" in self.state[p] and plan.splits_columns(p)]
 
     def _step_m8(self, work) -> None:
-        pending = self._reduced_partials(work, "v_row", lambda p, *args: second_moment_partials(*args),
-                                         batched_fn=triton_dispatch.m8_partials_)
+        pending = self._reduced_partials(work, "v_row", lambda p, *args: dispatch.second_moment_partials(*args),
+                                         batched_fn=dispatch.m8_partials_)
         codebook = self._step_codebook()
         for i, (group, p, grad) in enumerate(work):
             beta1, beta2 = group["betas"]
             h = Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             v_row, partials = pending.get(i, (None, None))
             shape = global_shape(p)
-            gefen_update_(local_tensor(p), local_tensor(grad), self.state[p], codebook, h,
-                          global_rows=shape[0] if shape else 1, v_row=v_row, partials=partials)
+            dispatch.gefen_update_(local_tensor(p), local_tensor(grad), self.state[p], codebook, h,
+                                   global_rows=shape[0] if shape else 1, v_row=v_row, partials=partials)
 
     def _step_m4v4(self, work) -> None:
         plan, split = self.reduction_plan(), self._split_rows(work)
@@ -207,9 +202,9 @@ class Gefen(CompressedOptimizer):
         sums = plan.reduce_rows_("sum", [row_square_sums(local_tensor(grad)) for *_, grad in split])
         row_sums = {id(p): s for (_, p, _), s in zip(split, sums)}
         pending = self._reduced_partials(
-            work, "mv_code", lambda p, g, state, beta2: m4v4_partials(g, state, beta2, row_sum=row_sums.get(id(p)),
-                                                                      row_len=_row_len(p)),
-            batched_fn=None if split else triton_dispatch.m4v4_partials_)
+            work, "mv_code", lambda p, g, state, beta2: dispatch.m4v4_partials(
+                g, state, beta2, row_sum=row_sums.get(id(p)), row_len=_row_len(p)),
+            batched_fn=None if split else dispatch.m4v4_partials_)
         if self.codebook is None:
             self._learn_m4v4_codebooks(work, pending)
         codebook = self._step_codebook()
@@ -226,14 +221,16 @@ class Gefen(CompressedOptimizer):
             local, local_grad = local_tensor(p), local_tensor(grad)
             row0, col0 = plan.offsets(p)
             if i not in pending:
-                adamw_update_(local, local_grad, self.state[p], h, pidx=position[id(p)], seed=group["seed"], row0=row0)
+                dispatch.adamw_update_(local, local_grad, self.state[p], h, pidx=position[id(p)], seed=group["seed"],
+                                       row0=row0)
                 continue
             if local.device not in ratios:
                 ratios[local.device] = ratio_table(self._v_book(local.device))
             v_row, partials = pending[i]
-            m4v4_update_(local, local_grad, self.state[p], codebook.to(local.device), ratios[local.device], h,
-                         global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=position[id(p)],
-                         seed=group["seed"], row0=row0, col0=col0, row_len=_row_len(p), row_max=row_max.get(id(p)))
+            dispatch.m4v4_update_(local, local_grad, self.state[p], codebook.to(local.device), ratios[local.device],
+                                  h, global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=position[id(p)],
+                                  seed=group["seed"], row0=row0, col0=col0, row_len=_row_len(p),
+                                  row_max=row_max.get(id(p)))
 
     def _v_book(self, device) -> torch.Tensor:
         return standin_codebook(device) if self.v_codebook is None else self.v_codebook.to(device)

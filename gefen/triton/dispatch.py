@@ -1,5 +1,5 @@
-"""When a step runs the Triton kernels: the one decision point between the eager references in
-``gefen.functional`` and ``gefen.triton.launch``.
+"""Whether the Triton kernels take a step (``gefen.dispatch`` asks here first, then the C kernels,
+then runs the eager reference of ``gefen.functional``), and their launch through ``gefen.triton.launch``.
 
 ``m4v4_update_``, ``adamw_update_``, ``gefen_update_`` (m8) and ``momentum_`` take the arguments
 of the functional reference of the same name and return True / the momentum when the kernels did the work, or
@@ -37,7 +37,6 @@ _launch_mod = None
 _import_error: str | None = None
 _logged: set[str] = set()
 _verified: dict[tuple[str, str], str | None] = {}  # (device, family) -> None (ok) or why not
-_checking = False  # a self-check runs the eager reference: the hooks must stay out of it
 _local = threading.local()
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -71,7 +70,7 @@ def _why_not(tensors: list[torch.Tensor], states: list[torch.Tensor], family: st
     """None when the kernels apply to these tensors, else why not (for CUDA tensors only: on
     other devices the caller falls back silently)."""
     device = tensors[0].device
-    if device.type not in DEVICES or _checking:
+    if device.type not in DEVICES:
         return ""
     if not enabled:
         return "disabled (GEFEN_DISABLE_NATIVE=1 or gefen.triton.dispatch.enabled = False)"
@@ -106,16 +105,12 @@ def verify(device: torch.device, family: str) -> str | None:
     or driver that miscompiles or fails to build them). As ``gefen.native`` calibrates its C step."""
     key = (str(device), family)
     if key not in _verified:
-        global _checking
         from gefen.triton import selfcheck
 
-        _checking = True
         try:
             _verified[key] = selfcheck.run(_launch_mod, device, family)
         except Exception as exc:  # a kernel that does not build or launch here
             _verified[key] = f"the {family} kernels failed their first run ({type(exc).__name__}: {exc})"
-        finally:
-            _checking = False
     return _verified[key]
 
 

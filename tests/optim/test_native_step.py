@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gefen.native as native
 from gefen import Gefen
 from gefen.codebook import code_thresholds, learn_codebook, nearest_code
-from gefen.functional import Hyper, gefen_update_, init_state, second_moment_partials
+from gefen.dispatch import gefen_update_, second_moment_partials
+from gefen.functional import Hyper, init_state
 from gefen.geometry import as_blocks, rows_and_row_numel
 
 HYPER = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)

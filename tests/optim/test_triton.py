@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from gefen import functional as F
+from gefen import native
 from gefen.functional import Hyper
 from gefen.stochastic import ratio_table
 
@@ -35,7 +36,7 @@ def _kernels_on_this_device(monkeypatch):
         pytest.skip("no CUDA device and Triton's interpreter is off (TRITON_INTERPRET=1)")
     monkeypatch.setattr(dispatch, "DEVICES", {"cuda", "cpu"})
     monkeypatch.setattr(dispatch, "enabled", True)
-    monkeypatch.setattr(F.native, "enabled", False)  # the reference is the eager torch step
+    monkeypatch.setattr(native, "enabled", False)  # the reference is the eager torch step
     monkeypatch.setattr(launch, "MAX_SINGLE", 64)  # rows longer than 64 take the two-pass kernels
 
 
@@ -95,9 +96,7 @@ def test_m4v4_matches_the_reference(shape, pdt, gdt):
         g = _grad(gen, shape, gdt, zero_row=step == 1)
         v_row, parts = F.m4v4_partials(g, s_ref, H.beta2)
         kw = dict(global_rows=global_rows, v_row=v_row, partials=parts, pidx=3, seed=1, row0=row0)
-        dispatch.enabled = False  # the reference must not reach the kernels
-        F.m4v4_update_(p_ref, g, s_ref, cb, R, H, **kw)
-        dispatch.enabled = True
+        F.m4v4_update_(p_ref, g, s_ref, cb, R, H, **kw)  # the pure reference
         assert dispatch.m4v4_update_(p_tri, g, s_tri, cb, R, H, **{**kw, "v_row": v_row.clone()})
         _assert_states_equal(s_ref, s_tri, f"step {step}")
         assert _same_step(before, p_ref, p_tri), f"step {step}: parameters differ beyond rounding"
@@ -137,9 +136,7 @@ def test_1d_path_matches_the_reference(shape, pdt):
     before = p_ref.clone()
     for step in range(3):
         g = _grad(gen, shape, pdt, zero_row=False)
-        dispatch.enabled = False
         F.adamw_update_(p_ref, g, s_ref, H, pidx=3, seed=2, row0=9)
-        dispatch.enabled = True
         assert dispatch.adamw_update_(p_tri, g, s_tri, H, pidx=3, seed=2, row0=9)
         _assert_states_equal(s_ref, s_tri, f"step {step}")
         assert _same_step(before, p_ref, p_tri)
@@ -211,17 +208,13 @@ def test_m8_matches_the_reference(shape, period, factored, pdt, gdt, K):
         before = p_ref.clone()
         kw = kw_tri = {}
         if factored:
-            dispatch.enabled = False
             v_row, parts = F.second_moment_partials(g, s_ref, H.beta2)
-            dispatch.enabled = True
             ((v_row_tri, parts_tri),) = dispatch.m8_partials_([(g, s_tri, H.beta2)])
             torch.testing.assert_close(v_row_tri, v_row, rtol=selfcheck.M8_V_RTOL, atol=0)
             torch.testing.assert_close(parts_tri[:-1], parts[:-1], rtol=1e-13, atol=0)  # float64 column sums
             torch.testing.assert_close(parts_tri[-1:], parts[-1:], rtol=selfcheck.M8_V_RTOL, atol=0)  # sum of v_row
             kw, kw_tri = dict(v_row=v_row, partials=parts), dict(v_row=v_row_tri, partials=parts_tri)
-        dispatch.enabled = False  # the reference must not reach the kernels
-        F.gefen_update_(p_ref, g, s_ref, cb, H, global_rows=global_rows, **kw)
-        dispatch.enabled = True
+        F.gefen_update_(p_ref, g, s_ref, cb, H, global_rows=global_rows, **kw)  # the pure reference
         assert dispatch.gefen_update_(p_tri, g, s_tri, cb, H, global_rows=global_rows, **kw_tri)
         assert (why := selfcheck.m8_differences(s_ref, s_tri)) is None, f"step {step}: {why}"
         assert selfcheck.m8_params_close(before, p_ref, p_tri), f"step {step}: parameters differ beyond the tolerance"
@@ -305,9 +298,7 @@ def test_momentum_matches_the_reference(K, shape, period, gdt):
     s_tri = copy.deepcopy(s_ref)
     for step, beta in enumerate((0.95, 0.3, 0.95)):  # lerp weights on both sides of 0.5
         g = _grad(gen, shape, gdt, zero_row=step == 1)
-        dispatch.enabled = False
         ref = F.update_momentum_(s_ref, g, beta, cb)
-        dispatch.enabled = True
         got = dispatch.momentum_(s_tri, g, beta, cb)
         assert got is not None
         assert torch.equal(ref, got), f"step {step}: momentum differs"
@@ -412,7 +403,6 @@ def test_first_use_check_passes_and_catches_a_wrong_kernel(family, monkeypatch):
     """The check run at a device's first use (gefen.triton.selfcheck) passes with these kernels
     and reports a kernel whose output differs (here: an update that forgets the last element)."""
     device = torch.device(DEVICE)
-    monkeypatch.setattr(dispatch, "_checking", True)  # as verify() runs it: the hooks stay out
     assert selfcheck.run(launch, device, family) is None
     name = {"momentum": "momentum_", "m8": "m8_update_"}.get(family, "m4v4_update_")
     real = getattr(launch, name)
@@ -472,7 +462,7 @@ def _m8_dtensor_worker(rank: int, world_size: int):
 
     from gefen import Gefen
 
-    dispatch.DEVICES, F.native.enabled = {"cuda", "cpu"}, False
+    dispatch.DEVICES, native.enabled = {"cuda", "cpu"}, False
     mesh = init_device_mesh("cpu", (world_size,))
     gen = torch.Generator().manual_seed(2)
     shapes = {"emb": (9, 16), "tiny": (1, 8), "norm": (16,), "conv": (4, 2, 3)}  # "tiny": an empty shard

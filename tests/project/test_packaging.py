@@ -60,3 +60,42 @@ def test_scanner_sees_lazy_imports(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    import click\n    from rich.console import Console\n")
     assert _imports(probe) == {"click", "rich"}
+
+
+def _first_party_graph(package: str) -> dict[str, set[str]]:
+    """module -> the modules of ``package`` it imports (lazy imports too; ``from pkg import mod``
+    counts as ``pkg.mod``)."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / package).rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in paths}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in paths:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & set(paths)
+                deps |= subs or {node.module}
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_gefen_modules_import_no_cycle_and_the_reference_is_pure():
+    """One direction between gefen's modules (docs/design.md 2): the torch reference imports no
+    kernel, and no module imports one that imports it back."""
+    graph = _first_party_graph("gefen")
+    kernels = {d for d in graph["gefen.functional"] if d == "gefen.native" or d.startswith("gefen.triton")}
+    assert not kernels, f"the reference gefen.functional imports kernels: {sorted(kernels)}"
+    done, path = set(), []
+
+    def visit(module):
+        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module):] + [module])}"
+        if module not in done:
+            path.append(module)
+            for dep in sorted(graph[module]):
+                visit(dep)
+            path.pop()
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
