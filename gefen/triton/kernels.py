@@ -353,10 +353,13 @@ def adamw_kernel(progs, ptrs, ints, scal, BLOCK: tl.constexpr, PARAM_T: tl.const
 # ----- Gefen m4v4 phase 1: row and column sums of g^2 (float64) --------------------------------
 @triton.jit
 def partials_kernel(progs, ptrs, ints, betas, BR: tl.constexpr, BC: tl.constexpr,
-                    GRAD_T: tl.constexpr):
-    """One program per ``BR`` rows: the rows' float64 sums of g^2 (complete: it owns the rows), the
-    new ``v_row``, and its rows' share of every column sum and of the two ``v_row`` sums, written to
-    its row of a scratch ``[row tiles, C + 2]`` float64 buffer (summed by ``column_sum_kernel``).
+                    GRAD_T: tl.constexpr, M8: tl.constexpr):
+    """Phase 1 of either layout, one program per ``BR`` rows: the rows' float64 sums of g^2
+    (complete: it owns the rows), the new ``v_row = v_row * b2 + mean(g^2) * (1 - b2)``, and its
+    rows' share of every column sum and of the new and old ``v_row`` sums, written to its row of a
+    scratch ``[row tiles, C + 2]`` float64 buffer (summed by ``column_sum_kernel``). m4v4's mean
+    is the float64 sum / C rounded once; m8's (``functional.second_moment_partials``) is an fp32
+    sum divided by C, as torch's ``mean``, and its last slot is 0.
     ptrs = (grad, v_row, v_row_new, scratch); ints[I_ROWS], ints[I_C]; betas = (b2, 1 - b2) fp32."""
     pid = tl.program_id(0)
     pidx = tl.load(progs + 2 * pid)
@@ -380,11 +383,17 @@ def partials_kernel(progs, ptrs, ints, betas, BR: tl.constexpr, BC: tl.constexpr
         row_sum += tl.sum(sq, axis=1)
         tl.store(out + c, tl.sum(sq, axis=0), mask=c < C)
     v_old = tl.load(v_row_p + rows, mask=rmask, other=0.0)
-    mean = (row_sum / tl.maximum(C, 1).to(tl.float64)).to(tl.float32)
+    if M8:
+        mean = tl.div_rn(row_sum.to(tl.float32), C.to(tl.float32))
+    else:
+        mean = (row_sum / tl.maximum(C, 1).to(tl.float64)).to(tl.float32)
     v_new = v_old * tl.load(betas + 2 * pidx) + mean * tl.load(betas + 2 * pidx + 1)
     tl.store(v_new_p + rows, v_new, mask=rmask)
     tl.store(out + C, tl.sum(tl.where(rmask, v_new, 0.0).to(tl.float64), axis=0))
-    tl.store(out + C + 1, tl.sum(tl.where(rmask, v_old, 0.0).to(tl.float64), axis=0))
+    if M8:
+        tl.store(out + C + 1, 0.0)
+    else:
+        tl.store(out + C + 1, tl.sum(tl.where(rmask, v_old, 0.0).to(tl.float64), axis=0))
 
 
 @triton.jit
@@ -415,43 +424,6 @@ M_NSCAL = tl.constexpr(9)
 # global rows (the divisor of the factored column and row sums)
 J_NB, J_P, J_BPR, J_C, J_HAS_WD, J_GROWS = map(tl.constexpr, range(6))
 M_NINTS = tl.constexpr(6)
-
-
-@triton.jit
-def m8_partials_kernel(progs, ptrs, ints, betas, BR: tl.constexpr, BC: tl.constexpr, GRAD_T: tl.constexpr):
-    """Phase 1 of an m8 step for factored matrices (``functional.second_moment_partials``), one
-    program per ``BR`` rows: the new ``v_row = v_row * b2 + mean(g^2) * (1 - b2)`` (the mean an fp32
-    sum divided by C, as torch's ``mean``; the sum here is float64 rounded once) and the rows' share
-    of the float64 column sums and of the new v_row's sum, into row ``r0 // BR`` of a scratch
-    ``[row tiles, C + 2]`` buffer (its last slot 0) that ``column_sum_kernel`` sums. Arguments as
-    ``partials_kernel``'s: ptrs = (grad, v_row, v_row_new, scratch); ints[I_ROWS], ints[I_C]."""
-    pid = tl.program_id(0)
-    pidx = tl.load(progs + 2 * pid)
-    r0 = tl.load(progs + 2 * pid + 1)
-    grad_p = _ptr(ptrs, 0, 4, pidx, GRAD_T)
-    v_row_p = _ptr(ptrs, 1, 4, pidx, tl.float32)
-    v_new_p = _ptr(ptrs, 2, 4, pidx, tl.float32)
-    scratch = _ptr(ptrs, 3, 4, pidx, tl.float64)
-    n_rows = tl.load(ints + pidx * N_INTS + I_ROWS)
-    C = tl.load(ints + pidx * N_INTS + I_C)
-    out = scratch + (r0 // BR) * (C + 2)
-    rows = r0 + tl.arange(0, BR).to(tl.int64)
-    rmask = rows < n_rows
-    cols = tl.arange(0, BC).to(tl.int64)
-    row_sum = tl.zeros([BR], dtype=tl.float64)
-    for c0 in range(0, C, BC):
-        c = c0 + cols
-        mask = rmask[:, None] & (c < C)[None, :]
-        g = tl.load(grad_p + rows[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        sq = (g * g).to(tl.float64)
-        row_sum += tl.sum(sq, axis=1)
-        tl.store(out + c, tl.sum(sq, axis=0), mask=c < C)
-    v_old = tl.load(v_row_p + rows, mask=rmask, other=0.0)
-    mean = tl.div_rn(row_sum.to(tl.float32), C.to(tl.float32))
-    v_new = v_old * tl.load(betas + 2 * pidx) + mean * tl.load(betas + 2 * pidx + 1)
-    tl.store(v_new_p + rows, v_new, mask=rmask)
-    tl.store(out + C, tl.sum(tl.where(rmask, v_new, 0.0).to(tl.float64), axis=0))
-    tl.store(out + C + 1, 0.0)
 
 
 @triton.jit

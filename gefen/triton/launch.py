@@ -260,11 +260,11 @@ def m4v4_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[t
     """``functional.m4v4_partials`` for every ``(grad, state, beta2)``: the new ``v_row`` and the
     float64 partials ``[column sums of g^2, sum of the new v_row, sum of the old v_row]`` of each
     matrix, in two launches per gradient dtype (rows, then the columns' fixed-order sums)."""
-    return _partials(items, kernels.partials_kernel)
+    return _partials(items, m8=False)
 
 
-def _partials(items, kernel) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Phase 1 of either layout: ``kernel`` writes each row tile's share of the ``C + 2`` float64
+def _partials(items, *, m8: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Phase 1 of either layout: ``partials_kernel`` writes each row tile's share of the ``C + 2`` float64
     partials to a scratch buffer that ``column_sum_kernel`` sums in a fixed order."""
     device = items[0][0].device
     shapes = [(g.shape[0], math.prod(g.shape[1:])) for g, _, _ in items]
@@ -287,8 +287,8 @@ def _partials(items, kernel) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ptrs = _ptr_table([[items[i][0], items[i][1]["v_row"], v_rows[i], scratch_views[i]] for i in idx])
         ptrs, ints_c, betas_c = _to(device, ptrs, ints[sel], betas[sel])
         bc = max(16, min(triton.next_power_of_2(max(shapes[i][1] for i in idx)), 4096 // br))
-        _launch(kernel, progs.shape[0], progs, ptrs, ints_c, betas_c, BR=br, BC=bc,
-                GRAD_T=_TRITON_DT[gdt])
+        _launch(kernels.partials_kernel, progs.shape[0], progs, ptrs, ints_c, betas_c, BR=br, BC=bc,
+                GRAD_T=_TRITON_DT[gdt], M8=m8)
     bc = 256
     progs = _programs([C + 2 for _, C in shapes], bc, device)
     ptrs, ints = _to(device, _ptr_table([[s, p] for s, p in zip(scratch_views, part_views)]), ints)
@@ -370,4 +370,4 @@ def m8_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[tor
     """``functional.second_moment_partials`` for every factored ``(grad, state, beta2)``: the new
     ``v_row`` and the float64 partials ``[column sums of g^2, sum of the new v_row]`` of each matrix,
     in two launches per gradient dtype (rows, then the columns' fixed-order sums)."""
-    return [(v_row, parts[:-1]) for v_row, parts in _partials(items, kernels.m8_partials_kernel)]
+    return [(v_row, parts[:-1]) for v_row, parts in _partials(items, m8=True)]

@@ -354,7 +354,8 @@ cases = [
     (K.adamw_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BLOCK": 1024, "PARAM_T": tl.bfloat16,
                                                               "GRAD_T": tl.float32}),
     (K.m4v4_prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024}),
-    (K.partials_kernel, {**tab, "ints": "*i64", "betas": "*fp32"}, {"BR": 32, "BC": 64, "GRAD_T": tl.float32}),
+    (K.partials_kernel, {**tab, "ints": "*i64", "betas": "*fp32"},
+     {"BR": 32, "BC": 64, "GRAD_T": tl.float32, "M8": False}),
     (K.column_sum_kernel, {**tab, "ints": "*i64"}, {"BC": 256, "BR": 32}),
     (K.m8_kernel, {**tab, "ints": "*i64", "scal": "*fp32", "cb": "*fp32", "thr": "*fp32", "K": "i32"},
      {"LOG2K": 8, "BR": 2, "BC": 1024, "SINGLE": True, "FACTORED": True, "PARAM_T": tl.float32,
@@ -363,7 +364,8 @@ cases = [
      {"LOG2K": 4, "BR": 1, "BC": 1024, "SINGLE": False, "FACTORED": False, "PARAM_T": tl.bfloat16,
       "GRAD_T": tl.bfloat16}),
     (K.m8_prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024}),
-    (K.m8_partials_kernel, {**tab, "ints": "*i64", "betas": "*fp32"}, {"BR": 32, "BC": 64, "GRAD_T": tl.bfloat16}),
+    (K.partials_kernel, {**tab, "ints": "*i64", "betas": "*fp32"},
+     {"BR": 32, "BC": 64, "GRAD_T": tl.bfloat16, "M8": True}),
 ]
 for fn, sig, consts in cases:
     src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
