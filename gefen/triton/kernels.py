@@ -17,8 +17,11 @@ approximate instructions on NVIDIA (``div.full.f32``, ``sqrt.approx``).
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+try:  # Triton is optional (the gpu and test extras); gefen.triton.dispatch reports its absence
+    import triton
+    import triton.language as tl
+except ImportError as exc:
+    raise ImportError("gefen's GPU kernels need Triton: pip install 'gefen[gpu]'") from exc
 
 # module constants a kernel reads must be tl.constexpr (a compiled kernel refuses plain globals)
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny

@@ -14,7 +14,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import triton
+
+try:  # Triton is optional (the gpu and test extras); gefen.triton.dispatch reports its absence
+    import triton
+except ImportError as exc:
+    raise ImportError("gefen's GPU kernels need Triton: pip install 'gefen[gpu]'") from exc
 
 from gefen.codebook import code_thresholds
 from gefen.triton import kernels
