@@ -13,8 +13,8 @@ an all-zero block as -0.0 (``max(amax, -amin)`` of zeros), the obvious ``|m|.ama
 both dequantise to 0, so scales are compared with the sign of zero ignored.
 
 Floating-point results depend on the order of roundings, so the reference rounds where the
-SPEC formula does: reductions over rows are float64 rounded once (they cross ranks, see
-docs/decisions.md), and the EMAs ``b2*v + (1-b2)*x`` on ``v``/``v_col`` and the final
+formula of docs/design.md section 3 does: reductions over rows are float64 rounded once (they
+cross ranks, see docs/decisions.md), and the EMAs ``b2*v + (1-b2)*x`` on ``v``/``v_col`` and the final
 ``p - lr*u`` are written as ``torch.add(a, b, alpha=...)`` (one fused multiply-add on CPU) as
 the implementation does; ``v_row``'s EMA is two products and a sum.
 """
