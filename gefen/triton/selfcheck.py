@@ -72,12 +72,12 @@ def _m4v4(launch, device, gen) -> str | None:
             rows = shapes[i][0][0]
             F.m4v4_update_(ref[i][0], grads[i], ref[i][1], cb, R, _H, global_rows=rows, v_row=v_row,
                            partials=parts, pidx=i, seed=0)
-            items.append(launch.M4V4Item(got[i][0], grads[i], got[i][1], _H, step, salts(i, 0)[0],
+            items.append(launch.Item(got[i][0], grads[i], got[i][1], _H, step, salts(i, 0)[0],
                                          global_rows=rows, v_row=v_row.clone(), partials=parts))
         for i, (shape, _) in enumerate(shapes):
             if len(shape) < 2:
                 F.adamw_update_(ref[i][0], grads[i], ref[i][1], _H, pidx=i, seed=0, row0=3)
-                items.append(launch.M4V4Item(got[i][0], grads[i], got[i][1], _H, step, salts(i, 0)[0], row0=3))
+                items.append(launch.Item(got[i][0], grads[i], got[i][1], _H, step, salts(i, 0)[0], row0=3))
         launch.m4v4_update_(items, cb, R)
         for i, ((p_ref, s_ref), (p_got, s_got)) in enumerate(zip(ref, got)):
             if (why := _same(s_ref, s_got)) is not None:
@@ -163,7 +163,7 @@ def _m8(launch, device, gen) -> str | None:
             F.gefen_update_(ref[i][0], grads[i], ref[i][1], cb, _H, **kw)
             if factored:
                 kw.update(v_row=phase1[i][0], partials=phase1[i][1])
-            items.append(launch.M8Item(got[i][0], grads[i], got[i][1], _H, step, **kw))
+            items.append(launch.Item(got[i][0], grads[i], got[i][1], _H, step, **kw))
         launch.m8_update_(items, cb)
         for i, ((p_ref, s_ref), (p_got, s_got)) in enumerate(zip(ref, got)):
             if (why := m8_differences(s_ref, s_got)) is not None:

@@ -353,7 +353,7 @@ cases = [
      {"LOG2K": 8, "BR": 4, "BC": 256, "SINGLE": True, "GRAD_T": tl.bfloat16}),
     (K.adamw_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BLOCK": 1024, "PARAM_T": tl.bfloat16,
                                                               "GRAD_T": tl.float32}),
-    (K.m4v4_prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024}),
+    (K.prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024, "M8": False}),
     (K.partials_kernel, {**tab, "ints": "*i64", "betas": "*fp32"},
      {"BR": 32, "BC": 64, "GRAD_T": tl.float32, "M8": False}),
     (K.column_sum_kernel, {**tab, "ints": "*i64"}, {"BC": 256, "BR": 32}),
@@ -363,7 +363,7 @@ cases = [
     (K.m8_kernel, {**tab, "ints": "*i64", "scal": "*fp32", "cb": "*fp32", "thr": "*fp32", "K": "i32"},
      {"LOG2K": 4, "BR": 1, "BC": 1024, "SINGLE": False, "FACTORED": False, "PARAM_T": tl.bfloat16,
       "GRAD_T": tl.bfloat16}),
-    (K.m8_prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024}),
+    (K.prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024, "M8": True}),
     (K.partials_kernel, {**tab, "ints": "*i64", "betas": "*fp32"},
      {"BR": 32, "BC": 64, "GRAD_T": tl.bfloat16, "M8": True}),
 ]
