@@ -3,7 +3,7 @@
 uint8 codes and fails before it mutates anything.
 
 Subclasses supply ``contract()``, ``_state_fields(group, shape)``, ``_check_group(group)``,
-``_init_param_state(...)`` and the step math.
+``_init_param_state(...)`` and the step math, ``_step(work)``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from gefen.codebook import learn_codebook
+from gefen.compile import eager_step
 from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
 from gefen.dispatch import block_histogram
 from gefen.distributed import (
@@ -57,6 +58,14 @@ def apply_load_pre_hooks(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
     return state_dict
 
 
+def run_closure(closure):
+    """The loss of ``closure`` evaluated with grad enabled (None without one), as torch's optimizers do."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def global_shape(p: torch.Tensor) -> tuple[int, ...]:
     """Logical shape of the whole parameter (a DTensor reports its global shape)."""
     return tuple(p.shape)
@@ -94,7 +103,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         sizes; every parameter's state_dict entry carries a copy of each (``_add_global_state``)."""
         return {CODEBOOK: self.codebook_size}
 
-    #: the codebook is learned when the first non-zero gradients are allocated for (``_begin_step``);
+    #: the codebook is learned when the first non-zero gradients are allocated for (``step``);
     #: an optimizer that learns it inside its step (with more statistics) sets this False
     learns_at_allocation = True
 
@@ -114,6 +123,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _init_param_state(self, group: dict, param: torch.Tensor, period: int) -> dict:
+        raise NotImplementedError
+
+    def _step(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
+        """The step math for every ``(group, param, grad)`` in ``work`` (their state exists)."""
         raise NotImplementedError
 
     def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
@@ -163,18 +176,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._plan = (key, plan)
         return self._plan[1]
 
-    def _begin_step(self, closure) -> tuple[object, list[tuple[dict, torch.Tensor, torch.Tensor]]]:
-        """Run the closure (with grad enabled), collect this step's gradients and allocate state
-        (and learn the codebook) for parameters seen for the first time: (loss, work)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    @eager_step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Run the closure, collect this step's gradients, allocate state (and learn the codebook)
+        for parameters seen for the first time, then take the step (``_step``)."""
+        loss = run_closure(closure)
         work = self._grads()
         if work:
             self.reduction_plan()  # refuses a layout the block geometry cannot honour, before any state exists
             self._initialise_new(work)
-        return loss, work
+            self._step(work)
+        return loss
 
     # ----- the first step with a gradient ---------------------------------------------------
     def _initialise_new(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:

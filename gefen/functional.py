@@ -124,19 +124,26 @@ def gefen_update_(
         state["v"].mul_(h.beta2).add_(block_sq, alpha=1 - h.beta2)
         denom = _div(state["v"].sqrt(), bias2_sqrt).add_(h.eps).unsqueeze(-1)
 
-    # 2. step count and decoupled weight decay
+    # 2. step count
     state["step"].fill_(step)
-    work = param if param.dtype in (torch.float32, torch.float64) else param.float()
-    if h.weight_decay:
-        work.mul_(1 - h.lr * h.weight_decay)
 
     # 3. momentum: dequantise, EMA, re-quantise
     update = update_momentum_(state, g, h.beta1, codebook)
 
-    # 4. update with the re-quantised momentum
+    # 4. decoupled weight decay and the update with the re-quantised momentum
     update = _div(update, bias1)
     as_blocks(update, period).div_(denom)
-    work.add_(update, alpha=-h.lr)
+    decay_and_add_(param, update, h.lr, h.weight_decay)
+
+
+def decay_and_add_(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float,
+                   alpha: float | None = None) -> None:
+    """Decoupled weight decay ``p *= 1 - lr * weight_decay`` (none at 0), then ``p += alpha * update``
+    (``alpha``: ``-lr`` unless given), in fp32: a bf16 parameter is rounded once, at the end."""
+    work = param if param.dtype in (torch.float32, torch.float64) else param.float()
+    if weight_decay:
+        work.mul_(1 - lr * weight_decay)
+    work.add_(update, alpha=-lr if alpha is None else alpha)
     if work is not param:
         param.copy_(work)
 
@@ -321,13 +328,7 @@ def m4v4_update_(
     mq = codebook.take(mcode) * s_f[:, None]
 
     # update (the same op order as gefen_update_)
-    work = param if param.dtype in (torch.float32, torch.float64) else param.float()
-    if h.weight_decay:
-        work.mul_(1 - h.lr * h.weight_decay)
-    upd = _div(mq, 1 - b1**step) / denom
-    work.add_(upd.view(work.shape), alpha=-h.lr)
-    if work is not param:
-        param.copy_(work)
+    decay_and_add_(param, (_div(mq, 1 - b1**step) / denom).view(param.shape), h.lr, h.weight_decay)
     state["mv_code"].copy_((mcode | (vcode << 4)).view(state["mv_code"].shape))
     state["m_row_scale"].copy_(s_f)
     state["v_row"].copy_(v_row)
@@ -360,12 +361,7 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper
     v = state["exp_avg_sq"] * b2 + (g * g) * (1 - b2)
     denom = _div(v.sqrt(), math.sqrt(1 - b2**step)) + h.eps
     state["step"].fill_(step)
-    work = param if param.dtype in (torch.float32, torch.float64) else param.float()
-    if h.weight_decay:
-        work.mul_(1 - h.lr * h.weight_decay)
-    work.add_(_div(m, 1 - b1**step) / denom, alpha=-h.lr)
-    if work is not param:
-        param.copy_(work)
+    decay_and_add_(param, _div(m, 1 - b1**step) / denom, h.lr, h.weight_decay)
     gidx = torch.arange(row0, row0 + m.numel(), dtype=torch.int64, device=m.device).reshape(m.shape)
     state["exp_avg"].copy_(round_bf16(m, hash_bits(gidx, step, salts(pidx, seed)[0])))
     state["exp_avg_sq"].copy_(v)

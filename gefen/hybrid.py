@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gefen.base import apply_load_pre_hooks, local_tensor
+from gefen.base import apply_load_pre_hooks, local_tensor, run_closure
 from gefen.compile import eager_step
 from gefen.contract import (
     CONTRACT_KEY,
@@ -205,10 +205,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
 
     @eager_step
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for child in self.children.values():
             child.step()
         return loss

@@ -7,7 +7,6 @@ import torch
 from gefen import dispatch
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.codebook import solve_codebook
-from gefen.compile import eager_step
 from gefen.contract import OptimizerContract
 from gefen.distributed import Layout
 from gefen.functional import (
@@ -140,17 +139,11 @@ class Gefen(CompressedOptimizer):
             return super()._moments_nonzero(entry)
         return "mv_code" in entry and bool(entry["m_row_scale"].any() or entry["v_row"].any())
 
-    @eager_step
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss, work = self._begin_step(closure)
-        if not work:
-            return loss
+    def _step(self, work) -> None:
         if self.moments == "m4v4":
             self._step_m4v4(work)
         else:
             self._step_m8(work)
-        return loss
 
     def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
         if self.moments == "m8":  # its row statistics are fp32 cascade sums no column split reproduces
@@ -189,8 +182,7 @@ class Gefen(CompressedOptimizer):
                                          batched_fn=dispatch.m8_partials_)
         codebook = self._step_codebook()
         for i, (group, p, grad) in enumerate(work):
-            beta1, beta2 = group["betas"]
-            h = Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
             v_row, partials = pending.get(i, (None, None))
             shape = global_shape(p)
             dispatch.gefen_update_(local_tensor(p), local_tensor(grad), self.state[p], codebook, h,
@@ -216,8 +208,7 @@ class Gefen(CompressedOptimizer):
         ratios = {}  # device -> ratio table
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for i, (group, p, grad) in enumerate(work):
-            beta1, beta2 = group["betas"]
-            h = Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
             local, local_grad = local_tensor(p), local_tensor(grad)
             row0, col0 = plan.offsets(p)
             if i not in pending:
