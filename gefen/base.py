@@ -15,7 +15,7 @@ import torch
 
 from gefen.codebook import learn_codebook
 from gefen.compile import eager_step
-from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
+from gefen.contract import GLOBAL_STATE_KEY, FieldSpec, OptimizerContract
 from gefen.dispatch import block_histogram
 from gefen.distributed import (
     Layout,
@@ -64,6 +64,16 @@ def run_closure(closure):
         return None
     with torch.enable_grad():
         return closure()
+
+
+def check_field(label: str, name: str, value, spec: FieldSpec, want: tuple[int, ...]) -> None:
+    """Raise unless ``value`` is a tensor of ``spec``'s dtype whose rank-local shape is ``want``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"parameter {label}: field {name!r} is a {type(value).__name__}, not a tensor")
+    if problem := spec.check_dtype(value.dtype):
+        raise TypeError(f"parameter {label}: field {name!r} has {problem}")
+    if tuple(local_tensor(value).shape) != want:
+        raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
 
 
 def global_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -355,19 +365,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         staged = {}
         for name in required:
             value, spec = entry[name], contract.field(name)
-            want = spec.local_shape(local.shape, shape, period)
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"parameter {label}: field {name!r} is a {type(value).__name__}, not a tensor")
             if is_dtensor(value):  # torch's get/set_state_dict hand back the DTensors state_dict() made
                 expected = field_global_shape(spec.geometry, shape, period)
                 if tuple(value.shape) != expected:
                     raise ValueError(f"parameter {label}: field {name!r} has global shape {tuple(value.shape)}, "
                                      f"expected {expected}")
                 value = value.to_local()
-            if problem := spec.check_dtype(value.dtype):
-                raise TypeError(f"parameter {label}: field {name!r} has {problem}")
-            if tuple(value.shape) != want:
-                raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
+            check_field(label, name, value, spec, spec.local_shape(local.shape, shape, period))
             if name == "m_code" and self.codebook_size < 256 and value.numel() and int(value.max()) >= self.codebook_size:
                 raise ValueError(f"parameter {label}: field {name!r} holds code {int(value.max())}, "
                                  f"the codebook has {self.codebook_size} entries")  # (any uint8 fits 256)

@@ -18,11 +18,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gefen.base import apply_load_pre_hooks, local_tensor, run_closure
+from gefen.base import apply_load_pre_hooks, check_field, local_tensor, run_closure
 from gefen.compile import eager_step
 from gefen.contract import (
     CONTRACT_KEY,
-    FieldSpec,
     OptimizerContract,
     contract_of,
     join_composite,
@@ -332,16 +331,7 @@ def _check_plain_state_dict(opt: torch.optim.Optimizer, sd) -> None:
             got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
             raise ValueError(f"state of parameter {label} has fields {got}, but {contract.implementation} keeps "
                              f"{sorted(required)} (+ optional {sorted(set(fields) - required)}); another optimizer's?")
-        for name, value in entry.items():
-            _check_plain_field(label, name, value, fields[name], group["params"][i])
-
-
-def _check_plain_field(label: str, name: str, value, spec: FieldSpec, param: torch.Tensor) -> None:
-    """torch optimizers' fields are per-parameter tensors or scalars (``param``/``scalar`` geometry)."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"parameter {label}: field {name!r} is a {type(value).__name__}, not a tensor")
-    if problem := spec.check_dtype(value.dtype):
-        raise TypeError(f"parameter {label}: field {name!r} has {problem}")
-    want = spec.local_shape(local_tensor(param).shape, tuple(param.shape), 1)
-    if tuple(local_tensor(value).shape) != want:  # a torch optimizer keeps DTensor state for DTensor params
-        raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
+        param = group["params"][i]
+        for name, value in entry.items():  # ``param`` (DTensors for DTensor parameters) or ``scalar`` fields
+            want = fields[name].local_shape(local_tensor(param).shape, tuple(param.shape), 1)
+            check_field(label, name, value, fields[name], want)
