@@ -76,6 +76,39 @@ def check_field(label: str, name: str, value, spec: FieldSpec, want: tuple[int, 
         raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
 
 
+def stage_groups(saved_groups, live_groups: list[dict], hyperparameters, *, adapt=None,
+                 check=None) -> tuple[list[dict], dict]:
+    """A state_dict's param groups paired with the live ones (in number, sizes and names): each
+    saved group's hyperparameters (``adapt`` may fill or refuse them, ``check`` validates the
+    result) on the live group's parameters, and saved parameter key -> (its new group, index)."""
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(live_groups):
+        raise ValueError(
+            f"state_dict has {len(saved_groups) if isinstance(saved_groups, (list, tuple)) else '?'} param "
+            f"groups, the optimizer has {len(live_groups)}"
+        )
+    groups, index = [], {}
+    for gi, (live, saved) in enumerate(zip(live_groups, saved_groups)):
+        if not isinstance(saved, dict) or len(saved.get("params", ())) != len(live["params"]):
+            raise ValueError(f"param group {gi} of the state_dict does not match the optimizer's group in size")
+        live_names, saved_names = live.get("param_names"), saved.get("param_names")
+        if live_names and saved_names and list(live_names) != list(saved_names):
+            bad = next(a for a, b in zip(live_names, saved_names) if a != b)
+            raise ValueError(f"param group {gi}: state_dict names differ from the optimizer's (first: {bad!r})")
+        group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        group = adapt(group) if adapt else group
+        missing = [h for h in hyperparameters if h not in group]
+        if missing:
+            raise ValueError(f"param group {gi} of the state_dict lacks hyperparameters {missing}")
+        group["params"] = live["params"]
+        if live_names:
+            group["param_names"] = live_names
+        if check:
+            check(group)
+        groups.append(group)
+        index.update({key: (group, i) for i, key in enumerate(saved["params"])})
+    return groups, index
+
+
 def global_shape(p: torch.Tensor) -> tuple[int, ...]:
     """Logical shape of the whole parameter (a DTensor reports its global shape)."""
     return tuple(p.shape)
@@ -275,32 +308,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if key not in sd:
                 raise ValueError(f"not an optimizer state_dict: missing {key!r}")
         check_not_adam_state(sd, contract.implementation)
-        saved_groups = sd["param_groups"]
-        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"state_dict has {len(saved_groups) if isinstance(saved_groups, (list, tuple)) else '?'} param "
-                f"groups, the optimizer has {len(self.param_groups)}"
-            )
-        groups, index = [], {}
-        for gi, (live, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if not isinstance(saved, dict) or len(saved.get("params", ())) != len(live["params"]):
-                raise ValueError(f"param group {gi} of the state_dict does not match the optimizer's group in size")
-            live_names, saved_names = live.get("param_names"), saved.get("param_names")
-            if live_names and saved_names and list(live_names) != list(saved_names):
-                bad = next(a for a, b in zip(live_names, saved_names) if a != b)
-                raise ValueError(f"param group {gi}: state_dict names differ from the optimizer's (first: {bad!r})")
-            new_group = self._saved_group({k: v for k, v in saved.items() if k not in ("params", "param_names")})
-            missing = [h for h in contract.hyperparameters if h not in new_group]
-            if missing:
-                raise ValueError(f"param group {gi} of the state_dict lacks hyperparameters {missing}")
-            new_group["params"] = live["params"]
-            if live_names:
-                new_group["param_names"] = live_names
-            self._check_group(new_group)
-            groups.append(new_group)
-            for i, key in enumerate(saved["params"]):
-                index[key] = (new_group, i)
-
+        groups, index = stage_groups(sd["param_groups"], self.param_groups, contract.hyperparameters,
+                                     adapt=self._saved_group, check=self._check_group)
         state = defaultdict(dict)
         sizes = self.global_books()
         copies = {name: [] for name in sizes}  # name -> [(where, tensor)]: each parameter's copy, the shared one

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gefen.base import apply_load_pre_hooks, check_field, local_tensor, run_closure
+from gefen.base import apply_load_pre_hooks, check_field, local_tensor, run_closure, stage_groups
 from gefen.compile import eager_step
 from gefen.contract import (
     CONTRACT_KEY,
@@ -307,19 +307,7 @@ def _check_plain_state_dict(opt: torch.optim.Optimizer, sd) -> None:
     contract = contract_of(opt)
     if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("param_groups"), list):
         raise ValueError(f"not a {contract.implementation} state_dict")
-    saved_groups = sd["param_groups"]
-    if len(saved_groups) != len(opt.param_groups) or any(
-        not isinstance(s, dict) or len(s.get("params", ())) != len(g["params"]) for s, g in zip(saved_groups, opt.param_groups)
-    ):
-        raise ValueError(f"the state_dict's param groups do not match the {contract.implementation}'s in number or size")
-    index = {}
-    for gi, (saved, live) in enumerate(zip(saved_groups, opt.param_groups)):
-        missing = [h for h in contract.hyperparameters if h not in saved]
-        if missing:
-            raise ValueError(f"param group {gi} of the state_dict lacks hyperparameters {missing}")
-        if saved.get("param_names") and live.get("param_names") and list(saved["param_names"]) != live["param_names"]:
-            raise ValueError(f"param group {gi}: state_dict names differ from the optimizer's")
-        index.update({key: (live, i) for i, key in enumerate(saved["params"])})
+    _, index = stage_groups(sd["param_groups"], opt.param_groups, contract.hyperparameters)
     fields = {f.name: f for f in contract.fields}
     required = {f.name for f in contract.fields if not f.optional}
     for key, entry in sd["state"].items():

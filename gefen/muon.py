@@ -20,6 +20,7 @@ from gefen.contract import FieldSpec, OptimizerContract
 from gefen.dispatch import momenta_
 from gefen.distributed import Layout, RowGather
 from gefen.functional import decay_and_add_, init_momentum_state, momentum_ema, rows_view, store_momentum_
+from gefen.layouts import CODEBOOK_FIELD, MOMENTUM_FIELDS
 from gefen.newton_schulz import orthogonalise, resolve_schedule
 from gefen.quant import block_scales
 from gefen.validation import check_range, param_label
@@ -32,14 +33,8 @@ _CONTRACT = OptimizerContract(
     version="1",
     hyperparameters=("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_schedule", "normuon", "beta2",
                      "eps", "adjust_lr"),
-    fields=(
-        FieldSpec("step", "int64", "scalar"),
-        FieldSpec("period", "int64", "scalar"),
-        FieldSpec("m_code", "uint8", "param"),
-        FieldSpec("m_scale", "float32", "block"),
-        FieldSpec("v_row", "float32", "row", optional=True),  # NorMuon only
-    ),
-    global_fields=(FieldSpec("codebook", "float32", "global"),),
+    fields=(*MOMENTUM_FIELDS, FieldSpec("v_row", "float32", "row", optional=True)),  # v_row: NorMuon only
+    global_fields=(CODEBOOK_FIELD,),
 )
 
 

@@ -66,9 +66,6 @@ class Gefen(CompressedOptimizer):
         if moments == "m4v4" and codebook_size != CODES:
             raise ValueError(f"moments='m4v4' packs two 4-bit codes in a byte: codebook_size must be {CODES}, got "
                              f"{codebook_size!r} (other sizes need moments='m8')")
-        if moments == "m4v4" and factored_v_2d is False:
-            raise ValueError("m4v4 codes the second moment against the factored estimate; factored_v_2d=False "
-                             "needs moments='m8'")
         self.moments = moments
         self.v_codebook: torch.Tensor | None = None
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,

@@ -21,6 +21,7 @@ except ImportError as exc:
     raise ImportError("gefen's GPU kernels need Triton: pip install 'gefen[gpu]'") from exc
 
 from gefen.codebook import code_thresholds
+from gefen.stochastic import hash_base
 from gefen.triton import kernels
 
 #: Rows longer than this are processed in two passes over column tiles (tests lower it). Sizes are
@@ -103,12 +104,10 @@ class _Codebook:
     """The codebook and its padded decision thresholds on the codebook's device (cached)."""
 
     def __init__(self, codebook: torch.Tensor):
-        self.source, self.version = codebook, codebook._version
-        K = codebook.numel()
-        self.log2k = max(1, math.ceil(math.log2(K)))
+        self.source, self.version, self.K = codebook, codebook._version, codebook.numel()
+        self.log2k = max(1, math.ceil(math.log2(self.K)))
         thr = torch.full((1 << self.log2k,), float("inf"), dtype=torch.float32)
-        thr[: K - 1] = code_thresholds(codebook.detach().cpu().float())
-        self.K = K
+        thr[: self.K - 1] = code_thresholds(codebook.detach().cpu().float())
         self.values = codebook.detach().float().contiguous()
         self.thr = thr.to(codebook.device)
 
@@ -166,11 +165,6 @@ class Item:
     row_len: int | None = None  # global row length (default: the local one)
     v_row: torch.Tensor | None = None
     partials: torch.Tensor | None = None
-
-
-def hash_base(t: int, salt: int) -> int:
-    """``(t * 0x85EBCA77 + salt * 0xC2B2AE3D) mod 2**32``: the per-parameter part of the hash."""
-    return (t * 0x85EBCA77 + salt * 0xC2B2AE3D) & 0xFFFFFFFF
 
 
 def _row(n, *pairs) -> list:
