@@ -200,10 +200,8 @@ def torch_contracts() -> dict[type, OptimizerContract]:
 
     version = torch.__version__.split("+")[0]
     return {
-        torch.optim.AdamW: OptimizerContract("torch.optim.AdamW", version, _ADAM_HYPER, _ADAM_FIELDS,
-                                             dtensor_state=True),
-        torch.optim.Adam: OptimizerContract("torch.optim.Adam", version, _ADAM_HYPER, _ADAM_FIELDS,
-                                            dtensor_state=True),
+        **{cls: OptimizerContract(f"torch.optim.{cls.__name__}", version, _ADAM_HYPER, _ADAM_FIELDS, dtensor_state=True)
+           for cls in (torch.optim.AdamW, torch.optim.Adam)},
         torch.optim.SGD: OptimizerContract(
             "torch.optim.SGD",
             version,

@@ -68,15 +68,12 @@ def init_momentum_state(param: torch.Tensor, global_shape: tuple[int, ...], peri
 
 def init_state(param: torch.Tensor, global_shape: tuple[int, ...], period: int, factored: bool) -> dict:
     """Zero state for one parameter; ``param`` is the local (row-sharded) tensor."""
-    local_rows = param.shape[0] if param.dim() else 1
-    blocks_per_row = block_shape(global_shape, period)[1]
-    dev = param.device
     state = init_momentum_state(param, global_shape, period)
-    if factored:
-        state["v_row"] = torch.zeros(local_rows, dtype=torch.float32, device=dev)
-        state["v_col"] = torch.zeros(global_shape[1], dtype=torch.float32, device=dev)
-    else:
-        state["v"] = torch.zeros(local_rows, blocks_per_row, dtype=torch.float32, device=dev)
+    if not factored:
+        state["v"] = torch.zeros_like(state["m_scale"])  # one per block
+        return state
+    state["v_row"] = torch.zeros(state["m_scale"].shape[0], dtype=torch.float32, device=param.device)
+    state["v_col"] = torch.zeros(global_shape[1], dtype=torch.float32, device=param.device)
     return state
 
 

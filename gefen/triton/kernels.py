@@ -162,21 +162,15 @@ def _momentum_and_grad(grad_p, codes_p, cb, off, mask, scale, w, small):
 
 
 @triton.jit
-def _requantise(m, s, cb, thr, K, LOG2K: tl.constexpr):
-    """Nearest codes (int32) of ``m`` in blocks of max-abs ``s`` and the decoded ``cb[code] * s``."""
+def _store_codes(m, s, off, mask, codes_p, cb, thr, K, LOG2K: tl.constexpr):
+    """Store the nearest codes of ``m`` in blocks of max-abs ``s``; returns the decoded ``cb[code] * s``."""
     zero = s == 0.0
     x = tl.div_rn(m, tl.where(zero, 1.0, s)[:, None])
     code = _count_below(x, thr, LOG2K)
     code = tl.where(x != x, K - 1, code)  # NaN -> the last code, as torch.searchsorted
     code = tl.where(zero[:, None], 0, code)
-    return code, tl.load(cb + code) * s[:, None]
-
-
-@triton.jit
-def _momentum_store(m, s, off, mask, codes_p, out_p, cb, thr, K, LOG2K: tl.constexpr):
-    code, mq = _requantise(m, s, cb, thr, K, LOG2K)
     tl.store(codes_p + off, code.to(tl.uint8), mask=mask)
-    tl.store(out_p + off, mq, mask=mask)
+    return tl.load(cb + code) * s[:, None]
 
 
 @triton.jit
@@ -201,7 +195,7 @@ def momentum_kernel(progs, ptrs, sizes, weights, cb, thr, K, LOG2K: tl.constexpr
         off, mask = _tile(rows, rmask, cols, P)
         m, _ = _momentum_and_grad(grad_p, codes_p, cb, off, mask, scale, w, small)
         s = _abs_max(m, mask)
-        _momentum_store(m, s, off, mask, codes_p, out_p, cb, thr, K, LOG2K)
+        tl.store(out_p + off, _store_codes(m, s, off, mask, codes_p, cb, thr, K, LOG2K), mask=mask)
     else:
         s = tl.zeros([BR], dtype=tl.float32)
         for c0 in range(0, P, BC):
@@ -211,7 +205,7 @@ def momentum_kernel(progs, ptrs, sizes, weights, cb, thr, K, LOG2K: tl.constexpr
         for c0 in range(0, P, BC):
             off, mask = _tile(rows, rmask, c0 + cols, P)
             m, _ = _momentum_and_grad(grad_p, codes_p, cb, off, mask, scale, w, small)
-            _momentum_store(m, s, off, mask, codes_p, out_p, cb, thr, K, LOG2K)
+            tl.store(out_p + off, _store_codes(m, s, off, mask, codes_p, cb, thr, K, LOG2K), mask=mask)
     tl.store(scales_p + rows, s, mask=rmask)
 
 
@@ -423,16 +417,6 @@ def column_sum_kernel(progs, ptrs, ints, BC: tl.constexpr, BR: tl.constexpr):
 
 # ----- Gefen m8 (contract version "1"): 8-bit first-moment codes, block or factored second moment
 @triton.jit
-def _m8_apply(m, s, den, param_p, codes_p, off, mask, sb, has_wd, cb, thr, K, LOG2K: tl.constexpr,
-              PARAM_T: tl.constexpr):
-    """Re-quantise a tile's new first moment ``m`` (block max-abs ``s``), store its codes and apply
-    the update with the decoded ``cb[code] * s``."""
-    code, mq = _requantise(m, s, cb, thr, K, LOG2K)
-    tl.store(codes_p + off, code.to(tl.uint8), mask=mask)
-    _apply_update(param_p, off, mask, mq, den, has_wd, sb, PARAM_T)
-
-
-@triton.jit
 def _m8_factored_den(v_p, v_col_p, blocks, c, bmask, mask, bpr, P, sb):
     """``sqrt(v_row[i] * v_col[j] / row_mean) / sqrt(1 - b2^t) + eps`` per element of the tile."""
     v_row = tl.load(v_p + blocks // bpr, mask=bmask, other=0.0)
@@ -486,7 +470,8 @@ def m8_kernel(progs, ptrs, ints, scal, cb, thr, K, LOG2K: tl.constexpr, BR: tl.c
             den = _m8_factored_den(v_p, v_col_p, blocks, cols, bmask, mask, bpr, P, sb)
         else:
             den = _m8_block_den(tl.sum((g * g).to(tl.float64), axis=1), v_p, blocks, bmask, P, sb)
-        _m8_apply(m, s, den, param_p, codes_p, off, mask, sb, has_wd, cb, thr, K, LOG2K, PARAM_T)
+        mq = _store_codes(m, s, off, mask, codes_p, cb, thr, K, LOG2K)
+        _apply_update(param_p, off, mask, mq, den, has_wd, sb, PARAM_T)
     else:
         s = tl.zeros([BR], dtype=tl.float32)
         sq_sum = tl.zeros([BR], dtype=tl.float64)
@@ -506,5 +491,6 @@ def m8_kernel(progs, ptrs, ints, scal, cb, thr, K, LOG2K: tl.constexpr, BR: tl.c
                 den = _m8_factored_den(v_p, v_col_p, blocks, c, bmask, mask, bpr, P, sb)
             else:
                 den = block_den
-            _m8_apply(m, s, den, param_p, codes_p, off, mask, sb, has_wd, cb, thr, K, LOG2K, PARAM_T)
+            mq = _store_codes(m, s, off, mask, codes_p, cb, thr, K, LOG2K)
+            _apply_update(param_p, off, mask, mq, den, has_wd, sb, PARAM_T)
     tl.store(scales_p + blocks, s, mask=bmask)
