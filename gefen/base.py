@@ -76,11 +76,12 @@ def check_field(label: str, name: str, value, spec: FieldSpec, want: tuple[int, 
         raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
 
 
-def stage_groups(saved_groups, live_groups: list[dict], hyperparameters, *, adapt=None,
-                 check=None) -> tuple[list[dict], dict]:
+def stage_groups(sd: dict, live_groups: list[dict], hyperparameters, *, adapt=None,
+                 check=None) -> tuple[list[dict], list[tuple[dict, int, object]]]:
     """A state_dict's param groups paired with the live ones (in number, sizes and names): each
     saved group's hyperparameters (``adapt`` may fill or refuse them, ``check`` validates the
-    result) on the live group's parameters, and saved parameter key -> (its new group, index)."""
+    result) on the live group's parameters, and every state entry as (its new group, index, entry)."""
+    saved_groups = sd["param_groups"]
     if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(live_groups):
         raise ValueError(
             f"state_dict has {len(saved_groups) if isinstance(saved_groups, (list, tuple)) else '?'} param "
@@ -106,7 +107,10 @@ def stage_groups(saved_groups, live_groups: list[dict], hyperparameters, *, adap
             check(group)
         groups.append(group)
         index.update({key: (group, i) for i, key in enumerate(saved["params"])})
-    return groups, index
+    unknown = next((key for key in sd["state"] if key not in index), None)
+    if unknown is not None:
+        raise ValueError(f"state_dict holds state for unknown parameter index {unknown!r}")
+    return groups, [(*index[key], entry) for key, entry in sd["state"].items()]
 
 
 def global_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -202,10 +206,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     check_grad(p.grad, param_label(group, i))
                     out.append((values, p, -p.grad if group.get("maximize") else p.grad))
         return out
-
-    @property
-    def reducer(self):
-        return self.reduction_plan().reducer
 
     def reduction_plan(self) -> ReductionPlan:
         """Which ranks to sum global statistics over (recomputed when the parameters change)."""
@@ -308,15 +308,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if key not in sd:
                 raise ValueError(f"not an optimizer state_dict: missing {key!r}")
         check_not_adam_state(sd, contract.implementation)
-        groups, index = stage_groups(sd["param_groups"], self.param_groups, contract.hyperparameters,
-                                     adapt=self._saved_group, check=self._check_group)
+        groups, entries = stage_groups(sd, self.param_groups, contract.hyperparameters, adapt=self._saved_group,
+                                       check=self._check_group)
         state = defaultdict(dict)
         sizes = self.global_books()
         copies = {name: [] for name in sizes}  # name -> [(where, tensor)]: each parameter's copy, the shared one
-        for key, entry in sd["state"].items():
-            if key not in index:
-                raise ValueError(f"state_dict holds state for unknown parameter index {key!r}")
-            group, i = index[key]
+        for group, i, entry in entries:
             if isinstance(entry, dict) and set(entry) & set(sizes):
                 entry = dict(entry)
                 for name in sizes:

@@ -307,13 +307,9 @@ def _check_plain_state_dict(opt: torch.optim.Optimizer, sd) -> None:
     contract = contract_of(opt)
     if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("param_groups"), list):
         raise ValueError(f"not a {contract.implementation} state_dict")
-    _, index = stage_groups(sd["param_groups"], opt.param_groups, contract.hyperparameters)
     fields = {f.name: f for f in contract.fields}
     required = {f.name for f in contract.fields if not f.optional}
-    for key, entry in sd["state"].items():
-        if key not in index:
-            raise ValueError(f"state_dict holds state for unknown parameter index {key!r}")
-        group, i = index[key]
+    for group, i, entry in stage_groups(sd, opt.param_groups, contract.hyperparameters)[1]:
         label = param_label(group, i)
         if not isinstance(entry, dict) or set(entry) - set(fields) or required - set(entry):
             got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__

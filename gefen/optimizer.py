@@ -169,11 +169,6 @@ class Gefen(CompressedOptimizer):
         sums = flat.split([parts.numel() for *_, parts in factored])
         return {i: (v_row, plan.take_partials(p, total, _row_len(p))) for (i, p, v_row, _), total in zip(factored, sums)}
 
-    def _split_rows(self, work) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
-        """The coded tensors whose columns tensor parallelism splits: (group, param, grad)."""
-        plan = self.reduction_plan()
-        return [(g, p, grad) for g, p, grad in work if "mv_code" in self.state[p] and plan.splits_columns(p)]
-
     def _step_m8(self, work) -> None:
         pending = self._reduced_partials(work, "v_row", lambda p, *args: dispatch.second_moment_partials(*args),
                                          batched_fn=dispatch.m8_partials_)
@@ -186,8 +181,10 @@ class Gefen(CompressedOptimizer):
                                    global_rows=shape[0] if shape else 1, v_row=v_row, partials=partials)
 
     def _step_m4v4(self, work) -> None:
-        plan, split = self.reduction_plan(), self._split_rows(work)
-        # tensor parallelism: whole rows' sums of g^2 first (one collective for every split tensor)
+        plan = self.reduction_plan()
+        # tensor parallelism: the coded tensors whose columns are split need their whole rows' sums of
+        # g^2 first (one collective for every split tensor)
+        split = [(g, p, grad) for g, p, grad in work if "mv_code" in self.state[p] and plan.splits_columns(p)]
         sums = plan.reduce_rows_("sum", [row_square_sums(local_tensor(grad)) for *_, grad in split])
         row_sums = {id(p): s for (_, p, _), s in zip(split, sums)}
         pending = self._reduced_partials(
@@ -213,15 +210,13 @@ class Gefen(CompressedOptimizer):
                                        row0=row0)
                 continue
             if local.device not in ratios:
-                ratios[local.device] = ratio_table(self._v_book(local.device))
+                v_book = standin_codebook(local.device) if self.v_codebook is None else self.v_codebook.to(local.device)
+                ratios[local.device] = ratio_table(v_book)
             v_row, partials = pending[i]
             dispatch.m4v4_update_(local, local_grad, self.state[p], codebook.to(local.device), ratios[local.device],
                                   h, global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=position[id(p)],
                                   seed=group["seed"], row0=row0, col0=col0, row_len=_row_len(p),
                                   row_max=row_max.get(id(p)))
-
-    def _v_book(self, device) -> torch.Tensor:
-        return standin_codebook(device) if self.v_codebook is None else self.v_codebook.to(device)
 
     def _learn_m4v4_codebooks(self, work, pending) -> None:
         """Both codebooks at the first step whose gradients are not all zero: the first moment's as
