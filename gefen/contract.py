@@ -23,6 +23,7 @@ form written before: ``{"state": {}, "param_groups": [], CHILDREN_KEY: {name: ch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -157,8 +158,8 @@ class OptimizerContract:
             "version": self.version,
             "schema_version": self.schema_version,
             "hyperparameters": list(self.hyperparameters),
-            "fields": [_field_to_dict(f) for f in self.fields],
-            "global_fields": [_field_to_dict(f) for f in self.global_fields],
+            "fields": [dataclasses.asdict(f) for f in self.fields],
+            "global_fields": [dataclasses.asdict(f) for f in self.global_fields],
             "children": [[name, c.to_dict()] for name, c in self.children],
             "dtensor_state": self.dtensor_state,
         }
@@ -178,10 +179,6 @@ class OptimizerContract:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed optimizer contract: {exc}") from exc
-
-
-def _field_to_dict(f: FieldSpec) -> dict:
-    return {"name": f.name, "dtype": f.dtype, "geometry": f.geometry, "optional": f.optional}
 
 
 _ADAM_FIELDS = (

@@ -329,7 +329,8 @@ def m8_update_(items: list[Item], codebook: torch.Tensor) -> None:
             v = [it.v_row, st["v_col"]] if fact else [st["v"], st["v"]]
             ptrs.append([it.param, it.grad, st["m_code"], st["m_scale"], *v])
         ptrs, sel = _to(device, _ptr_table(ptrs), sel)
-        _launch(kernels.m8_kernel, progs, ptrs, ints.index_select(0, sel), scal.index_select(0, sel), book.values, book.thr, book.K, LOG2K=book.log2k, BR=br, BC=bc, SINGLE=single, FACTORED=fact,
+        _launch(kernels.m8_kernel, progs, ptrs, ints.index_select(0, sel), scal.index_select(0, sel), book.values,
+                book.thr, book.K, LOG2K=book.log2k, BR=br, BC=bc, SINGLE=single, FACTORED=fact,
                 PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt])
     if factored:
         torch._foreach_copy_([it.state["v_row"] for it in factored], [it.v_row for it in factored])
