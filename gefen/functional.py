@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from gefen.contract import DIMENSION_FIELDS
-from gefen.geometry import as_blocks, block_shape
+from gefen.geometry import as_blocks, block_shape, uses_row_period
 from gefen.quant import dequantise, quantise
 from gefen.stochastic import (
     LOG_RANGE,
@@ -181,11 +181,8 @@ def _local_period(state: dict) -> int:
 #: state of a tensor of >= 2 dims: low nibble of ``mv_code`` = first-moment code, high nibble =
 #: second-moment code (against the factored estimate); 1-D/0-D tensors keep AdamW moments
 M4V4_MATRIX_FIELDS, VECTOR_FIELDS = DIMENSION_FIELDS[("gefen.Gefen", "2")]
-
-
-def is_coded(global_shape: tuple[int, ...]) -> bool:
-    """Under m4v4, tensors of two or more dims are coded; the rest keep AdamW moments."""
-    return len(global_shape) >= 2
+#: under m4v4 the tensors with row blocks (two or more dims) are coded; the rest keep AdamW moments
+is_coded = uses_row_period
 
 
 def init_m4v4_state(param: torch.Tensor, global_shape: tuple[int, ...]) -> dict:
