@@ -3,7 +3,7 @@
 uint8 codes and fails before it mutates anything.
 
 Subclasses supply ``contract()``, ``_state_fields(group, shape)``, ``_check_group(group)``,
-``_init_param_state(...)`` and the step math.
+``_init_param_state(...)`` and the step math, ``_step(work)``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 
 from gefen.codebook import learn_codebook
-from gefen.contract import GLOBAL_STATE_KEY, OptimizerContract
+from gefen.compile import eager_step
+from gefen.contract import GLOBAL_STATE_KEY, FieldSpec, OptimizerContract
 from gefen.dispatch import block_histogram
 from gefen.distributed import (
     Layout,
@@ -57,6 +58,61 @@ def apply_load_pre_hooks(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
     return state_dict
 
 
+def run_closure(closure):
+    """The loss of ``closure`` evaluated with grad enabled (None without one), as torch's optimizers do."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def check_field(label: str, name: str, value, spec: FieldSpec, want: tuple[int, ...]) -> None:
+    """Raise unless ``value`` is a tensor of ``spec``'s dtype whose rank-local shape is ``want``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"parameter {label}: field {name!r} is a {type(value).__name__}, not a tensor")
+    if problem := spec.check_dtype(value.dtype):
+        raise TypeError(f"parameter {label}: field {name!r} has {problem}")
+    if tuple(local_tensor(value).shape) != want:
+        raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
+
+
+def stage_groups(sd: dict, live_groups: list[dict], hyperparameters, *, adapt=None,
+                 check=None) -> tuple[list[dict], list[tuple[dict, int, object]]]:
+    """A state_dict's param groups paired with the live ones (in number, sizes and names): each
+    saved group's hyperparameters (``adapt`` may fill or refuse them, ``check`` validates the
+    result) on the live group's parameters, and every state entry as (its new group, index, entry)."""
+    saved_groups = sd["param_groups"]
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(live_groups):
+        raise ValueError(
+            f"state_dict has {len(saved_groups) if isinstance(saved_groups, (list, tuple)) else '?'} param "
+            f"groups, the optimizer has {len(live_groups)}"
+        )
+    groups, index = [], {}
+    for gi, (live, saved) in enumerate(zip(live_groups, saved_groups)):
+        if not isinstance(saved, dict) or len(saved.get("params", ())) != len(live["params"]):
+            raise ValueError(f"param group {gi} of the state_dict does not match the optimizer's group in size")
+        live_names, saved_names = live.get("param_names"), saved.get("param_names")
+        if live_names and saved_names and list(live_names) != list(saved_names):
+            bad = next(a for a, b in zip(live_names, saved_names) if a != b)
+            raise ValueError(f"param group {gi}: state_dict names differ from the optimizer's (first: {bad!r})")
+        group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        group = adapt(group) if adapt else group
+        missing = [h for h in hyperparameters if h not in group]
+        if missing:
+            raise ValueError(f"param group {gi} of the state_dict lacks hyperparameters {missing}")
+        group["params"] = live["params"]
+        if live_names:
+            group["param_names"] = live_names
+        if check:
+            check(group)
+        groups.append(group)
+        index.update({key: (group, i) for i, key in enumerate(saved["params"])})
+    unknown = next((key for key in sd["state"] if key not in index), None)
+    if unknown is not None:
+        raise ValueError(f"state_dict holds state for unknown parameter index {unknown!r}")
+    return groups, [(*index[key], entry) for key, entry in sd["state"].items()]
+
+
 def global_shape(p: torch.Tensor) -> tuple[int, ...]:
     """Logical shape of the whole parameter (a DTensor reports its global shape)."""
     return tuple(p.shape)
@@ -94,7 +150,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         sizes; every parameter's state_dict entry carries a copy of each (``_add_global_state``)."""
         return {CODEBOOK: self.codebook_size}
 
-    #: the codebook is learned when the first non-zero gradients are allocated for (``_begin_step``);
+    #: the codebook is learned when the first non-zero gradients are allocated for (``step``);
     #: an optimizer that learns it inside its step (with more statistics) sets this False
     learns_at_allocation = True
 
@@ -114,6 +170,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _init_param_state(self, group: dict, param: torch.Tensor, period: int) -> dict:
+        raise NotImplementedError
+
+    def _step(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
+        """The step math for every ``(group, param, grad)`` in ``work`` (their state exists)."""
         raise NotImplementedError
 
     def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
@@ -147,10 +207,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     out.append((values, p, -p.grad if group.get("maximize") else p.grad))
         return out
 
-    @property
-    def reducer(self):
-        return self.reduction_plan().reducer
-
     def reduction_plan(self) -> ReductionPlan:
         """Which ranks to sum global statistics over (recomputed when the parameters change)."""
         key = tuple(id(p) for g in self.param_groups for p in g["params"])
@@ -163,18 +219,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._plan = (key, plan)
         return self._plan[1]
 
-    def _begin_step(self, closure) -> tuple[object, list[tuple[dict, torch.Tensor, torch.Tensor]]]:
-        """Run the closure (with grad enabled), collect this step's gradients and allocate state
-        (and learn the codebook) for parameters seen for the first time: (loss, work)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    @eager_step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Run the closure, collect this step's gradients, allocate state (and learn the codebook)
+        for parameters seen for the first time, then take the step (``_step``)."""
+        loss = run_closure(closure)
         work = self._grads()
         if work:
             self.reduction_plan()  # refuses a layout the block geometry cannot honour, before any state exists
             self._initialise_new(work)
-        return loss, work
+            self._step(work)
+        return loss
 
     # ----- the first step with a gradient ---------------------------------------------------
     def _initialise_new(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
@@ -252,39 +308,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if key not in sd:
                 raise ValueError(f"not an optimizer state_dict: missing {key!r}")
         check_not_adam_state(sd, contract.implementation)
-        saved_groups = sd["param_groups"]
-        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"state_dict has {len(saved_groups) if isinstance(saved_groups, (list, tuple)) else '?'} param "
-                f"groups, the optimizer has {len(self.param_groups)}"
-            )
-        groups, index = [], {}
-        for gi, (live, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if not isinstance(saved, dict) or len(saved.get("params", ())) != len(live["params"]):
-                raise ValueError(f"param group {gi} of the state_dict does not match the optimizer's group in size")
-            live_names, saved_names = live.get("param_names"), saved.get("param_names")
-            if live_names and saved_names and list(live_names) != list(saved_names):
-                bad = next(a for a, b in zip(live_names, saved_names) if a != b)
-                raise ValueError(f"param group {gi}: state_dict names differ from the optimizer's (first: {bad!r})")
-            new_group = self._saved_group({k: v for k, v in saved.items() if k not in ("params", "param_names")})
-            missing = [h for h in contract.hyperparameters if h not in new_group]
-            if missing:
-                raise ValueError(f"param group {gi} of the state_dict lacks hyperparameters {missing}")
-            new_group["params"] = live["params"]
-            if live_names:
-                new_group["param_names"] = live_names
-            self._check_group(new_group)
-            groups.append(new_group)
-            for i, key in enumerate(saved["params"]):
-                index[key] = (new_group, i)
-
+        groups, entries = stage_groups(sd, self.param_groups, contract.hyperparameters, adapt=self._saved_group,
+                                       check=self._check_group)
         state = defaultdict(dict)
         sizes = self.global_books()
         copies = {name: [] for name in sizes}  # name -> [(where, tensor)]: each parameter's copy, the shared one
-        for key, entry in sd["state"].items():
-            if key not in index:
-                raise ValueError(f"state_dict holds state for unknown parameter index {key!r}")
-            group, i = index[key]
+        for group, i, entry in entries:
             if isinstance(entry, dict) and set(entry) & set(sizes):
                 entry = dict(entry)
                 for name in sizes:
@@ -342,19 +371,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         staged = {}
         for name in required:
             value, spec = entry[name], contract.field(name)
-            want = spec.local_shape(local.shape, shape, period)
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"parameter {label}: field {name!r} is a {type(value).__name__}, not a tensor")
             if is_dtensor(value):  # torch's get/set_state_dict hand back the DTensors state_dict() made
                 expected = field_global_shape(spec.geometry, shape, period)
                 if tuple(value.shape) != expected:
                     raise ValueError(f"parameter {label}: field {name!r} has global shape {tuple(value.shape)}, "
                                      f"expected {expected}")
                 value = value.to_local()
-            if problem := spec.check_dtype(value.dtype):
-                raise TypeError(f"parameter {label}: field {name!r} has {problem}")
-            if tuple(value.shape) != want:
-                raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
+            check_field(label, name, value, spec, spec.local_shape(local.shape, shape, period))
             if name == "m_code" and self.codebook_size < 256 and value.numel() and int(value.max()) >= self.codebook_size:
                 raise ValueError(f"parameter {label}: field {name!r} holds code {int(value.max())}, "
                                  f"the codebook has {self.codebook_size} entries")  # (any uint8 fits 256)

@@ -23,6 +23,7 @@ form written before: ``{"state": {}, "param_groups": [], CHILDREN_KEY: {name: ch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -157,8 +158,8 @@ class OptimizerContract:
             "version": self.version,
             "schema_version": self.schema_version,
             "hyperparameters": list(self.hyperparameters),
-            "fields": [_field_to_dict(f) for f in self.fields],
-            "global_fields": [_field_to_dict(f) for f in self.global_fields],
+            "fields": [dataclasses.asdict(f) for f in self.fields],
+            "global_fields": [dataclasses.asdict(f) for f in self.global_fields],
             "children": [[name, c.to_dict()] for name, c in self.children],
             "dtensor_state": self.dtensor_state,
         }
@@ -180,10 +181,6 @@ class OptimizerContract:
             raise ValueError(f"malformed optimizer contract: {exc}") from exc
 
 
-def _field_to_dict(f: FieldSpec) -> dict:
-    return {"name": f.name, "dtype": f.dtype, "geometry": f.geometry, "optional": f.optional}
-
-
 _ADAM_FIELDS = (
     FieldSpec("step", "float32", "scalar"),
     FieldSpec("exp_avg", LIKE_PARAM, "param"),
@@ -200,10 +197,8 @@ def torch_contracts() -> dict[type, OptimizerContract]:
 
     version = torch.__version__.split("+")[0]
     return {
-        torch.optim.AdamW: OptimizerContract("torch.optim.AdamW", version, _ADAM_HYPER, _ADAM_FIELDS,
-                                             dtensor_state=True),
-        torch.optim.Adam: OptimizerContract("torch.optim.Adam", version, _ADAM_HYPER, _ADAM_FIELDS,
-                                            dtensor_state=True),
+        **{cls: OptimizerContract(f"torch.optim.{cls.__name__}", version, _ADAM_HYPER, _ADAM_FIELDS, dtensor_state=True)
+           for cls in (torch.optim.AdamW, torch.optim.Adam)},
         torch.optim.SGD: OptimizerContract(
             "torch.optim.SGD",
             version,

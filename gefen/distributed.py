@@ -204,7 +204,9 @@ class ReductionPlan:
     def _first_copy(self, p: torch.Tensor, copies: Iterable[int | None]) -> bool:
         lay = self.layout(p)
         if lay is None:  # a plain tensor: every rank of the group holds all of it
-            return self.group is None or _group_rank(self.group) == 0
+            import torch.distributed as dist
+
+            return self.group is None or dist.get_rank(self.group) == 0
         return all(lay.coordinate[d] == 0 for d in copies if d in self.dims)
 
     def counts(self, p: torch.Tensor) -> bool:
@@ -297,12 +299,6 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
 
 def local_size(p: torch.Tensor, dim: int) -> int:
     return local_tensor(p).shape[dim]
-
-
-def _group_rank(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank(group)
 
 
 def refusal(name: str, p: torch.Tensor, who: str, alternative: str) -> ValueError:

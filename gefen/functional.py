@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from gefen.contract import DIMENSION_FIELDS
-from gefen.geometry import as_blocks, block_shape
+from gefen.geometry import as_blocks, block_shape, uses_row_period
 from gefen.quant import dequantise, quantise
 from gefen.stochastic import (
     LOG_RANGE,
@@ -68,15 +68,12 @@ def init_momentum_state(param: torch.Tensor, global_shape: tuple[int, ...], peri
 
 def init_state(param: torch.Tensor, global_shape: tuple[int, ...], period: int, factored: bool) -> dict:
     """Zero state for one parameter; ``param`` is the local (row-sharded) tensor."""
-    local_rows = param.shape[0] if param.dim() else 1
-    blocks_per_row = block_shape(global_shape, period)[1]
-    dev = param.device
     state = init_momentum_state(param, global_shape, period)
-    if factored:
-        state["v_row"] = torch.zeros(local_rows, dtype=torch.float32, device=dev)
-        state["v_col"] = torch.zeros(global_shape[1], dtype=torch.float32, device=dev)
-    else:
-        state["v"] = torch.zeros(local_rows, blocks_per_row, dtype=torch.float32, device=dev)
+    if not factored:
+        state["v"] = torch.zeros_like(state["m_scale"])  # one per block
+        return state
+    state["v_row"] = torch.zeros(state["m_scale"].shape[0], dtype=torch.float32, device=param.device)
+    state["v_col"] = torch.zeros(global_shape[1], dtype=torch.float32, device=param.device)
     return state
 
 
@@ -124,19 +121,26 @@ def gefen_update_(
         state["v"].mul_(h.beta2).add_(block_sq, alpha=1 - h.beta2)
         denom = _div(state["v"].sqrt(), bias2_sqrt).add_(h.eps).unsqueeze(-1)
 
-    # 2. step count and decoupled weight decay
+    # 2. step count
     state["step"].fill_(step)
-    work = param if param.dtype in (torch.float32, torch.float64) else param.float()
-    if h.weight_decay:
-        work.mul_(1 - h.lr * h.weight_decay)
 
     # 3. momentum: dequantise, EMA, re-quantise
     update = update_momentum_(state, g, h.beta1, codebook)
 
-    # 4. update with the re-quantised momentum
+    # 4. decoupled weight decay and the update with the re-quantised momentum
     update = _div(update, bias1)
     as_blocks(update, period).div_(denom)
-    work.add_(update, alpha=-h.lr)
+    decay_and_add_(param, update, h.lr, h.weight_decay)
+
+
+def decay_and_add_(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float,
+                   alpha: float | None = None) -> None:
+    """Decoupled weight decay ``p *= 1 - lr * weight_decay`` (none at 0), then ``p += alpha * update``
+    (``alpha``: ``-lr`` unless given), in fp32: a bf16 parameter is rounded once, at the end."""
+    work = param if param.dtype in (torch.float32, torch.float64) else param.float()
+    if weight_decay:
+        work.mul_(1 - lr * weight_decay)
+    work.add_(update, alpha=-lr if alpha is None else alpha)
     if work is not param:
         param.copy_(work)
 
@@ -177,11 +181,8 @@ def _local_period(state: dict) -> int:
 #: state of a tensor of >= 2 dims: low nibble of ``mv_code`` = first-moment code, high nibble =
 #: second-moment code (against the factored estimate); 1-D/0-D tensors keep AdamW moments
 M4V4_MATRIX_FIELDS, VECTOR_FIELDS = DIMENSION_FIELDS[("gefen.Gefen", "2")]
-
-
-def is_coded(global_shape: tuple[int, ...]) -> bool:
-    """Under m4v4, tensors of two or more dims are coded; the rest keep AdamW moments."""
-    return len(global_shape) >= 2
+#: under m4v4 the tensors with row blocks (two or more dims) are coded; the rest keep AdamW moments
+is_coded = uses_row_period
 
 
 def init_m4v4_state(param: torch.Tensor, global_shape: tuple[int, ...]) -> dict:
@@ -321,13 +322,7 @@ def m4v4_update_(
     mq = codebook.take(mcode) * s_f[:, None]
 
     # update (the same op order as gefen_update_)
-    work = param if param.dtype in (torch.float32, torch.float64) else param.float()
-    if h.weight_decay:
-        work.mul_(1 - h.lr * h.weight_decay)
-    upd = _div(mq, 1 - b1**step) / denom
-    work.add_(upd.view(work.shape), alpha=-h.lr)
-    if work is not param:
-        param.copy_(work)
+    decay_and_add_(param, (_div(mq, 1 - b1**step) / denom).view(param.shape), h.lr, h.weight_decay)
     state["mv_code"].copy_((mcode | (vcode << 4)).view(state["mv_code"].shape))
     state["m_row_scale"].copy_(s_f)
     state["v_row"].copy_(v_row)
@@ -360,12 +355,7 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper
     v = state["exp_avg_sq"] * b2 + (g * g) * (1 - b2)
     denom = _div(v.sqrt(), math.sqrt(1 - b2**step)) + h.eps
     state["step"].fill_(step)
-    work = param if param.dtype in (torch.float32, torch.float64) else param.float()
-    if h.weight_decay:
-        work.mul_(1 - h.lr * h.weight_decay)
-    work.add_(_div(m, 1 - b1**step) / denom, alpha=-h.lr)
-    if work is not param:
-        param.copy_(work)
+    decay_and_add_(param, _div(m, 1 - b1**step) / denom, h.lr, h.weight_decay)
     gidx = torch.arange(row0, row0 + m.numel(), dtype=torch.int64, device=m.device).reshape(m.shape)
     state["exp_avg"].copy_(round_bf16(m, hash_bits(gidx, step, salts(pidx, seed)[0])))
     state["exp_avg_sq"].copy_(v)

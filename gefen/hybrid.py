@@ -18,11 +18,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gefen.base import apply_load_pre_hooks, local_tensor
+from gefen.base import apply_load_pre_hooks, check_field, local_tensor, run_closure, stage_groups
 from gefen.compile import eager_step
 from gefen.contract import (
     CONTRACT_KEY,
-    FieldSpec,
     OptimizerContract,
     contract_of,
     join_composite,
@@ -205,10 +204,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
 
     @eager_step
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for child in self.children.values():
             child.step()
         return loss
@@ -311,40 +307,15 @@ def _check_plain_state_dict(opt: torch.optim.Optimizer, sd) -> None:
     contract = contract_of(opt)
     if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("param_groups"), list):
         raise ValueError(f"not a {contract.implementation} state_dict")
-    saved_groups = sd["param_groups"]
-    if len(saved_groups) != len(opt.param_groups) or any(
-        not isinstance(s, dict) or len(s.get("params", ())) != len(g["params"]) for s, g in zip(saved_groups, opt.param_groups)
-    ):
-        raise ValueError(f"the state_dict's param groups do not match the {contract.implementation}'s in number or size")
-    index = {}
-    for gi, (saved, live) in enumerate(zip(saved_groups, opt.param_groups)):
-        missing = [h for h in contract.hyperparameters if h not in saved]
-        if missing:
-            raise ValueError(f"param group {gi} of the state_dict lacks hyperparameters {missing}")
-        if saved.get("param_names") and live.get("param_names") and list(saved["param_names"]) != live["param_names"]:
-            raise ValueError(f"param group {gi}: state_dict names differ from the optimizer's")
-        index.update({key: (live, i) for i, key in enumerate(saved["params"])})
     fields = {f.name: f for f in contract.fields}
     required = {f.name for f in contract.fields if not f.optional}
-    for key, entry in sd["state"].items():
-        if key not in index:
-            raise ValueError(f"state_dict holds state for unknown parameter index {key!r}")
-        group, i = index[key]
+    for group, i, entry in stage_groups(sd, opt.param_groups, contract.hyperparameters)[1]:
         label = param_label(group, i)
         if not isinstance(entry, dict) or set(entry) - set(fields) or required - set(entry):
             got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
             raise ValueError(f"state of parameter {label} has fields {got}, but {contract.implementation} keeps "
                              f"{sorted(required)} (+ optional {sorted(set(fields) - required)}); another optimizer's?")
-        for name, value in entry.items():
-            _check_plain_field(label, name, value, fields[name], group["params"][i])
-
-
-def _check_plain_field(label: str, name: str, value, spec: FieldSpec, param: torch.Tensor) -> None:
-    """torch optimizers' fields are per-parameter tensors or scalars (``param``/``scalar`` geometry)."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"parameter {label}: field {name!r} is a {type(value).__name__}, not a tensor")
-    if problem := spec.check_dtype(value.dtype):
-        raise TypeError(f"parameter {label}: field {name!r} has {problem}")
-    want = spec.local_shape(local_tensor(param).shape, tuple(param.shape), 1)
-    if tuple(local_tensor(value).shape) != want:  # a torch optimizer keeps DTensor state for DTensor params
-        raise ValueError(f"parameter {label}: field {name!r} has shape {tuple(value.shape)}, expected {want}")
+        param = group["params"][i]
+        for name, value in entry.items():  # ``param`` (DTensors for DTensor parameters) or ``scalar`` fields
+            want = fields[name].local_shape(local_tensor(param).shape, tuple(param.shape), 1)
+            check_field(label, name, value, fields[name], want)

@@ -10,11 +10,16 @@ from gefen.contract import FieldSpec, OptimizerContract
 
 __all__ = ["CONTRACTS", "MOMENTS", "V_CODEBOOK", "version_refusal"]
 
-_M8_FIELDS = (
+#: the compressed first moment (8-bit codes, one scale per block) that m8 and GefenMuon keep
+MOMENTUM_FIELDS = (
     FieldSpec("step", "int64", "scalar"),
     FieldSpec("period", "int64", "scalar"),
     FieldSpec("m_code", "uint8", "param"),
     FieldSpec("m_scale", "float32", "block"),
+)
+CODEBOOK_FIELD = FieldSpec("codebook", "float32", "global")
+_M8_FIELDS = (
+    *MOMENTUM_FIELDS,
     FieldSpec("v", "float32", "block", optional=True),
     FieldSpec("v_row", "float32", "row", optional=True),
     FieldSpec("v_col", "float32", "col", optional=True),
@@ -34,10 +39,9 @@ _HYPER = ("lr", "betas", "eps", "weight_decay", "factored_v_2d")
 CONTRACTS = {
     "m4v4": OptimizerContract(implementation="gefen.Gefen", version="2",
                               hyperparameters=(*_HYPER, "moments", "seed"), fields=_M4V4_FIELDS,
-                              global_fields=(FieldSpec("codebook", "float32", "global"),
-                                             FieldSpec("v_codebook", "float32", "global"))),
+                              global_fields=(CODEBOOK_FIELD, FieldSpec("v_codebook", "float32", "global"))),
     "m8": OptimizerContract(implementation="gefen.Gefen", version="1", hyperparameters=_HYPER, fields=_M8_FIELDS,
-                            global_fields=(FieldSpec("codebook", "float32", "global"),)),
+                            global_fields=(CODEBOOK_FIELD,)),
 }
 MOMENTS = tuple(CONTRACTS)
 V_CODEBOOK = "v_codebook"

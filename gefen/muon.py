@@ -16,11 +16,11 @@ from collections.abc import Callable
 import torch
 
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
-from gefen.compile import eager_step
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen.dispatch import momenta_
 from gefen.distributed import Layout, RowGather
-from gefen.functional import init_momentum_state, momentum_ema, rows_view, store_momentum_
+from gefen.functional import decay_and_add_, init_momentum_state, momentum_ema, rows_view, store_momentum_
+from gefen.layouts import CODEBOOK_FIELD, MOMENTUM_FIELDS
 from gefen.newton_schulz import orthogonalise, resolve_schedule
 from gefen.quant import block_scales
 from gefen.validation import check_range, param_label
@@ -33,14 +33,8 @@ _CONTRACT = OptimizerContract(
     version="1",
     hyperparameters=("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_schedule", "normuon", "beta2",
                      "eps", "adjust_lr"),
-    fields=(
-        FieldSpec("step", "int64", "scalar"),
-        FieldSpec("period", "int64", "scalar"),
-        FieldSpec("m_code", "uint8", "param"),
-        FieldSpec("m_scale", "float32", "block"),
-        FieldSpec("v_row", "float32", "row", optional=True),  # NorMuon only
-    ),
-    global_fields=(FieldSpec("codebook", "float32", "global"),),
+    fields=(*MOMENTUM_FIELDS, FieldSpec("v_row", "float32", "row", optional=True)),  # v_row: NorMuon only
+    global_fields=(CODEBOOK_FIELD,),
 )
 
 
@@ -154,12 +148,7 @@ class GefenMuon(CompressedOptimizer):
         block per row is repaired by a max over the tensor-parallel dimension (state with shorter
         blocks is refused when it is loaded onto such a layout)."""
 
-    @eager_step
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss, work = self._begin_step(closure)
-        if not work:
-            return loss
+    def _step(self, work) -> None:
         plan = self.reduction_plan()
 
         # 1. compressed momentum and the Newton-Schulz input (rank-local)
@@ -201,13 +190,8 @@ class GefenMuon(CompressedOptimizer):
             if k in cut:
                 col0 = plan.offsets(p)[1]
                 o = o[:, col0:col0 + param.shape[1]]
-            work_p = param if param.dtype in (torch.float32, torch.float64) else param.float()
-            if group["weight_decay"]:
-                work_p.mul_(1 - group["lr"] * group["weight_decay"])
-            work_p.add_(o, alpha=-group["lr"] * lr_scale(global_shape(p), group["adjust_lr"]))
-            if work_p is not param:
-                param.copy_(work_p)
-        return loss
+            decay_and_add_(param, o, group["lr"], group["weight_decay"],
+                           alpha=-group["lr"] * lr_scale(global_shape(p), group["adjust_lr"]))
 
     def _cut_momenta_(self, items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list:
         """``update_momentum_`` of shards whose columns tensor parallelism splits: each row's one

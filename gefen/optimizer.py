@@ -7,7 +7,6 @@ import torch
 from gefen import dispatch
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.codebook import solve_codebook
-from gefen.compile import eager_step
 from gefen.contract import OptimizerContract
 from gefen.distributed import Layout
 from gefen.functional import (
@@ -67,9 +66,6 @@ class Gefen(CompressedOptimizer):
         if moments == "m4v4" and codebook_size != CODES:
             raise ValueError(f"moments='m4v4' packs two 4-bit codes in a byte: codebook_size must be {CODES}, got "
                              f"{codebook_size!r} (other sizes need moments='m8')")
-        if moments == "m4v4" and factored_v_2d is False:
-            raise ValueError("m4v4 codes the second moment against the factored estimate; factored_v_2d=False "
-                             "needs moments='m8'")
         self.moments = moments
         self.v_codebook: torch.Tensor | None = None
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
@@ -140,17 +136,11 @@ class Gefen(CompressedOptimizer):
             return super()._moments_nonzero(entry)
         return "mv_code" in entry and bool(entry["m_row_scale"].any() or entry["v_row"].any())
 
-    @eager_step
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss, work = self._begin_step(closure)
-        if not work:
-            return loss
+    def _step(self, work) -> None:
         if self.moments == "m4v4":
             self._step_m4v4(work)
         else:
             self._step_m8(work)
-        return loss
 
     def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
         if self.moments == "m8":  # its row statistics are fp32 cascade sums no column split reproduces
@@ -179,26 +169,22 @@ class Gefen(CompressedOptimizer):
         sums = flat.split([parts.numel() for *_, parts in factored])
         return {i: (v_row, plan.take_partials(p, total, _row_len(p))) for (i, p, v_row, _), total in zip(factored, sums)}
 
-    def _split_rows(self, work) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
-        """The coded tensors whose columns tensor parallelism splits: (group, param, grad)."""
-        plan = self.reduction_plan()
-        return [(g, p, grad) for g, p, grad in work if "mv_code" in self.state[p] and plan.splits_columns(p)]
-
     def _step_m8(self, work) -> None:
         pending = self._reduced_partials(work, "v_row", lambda p, *args: dispatch.second_moment_partials(*args),
                                          batched_fn=dispatch.m8_partials_)
         codebook = self._step_codebook()
         for i, (group, p, grad) in enumerate(work):
-            beta1, beta2 = group["betas"]
-            h = Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
             v_row, partials = pending.get(i, (None, None))
             shape = global_shape(p)
             dispatch.gefen_update_(local_tensor(p), local_tensor(grad), self.state[p], codebook, h,
                                    global_rows=shape[0] if shape else 1, v_row=v_row, partials=partials)
 
     def _step_m4v4(self, work) -> None:
-        plan, split = self.reduction_plan(), self._split_rows(work)
-        # tensor parallelism: whole rows' sums of g^2 first (one collective for every split tensor)
+        plan = self.reduction_plan()
+        # tensor parallelism: the coded tensors whose columns are split need their whole rows' sums of
+        # g^2 first (one collective for every split tensor)
+        split = [(g, p, grad) for g, p, grad in work if "mv_code" in self.state[p] and plan.splits_columns(p)]
         sums = plan.reduce_rows_("sum", [row_square_sums(local_tensor(grad)) for *_, grad in split])
         row_sums = {id(p): s for (_, p, _), s in zip(split, sums)}
         pending = self._reduced_partials(
@@ -216,8 +202,7 @@ class Gefen(CompressedOptimizer):
         ratios = {}  # device -> ratio table
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for i, (group, p, grad) in enumerate(work):
-            beta1, beta2 = group["betas"]
-            h = Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
             local, local_grad = local_tensor(p), local_tensor(grad)
             row0, col0 = plan.offsets(p)
             if i not in pending:
@@ -225,15 +210,13 @@ class Gefen(CompressedOptimizer):
                                        row0=row0)
                 continue
             if local.device not in ratios:
-                ratios[local.device] = ratio_table(self._v_book(local.device))
+                v_book = standin_codebook(local.device) if self.v_codebook is None else self.v_codebook.to(local.device)
+                ratios[local.device] = ratio_table(v_book)
             v_row, partials = pending[i]
             dispatch.m4v4_update_(local, local_grad, self.state[p], codebook.to(local.device), ratios[local.device],
                                   h, global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=position[id(p)],
                                   seed=group["seed"], row0=row0, col0=col0, row_len=_row_len(p),
                                   row_max=row_max.get(id(p)))
-
-    def _v_book(self, device) -> torch.Tensor:
-        return standin_codebook(device) if self.v_codebook is None else self.v_codebook.to(device)
 
     def _learn_m4v4_codebooks(self, work, pending) -> None:
         """Both codebooks at the first step whose gradients are not all zero: the first moment's as

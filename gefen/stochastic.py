@@ -34,6 +34,11 @@ def salts(pidx: int, seed: int) -> tuple[int, int]:
     return salt_m, (salt_m + 1) & _MASK
 
 
+def hash_base(step: int, salt: int) -> int:
+    """``(step * 0x85EBCA77 + salt * 0xC2B2AE3D) mod 2**32``: the per-parameter part of the hash."""
+    return (step * _K_STEP + salt * _K_SALT) & _MASK
+
+
 def element_index(rows: int, cols: int, *, row0: int, row_len: int, col0: int = 0,
                   device: torch.device | str | None = None) -> torch.Tensor:
     """int64 ``[rows, cols]``: ``(row0 + i) * row_len + (col0 + j)``, each element's flat index in
@@ -46,8 +51,7 @@ def element_index(rows: int, cols: int, *, row0: int, row_len: int, col0: int = 
 def hash_bits(gidx: torch.Tensor, step: int, salt: int) -> torch.Tensor:
     """int64 tensor of the 32-bit counter hash of (``gidx`` mod 2^32, ``step``, ``salt``). int64
     wrap-around of ``gidx * K`` keeps the low 32 bits exact, so any int64 index works."""
-    base = (step * _K_STEP + salt * _K_SALT) & _MASK
-    x = gidx.mul(_K_INDEX).add_(base).bitwise_and_(_MASK)
+    x = gidx.mul(_K_INDEX).add_(hash_base(step, salt)).bitwise_and_(_MASK)
     x = (x ^ (x >> 16)).mul_(0x7FEB352D).bitwise_and_(_MASK)
     x = (x ^ (x >> 15)).mul_(0x846CA68B).bitwise_and_(_MASK)
     return x ^ (x >> 16)

@@ -163,7 +163,7 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
             or partials.numel() != cols + 2 or v_row.dtype != torch.float32 or v_row.numel() != param.shape[0]
             or state["mv_code"].dtype != torch.uint8 or state["m_row_scale"].dtype != torch.bfloat16):
         return _fallback("an unexpected m4v4 state or argument layout")
-    item = _launch_mod.M4V4Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0,
+    item = _launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0,
                                 global_rows=global_rows, row_len=row_len, v_row=v_row, partials=partials)
     _submit(item, (codebook, ratio))
     return True
@@ -189,7 +189,7 @@ def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0)
     if (param.shape != grad.shape or state["exp_avg"].dtype != torch.bfloat16
             or state["exp_avg_sq"].dtype != torch.float32):
         return _fallback("an unexpected AdamW state layout")
-    _submit(_launch_mod.M4V4Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0),
+    _submit(_launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0),
             (None, None))
     return True
 
@@ -215,7 +215,7 @@ def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, p
             or (factored and (param.dim() != 2 or v_row.numel() != param.shape[0] or state["v_col"].numel() != cols
                               or partials.dtype != torch.float64 or partials.numel() != cols + 1))):
         return _fallback("an unexpected m8 state or argument layout")
-    item = _launch_mod.M8Item(param, grad, state, h, int(state["step"]) + 1, global_rows=global_rows, v_row=v_row,
+    item = _launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, global_rows=global_rows, v_row=v_row,
                               partials=partials)
     _submit(item, (codebook,), "m8_update_")
     return True

@@ -21,6 +21,7 @@ except ImportError as exc:
     raise ImportError("gefen's GPU kernels need Triton: pip install 'gefen[gpu]'") from exc
 
 from gefen.codebook import code_thresholds
+from gefen.stochastic import hash_base
 from gefen.triton import kernels
 
 #: Rows longer than this are processed in two passes over column tiles (tests lower it). Sizes are
@@ -79,13 +80,23 @@ def _to(device: torch.device, *tables: torch.Tensor) -> list[torch.Tensor]:
     return [t.pin_memory().to(device, non_blocking=True) for t in tables]
 
 
-def _launch(kernel, grid: int, *args, **meta) -> None:
-    if grid == 0:
+def _classes(keys) -> dict:
+    """The indices of ``keys`` grouped by launch class (``keys[i]``; None: nothing to launch)."""
+    classes = defaultdict(list)
+    for i, key in enumerate(keys):
+        if key is not None:
+            classes[key].append(i)
+    return classes
+
+
+def _launch(kernel, progs: torch.Tensor, *args, **meta) -> None:
+    """One program per row of the table ``progs`` (``_programs``), which the kernel gets first."""
+    if progs.shape[0] == 0:
         return
     tile = meta.get("BR", 1) * meta.get("BC", meta.get("BLOCK", 1))
     # ~4 elements per thread keeps the step kernel near 64 registers (ptxas, sm_90): several blocks
     # per SM to hide memory latency. No FMA contraction: every mul and add rounds on its own.
-    kernel[(grid,)](*args, enable_fp_fusion=False, num_warps=max(4, min(16, tile // 128)), **meta)
+    kernel[(progs.shape[0],)](progs, *args, enable_fp_fusion=False, num_warps=max(4, min(16, tile // 128)), **meta)
 
 
 # ----- GefenMuon's momentum ------------------------------------------------------------------
@@ -93,12 +104,10 @@ class _Codebook:
     """The codebook and its padded decision thresholds on the codebook's device (cached)."""
 
     def __init__(self, codebook: torch.Tensor):
-        self.source, self.version = codebook, codebook._version
-        K = codebook.numel()
-        self.log2k = max(1, math.ceil(math.log2(K)))
+        self.source, self.version, self.K = codebook, codebook._version, codebook.numel()
+        self.log2k = max(1, math.ceil(math.log2(self.K)))
         thr = torch.full((1 << self.log2k,), float("inf"), dtype=torch.float32)
-        thr[: K - 1] = code_thresholds(codebook.detach().cpu().float())
-        self.K = K
+        thr[: self.K - 1] = code_thresholds(codebook.detach().cpu().float())
         self.values = codebook.detach().float().contiguous()
         self.thr = thr.to(codebook.device)
 
@@ -120,11 +129,7 @@ def momentum_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Ten
     scales updated in place; returns each re-quantised fp32 momentum (one launch per class)."""
     book = codebook_tables(codebook)
     outs = [torch.empty(g.shape, dtype=torch.float32, device=g.device) for _, g, _ in items]
-    classes = defaultdict(list)
-    for i, (state, grad, _) in enumerate(items):
-        P = int(state["period"])
-        if grad.numel():
-            classes[(grad.dtype, _geometry(P))].append(i)
+    classes = _classes((g.dtype, _geometry(int(s["period"]))) if g.numel() else None for s, g, _ in items)
     for (gdt, (br, bc, single)), idx in classes.items():
         sizes, ptrs, weights = [], [], []
         for i in idx:
@@ -137,32 +142,29 @@ def momentum_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Ten
         progs = _programs([nb for nb, _ in sizes], br, device)
         ptr_t, size_t, w_t = _to(device, _ptr_table(ptrs), torch.tensor(sizes, dtype=torch.int64),
                                  torch.tensor(weights, dtype=torch.float32))
-        _launch(kernels.momentum_kernel, progs.shape[0], progs, ptr_t, size_t, w_t, book.values, book.thr, book.K,
-                LOG2K=book.log2k, BR=br, BC=bc, SINGLE=single, GRAD_T=_TRITON_DT[gdt])
+        _launch(kernels.momentum_kernel, progs, ptr_t, size_t, w_t, book.values, book.thr, book.K, LOG2K=book.log2k,
+                BR=br, BC=bc, SINGLE=single, GRAD_T=_TRITON_DT[gdt])
     return outs
 
 
-# ----- Gefen m4v4 ----------------------------------------------------------------------------
+# ----- Gefen (m4v4 and m8) --------------------------------------------------------------------
 @dataclass
-class M4V4Item:
-    """One parameter's phase-2 inputs (rank-local tensors; ``v_row``/``partials`` only for >= 2-D)."""
+class Item:
+    """One parameter's phase-2 inputs (rank-local tensors; ``v_row``/``partials``: a factored
+    matrix's results of phase 1 after the global sum). ``salt_m``, ``row0`` and ``row_len`` place
+    m4v4's hashed rounding noise; m8 rounds to nearest and has none."""
 
     param: torch.Tensor
     grad: torch.Tensor
     state: dict
     h: object  # gefen.functional.Hyper
     step: int  # the step being taken (t)
-    salt_m: int
+    salt_m: int = 0
     row0: int = 0  # global row of local row 0
     global_rows: int = 1
     row_len: int | None = None  # global row length (default: the local one)
     v_row: torch.Tensor | None = None
     partials: torch.Tensor | None = None
-
-
-def hash_base(t: int, salt: int) -> int:
-    """``(t * 0x85EBCA77 + salt * 0xC2B2AE3D) mod 2**32``: the per-parameter part of the hash."""
-    return (t * 0x85EBCA77 + salt * 0xC2B2AE3D) & 0xFFFFFFFF
 
 
 def _row(n, *pairs) -> list:
@@ -173,15 +175,16 @@ def _row(n, *pairs) -> list:
     return row
 
 
-def _scalars(it: M4V4Item) -> list[float]:
+def _scalars(it: Item) -> list[float]:
     h, t, k = it.h, it.step, kernels
+    lr, wd = float(h.lr), float(h.weight_decay)
     return _row(  # torch.tensor(..., float32) rounds each as torch rounds a Python scalar
         k.N_SCALARS, (k.S_B1, h.beta1), (k.S_OMB1, 1 - h.beta1), (k.S_B2, h.beta2), (k.S_OMB2, 1 - h.beta2),
         (k.S_BIAS1, 1 - h.beta1**t), (k.S_BIAS2, math.sqrt(1 - h.beta2**t)), (k.S_EPS, h.eps),
-        (k.S_NEG_LR, -h.lr), (k.S_DECAY, 1 - h.lr * h.weight_decay))
+        (k.S_NEG_LR, -lr), (k.S_DECAY, 1 - lr * wd))
 
 
-def _ints(it: M4V4Item, rows: int, C: int) -> list[int]:
+def _ints(it: Item, rows: int, C: int) -> list[int]:
     k = kernels
     return _row(
         k.N_INTS, (k.I_ROWS, rows), (k.I_C, C), (k.I_ROW0, it.row0), (k.I_BASE_M, hash_base(it.step, it.salt_m)),
@@ -189,7 +192,7 @@ def _ints(it: M4V4Item, rows: int, C: int) -> list[int]:
         (k.I_GROWS, max(it.global_rows, 1)), (k.I_ROW_LEN, C if it.row_len is None else it.row_len))
 
 
-def m4v4_update_(items: list[M4V4Item], codebook: torch.Tensor, ratios: torch.Tensor) -> None:
+def m4v4_update_(items: list[Item], codebook: torch.Tensor, ratios: torch.Tensor) -> None:
     """Phase 2 of Gefen m4v4 for every item, in place (state, parameter, step count): matrices
     take three launches per class (column prologue, the step, the v_col copy); 1-D/0-D tensors
     one per dtype class."""
@@ -203,7 +206,7 @@ def m4v4_update_(items: list[M4V4Item], codebook: torch.Tensor, ratios: torch.Te
         it.state["step"].fill_(it.step)
 
 
-def _m4v4_matrices(items: list[M4V4Item], codebook, ratios) -> None:
+def _m4v4_matrices(items: list[Item], codebook, ratios) -> None:
     device = items[0].param.device
     shapes = [(it.param.shape[0], math.prod(it.param.shape[1:])) for it in items]
     v_new = torch.empty(sum(C for _, C in shapes), dtype=torch.float32, device=device)
@@ -212,18 +215,11 @@ def _m4v4_matrices(items: list[M4V4Item], codebook, ratios) -> None:
     scal = torch.tensor([_scalars(it) for it in items], dtype=torch.float32)
     ints, scal = _to(device, ints, scal)
     # prologue: the new column statistics (scratch) and row means, every parameter in one launch
-    bc = 1024
-    progs = _programs([C for _, C in shapes], bc, device)
-    (ptrs,) = _to(device, _ptr_table([[it.state["v_col"], v, it.partials] for it, v in zip(items, v_new_views)]))
-    _launch(kernels.m4v4_prologue_kernel, progs.shape[0], progs, ptrs, ints, scal, BC=bc)
+    _prologue(items, v_new_views, ints, scal, m8=False)
     # the step, one launch per (dtypes, tile) class
-    classes = defaultdict(list)
-    empty = []  # no elements: only the statistics move (as in the reference)
-    for i, (it, (_, C)) in enumerate(zip(items, shapes)):
-        if it.param.numel():
-            classes[(it.param.dtype, it.grad.dtype, _geometry(C))].append(i)
-        else:
-            empty.append(i)
+    classes = _classes((it.param.dtype, it.grad.dtype, _geometry(C)) if it.param.numel() else None
+                       for it, (_, C) in zip(items, shapes))
+    empty = [i for i, it in enumerate(items) if not it.param.numel()]  # only the statistics move, as in the reference
     cb, R = codebook.contiguous(), ratios.contiguous()
     for (pdt, gdt, (br, bc, single)), idx in classes.items():
         sel = torch.tensor(idx, dtype=torch.int64)
@@ -232,28 +228,24 @@ def _m4v4_matrices(items: list[M4V4Item], codebook, ratios) -> None:
                             items[i].state["v_row"], items[i].v_row, items[i].state["v_col"], v_new_views[i]]
                            for i in idx])
         ptrs, sel = _to(device, ptrs, sel)
-        _launch(kernels.m4v4_kernel, progs.shape[0], progs, ptrs, ints.index_select(0, sel),
-                scal.index_select(0, sel), cb, R, BR=br, BC=bc, SINGLE=single, PARAM_T=_TRITON_DT[pdt],
-                GRAD_T=_TRITON_DT[gdt])
+        _launch(kernels.m4v4_kernel, progs, ptrs, ints.index_select(0, sel), scal.index_select(0, sel), cb, R,
+                BR=br, BC=bc, SINGLE=single, PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt])
     dst = [it.state["v_col"] for it in items] + [items[i].state["v_row"] for i in empty]
     torch._foreach_copy_(dst, v_new_views + [items[i].v_row for i in empty])
 
 
-def _adamw_vectors(items: list[M4V4Item]) -> None:
+def _adamw_vectors(items: list[Item]) -> None:
     device = items[0].param.device
     block = 1024
-    classes = defaultdict(list)
-    for i, it in enumerate(items):
-        classes[(it.param.dtype, it.grad.dtype)].append(i)
-    for (pdt, gdt), idx in classes.items():
+    for (pdt, gdt), idx in _classes((it.param.dtype, it.grad.dtype) for it in items).items():
         sel = [items[i] for i in idx]
         progs = _programs([it.param.numel() for it in sel], block, device)
         ptrs = _ptr_table([[it.param, it.grad, it.state["exp_avg"], it.state["exp_avg_sq"]] for it in sel])
         ints = torch.tensor([_ints(it, it.param.numel(), 1) for it in sel], dtype=torch.int64)
         scal = torch.tensor([_scalars(it) for it in sel], dtype=torch.float32)
         ptrs, ints, scal = _to(device, ptrs, ints, scal)
-        _launch(kernels.adamw_kernel, progs.shape[0], progs, ptrs, ints, scal, BLOCK=block,
-                PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt])
+        _launch(kernels.adamw_kernel, progs, ptrs, ints, scal, BLOCK=block, PARAM_T=_TRITON_DT[pdt],
+                GRAD_T=_TRITON_DT[gdt])
 
 
 #: rows per program of the phase-1 kernel (its column partial sums cost 8 / BR bytes per element)
@@ -282,56 +274,38 @@ def _partials(items, *, m8: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ints = torch.tensor([_row(kernels.N_INTS, (kernels.I_ROWS, r), (kernels.I_C, C)) for r, C in shapes],
                         dtype=torch.int64)
     betas = torch.tensor([(b2, 1 - b2) for _, _, b2 in items], dtype=torch.float32)
-    classes = defaultdict(list)
-    for i, (g, _, _) in enumerate(items):
-        classes[g.dtype].append(i)
-    for gdt, idx in classes.items():
+    for gdt, idx in _classes(g.dtype for g, _, _ in items).items():
         sel = torch.tensor(idx, dtype=torch.int64)
         progs = _programs([shapes[i][0] for i in idx], br, device)
         ptrs = _ptr_table([[items[i][0], items[i][1]["v_row"], v_rows[i], scratch_views[i]] for i in idx])
         ptrs, ints_c, betas_c = _to(device, ptrs, ints[sel], betas[sel])
         bc = max(16, min(triton.next_power_of_2(max(shapes[i][1] for i in idx)), 4096 // br))
-        _launch(kernels.partials_kernel, progs.shape[0], progs, ptrs, ints_c, betas_c, BR=br, BC=bc,
-                GRAD_T=_TRITON_DT[gdt], M8=m8)
+        _launch(kernels.partials_kernel, progs, ptrs, ints_c, betas_c, BR=br, BC=bc, GRAD_T=_TRITON_DT[gdt], M8=m8)
     bc = 256
     progs = _programs([C + 2 for _, C in shapes], bc, device)
     ptrs, ints = _to(device, _ptr_table([[s, p] for s, p in zip(scratch_views, part_views)]), ints)
-    _launch(kernels.column_sum_kernel, progs.shape[0], progs, ptrs, ints, BC=bc, BR=br)
+    _launch(kernels.column_sum_kernel, progs, ptrs, ints, BC=bc, BR=br)
     return list(zip(v_rows, part_views))
 
 
 # ----- Gefen m8 ------------------------------------------------------------------------------
-@dataclass
-class M8Item:
-    """One parameter's m8 phase-2 inputs (rank-local tensors; ``v_row``/``partials``: a factored
-    matrix's results of phase 1 after the global sum)."""
-
-    param: torch.Tensor
-    grad: torch.Tensor
-    state: dict
-    h: object  # gefen.functional.Hyper
-    step: int  # the step being taken (t)
-    global_rows: int = 1
-    v_row: torch.Tensor | None = None
-    partials: torch.Tensor | None = None
-
-
-def _m8_scalars(it: M8Item) -> list[float]:
-    h, t, k = it.h, it.step, kernels
-    lr, wd = float(h.lr), float(h.weight_decay)
-    return _row(  # fp32 roundings of the Python floats torch multiplies and divides by
-        k.M_NSCAL, (k.M_W, 1 - h.beta1), (k.M_B2, h.beta2), (k.M_OMB2, 1 - h.beta2), (k.M_BIAS1, 1 - h.beta1**t),
-        (k.M_BIAS2, math.sqrt(1 - h.beta2**t)), (k.M_EPS, h.eps), (k.M_NEG_LR, -lr), (k.M_DECAY, 1 - lr * wd))
-
-
-def _m8_ints(it: M8Item) -> list[int]:
+def _m8_ints(it: Item) -> list[int]:
     k, P = kernels, int(it.state["period"])
     C = math.prod(it.param.shape[1:]) if it.param.dim() else 1
-    return _row(k.M_NINTS, (k.J_NB, it.param.numel() // P), (k.J_P, P), (k.J_BPR, max(C // P, 1)), (k.J_C, C),
-                (k.J_HAS_WD, int(bool(it.h.weight_decay))), (k.J_GROWS, it.global_rows))
+    return _row(k.N_INTS, (k.I_ROWS, it.param.numel() // P), (k.I_P, P), (k.I_BPR, max(C // P, 1)), (k.I_C, C),
+                (k.I_HAS_WD, int(bool(it.h.weight_decay))), (k.I_GROWS, it.global_rows))
 
 
-def m8_update_(items: list[M8Item], codebook: torch.Tensor) -> None:
+def _prologue(factored: list[Item], v_new: list[torch.Tensor], ints, scal, *, m8: bool) -> None:
+    """``prologue_kernel`` for the factored matrices, the first rows of the ``ints``/``scal``
+    tables: their new ``v_col`` (into ``v_new``, which m8 passes as ``v_col`` itself) and row means."""
+    bc = 1024
+    progs = _programs([v.numel() for v in v_new], bc, ints.device)
+    (ptrs,) = _to(ints.device, _ptr_table([[it.state["v_col"], v, it.partials] for it, v in zip(factored, v_new)]))
+    _launch(kernels.prologue_kernel, progs, ptrs, ints, scal, BC=bc, M8=m8)
+
+
+def m8_update_(items: list[Item], codebook: torch.Tensor) -> None:
     """Phase 2 of Gefen m8 for every item, in place (state, parameter, step count): the factored
     matrices' column statistics in one launch, then the step in one launch per (dtypes, block
     geometry, second-moment form) class."""
@@ -340,18 +314,12 @@ def m8_update_(items: list[M8Item], codebook: torch.Tensor) -> None:
     device = items[0].param.device
     book = codebook_tables(codebook)
     ints = torch.tensor([_m8_ints(it) for it in items], dtype=torch.int64)
-    scal = torch.tensor([_m8_scalars(it) for it in items], dtype=torch.float32)
+    scal = torch.tensor([_scalars(it) for it in items], dtype=torch.float32)
     ints, scal = _to(device, ints, scal)
     if factored:
-        bc = 1024
-        progs = _programs([it.state["v_col"].numel() for it in factored], bc, device)
-        (ptrs,) = _to(device, _ptr_table([[it.state["v_col"], it.partials] for it in factored]))
-        _launch(kernels.m8_prologue_kernel, progs.shape[0], progs, ptrs, ints, scal, BC=bc)
-    classes = defaultdict(list)
-    for i, it in enumerate(items):
-        if it.param.numel():
-            key = (it.param.dtype, it.grad.dtype, _geometry(int(it.state["period"])), "v_row" in it.state)
-            classes[key].append(i)
+        _prologue(factored, [it.state["v_col"] for it in factored], ints, scal, m8=True)
+    classes = _classes((it.param.dtype, it.grad.dtype, _geometry(int(it.state["period"])), "v_row" in it.state)
+                       if it.param.numel() else None for it in items)
     for (pdt, gdt, (br, bc, single), fact), idx in classes.items():
         sel = torch.tensor(idx, dtype=torch.int64)
         progs = _programs([items[i].param.numel() // int(items[i].state["period"]) for i in idx], br, device)
@@ -361,8 +329,8 @@ def m8_update_(items: list[M8Item], codebook: torch.Tensor) -> None:
             v = [it.v_row, st["v_col"]] if fact else [st["v"], st["v"]]
             ptrs.append([it.param, it.grad, st["m_code"], st["m_scale"], *v])
         ptrs, sel = _to(device, _ptr_table(ptrs), sel)
-        _launch(kernels.m8_kernel, progs.shape[0], progs, ptrs, ints.index_select(0, sel), scal.index_select(0, sel),
-                book.values, book.thr, book.K, LOG2K=book.log2k, BR=br, BC=bc, SINGLE=single, FACTORED=fact,
+        _launch(kernels.m8_kernel, progs, ptrs, ints.index_select(0, sel), scal.index_select(0, sel), book.values,
+                book.thr, book.K, LOG2K=book.log2k, BR=br, BC=bc, SINGLE=single, FACTORED=fact,
                 PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt])
     if factored:
         torch._foreach_copy_([it.state["v_row"] for it in factored], [it.v_row for it in factored])

@@ -4,7 +4,7 @@
 (a Triton or driver that builds the kernels differently) the eager step is kept and the reason
 is logged, as ``gefen.native`` does for its C step. The problems reach both row paths (one tile,
 two passes), bf16 and fp32, an all-zero row and, for m4v4 and m8, the 1-D path; for m8 both
-second-moment forms, whose fp32 means agree to ``M8_V_RTOL`` (``m8_differences``).
+second-moment forms, whose fp32 means agree to ``M8_V_RTOL`` (``state_differences``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,13 @@ from gefen import functional as F
 from gefen.stochastic import ratio_table, salts
 
 _H = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+#: m8's per-block and per-row second moments are fp32 means of g^2: the eager step sums in torch's
+#: order (ATen's cascade on CPU, a tree on CUDA), the kernels in float64 rounded once, so the two
+#: agree to a few ulps, not bit for bit. A tree sum of n positive fp32 terms is within about
+#: (log2 n + 4) 2^-24 of exact (~1e-6 for the 4236-element blocks here): the bound is 4x that
+#: (docs/decisions.md, "Triton kernels for m8")
+M8_V_RTOL = 4e-6
+M8_APPROX = ("v", "v_row")
 
 
 def run(launch, device: torch.device, family: str) -> str | None:
@@ -40,15 +47,24 @@ def _book(gen, n: int, device) -> torch.Tensor:
     return book.to(device)
 
 
-def _same(ref: dict, got: dict) -> str | None:
-    bad = [k for k, v in ref.items() if not torch.equal(v, got[k])]
+def state_differences(ref: dict, got: dict, approx: tuple[str, ...] = ()) -> str | None:
+    """None when the state ``got`` is ``ref``: every field identical, those in ``approx`` (m8's
+    ``M8_APPROX``: fp32 means summed in another order) within ``M8_V_RTOL``."""
+    bad = [k for k, v in ref.items()
+           if not (torch.allclose(got[k], v, rtol=M8_V_RTOL, atol=0, equal_nan=True) if k in approx
+                   else torch.equal(v, got[k]))]
     return f"state {bad} differs from the eager step" if bad else None
 
 
-def _close(before: torch.Tensor, ref: torch.Tensor, got: torch.Tensor) -> bool:
-    """Equal up to one rounding of the update and of the result (torch's CPU sqrt is MKL's)."""
+def params_close(before: torch.Tensor, ref: torch.Tensor, got: torch.Tensor,
+                 update_rtol: float | None = None) -> bool:
+    """Equal up to one rounding of the result and of the update (torch's CPU sqrt is MKL's), or
+    ``update_rtol`` of the update (m8: ``M8_V_RTOL``, the denominators' share of the second
+    moments' difference)."""
     before, r, g = before.float(), ref.float(), got.float()
-    return bool(((r - g).abs() <= torch.finfo(ref.dtype).eps * (r.abs() + (r - before).abs()) + 1e-30).all())
+    eps = torch.finfo(ref.dtype).eps
+    tol = eps * r.abs() + (eps if update_rtol is None else update_rtol) * (r - before).abs() + 1e-30
+    return bool(((r - g).abs() <= tol).all())
 
 
 def _m4v4(launch, device, gen) -> str | None:
@@ -72,17 +88,17 @@ def _m4v4(launch, device, gen) -> str | None:
             rows = shapes[i][0][0]
             F.m4v4_update_(ref[i][0], grads[i], ref[i][1], cb, R, _H, global_rows=rows, v_row=v_row,
                            partials=parts, pidx=i, seed=0)
-            items.append(launch.M4V4Item(got[i][0], grads[i], got[i][1], _H, step, salts(i, 0)[0],
+            items.append(launch.Item(got[i][0], grads[i], got[i][1], _H, step, salts(i, 0)[0],
                                          global_rows=rows, v_row=v_row.clone(), partials=parts))
         for i, (shape, _) in enumerate(shapes):
             if len(shape) < 2:
                 F.adamw_update_(ref[i][0], grads[i], ref[i][1], _H, pidx=i, seed=0, row0=3)
-                items.append(launch.M4V4Item(got[i][0], grads[i], got[i][1], _H, step, salts(i, 0)[0], row0=3))
+                items.append(launch.Item(got[i][0], grads[i], got[i][1], _H, step, salts(i, 0)[0], row0=3))
         launch.m4v4_update_(items, cb, R)
         for i, ((p_ref, s_ref), (p_got, s_got)) in enumerate(zip(ref, got)):
-            if (why := _same(s_ref, s_got)) is not None:
+            if (why := state_differences(s_ref, s_got)) is not None:
                 return f"{why} (shape {shapes[i][0]}, step {step})"
-            if not _close(before[i], p_ref, p_got):
+            if not params_close(before[i], p_ref, p_got):
                 return f"parameters differ from the eager step beyond rounding (shape {shapes[i][0]}, step {step})"
             p_got.copy_(p_ref)
     return None
@@ -101,35 +117,9 @@ def _momentum(launch, device, gen) -> str | None:
         got = launch.momentum_([(s, g, beta) for (_, s), g in zip(states, grads)], cb)
         for (s_ref, s_got), g, m in zip(states, grads, got):
             ref = F.update_momentum_(s_ref, g.float(), beta, cb)
-            if not torch.equal(ref, m) or (why := _same(s_ref, s_got)) is not None:
+            if not torch.equal(ref, m) or (why := state_differences(s_ref, s_got)) is not None:
                 return f"the compressed momentum differs from the eager step ({why or 'returned momentum'})"
     return None
-
-
-#: m8's per-block and per-row second moments are fp32 means of g^2: the eager step sums in torch's
-#: order (ATen's cascade on CPU, a tree on CUDA), the kernels in float64 rounded once, so the two
-#: agree to a few ulps, not bit for bit. A tree sum of n positive fp32 terms is within about
-#: (log2 n + 4) 2^-24 of exact (~1e-6 for the 4236-element blocks here): the bound is 4x that
-#: (docs/decisions.md, "Triton kernels for m8")
-M8_V_RTOL = 4e-6
-M8_APPROX = ("v", "v_row")
-
-
-def m8_differences(ref: dict, got: dict) -> str | None:
-    """None when the m8 state ``got`` is ``ref`` up to the fp32 means' summation order: codes,
-    scales, ``v_col`` and the step identical, ``v`` / ``v_row`` within ``M8_V_RTOL``."""
-    bad = [k for k, v in ref.items()
-           if not (torch.allclose(got[k], v, rtol=M8_V_RTOL, atol=0, equal_nan=True) if k in M8_APPROX
-                   else torch.equal(v, got[k]))]
-    return f"state {bad} differs from the eager step" if bad else None
-
-
-def m8_params_close(before: torch.Tensor, ref: torch.Tensor, got: torch.Tensor) -> bool:
-    """Equal up to one rounding of the result and ``M8_V_RTOL`` of the update (the denominators'
-    share of the second moments' difference)."""
-    before, r, g = before.float(), ref.float(), got.float()
-    tol = torch.finfo(ref.dtype).eps * r.abs() + M8_V_RTOL * (r - before).abs() + 1e-30
-    return bool(((r - g).abs() <= tol).all())
 
 
 def _m8(launch, device, gen) -> str | None:
@@ -163,12 +153,12 @@ def _m8(launch, device, gen) -> str | None:
             F.gefen_update_(ref[i][0], grads[i], ref[i][1], cb, _H, **kw)
             if factored:
                 kw.update(v_row=phase1[i][0], partials=phase1[i][1])
-            items.append(launch.M8Item(got[i][0], grads[i], got[i][1], _H, step, **kw))
+            items.append(launch.Item(got[i][0], grads[i], got[i][1], _H, step, **kw))
         launch.m8_update_(items, cb)
         for i, ((p_ref, s_ref), (p_got, s_got)) in enumerate(zip(ref, got)):
-            if (why := m8_differences(s_ref, s_got)) is not None:
+            if (why := state_differences(s_ref, s_got, M8_APPROX)) is not None:
                 return f"{why} (m8, shape {cases[i][0]}, step {step})"
-            if not m8_params_close(before[i], p_ref, p_got):
+            if not params_close(before[i], p_ref, p_got, M8_V_RTOL):
                 return f"parameters differ from the eager step beyond rounding (m8, shape {cases[i][0]}, step {step})"
             p_got.copy_(p_ref)
     return None

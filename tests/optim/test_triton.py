@@ -216,8 +216,9 @@ def test_m8_matches_the_reference(shape, period, factored, pdt, gdt, K):
             kw, kw_tri = dict(v_row=v_row, partials=parts), dict(v_row=v_row_tri, partials=parts_tri)
         F.gefen_update_(p_ref, g, s_ref, cb, H, global_rows=global_rows, **kw)  # the pure reference
         assert dispatch.gefen_update_(p_tri, g, s_tri, cb, H, global_rows=global_rows, **kw_tri)
-        assert (why := selfcheck.m8_differences(s_ref, s_tri)) is None, f"step {step}: {why}"
-        assert selfcheck.m8_params_close(before, p_ref, p_tri), f"step {step}: parameters differ beyond the tolerance"
+        assert (why := selfcheck.state_differences(s_ref, s_tri, selfcheck.M8_APPROX)) is None, f"step {step}: {why}"
+        assert selfcheck.params_close(before, p_ref, p_tri, selfcheck.M8_V_RTOL), \
+            f"step {step}: parameters differ beyond the tolerance"
         p_tri.copy_(p_ref)  # every step is compared from the same parameters
 
 
@@ -261,8 +262,9 @@ def test_m8_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
             opt.step()
         (ref_params, ref_opt), (params, opt) = optimizers
         for (name, a), (_, b) in zip(ref_params, params):
-            assert (why := selfcheck.m8_differences(ref_opt.state[a], opt.state[b])) is None, f"{name}: {why}"
-            assert selfcheck.m8_params_close(init[name], a.detach(), b.detach()), name
+            why = selfcheck.state_differences(ref_opt.state[a], opt.state[b], selfcheck.M8_APPROX)
+            assert why is None, f"{name}: {why}"
+            assert selfcheck.params_close(init[name], a.detach(), b.detach(), selfcheck.M8_V_RTOL), name
             b.data.copy_(a.data)
             init[name] = a.detach().clone()
     assert calls == [("m8_partials", 2), ("m8_update_", 4)] * len(grads)
@@ -353,7 +355,7 @@ cases = [
      {"LOG2K": 8, "BR": 4, "BC": 256, "SINGLE": True, "GRAD_T": tl.bfloat16}),
     (K.adamw_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BLOCK": 1024, "PARAM_T": tl.bfloat16,
                                                               "GRAD_T": tl.float32}),
-    (K.m4v4_prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024}),
+    (K.prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024, "M8": False}),
     (K.partials_kernel, {**tab, "ints": "*i64", "betas": "*fp32"},
      {"BR": 32, "BC": 64, "GRAD_T": tl.float32, "M8": False}),
     (K.column_sum_kernel, {**tab, "ints": "*i64"}, {"BC": 256, "BR": 32}),
@@ -363,7 +365,7 @@ cases = [
     (K.m8_kernel, {**tab, "ints": "*i64", "scal": "*fp32", "cb": "*fp32", "thr": "*fp32", "K": "i32"},
      {"LOG2K": 4, "BR": 1, "BC": 1024, "SINGLE": False, "FACTORED": False, "PARAM_T": tl.bfloat16,
       "GRAD_T": tl.bfloat16}),
-    (K.m8_prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024}),
+    (K.prologue_kernel, {**tab, "ints": "*i64", "scal": "*fp32"}, {"BC": 1024, "M8": True}),
     (K.partials_kernel, {**tab, "ints": "*i64", "betas": "*fp32"},
      {"BR": 32, "BC": 64, "GRAD_T": tl.bfloat16, "M8": True}),
 ]
@@ -483,7 +485,7 @@ def _m8_dtensor_worker(rank: int, world_size: int):
                 p.grad = distribute_tensor(g[n], mesh, [Shard(0)])
             opt.step()
         states.append({n: (opt.state[p], p.to_local()) for n, p in params.items()})
-    diffs = [selfcheck.m8_differences(states[0][n][0], states[1][n][0]) for n in shapes]
+    diffs = [selfcheck.state_differences(states[0][n][0], states[1][n][0], selfcheck.M8_APPROX) for n in shapes]
     close = [torch.allclose(states[0][n][1], states[1][n][1], rtol=1e-5, atol=1e-7) for n in shapes]
     return {"calls": calls, "diffs": diffs, "close": close}
 
