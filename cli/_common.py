@@ -11,18 +11,12 @@ from contextlib import contextmanager
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import Progress
 
 # torch (and the gefen_ckpt modules that import it) is imported inside the commands, so `--help` stays
 # fast; gefen_ckpt.formats imports nothing heavy.
 from gefen_ckpt.formats import DCP, PORTABLE, TORCH, check_optimizer, detect_format  # noqa: F401
+from gefen_ckpt.progress import columns
 
 #: exit codes (documented in docs/cli.md)
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
@@ -118,13 +112,10 @@ def set_storage_options(options: dict, args: list[str]) -> None:
             fsspec.config.conf.setdefault(protocol, {}).update(options)
 
 
-def progress(transfer: bool = True) -> Progress:
-    """A progress bar on stderr (drawn only on a terminal; removed when done)."""
+def progress() -> Progress:
+    """A byte-progress bar on stderr (drawn only on a terminal; removed when done)."""
     console = err()
-    columns = [TextColumn("[progress.description]{task.description}"), BarColumn()]
-    columns += [DownloadColumn(), TransferSpeedColumn()] if transfer else [TextColumn("{task.completed}/{task.total}")]
-    columns.append(TimeRemainingColumn())
-    return Progress(*columns, console=console, transient=True, disable=not console.is_terminal)
+    return Progress(*columns(), console=console, transient=True, disable=not console.is_terminal)
 
 
 def want_progress() -> bool:

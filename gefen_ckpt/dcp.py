@@ -88,7 +88,7 @@ from gefen_ckpt.exchange import (
     live_view,
     stage_import,
 )
-from gefen_ckpt.format.dtypes import dtype_name, plain
+from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
 from gefen_ckpt.layout import local_rows, rows_per_chunk, to_local
 from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_stock_keys, read_stock
@@ -201,13 +201,12 @@ def _check_meta(meta: Any) -> dict:
         fqn, shape, dtype, child, has_state = entry
         _need(isinstance(fqn, str), "param FQN must be a string")
         _need(shape is None or _is_shape(shape), f"{fqn}: bad shape {shape!r}")
-        _need(dtype is None or (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)),
-              f"{fqn}: bad dtype {dtype!r}")
         _need(child is None or isinstance(child, str), f"{fqn}: bad child {child!r}")
         _need(isinstance(has_state, bool), f"{fqn}: bad state flag")
         _need(not has_state or (shape is not None and dtype is not None), f"{fqn}: has state but no shape/dtype")
         _need(fqn not in out, f"parameter {fqn!r} listed twice")
-        out[fqn] = (None if shape is None else tuple(shape), None if dtype is None else getattr(torch, dtype),
+        out[fqn] = (None if shape is None else tuple(shape),
+                    None if dtype is None else torch_dtype(dtype, f"malformed gefen DCP description: {fqn}"),
                     child, has_state)
     meta["params"] = out
     return meta

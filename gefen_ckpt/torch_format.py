@@ -50,7 +50,7 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.format.dtypes import dtype_name, plain
+from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
 from gefen_ckpt.format.manifest import missing_fields
 
 __all__ = [
@@ -226,13 +226,6 @@ def _recorded(sd: dict) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-def _dtype(name: str, what: str) -> torch.dtype:
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointFormatError(f"{what}: unknown dtype {name!r}")
-    return dtype
-
-
 def _split(sd: dict, children: list[str], implementation: str, where: str = "state_dict") -> dict[str, dict]:
     """``gefen.contract.split_composite`` with its refusal as a checkpoint error."""
     try:
@@ -255,7 +248,7 @@ def _field_tensor(value, spec, fqn: str, name: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (bool, int, float)) and spec.geometry == "scalar":  # old torch: step as a number
-        dtype = torch.float32 if spec.dtype == LIKE_PARAM else _dtype(spec.dtype, f"{fqn}/{name}")
+        dtype = torch.float32 if spec.dtype == LIKE_PARAM else torch_dtype(spec.dtype, f"{fqn}/{name}")
         return torch.tensor(value, dtype=dtype)
     raise CheckpointFormatError(f"{fqn}/{name}: a {type(value).__name__}, not a tensor")
 
@@ -369,7 +362,7 @@ def _param_state(fqn: str, entry: dict, leaf: OptimizerContract, child: str | No
     if missing := missing_fields(leaf, fields, shape):
         raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {missing} (shape {shape})")
     if stored_dtype is not None:
-        dtype = _dtype(stored_dtype, fqn)
+        dtype = torch_dtype(stored_dtype, fqn)
     else:
         like_param = [n for n in fields if leaf.field(n).dtype == LIKE_PARAM]
         dtype = fields[like_param[0]].dtype if like_param else torch.float32

@@ -47,7 +47,7 @@ from gefen.contract import OptimizerContract
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
-from gefen_ckpt.format.dtypes import dtype_name
+from gefen_ckpt.format.dtypes import dtype_name, torch_dtype
 from gefen_ckpt.layout import chunk_rows, is_dtensor, to_local
 
 __all__ = ["gather", "scatter", "redistribute", "last_stats", "TransportStats"]
@@ -225,11 +225,7 @@ def last_stats() -> TransportStats:
 
 
 # ===== descriptions (msgpack) =================================================================
-def _dtype(name) -> torch.dtype:
-    value = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(value, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in a transported state description")
-    return value
+_DESCRIPTION = "a transported state description"
 
 
 def _describe(state: CanonicalState) -> dict:
@@ -294,15 +290,15 @@ def _rebuild(description: dict, make) -> tuple[CanonicalState, list[tuple[str, o
     ordered: list[tuple[str, object]] = []
     global_fields = {}
     for key, shape, dtype in description["globals"]:
-        global_fields[key] = make(key, tuple(shape), _dtype(dtype))
+        global_fields[key] = make(key, tuple(shape), torch_dtype(dtype, _DESCRIPTION))
         ordered.append((key, global_fields[key]))
     params = {}
     for fqn, shape, dtype, child, fields in description["params"]:
         sources = {}
         for name, fshape, fdtype in fields:
-            sources[name] = make(f"{fqn}/{name}", tuple(fshape), _dtype(fdtype))
+            sources[name] = make(f"{fqn}/{name}", tuple(fshape), torch_dtype(fdtype, _DESCRIPTION))
             ordered.append((f"{fqn}/{name}", sources[name]))
-        params[fqn] = ParamState(tuple(shape), _dtype(dtype), sources, child)
+        params[fqn] = ParamState(tuple(shape), torch_dtype(dtype, _DESCRIPTION), sources, child)
     groups = [dict(g) for g in description["groups"]]
     return CanonicalState(contract, groups, params, global_fields), ordered
 

@@ -46,11 +46,14 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} cannot be stored in a gefen-ckpt checkpoint") from None
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str, what: str = "dtype") -> torch.dtype:
+    """The format's dtype ``name`` as a torch dtype; any other name is a format error naming ``what``."""
     import torch
 
-    if name not in DTYPES:
-        raise KeyError(name)
+    if not isinstance(name, str) or name not in DTYPES:
+        from gefen_ckpt.errors import CheckpointFormatError
+
+        raise CheckpointFormatError(f"{what}: unknown dtype {name!r}"[:300])
     return getattr(torch, name)
 
 

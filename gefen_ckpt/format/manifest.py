@@ -13,8 +13,7 @@ import datetime
 import math
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -26,7 +25,7 @@ from gefen.contract import (
     SCHEMA_VERSION,
     OptimizerContract,
 )
-from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
+from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError, naming
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.datafile import ALIGNMENT
 from gefen_ckpt.format.dtypes import DTYPES, dtype_name, itemsize, plain
@@ -609,21 +608,13 @@ def parse_manifest(store: Store, data: bytes) -> Manifest:
 
 def decoded(store: Store, data: bytes) -> dict:
     """The manifest's msgpack map, not yet validated."""
-    with _naming_manifest(store):
+    with naming(store.path(MANIFEST_NAME), CheckpointFormatError):
         return decode(data)
 
 
 def validated(store: Store, raw: dict) -> Manifest:
-    with _naming_manifest(store):
+    with naming(store.path(MANIFEST_NAME), CheckpointFormatError):
         return validate(raw)
-
-
-@contextmanager
-def _naming_manifest(store: Store) -> Iterator[None]:
-    try:
-        yield
-    except CheckpointFormatError as exc:
-        raise CheckpointFormatError(f"{store.path(MANIFEST_NAME)}: {exc}") from None
 
 
 def listed_data_files(raw: dict, listing: dict[str, int]) -> dict[str, int]:
