@@ -82,8 +82,11 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
 )
 from gefen_ckpt.exchange import (
+    LiveOptimizer,
     LiveParam,
     check_contract,
+    check_param_shape,
+    check_same_params,
     field_spec,
     live_view,
     stage_import,
@@ -158,6 +161,25 @@ def _unpack(body: bytes, what: str) -> Any:
         raise CheckpointFormatError(f"{what} is not valid msgpack: {exc}") from None
 
 
+def _decode_meta(body: bytes) -> dict:
+    return _check_meta(_unpack(body, "the gefen DCP description"))
+
+
+def _check_meta_entry(md, what: str) -> None:
+    """The stored description must be a 1-D uint8 tensor of a plausible size (checked before reading it)."""
+    if not isinstance(md, TensorStorageMetadata) or md.properties.dtype != torch.uint8 or len(md.size) != 1 \
+            or md.size[0] > _MAX_META:
+        raise CheckpointFormatError(f"{what} is not a plausible description tensor")
+
+
+def _planner_record(metadata: Metadata, key: str) -> Any:
+    """What ``GefenSavePlanner`` (or ``write_dcp``) recorded for the state saved under ``key``, decoded
+    (None: nothing)."""
+    data = metadata.planner_data
+    record = (data.get(PLANNER_DATA_KEY) or {}).get(key) if isinstance(data, dict) else None
+    return None if record is None else _unpack(record, f"the planner record of {key!r}")
+
+
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise CheckpointFormatError(f"malformed gefen DCP description: {msg}")
@@ -224,33 +246,19 @@ def _meta_dict(contract: OptimizerContract, groups: list[dict], params: list[lis
 
 
 # ----- the live optimizer, seen through its contract ----------------------------------------
-@dataclasses.dataclass
-class _Live:
-    contract: OptimizerContract
-    groups: list[dict]
-    params: dict[str, LiveParam]
-    global_fields: dict[str, torch.Tensor]
-
-    def meta(self) -> dict:
-        params = [[fqn, list(lp.param.shape), dtype_name(lp.param.dtype), lp.child, lp.state is not None]
-                  for fqn, lp in self.params.items()]
-        return _meta_dict(self.contract, self.groups, params)
-
-    def global_spec(self, key: str) -> FieldSpec:
-        contract, name = self.contract, key
-        if "/" in key:
-            child, name = key.split("/", 1)
-            contract = self.contract.child(child)
-        for f in contract.global_fields:
-            if f.name == name:
-                return f
-        raise KeyError(key)
+def _live_meta(live: LiveOptimizer) -> dict:
+    params = [[fqn, list(lp.param.shape), dtype_name(lp.param.dtype), lp.child, lp.state is not None]
+              for fqn, lp in live.params.items()]
+    return _meta_dict(live.contract, live.groups, params)
 
 
-def _describe(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> _Live:
-    """The optimizer's groups, parameters and rank-local state, without copying any tensor."""
-    view = live_view(optimizer, model)
-    return _Live(view.contract, view.groups, view.params, view.global_fields)
+def _global_spec(contract: OptimizerContract, key: str) -> FieldSpec:
+    """The optimizer-wide field ``key`` (``"<child>/<name>"`` in a composite optimizer); KeyError if none."""
+    child, name = key.split("/", 1) if "/" in key else (None, key)
+    for f in contract.leaf(child).global_fields:
+        if f.name == name:
+            return f
+    raise KeyError(key)
 
 
 def _field_global_shape(param: torch.Tensor, local: torch.Tensor) -> tuple[int, ...]:
@@ -371,15 +379,12 @@ class GefenDCPState(Stateful):
         self.timeout = timeout
         contract_of(optimizer)  # fail now for an optimizer without a contract
 
-    def _live(self) -> _Live:
-        return _describe(self.optimizer, self.model)
-
     def state_dict(self) -> dict[str, Any]:
         """Live views (no copy): rank-local rows as DTensors of the global shape where the field is
         row-sharded along a DTensor parameter, plain tensors otherwise, plus the description."""
-        live = self._live()
+        live = live_view(self.optimizer, self.model)
         out = _GefenStateDict(self)
-        out[META_KEY] = _encode_meta(live.meta())
+        out[META_KEY] = _encode_meta(_live_meta(live))
         for key in sorted(live.global_fields):
             out[GLOBAL_PREFIX + key] = live.global_fields[key]
         for fqn, lp in live.params.items():
@@ -415,7 +420,7 @@ class GefenDCPState(Stateful):
                 "this key, or the optimizer has no state yet and dcp.load ran without "
                 "planner=GefenLoadPlanner() (which allocates the buffers a fresh optimizer lacks)"
             )
-        meta = _check_meta(_unpack(_meta_bytes(state_dict[META_KEY]), "the gefen DCP description"))
+        meta = _decode_meta(_meta_bytes(state_dict[META_KEY]))
         planned = getattr(state_dict, "planned", False)
         present = {fqn for key in state_dict if (s := _split_key(key)) is not None for fqn in [s[0]]}
         lacking = [fqn for fqn, (_, _, _, has) in meta["params"].items() if has and fqn not in present]
@@ -458,11 +463,9 @@ class GefenSavePlanner(DefaultSavePlanner):
         # found by key, not by type: async_save hands the planner a staged (copied) state dict
         self._gefen_records = {}
         for key, value in self.state_dict.items():
-            if key == META_KEY or key.endswith("." + META_KEY):
-                body = _meta_bytes(value)
-                record = {"meta": body, "topology": _topology()}
-                self._gefen_records[key[: -len(META_KEY) - 1] if key != META_KEY else ""] = msgpack.packb(
-                    record, use_bin_type=True)
+            if (owner := _owner_key(key)) is not None:
+                record = {"meta": _meta_bytes(value), "topology": _topology()}
+                self._gefen_records[owner] = msgpack.packb(record, use_bin_type=True)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = super().create_global_plan(all_plans)
@@ -496,14 +499,12 @@ class GefenLoadPlanner(DefaultLoadPlanner):
                 f"the checkpoint has no gefen optimizer state under {name!r}"
                 + (f" (it has some under {found})" if found else " (it holds no GefenDCPState at all)")
             )
-        live = target.owner._live()
-        record = ((metadata.planner_data or {}).get(PLANNER_DATA_KEY) or {}).get(name) \
-            if isinstance(metadata.planner_data, dict) else None
-        if record is not None:
-            rec = _unpack(record, f"the planner record of {name!r}")
+        live = live_view(target.owner.optimizer, target.owner.model)
+        rec = _planner_record(metadata, name)
+        if rec is not None:
             if not isinstance(rec, dict) or not isinstance(rec.get("meta"), bytes):
                 raise CheckpointFormatError(f"the planner record of {name!r} is malformed")
-            _check_against_live(_check_meta(_unpack(rec["meta"], "the gefen DCP description")), live)
+            _check_against_live(_decode_meta(rec["meta"]), live)
         fresh = _GefenStateDict(target.owner)
         for key, md in entries.items():
             if not isinstance(md, TensorStorageMetadata):
@@ -514,40 +515,32 @@ class GefenLoadPlanner(DefaultLoadPlanner):
         target.planned = True
 
 
-def _check_against_live(meta: dict, live: _Live) -> None:
+def _check_against_live(meta: dict, live: LiveOptimizer) -> None:
     """Contract, schema, FQNs and shapes of a checkpoint's description vs the live optimizer."""
     check_contract(live.contract, meta["contract"])
-    saved_fqns = {fqn for g in meta["param_groups"] for fqn in g["params"]}
-    missing, extra = set(live.params) - saved_fqns, saved_fqns - set(live.params)
-    if missing or extra:
-        raise CheckpointMismatchError(
-            "parameters differ between checkpoint and optimizer: "
-            f"missing from checkpoint {sorted(missing)[:5]}, unknown to optimizer {sorted(extra)[:5]}"
-        )
+    check_same_params(live.params, [fqn for g in meta["param_groups"] for fqn in g["params"]])
     for fqn, (shape, _, _, has_state) in meta["params"].items():
-        if not has_state:
-            continue
-        lp = live.params.get(fqn)
-        if lp is None:
-            raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
-        if tuple(shape) != tuple(lp.param.shape):
-            raise CheckpointMismatchError(
-                f"{fqn}: checkpoint shape {tuple(shape)} differs from the live parameter's {tuple(lp.param.shape)}"
-            )
+        if has_state:
+            check_param_shape(fqn, shape, _held_param(live, fqn))
 
 
-def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.Tensor:
+def _held_param(live: LiveOptimizer, fqn: str) -> torch.Tensor:
+    if fqn not in live.params:
+        raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
+    return live.params[fqn].param
+
+
+def _allocate_entry(key: str, md: TensorStorageMetadata, live: LiveOptimizer) -> torch.Tensor:
     """An empty destination for one stored entry: this rank's rows of it, on the right device."""
 
     shape, dtype = tuple(md.size), md.properties.dtype
     if key == META_KEY:
-        if dtype != torch.uint8 or len(shape) != 1 or shape[0] > _MAX_META:
-            raise CheckpointFormatError(f"{META_KEY!r}: not a plausible description tensor ({dtype}, {shape})")
+        _check_meta_entry(md, repr(META_KEY))
         return torch.empty(shape, dtype=dtype)
     if key.startswith(GLOBAL_PREFIX):
         name = key[len(GLOBAL_PREFIX):]
         try:
-            spec = live.global_spec(name)
+            spec = _global_spec(live.contract, name)
         except KeyError:
             raise CheckpointMismatchError(
                 f"optimizer-wide field {name!r} of the checkpoint is not part of {live.contract.implementation}'s state"
@@ -559,10 +552,8 @@ def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.T
     if split is None:
         raise CheckpointMismatchError(f"checkpoint entry {key!r} is not gefen optimizer state")
     fqn, name = split
-    lp = live.params.get(fqn)
-    if lp is None:
-        raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
-    spec, param = field_spec(lp.contract, fqn, name), lp.param
+    param = _held_param(live, fqn)
+    spec = field_spec(live.params[fqn].contract, fqn, name)
     if problem := spec.check(param.shape, shape, dtype, param.dtype):
         raise CheckpointMismatchError(f"{fqn}/{name}: checkpoint {problem}")
     local_param = to_local(param)
@@ -615,17 +606,22 @@ def safe_load_dcp_metadata(stream) -> Metadata:
     return metadata
 
 
+def _storage(path: str | os.PathLike, local: type, remote: str) -> tuple[type, str | os.PathLike]:
+    """(DCP's storage class, path): ``local`` for a path or ``file://`` URL, else the fsspec one."""
+    if "://" not in str(path):
+        return local, path
+    if str(path).startswith("file://"):
+        return local, str(path)[len("file://"):]
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    return getattr(_fsspec_filesystem, remote), path
+
+
 def _storage_reader(path: str | os.PathLike):
     """A DCP storage reader (local or fsspec) whose metadata load is the allowlisted unpickler."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    base = FileSystemReader
-    if "://" in str(path) and not str(path).startswith("file://"):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        base = FsspecReader
-    elif str(path).startswith("file://"):
-        path = str(path)[len("file://"):]
+    base, path = _storage(path, FileSystemReader, "FsspecReader")
 
     class SafeReader(base):
         def read_metadata(self, *args, **kwargs) -> Metadata:
@@ -646,24 +642,21 @@ def _storage_reader(path: str | os.PathLike):
 def _storage_writer(path: str | os.PathLike):
     from torch.distributed.checkpoint import FileSystemWriter
 
-    if "://" in str(path) and not str(path).startswith("file://"):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    cls, path = _storage(path, FileSystemWriter, "FsspecWriter")
+    return cls(path)
 
-        return FsspecWriter(path)
-    if str(path).startswith("file://"):
-        path = str(path)[len("file://"):]
-    return FileSystemWriter(path)
+
+def _owner_key(key: str) -> str | None:
+    """The state-dict key of the ``GefenDCPState`` whose description is stored under ``key``
+    ('' = top level; None: ``key`` is no description)."""
+    if key == META_KEY:
+        return ""
+    return key[: -len(META_KEY) - 1] if key.endswith("." + META_KEY) else None
 
 
 def find_gefen_keys(metadata: Metadata) -> list[str]:
     """The state-dict keys under which a DCP checkpoint holds a ``GefenDCPState`` ('' = top level)."""
-    out = []
-    for key in metadata.state_dict_metadata:
-        if key == META_KEY:
-            out.append("")
-        elif key.endswith("." + META_KEY):
-            out.append(key[: -len(META_KEY) - 1])
-    return sorted(out)
+    return sorted(owner for key in metadata.state_dict_metadata if (owner := _owner_key(key)) is not None)
 
 
 class _RowsLoadPlanner(ReadOnlyPlanner):
@@ -763,11 +756,8 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
         return state
     prefix = f"{key}." if key else ""
     smd = reader.metadata.state_dict_metadata
-    meta_md = smd[prefix + META_KEY]
-    if not isinstance(meta_md, TensorStorageMetadata) or meta_md.properties.dtype != torch.uint8 \
-            or len(meta_md.size) != 1 or meta_md.size[0] > _MAX_META:
-        raise CheckpointFormatError(f"{path}: {prefix + META_KEY!r} is not a plausible description tensor")
-    meta = _check_meta(_unpack(_meta_bytes(reader.read(prefix + META_KEY, 0, None)), "the gefen DCP description"))
+    _check_meta_entry(smd[prefix + META_KEY], f"{path}: {prefix + META_KEY!r}")
+    meta = _decode_meta(_meta_bytes(reader.read(prefix + META_KEY, 0, None)))
     entries = {}
     for full, md in smd.items():
         if not full.startswith(prefix):
@@ -786,12 +776,9 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
     for fqn, entry in state.params.items():
         for name, src in entry.fields.items():
             _check_stored_field(state.contract, fqn, entry, name, src)
-    record = ((reader.metadata.planner_data or {}).get(PLANNER_DATA_KEY) or {}).get(key) \
-        if isinstance(reader.metadata.planner_data, dict) else None
-    if record is not None:
-        rec = _unpack(record, "the planner record")
-        if isinstance(rec, dict) and isinstance(rec.get("topology"), dict):
-            state.metadata["source_topology"] = rec["topology"]
+    rec = _planner_record(reader.metadata, key)
+    if isinstance(rec, dict) and isinstance(rec.get("topology"), dict):
+        state.metadata["source_topology"] = rec["topology"]
     state.metadata.update({"source_format": "dcp", "path": str(path), "key": key})
     return state
 
@@ -811,11 +798,10 @@ class _CanonicalSavePlanner(SavePlanner):
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         prefix = f"{self.key}." if self.key else ""
         state = self.canonical
-        shapes = {fqn: e for fqn, e in state.params.items()}
         childs = {fqn: g.get("child") for g in state.param_groups for fqn in g["params"]}
         params = []
         for fqn in state.fqns():
-            e = shapes.get(fqn)
+            e = state.params.get(fqn)
             params.append([fqn, None if e is None else list(e.shape), None if e is None else dtype_name(e.dtype),
                            childs.get(fqn), e is not None])
         meta = _meta_dict(state.contract, plain(state.param_groups, "param_groups"), params)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -192,15 +192,28 @@ def field_spec(contract: OptimizerContract, fqn: str, name: str) -> FieldSpec:
         raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {contract.implementation}") from None
 
 
+def check_same_params(live: Iterable[str], saved: Iterable[str]) -> None:
+    """The checkpoint must hold state for exactly the optimizer's parameters (by FQN)."""
+    missing, extra = set(live) - set(saved), set(saved) - set(live)
+    if missing or extra:
+        raise CheckpointMismatchError(
+            "parameters differ between checkpoint and optimizer: "
+            f"missing from checkpoint {sorted(missing)[:5]}, unknown to optimizer {sorted(extra)[:5]}"
+        )
+
+
+def check_param_shape(fqn: str, shape, param: torch.Tensor) -> None:
+    if tuple(shape) != tuple(param.shape):
+        raise CheckpointMismatchError(
+            f"{fqn}: checkpoint shape {tuple(shape)} differs from the live parameter's {tuple(param.shape)}")
+
+
 def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: OptimizerContract) -> None:
     missing = missing_fields(contract, entry.fields, entry.shape) if entry.fields else []
     if missing:
         raise CheckpointMismatchError(f"{fqn}: the checkpoint lacks {contract.implementation}'s required "
                                       f"field(s) {missing}")
-    if tuple(entry.shape) != tuple(param.shape):
-        raise CheckpointMismatchError(
-            f"{fqn}: checkpoint shape {tuple(entry.shape)} differs from the live parameter's {tuple(param.shape)}"
-        )
+    check_param_shape(fqn, entry.shape, param)
     for name, source in entry.fields.items():
         if problem := field_spec(contract, fqn, name).check(entry.shape, source.shape, source.dtype, param.dtype):
             raise CheckpointMismatchError(f"{fqn}/{name}: {problem}")
@@ -321,12 +334,7 @@ def check_fits(optimizer: torch.optim.Optimizer, state: CanonicalState, model=No
     names = names_from_model(model)
     live_fqns = [fqn for _, opt, leaf in leaves(optimizer, contract)
                  for g in opt.param_groups for fqn in group_fqns(g, names, leaf.implementation)]
-    missing, extra = set(live_fqns) - set(state.fqns()), set(state.fqns()) - set(live_fqns)
-    if missing or extra:
-        raise CheckpointMismatchError(
-            "parameters differ between checkpoint and optimizer: "
-            f"missing from checkpoint {sorted(missing)[:5]}, unknown to optimizer {sorted(extra)[:5]}"
-        )
+    check_same_params(live_fqns, state.fqns())
     unowned = set(state.params) - set(state.fqns())
     if unowned:
         raise CheckpointMismatchError(f"checkpoint has state for parameters in no group: {sorted(unowned)[:5]}")
