@@ -8,6 +8,7 @@ rows they need and never hold a whole model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -83,10 +84,12 @@ class LocalPart:
 
 
 def nbytes(source: TensorSource) -> int:
-    numel = 1
-    for s in source.shape:
-        numel *= s
-    return numel * source.dtype.itemsize
+    return math.prod(source.shape) * source.dtype.itemsize
+
+
+def global_key(child: str | None, name: str) -> str:
+    """The ``global_fields`` key of child optimizer ``child``'s field ``name`` (outside composites: ``name``)."""
+    return f"{child}/{name}" if child else name
 
 
 @dataclass
@@ -129,6 +132,12 @@ class CanonicalState:
         for fqn, entry in self.params.items():
             for name in sorted(entry.fields):
                 yield f"{fqn}/{name}", entry.fields[name]
+
+    def globals_of(self, child: str | None) -> dict[str, TensorSource]:
+        """One (child) optimizer's optimizer-wide fields, by bare name (``codebook``, ...)."""
+        prefix = global_key(child, "")
+        return {k[len(prefix):]: s for k, s in self.global_fields.items()
+                if k.startswith(prefix) and "/" not in k[len(prefix):]}
 
     def total_bytes(self) -> int:
         return sum(nbytes(src) for _, src in self.tensors())

@@ -27,7 +27,7 @@ from gefen.contract import (
 from gefen.distributed import as_field_dtensor
 from gefen.layouts import version_refusal
 from gefen_ckpt import layout
-from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState
+from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState, global_key
 from gefen_ckpt.collective import agree
 from gefen_ckpt.errors import CheckpointMismatchError
 from gefen_ckpt.format.dtypes import plain
@@ -65,10 +65,6 @@ def leaves(optimizer, contract: OptimizerContract, child: str | None = None):
         yield from leaves(children[name], child_contract, name)
 
 
-def _global_key(child: str | None, name: str) -> str:
-    return f"{child}/{name}" if child else name
-
-
 # ----- the live optimizer, seen through its contract ----------------------------------------
 @dataclasses.dataclass(frozen=True)
 class LiveParam:
@@ -102,7 +98,7 @@ def live_view(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = 
         shared = {f.name for f in leaf.global_fields}
         for key, value in (sd.get(GLOBAL_STATE_KEY) or {}).items():
             if isinstance(value, torch.Tensor):
-                global_fields[_global_key(child, key)] = value
+                global_fields[global_key(child, key)] = value
         for live, saved in zip(opt.param_groups, sd["param_groups"]):
             fqns = group_fqns(live, names, leaf.implementation)
             group = {h: plain(saved[h], f"hyperparameter {h!r}") for h in leaf.hyperparameters if h in saved}
@@ -268,9 +264,7 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
                     else:
                         sd_state[index][name] = src.read(start, stop)
             index += 1
-    prefix = f"{child}/" if child else ""
-    global_state = {k[len(prefix):]: src.read() for k, src in state.global_fields.items()
-                    if k.startswith(prefix) and "/" not in k[len(prefix):]}
+    global_state = {k: src.read() for k, src in state.globals_of(child).items()}
     return {"state": sd_state, "param_groups": sd_groups, GLOBAL_STATE_KEY: global_state}
 
 

@@ -43,7 +43,7 @@ from gefen.contract import (
     split_composite,
     torch_contracts,
 )
-from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
+from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource, global_key
 from gefen_ckpt.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -299,7 +299,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             except KeyError:
                 raise CheckpointMismatchError(
                     f"{where}: optimizer-wide field {key!r} is unknown to {leaf.implementation}") from None
-            global_fields[f"{child}/{key}" if child else key] = EagerSource(_field_tensor(value, spec, "global", key))
+            global_fields[global_key(child, key)] = EagerSource(_field_tensor(value, spec, "global", key))
         owner: dict = {}
         for gi, saved in enumerate(leaf_sd["param_groups"]):
             names = saved.get("param_names")
@@ -331,7 +331,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             entry = {k: v for k, v in entry.items() if v is not None}  # SGD without momentum: None buffers
             for spec in leaf.global_fields:  # each parameter repeats them for torch's checkpoint API
                 if spec.name in entry:
-                    key = f"{child}/{spec.name}" if child else spec.name
+                    key = global_key(child, spec.name)
                     value = _field_tensor(entry.pop(spec.name), spec, fqn, spec.name)
                     known = global_fields.setdefault(key, EagerSource(value))
                     if not torch.equal(known.read(), value):
@@ -417,9 +417,7 @@ def state_dict_from_canonical(state: CanonicalState) -> dict:
                 index += 1
         leaf_sd = {"state": sd_state, "param_groups": sd_groups}
         if leaf.global_fields:
-            prefix = f"{child}/" if child else ""
-            leaf_sd[GLOBAL_STATE_KEY] = {k[len(prefix):]: _owned(src.read()) for k, src in state.global_fields.items()
-                                         if k.startswith(prefix) and "/" not in k[len(prefix):]}
+            leaf_sd[GLOBAL_STATE_KEY] = {k: _owned(src.read()) for k, src in state.globals_of(child).items()}
         leaves[child] = leaf_sd
     known = {c for c, _ in _leaf_contracts(contract)}
     stray = [g.get(CHILD_KEY) for g in state.param_groups if g.get(CHILD_KEY) not in known]
