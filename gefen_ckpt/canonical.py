@@ -9,7 +9,7 @@ rows they need and never hold a whole model.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -144,14 +144,15 @@ class CanonicalState:
 
     def materialize(self) -> CanonicalState:
         """A copy whose every tensor is in memory and owned (safe across optimizer steps)."""
+        return self.with_sources(lambda _, s: EagerSource(s.read().clone()))
+
+    def with_sources(self, make: Callable[[str, TensorSource], TensorSource]) -> CanonicalState:
+        """A copy (groups and metadata copied too) whose tensor of each ``tensors()`` key is ``make(key, source)``."""
         return CanonicalState(
             contract=self.contract,
             param_groups=[dict(g, params=list(g["params"])) for g in self.param_groups],
-            params={
-                fqn: ParamState(e.shape, e.dtype, {k: EagerSource(s.read().clone()) for k, s in e.fields.items()},
-                                e.child)
-                for fqn, e in self.params.items()
-            },
-            global_fields={k: EagerSource(s.read().clone()) for k, s in self.global_fields.items()},
+            params={fqn: ParamState(e.shape, e.dtype, {k: make(f"{fqn}/{k}", s) for k, s in e.fields.items()}, e.child)
+                    for fqn, e in self.params.items()},
+            global_fields={k: make(k, s) for k, s in self.global_fields.items()},
             metadata=dict(self.metadata),
         )

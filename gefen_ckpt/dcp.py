@@ -66,7 +66,6 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.stateful import Stateful
 
 from gefen.contract import (
-    SCHEMA_VERSION,
     FieldSpec,
     OptimizerContract,
     contract_of,
@@ -87,11 +86,13 @@ from gefen_ckpt.exchange import (
     check_contract,
     check_param_shape,
     check_same_params,
+    check_schema,
     field_spec,
     live_view,
     stage_import,
 )
 from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
+from gefen_ckpt.format.manifest import parse_contract
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
 from gefen_ckpt.layout import local_rows, rows_per_chunk, to_local
 from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_stock_keys, read_stock
@@ -199,17 +200,10 @@ def _check_meta(meta: Any) -> dict:
         raise CheckpointFormatError(
             f"gefen DCP format version {version} is newer than this gefen_ckpt ({DCP_FORMAT_VERSION})"
         )
-    schema = meta.get("schema_version")
-    _need(isinstance(schema, int), "schema_version missing")
-    if schema > SCHEMA_VERSION:
-        raise CheckpointMismatchError(
-            f"checkpoint schema version {schema} is newer than this gefen_ckpt ({SCHEMA_VERSION})"
-        )
+    _need(isinstance(meta.get("schema_version"), int), "schema_version missing")
+    check_schema(meta["schema_version"])
     _need(isinstance(meta.get("contract"), dict), "contract missing")
-    try:
-        meta["contract"] = OptimizerContract.from_dict(meta["contract"])
-    except ValueError as exc:
-        raise CheckpointFormatError(str(exc)) from None
+    meta["contract"] = parse_contract(meta["contract"], "the gefen DCP description's contract")
     groups = meta.get("param_groups")
     _need(isinstance(groups, list) and all(isinstance(g, dict) for g in groups), "param_groups must be a list of maps")
     for g in groups:

@@ -153,12 +153,15 @@ def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.T
 
 
 # ----- import -------------------------------------------------------------------------------
+def check_schema(version: int) -> None:
+    if version > SCHEMA_VERSION:
+        raise CheckpointMismatchError(f"checkpoint schema version {version} is newer than this gefen_ckpt "
+                                      f"({SCHEMA_VERSION})")
+
+
 def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
     """The checkpoint must come from the same optimizer implementation and a readable schema."""
-    if saved.schema_version > SCHEMA_VERSION:
-        raise CheckpointMismatchError(
-            f"checkpoint schema version {saved.schema_version} is newer than this gefen_ckpt ({SCHEMA_VERSION})"
-        )
+    check_schema(saved.schema_version)
     if saved.implementation != live.implementation:
         raise CheckpointMismatchError(
             f"checkpoint holds {saved.implementation} state, the live optimizer is {live.implementation}"

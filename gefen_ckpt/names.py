@@ -20,7 +20,7 @@ import torch
 
 from gefen.contract import composite_children
 from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
-from gefen_ckpt.torch_format import _check_state_dict, known_contracts
+from gefen_ckpt.torch_format import check_state_dict, known_contracts
 
 __all__ = ["name_state_dict", "read_param_names", "read_model_params"]
 
@@ -116,7 +116,7 @@ def name_state_dict(sd: dict, names: list[str] | None = None,
     the model's (name, shape) in ``named_parameters()`` order, matched as the module docstring
     says. Names already in ``sd`` must agree. ``source`` names the origin in error messages.
     """
-    _check_state_dict(sd)  # the same structural check as reading any torch state_dict
+    check_state_dict(sd)  # the same structural check as reading any torch state_dict
     if composite_children(sd):
         raise CheckpointMismatchError("a composite optimizer's state_dict names its parameters itself")
     groups = sd["param_groups"]

@@ -51,7 +51,7 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
 )
 from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
-from gefen_ckpt.format.manifest import missing_fields
+from gefen_ckpt.format.manifest import missing_fields, parse_contract
 
 __all__ = [
     "TORCH_META_KEY",
@@ -135,7 +135,7 @@ def infer_contract(state_dict: dict) -> OptimizerContract:
     its required fields and every group has its hyperparameters. Adam and AdamW store the same
     fields: ``decoupled_weight_decay: False`` in the groups means Adam, anything else AdamW.
     """
-    _check_state_dict(state_dict)
+    check_state_dict(state_dict)
     observed: set[str] = set()
     entries = [e for e in state_dict["state"].values() if isinstance(e, dict) and e]
     for entry in entries:
@@ -210,7 +210,7 @@ def infer_composite_contract(sd: dict) -> OptimizerContract:
 
 
 # ----- state_dict -> canonical --------------------------------------------------------------
-def _check_state_dict(sd, where: str = "state_dict") -> None:
+def check_state_dict(sd, where: str = "state_dict") -> None:
     if not isinstance(sd, dict):
         raise CheckpointFormatError(f"{where} is a {type(sd).__name__}, not an optimizer state_dict")
     for key, kind in (("state", dict), ("param_groups", (list, tuple))):
@@ -261,7 +261,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
     (Gefen's fields -> ``gefen.Gefen``, ``exp_avg``/``exp_avg_sq`` -> ``torch.optim.AdamW``,
     ``momentum_buffer`` -> ``torch.optim.SGD``).
     """
-    _check_state_dict(sd)
+    check_state_dict(sd)
     meta = _recorded(sd)
     composite = composite_children(sd)
     if isinstance(contract, str) and composite:
@@ -270,10 +270,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
         contract = resolve_contract(contract)
     elif isinstance(meta.get("contract"), dict) or (composite and isinstance(sd.get(CONTRACT_KEY), dict)):
         recorded = meta["contract"] if isinstance(meta.get("contract"), dict) else sd[CONTRACT_KEY]
-        try:
-            contract = OptimizerContract.from_dict(recorded)
-        except ValueError as exc:
-            raise CheckpointFormatError(f"recorded contract: {exc}") from None
+        contract = parse_contract(recorded, "recorded contract")
     elif composite:
         raise CheckpointMismatchError(
             f"a composite optimizer's state_dict (children {sorted(composite)}) records no "
@@ -292,7 +289,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
     global_fields: dict[str, TensorSource] = {}
     for child, leaf, leaf_sd in _leaves(contract, sd):
         where = f"child {child!r}" if child else "state_dict"
-        _check_state_dict(leaf_sd, where)
+        check_state_dict(leaf_sd, where)
         for key, value in (leaf_sd.get(GLOBAL_STATE_KEY) or {}).items():
             try:
                 spec = leaf.field(key)
@@ -382,14 +379,6 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _leaf_contracts(contract: OptimizerContract, child: str | None = None):
-    if not contract.children:
-        yield child, contract
-        return
-    for name, c in contract.children:
-        yield from _leaf_contracts(c, name)
-
-
 def state_dict_from_canonical(state: CanonicalState) -> dict:
     """The ``optimizer.state_dict()`` a single process would hold for ``state``.
 
@@ -401,7 +390,7 @@ def state_dict_from_canonical(state: CanonicalState) -> dict:
     """
     contract = state.contract
     leaves = {}
-    for child, leaf in _leaf_contracts(contract):
+    for child, leaf in contract.children or ((None, contract),):  # composites are one level deep
         groups = [g for g in state.param_groups if g.get(CHILD_KEY) == child]
         sd_state, sd_groups, index = {}, [], 0
         for g in groups:
@@ -419,8 +408,7 @@ def state_dict_from_canonical(state: CanonicalState) -> dict:
         if leaf.global_fields:
             leaf_sd[GLOBAL_STATE_KEY] = {k: _owned(src.read()) for k, src in state.globals_of(child).items()}
         leaves[child] = leaf_sd
-    known = {c for c, _ in _leaf_contracts(contract)}
-    stray = [g.get(CHILD_KEY) for g in state.param_groups if g.get(CHILD_KEY) not in known]
+    stray = [g.get(CHILD_KEY) for g in state.param_groups if g.get(CHILD_KEY) not in leaves]
     if stray:
         raise CheckpointMismatchError(f"param groups name child optimizers {sorted(set(map(str, stray)))} "
                                       f"that {contract.implementation} does not have")
@@ -468,7 +456,7 @@ def load_torch_state_dict(url: str) -> dict:
             AttributeError, TypeError, IndexError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointFormatError(f"{url}: not a loadable torch.save file of plain tensors ({first})") from None
-    _check_state_dict(sd, url)
+    check_state_dict(sd, url)
     return sd
 
 

@@ -665,14 +665,9 @@ def _range(value) -> Range | None:
 
 
 def _assembled(state: CanonicalState, outputs: list[torch.Tensor]) -> CanonicalState:
-    it = iter(outputs)
-    global_fields = {key: EagerSource(next(it)) for key in sorted(state.global_fields)}
-    params = {}
-    for fqn, e in state.params.items():
-        params[fqn] = ParamState(tuple(e.shape), e.dtype, {name: EagerSource(next(it)) for name in sorted(e.fields)},
-                                 e.child)
-    return CanonicalState(state.contract, [dict(g, params=list(g["params"])) for g in state.param_groups], params,
-                          global_fields, metadata=dict(state.metadata))
+    """``state`` over the gathered tensors (``outputs``, in ``state.tensors()`` order)."""
+    gathered = {key: EagerSource(t) for (key, _), t in zip(state.tensors(), outputs)}
+    return state.with_sources(lambda key, _: gathered[key])
 
 
 # ===== scatter ================================================================================

@@ -190,6 +190,11 @@ def has_checksum(data: bytes) -> bool:
     return data[-4 - len(_TRAILER):-4] == _TRAILER
 
 
+def _checksum_differs(data: bytes) -> bool:
+    """Does a manifest that ends with its checksum not match it?"""
+    return has_checksum(data) and checksum.update(0, memoryview(data)[:-4]) != int.from_bytes(data[-4:], "big")
+
+
 def decode(data: bytes) -> dict:
     """msgpack -> dict; any malformation (bad bytes, non-str keys, ext types, a wrong checksum,
     sizes over the decoding limits) is a format error, raised before the objects it describes
@@ -197,7 +202,7 @@ def decode(data: bytes) -> dict:
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointFormatError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
     checked = has_checksum(data)
-    if checked and checksum.update(0, memoryview(data)[:-4]) != int.from_bytes(data[-4:], "big"):
+    if _checksum_differs(data):
         raise CheckpointFormatError("manifest checksum mismatch: the manifest is corrupt")
     budget = [1 + len(data) // _BYTES_PER_CONTAINER]
 
@@ -209,9 +214,7 @@ def decode(data: bytes) -> dict:
         return container
 
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext, object_hook=count,
-                              list_hook=count, max_str_len=_MAX_STR, max_bin_len=_MAX_STR, max_ext_len=0,
-                              max_array_len=_MAX_LEN, max_map_len=_MAX_LEN)
+        raw = msgpack.unpackb(data, object_hook=count, list_hook=count, **_DECODING)
     except Exception as exc:  # msgpack raises many types (ValueError, StackError, ExtraData, ...)
         raise CheckpointFormatError(f"manifest is not valid msgpack: {type(exc).__name__}: {exc}"[:500]) from None
     if not isinstance(raw, dict):
@@ -225,6 +228,11 @@ def decode(data: bytes) -> dict:
 
 def _no_ext(code, data):
     raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+#: msgpack's options for every decode of a manifest (docs/format.md, "Decoding limits")
+_DECODING = {"raw": False, "strict_map_key": True, "ext_hook": _no_ext, "max_str_len": _MAX_STR,
+             "max_bin_len": _MAX_STR, "max_ext_len": 0, "max_array_len": _MAX_LEN, "max_map_len": _MAX_LEN}
 
 
 # ----- validation helpers -------------------------------------------------------------------
@@ -321,12 +329,18 @@ def check_version(raw: dict) -> None:
                                     f"(this gefen_ckpt reads {FORMAT_VERSION[0]}.x)")
 
 
+def parse_contract(raw, what: str) -> OptimizerContract:
+    """``OptimizerContract.from_dict`` of stored data (a manifest's, a DCP description's, a torch
+    file's record); anything wrong with it is a format error naming ``what``."""
+    try:
+        return OptimizerContract.from_dict(raw)
+    except Exception as exc:  # a hostile contract can fail in many ways; all are format errors
+        raise CheckpointFormatError(f"{what}: {exc}"[:500]) from None
+
+
 def _contract(x) -> OptimizerContract:
     _free(_map(x, "contract"), "contract")
-    try:
-        contract = OptimizerContract.from_dict(x)
-    except Exception as exc:  # a hostile contract can fail in many ways; all are format errors
-        raise CheckpointFormatError(f"manifest contract: {exc}"[:500]) from None
+    contract = parse_contract(x, "manifest contract")
     if contract.schema_version > SCHEMA_VERSION:
         _fail("contract.schema_version", f"canonical-state schema {contract.schema_version} is newer than this "
                                          f"gefen_ckpt reads ({SCHEMA_VERSION}): upgrade gefen to load it")
@@ -638,11 +652,9 @@ def committed_files(store: Store) -> set[str] | None:
         return set()
     except CheckpointFormatError:
         return None
-    if has_checksum(data) and checksum.update(0, memoryview(data)[:-4]) != int.from_bytes(data[-4:], "big"):
+    if _checksum_differs(data):
         return None
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, ext_hook=_no_ext, max_buffer_size=len(data) + 1,
-                                max_str_len=_MAX_STR, max_bin_len=_MAX_STR, max_ext_len=0, max_array_len=_MAX_LEN,
-                                max_map_len=_MAX_LEN)
+    unpacker = msgpack.Unpacker(max_buffer_size=len(data) + 1, **_DECODING)
     unpacker.feed(data)
     try:
         for _ in range(unpacker.read_map_header()):
