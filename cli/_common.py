@@ -140,20 +140,21 @@ def parse_size(text: str | None) -> int | None:
 
 
 # ----- opening checkpoints (gefen_ckpt.formats) ---------------------------------------------
-def check_destination(url: str, overwrite: bool) -> None:
-    """Refuse to write over an existing file or non-empty directory unless ``--overwrite``: a
-    typo in DST must not replace a checkpoint (an empty directory is fine)."""
+def check_destination(src: str, dst: str, overwrite: bool, create_bucket: bool, writes: bool = True) -> None:
+    """SRC and DST must differ, and (when the command ``writes``) DST must not be an existing file
+    or non-empty directory unless ``--overwrite``: a typo in DST must not replace a checkpoint (an
+    empty directory is fine). ``--create-bucket`` lets this process's saves create a missing
+    bucket (gefen_ckpt.storage)."""
+    if src.rstrip("/") == dst.rstrip("/"):
+        raise typer.BadParameter("SRC and DST are the same location")
+    if not writes:
+        return
     import fsspec
 
-    fs, path = fsspec.core.url_to_fs(url)
-    if overwrite or not fs.exists(path) or (fs.isdir(path) and not fs.ls(path, detail=False)):
-        return
-    what = "a non-empty directory" if fs.isdir(path) else "a file"
-    fail(f"{url} exists and is {what}: pass --overwrite to replace it")
-
-
-def allow_bucket_creation(create_bucket: bool) -> None:
-    """``--create-bucket``: let this process's saves create a missing bucket (gefen_ckpt.storage)."""
+    fs, path = fsspec.core.url_to_fs(dst)
+    if not overwrite and fs.exists(path) and not (fs.isdir(path) and not fs.ls(path, detail=False)):
+        what = "a non-empty directory" if fs.isdir(path) else "a file"
+        fail(f"{dst} exists and is {what}: pass --overwrite to replace it")
     if create_bucket:
         from gefen_ckpt.storage import CREATE_BUCKET_ENV
 

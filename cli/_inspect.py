@@ -63,7 +63,8 @@ def describe_manifest(store, manifest) -> Described:
 
     def stored(key) -> Stored:
         t = manifest.tensors[key]
-        return Stored(t.shape, t.dtype, math.prod(t.shape) * itemsize(t.dtype), functools.partial(peek.read_values, store, t))
+        return Stored(t.shape, t.dtype, math.prod(t.shape) * itemsize(t.dtype),
+                      functools.partial(peek.read_values, store, t))
 
     raw = manifest.raw
     params = {fqn: StoredParam(tuple(e["shape"]), e["dtype"], e.get("child"),

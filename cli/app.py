@@ -30,12 +30,8 @@ class _Commands(TyperGroup):
 
     def invoke(self, ctx: typer.Context):
         common.command_paths[:] = self._paths(ctx)
-        try:
+        with common.handled():
             return super().invoke(ctx)
-        except common.TYPER_EXITS:
-            raise
-        except Exception as exc:
-            common.exit_on_error(exc)
 
     def _paths(self, ctx: typer.Context) -> list[str]:
         """The failed command's checkpoint arguments (its command line parsed again, resiliently)."""
@@ -339,10 +335,7 @@ def convert(
     """
     sizes = {"max_file_bytes": common.parse_size(max_file_bytes), "memory_budget": common.parse_size(memory_budget)}
     with common.handled():
-        if src.rstrip("/") == dst.rstrip("/"):
-            raise typer.BadParameter("SRC and DST are the same location")
-        common.check_destination(dst, overwrite)
-        common.allow_bucket_creation(create_bucket)
+        common.check_destination(src, dst, overwrite, create_bucket)
         fmt = common.detect_format(src)
         common.refuse_names(src, fmt, param_names, names_from)
         target = to.value if to is not None else fmt
@@ -434,11 +427,7 @@ def reshard(
             target = Mesh(1, world_size)
         else:
             raise typer.BadParameter("give --world-size or --mesh")
-        if src.rstrip("/") == dst.rstrip("/"):
-            raise typer.BadParameter("SRC and DST are the same location")
-        if not dry_run:
-            common.check_destination(dst, overwrite)
-            common.allow_bucket_creation(create_bucket)
+        common.check_destination(src, dst, overwrite, create_bucket, writes=not dry_run)
         fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from)
         ranks = plan(state, target.shard)
         if dry_run or as_json:

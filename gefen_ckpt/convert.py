@@ -36,6 +36,7 @@ from gefen.quant import dequantise, quantise
 from gefen.stochastic import CODES, LOG_RANGE, TINY, V_BINS, histogram_fixed, ratio_table
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, global_key
 from gefen_ckpt.errors import CheckpointMismatchError
+from gefen_ckpt.formats import names_optimizer
 from gefen_ckpt.torch_format import known_contracts
 
 __all__ = ["TARGETS", "convert_state", "resolve_target"]
@@ -61,7 +62,7 @@ class Dense:
 def resolve_target(name: str) -> str:
     """``"Gefen"``, ``"gefen.GefenMuon"``, ``"adamw"``... -> the implementation name."""
     for impl in TARGETS:
-        if name.lower() in (impl.lower(), impl.rsplit(".", 1)[-1].lower()):
+        if names_optimizer(name, impl):
             return impl
     raise CheckpointMismatchError(f"cannot convert into {name!r}: no mapping; targets: "
                                   f"{', '.join(t.rsplit('.', 1)[-1] for t in TARGETS)}")

@@ -255,11 +255,6 @@ def _global_spec(contract: OptimizerContract, key: str) -> FieldSpec:
     raise KeyError(key)
 
 
-def _field_global_shape(param: torch.Tensor, local: torch.Tensor) -> tuple[int, ...]:
-    rows = param.shape[0] if param.dim() else 1
-    return (rows,) + tuple(local.shape[1:])
-
-
 def _as_global(fqn: str, name: str, value: torch.Tensor, lp: LiveParam, spec: FieldSpec) -> torch.Tensor:
     """A rank-local field as DCP should see it: a DTensor of the global shape when row-sharded."""
     from torch.distributed.tensor import DTensor
@@ -271,7 +266,7 @@ def _as_global(fqn: str, name: str, value: torch.Tensor, lp: LiveParam, spec: Fi
         raise CheckpointMismatchError(
             f"{fqn}/{name}: this rank holds {value.shape[0]} rows but owns rows [{start}, {stop}) of the parameter"
         )
-    shape = _field_global_shape(lp.param, value)
+    shape = (lp.param.shape[0] if lp.param.dim() else 1, *value.shape[1:])
     return as_field_dtensor(value.contiguous(), lp.param, spec.geometry, shape)
 
 
@@ -383,10 +378,7 @@ class GefenDCPState(Stateful):
             out[GLOBAL_PREFIX + key] = live.global_fields[key]
         for fqn, lp in live.params.items():
             for name in sorted(lp.state or {}):
-                try:
-                    spec = lp.contract.field(name)
-                except KeyError:
-                    raise CheckpointMismatchError(f"{fqn}: state field {name!r} is not in the contract") from None
+                spec = field_spec(lp.contract, fqn, name)
                 out[f"{fqn}/{name}"] = _as_global(fqn, name, lp.state[name], lp, spec)
         return out
 
@@ -438,12 +430,6 @@ def _find_gefen_dicts(state_dict: Mapping, path: tuple = ()) -> Iterator[tuple[t
             yield from _find_gefen_dicts(value, path + (str(key),))
 
 
-def _topology() -> dict:
-    if dist.is_available() and dist.is_initialized():
-        return {"world_size": dist.get_world_size()}
-    return {"world_size": 1}
-
-
 class GefenSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that records each ``GefenDCPState``'s description (contract, schema
     version, param groups, shapes) in ``Metadata.planner_data[PLANNER_DATA_KEY]``, where
@@ -458,7 +444,8 @@ class GefenSavePlanner(DefaultSavePlanner):
         self._gefen_records = {}
         for key, value in self.state_dict.items():
             if (owner := _owner_key(key)) is not None:
-                record = {"meta": _meta_bytes(value), "topology": _topology()}
+                world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+                record = {"meta": _meta_bytes(value), "topology": {"world_size": world}}
                 self._gefen_records[owner] = msgpack.packb(record, use_bin_type=True)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

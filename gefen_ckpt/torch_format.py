@@ -24,10 +24,8 @@ whole, and writing one materialises every tensor (that is what ``torch.save`` ne
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import uuid
-import zipfile
 
 import fsspec
 import torch
@@ -52,6 +50,7 @@ from gefen_ckpt.errors import (
 )
 from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
 from gefen_ckpt.format.manifest import missing_fields, parse_contract
+from gefen_ckpt.formats import names_optimizer
 
 __all__ = [
     "TORCH_META_KEY",
@@ -117,15 +116,10 @@ def resolve_contract(name: str | OptimizerContract) -> OptimizerContract:
     known = known_contracts()
     if name in known:
         return known[name]
-    wanted = name.lower()
-    matches = [c for impl, c in known.items() if wanted in (impl.lower(), impl.rsplit(".", 1)[-1].lower())]
+    matches = [c for impl, c in known.items() if names_optimizer(name, impl)]
     if len(matches) == 1:
         return matches[0]
     raise CheckpointMismatchError(f"unknown optimizer {name!r}; known: {', '.join(sorted(known))}")
-
-
-def _required(contract: OptimizerContract) -> set[str]:
-    return {f.name for f in contract.fields if not f.optional}
 
 
 def infer_contract(state_dict: dict) -> OptimizerContract:
@@ -146,7 +140,7 @@ def infer_contract(state_dict: dict) -> OptimizerContract:
         names = {f.name for f in contract.fields + contract.global_fields}
         if not observed <= names:
             continue
-        if any(not _required(contract) <= set(k for k, v in e.items() if v is not None) for e in entries):
+        if any(missing_fields(contract, (k for k, v in e.items() if v is not None)) for e in entries):
             continue
         if any(not set(contract.hyperparameters) <= set(g) for g in groups):
             continue
@@ -221,11 +215,6 @@ def check_state_dict(sd, where: str = "state_dict") -> None:
             raise CheckpointFormatError(f"{where}: param group {gi} has no 'params' list")
 
 
-def _recorded(sd: dict) -> dict:
-    meta = sd.get(TORCH_META_KEY)
-    return meta if isinstance(meta, dict) else {}
-
-
 def _split(sd: dict, children: list[str], implementation: str, where: str = "state_dict") -> dict[str, dict]:
     """``gefen.contract.split_composite`` with its refusal as a checkpoint error."""
     try:
@@ -262,7 +251,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
     ``momentum_buffer`` -> ``torch.optim.SGD``).
     """
     check_state_dict(sd)
-    meta = _recorded(sd)
+    meta = sd.get(TORCH_META_KEY) if isinstance(sd.get(TORCH_META_KEY), dict) else {}
     composite = composite_children(sd)
     if isinstance(contract, str) and composite:
         contract = composite_contract(contract, sd)
@@ -442,6 +431,27 @@ def is_torch_file(url: str) -> bool:
     return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
+def _local(fs) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def torch_load(url: str, what: str, *, mmap: bool = False):
+    """``torch.load(map_location="cpu", weights_only=True)`` (no pickled code runs) of any fsspec
+    URL, memory-mapped if ``mmap`` and local; a file that does not load is a format error saying
+    that it is not ``what``. Storage failures (``OSError``) pass through."""
+    fs, path = _fs(url)
+    try:
+        if mmap and _local(fs):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with fs.open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as exc:  # torch.load raises many types for a file that is not its own
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointFormatError(f"{url}: not {what} ({first})") from None
+
+
 def load_torch_state_dict(url: str) -> dict:
     """``torch.load(url, map_location="cpu", weights_only=True)`` of any fsspec URL."""
     fs, path = _fs(url)
@@ -449,13 +459,7 @@ def load_torch_state_dict(url: str) -> dict:
         raise CheckpointIncompleteError(f"{url}: no such file")
     if fs.isdir(path):
         raise CheckpointFormatError(f"{url}: a directory, not a torch.save file")
-    try:
-        with fs.open(path, "rb") as f:
-            sd = torch.load(f, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, zipfile.BadZipFile, EOFError, ValueError, KeyError,
-            AttributeError, TypeError, IndexError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointFormatError(f"{url}: not a loadable torch.save file of plain tensors ({first})") from None
+    sd = torch_load(url, "a loadable torch.save file of plain tensors")
     check_state_dict(sd, url)
     return sd
 
@@ -466,7 +470,7 @@ def save_torch_state_dict(sd: dict, url: str) -> None:
     parent = fs._parent(path)
     if parent and not fs.exists(parent):
         fs.makedirs(parent, exist_ok=True)
-    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+    if _local(fs):
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         try:
             with open(tmp, "wb") as f:

@@ -246,10 +246,6 @@ def _describe(state: CanonicalState) -> dict:
     }
 
 
-def _digest(description: dict) -> bytes:
-    return hashlib.sha256(collective.pack(description)).digest()
-
-
 class _Skeleton:
     """A tensor known by shape and dtype only; it records which rows an import reads.
 
@@ -341,7 +337,7 @@ def _agreed(payload: dict, error: BaseException | None, what: str, stats: Transp
 
 def _ranges(everyone: list[dict], key: str, count: int) -> list[list[Range | None]]:
     """``[tensor][rank]`` row ranges from every rank's payload list under ``key``."""
-    return [[_range(p[key][t]) for p in everyone] for t in range(count)]
+    return [[None if (r := p[key][t]) is None else (int(r[0]), int(r[1])) for p in everyone] for t in range(count)]
 
 
 def _offer(state: CanonicalState, budget_bytes, writers_only: bool) -> tuple[dict, list, dict]:
@@ -350,7 +346,7 @@ def _offer(state: CanonicalState, budget_bytes, writers_only: bool) -> tuple[dic
     budget = _check_budget(budget_bytes)
     description = _describe(state)
     ordered = [(label, _normalise(src)) for label, src in state.tensors()]
-    payload = {"budget": budget, "digest": _digest(description),
+    payload = {"budget": budget, "digest": hashlib.sha256(collective.pack(description)).digest(),
                "held": [_held(src, writers_only) for _, src in ordered]}
     return description, ordered, payload
 
@@ -388,10 +384,6 @@ def _normalise(source):
     if isinstance(source, LocalPart) and is_dtensor(source.tensor):
         return LocalPart(to_local(source.tensor), source.row_start, source.shape, source.writer)
     return source
-
-
-def _is_view_source(source) -> bool:
-    return isinstance(source, (LocalPart, EagerSource))
 
 
 class _Mover:
@@ -445,7 +437,7 @@ class _Mover:
         if tuple(value.shape) != expected or value.dtype != self.dtypes[t]:
             raise CheckpointError(f"{info.label}: source returned rows {r0}:{r1} as {tuple(value.shape)} "
                                   f"{value.dtype}, expected {expected} {self.dtypes[t]}")
-        copied = not _is_view_source(source)
+        copied = not isinstance(source, (LocalPart, EagerSource))  # else a view of memory held anyway
         if not value.is_contiguous():
             value, copied = value.contiguous(), True
         flat = value.reshape(-1)
@@ -658,10 +650,6 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
             error = exc
     collective.agree(error, "gather")
     return result
-
-
-def _range(value) -> Range | None:
-    return None if value is None else (int(value[0]), int(value[1]))
 
 
 def _assembled(state: CanonicalState, outputs: list[torch.Tensor]) -> CanonicalState:

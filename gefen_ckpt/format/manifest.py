@@ -110,7 +110,7 @@ class TensorRecord(NamedTuple):
 
     @property
     def label(self) -> str:
-        return tensor_label(self.fqn, self.field)
+        return f"global field {self.field!r}" if self.fqn is None else f"{self.fqn}/{self.field}"
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,6 @@ class Manifest:
     contract: OptimizerContract
     files: tuple[FileRecord, ...]
     tensors: dict[tuple[str | None, str], TensorRecord]
-
-
-def tensor_label(fqn: str | None, field: str) -> str:
-    return f"global field {field!r}" if fqn is None else f"{fqn}/{field}"
 
 
 # ----- building -----------------------------------------------------------------------------

@@ -47,11 +47,6 @@ HASH_BATCH_BYTES = 4 * 2**20
 
 
 # ----- pieces -------------------------------------------------------------------------------
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's storage."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
 def _stored_shape(tensor: TensorRecord, piece: PieceRecord) -> tuple[int, ...]:
     return (piece.rows[1] - piece.rows[0], *tensor.shape[1:]) if tensor.shape else ()
 
@@ -88,7 +83,7 @@ def read_verified(store: Store, reader: RangeReader, batch: Batch, hasher: Threa
         return
     pending: list[tuple[Future, TensorRecord, PieceRecord]] = []
     for piece, t, dst in batch:
-        buffer = byte_view(dst)
+        buffer = memoryview(dst.reshape(-1).view(torch.uint8).numpy())  # writable, over dst's bytes
         check_length(store, t, piece, reader.read_into(piece.offset, buffer))
         if hasher is None or piece.nbytes < checksum.READ_THREAD_MIN_BYTES:
             check_checksum(store, t, piece, checksum.update(0, buffer))
