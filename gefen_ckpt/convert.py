@@ -36,7 +36,7 @@ from gefen.quant import dequantise, quantise
 from gefen.stochastic import CODES, LOG_RANGE, TINY, V_BINS, histogram_fixed, ratio_table
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, global_key
 from gefen_ckpt.errors import CheckpointMismatchError
-from gefen_ckpt.formats import names_optimizer
+from gefen_ckpt.format.manifest import names_optimizer
 from gefen_ckpt.torch_format import known_contracts
 
 __all__ = ["TARGETS", "convert_state", "resolve_target"]

@@ -37,15 +37,11 @@ def check_names(url: str, format: str, param_names: str | None, names_from: str 
                          f"{url} is a {format} checkpoint, which records its names")
 
 
-def names_optimizer(name: str, implementation: str) -> bool:
-    """Does ``name`` name the optimizer ``implementation``, in full or short, in any case (``adamw``,
-    ``GefenMuonHybrid``, ``torch.optim.SGD``)?"""
-    return name.lower() in (implementation.lower(), implementation.rsplit(".", 1)[-1].lower())
-
-
 def check_optimizer(url: str, implementation: str, optimizer: str | None) -> None:
     """``optimizer``, when given, must name the one that wrote ``url`` (``names_optimizer``); the
     error's ``held`` names the one that did."""
+    from gefen_ckpt.format.manifest import names_optimizer
+
     if optimizer is not None and not names_optimizer(optimizer, implementation):
         from gefen_ckpt.errors import CheckpointMismatchError
 

@@ -49,8 +49,7 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
 )
 from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
-from gefen_ckpt.format.manifest import missing_fields, parse_contract
-from gefen_ckpt.formats import names_optimizer
+from gefen_ckpt.format.manifest import missing_fields, names_optimizer, parse_contract
 
 __all__ = [
     "TORCH_META_KEY",

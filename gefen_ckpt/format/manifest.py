@@ -334,6 +334,12 @@ def parse_contract(raw, what: str) -> OptimizerContract:
         raise CheckpointFormatError(f"{what}: {exc}"[:500]) from None
 
 
+def names_optimizer(name: str, implementation: str) -> bool:
+    """Does ``name`` name the optimizer ``implementation`` (a contract's), in full or short, in any
+    case (``adamw``, ``GefenMuonHybrid``, ``torch.optim.SGD``)?"""
+    return name.lower() in (implementation.lower(), implementation.rsplit(".", 1)[-1].lower())
+
+
 def _contract(x) -> OptimizerContract:
     _free(_map(x, "contract"), "contract")
     contract = parse_contract(x, "manifest contract")
