@@ -96,7 +96,6 @@ def _open_torch(url: str, optimizer: str | None, param_names: str | None, names_
         raise
 
 
-
 def verify_any(url: str, *, format: str | None = None, optimizer: str | None = None, param_names: str | None = None,
                names_from: str | None = None, progress: bool = False) -> dict:
     """How intact the checkpoint at ``url`` is, as plain data: ``ok``, ``problems`` (one line
@@ -138,6 +137,7 @@ def verify_any(url: str, *, format: str | None = None, optimizer: str | None = N
             problems.append(f"{key}: {exc}")
     return {"ok": not problems, "problems": problems, "tensors": tensors, "bytes_checked": checked,
             "note": "DCP stores no checksums: checked that every tensor's rows read back as described"}
+
 
 def write(state, url: str, format: str = PORTABLE, *, world_size: int | None = None,
           max_file_bytes: int | None = None, memory_budget: int | None = None, progress: bool = False) -> None:

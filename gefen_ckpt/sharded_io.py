@@ -61,7 +61,7 @@ def save_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, max_file_
         try:
             pieces, files = write_pieces(store, data_stem(token, rank), _own_items(state),
                                          max_file_bytes=max_file_bytes, memory_budget=memory_budget)
-        except Exception as exc:  # every rank learns of it in agree()
+        except Exception as exc:  # every rank learns of it in exchange()
             error = exc
         try:  # every rank's piece records, once every rank has written
             gathered = exchange({"pieces": [p.to_dict() for p in pieces], "files": [[f.name, f.nbytes] for f in files]},

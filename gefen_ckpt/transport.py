@@ -337,7 +337,8 @@ def _agreed(payload: dict, error: BaseException | None, what: str, stats: Transp
 
 def _ranges(everyone: list[dict], key: str, count: int) -> list[list[Range | None]]:
     """``[tensor][rank]`` row ranges from every rank's payload list under ``key``."""
-    return [[None if (r := p[key][t]) is None else (int(r[0]), int(r[1])) for p in everyone] for t in range(count)]
+    return [[None if (r := p[key][t]) is None else (int(r[0]), int(r[1])) for p in everyone]
+            for t in range(count)]
 
 
 def _offer(state: CanonicalState, budget_bytes, writers_only: bool) -> tuple[dict, list, dict]:
