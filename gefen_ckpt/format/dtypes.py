@@ -32,6 +32,11 @@ DTYPES: dict[str, tuple[str, int]] = {
 }
 
 
+#: manifest name -> little-endian numpy dtype, where numpy has one (bfloat16 and the float8s have none)
+NUMPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4", "int16": "<i2",
+         "int8": "i1", "uint64": "<u8", "uint32": "<u4", "uint16": "<u2", "uint8": "u1", "bool": "?"}
+
+
 @functools.cache
 def _by_torch() -> dict[torch.dtype, str]:
     import torch
