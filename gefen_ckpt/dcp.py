@@ -228,24 +228,21 @@ def _check_meta(meta: Any) -> dict:
     return meta
 
 
-def _meta_dict(contract: OptimizerContract, groups: list[dict], params: list[list]) -> dict:
+def _meta_dict(contract: OptimizerContract, groups: list[dict], params: dict[str, tuple]) -> dict:
+    """The description of an optimizer whose ``params`` are fqn -> (shape, dtype, child, has
+    state); shape and dtype may be None for a parameter without state."""
     return {
         "format": DCP_FORMAT,
         "format_version": DCP_FORMAT_VERSION,
         "schema_version": contract.schema_version,
         "contract": contract.to_dict(),
         "param_groups": groups,
-        "params": params,
+        "params": [[fqn, None if shape is None else list(shape), None if dtype is None else dtype_name(dtype),
+                    child, has_state] for fqn, (shape, dtype, child, has_state) in params.items()],
     }
 
 
 # ----- the live optimizer, seen through its contract ----------------------------------------
-def _live_meta(live: LiveOptimizer) -> dict:
-    params = [[fqn, list(lp.param.shape), dtype_name(lp.param.dtype), lp.child, lp.state is not None]
-              for fqn, lp in live.params.items()]
-    return _meta_dict(live.contract, live.groups, params)
-
-
 def _global_spec(contract: OptimizerContract, key: str) -> FieldSpec:
     """The optimizer-wide field ``key`` (``"<child>/<name>"`` in a composite optimizer); KeyError if none."""
     child, name = key.split("/", 1) if "/" in key else (None, key)
@@ -373,7 +370,8 @@ class GefenDCPState(Stateful):
         row-sharded along a DTensor parameter, plain tensors otherwise, plus the description."""
         live = live_view(self.optimizer, self.model)
         out = _GefenStateDict(self)
-        out[META_KEY] = _encode_meta(_live_meta(live))
+        out[META_KEY] = _encode_meta(_meta_dict(live.contract, live.groups, {
+            fqn: (lp.param.shape, lp.param.dtype, lp.child, lp.state is not None) for fqn, lp in live.params.items()}))
         for key in sorted(live.global_fields):
             out[GLOBAL_PREFIX + key] = live.global_fields[key]
         for fqn, lp in live.params.items():
@@ -779,12 +777,8 @@ class _CanonicalSavePlanner(SavePlanner):
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         prefix = f"{self.key}." if self.key else ""
         state = self.canonical
-        childs = {fqn: g.get("child") for g in state.param_groups for fqn in g["params"]}
-        params = []
-        for fqn in state.fqns():
-            e = state.params.get(fqn)
-            params.append([fqn, None if e is None else list(e.shape), None if e is None else dtype_name(e.dtype),
-                           childs.get(fqn), e is not None])
+        params = {fqn: (None, None, g.get("child"), False) for g in state.param_groups for fqn in g["params"]}
+        params.update({fqn: (e.shape, e.dtype, params[fqn][2], True) for fqn, e in state.params.items() if fqn in params})
         meta = _meta_dict(state.contract, plain(state.param_groups, "param_groups"), params)
         meta_tensor = _encode_meta(meta)
         self.sources: dict[str, TensorSource] = {prefix + META_KEY: EagerSource(meta_tensor)}
