@@ -89,7 +89,7 @@ from gefen_ckpt.exchange import (
     check_schema,
     field_spec,
     live_view,
-    stage_import,
+    load_agreed,
 )
 from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
 from gefen_ckpt.format.manifest import parse_contract
@@ -382,20 +382,9 @@ class GefenDCPState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Import what ``dcp.load`` read into ``state_dict`` (fail before mutation, on all ranks)."""
-        error: BaseException | None = None
-        publish = None
-        try:
-            state = self._to_canonical(state_dict)
-            publish = stage_import(self.optimizer, state, self.model)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
-            error = exc
-        if self.no_dist:
-            if error is not None:
-                raise error
-        else:
-            with collective.deadline(self.timeout):
-                collective.agree(error, "loading the optimizer state (DCP)", self.process_group)
-        publish()
+        with collective.deadline(self.timeout):
+            load_agreed(self.optimizer, lambda: self._to_canonical(state_dict), self.model,
+                        "loading the optimizer state (DCP)", self.process_group, alone=self.no_dist)
 
     def _to_canonical(self, state_dict: Mapping[str, Any]) -> CanonicalState:
         if META_KEY not in state_dict:

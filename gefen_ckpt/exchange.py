@@ -279,12 +279,23 @@ def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
     (``CheckpointMismatchError`` naming the FQN/field, or a read error) the optimizer is
     untouched. Under a process group it is a collective and every rank raises together.
     """
+    load_agreed(optimizer, lambda: state, model, "import_canonical")
+
+
+def load_agreed(optimizer: torch.optim.Optimizer, staged: Callable[[], CanonicalState], model, what: str,
+                group=None, alone: bool = False) -> None:
+    """Stage ``staged()`` into ``optimizer``, agree with every rank of ``group`` (not when
+    ``alone``: only this process loads), then publish: a failure on any rank raises on every rank
+    before any of them publishes."""
     error, publish = None, None
     try:
-        publish = stage_import(optimizer, state, model)
+        publish = stage_import(optimizer, staged(), model)
     except Exception as exc:  # re-raised on this rank by agree(), after every rank has reported
         error = exc
-    agree(error, "import_canonical")
+    if alone and error is not None:
+        raise error
+    if not alone:
+        agree(error, what, group)
     publish()
 
 
