@@ -11,18 +11,12 @@ from contextlib import contextmanager
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import Progress
 
 # torch (and the gefen_ckpt modules that import it) is imported inside the commands, so `--help` stays
 # fast; gefen_ckpt.formats imports nothing heavy.
 from gefen_ckpt.formats import DCP, PORTABLE, TORCH, check_optimizer, detect_format  # noqa: F401
+from gefen_ckpt.progress import columns
 
 #: exit codes (documented in docs/cli.md)
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
@@ -118,13 +112,10 @@ def set_storage_options(options: dict, args: list[str]) -> None:
             fsspec.config.conf.setdefault(protocol, {}).update(options)
 
 
-def progress(transfer: bool = True) -> Progress:
-    """A progress bar on stderr (drawn only on a terminal; removed when done)."""
+def progress() -> Progress:
+    """A byte-progress bar on stderr (drawn only on a terminal; removed when done)."""
     console = err()
-    columns = [TextColumn("[progress.description]{task.description}"), BarColumn()]
-    columns += [DownloadColumn(), TransferSpeedColumn()] if transfer else [TextColumn("{task.completed}/{task.total}")]
-    columns.append(TimeRemainingColumn())
-    return Progress(*columns, console=console, transient=True, disable=not console.is_terminal)
+    return Progress(*columns(), console=console, transient=True, disable=not console.is_terminal)
 
 
 def want_progress() -> bool:
@@ -149,20 +140,21 @@ def parse_size(text: str | None) -> int | None:
 
 
 # ----- opening checkpoints (gefen_ckpt.formats) ---------------------------------------------
-def check_destination(url: str, overwrite: bool) -> None:
-    """Refuse to write over an existing file or non-empty directory unless ``--overwrite``: a
-    typo in DST must not replace a checkpoint (an empty directory is fine)."""
+def check_destination(src: str, dst: str, overwrite: bool, create_bucket: bool, writes: bool = True) -> None:
+    """SRC and DST must differ, and (when the command ``writes``) DST must not be an existing file
+    or non-empty directory unless ``--overwrite``: a typo in DST must not replace a checkpoint (an
+    empty directory is fine). ``--create-bucket`` lets this process's saves create a missing
+    bucket (gefen_ckpt.storage)."""
+    if src.rstrip("/") == dst.rstrip("/"):
+        raise typer.BadParameter("SRC and DST are the same location")
+    if not writes:
+        return
     import fsspec
 
-    fs, path = fsspec.core.url_to_fs(url)
-    if overwrite or not fs.exists(path) or (fs.isdir(path) and not fs.ls(path, detail=False)):
-        return
-    what = "a non-empty directory" if fs.isdir(path) else "a file"
-    fail(f"{url} exists and is {what}: pass --overwrite to replace it")
-
-
-def allow_bucket_creation(create_bucket: bool) -> None:
-    """``--create-bucket``: let this process's saves create a missing bucket (gefen_ckpt.storage)."""
+    fs, path = fsspec.core.url_to_fs(dst)
+    if not overwrite and fs.exists(path) and not (fs.isdir(path) and not fs.ls(path, detail=False)):
+        what = "a non-empty directory" if fs.isdir(path) else "a file"
+        fail(f"{dst} exists and is {what}: pass --overwrite to replace it")
     if create_bucket:
         from gefen_ckpt.storage import CREATE_BUCKET_ENV
 

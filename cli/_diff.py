@@ -20,10 +20,6 @@ from gefen_ckpt.layout import rows_per_chunk
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
-def _numel(shape) -> int:
-    return math.prod(shape) if shape else 1
-
-
 def _diff(kind: str, key: str, message: str, **extra) -> dict:
     return {"kind": kind, "key": key, "message": message, **extra}
 
@@ -51,7 +47,7 @@ def _compare_chunks(a, b, atol: float | None, chunk_bytes: int, advance: Callabl
     """(number of differing elements, max |a - b| over them) of two same-shape sources."""
     shape = tuple(a.shape)
     rows = shape[0] if shape else 1
-    row_numel = _numel(shape[1:]) if shape else 1
+    row_numel = math.prod(shape[1:])
     itemsize = a.dtype.itemsize
     step = rows_per_chunk(shape, itemsize, chunk_bytes)
     batch = max(1, chunk_bytes // 8 // 4)  # elements per float64 comparison batch
@@ -148,12 +144,12 @@ def diff_states(a: CanonicalState, b: CanonicalState, *, atol: float | None = No
         else:
             comparable.append((key, sa, sb))
 
-    total = sum(_numel(s.shape) * s.dtype.itemsize for _, s, _ in comparable)
+    total = sum(math.prod(s.shape) * s.dtype.itemsize for _, s, _ in comparable)
     advance = progress(total) if progress is not None else (lambda n: None)
     elements = 0
     for key, sa, sb in comparable:
         count, worst = _compare_chunks(sa, sb, atol, chunk_bytes, advance)
-        numel = _numel(sa.shape)
+        numel = math.prod(sa.shape)
         elements += numel
         if count:
             differences.append(_diff("values", key, f"{key}: {count} of {numel} elements differ"

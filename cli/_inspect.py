@@ -23,10 +23,6 @@ from gefen.contract import OptimizerContract
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
-def _numel(shape) -> int:
-    return math.prod(shape) if shape else 1
-
-
 # ----- what inspect knows of a checkpoint ----------------------------------------------------
 @dataclass(frozen=True)
 class Stored:
@@ -67,7 +63,8 @@ def describe_manifest(store, manifest) -> Described:
 
     def stored(key) -> Stored:
         t = manifest.tensors[key]
-        return Stored(t.shape, t.dtype, _numel(t.shape) * itemsize(t.dtype), functools.partial(peek.read_values, store, t))
+        return Stored(t.shape, t.dtype, math.prod(t.shape) * itemsize(t.dtype),
+                      functools.partial(peek.read_values, store, t))
 
     raw = manifest.raw
     params = {fqn: StoredParam(tuple(e["shape"]), e["dtype"], e.get("child"),
@@ -85,7 +82,7 @@ def describe_state(state) -> Described:
     from gefen_ckpt.format.dtypes import dtype_name
 
     def stored(source) -> Stored:
-        return Stored(tuple(source.shape), dtype_name(source.dtype), _numel(source.shape) * source.dtype.itemsize,
+        return Stored(tuple(source.shape), dtype_name(source.dtype), math.prod(source.shape) * source.dtype.itemsize,
                       lambda: source.read().detach().to(torch.float64).reshape(-1).numpy())
 
     params = {fqn: StoredParam(tuple(e.shape), dtype_name(e.dtype), e.child, {k: stored(s) for k, s in e.fields.items()})
@@ -95,23 +92,9 @@ def describe_state(state) -> Described:
 
 
 # ----- the summary ----------------------------------------------------------------------------
-def _leaf(contract: OptimizerContract, child: str | None) -> OptimizerContract:
-    if child is None or not contract.children:
-        return contract
-    for name, c in contract.children:
-        if name == child:
-            return c
-        if c.children:
-            try:
-                return _leaf(c, child)
-            except KeyError:
-                pass
-    raise KeyError(child)
-
-
 def period_of(shape: tuple[int, ...], fields: dict[str, Stored], contract: OptimizerContract) -> int | None:
     """Block length P from the shape of a ``block``-geometry field (``row_numel // blocks``)."""
-    row_numel = _numel(shape[1:]) if shape else 1
+    row_numel = math.prod(shape[1:])
     for name, source in sorted(fields.items()):
         try:
             spec = contract.field(name)
@@ -126,7 +109,7 @@ def codebook_summary(key: str, source: Stored) -> dict:
     try:
         values = source.read()
     except ValueError as exc:  # a dtype without a numpy equivalent (float8): describe, do not summarise
-        return {"key": key, "size": _numel(source.shape), "dtype": source.dtype, "note": f"values not shown: {exc}"}
+        return {"key": key, "size": math.prod(source.shape), "dtype": source.dtype, "note": f"values not shown: {exc}"}
     out = {"key": key, "size": int(values.size), "dtype": source.dtype}
     if values.size:
         q = np.quantile(values, QUANTILES)
@@ -142,7 +125,7 @@ def _step(described: Described, manifest: dict) -> int | None:
             return int(where["step"])
     for entry in described.params.values():
         source = entry.fields.get("step")
-        if source is not None and _numel(source.shape) == 1:
+        if source is not None and math.prod(source.shape) == 1:
             return int(source.read()[0])
     return None
 
@@ -165,7 +148,7 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
             params.append({"fqn": fqn, "shape": None, "dtype": None, "child": None, "numel": None,
                            "period": None, "fields": [], "state_bytes": 0, "bytes_per_param": None})
             continue
-        leaf = _leaf(contract, entry.child)
+        leaf = contract.leaf(entry.child if contract.children else None)
         fields = []
         for name in sorted(entry.fields):
             source = entry.fields[name]
@@ -175,7 +158,7 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
                 geometry = None
             fields.append({"name": name, "shape": list(source.shape), "dtype": source.dtype,
                            "geometry": geometry, "bytes": source.nbytes})
-        numel = _numel(entry.shape)
+        numel = math.prod(entry.shape)
         nbytes = sum(f["bytes"] for f in fields)
         numel_total += numel
         state_bytes_total += nbytes

@@ -9,6 +9,7 @@ checkpoint, unreadable, bad usage). Every path may be a local path or any fsspec
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from enum import Enum
 from typing import Annotated
 
@@ -29,12 +30,8 @@ class _Commands(TyperGroup):
 
     def invoke(self, ctx: typer.Context):
         common.command_paths[:] = self._paths(ctx)
-        try:
+        with common.handled():
             return super().invoke(ctx)
-        except common.TYPER_EXITS:
-            raise
-        except Exception as exc:
-            common.exit_on_error(exc)
 
     def _paths(self, ctx: typer.Context) -> list[str]:
         """The failed command's checkpoint arguments (its command line parsed again, resiliently)."""
@@ -202,28 +199,14 @@ def verify(
     with common.handled():
         fmt = common.detect_format(path)
         common.refuse_names(path, fmt, param_names, names_from)
-        if fmt == common.TORCH:
-            state = common.open_state(path, fmt, optimizer, param_names, names_from)[1]
-            data = {"path": path, "format": fmt, "ok": True, "problems": [],
-                    "tensors": sum(1 for _ in state.tensors()), "bytes": state.total_bytes(),
-                    "note": "torch.save files carry no checksums: checked loading (weights_only) and the contract"}
-        elif fmt == common.DCP:
-            data = _verify_dcp(path, optimizer)
-        else:
-            if optimizer is not None:
-                from gefen_ckpt.format.manifest import open_checkpoint
-                from gefen_ckpt.storage import Store
+        if fmt != common.PORTABLE:
+            common.settle_imports()
+        from gefen_ckpt.formats import verify_any
 
-                common.check_optimizer(path, open_checkpoint(Store(path)).contract.implementation, optimizer)
-            from gefen_ckpt.format.verify import verify as verify_portable
-
-            report = verify_portable(path, progress=common.want_progress())
-            data = {"path": path, "format": fmt, "ok": bool(report.ok),
-                    "problems": [str(p) for p in report.problems],
-                    "warnings": [str(w) for w in getattr(report, "warnings", [])]}
-            for k in ("files_checked", "pieces_checked", "tensors", "bytes_checked"):
-                if isinstance(getattr(report, k, None), int):
-                    data[k] = getattr(report, k)
+        with common.optimizer_hint():
+            data = {"path": path, "format": fmt, **verify_any(path, format=fmt, optimizer=optimizer,
+                                                              param_names=param_names, names_from=names_from,
+                                                              progress=common.want_progress())}
     if as_json:
         _echo_json(data)
     else:
@@ -242,28 +225,6 @@ def verify(
             err.print(f"[bold red]FAILED[/] {path}: {len(data['problems'])} problem(s)", soft_wrap=True)
     if not data["ok"]:
         raise typer.Exit(common.EXIT_DIFFERENT)
-
-
-def _verify_dcp(path: str, optimizer: str | None) -> dict:
-    """DCP stores no checksums: read every row of every tensor in bounded chunks and collect
-    problems (unreadable or missing chunks, shapes that contradict the description)."""
-    from gefen_ckpt.dcp import read_dcp
-    from gefen_ckpt.errors import CheckpointError
-    from gefen_ckpt.layout import rows_per_chunk
-
-    state, problems, checked = read_dcp(path), [], 0
-    common.check_optimizer(path, state.contract.implementation, optimizer)
-    for key, source in state.tensors():
-        rows = source.shape[0] if source.shape else 1
-        step = rows_per_chunk(source.shape, source.dtype.itemsize, 64 << 20)
-        try:
-            for start in range(0, rows, step):
-                checked += source.read(start, min(rows, start + step)).nbytes
-        except (CheckpointError, RuntimeError, ValueError, OSError) as exc:
-            problems.append(f"{key}: {exc}")
-    return {"path": path, "format": "dcp", "ok": not problems, "problems": problems,
-            "tensors": sum(1 for _ in state.tensors()), "bytes_checked": checked,
-            "note": "DCP stores no checksums: checked that every tensor's rows read back as described"}
 
 
 # ----- diff ---------------------------------------------------------------------------------
@@ -374,10 +335,7 @@ def convert(
     """
     sizes = {"max_file_bytes": common.parse_size(max_file_bytes), "memory_budget": common.parse_size(memory_budget)}
     with common.handled():
-        if src.rstrip("/") == dst.rstrip("/"):
-            raise typer.BadParameter("SRC and DST are the same location")
-        common.check_destination(dst, overwrite)
-        common.allow_bucket_creation(create_bucket)
+        common.check_destination(src, dst, overwrite, create_bucket)
         fmt = common.detect_format(src)
         common.refuse_names(src, fmt, param_names, names_from)
         target = to.value if to is not None else fmt
@@ -385,7 +343,7 @@ def convert(
         from gefen_ckpt import convert_checkpoint
 
         with common.optimizer_hint(), \
-                common.err().status(f"converting {src}", spinner="dots") if common.want_progress() else _null():
+                common.err().status(f"converting {src}", spinner="dots") if common.want_progress() else nullcontext():
             state = convert_checkpoint(src, dst, to=target, into=into, moments=moments.value, format=fmt,
                                        optimizer=optimizer, param_names=param_names, names_from=names_from,
                                        progress=common.want_progress(), **sizes)
@@ -469,11 +427,7 @@ def reshard(
             target = Mesh(1, world_size)
         else:
             raise typer.BadParameter("give --world-size or --mesh")
-        if src.rstrip("/") == dst.rstrip("/"):
-            raise typer.BadParameter("SRC and DST are the same location")
-        if not dry_run:
-            common.check_destination(dst, overwrite)
-            common.allow_bucket_creation(create_bucket)
+        common.check_destination(src, dst, overwrite, create_bucket, writes=not dry_run)
         fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from)
         ranks = plan(state, target.shard)
         if dry_run or as_json:
@@ -507,14 +461,6 @@ def _print_plan(src, dst, target, ranks, total: int, as_json: bool) -> None:
     common.out().print(table)
     if any(r.empty_fields for r in ranks):
         common.out().print("[yellow]note[/]: some ranks own no rows of some small tensors (empty shards load fine)")
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main() -> None:

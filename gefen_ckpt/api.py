@@ -7,14 +7,11 @@ stalled rank (``collective.DEFAULT_TIMEOUT``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState
-from gefen_ckpt.errors import CheckpointMismatchError
+from gefen_ckpt.errors import CheckpointMismatchError, naming
 from gefen_ckpt.exchange import check_fits, copies_on_load, export_canonical, import_canonical
 from gefen_ckpt.format.manifest import (
     open_checkpoint,
@@ -107,12 +104,7 @@ def load(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Module |
         import_canonical(optimizer, state, model=model)
 
 
-@contextmanager
-def _naming(url: str) -> Iterator[None]:
+def _naming(url: str):
     """Mismatch errors name the checkpoint; the optimizer's own refusals become mismatch errors."""
-    try:
-        yield
-    except CheckpointMismatchError as exc:
-        raise CheckpointMismatchError(f"{url}: {exc}") from exc
-    except (ValueError, TypeError) as exc:
-        raise CheckpointMismatchError(f"{url}: {exc}") from exc
+    return naming(url, (ValueError, TypeError), CheckpointMismatchError)
+

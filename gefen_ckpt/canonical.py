@@ -8,7 +8,8 @@ rows they need and never hold a whole model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -83,10 +84,12 @@ class LocalPart:
 
 
 def nbytes(source: TensorSource) -> int:
-    numel = 1
-    for s in source.shape:
-        numel *= s
-    return numel * source.dtype.itemsize
+    return math.prod(source.shape) * source.dtype.itemsize
+
+
+def global_key(child: str | None, name: str) -> str:
+    """The ``global_fields`` key of child optimizer ``child``'s field ``name`` (outside composites: ``name``)."""
+    return f"{child}/{name}" if child else name
 
 
 @dataclass
@@ -130,19 +133,26 @@ class CanonicalState:
             for name in sorted(entry.fields):
                 yield f"{fqn}/{name}", entry.fields[name]
 
+    def globals_of(self, child: str | None) -> dict[str, TensorSource]:
+        """One (child) optimizer's optimizer-wide fields, by bare name (``codebook``, ...)."""
+        prefix = global_key(child, "")
+        return {k[len(prefix):]: s for k, s in self.global_fields.items()
+                if k.startswith(prefix) and "/" not in k[len(prefix):]}
+
     def total_bytes(self) -> int:
         return sum(nbytes(src) for _, src in self.tensors())
 
     def materialize(self) -> CanonicalState:
         """A copy whose every tensor is in memory and owned (safe across optimizer steps)."""
+        return self.with_sources(lambda _, s: EagerSource(s.read().clone()))
+
+    def with_sources(self, make: Callable[[str, TensorSource], TensorSource]) -> CanonicalState:
+        """A copy (groups and metadata copied too) whose tensor of each ``tensors()`` key is ``make(key, source)``."""
         return CanonicalState(
             contract=self.contract,
             param_groups=[dict(g, params=list(g["params"])) for g in self.param_groups],
-            params={
-                fqn: ParamState(e.shape, e.dtype, {k: EagerSource(s.read().clone()) for k, s in e.fields.items()},
-                                e.child)
-                for fqn, e in self.params.items()
-            },
-            global_fields={k: EagerSource(s.read().clone()) for k, s in self.global_fields.items()},
+            params={fqn: ParamState(e.shape, e.dtype, {k: make(f"{fqn}/{k}", s) for k, s in e.fields.items()}, e.child)
+                    for fqn, e in self.params.items()},
+            global_fields={k: make(k, s) for k, s in self.global_fields.items()},
             metadata=dict(self.metadata),
         )

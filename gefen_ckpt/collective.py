@@ -159,7 +159,7 @@ def agree(error: BaseException | None, what: str, group=None) -> None:
     exchange({}, error, what, group)
 
 
-def all_gather_bytes(payload: bytes, what: str = "exchanging checkpoint records", group=None) -> list[bytes]:
+def all_gather_bytes(payload: bytes, what: str, group=None) -> list[bytes]:
     """Every rank's ``payload``, in rank order, on every rank of ``group``."""
     if not active(group):
         return [payload]

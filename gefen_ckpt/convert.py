@@ -34,8 +34,9 @@ from gefen.functional import is_coded, is_factored
 from gefen.geometry import as_blocks, shape_period
 from gefen.quant import dequantise, quantise
 from gefen.stochastic import CODES, LOG_RANGE, TINY, V_BINS, histogram_fixed, ratio_table
-from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState
+from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, global_key
 from gefen_ckpt.errors import CheckpointMismatchError
+from gefen_ckpt.format.manifest import names_optimizer
 from gefen_ckpt.torch_format import known_contracts
 
 __all__ = ["TARGETS", "convert_state", "resolve_target"]
@@ -61,7 +62,7 @@ class Dense:
 def resolve_target(name: str) -> str:
     """``"Gefen"``, ``"gefen.GefenMuon"``, ``"adamw"``... -> the implementation name."""
     for impl in TARGETS:
-        if name.lower() in (impl.lower(), impl.rsplit(".", 1)[-1].lower()):
+        if names_optimizer(name, impl):
             return impl
     raise CheckpointMismatchError(f"cannot convert into {name!r}: no mapping; targets: "
                                   f"{', '.join(t.rsplit('.', 1)[-1] for t in TARGETS)}")
@@ -117,19 +118,12 @@ def dense_view(state: CanonicalState) -> tuple[list[dict], dict[str, Dense]]:
         child = group.get("child")
         leaf = state.contract.leaf(child)
         groups.append({"params": list(group["params"]), "child": child, **_carried(leaf.implementation, group)})
-        books = _books(state.global_fields, child)
+        books = state.globals_of(child)
         for fqn in group["params"]:
             entry = state.params.get(fqn)
             if entry is not None and entry.fields:
                 dense[fqn] = _dense_param(leaf.implementation, fqn, entry, books)
     return groups, dense
-
-
-def _books(global_fields: dict, child: str | None) -> dict:
-    """A leaf's optimizer-wide fields by bare name (``codebook``, ``v_codebook``)."""
-    prefix = f"{child}/" if child else ""
-    return {key[len(prefix):]: src for key, src in global_fields.items()
-            if key.startswith(prefix) and "/" not in key[len(prefix):]}
 
 
 def _number(impl: str, name: str, value) -> float:
@@ -221,22 +215,15 @@ def _defaults(cls) -> dict:
 
 def _target_group(target: str, g: dict, options: dict) -> dict:
     """The target's hyperparameters for a group: carried where they mean the same, else its defaults."""
-    if target == ADAMW:
-        d = _defaults(torch.optim.AdamW)
-        return {"lr": g["lr"], "betas": [g["beta1"], d["betas"][1] if g["beta2"] is None else g["beta2"]],
-                "eps": d["eps"] if g["eps"] is None else g["eps"], "weight_decay": g["weight_decay"],
-                "amsgrad": False, "maximize": False}
-    if target == GEFEN:
-        from gefen.optimizer import Gefen
-
-        d = _defaults(Gefen)
+    if target in (ADAMW, GEFEN):
+        d = _defaults(torch.optim.AdamW if target == ADAMW else _target_class(GEFEN))
         group = {"lr": g["lr"], "betas": [g["beta1"], d["betas"][1] if g["beta2"] is None else g["beta2"]],
-                 "eps": d["eps"] if g["eps"] is None else g["eps"], "weight_decay": g["weight_decay"],
-                 "factored_v_2d": bool(options["factored_v_2d"])}
+                 "eps": d["eps"] if g["eps"] is None else g["eps"], "weight_decay": g["weight_decay"]}
+        if target == ADAMW:
+            return group | {"amsgrad": False, "maximize": False}
+        group["factored_v_2d"] = bool(options["factored_v_2d"])
         return group | ({"moments": "m4v4", "seed": d["seed"]} if options["moments"] == "m4v4" else {})
-    from gefen.muon import GefenMuon
-
-    d = _defaults(GefenMuon)  # the lr is AdamW's, so Muon's update is scaled to AdamW's RMS
+    d = _defaults(_target_class(MUON))  # the lr is AdamW's, so Muon's update is scaled to AdamW's RMS
     return {**{h: d[h] for h in ("nesterov", "ns_steps", "ns_schedule", "normuon", "beta2", "eps")},
             "lr": g["lr"], "momentum": g["beta1"], "weight_decay": g["weight_decay"], "adjust_lr": "match_rms_adamw"}
 
@@ -284,7 +271,7 @@ def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], option
         # as at the first step: every block of more than one element, normalised, into one histogram
         codebook = learn_codebook([as_blocks(dense[f].exp_avg, periods[f]) for f in members if periods[f] > 1],
                                   size, bins)
-        global_fields[f"{child}/codebook" if child else "codebook"] = EagerSource(codebook)
+        global_fields[global_key(child, "codebook")] = EagerSource(codebook)
         for fqn in members:
             d, period = dense[fqn], periods[fqn]
             codes, scales = quantise(d.exp_avg.reshape(d.shape), codebook, period)
@@ -321,9 +308,8 @@ def _build_m4v4(members: list[str], dense: dict[str, Dense], options: dict, chil
         stats[fqn] = (v_row, v_col, x)
         counts += histogram_fixed(x, V_BINS)
     v_codebook = solve_codebook(counts, CODES)
-    prefix = f"{child}/" if child else ""
-    global_fields[prefix + "codebook"] = EagerSource(codebook)
-    global_fields[prefix + "v_codebook"] = EagerSource(v_codebook)
+    global_fields[global_key(child, "codebook")] = EagerSource(codebook)
+    global_fields[global_key(child, "v_codebook")] = EagerSource(v_codebook)
     for fqn in coded:
         d, m = dense[fqn], rows[fqn]
         v_row, v_col, x = stats[fqn]
@@ -393,7 +379,7 @@ def _report(source: str, target: str, before: dict[str, Dense], out: CanonicalSt
     first, second = [], []
     for fqn, entry in out.params.items():  # one parameter's dense view at a time
         leaf = out.contract.leaf(entry.child)
-        after = _dense_param(leaf.implementation, fqn, entry, _books(out.global_fields, entry.child))
+        after = _dense_param(leaf.implementation, fqn, entry, out.globals_of(entry.child))
         first.append((fqn, _squares(after.exp_avg, before[fqn].exp_avg)))
         if after.exp_avg_sq is not None and before[fqn].exp_avg_sq is not None:
             second.append((fqn, _squares(after.exp_avg_sq, before[fqn].exp_avg_sq)))

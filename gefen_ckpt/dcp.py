@@ -66,7 +66,6 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.stateful import Stateful
 
 from gefen.contract import (
-    SCHEMA_VERSION,
     FieldSpec,
     OptimizerContract,
     contract_of,
@@ -82,13 +81,18 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
 )
 from gefen_ckpt.exchange import (
+    LiveOptimizer,
     LiveParam,
     check_contract,
+    check_param_shape,
+    check_same_params,
+    check_schema,
     field_spec,
     live_view,
-    stage_import,
+    load_agreed,
 )
-from gefen_ckpt.format.dtypes import dtype_name, plain
+from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
+from gefen_ckpt.format.manifest import parse_contract
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
 from gefen_ckpt.layout import local_rows, rows_per_chunk, to_local
 from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_stock_keys, read_stock
@@ -158,6 +162,25 @@ def _unpack(body: bytes, what: str) -> Any:
         raise CheckpointFormatError(f"{what} is not valid msgpack: {exc}") from None
 
 
+def _decode_meta(body: bytes) -> dict:
+    return _check_meta(_unpack(body, "the gefen DCP description"))
+
+
+def _check_meta_entry(md, what: str) -> None:
+    """The stored description must be a 1-D uint8 tensor of a plausible size (checked before reading it)."""
+    if not isinstance(md, TensorStorageMetadata) or md.properties.dtype != torch.uint8 or len(md.size) != 1 \
+            or md.size[0] > _MAX_META:
+        raise CheckpointFormatError(f"{what} is not a plausible description tensor")
+
+
+def _planner_record(metadata: Metadata, key: str) -> Any:
+    """What ``GefenSavePlanner`` (or ``write_dcp``) recorded for the state saved under ``key``, decoded
+    (None: nothing)."""
+    data = metadata.planner_data
+    record = (data.get(PLANNER_DATA_KEY) or {}).get(key) if isinstance(data, dict) else None
+    return None if record is None else _unpack(record, f"the planner record of {key!r}")
+
+
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise CheckpointFormatError(f"malformed gefen DCP description: {msg}")
@@ -177,17 +200,10 @@ def _check_meta(meta: Any) -> dict:
         raise CheckpointFormatError(
             f"gefen DCP format version {version} is newer than this gefen_ckpt ({DCP_FORMAT_VERSION})"
         )
-    schema = meta.get("schema_version")
-    _need(isinstance(schema, int), "schema_version missing")
-    if schema > SCHEMA_VERSION:
-        raise CheckpointMismatchError(
-            f"checkpoint schema version {schema} is newer than this gefen_ckpt ({SCHEMA_VERSION})"
-        )
+    _need(isinstance(meta.get("schema_version"), int), "schema_version missing")
+    check_schema(meta["schema_version"])
     _need(isinstance(meta.get("contract"), dict), "contract missing")
-    try:
-        meta["contract"] = OptimizerContract.from_dict(meta["contract"])
-    except ValueError as exc:
-        raise CheckpointFormatError(str(exc)) from None
+    meta["contract"] = parse_contract(meta["contract"], "the gefen DCP description's contract")
     groups = meta.get("param_groups")
     _need(isinstance(groups, list) and all(isinstance(g, dict) for g in groups), "param_groups must be a list of maps")
     for g in groups:
@@ -201,62 +217,39 @@ def _check_meta(meta: Any) -> dict:
         fqn, shape, dtype, child, has_state = entry
         _need(isinstance(fqn, str), "param FQN must be a string")
         _need(shape is None or _is_shape(shape), f"{fqn}: bad shape {shape!r}")
-        _need(dtype is None or (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)),
-              f"{fqn}: bad dtype {dtype!r}")
         _need(child is None or isinstance(child, str), f"{fqn}: bad child {child!r}")
         _need(isinstance(has_state, bool), f"{fqn}: bad state flag")
         _need(not has_state or (shape is not None and dtype is not None), f"{fqn}: has state but no shape/dtype")
         _need(fqn not in out, f"parameter {fqn!r} listed twice")
-        out[fqn] = (None if shape is None else tuple(shape), None if dtype is None else getattr(torch, dtype),
+        out[fqn] = (None if shape is None else tuple(shape),
+                    None if dtype is None else torch_dtype(dtype, f"malformed gefen DCP description: {fqn}"),
                     child, has_state)
     meta["params"] = out
     return meta
 
 
-def _meta_dict(contract: OptimizerContract, groups: list[dict], params: list[list]) -> dict:
+def _meta_dict(contract: OptimizerContract, groups: list[dict], params: dict[str, tuple]) -> dict:
+    """The description of an optimizer whose ``params`` are fqn -> (shape, dtype, child, has
+    state); shape and dtype may be None for a parameter without state."""
     return {
         "format": DCP_FORMAT,
         "format_version": DCP_FORMAT_VERSION,
         "schema_version": contract.schema_version,
         "contract": contract.to_dict(),
         "param_groups": groups,
-        "params": params,
+        "params": [[fqn, None if shape is None else list(shape), None if dtype is None else dtype_name(dtype),
+                    child, has_state] for fqn, (shape, dtype, child, has_state) in params.items()],
     }
 
 
 # ----- the live optimizer, seen through its contract ----------------------------------------
-@dataclasses.dataclass
-class _Live:
-    contract: OptimizerContract
-    groups: list[dict]
-    params: dict[str, LiveParam]
-    global_fields: dict[str, torch.Tensor]
-
-    def meta(self) -> dict:
-        params = [[fqn, list(lp.param.shape), dtype_name(lp.param.dtype), lp.child, lp.state is not None]
-                  for fqn, lp in self.params.items()]
-        return _meta_dict(self.contract, self.groups, params)
-
-    def global_spec(self, key: str) -> FieldSpec:
-        contract, name = self.contract, key
-        if "/" in key:
-            child, name = key.split("/", 1)
-            contract = self.contract.child(child)
-        for f in contract.global_fields:
-            if f.name == name:
-                return f
-        raise KeyError(key)
-
-
-def _describe(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> _Live:
-    """The optimizer's groups, parameters and rank-local state, without copying any tensor."""
-    view = live_view(optimizer, model)
-    return _Live(view.contract, view.groups, view.params, view.global_fields)
-
-
-def _field_global_shape(param: torch.Tensor, local: torch.Tensor) -> tuple[int, ...]:
-    rows = param.shape[0] if param.dim() else 1
-    return (rows,) + tuple(local.shape[1:])
+def _global_spec(contract: OptimizerContract, key: str) -> FieldSpec:
+    """The optimizer-wide field ``key`` (``"<child>/<name>"`` in a composite optimizer); KeyError if none."""
+    child, name = key.split("/", 1) if "/" in key else (None, key)
+    for f in contract.leaf(child).global_fields:
+        if f.name == name:
+            return f
+    raise KeyError(key)
 
 
 def _as_global(fqn: str, name: str, value: torch.Tensor, lp: LiveParam, spec: FieldSpec) -> torch.Tensor:
@@ -270,7 +263,7 @@ def _as_global(fqn: str, name: str, value: torch.Tensor, lp: LiveParam, spec: Fi
         raise CheckpointMismatchError(
             f"{fqn}/{name}: this rank holds {value.shape[0]} rows but owns rows [{start}, {stop}) of the parameter"
         )
-    shape = _field_global_shape(lp.param, value)
+    shape = (lp.param.shape[0] if lp.param.dim() else 1, *value.shape[1:])
     return as_field_dtensor(value.contiguous(), lp.param, spec.geometry, shape)
 
 
@@ -372,42 +365,26 @@ class GefenDCPState(Stateful):
         self.timeout = timeout
         contract_of(optimizer)  # fail now for an optimizer without a contract
 
-    def _live(self) -> _Live:
-        return _describe(self.optimizer, self.model)
-
     def state_dict(self) -> dict[str, Any]:
         """Live views (no copy): rank-local rows as DTensors of the global shape where the field is
         row-sharded along a DTensor parameter, plain tensors otherwise, plus the description."""
-        live = self._live()
+        live = live_view(self.optimizer, self.model)
         out = _GefenStateDict(self)
-        out[META_KEY] = _encode_meta(live.meta())
+        out[META_KEY] = _encode_meta(_meta_dict(live.contract, live.groups, {
+            fqn: (lp.param.shape, lp.param.dtype, lp.child, lp.state is not None) for fqn, lp in live.params.items()}))
         for key in sorted(live.global_fields):
             out[GLOBAL_PREFIX + key] = live.global_fields[key]
         for fqn, lp in live.params.items():
             for name in sorted(lp.state or {}):
-                try:
-                    spec = lp.contract.field(name)
-                except KeyError:
-                    raise CheckpointMismatchError(f"{fqn}: state field {name!r} is not in the contract") from None
+                spec = field_spec(lp.contract, fqn, name)
                 out[f"{fqn}/{name}"] = _as_global(fqn, name, lp.state[name], lp, spec)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Import what ``dcp.load`` read into ``state_dict`` (fail before mutation, on all ranks)."""
-        error: BaseException | None = None
-        publish = None
-        try:
-            state = self._to_canonical(state_dict)
-            publish = stage_import(self.optimizer, state, self.model)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
-            error = exc
-        if self.no_dist:
-            if error is not None:
-                raise error
-        else:
-            with collective.deadline(self.timeout):
-                collective.agree(error, "loading the optimizer state (DCP)", self.process_group)
-        publish()
+        with collective.deadline(self.timeout):
+            load_agreed(self.optimizer, lambda: self._to_canonical(state_dict), self.model,
+                        "loading the optimizer state (DCP)", self.process_group, alone=self.no_dist)
 
     def _to_canonical(self, state_dict: Mapping[str, Any]) -> CanonicalState:
         if META_KEY not in state_dict:
@@ -416,7 +393,7 @@ class GefenDCPState(Stateful):
                 "this key, or the optimizer has no state yet and dcp.load ran without "
                 "planner=GefenLoadPlanner() (which allocates the buffers a fresh optimizer lacks)"
             )
-        meta = _check_meta(_unpack(_meta_bytes(state_dict[META_KEY]), "the gefen DCP description"))
+        meta = _decode_meta(_meta_bytes(state_dict[META_KEY]))
         planned = getattr(state_dict, "planned", False)
         present = {fqn for key in state_dict if (s := _split_key(key)) is not None for fqn in [s[0]]}
         lacking = [fqn for fqn, (_, _, _, has) in meta["params"].items() if has and fqn not in present]
@@ -440,12 +417,6 @@ def _find_gefen_dicts(state_dict: Mapping, path: tuple = ()) -> Iterator[tuple[t
             yield from _find_gefen_dicts(value, path + (str(key),))
 
 
-def _topology() -> dict:
-    if dist.is_available() and dist.is_initialized():
-        return {"world_size": dist.get_world_size()}
-    return {"world_size": 1}
-
-
 class GefenSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that records each ``GefenDCPState``'s description (contract, schema
     version, param groups, shapes) in ``Metadata.planner_data[PLANNER_DATA_KEY]``, where
@@ -459,11 +430,10 @@ class GefenSavePlanner(DefaultSavePlanner):
         # found by key, not by type: async_save hands the planner a staged (copied) state dict
         self._gefen_records = {}
         for key, value in self.state_dict.items():
-            if key == META_KEY or key.endswith("." + META_KEY):
-                body = _meta_bytes(value)
-                record = {"meta": body, "topology": _topology()}
-                self._gefen_records[key[: -len(META_KEY) - 1] if key != META_KEY else ""] = msgpack.packb(
-                    record, use_bin_type=True)
+            if (owner := _owner_key(key)) is not None:
+                world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+                record = {"meta": _meta_bytes(value), "topology": {"world_size": world}}
+                self._gefen_records[owner] = msgpack.packb(record, use_bin_type=True)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = super().create_global_plan(all_plans)
@@ -497,14 +467,12 @@ class GefenLoadPlanner(DefaultLoadPlanner):
                 f"the checkpoint has no gefen optimizer state under {name!r}"
                 + (f" (it has some under {found})" if found else " (it holds no GefenDCPState at all)")
             )
-        live = target.owner._live()
-        record = ((metadata.planner_data or {}).get(PLANNER_DATA_KEY) or {}).get(name) \
-            if isinstance(metadata.planner_data, dict) else None
-        if record is not None:
-            rec = _unpack(record, f"the planner record of {name!r}")
+        live = live_view(target.owner.optimizer, target.owner.model)
+        rec = _planner_record(metadata, name)
+        if rec is not None:
             if not isinstance(rec, dict) or not isinstance(rec.get("meta"), bytes):
                 raise CheckpointFormatError(f"the planner record of {name!r} is malformed")
-            _check_against_live(_check_meta(_unpack(rec["meta"], "the gefen DCP description")), live)
+            _check_against_live(_decode_meta(rec["meta"]), live)
         fresh = _GefenStateDict(target.owner)
         for key, md in entries.items():
             if not isinstance(md, TensorStorageMetadata):
@@ -515,40 +483,32 @@ class GefenLoadPlanner(DefaultLoadPlanner):
         target.planned = True
 
 
-def _check_against_live(meta: dict, live: _Live) -> None:
+def _check_against_live(meta: dict, live: LiveOptimizer) -> None:
     """Contract, schema, FQNs and shapes of a checkpoint's description vs the live optimizer."""
     check_contract(live.contract, meta["contract"])
-    saved_fqns = {fqn for g in meta["param_groups"] for fqn in g["params"]}
-    missing, extra = set(live.params) - saved_fqns, saved_fqns - set(live.params)
-    if missing or extra:
-        raise CheckpointMismatchError(
-            "parameters differ between checkpoint and optimizer: "
-            f"missing from checkpoint {sorted(missing)[:5]}, unknown to optimizer {sorted(extra)[:5]}"
-        )
+    check_same_params(live.params, [fqn for g in meta["param_groups"] for fqn in g["params"]])
     for fqn, (shape, _, _, has_state) in meta["params"].items():
-        if not has_state:
-            continue
-        lp = live.params.get(fqn)
-        if lp is None:
-            raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
-        if tuple(shape) != tuple(lp.param.shape):
-            raise CheckpointMismatchError(
-                f"{fqn}: checkpoint shape {tuple(shape)} differs from the live parameter's {tuple(lp.param.shape)}"
-            )
+        if has_state:
+            check_param_shape(fqn, shape, _held_param(live, fqn))
 
 
-def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.Tensor:
+def _held_param(live: LiveOptimizer, fqn: str) -> torch.Tensor:
+    if fqn not in live.params:
+        raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
+    return live.params[fqn].param
+
+
+def _allocate_entry(key: str, md: TensorStorageMetadata, live: LiveOptimizer) -> torch.Tensor:
     """An empty destination for one stored entry: this rank's rows of it, on the right device."""
 
     shape, dtype = tuple(md.size), md.properties.dtype
     if key == META_KEY:
-        if dtype != torch.uint8 or len(shape) != 1 or shape[0] > _MAX_META:
-            raise CheckpointFormatError(f"{META_KEY!r}: not a plausible description tensor ({dtype}, {shape})")
+        _check_meta_entry(md, repr(META_KEY))
         return torch.empty(shape, dtype=dtype)
     if key.startswith(GLOBAL_PREFIX):
         name = key[len(GLOBAL_PREFIX):]
         try:
-            spec = live.global_spec(name)
+            spec = _global_spec(live.contract, name)
         except KeyError:
             raise CheckpointMismatchError(
                 f"optimizer-wide field {name!r} of the checkpoint is not part of {live.contract.implementation}'s state"
@@ -560,10 +520,8 @@ def _allocate_entry(key: str, md: TensorStorageMetadata, live: _Live) -> torch.T
     if split is None:
         raise CheckpointMismatchError(f"checkpoint entry {key!r} is not gefen optimizer state")
     fqn, name = split
-    lp = live.params.get(fqn)
-    if lp is None:
-        raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
-    spec, param = field_spec(lp.contract, fqn, name), lp.param
+    param = _held_param(live, fqn)
+    spec = field_spec(live.params[fqn].contract, fqn, name)
     if problem := spec.check(param.shape, shape, dtype, param.dtype):
         raise CheckpointMismatchError(f"{fqn}/{name}: checkpoint {problem}")
     local_param = to_local(param)
@@ -616,17 +574,22 @@ def safe_load_dcp_metadata(stream) -> Metadata:
     return metadata
 
 
+def _storage(path: str | os.PathLike, local: type, remote: str) -> tuple[type, str | os.PathLike]:
+    """(DCP's storage class, path): ``local`` for a path or ``file://`` URL, else the fsspec one."""
+    if "://" not in str(path):
+        return local, path
+    if str(path).startswith("file://"):
+        return local, str(path)[len("file://"):]
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    return getattr(_fsspec_filesystem, remote), path
+
+
 def _storage_reader(path: str | os.PathLike):
     """A DCP storage reader (local or fsspec) whose metadata load is the allowlisted unpickler."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    base = FileSystemReader
-    if "://" in str(path) and not str(path).startswith("file://"):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        base = FsspecReader
-    elif str(path).startswith("file://"):
-        path = str(path)[len("file://"):]
+    base, path = _storage(path, FileSystemReader, "FsspecReader")
 
     class SafeReader(base):
         def read_metadata(self, *args, **kwargs) -> Metadata:
@@ -647,24 +610,21 @@ def _storage_reader(path: str | os.PathLike):
 def _storage_writer(path: str | os.PathLike):
     from torch.distributed.checkpoint import FileSystemWriter
 
-    if "://" in str(path) and not str(path).startswith("file://"):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    cls, path = _storage(path, FileSystemWriter, "FsspecWriter")
+    return cls(path)
 
-        return FsspecWriter(path)
-    if str(path).startswith("file://"):
-        path = str(path)[len("file://"):]
-    return FileSystemWriter(path)
+
+def _owner_key(key: str) -> str | None:
+    """The state-dict key of the ``GefenDCPState`` whose description is stored under ``key``
+    ('' = top level; None: ``key`` is no description)."""
+    if key == META_KEY:
+        return ""
+    return key[: -len(META_KEY) - 1] if key.endswith("." + META_KEY) else None
 
 
 def find_gefen_keys(metadata: Metadata) -> list[str]:
     """The state-dict keys under which a DCP checkpoint holds a ``GefenDCPState`` ('' = top level)."""
-    out = []
-    for key in metadata.state_dict_metadata:
-        if key == META_KEY:
-            out.append("")
-        elif key.endswith("." + META_KEY):
-            out.append(key[: -len(META_KEY) - 1])
-    return sorted(out)
+    return sorted(owner for key in metadata.state_dict_metadata if (owner := _owner_key(key)) is not None)
 
 
 class _RowsLoadPlanner(ReadOnlyPlanner):
@@ -764,11 +724,8 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
         return state
     prefix = f"{key}." if key else ""
     smd = reader.metadata.state_dict_metadata
-    meta_md = smd[prefix + META_KEY]
-    if not isinstance(meta_md, TensorStorageMetadata) or meta_md.properties.dtype != torch.uint8 \
-            or len(meta_md.size) != 1 or meta_md.size[0] > _MAX_META:
-        raise CheckpointFormatError(f"{path}: {prefix + META_KEY!r} is not a plausible description tensor")
-    meta = _check_meta(_unpack(_meta_bytes(reader.read(prefix + META_KEY, 0, None)), "the gefen DCP description"))
+    _check_meta_entry(smd[prefix + META_KEY], f"{path}: {prefix + META_KEY!r}")
+    meta = _decode_meta(_meta_bytes(reader.read(prefix + META_KEY, 0, None)))
     entries = {}
     for full, md in smd.items():
         if not full.startswith(prefix):
@@ -787,12 +744,9 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
     for fqn, entry in state.params.items():
         for name, src in entry.fields.items():
             _check_stored_field(state.contract, fqn, entry, name, src)
-    record = ((reader.metadata.planner_data or {}).get(PLANNER_DATA_KEY) or {}).get(key) \
-        if isinstance(reader.metadata.planner_data, dict) else None
-    if record is not None:
-        rec = _unpack(record, "the planner record")
-        if isinstance(rec, dict) and isinstance(rec.get("topology"), dict):
-            state.metadata["source_topology"] = rec["topology"]
+    rec = _planner_record(reader.metadata, key)
+    if isinstance(rec, dict) and isinstance(rec.get("topology"), dict):
+        state.metadata["source_topology"] = rec["topology"]
     state.metadata.update({"source_format": "dcp", "path": str(path), "key": key})
     return state
 
@@ -812,13 +766,8 @@ class _CanonicalSavePlanner(SavePlanner):
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         prefix = f"{self.key}." if self.key else ""
         state = self.canonical
-        shapes = {fqn: e for fqn, e in state.params.items()}
-        childs = {fqn: g.get("child") for g in state.param_groups for fqn in g["params"]}
-        params = []
-        for fqn in state.fqns():
-            e = shapes.get(fqn)
-            params.append([fqn, None if e is None else list(e.shape), None if e is None else dtype_name(e.dtype),
-                           childs.get(fqn), e is not None])
+        params = {fqn: (None, None, g.get("child"), False) for g in state.param_groups for fqn in g["params"]}
+        params.update({fqn: (e.shape, e.dtype, params[fqn][2], True) for fqn, e in state.params.items() if fqn in params})
         meta = _meta_dict(state.contract, plain(state.param_groups, "param_groups"), params)
         meta_tensor = _encode_meta(meta)
         self.sources: dict[str, TensorSource] = {prefix + META_KEY: EagerSource(meta_tensor)}

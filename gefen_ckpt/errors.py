@@ -1,5 +1,8 @@
 """The documented exception types: every gefen_ckpt failure is a ``CheckpointError``."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class CheckpointError(Exception):
     """Base class of every error gefen_ckpt raises on bad input or bad data."""
@@ -36,3 +39,13 @@ class CheckpointLockedError(CheckpointError):
 
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A collective save/load gave up waiting for the ranks it names."""
+
+
+@contextmanager
+def naming(where: str, catch: type | tuple[type, ...], as_type: type | None = None) -> Iterator[None]:
+    """Errors of the ``catch`` types raised in the block are re-raised naming ``where`` (the
+    checkpoint or file they are about), as ``as_type`` (default: their own type)."""
+    try:
+        yield
+    except catch as exc:
+        raise (as_type or type(exc))(f"{where}: {exc}") from exc

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -27,7 +27,7 @@ from gefen.contract import (
 from gefen.distributed import as_field_dtensor
 from gefen.layouts import version_refusal
 from gefen_ckpt import layout
-from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState
+from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState, global_key
 from gefen_ckpt.collective import agree
 from gefen_ckpt.errors import CheckpointMismatchError
 from gefen_ckpt.format.dtypes import plain
@@ -65,10 +65,6 @@ def leaves(optimizer, contract: OptimizerContract, child: str | None = None):
         yield from leaves(children[name], child_contract, name)
 
 
-def _global_key(child: str | None, name: str) -> str:
-    return f"{child}/{name}" if child else name
-
-
 # ----- the live optimizer, seen through its contract ----------------------------------------
 @dataclasses.dataclass(frozen=True)
 class LiveParam:
@@ -102,7 +98,7 @@ def live_view(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = 
         shared = {f.name for f in leaf.global_fields}
         for key, value in (sd.get(GLOBAL_STATE_KEY) or {}).items():
             if isinstance(value, torch.Tensor):
-                global_fields[_global_key(child, key)] = value
+                global_fields[global_key(child, key)] = value
         for live, saved in zip(opt.param_groups, sd["param_groups"]):
             fqns = group_fqns(live, names, leaf.implementation)
             group = {h: plain(saved[h], f"hyperparameter {h!r}") for h in leaf.hyperparameters if h in saved}
@@ -157,12 +153,15 @@ def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.T
 
 
 # ----- import -------------------------------------------------------------------------------
+def check_schema(version: int) -> None:
+    if version > SCHEMA_VERSION:
+        raise CheckpointMismatchError(f"checkpoint schema version {version} is newer than this gefen_ckpt "
+                                      f"({SCHEMA_VERSION})")
+
+
 def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
     """The checkpoint must come from the same optimizer implementation and a readable schema."""
-    if saved.schema_version > SCHEMA_VERSION:
-        raise CheckpointMismatchError(
-            f"checkpoint schema version {saved.schema_version} is newer than this gefen_ckpt ({SCHEMA_VERSION})"
-        )
+    check_schema(saved.schema_version)
     if saved.implementation != live.implementation:
         raise CheckpointMismatchError(
             f"checkpoint holds {saved.implementation} state, the live optimizer is {live.implementation}"
@@ -192,15 +191,28 @@ def field_spec(contract: OptimizerContract, fqn: str, name: str) -> FieldSpec:
         raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {contract.implementation}") from None
 
 
+def check_same_params(live: Iterable[str], saved: Iterable[str]) -> None:
+    """The checkpoint must hold state for exactly the optimizer's parameters (by FQN)."""
+    missing, extra = set(live) - set(saved), set(saved) - set(live)
+    if missing or extra:
+        raise CheckpointMismatchError(
+            "parameters differ between checkpoint and optimizer: "
+            f"missing from checkpoint {sorted(missing)[:5]}, unknown to optimizer {sorted(extra)[:5]}"
+        )
+
+
+def check_param_shape(fqn: str, shape, param: torch.Tensor) -> None:
+    if tuple(shape) != tuple(param.shape):
+        raise CheckpointMismatchError(
+            f"{fqn}: checkpoint shape {tuple(shape)} differs from the live parameter's {tuple(param.shape)}")
+
+
 def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: OptimizerContract) -> None:
     missing = missing_fields(contract, entry.fields, entry.shape) if entry.fields else []
     if missing:
         raise CheckpointMismatchError(f"{fqn}: the checkpoint lacks {contract.implementation}'s required "
                                       f"field(s) {missing}")
-    if tuple(entry.shape) != tuple(param.shape):
-        raise CheckpointMismatchError(
-            f"{fqn}: checkpoint shape {tuple(entry.shape)} differs from the live parameter's {tuple(param.shape)}"
-        )
+    check_param_shape(fqn, entry.shape, param)
     for name, source in entry.fields.items():
         if problem := field_spec(contract, fqn, name).check(entry.shape, source.shape, source.dtype, param.dtype):
             raise CheckpointMismatchError(f"{fqn}/{name}: {problem}")
@@ -255,9 +267,7 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
                     else:
                         sd_state[index][name] = src.read(start, stop)
             index += 1
-    prefix = f"{child}/" if child else ""
-    global_state = {k[len(prefix):]: src.read() for k, src in state.global_fields.items()
-                    if k.startswith(prefix) and "/" not in k[len(prefix):]}
+    global_state = {k: src.read() for k, src in state.globals_of(child).items()}
     return {"state": sd_state, "param_groups": sd_groups, GLOBAL_STATE_KEY: global_state}
 
 
@@ -269,12 +279,23 @@ def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
     (``CheckpointMismatchError`` naming the FQN/field, or a read error) the optimizer is
     untouched. Under a process group it is a collective and every rank raises together.
     """
+    load_agreed(optimizer, lambda: state, model, "import_canonical")
+
+
+def load_agreed(optimizer: torch.optim.Optimizer, staged: Callable[[], CanonicalState], model, what: str,
+                group=None, alone: bool = False) -> None:
+    """Stage ``staged()`` into ``optimizer``, agree with every rank of ``group`` (not when
+    ``alone``: only this process loads), then publish: a failure on any rank raises on every rank
+    before any of them publishes."""
     error, publish = None, None
     try:
-        publish = stage_import(optimizer, state, model)
+        publish = stage_import(optimizer, staged(), model)
     except Exception as exc:  # re-raised on this rank by agree(), after every rank has reported
         error = exc
-    agree(error, "import_canonical")
+    if alone and error is not None:
+        raise error
+    if not alone:
+        agree(error, what, group)
     publish()
 
 
@@ -321,12 +342,7 @@ def check_fits(optimizer: torch.optim.Optimizer, state: CanonicalState, model=No
     names = names_from_model(model)
     live_fqns = [fqn for _, opt, leaf in leaves(optimizer, contract)
                  for g in opt.param_groups for fqn in group_fqns(g, names, leaf.implementation)]
-    missing, extra = set(live_fqns) - set(state.fqns()), set(state.fqns()) - set(live_fqns)
-    if missing or extra:
-        raise CheckpointMismatchError(
-            "parameters differ between checkpoint and optimizer: "
-            f"missing from checkpoint {sorted(missing)[:5]}, unknown to optimizer {sorted(extra)[:5]}"
-        )
+    check_same_params(live_fqns, state.fqns())
     unowned = set(state.params) - set(state.fqns())
     if unowned:
         raise CheckpointMismatchError(f"checkpoint has state for parameters in no group: {sorted(unowned)[:5]}")

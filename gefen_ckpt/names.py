@@ -20,7 +20,7 @@ import torch
 
 from gefen.contract import composite_children
 from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
-from gefen_ckpt.torch_format import _check_state_dict, known_contracts
+from gefen_ckpt.torch_format import check_state_dict, known_contracts, torch_load
 
 __all__ = ["name_state_dict", "read_param_names", "read_model_params"]
 
@@ -83,19 +83,7 @@ def read_model_params(url: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _load_model_state_dict(url: str) -> dict:
-    """``torch.load(weights_only=True)`` (no pickled code runs); memory-mapped when local."""
-    fs, path = fsspec.core.url_to_fs(url)
-    try:
-        if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        else:
-            with fs.open(path, "rb") as f:
-                sd = torch.load(f, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as exc:  # torch.load raises many types for a file that is not its own
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointFormatError(f"{url}: not a torch.save'd model state_dict ({first})") from None
+    sd = torch_load(url, "a torch.save'd model state_dict", mmap=True)
     if not isinstance(sd, dict):
         raise CheckpointFormatError(f"{url}: holds a {type(sd).__name__}, not a model state_dict")
     return sd
@@ -116,7 +104,7 @@ def name_state_dict(sd: dict, names: list[str] | None = None,
     the model's (name, shape) in ``named_parameters()`` order, matched as the module docstring
     says. Names already in ``sd`` must agree. ``source`` names the origin in error messages.
     """
-    _check_state_dict(sd)  # the same structural check as reading any torch state_dict
+    check_state_dict(sd)  # the same structural check as reading any torch state_dict
     if composite_children(sd):
         raise CheckpointMismatchError("a composite optimizer's state_dict names its parameters itself")
     groups = sd["param_groups"]

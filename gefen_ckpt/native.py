@@ -19,6 +19,8 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {  # name -> (argument types, result type)
     "gefen_crc32": ([ctypes.c_uint32, _P, ctypes.c_size_t], ctypes.c_uint32),
     "gefen_crc32_many": ([_I64, _P, _P, _P], None),
+}
+_IO_SIGNATURES = {  # csrc/file_io.c: POSIX only
     "gefen_read_hashed": ([ctypes.c_int, _I64, _P, _P, _P, _I64, _P, _P], ctypes.c_int),
     "gefen_write_hashed": ([ctypes.c_int, _I64, _P, _P, _I64, _I64, _P, _P], ctypes.c_int),
     "gefen_fsync_start": ([ctypes.c_char_p], _P),
@@ -38,7 +40,7 @@ def _load():
         if spec is None or not spec.origin:
             return None
         lib = ctypes.CDLL(spec.origin)
-        for name, (args, result) in _SIGNATURES.items():
+        for name, (args, result) in {**_SIGNATURES, **(_IO_SIGNATURES if os.name == "posix" else {})}.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, result
         if not lib.gefen_crc32_accelerated():

@@ -6,6 +6,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
+def columns() -> tuple:
+    """A byte-progress bar's columns: what, bar, bytes done, speed, time left (also the CLI's)."""
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    return (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TimeRemainingColumn())
+
+
 @contextmanager
 def progress_bar(enabled: bool, description: str, total: int) -> Iterator[Callable[[int], None] | None]:
     """A rich byte-progress bar on stderr (stdout stays clean for ``--json`` output)."""
@@ -13,17 +21,8 @@ def progress_bar(enabled: bool, description: str, total: int) -> Iterator[Callab
         yield None
         return
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import Progress
 
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True)) as bar:
+    with Progress(*columns(), console=Console(stderr=True)) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)

@@ -12,11 +12,10 @@ Load: every rank opens the checkpoint lazily and reads only the pieces that over
 
 from __future__ import annotations
 
-import msgpack
 import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
-from gefen_ckpt.collective import agree, all_gather_bytes, broadcast_bytes
+from gefen_ckpt.collective import agree, broadcast_bytes, exchange
 from gefen_ckpt.exchange import check_fits, copies_on_load, export_canonical, import_canonical
 from gefen_ckpt.format.manifest import FileRecord, PieceRecord, build, open_checkpoint
 from gefen_ckpt.format.reader import lazy_state
@@ -37,11 +36,6 @@ def _own_items(state: CanonicalState) -> list[WriteItem]:
             if part.writer and (part.tensor.dim() == 0 or part.tensor.shape[0] > 0):
                 out.append(item(fqn, name, part))
     return out
-
-
-def _records_payload(pieces: list[PieceRecord], files: list[FileRecord]) -> bytes:
-    return msgpack.packb({"pieces": [p.to_dict() for p in pieces], "files": [[f.name, f.nbytes] for f in files]},
-                         use_bin_type=True)
 
 
 def save_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, max_file_bytes: int,
@@ -67,14 +61,14 @@ def save_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, max_file_
         try:
             pieces, files = write_pieces(store, data_stem(token, rank), _own_items(state),
                                          max_file_bytes=max_file_bytes, memory_budget=memory_budget)
-        except Exception as exc:  # every rank learns of it in agree()
+        except Exception as exc:  # every rank learns of it in exchange()
             error = exc
-        try:
-            agree(error, f"save to {url}")
+        try:  # every rank's piece records, once every rank has written
+            gathered = exchange({"pieces": [p.to_dict() for p in pieces], "files": [[f.name, f.nbytes] for f in files]},
+                                error, f"save to {url}")
         except BaseException:
             discard(store, token, rank)
             raise
-        gathered = [msgpack.unpackb(b, raw=False) for b in all_gather_bytes(_records_payload(pieces, files))]
         if rank == 0:
             try:
                 manifest = build(state, [PieceRecord.from_dict(p) for g in gathered for p in g["pieces"]],

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from gefen.contract import CHILD_KEY, LIKE_PARAM, composite_children
-from gefen_ckpt.canonical import CanonicalState, ParamState
+from gefen_ckpt.canonical import CanonicalState, ParamState, global_key
 from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 
 __all__ = ["find_stock_keys", "read_stock"]
@@ -140,7 +140,7 @@ def read_stock(reader, key: str, source_factory) -> CanonicalState:
             sources = {name: source_factory(full) for name, full in fields[fqn].items()}
             for name in shared & set(sources):
                 copy = sources.pop(name)
-                first = global_fields.setdefault(f"{child}/{name}" if child else name, copy)
+                first = global_fields.setdefault(global_key(child, name), copy)
                 if first is not copy and not torch.equal(first.read(), copy.read()):
                     raise CheckpointMismatchError(f"{reader.path}: {fqn}: its {name} differs from the other "
                                                   "parameters'")

@@ -24,10 +24,8 @@ whole, and writing one materialises every tensor (that is what ``torch.save`` ne
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import uuid
-import zipfile
 
 import fsspec
 import torch
@@ -43,15 +41,15 @@ from gefen.contract import (
     split_composite,
     torch_contracts,
 )
-from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
+from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource, global_key
 from gefen_ckpt.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.format.dtypes import dtype_name, plain
-from gefen_ckpt.format.manifest import missing_fields
+from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
+from gefen_ckpt.format.manifest import missing_fields, names_optimizer, parse_contract
 
 __all__ = [
     "TORCH_META_KEY",
@@ -117,15 +115,10 @@ def resolve_contract(name: str | OptimizerContract) -> OptimizerContract:
     known = known_contracts()
     if name in known:
         return known[name]
-    wanted = name.lower()
-    matches = [c for impl, c in known.items() if wanted in (impl.lower(), impl.rsplit(".", 1)[-1].lower())]
+    matches = [c for impl, c in known.items() if names_optimizer(name, impl)]
     if len(matches) == 1:
         return matches[0]
     raise CheckpointMismatchError(f"unknown optimizer {name!r}; known: {', '.join(sorted(known))}")
-
-
-def _required(contract: OptimizerContract) -> set[str]:
-    return {f.name for f in contract.fields if not f.optional}
 
 
 def infer_contract(state_dict: dict) -> OptimizerContract:
@@ -135,7 +128,7 @@ def infer_contract(state_dict: dict) -> OptimizerContract:
     its required fields and every group has its hyperparameters. Adam and AdamW store the same
     fields: ``decoupled_weight_decay: False`` in the groups means Adam, anything else AdamW.
     """
-    _check_state_dict(state_dict)
+    check_state_dict(state_dict)
     observed: set[str] = set()
     entries = [e for e in state_dict["state"].values() if isinstance(e, dict) and e]
     for entry in entries:
@@ -146,7 +139,7 @@ def infer_contract(state_dict: dict) -> OptimizerContract:
         names = {f.name for f in contract.fields + contract.global_fields}
         if not observed <= names:
             continue
-        if any(not _required(contract) <= set(k for k, v in e.items() if v is not None) for e in entries):
+        if any(missing_fields(contract, (k for k, v in e.items() if v is not None)) for e in entries):
             continue
         if any(not set(contract.hyperparameters) <= set(g) for g in groups):
             continue
@@ -210,7 +203,7 @@ def infer_composite_contract(sd: dict) -> OptimizerContract:
 
 
 # ----- state_dict -> canonical --------------------------------------------------------------
-def _check_state_dict(sd, where: str = "state_dict") -> None:
+def check_state_dict(sd, where: str = "state_dict") -> None:
     if not isinstance(sd, dict):
         raise CheckpointFormatError(f"{where} is a {type(sd).__name__}, not an optimizer state_dict")
     for key, kind in (("state", dict), ("param_groups", (list, tuple))):
@@ -219,18 +212,6 @@ def _check_state_dict(sd, where: str = "state_dict") -> None:
     for gi, g in enumerate(sd["param_groups"]):
         if not isinstance(g, dict) or not isinstance(g.get("params"), (list, tuple)):
             raise CheckpointFormatError(f"{where}: param group {gi} has no 'params' list")
-
-
-def _recorded(sd: dict) -> dict:
-    meta = sd.get(TORCH_META_KEY)
-    return meta if isinstance(meta, dict) else {}
-
-
-def _dtype(name: str, what: str) -> torch.dtype:
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointFormatError(f"{what}: unknown dtype {name!r}")
-    return dtype
 
 
 def _split(sd: dict, children: list[str], implementation: str, where: str = "state_dict") -> dict[str, dict]:
@@ -255,7 +236,7 @@ def _field_tensor(value, spec, fqn: str, name: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (bool, int, float)) and spec.geometry == "scalar":  # old torch: step as a number
-        dtype = torch.float32 if spec.dtype == LIKE_PARAM else _dtype(spec.dtype, f"{fqn}/{name}")
+        dtype = torch.float32 if spec.dtype == LIKE_PARAM else torch_dtype(spec.dtype, f"{fqn}/{name}")
         return torch.tensor(value, dtype=dtype)
     raise CheckpointFormatError(f"{fqn}/{name}: a {type(value).__name__}, not a tensor")
 
@@ -268,8 +249,8 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
     (Gefen's fields -> ``gefen.Gefen``, ``exp_avg``/``exp_avg_sq`` -> ``torch.optim.AdamW``,
     ``momentum_buffer`` -> ``torch.optim.SGD``).
     """
-    _check_state_dict(sd)
-    meta = _recorded(sd)
+    check_state_dict(sd)
+    meta = sd.get(TORCH_META_KEY) if isinstance(sd.get(TORCH_META_KEY), dict) else {}
     composite = composite_children(sd)
     if isinstance(contract, str) and composite:
         contract = composite_contract(contract, sd)
@@ -277,10 +258,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
         contract = resolve_contract(contract)
     elif isinstance(meta.get("contract"), dict) or (composite and isinstance(sd.get(CONTRACT_KEY), dict)):
         recorded = meta["contract"] if isinstance(meta.get("contract"), dict) else sd[CONTRACT_KEY]
-        try:
-            contract = OptimizerContract.from_dict(recorded)
-        except ValueError as exc:
-            raise CheckpointFormatError(f"recorded contract: {exc}") from None
+        contract = parse_contract(recorded, "recorded contract")
     elif composite:
         raise CheckpointMismatchError(
             f"a composite optimizer's state_dict (children {sorted(composite)}) records no "
@@ -299,14 +277,14 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
     global_fields: dict[str, TensorSource] = {}
     for child, leaf, leaf_sd in _leaves(contract, sd):
         where = f"child {child!r}" if child else "state_dict"
-        _check_state_dict(leaf_sd, where)
+        check_state_dict(leaf_sd, where)
         for key, value in (leaf_sd.get(GLOBAL_STATE_KEY) or {}).items():
             try:
                 spec = leaf.field(key)
             except KeyError:
                 raise CheckpointMismatchError(
                     f"{where}: optimizer-wide field {key!r} is unknown to {leaf.implementation}") from None
-            global_fields[f"{child}/{key}" if child else key] = EagerSource(_field_tensor(value, spec, "global", key))
+            global_fields[global_key(child, key)] = EagerSource(_field_tensor(value, spec, "global", key))
         owner: dict = {}
         for gi, saved in enumerate(leaf_sd["param_groups"]):
             names = saved.get("param_names")
@@ -338,7 +316,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             entry = {k: v for k, v in entry.items() if v is not None}  # SGD without momentum: None buffers
             for spec in leaf.global_fields:  # each parameter repeats them for torch's checkpoint API
                 if spec.name in entry:
-                    key = f"{child}/{spec.name}" if child else spec.name
+                    key = global_key(child, spec.name)
                     value = _field_tensor(entry.pop(spec.name), spec, fqn, spec.name)
                     known = global_fields.setdefault(key, EagerSource(value))
                     if not torch.equal(known.read(), value):
@@ -369,7 +347,7 @@ def _param_state(fqn: str, entry: dict, leaf: OptimizerContract, child: str | No
     if missing := missing_fields(leaf, fields, shape):
         raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {missing} (shape {shape})")
     if stored_dtype is not None:
-        dtype = _dtype(stored_dtype, fqn)
+        dtype = torch_dtype(stored_dtype, fqn)
     else:
         like_param = [n for n in fields if leaf.field(n).dtype == LIKE_PARAM]
         dtype = fields[like_param[0]].dtype if like_param else torch.float32
@@ -389,14 +367,6 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _leaf_contracts(contract: OptimizerContract, child: str | None = None):
-    if not contract.children:
-        yield child, contract
-        return
-    for name, c in contract.children:
-        yield from _leaf_contracts(c, name)
-
-
 def state_dict_from_canonical(state: CanonicalState) -> dict:
     """The ``optimizer.state_dict()`` a single process would hold for ``state``.
 
@@ -408,7 +378,7 @@ def state_dict_from_canonical(state: CanonicalState) -> dict:
     """
     contract = state.contract
     leaves = {}
-    for child, leaf in _leaf_contracts(contract):
+    for child, leaf in contract.children or ((None, contract),):  # composites are one level deep
         groups = [g for g in state.param_groups if g.get(CHILD_KEY) == child]
         sd_state, sd_groups, index = {}, [], 0
         for g in groups:
@@ -424,12 +394,9 @@ def state_dict_from_canonical(state: CanonicalState) -> dict:
                 index += 1
         leaf_sd = {"state": sd_state, "param_groups": sd_groups}
         if leaf.global_fields:
-            prefix = f"{child}/" if child else ""
-            leaf_sd[GLOBAL_STATE_KEY] = {k[len(prefix):]: _owned(src.read()) for k, src in state.global_fields.items()
-                                         if k.startswith(prefix) and "/" not in k[len(prefix):]}
+            leaf_sd[GLOBAL_STATE_KEY] = {k: _owned(src.read()) for k, src in state.globals_of(child).items()}
         leaves[child] = leaf_sd
-    known = {c for c, _ in _leaf_contracts(contract)}
-    stray = [g.get(CHILD_KEY) for g in state.param_groups if g.get(CHILD_KEY) not in known]
+    stray = [g.get(CHILD_KEY) for g in state.param_groups if g.get(CHILD_KEY) not in leaves]
     if stray:
         raise CheckpointMismatchError(f"param groups name child optimizers {sorted(set(map(str, stray)))} "
                                       f"that {contract.implementation} does not have")
@@ -463,6 +430,27 @@ def is_torch_file(url: str) -> bool:
     return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
+def _local(fs) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def torch_load(url: str, what: str, *, mmap: bool = False):
+    """``torch.load(map_location="cpu", weights_only=True)`` (no pickled code runs) of any fsspec
+    URL, memory-mapped if ``mmap`` and local; a file that does not load is a format error saying
+    that it is not ``what``. Storage failures (``OSError``) pass through."""
+    fs, path = _fs(url)
+    try:
+        if mmap and _local(fs):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with fs.open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as exc:  # torch.load raises many types for a file that is not its own
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointFormatError(f"{url}: not {what} ({first})") from None
+
+
 def load_torch_state_dict(url: str) -> dict:
     """``torch.load(url, map_location="cpu", weights_only=True)`` of any fsspec URL."""
     fs, path = _fs(url)
@@ -470,14 +458,8 @@ def load_torch_state_dict(url: str) -> dict:
         raise CheckpointIncompleteError(f"{url}: no such file")
     if fs.isdir(path):
         raise CheckpointFormatError(f"{url}: a directory, not a torch.save file")
-    try:
-        with fs.open(path, "rb") as f:
-            sd = torch.load(f, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, zipfile.BadZipFile, EOFError, ValueError, KeyError,
-            AttributeError, TypeError, IndexError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointFormatError(f"{url}: not a loadable torch.save file of plain tensors ({first})") from None
-    _check_state_dict(sd, url)
+    sd = torch_load(url, "a loadable torch.save file of plain tensors")
+    check_state_dict(sd, url)
     return sd
 
 
@@ -487,7 +469,7 @@ def save_torch_state_dict(sd: dict, url: str) -> None:
     parent = fs._parent(path)
     if parent and not fs.exists(parent):
         fs.makedirs(parent, exist_ok=True)
-    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+    if _local(fs):
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         try:
             with open(tmp, "wb") as f:

@@ -47,7 +47,7 @@ from gefen.contract import OptimizerContract
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
-from gefen_ckpt.format.dtypes import dtype_name
+from gefen_ckpt.format.dtypes import dtype_name, torch_dtype
 from gefen_ckpt.layout import chunk_rows, is_dtensor, to_local
 
 __all__ = ["gather", "scatter", "redistribute", "last_stats", "TransportStats"]
@@ -225,11 +225,7 @@ def last_stats() -> TransportStats:
 
 
 # ===== descriptions (msgpack) =================================================================
-def _dtype(name) -> torch.dtype:
-    value = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(value, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in a transported state description")
-    return value
+_DESCRIPTION = "a transported state description"
 
 
 def _describe(state: CanonicalState) -> dict:
@@ -248,10 +244,6 @@ def _describe(state: CanonicalState) -> dict:
                    for fqn, e in state.params.items()],
         "globals": [[key, *tensor(state.global_fields[key])] for key in sorted(state.global_fields)],
     }
-
-
-def _digest(description: dict) -> bytes:
-    return hashlib.sha256(collective.pack(description)).digest()
 
 
 class _Skeleton:
@@ -294,15 +286,15 @@ def _rebuild(description: dict, make) -> tuple[CanonicalState, list[tuple[str, o
     ordered: list[tuple[str, object]] = []
     global_fields = {}
     for key, shape, dtype in description["globals"]:
-        global_fields[key] = make(key, tuple(shape), _dtype(dtype))
+        global_fields[key] = make(key, tuple(shape), torch_dtype(dtype, _DESCRIPTION))
         ordered.append((key, global_fields[key]))
     params = {}
     for fqn, shape, dtype, child, fields in description["params"]:
         sources = {}
         for name, fshape, fdtype in fields:
-            sources[name] = make(f"{fqn}/{name}", tuple(fshape), _dtype(fdtype))
+            sources[name] = make(f"{fqn}/{name}", tuple(fshape), torch_dtype(fdtype, _DESCRIPTION))
             ordered.append((f"{fqn}/{name}", sources[name]))
-        params[fqn] = ParamState(tuple(shape), _dtype(dtype), sources, child)
+        params[fqn] = ParamState(tuple(shape), torch_dtype(dtype, _DESCRIPTION), sources, child)
     groups = [dict(g) for g in description["groups"]]
     return CanonicalState(contract, groups, params, global_fields), ordered
 
@@ -345,7 +337,8 @@ def _agreed(payload: dict, error: BaseException | None, what: str, stats: Transp
 
 def _ranges(everyone: list[dict], key: str, count: int) -> list[list[Range | None]]:
     """``[tensor][rank]`` row ranges from every rank's payload list under ``key``."""
-    return [[_range(p[key][t]) for p in everyone] for t in range(count)]
+    return [[None if (r := p[key][t]) is None else (int(r[0]), int(r[1])) for p in everyone]
+            for t in range(count)]
 
 
 def _offer(state: CanonicalState, budget_bytes, writers_only: bool) -> tuple[dict, list, dict]:
@@ -354,7 +347,7 @@ def _offer(state: CanonicalState, budget_bytes, writers_only: bool) -> tuple[dic
     budget = _check_budget(budget_bytes)
     description = _describe(state)
     ordered = [(label, _normalise(src)) for label, src in state.tensors()]
-    payload = {"budget": budget, "digest": _digest(description),
+    payload = {"budget": budget, "digest": hashlib.sha256(collective.pack(description)).digest(),
                "held": [_held(src, writers_only) for _, src in ordered]}
     return description, ordered, payload
 
@@ -392,10 +385,6 @@ def _normalise(source):
     if isinstance(source, LocalPart) and is_dtensor(source.tensor):
         return LocalPart(to_local(source.tensor), source.row_start, source.shape, source.writer)
     return source
-
-
-def _is_view_source(source) -> bool:
-    return isinstance(source, (LocalPart, EagerSource))
 
 
 class _Mover:
@@ -449,7 +438,7 @@ class _Mover:
         if tuple(value.shape) != expected or value.dtype != self.dtypes[t]:
             raise CheckpointError(f"{info.label}: source returned rows {r0}:{r1} as {tuple(value.shape)} "
                                   f"{value.dtype}, expected {expected} {self.dtypes[t]}")
-        copied = not _is_view_source(source)
+        copied = not isinstance(source, (LocalPart, EagerSource))  # else a view of memory held anyway
         if not value.is_contiguous():
             value, copied = value.contiguous(), True
         flat = value.reshape(-1)
@@ -664,19 +653,10 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
     return result
 
 
-def _range(value) -> Range | None:
-    return None if value is None else (int(value[0]), int(value[1]))
-
-
 def _assembled(state: CanonicalState, outputs: list[torch.Tensor]) -> CanonicalState:
-    it = iter(outputs)
-    global_fields = {key: EagerSource(next(it)) for key in sorted(state.global_fields)}
-    params = {}
-    for fqn, e in state.params.items():
-        params[fqn] = ParamState(tuple(e.shape), e.dtype, {name: EagerSource(next(it)) for name in sorted(e.fields)},
-                                 e.child)
-    return CanonicalState(state.contract, [dict(g, params=list(g["params"])) for g in state.param_groups], params,
-                          global_fields, metadata=dict(state.metadata))
+    """``state`` over the gathered tensors (``outputs``, in ``state.tensors()`` order)."""
+    gathered = {key: EagerSource(t) for (key, _), t in zip(state.tensors(), outputs)}
+    return state.with_sources(lambda key, _: gathered[key])
 
 
 # ===== scatter ================================================================================

@@ -1,13 +1,16 @@
-/* The loops of a save or load that must run without the GIL (POSIX only; each below says why). */
-#include <errno.h>
-#include <stdlib.h>
-#include <string.h>
+/* The loops of a save or load that must run without the GIL (each below says why).  POSIX only:
+ * elsewhere this file is empty and gefen_ckpt/native.py binds the checksum alone. */
+#include "native.h"
 #if !defined(_WIN32)
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/sendfile.h>
 #endif
-#include "native.h"
 
 /*
  * Read byte ranges of an open file into their buffers and checksum each chunk right after it
@@ -17,14 +20,10 @@
  * Piece i is sizes[i] bytes at offsets[i], read into dests[i] in chunks of `chunk` bytes (the
  * size that keeps the kernel's asynchronous readahead going).  got[i] receives the bytes read
  * (fewer only at end of file) and crcs[i] their CRC-32.  Returns 0, or -errno of a failed read
- * (the pieces before it are complete).  Not available on Windows (returns -ENOSYS).
+ * (the pieces before it are complete).
  */
 NATIVE_EXPORT int gefen_read_hashed(int fd, int64_t n, const int64_t *offsets, const int64_t *sizes,
                                  void *const *dests, int64_t chunk, int64_t *got, uint32_t *crcs) {
-#if defined(_WIN32)
-    (void)fd; (void)n; (void)offsets; (void)sizes; (void)dests; (void)chunk; (void)got; (void)crcs;
-    return -ENOSYS;
-#else
     if (chunk <= 0) return -EINVAL;
     for (int64_t i = 0; i < n; i++) {
         uint8_t *dst = dests[i];
@@ -45,7 +44,6 @@ NATIVE_EXPORT int gefen_read_hashed(int fd, int64_t n, const int64_t *offsets, c
         crcs[i] = crc;
     }
     return 0;
-#endif
 }
 
 /*
@@ -60,14 +58,10 @@ NATIVE_EXPORT int gefen_read_hashed(int fd, int64_t n, const int64_t *offsets, c
  * which writeback was started: every `writeback_every` bytes the kernel is asked to start
  * writing the new bytes out (posix_fadvise DONTNEED), so the disk works while the rest is
  * produced.  Both are updated as the call goes.  Returns 0, or -errno of a failed write (the
- * buffers before it are complete).  Not available on Windows (returns -ENOSYS).
+ * buffers before it are complete).
  */
 NATIVE_EXPORT int gefen_write_hashed(int fd, int64_t n, const void *const *srcs, const int64_t *sizes, int64_t chunk,
                                   int64_t writeback_every, int64_t *progress, uint32_t *crcs) {
-#if defined(_WIN32)
-    (void)fd; (void)n; (void)srcs; (void)sizes; (void)chunk; (void)writeback_every; (void)progress; (void)crcs;
-    return -ENOSYS;
-#else
     if (chunk <= 0) return -EINVAL;
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *src = srcs[i];
@@ -98,7 +92,6 @@ NATIVE_EXPORT int gefen_write_hashed(int fd, int64_t n, const void *const *srcs,
         crcs[i] = crc;
     }
     return 0;
-#endif
 }
 
 /*
@@ -109,7 +102,6 @@ NATIVE_EXPORT int gefen_write_hashed(int fd, int64_t n, const void *const *srcs,
  * handle, or NULL when no thread could be started (the caller then uses one of its own);
  * gefen_fsync_wait joins it and returns 0 or the errno of the failed open or fsync.
  */
-#if !defined(_WIN32)
 struct fsync_job {
     pthread_t thread;
     int result;
@@ -127,13 +119,8 @@ static void *fsync_path(void *arg) {
     close(fd);
     return NULL;
 }
-#endif
 
 NATIVE_EXPORT void *gefen_fsync_start(const char *path) {
-#if defined(_WIN32)
-    (void)path;
-    return NULL;
-#else
     size_t n = strlen(path) + 1;
     struct fsync_job *job = malloc(sizeof *job + n);
     if (job == NULL) return NULL;
@@ -144,20 +131,14 @@ NATIVE_EXPORT void *gefen_fsync_start(const char *path) {
         return NULL;
     }
     return job;
-#endif
 }
 
 NATIVE_EXPORT int gefen_fsync_wait(void *handle) {
-#if defined(_WIN32)
-    (void)handle;
-    return ENOSYS;
-#else
     struct fsync_job *job = handle;
     pthread_join(job->thread, NULL);
     int result = job->result;
     free(job);
     return result;
-#endif
 }
 
 /*
@@ -173,11 +154,6 @@ NATIVE_EXPORT int gefen_fsync_wait(void *handle) {
  * read is skipped (its reader reports the error).  Linux: sendfile to /dev/null, which copies
  * nothing to user space; elsewhere pread into a scratch buffer.
  */
-#if !defined(_WIN32)
-#if defined(__linux__)
-#include <sys/sendfile.h>
-#endif
-
 struct prefetch {
     pthread_t thread;
     pthread_mutex_t lock;
@@ -203,6 +179,15 @@ static int prefetch_may_read(struct prefetch *p, int64_t at) {
     int go = !p->stopped;
     pthread_mutex_unlock(&p->lock);
     return go;
+}
+
+/* End the prefetch (within a chunk) and release waiters; gefen_prefetch_free joins and frees. */
+NATIVE_EXPORT void gefen_prefetch_stop(void *handle) {
+    struct prefetch *p = handle;
+    pthread_mutex_lock(&p->lock);
+    p->stopped = 1;
+    pthread_cond_broadcast(&p->changed);
+    pthread_mutex_unlock(&p->lock);
 }
 
 static void *prefetch_run(void *arg) {
@@ -240,10 +225,7 @@ static void *prefetch_run(void *arg) {
     }
     if (sink >= 0) close(sink);
     free(scratch);
-    pthread_mutex_lock(&p->lock);
-    p->stopped = 1;
-    pthread_cond_broadcast(&p->changed);
-    pthread_mutex_unlock(&p->lock);
+    gefen_prefetch_stop(p);
     return NULL;
 }
 
@@ -255,15 +237,10 @@ static void prefetch_release(struct prefetch *p) {
     pthread_cond_destroy(&p->changed);
     free(p);
 }
-#endif
 
 /* Start prefetching n files (paths[i], sizes[i] bytes); NULL when no thread could be started. */
 NATIVE_EXPORT void *gefen_prefetch_start(int64_t n, const char *const *paths, const int64_t *sizes, int64_t chunk,
                                       int64_t lead) {
-#if defined(_WIN32)
-    (void)n; (void)paths; (void)sizes; (void)chunk; (void)lead;
-    return NULL;
-#else
     if (chunk <= 0) return NULL;
     struct prefetch *p = calloc(1, sizeof *p);
     if (p == NULL) return NULL;
@@ -285,15 +262,10 @@ NATIVE_EXPORT void *gefen_prefetch_start(int64_t n, const char *const *paths, co
         return NULL;
     }
     return p;
-#endif
 }
 
 /* Block until `position` is cached or the prefetch has ended; returns the bytes cached so far. */
 NATIVE_EXPORT int64_t gefen_prefetch_wait(void *handle, int64_t position) {
-#if defined(_WIN32)
-    (void)handle; (void)position;
-    return 0;
-#else
     struct prefetch *p = handle;
     pthread_mutex_lock(&p->lock);
     if (position > p->wanted) {
@@ -304,29 +276,12 @@ NATIVE_EXPORT int64_t gefen_prefetch_wait(void *handle, int64_t position) {
     int64_t cached = p->cached;
     pthread_mutex_unlock(&p->lock);
     return cached;
-#endif
-}
-
-/* End the prefetch (within a chunk) and release waiters; gefen_prefetch_free joins and frees. */
-NATIVE_EXPORT void gefen_prefetch_stop(void *handle) {
-#if !defined(_WIN32)
-    struct prefetch *p = handle;
-    pthread_mutex_lock(&p->lock);
-    p->stopped = 1;
-    pthread_cond_broadcast(&p->changed);
-    pthread_mutex_unlock(&p->lock);
-#else
-    (void)handle;
-#endif
 }
 
 NATIVE_EXPORT void gefen_prefetch_free(void *handle) {
-#if !defined(_WIN32)
     struct prefetch *p = handle;
     gefen_prefetch_stop(p);
     pthread_join(p->thread, NULL);
     prefetch_release(p);
-#else
-    (void)handle;
-#endif
 }
+#endif

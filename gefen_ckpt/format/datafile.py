@@ -73,10 +73,6 @@ def build(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes, list[i
     return struct.pack("<Q", len(text)) + text, [start + r for r in relative], start + pos
 
 
-def padding(nbytes: int) -> bytes:
-    return bytes(nbytes)
-
-
 def parse_header(prefix: bytes, file_size: int) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
     """key -> (safetensors dtype code, shape, absolute begin, absolute end), checked the way the
     stock safetensors validator checks it (raises ``ValueError``). ``prefix`` must hold at

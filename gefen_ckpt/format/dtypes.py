@@ -32,6 +32,11 @@ DTYPES: dict[str, tuple[str, int]] = {
 }
 
 
+#: manifest name -> little-endian numpy dtype, where numpy has one (bfloat16 and the float8s have none)
+NUMPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4", "int16": "<i2",
+         "int8": "i1", "uint64": "<u8", "uint32": "<u4", "uint16": "<u2", "uint8": "u1", "bool": "?"}
+
+
 @functools.cache
 def _by_torch() -> dict[torch.dtype, str]:
     import torch
@@ -46,11 +51,14 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} cannot be stored in a gefen-ckpt checkpoint") from None
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str, what: str = "dtype") -> torch.dtype:
+    """The format's dtype ``name`` as a torch dtype; any other name is a format error naming ``what``."""
     import torch
 
-    if name not in DTYPES:
-        raise KeyError(name)
+    if not isinstance(name, str) or name not in DTYPES:
+        from gefen_ckpt.errors import CheckpointFormatError
+
+        raise CheckpointFormatError(f"{what}: unknown dtype {name!r}"[:300])
     return getattr(torch, name)
 
 

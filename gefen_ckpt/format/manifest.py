@@ -13,8 +13,7 @@ import datetime
 import math
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -26,7 +25,7 @@ from gefen.contract import (
     SCHEMA_VERSION,
     OptimizerContract,
 )
-from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError
+from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError, naming
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.datafile import ALIGNMENT
 from gefen_ckpt.format.dtypes import DTYPES, dtype_name, itemsize, plain
@@ -111,7 +110,7 @@ class TensorRecord(NamedTuple):
 
     @property
     def label(self) -> str:
-        return tensor_label(self.fqn, self.field)
+        return f"global field {self.field!r}" if self.fqn is None else f"{self.fqn}/{self.field}"
 
 
 @dataclass(frozen=True)
@@ -122,10 +121,6 @@ class Manifest:
     contract: OptimizerContract
     files: tuple[FileRecord, ...]
     tensors: dict[tuple[str | None, str], TensorRecord]
-
-
-def tensor_label(fqn: str | None, field: str) -> str:
-    return f"global field {field!r}" if fqn is None else f"{fqn}/{field}"
 
 
 # ----- building -----------------------------------------------------------------------------
@@ -191,6 +186,11 @@ def has_checksum(data: bytes) -> bool:
     return data[-4 - len(_TRAILER):-4] == _TRAILER
 
 
+def _checksum_differs(data: bytes) -> bool:
+    """Does a manifest that ends with its checksum not match it?"""
+    return has_checksum(data) and checksum.update(0, memoryview(data)[:-4]) != int.from_bytes(data[-4:], "big")
+
+
 def decode(data: bytes) -> dict:
     """msgpack -> dict; any malformation (bad bytes, non-str keys, ext types, a wrong checksum,
     sizes over the decoding limits) is a format error, raised before the objects it describes
@@ -198,7 +198,7 @@ def decode(data: bytes) -> dict:
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointFormatError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
     checked = has_checksum(data)
-    if checked and checksum.update(0, memoryview(data)[:-4]) != int.from_bytes(data[-4:], "big"):
+    if _checksum_differs(data):
         raise CheckpointFormatError("manifest checksum mismatch: the manifest is corrupt")
     budget = [1 + len(data) // _BYTES_PER_CONTAINER]
 
@@ -210,9 +210,7 @@ def decode(data: bytes) -> dict:
         return container
 
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext, object_hook=count,
-                              list_hook=count, max_str_len=_MAX_STR, max_bin_len=_MAX_STR, max_ext_len=0,
-                              max_array_len=_MAX_LEN, max_map_len=_MAX_LEN)
+        raw = msgpack.unpackb(data, object_hook=count, list_hook=count, **_DECODING)
     except Exception as exc:  # msgpack raises many types (ValueError, StackError, ExtraData, ...)
         raise CheckpointFormatError(f"manifest is not valid msgpack: {type(exc).__name__}: {exc}"[:500]) from None
     if not isinstance(raw, dict):
@@ -226,6 +224,11 @@ def decode(data: bytes) -> dict:
 
 def _no_ext(code, data):
     raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+#: msgpack's options for every decode of a manifest (docs/format.md, "Decoding limits")
+_DECODING = {"raw": False, "strict_map_key": True, "ext_hook": _no_ext, "max_str_len": _MAX_STR,
+             "max_bin_len": _MAX_STR, "max_ext_len": 0, "max_array_len": _MAX_LEN, "max_map_len": _MAX_LEN}
 
 
 # ----- validation helpers -------------------------------------------------------------------
@@ -322,12 +325,24 @@ def check_version(raw: dict) -> None:
                                     f"(this gefen_ckpt reads {FORMAT_VERSION[0]}.x)")
 
 
+def parse_contract(raw, what: str) -> OptimizerContract:
+    """``OptimizerContract.from_dict`` of stored data (a manifest's, a DCP description's, a torch
+    file's record); anything wrong with it is a format error naming ``what``."""
+    try:
+        return OptimizerContract.from_dict(raw)
+    except Exception as exc:  # a hostile contract can fail in many ways; all are format errors
+        raise CheckpointFormatError(f"{what}: {exc}"[:500]) from None
+
+
+def names_optimizer(name: str, implementation: str) -> bool:
+    """Does ``name`` name the optimizer ``implementation`` (a contract's), in full or short, in any
+    case (``adamw``, ``GefenMuonHybrid``, ``torch.optim.SGD``)?"""
+    return name.lower() in (implementation.lower(), implementation.rsplit(".", 1)[-1].lower())
+
+
 def _contract(x) -> OptimizerContract:
     _free(_map(x, "contract"), "contract")
-    try:
-        contract = OptimizerContract.from_dict(x)
-    except Exception as exc:  # a hostile contract can fail in many ways; all are format errors
-        raise CheckpointFormatError(f"manifest contract: {exc}"[:500]) from None
+    contract = parse_contract(x, "manifest contract")
     if contract.schema_version > SCHEMA_VERSION:
         _fail("contract.schema_version", f"canonical-state schema {contract.schema_version} is newer than this "
                                          f"gefen_ckpt reads ({SCHEMA_VERSION}): upgrade gefen to load it")
@@ -609,21 +624,13 @@ def parse_manifest(store: Store, data: bytes) -> Manifest:
 
 def decoded(store: Store, data: bytes) -> dict:
     """The manifest's msgpack map, not yet validated."""
-    with _naming_manifest(store):
+    with naming(store.path(MANIFEST_NAME), CheckpointFormatError):
         return decode(data)
 
 
 def validated(store: Store, raw: dict) -> Manifest:
-    with _naming_manifest(store):
+    with naming(store.path(MANIFEST_NAME), CheckpointFormatError):
         return validate(raw)
-
-
-@contextmanager
-def _naming_manifest(store: Store) -> Iterator[None]:
-    try:
-        yield
-    except CheckpointFormatError as exc:
-        raise CheckpointFormatError(f"{store.path(MANIFEST_NAME)}: {exc}") from None
 
 
 def listed_data_files(raw: dict, listing: dict[str, int]) -> dict[str, int]:
@@ -647,11 +654,9 @@ def committed_files(store: Store) -> set[str] | None:
         return set()
     except CheckpointFormatError:
         return None
-    if has_checksum(data) and checksum.update(0, memoryview(data)[:-4]) != int.from_bytes(data[-4:], "big"):
+    if _checksum_differs(data):
         return None
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, ext_hook=_no_ext, max_buffer_size=len(data) + 1,
-                                max_str_len=_MAX_STR, max_bin_len=_MAX_STR, max_ext_len=0, max_array_len=_MAX_LEN,
-                                max_map_len=_MAX_LEN)
+    unpacker = msgpack.Unpacker(max_buffer_size=len(data) + 1, **_DECODING)
     unpacker.feed(data)
     try:
         for _ in range(unpacker.read_map_header()):

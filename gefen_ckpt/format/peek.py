@@ -11,17 +11,14 @@ import numpy as np
 
 from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.format import checksum
+from gefen_ckpt.format.dtypes import NUMPY
 from gefen_ckpt.format.integrity import check_checksum, check_length
 from gefen_ckpt.format.manifest import TensorRecord
 from gefen_ckpt.storage import Store
 
-#: manifest dtype -> little-endian numpy dtype (bfloat16 is widened by hand; float8 has none)
-_NUMPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4", "int16": "<i2",
-          "int8": "i1", "uint64": "<u8", "uint32": "<u4", "uint16": "<u2", "uint8": "u1", "bool": "?"}
-
 
 def readable(dtype: str) -> bool:
-    return dtype in _NUMPY or dtype == "bfloat16"
+    return dtype in NUMPY or dtype == "bfloat16"  # bfloat16 is widened by hand
 
 
 def read_values(store: Store, tensor: TensorRecord) -> np.ndarray:
@@ -40,5 +37,5 @@ def read_values(store: Store, tensor: TensorRecord) -> np.ndarray:
         if tensor.dtype == "bfloat16":
             parts.append((np.frombuffer(data, "<u2").astype("<u4") << 16).view("<f4"))
         else:
-            parts.append(np.frombuffer(data, _NUMPY[tensor.dtype]))
+            parts.append(np.frombuffer(data, NUMPY[tensor.dtype]))
     return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)

@@ -26,7 +26,7 @@ from gefen_ckpt import native
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.format import checksum
-from gefen_ckpt.format.dtypes import itemsize, torch_dtype
+from gefen_ckpt.format.dtypes import NUMPY, itemsize, torch_dtype
 from gefen_ckpt.format.integrity import check_checksum, check_length
 from gefen_ckpt.format.manifest import (
     Manifest,
@@ -47,11 +47,6 @@ HASH_BATCH_BYTES = 4 * 2**20
 
 
 # ----- pieces -------------------------------------------------------------------------------
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's storage."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
 def _stored_shape(tensor: TensorRecord, piece: PieceRecord) -> tuple[int, ...]:
     return (piece.rows[1] - piece.rows[0], *tensor.shape[1:]) if tensor.shape else ()
 
@@ -88,7 +83,7 @@ def read_verified(store: Store, reader: RangeReader, batch: Batch, hasher: Threa
         return
     pending: list[tuple[Future, TensorRecord, PieceRecord]] = []
     for piece, t, dst in batch:
-        buffer = byte_view(dst)
+        buffer = memoryview(dst.reshape(-1).view(torch.uint8).numpy())  # writable, over dst's bytes
         check_length(store, t, piece, reader.read_into(piece.offset, buffer))
         if hasher is None or piece.nbytes < checksum.READ_THREAD_MIN_BYTES:
             check_checksum(store, t, piece, checksum.update(0, buffer))
@@ -170,10 +165,7 @@ class MappedFiles:
         return _view(mapping, t, piece)
 
 
-#: numpy dtypes that ``torch.from_numpy`` takes, by manifest name; others go through an integer
-#: of their size and one ``view``.
-_NUMPY = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
-          "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
+#: dtypes numpy lacks (``dtypes.NUMPY``) go through an integer of their size and one ``view``
 _CARRIER = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
@@ -184,7 +176,7 @@ def _view(mapping, t: TensorRecord, piece: PieceRecord) -> torch.Tensor:
     shape = _stored_shape(t, piece)
     if not piece.nbytes:
         return torch.empty(shape, dtype=torch_dtype(t.dtype))
-    numpy_dtype, size = _NUMPY.get(t.dtype), itemsize(t.dtype)
+    numpy_dtype, size = NUMPY.get(t.dtype), itemsize(t.dtype)
     array = np.frombuffer(mapping, numpy_dtype or _CARRIER[size], count=piece.nbytes // size, offset=piece.offset)
     tensor = torch.from_numpy(array.reshape(shape))
     return tensor if numpy_dtype is not None else tensor.view(torch_dtype(t.dtype))

@@ -127,8 +127,6 @@ def _split(item: WriteItem, max_file_bytes: int, piece_bytes: int) -> list[_Piec
         raise ValueError(f"one row of {item.fqn or 'global'}/{item.field} ({row_bytes} bytes) does not fit "
                          f"in a data file of max_file_bytes={max_file_bytes}")
     step = max(1, min(room, piece_bytes) // row_bytes) if row_bytes else max(rows, 1)
-    if 0 < rows <= step:  # the common case: one piece
-        return [_Piece(item, 0, rows, dtype, datafile.Entry(_key(item, 0, rows), dtype, shape, rows * row_bytes))]
     pieces = []
     for start in range(0, rows, step):
         stop = min(start + step, rows)

@@ -86,6 +86,15 @@ def test_gefen_modules_import_no_cycle_and_the_reference_is_pure():
     graph = _first_party_graph("gefen")
     kernels = {d for d in graph["gefen.functional"] if d == "gefen.native" or d.startswith("gefen.triton")}
     assert not kernels, f"the reference gefen.functional imports kernels: {sorted(kernels)}"
+    _assert_acyclic(graph)
+
+
+def test_gefen_ckpt_modules_import_no_cycle():
+    """gefen_ckpt's modules point one way too (docs/design.md 2), lazy imports included."""
+    _assert_acyclic(_first_party_graph("gefen_ckpt"))
+
+
+def _assert_acyclic(graph: dict[str, set[str]]) -> None:
     done, path = set(), []
 
     def visit(module):
