@@ -68,11 +68,14 @@ static inline int level_power(int64_t size) {
 }
 
 /* ----- ATen cascade_sum, reproduced ------------------------------------------------------
- * For each element type LOAD(x, i) (the i-th summand, e.g. g[i]^2 in fp32):
- *   rowsum_X(x, off, stride, n): row_sum<acc_t, ScalarLoadPolicy> (4-way ILP over n strided
- *       elements, each a 4-level cascade), used for short rows and "B"-order columns;
- *   inner_X(x, off, n, W): vectorized_inner_sum over a contiguous run of n >= W elements:
- *       row_sum over W-lane vectors, then the scalar tail, then the lanes.
+ * For each element type LOAD(x, i) (the i-th summand, e.g. g[i]^2 in fp32), sum_X_w(x, off,
+ * stride, n, W) is
+ *   W == 1: row_sum<acc_t, ScalarLoadPolicy> (4-way ILP over n elements `stride` apart, each a
+ *       4-level cascade), used for short rows and "B"-order columns;
+ *   W > 1: vectorized_inner_sum over a contiguous run of n >= W elements (stride 1): row_sum
+ *       over W-lane vectors, then the scalar tail, then the lanes;
+ * and inner_X(x, off, n, W) picks between them for a contiguous run, as torch does.  (For W == 1
+ * the closing `0 + acc` is row_sum's plain result: acc starts at +0, so it is never -0.)
  * A result is stored by torch as `out(=0) += value`, hence the `0 +` at the call sites.
  */
 #define LD_SQ_F32(x, i) (((const float *)(x))[i] * ((const float *)(x))[i])
@@ -84,35 +87,8 @@ static inline int level_power(int64_t size) {
 #define LD_F64(x, i) (((const double *)(x))[i])
 
 #define DEF_SUMS(SUF, ACC, LOAD)                                                                \
-    static ACC rowsum_##SUF(const void *x, int64_t off, int64_t stride, int64_t n) {            \
-        const int64_t sz = n / 4;                                                               \
-        const int lp = level_power(sz);                                                         \
-        const int64_t step = (int64_t)1 << lp, mask = step - 1;                                 \
-        ACC acc[4][4];                                                                          \
-        memset(acc, 0, sizeof acc);                                                             \
-        int64_t i = 0;                                                                          \
-        while (i + step <= sz) {                                                                \
-            for (int64_t j = 0; j < step; ++j, ++i)                                             \
-                for (int k = 0; k < 4; ++k) acc[0][k] += LOAD(x, off + (4 * i + k) * stride);   \
-            for (int lv = 1; lv < 4; ++lv) {                                                    \
-                for (int k = 0; k < 4; ++k) {                                                   \
-                    acc[lv][k] += acc[lv - 1][k];                                               \
-                    acc[lv - 1][k] = 0;                                                         \
-                }                                                                               \
-                if (i & (mask << (lv * lp))) break;                                             \
-            }                                                                                   \
-        }                                                                                       \
-        for (; i < sz; ++i)                                                                     \
-            for (int k = 0; k < 4; ++k) acc[0][k] += LOAD(x, off + (4 * i + k) * stride);       \
-        for (int lv = 1; lv < 4; ++lv)                                                          \
-            for (int k = 0; k < 4; ++k) acc[0][k] += acc[lv][k];                                \
-        for (int64_t e = sz * 4; e < n; ++e) acc[0][0] += LOAD(x, off + e * stride);            \
-        for (int k = 1; k < 4; ++k) acc[0][0] += acc[0][k];                                     \
-        return acc[0][0];                                                                       \
-    }                                                                                           \
-    static inline __attribute__((always_inline)) ACC inner_##SUF##_w(const void *x, int64_t off, \
-                                                                     int64_t n, const int W) { \
-        if (n < W) return rowsum_##SUF(x, off, 1, n);                                           \
+    static inline __attribute__((always_inline)) ACC sum_##SUF##_w(                              \
+        const void *x, int64_t off, int64_t stride, int64_t n, const int W) {                   \
         const int L = 4 * W;                                                                    \
         const int64_t vs = n / W, sz = vs / 4;                                                  \
         const int lp = level_power(sz);                                                         \
@@ -122,10 +98,8 @@ static inline int level_power(int64_t size) {
             for (int e = 0; e < L; ++e) acc[lv][e] = 0;                                         \
         int64_t i = 0;                                                                          \
         while (i + step <= sz) {                                                                \
-            for (int64_t j = 0; j < step; ++j, ++i) {                                           \
-                const int64_t base = off + i * L;                                               \
-                for (int e = 0; e < L; ++e) acc[0][e] += LOAD(x, base + e);                     \
-            }                                                                                   \
+            for (int64_t j = 0; j < step; ++j, ++i)                                             \
+                for (int e = 0; e < L; ++e) acc[0][e] += LOAD(x, off + (i * L + e) * stride);   \
             for (int lv = 1; lv < 4; ++lv) {                                                    \
                 for (int e = 0; e < L; ++e) {                                                   \
                     acc[lv][e] += acc[lv - 1][e];                                               \
@@ -134,26 +108,25 @@ static inline int level_power(int64_t size) {
                 if (i & (mask << (lv * lp))) break;                                             \
             }                                                                                   \
         }                                                                                       \
-        for (; i < sz; ++i) {                                                                   \
-            const int64_t base = off + i * L;                                                   \
-            for (int e = 0; e < L; ++e) acc[0][e] += LOAD(x, base + e);                         \
-        }                                                                                       \
+        for (; i < sz; ++i)                                                                     \
+            for (int e = 0; e < L; ++e) acc[0][e] += LOAD(x, off + (i * L + e) * stride);       \
         for (int lv = 1; lv < 4; ++lv)                                                          \
             for (int e = 0; e < L; ++e) acc[0][e] += acc[lv][e];                                \
         for (int64_t v = sz * 4; v < vs; ++v)                                                   \
-            for (int l = 0; l < W; ++l) acc[0][l] += LOAD(x, off + v * W + l);                  \
+            for (int l = 0; l < W; ++l) acc[0][l] += LOAD(x, off + (v * W + l) * stride);       \
         for (int k = 1; k < 4; ++k)                                                             \
             for (int l = 0; l < W; ++l) acc[0][l] += acc[0][k * W + l];                         \
         ACC fin = 0;                                                                            \
-        for (int64_t e = vs * W; e < n; ++e) fin += LOAD(x, off + e);                           \
+        for (int64_t e = vs * W; e < n; ++e) fin += LOAD(x, off + e * stride);                  \
         for (int l = 0; l < W; ++l) fin += acc[0][l];                                           \
         return fin;                                                                             \
     }                                                                                           \
     static ACC inner_##SUF(const void *x, int64_t off, int64_t n, int W) {                      \
-        switch (W) {                                                                            \
-        case 4: return inner_##SUF##_w(x, off, n, 4);                                           \
-        case 8: return inner_##SUF##_w(x, off, n, 8);                                           \
-        default: return inner_##SUF##_w(x, off, n, 16);                                         \
+        switch (n < W ? 1 : W) {                                                                \
+        case 1: return sum_##SUF##_w(x, off, 1, n, 1);                                          \
+        case 4: return sum_##SUF##_w(x, off, 1, n, 4);                                          \
+        case 8: return sum_##SUF##_w(x, off, 1, n, 8);                                          \
+        default: return sum_##SUF##_w(x, off, 1, n, 16);                                        \
         }                                                                                       \
     }
 
@@ -171,7 +144,7 @@ DEF_SUMS(f64, double, LD_F64)
 
 /* inner_sq_*_w(.., 8) with 8-lane registers: one multi_row_sum cascade over quads of vectors. */
 static AVX2 float inner_sq_avx2(const void *g, int dt, int64_t off, int64_t n) {
-    if (n < 8) return dt == DT_F32 ? rowsum_sq_f32(g, off, 1, n) : rowsum_sq_bf16(g, off, 1, n);
+    if (n < 8) return dt == DT_F32 ? sum_sq_f32_w(g, off, 1, n, 1) : sum_sq_bf16_w(g, off, 1, n, 1);
     const int64_t vs = n / 8, sz = vs / 4;
     const int lp = level_power(sz);
     const int64_t step = (int64_t)1 << lp, mask = step - 1;
@@ -241,7 +214,7 @@ static inline double inner_sqd(const void *g, int dt, int64_t off, int64_t n, in
     return dt == DT_F32 ? inner_sqd_f32(g, off, n, Wd) : inner_sqd_bf16(g, off, n, Wd);
 }
 static inline double rowsum_sqd(const void *g, int dt, int64_t off, int64_t stride, int64_t n) {
-    return dt == DT_F32 ? rowsum_sqd_f32(g, off, stride, n) : rowsum_sqd_bf16(g, off, stride, n);
+    return dt == DT_F32 ? sum_sqd_f32_w(g, off, stride, n, 1) : sum_sqd_bf16_w(g, off, stride, n, 1);
 }
 
 /* TensorIterator::parallel_reduce's two-pass strategy for a reduction with one output: n >= GRAIN
