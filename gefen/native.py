@@ -625,9 +625,19 @@ def _cache_file() -> str:
     return os.path.join(cache_dir(), f"native-calibration-{cache_key()}.json")
 
 
-def _from_entry(entry: dict) -> Calibration | None:
-    """A cached calibration (width, square root, zero-scale sign, m4v4); None if it cannot apply."""
-    width, vml, mode, m4v4 = (entry.get(k) for k in ("width", "vml", "scale_mode", "m4v4"))
+_CACHED = ("width", "vml", "scale_mode", "m4v4")  # the Calibration fields a cache entry holds
+
+
+def _cached(path: str) -> Calibration | None:
+    """The calibration cached at ``path``; None when it is missing, unreadable, corrupt or cannot apply."""
+    try:
+        with open(path) as fh:
+            entry = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict):
+        return None
+    width, vml, mode, m4v4 = (entry.get(k) for k in _CACHED)
     if (width not in (0, 8, 16) or not isinstance(vml, bool) or mode not in (0, 1) or (vml and not _torch_vml_sqrt())
             or not isinstance(m4v4, bool)):
         return None
@@ -645,23 +655,12 @@ def calibrate_cached() -> Calibration:
         path = _cache_file()
     except OSError:  # the library file vanished: calibrate, cache nothing
         path = None
-    entry = _read_entry(path) if path else None
-    cal = _from_entry(entry) if entry is not None else None
+    cal = _cached(path) if path else None
     if cal is None:
         cal = calibrate()
         if path:
-            _write_entry(path, {"width": cal.width, "vml": bool(cal.width) and cal.vml, "scale_mode": cal.scale_mode,
-                                "m4v4": bool(cal.width) and cal.m4v4, "torch": torch.__version__})
+            _write_entry(path, {**{k: getattr(cal, k) for k in _CACHED}, "torch": torch.__version__})
     return cal
-
-
-def _read_entry(path: str) -> dict | None:
-    try:
-        with open(path) as fh:
-            entry = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return entry if isinstance(entry, dict) else None
 
 
 def _write_entry(path: str, entry: dict) -> None:
