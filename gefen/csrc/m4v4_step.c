@@ -246,7 +246,7 @@ static AVX2 void row_pass2_avx2(const m4ctx *c, int64_t r, float sf, const float
         __m256 u = _mm256_div_ps(_mm256_mul_ps(perm16(M.lo, M.hi, q), vsf), bc1);
         u = _mm256_div_ps(u, _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(den + j), b2s), eps));
         update_param8(a->param, a->param_dtype, off + j, u, &c->s, a->has_wd);
-        const __m256i vq = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(vc + j)));
+        const __m256i vq = load_codes8(vc + j);
         store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_slli_epi32(vq, 4)));
     }
     row_pass2_portable(c, r, C8, sf, den, mbuf, vc);
