@@ -199,11 +199,12 @@ static AVX2 inline float hmax8(__m256 v) {
     return m;
 }
 
-/* 8 lanes of p = p * (1 - lr wd) + (-lr) * u at i (update_param without the division) */
-static AVX2 inline void update_param8(void *param, int dt, int64_t i, __m256 u, const hyper_f32 *s, int has_wd) {
+/* 8 lanes of p = p * decay + nlr * u at i (update_param without the division; the caller
+ * broadcasts 1 - lr wd and -lr once per row or block) */
+static AVX2 inline void update_param8(void *param, int dt, int64_t i, __m256 u, __m256 nlr, __m256 decay, int has_wd) {
     __m256 p = ld8_g(param, dt, i);
-    if (has_wd) p = _mm256_mul_ps(p, _mm256_set1_ps(s->decay));
-    st8_g(param, dt, i, _mm256_fmadd_ps(u, _mm256_set1_ps(s->nlr), p));
+    if (has_wd) p = _mm256_mul_ps(p, decay);
+    st8_g(param, dt, i, _mm256_fmadd_ps(u, nlr, p));
 }
 #else
 static inline int cpu_isa(void) { return 0; }

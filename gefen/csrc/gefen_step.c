@@ -861,10 +861,11 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, cons
     }
     const __m256 b1 = _mm256_set1_ps(c->s.bc1), vden_b = _mm256_set1_ps(den[0]);
     const __m256 b2s = _mm256_set1_ps(c->s.b2s), eps = _mm256_set1_ps(c->s.eps);
+    const __m256 nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
     for (e = 0; e < P8; e += 8) {
         __m256 u = _mm256_div_ps(_mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale), b1);
         u = _mm256_div_ps(u, den_stride ? _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(den + e), b2s), eps) : vden_b);
-        update_param8(a->param, a->param_dtype, off + e, u, &c->s, a->has_wd);
+        update_param8(a->param, a->param_dtype, off + e, u, nlr, decay, a->has_wd);
     }
     for (; e < P; ++e)
         update_param(a->param, a->param_dtype, off + e, cbuf[e] * scale / c->s.bc1,

@@ -238,6 +238,7 @@ static AVX2 void row_pass2_avx2(const m4ctx *c, int64_t r, float sf, const float
     const table8 M = table_regs(&c->M);
     const __m256 vdiv = _mm256_set1_ps(sf == 0.0f ? 1.0f : sf), vsf = _mm256_set1_ps(sf);
     const __m256 bc1 = _mm256_set1_ps(c->s.bc1), b2s = _mm256_set1_ps(c->s.b2s), eps = _mm256_set1_ps(c->s.eps);
+    const __m256 nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
     const __m256i key = _mm256_set1_epi32((int)c->key_m);
     const uint32_t g0 = row_gidx(a, r);
     for (int64_t j = 0; j < C8; j += 8) {
@@ -245,7 +246,7 @@ static AVX2 void row_pass2_avx2(const m4ctx *c, int64_t r, float sf, const float
                                   uniform8(lane_ids(g0 + (uint32_t)j), key));
         __m256 u = _mm256_div_ps(_mm256_mul_ps(perm16(M.lo, M.hi, q), vsf), bc1);
         u = _mm256_div_ps(u, _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(den + j), b2s), eps));
-        update_param8(a->param, a->param_dtype, off + j, u, &c->s, a->has_wd);
+        update_param8(a->param, a->param_dtype, off + j, u, nlr, decay, a->has_wd);
         const __m256i vq = load_codes8(vc + j);
         store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_slli_epi32(vq, 4)));
     }
