@@ -144,7 +144,7 @@ DEF_SUMS(f64, double, LD_F64)
 
 /* inner_sq_*_w(.., 8) with 8-lane registers: one multi_row_sum cascade over quads of vectors. */
 static AVX2 float inner_sq_avx2(const void *g, int dt, int64_t off, int64_t n) {
-    if (n < 8) return dt == DT_F32 ? sum_sq_f32_w(g, off, 1, n, 1) : sum_sq_bf16_w(g, off, 1, n, 1);
+    if (n < 8) return dt == DT_F32 ? inner_sq_f32(g, off, n, 8) : inner_sq_bf16(g, off, n, 8); /* row_sum */
     const int64_t vs = n / 8, sz = vs / 4;
     const int lp = level_power(sz);
     const int64_t step = (int64_t)1 << lp, mask = step - 1;
