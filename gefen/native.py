@@ -355,14 +355,15 @@ def fused_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torc
     if a is None:
         return None
     out = torch.empty(grad.shape, dtype=torch.float32)
+    a.grad, a.grad_dtype, a.mode = grad.data_ptr(), _DT[grad.dtype], cal.mode  # the full step sets these in _head
     a.m_out, a.momentum_only, a.global_rows = out.data_ptr(), 1, a.rows
     a.omb1 = 1 - beta  # the lerp weight exactly as update_momentum_ passes it
     return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
 
 
 def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal: Calibration) -> _StepArgs | None:
-    """Kernel arguments shared by the full step and the momentum alone: gradient, codes, scales,
-    block geometry, quantiser, threads, mode; None when the fused path does not apply."""
+    """Kernel arguments shared by the full step and the momentum alone: codes, scales, block
+    geometry, quantiser, threads, vector width; None when the fused path does not apply."""
     q = _quantiser(codebook)
     if q is None:
         return None
@@ -372,7 +373,6 @@ def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal:
     if period < 1 or row_numel % period or scales.numel() != rows * (row_numel // period):
         return None
     a = _StepArgs()
-    a.grad, a.grad_dtype, a.mode = grad.data_ptr(), _DT[grad.dtype], cal.mode
     a.codes, a.scales = codes.data_ptr(), scales.data_ptr()
     a.codebook, a.thr, a.lut, a.lut_M = q.values.data_ptr(), q.thr.data_ptr(), q.lut.data_ptr(), q.M
     a.rows, a.bpr, a.period = rows, row_numel // period, period
