@@ -71,7 +71,7 @@ class _Mode(ctypes.Structure):
 #: Mirror of ``GEFEN_ARGS_HEAD`` in gefen_common.h: the fields every step's arguments start with.
 _HEAD = [("param", _P), ("grad", _P), ("step_ptr", _P), ("step", _I64),
          *((name, _DBL) for name in ("beta1", "omb1", "beta2", "omb2", "bias1", "bias2_sqrt", "eps", "neg_lr", "decay")),
-         ("param_dtype", _I32), ("grad_dtype", _I32), ("has_wd", _I32), ("mode", _Mode)]
+         ("param_dtype", _I32), ("grad_dtype", _I32), ("has_wd", _I32), ("mode", _P)]
 
 
 class _StepArgs(ctypes.Structure):
@@ -112,8 +112,7 @@ def _load():
             return None
     except AttributeError:
         return None
-    for name, args in (("gefen_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _I32, _I32, _I32,
-                                           ctypes.POINTER(_Mode)]),
+    for name, args in (("gefen_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _I32, _I32, _I32, _P]),
                        ("gefen_build_lut", [_P, _I32, _I32, _I32, _P]),
                        ("gefen_step", [ctypes.POINTER(_StepArgs)]),
                        ("gefen_m4v4_step", [ctypes.POINTER(_M4v4Args)]),
@@ -164,10 +163,14 @@ class Calibration:
     isa: int = 2
 
     @functools.cached_property
-    def mode(self) -> _Mode:
-        """The ``gefen_mode`` the kernels get."""
+    def _mode(self) -> _Mode:
         sqrt, threads = (_torch_vml_sqrt() if self.vml else None) or (None, None)
         return _Mode(sqrt, threads if sqrt else None, self.isa)
+
+    @functools.cached_property
+    def mode(self) -> int:
+        """The address of the ``gefen_mode`` the kernels get (kept alive by this object)."""
+        return ctypes.addressof(self._mode)
 
 
 _lib = _load()
@@ -264,7 +267,7 @@ def _partials(grad: torch.Tensor, state: dict, beta2: float, cal: Calibration | 
     partials = torch.empty(cols + 1 + m4v4, dtype=torch.float64)
     rc = _lib.gefen_partials(grad.data_ptr(), gdt, rows, cols, v_row_old.data_ptr(), v_row.data_ptr(),
                              partials.data_ptr(), beta2, 1 - beta2, cal.width, torch.get_num_threads(), m4v4,
-                             ctypes.byref(cal.mode))
+                             cal.mode)
     return (v_row, partials) if rc == 0 else None
 
 

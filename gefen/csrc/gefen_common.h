@@ -103,7 +103,7 @@ static inline void mode_threads_end(const gefen_mode *m, int prev) {
     int64_t step;                                                                            \
     double beta1, omb1, beta2, omb2, bias1, bias2_sqrt, eps, neg_lr, decay;                  \
     int32_t param_dtype, grad_dtype, has_wd;                                                 \
-    gefen_mode mode
+    const gefen_mode *mode /* required */
 
 /* those scalars in fp32: beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^t, sqrt(1 - beta2^t),
  * eps, -lr, 1 - lr * weight_decay */

@@ -506,7 +506,7 @@ static int phase1_one_pass(const void *grad, int dt, int64_t rows, int64_t cols,
 GEFEN_EXPORT int gefen_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols, const float *v_row_old,
                                 float *v_row_new, double *partials, double beta2, double omb2, int32_t W, int32_t T,
                                 int32_t m4v4, const gefen_mode *mode) {
-    if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0) return -2;
+    if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0 || !mode) return -2;
     const float b2 = (float)beta2, o2 = (float)omb2;
     const int single = rows == 1, nthreads = max_threads(), avx2 = call_isa(mode) >= 1;
     if (rows * cols < PAR_MIN || phase1_one_pass(grad, gdt, rows, cols, v_row_old, v_row_new, partials, b2, o2, W, T,
@@ -646,7 +646,7 @@ static CLONES void scale_shift(float *q, int64_t n, float b2s, float eps) {
 
 /* den[i] = sqrt(q[i]) / sqrt(1 - b2^t) + eps, in place. */
 static void finish_denominators(const kctx *c, float *q, int64_t n) {
-    mode_sqrt_n(&c->a->mode, q, n);
+    mode_sqrt_n(c->a->mode, q, n);
     scale_shift(q, n, c->s.b2s, c->s.eps);
 }
 
@@ -669,7 +669,7 @@ static CLONES void outer_over(float *den, const float *vc, int64_t n, float vr, 
 /* Factored path: sqrt(v_row * v_col / mean(v_row)) for row r, columns [j0, j1). */
 static void row_denominators(const kctx *c, int64_t r, int64_t j0, int64_t j1, float *den) {
     outer_over(den, c->a->v_col + j0, j1 - j0, c->a->v_row[r], c->rm);
-    mode_sqrt_n(&c->a->mode, den, j1 - j0); /* "/ sqrt(1 - b2^t) + eps" happens in the block kernels (den_stride 1) */
+    mode_sqrt_n(c->a->mode, den, j1 - j0); /* "/ sqrt(1 - b2^t) + eps" happens in the block kernels (den_stride 1) */
 }
 
 /* ----- one block ------------------------------------------------------------------------------
@@ -925,7 +925,7 @@ static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *
  * Returns 0, -1 when out of memory (nothing modified), -2 on bad arguments (nothing modified). */
 GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
     if (a->T < 1 || a->T > MAX_T || (a->W != 8 && a->W != 16) || a->period < 1 || a->K < 2 || a->K > 256 ||
-        (a->lut_M && !a->lut) || (a->momentum_only && (!a->m_out || a->factored)))
+        (a->lut_M && !a->lut) || (a->momentum_only && (!a->m_out || a->factored)) || !a->mode)
         return -2;
     kctx c;
     c.a = a;
@@ -938,7 +938,7 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
     c.hm = (float)(a->lut_M / 2);
     c.vec2 = 2 * a->W;
     c.rm = 0.0f;
-    c.avx2 = call_isa(&a->mode) >= 1;
+    c.avx2 = call_isa(a->mode) >= 1;
     const int64_t numel = c.NB * c.P;
     const int nthreads = max_threads();
     const int par = numel >= PAR_MIN && nthreads > 1;
@@ -965,11 +965,11 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
     {
         int64_t b0, b1;
         thread_range(c.NB, &b0, &b1);
-        const int mkl_prev = mode_threads_begin(&a->mode);
+        const int mkl_prev = mode_threads_begin(a->mode);
         float *mine = bufs + (size_t)thread_id() * (size_t)per_thread;
         block_bufs B = {mine, mine + stride, (int32_t *)(mine + 2 * stride)};
         run_blocks(&c, b0, b1, &B, mine + 3 * stride);
-        mode_threads_end(&a->mode, mkl_prev);
+        mode_threads_end(a->mode, mkl_prev);
     }
     free(bufs);
     return 0;

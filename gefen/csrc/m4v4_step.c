@@ -378,7 +378,7 @@ static void one_row(const m4ctx *c, int64_t r, float *den, float *mbuf, uint8_t 
     else
 #endif
         row_pass1_portable(c, r, 0, a_old, a_new, den, mbuf, vc, &smax, &nan);
-    mode_sqrt_n(&a->mode, den, a->cols);
+    mode_sqrt_n(a->mode, den, a->cols);
     const uint16_t sb = f32_to_bf16(nan ? NAN : smax);
     const float sf = bf16_to_f32(sb);
 #if GEFEN_X86
@@ -396,7 +396,7 @@ static void one_row(const m4ctx *c, int64_t r, float *den, float *mbuf, uint8_t 
  * Returns 0, -1 when out of memory (nothing modified), -2 on bad arguments (nothing modified). */
 GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
     if (a->rows < 0 || a->cols < 1 || a->global_rows < 1 || a->global_cols < a->cols || a->row_offset < 0 ||
-        a->col_offset < 0)
+        a->col_offset < 0 || !a->mode)
         return -2;
     const int64_t C = a->cols, numel = a->rows * C;
     const int par = numel >= M4_PAR_MIN;
@@ -421,16 +421,16 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
     c.key_m = t * H_STEP + a->salt_m * H_SALT;
     c.key_v = t * H_STEP + a->salt_v * H_SALT;
     if (a->step_ptr) *a->step_ptr = a->step;
-    const int isa = call_isa(&a->mode);
+    const int isa = call_isa(a->mode);
 #pragma omp parallel num_threads(nthreads) if (par)
     {
         int64_t r0, r1;
         thread_range(a->rows, &r0, &r1);
         float *den = bufs + (size_t)thread_id() * (size_t)(3 * stride), *mbuf = den + stride;
         uint8_t *vc = (uint8_t *)(mbuf + stride);
-        const int mkl_prev = mode_threads_begin(&a->mode);
+        const int mkl_prev = mode_threads_begin(a->mode);
         for (int64_t r = r0; r < r1; ++r) one_row(&c, r, den, mbuf, vc, isa);
-        mode_threads_end(&a->mode, mkl_prev);
+        mode_threads_end(a->mode, mkl_prev);
     }
     free(bufs);
     return 0;
@@ -467,22 +467,22 @@ static void adamw_chunk(const adamw_args *a, int64_t i0, int64_t i1, float *den,
         a->exp_avg_sq[i] = v;
         den[i - i0] = v;
     }
-    mode_sqrt_n(&a->mode, den, i1 - i0);
+    mode_sqrt_n(a->mode, den, i1 - i0);
     for (int64_t i = i0; i < i1; ++i)
         update_param(a->param, a->param_dtype, i, mbuf[i - i0] / s.bc1, den[i - i0] / s.b2s + s.eps, &s, a->has_wd);
 }
 
 GEFEN_EXPORT int gefen_adamw_step(const adamw_args *a) {
-    if (a->n < 0) return -2;
+    if (a->n < 0 || !a->mode) return -2;
     const int64_t nchunks = (a->n + ADAMW_CHUNK - 1) / ADAMW_CHUNK;
     int64_t k = 0;
 #pragma omp parallel for schedule(static) if (a->n >= M4_PAR_MIN)
     for (k = 0; k < nchunks; ++k) {
         float den[ADAMW_CHUNK], mbuf[ADAMW_CHUNK];
-        const int mkl_prev = mode_threads_begin(&a->mode);
+        const int mkl_prev = mode_threads_begin(a->mode);
         const int64_t i0 = k * ADAMW_CHUNK, i1 = i0 + ADAMW_CHUNK < a->n ? i0 + ADAMW_CHUNK : a->n;
         adamw_chunk(a, i0, i1, den, mbuf);
-        mode_threads_end(&a->mode, mkl_prev);
+        mode_threads_end(a->mode, mkl_prev);
     }
     if (a->step_ptr) *a->step_ptr = a->step;
     return 0;
