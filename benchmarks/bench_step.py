@@ -61,7 +61,7 @@ REFERENCE_REPS = 3  # rounds that include the torch reference (quick: 1)
 def _native_state() -> str:
     if not native.available():
         return "eager torch ops (native step unavailable)"
-    return "native fused C step" if native._m4v4_ok else "eager m4v4 torch ops (m4v4 kernels unavailable)"
+    return "native fused C step" if native._calibrated().m4v4 else "eager m4v4 torch ops (m4v4 kernels unavailable)"
 
 
 def _params(shapes, seed=0):

@@ -20,17 +20,25 @@ import torch
 _HIST_CHUNK = 1 << 22
 
 
-def _load_native() -> Callable | None:
-    """Return the C solver, or None when the extension was not built (plain source tree)."""
+def load_extension(name: str) -> ctypes.CDLL | None:
+    """One of gefen's C libraries (``gefen._kmeans_dp``, ``gefen._gefen_step``, loaded with ctypes),
+    or None when it was not built (plain source tree) or cannot be loaded."""
     try:
-        spec = importlib.util.find_spec("gefen._kmeans_dp")
+        spec = importlib.util.find_spec(name)
     except ImportError:
         return None
     if spec is None or not spec.origin:
         return None
     try:
-        lib = ctypes.CDLL(spec.origin)
+        return ctypes.CDLL(spec.origin)
     except OSError:
+        return None
+
+
+def _load_native() -> Callable | None:
+    """Return the C solver, or None when the extension was not built (plain source tree)."""
+    lib = load_extension("gefen._kmeans_dp")
+    if lib is None:
         return None
     fn = lib.gefen_kmeans_dp
     dbl = ctypes.POINTER(ctypes.c_double)

@@ -7,13 +7,15 @@ when they do not apply (not CPU, not contiguous, dtype other than fp32/bf16, lib
 disabled), and the caller then runs the eager reference.  Nothing is modified in that case.
 
 The C code reproduces the rounding order of the eager torch ops, including ATen's cascade
-summation, whose vector width depends on torch's CPU capability.  At first use the kernels, at each
-candidate width (their ``width`` argument), and the pure reference are run side by side on a few
-small problems (``calibrate``; no module state is swapped); on any mismatch the native path stays
-off and a warning says so.  The result is cached per library build, CPU and torch in the user's cache
-directory (``calibrate_cached``; ``$GEFEN_CACHE_DIR`` overrides it), so a fresh process does not
-pay the calibration again.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``native.enabled = False``
-forces the eager path; both paths compute the same numbers, so this only changes speed.
+summation, whose vector width depends on torch's CPU capability, and torch's square root.  At
+first use the kernels, under each candidate ``Calibration`` (square root x vector width, passed
+with every call: the library holds no mode of its own), and the pure reference are run side by side
+on a few small problems (``calibrate``); on any mismatch the native path stays off and a warning
+says so.  The result, an immutable ``Calibration`` that every later call passes to the kernels, is
+cached per library build, CPU and torch in the user's cache directory (``calibrate_cached``;
+``$GEFEN_CACHE_DIR`` overrides it), so a fresh process does not pay the calibration again.
+``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``native.enabled = False`` forces the eager path;
+both paths compute the same numbers, so this only changes speed.
 
 ``fused_m4v4_partials``, ``fused_m4v4_update_`` and ``fused_adamw_update_`` do the same for the
 default m4v4 layout (``m4v4_partials``, ``m4v4_update_`` and the 1-D ``adamw_update_`` of
@@ -29,122 +31,100 @@ histogram counts as ``gefen.codebook``.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import hashlib
-import importlib.util
 import json
 import math
 import os
 import platform
 import tempfile
+import types
 import warnings
 
 import torch
 
 from gefen import functional as F
-from gefen.codebook import code_thresholds
+from gefen.codebook import code_thresholds, load_extension
 from gefen.geometry import rows_and_row_numel
 from gefen.quant import quantise
 from gefen.stochastic import ratio_table, salts
 
 __all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_momentum_", "calibrate",
-           "block_histogram", "fused_m4v4_partials", "fused_m4v4_update_", "fused_adamw_update_"]
+           "Calibration", "block_histogram", "fused_m4v4_partials", "fused_m4v4_update_", "fused_adamw_update_"]
 
 #: Module switch (tests and benchmarks); the environment variable sets its initial value.
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 
-_ABI = 12
-_lib_path: str | None = None
+_ABI = 13
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _P = ctypes.c_void_p
+_I32, _I64, _DBL = ctypes.c_int32, ctypes.c_int64, ctypes.c_double
+
+
+class _Mode(ctypes.Structure):
+    """Mirror of ``gefen_mode`` in gefen_common.h: how one call computes (square root, kernels)."""
+
+    _fields_ = [("sqrt", _P), ("mkl_threads", _P), ("isa", _I32)]
+
+
+#: Mirror of ``GEFEN_ARGS_HEAD`` in gefen_common.h: the fields every step's arguments start with.
+_HEAD = [("param", _P), ("grad", _P), ("step_ptr", _P), ("step", _I64),
+         *((name, _DBL) for name in ("beta1", "omb1", "beta2", "omb2", "bias1", "bias2_sqrt", "eps", "neg_lr", "decay")),
+         ("param_dtype", _I32), ("grad_dtype", _I32), ("has_wd", _I32), ("mode", _P)]
 
 
 class _StepArgs(ctypes.Structure):
     """Mirror of ``gefen_step_args`` in gefen_step.c (field order and types must match)."""
 
-    _fields_ = [
-        ("param", _P), ("grad", _P), ("codes", _P), ("scales", _P), ("v", _P), ("v_row_new", _P),
-        ("v_row", _P), ("v_col", _P), ("partials", _P), ("step_ptr", _P), ("codebook", _P),
-        ("thr", _P), ("lut", _P),
-        ("rows", ctypes.c_int64), ("bpr", ctypes.c_int64), ("period", ctypes.c_int64),
-        ("global_rows", ctypes.c_int64), ("step", ctypes.c_int64),
-        ("omb1", ctypes.c_double), ("beta2", ctypes.c_double), ("omb2", ctypes.c_double),
-        ("bias1", ctypes.c_double), ("bias2_sqrt", ctypes.c_double), ("eps", ctypes.c_double),
-        ("neg_lr", ctypes.c_double), ("decay", ctypes.c_double),
-        ("param_dtype", ctypes.c_int32), ("grad_dtype", ctypes.c_int32), ("K", ctypes.c_int32),
-        ("lut_M", ctypes.c_int32), ("W", ctypes.c_int32), ("T", ctypes.c_int32),
-        ("has_wd", ctypes.c_int32), ("factored", ctypes.c_int32),
-        ("scale_mode", ctypes.c_int32), ("momentum_only", ctypes.c_int32), ("m_out", _P),
+    _fields_ = _HEAD + [
+        ("codes", _P), ("scales", _P), ("v", _P), ("v_row_new", _P), ("v_row", _P), ("v_col", _P), ("partials", _P),
+        ("codebook", _P), ("thr", _P), ("lut", _P),
+        ("rows", _I64), ("bpr", _I64), ("period", _I64), ("global_rows", _I64),
+        ("K", _I32), ("lut_M", _I32), ("W", _I32), ("T", _I32), ("factored", _I32),
+        ("scale_mode", _I32), ("momentum_only", _I32), ("m_out", _P),
     ]
 
 
 class _M4v4Args(ctypes.Structure):
     """Mirror of ``m4v4_args`` in m4v4_step.c (field order and types must match)."""
 
-    _fields_ = [
-        ("param", _P), ("grad", _P), ("codes", _P), ("m_scale", _P), ("v_row", _P), ("v_row_new", _P),
-        ("v_col", _P), ("partials", _P), ("step_ptr", _P), ("codebook", _P), ("ratios", _P),
-        ("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("global_rows", ctypes.c_int64),
-        ("global_cols", ctypes.c_int64), ("row_offset", ctypes.c_int64), ("col_offset", ctypes.c_int64),
-        ("step", ctypes.c_int64),
-        ("beta1", ctypes.c_double), ("omb1", ctypes.c_double), ("beta2", ctypes.c_double), ("omb2", ctypes.c_double),
-        ("bias1", ctypes.c_double), ("bias2_sqrt", ctypes.c_double), ("eps", ctypes.c_double),
-        ("neg_lr", ctypes.c_double), ("decay", ctypes.c_double),
-        ("salt_m", ctypes.c_uint32), ("salt_v", ctypes.c_uint32),
-        ("param_dtype", ctypes.c_int32), ("grad_dtype", ctypes.c_int32), ("has_wd", ctypes.c_int32),
+    _fields_ = _HEAD + [
+        ("codes", _P), ("m_scale", _P), ("v_row", _P), ("v_row_new", _P), ("v_col", _P), ("partials", _P),
+        ("codebook", _P), ("ratios", _P),
+        ("rows", _I64), ("cols", _I64), ("global_rows", _I64), ("global_cols", _I64), ("row_offset", _I64),
+        ("col_offset", _I64), ("salt_m", ctypes.c_uint32), ("salt_v", ctypes.c_uint32),
     ]
 
 
 class _AdamwArgs(ctypes.Structure):
     """Mirror of ``adamw_args`` in m4v4_step.c."""
 
-    _fields_ = [
-        ("param", _P), ("grad", _P), ("exp_avg", _P), ("exp_avg_sq", _P), ("step_ptr", _P),
-        ("n", ctypes.c_int64), ("row_offset", ctypes.c_int64), ("step", ctypes.c_int64),
-        ("beta1", ctypes.c_double), ("omb1", ctypes.c_double), ("beta2", ctypes.c_double), ("omb2", ctypes.c_double),
-        ("bias1", ctypes.c_double), ("bias2_sqrt", ctypes.c_double), ("eps", ctypes.c_double),
-        ("neg_lr", ctypes.c_double), ("decay", ctypes.c_double), ("salt", ctypes.c_uint32),
-        ("param_dtype", ctypes.c_int32), ("grad_dtype", ctypes.c_int32), ("has_wd", ctypes.c_int32),
-    ]
+    _fields_ = _HEAD + [("exp_avg", _P), ("exp_avg_sq", _P), ("n", _I64), ("row_offset", _I64),
+                        ("salt", ctypes.c_uint32)]
 
 
 def _load():
     """The C library, or None (plain source tree, failed build, foreign ABI)."""
-    global _lib_path
+    lib = load_extension("gefen._gefen_step")
     try:
-        spec = importlib.util.find_spec("gefen._gefen_step")
-    except ImportError:
-        return None
-    if spec is None or not spec.origin:
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-        _lib_path = spec.origin
-        if lib.gefen_native_abi() != _ABI:
+        if lib is None or lib.gefen_native_abi() != _ABI:
             return None
-    except (OSError, AttributeError):
+    except AttributeError:
         return None
-    i32, i64, dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_double
-    lib.gefen_partials.argtypes = [_P, i32, i64, i64, _P, _P, _P, dbl, dbl, i32, i32]
-    lib.gefen_partials.restype = ctypes.c_int
-    lib.gefen_build_lut.argtypes = [_P, i32, i32, i32, _P]
-    lib.gefen_build_lut.restype = ctypes.c_int
-    lib.gefen_step.argtypes = [ctypes.POINTER(_StepArgs)]
-    lib.gefen_step.restype = ctypes.c_int
-    lib.gefen_m4v4_partials.argtypes = [_P, i32, i64, i64, i64, _P, _P, _P, dbl, dbl, i32, i32]
-    lib.gefen_m4v4_partials.restype = ctypes.c_int
-    lib.gefen_m4v4_step.argtypes = [ctypes.POINTER(_M4v4Args)]
-    lib.gefen_m4v4_step.restype = ctypes.c_int
-    lib.gefen_adamw_step.argtypes = [ctypes.POINTER(_AdamwArgs)]
-    lib.gefen_adamw_step.restype = ctypes.c_int
-    lib.gefen_m4v4_isa.argtypes = [ctypes.c_int]
-    lib.gefen_m4v4_isa.restype = ctypes.c_int
-    lib.gefen_block_histogram.argtypes = [_P, i32, i64, i64, i64, _P]
-    lib.gefen_block_histogram.restype = ctypes.c_int
-    lib.gefen_force_portable.argtypes = [ctypes.c_int]
-    lib.gefen_set_sqrt.argtypes = [_P, _P]
+    for name, args in (("gefen_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _I32, _I32, _I32, _P]),
+                       ("gefen_build_lut", [_P, _I32, _I32, _I32, _P]),
+                       ("gefen_step", [ctypes.POINTER(_StepArgs)]),
+                       ("gefen_m4v4_step", [ctypes.POINTER(_M4v4Args)]),
+                       ("gefen_adamw_step", [ctypes.POINTER(_AdamwArgs)]),
+                       ("gefen_block_histogram", [_P, _I32, _I64, _I64, _I64, _P]),
+                       ("gefen_cpu_isa", [])):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
     return lib
 
 
+@functools.cache
 def _torch_vml_sqrt() -> tuple[int, int | None] | None:
     """Addresses of MKL's ``vmsSqrt``, which torch.sqrt calls on CPU when torch is built with MKL,
     and of ``MKL_Set_Num_Threads_Local`` (C ABI; both exported by libtorch_cpu); None otherwise (torch
@@ -165,25 +145,64 @@ def _torch_vml_sqrt() -> tuple[int, int | None] | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What ``calibrate`` settled on: every fused call passes it to the kernels, and it is replaced
+    whole, never modified, so trying a candidate cannot change what a concurrent step computes.
+
+    ``width``: torch's ``Vectorized<float>::size()`` (0: the native path is off); ``vml``: the
+    kernels call MKL's square root, as torch does; ``scale_mode``: how gefen.quant signs the scale of
+    an all-zero block (``_probe_scale_mode``); ``m4v4``: the m4v4 kernels reproduce their reference;
+    ``isa``: the widest kernels allowed (2 AVX-512, 1 AVX2, 0 portable; the CPU caps it, tests
+    lower it to compare the kernels, which give the same bits)."""
+
+    width: int
+    vml: bool
+    scale_mode: int
+    m4v4: bool
+    isa: int = 2
+
+    @functools.cached_property
+    def _mode(self) -> _Mode:
+        sqrt, threads = (_torch_vml_sqrt() if self.vml else None) or (None, None)
+        return _Mode(sqrt, threads if sqrt else None, self.isa)
+
+    @functools.cached_property
+    def mode(self) -> int:
+        """The address of the ``gefen_mode`` the kernels get (kept alive by this object)."""
+        return ctypes.addressof(self._mode)
+
+
 _lib = _load()
-_width: int | None = None  # torch's Vectorized<float>::size() as found by calibrate(); 0 = failed
-_sqrt_is_vml = False  # whether calibrate() settled on MKL's square root
-_m4v4_ok = False  # whether the m4v4 kernels reproduced the m4v4 reference at that width (calibrate)
-_scale_mode = 0  # how gefen.quant signs the scale of an all-zero block (see _probe_scale_mode)
+_lib_path: str | None = getattr(_lib, "_name", None)
+_calibration: Calibration | None = None  # calibrate_cached()'s result, made at first use
 _quant_cache: dict = {}
+
+
+def _calibrated() -> Calibration:
+    global _calibration
+    if _calibration is None:
+        _calibration = calibrate_cached()
+    return _calibration
 
 
 def available() -> bool:
     """True when the fused path is built, enabled and verified against torch on this machine."""
-    return _lib is not None and enabled and _vector_width() > 0
+    return _lib is not None and enabled and _calibrated().width > 0
 
 
-def _vector_width() -> int:
-    global _width
-    if _width is None:
-        _width = 0
-        _width = calibrate_cached()
-    return _width
+def _use(cal: Calibration | None, m4v4: bool = False) -> Calibration | None:
+    """The calibration a fused call runs under: calibration's candidate ``cal`` (then ``enabled`` is
+    not consulted), else the calibrated one when the kernels are built, enabled and verified (for
+    ``m4v4``, the m4v4 kernels too); None: the fused path does not apply."""
+    if _lib is None:
+        return None
+    if cal is not None:
+        return cal
+    if not enabled:
+        return None
+    cal = _calibrated()
+    return cal if cal.width and (cal.m4v4 or not m4v4) else None
 
 
 class _Quantiser:
@@ -233,32 +252,72 @@ def _cpu_contiguous(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
-def fused_partials(grad: torch.Tensor, state: dict, beta2: float, *, width: int = 0):
-    """``second_moment_partials`` in one C call, or None when the fused path does not apply.
-    ``width``: calibration's vector width to try (then ``enabled`` is not consulted); 0: the calibrated one."""
-    gdt = _DT.get(grad.dtype)
-    v_row_old = state["v_row"]
-    if (gdt is None or grad.dim() != 2 or not (width or enabled) or _lib is None or v_row_old.dtype != torch.float32
-            or not _cpu_contiguous(grad, v_row_old) or v_row_old.shape != grad.shape[:1] or grad.shape[1] < 1):
+def _partials(grad: torch.Tensor, state: dict, beta2: float, cal: Calibration | None, m4v4: bool):
+    """Phase 1 of either layout (``gefen_partials``): ``(v_row, partials)``, or None when it does not
+    apply.  m8 takes 2-D gradients only, as its reference does."""
+    gdt, v_row_old = _DT.get(grad.dtype), state.get("v_row")
+    if gdt is None or v_row_old is None or grad.dim() < 2 or (grad.dim() > 2 and not m4v4):
         return None
-    W = width or _vector_width()
-    if not W:
+    rows, cols = rows_and_row_numel(grad.shape)
+    if (cal := _use(cal, m4v4)) is None or cols < 1 or v_row_old.dtype != torch.float32 or v_row_old.shape != (rows,):
         return None
-    rows, cols = grad.shape
+    if not _cpu_contiguous(grad, v_row_old):
+        return None
     v_row = torch.empty(rows, dtype=torch.float32)
-    partials = torch.empty(cols + 1, dtype=torch.float64)
+    partials = torch.empty(cols + 1 + m4v4, dtype=torch.float64)
     rc = _lib.gefen_partials(grad.data_ptr(), gdt, rows, cols, v_row_old.data_ptr(), v_row.data_ptr(),
-                             partials.data_ptr(), beta2, 1 - beta2, W, torch.get_num_threads())
+                             partials.data_ptr(), beta2, 1 - beta2, cal.width, torch.get_num_threads(), m4v4,
+                             cal.mode)
     return (v_row, partials) if rc == 0 else None
+
+
+def fused_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
+    """``second_moment_partials`` in one C call, or None when the fused path does not apply.
+    ``cal``: calibration's candidate to try (then ``enabled`` is not consulted); None: the calibrated one."""
+    return _partials(grad, state, beta2, cal, False)
+
+
+def fused_m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
+    """``functional.m4v4_partials`` (same ``(v_row, partials)``, bit for bit) in one C call, or
+    None when it does not apply (``cal``: as for ``fused_partials``)."""
+    return _partials(grad, state, beta2, cal, True)
+
+
+def _head(a, param: torch.Tensor, grad: torch.Tensor, state: dict, h, cal: Calibration) -> None:
+    """The fields every step's arguments start with (``GEFEN_ARGS_HEAD``): tensors, dtypes, the new
+    step count, the mode, and the step's scalars exactly as the reference forms them (Python
+    floats; the C code rounds each to fp32 once, as torch does with a Python scalar operand)."""
+    step = int(state["step"]) + 1
+    a.param, a.grad, a.step_ptr, a.step = param.data_ptr(), grad.data_ptr(), _step_pointer(state["step"]), step
+    a.param_dtype, a.grad_dtype, a.mode = _DT[param.dtype], _DT[grad.dtype], cal.mode
+    a.beta1, a.omb1, a.beta2, a.omb2 = h.beta1, 1 - h.beta1, h.beta2, 1 - h.beta2
+    a.bias1, a.bias2_sqrt = 1 - h.beta1**step, math.sqrt(1 - h.beta2**step)
+    a.eps, a.neg_lr, a.decay, a.has_wd = h.eps, -h.lr, 1 - h.lr * h.weight_decay, bool(h.weight_decay)
+
+
+def _step_pointer(step_t: torch.Tensor) -> int | None:
+    """Where the kernel may write the new step count (an int64 CPU scalar), else None: the caller
+    fills it after the call."""
+    ok = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
+    return step_t.data_ptr() if ok else None
+
+
+def _run_step(fn, a, state: dict) -> bool:
+    """Run a fused step; the kernel writes the step count itself when it can reach it
+    (``a.step_ptr``), else it is written here. False when the kernel refused (nothing touched)."""
+    if fn(ctypes.byref(a)) != 0:
+        return False
+    if a.step_ptr is None:
+        state["step"].fill_(a.step)
+    return True
 
 
 def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
                   global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None,
-                  width: int = 0) -> bool:
+                  cal: Calibration | None = None) -> bool:
     """``gefen_update_`` in one C call; returns False (touching nothing) when it does not apply
-    (``width``: as for ``fused_partials``)."""
-    pdt, gdt = _DT.get(param.dtype), _DT.get(grad.dtype)
-    if pdt is None or gdt is None or not (width or enabled) or _lib is None or param.shape != grad.shape:
+    (``cal``: as for ``fused_partials``)."""
+    if param.dtype not in _DT or grad.dtype not in _DT or param.shape != grad.shape:
         return False
     codes, scales = state["m_code"], state["m_scale"]
     factored = "v_row" in state
@@ -270,66 +329,45 @@ def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
         extra = (state["v"],)
     if not _cpu_contiguous(param, grad, codes, scales, *extra) or codes.dtype != torch.uint8:
         return False
-    if any(t.dtype != torch.float32 for t in (scales, *extra[:2])):
+    if any(t.dtype != torch.float32 for t in (scales, *extra[:2])) or (cal := _use(cal)) is None:
         return False
-    a = _momentum_args(state, grad, gdt, codebook, width)
+    a = _momentum_args(state, grad, codebook, cal)
     if a is None:
         return False
     rows, row_numel = a.rows, a.bpr * a.period
     if factored and (partials.numel() != row_numel + 1 or v_row.numel() != rows or state["v_col"].numel() != row_numel):
         return False
-    step_t = state["step"]
-    step = int(step_t) + 1
-    a.param = param.data_ptr()
+    _head(a, param, grad, state, h, cal)
     if factored:
         a.v_row, a.v_col, a.v_row_new, a.partials = (t.data_ptr() for t in extra)
     else:
         a.v = extra[0].data_ptr()
-    a.step_ptr = _step_pointer(step_t)
-    a.global_rows, a.step = global_rows, step
-    # scalars exactly as gefen_update_ forms them (Python floats, cast to fp32 in C like torch does)
-    a.omb1, a.beta2, a.omb2 = 1 - h.beta1, h.beta2, 1 - h.beta2
-    a.bias1, a.bias2_sqrt = 1 - h.beta1**step, math.sqrt(1 - h.beta2**step)
-    a.eps, a.neg_lr, a.decay, a.has_wd = h.eps, -h.lr, 1 - h.lr * h.weight_decay, bool(h.weight_decay)
-    a.param_dtype, a.factored = pdt, factored
-    if _lib.gefen_step(ctypes.byref(a)) != 0:
-        return False
-    if a.step_ptr is None:
-        step_t.fill_(step)
-    return True
-
-
-def _step_pointer(step_t: torch.Tensor) -> int | None:
-    """Where the kernel may write the new step count (an int64 CPU scalar), else None: the caller
-    fills it after the call."""
-    ok = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
-    return step_t.data_ptr() if ok else None
+    a.global_rows, a.factored = global_rows, factored
+    return _run_step(_lib.gefen_step, a, state)
 
 
 def fused_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor | None:
     """``functional.update_momentum_`` in one C call (same codes, scales and returned fp32
     momentum, bit for bit), or None when it does not apply (nothing modified then)."""
-    gdt = _DT.get(grad.dtype)
     codes, scales = state["m_code"], state["m_scale"]
-    if gdt is None or not enabled or _lib is None or codes.dtype != torch.uint8 or scales.dtype != torch.float32:
+    if grad.dtype not in _DT or codes.dtype != torch.uint8 or scales.dtype != torch.float32:
         return None
-    if not _cpu_contiguous(grad, codes, scales) or codes.shape != grad.shape:
+    if not _cpu_contiguous(grad, codes, scales) or codes.shape != grad.shape or (cal := _use(None)) is None:
         return None
-    a = _momentum_args(state, grad, gdt, codebook, 0)
+    a = _momentum_args(state, grad, codebook, cal)
     if a is None:
         return None
     out = torch.empty(grad.shape, dtype=torch.float32)
+    a.grad, a.grad_dtype, a.mode = grad.data_ptr(), _DT[grad.dtype], cal.mode  # the full step sets these in _head
     a.m_out, a.momentum_only, a.global_rows = out.data_ptr(), 1, a.rows
     a.omb1 = 1 - beta  # the lerp weight exactly as update_momentum_ passes it
     return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
 
 
-def _momentum_args(state: dict, grad: torch.Tensor, gdt: int, codebook: torch.Tensor,
-                   width: int) -> _StepArgs | None:
-    """Kernel arguments shared by the full step and the momentum alone: gradient, codes, scales,
-    block geometry, quantiser, threads, vector width; None when the fused path does not apply."""
-    W = width or _vector_width()
-    q = _quantiser(codebook) if W else None
+def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal: Calibration) -> _StepArgs | None:
+    """Kernel arguments shared by the full step and the momentum alone: codes, scales, block
+    geometry, quantiser, threads, vector width; None when the fused path does not apply."""
+    q = _quantiser(codebook)
     if q is None:
         return None
     codes, scales = state["m_code"], state["m_scale"]
@@ -338,52 +376,26 @@ def _momentum_args(state: dict, grad: torch.Tensor, gdt: int, codebook: torch.Te
     if period < 1 or row_numel % period or scales.numel() != rows * (row_numel // period):
         return None
     a = _StepArgs()
-    a.grad, a.codes, a.scales = grad.data_ptr(), codes.data_ptr(), scales.data_ptr()
+    a.codes, a.scales = codes.data_ptr(), scales.data_ptr()
     a.codebook, a.thr, a.lut, a.lut_M = q.values.data_ptr(), q.thr.data_ptr(), q.lut.data_ptr(), q.M
     a.rows, a.bpr, a.period = rows, row_numel // period, period
-    a.grad_dtype, a.K, a.W, a.T = gdt, q.values.numel(), W, torch.get_num_threads()
-    a.scale_mode = _scale_mode
+    a.K, a.W, a.T, a.scale_mode = q.values.numel(), cal.width, torch.get_num_threads(), cal.scale_mode
     return a
 
 
-# ----- the m4v4 layout: gefen/csrc/m4v4_step.c (phase 2, AdamW), gefen_m4v4_partials (phase 1) -----
-def _m4v4_width(width: int) -> int:
-    """The vector width the m4v4 kernels run at: calibration's ``width``, else the calibrated one
-    when they are built, enabled and checked against the m4v4 reference here (``calibrate``); 0: off."""
-    if _lib is None:
-        return 0
-    return width or (_width if enabled and _vector_width() > 0 and _m4v4_ok else 0)
-
-
-def fused_m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, width: int = 0):
-    """``functional.m4v4_partials`` (same ``(v_row, partials)``, bit for bit) in one C call, or
-    None when it does not apply (``width``: as for ``fused_partials``)."""
-    gdt = _DT.get(grad.dtype)
-    v_row_old = state.get("v_row")
-    if gdt is None or grad.dim() < 2 or v_row_old is None or not (W := _m4v4_width(width)):
-        return None
-    rows, cols = rows_and_row_numel(grad.shape)
-    if (cols < 1 or v_row_old.dtype != torch.float32 or v_row_old.shape != (rows,)
-            or not _cpu_contiguous(grad, v_row_old)):
-        return None
-    v_row = torch.empty(rows, dtype=torch.float32)
-    partials = torch.empty(cols + 2, dtype=torch.float64)
-    rc = _lib.gefen_m4v4_partials(grad.data_ptr(), gdt, rows, cols, cols, v_row_old.data_ptr(), v_row.data_ptr(),
-                                  partials.data_ptr(), beta2, 1 - beta2, W, torch.get_num_threads())
-    return (v_row, partials) if rc == 0 else None
-
-
+# ----- the m4v4 layout: gefen/csrc/m4v4_step.c (phase 2, AdamW); phase 1 is _partials ------------
 _M4V4_DTYPES = {"mv_code": torch.uint8, "m_row_scale": torch.bfloat16, "v_row": torch.float32, "v_col": torch.float32}
 
 
 def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor,
                        ratio: torch.Tensor, h, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor,
                        pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None,
-                       width: int = 0) -> bool:
+                       cal: Calibration | None = None) -> bool:
     """``functional.m4v4_update_`` in one C call; returns False (touching nothing) when it does
-    not apply (then the caller runs the reference; ``width``: as for ``fused_partials``)."""
-    pdt, gdt = _DT.get(param.dtype), _DT.get(grad.dtype)
-    if pdt is None or gdt is None or param.shape != grad.shape or grad.dim() < 2 or not _m4v4_width(width):
+    not apply (then the caller runs the reference; ``cal``: as for ``fused_partials``)."""
+    if param.dtype not in _DT or grad.dtype not in _DT or param.shape != grad.shape or grad.dim() < 2:
+        return False
+    if (cal := _use(cal, m4v4=True)) is None:
         return False
     rows, cols = rows_and_row_numel(grad.shape)
     fields = [state.get(k) for k in _M4V4_DTYPES]
@@ -398,76 +410,43 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
     if (codes.numel() != rows * cols or scale.numel() != rows or v_row_old.numel() != rows or v_row.numel() != rows
             or v_col.numel() != cols or partials.numel() != cols + 2):
         return False
-    step_t = state["step"]
-    step = int(step_t) + 1
     a = _M4v4Args()
-    a.param, a.grad, a.codes, a.m_scale = param.data_ptr(), grad.data_ptr(), codes.data_ptr(), scale.data_ptr()
+    _head(a, param, grad, state, h, cal)
+    a.codes, a.m_scale, a.codebook, a.ratios = codes.data_ptr(), scale.data_ptr(), codebook.data_ptr(), ratio.data_ptr()
     a.v_row, a.v_row_new, a.v_col, a.partials = v_row_old.data_ptr(), v_row.data_ptr(), v_col.data_ptr(), partials.data_ptr()
-    a.step_ptr = _step_pointer(step_t)
-    a.codebook, a.ratios = codebook.data_ptr(), ratio.data_ptr()
     a.rows, a.cols, a.global_rows, a.global_cols = rows, cols, global_rows, cols if row_len is None else row_len
-    a.row_offset, a.col_offset, a.step = row0, col0, step
+    a.row_offset, a.col_offset = row0, col0
     a.salt_m, a.salt_v = salts(pidx, seed)
-    _set_scalars(a, h, step)
-    a.param_dtype, a.grad_dtype = pdt, gdt
-    return _run_step(_lib.gefen_m4v4_step, a, step_t, step)
+    return _run_step(_lib.gefen_m4v4_step, a, state)
 
 
 def fused_adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h, *, pidx: int, seed: int,
-                        row0: int = 0, width: int = 0) -> bool:
+                        row0: int = 0, cal: Calibration | None = None) -> bool:
     """``functional.adamw_update_`` (m4v4's 1-D/0-D step) in one C call; False (touching
-    nothing) when it does not apply (``width``: as for ``fused_partials``)."""
-    pdt, gdt = _DT.get(param.dtype), _DT.get(grad.dtype)
+    nothing) when it does not apply (``cal``: as for ``fused_partials``)."""
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
-    if pdt is None or gdt is None or m is None or v is None or not _m4v4_width(width):
+    if param.dtype not in _DT or grad.dtype not in _DT or m is None or v is None:
+        return False
+    if (cal := _use(cal, m4v4=True)) is None:
         return False
     if (param.shape != grad.shape or m.shape != param.shape or v.shape != param.shape
             or m.dtype != torch.bfloat16 or v.dtype != torch.float32 or not _cpu_contiguous(param, grad, m, v)):
         return False
-    step_t = state["step"]
-    step = int(step_t) + 1
     a = _AdamwArgs()
-    a.param, a.grad, a.exp_avg, a.exp_avg_sq = param.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr()
-    a.step_ptr = _step_pointer(step_t)
-    a.n, a.row_offset, a.step = param.numel(), row0, step
+    _head(a, param, grad, state, h, cal)
+    a.exp_avg, a.exp_avg_sq, a.n, a.row_offset = m.data_ptr(), v.data_ptr(), param.numel(), row0
     a.salt = salts(pidx, seed)[0]
-    _set_scalars(a, h, step)
-    a.param_dtype, a.grad_dtype = pdt, gdt
-    return _run_step(_lib.gefen_adamw_step, a, step_t, step)
-
-
-def _run_step(fn, a, step_t: torch.Tensor, step: int) -> bool:
-    """Run a fused m4v4 / 1-D step; the kernel writes the step count itself when it can reach
-    it (``a.step_ptr``), else it is written here. False when the kernel refused (nothing touched)."""
-    if fn(ctypes.byref(a)) != 0:
-        return False
-    if a.step_ptr is None:
-        step_t.fill_(step)
-    return True
-
-
-def _set_scalars(a, h, step: int) -> None:
-    """The step's scalars exactly as the reference forms them (Python floats; the C code rounds
-    each to fp32 once, as torch does with a Python scalar operand)."""
-    a.beta1, a.omb1, a.beta2, a.omb2 = h.beta1, 1 - h.beta1, h.beta2, 1 - h.beta2
-    a.bias1, a.bias2_sqrt = 1 - h.beta1**step, math.sqrt(1 - h.beta2**step)
-    a.eps, a.neg_lr, a.decay, a.has_wd = h.eps, -h.lr, 1 - h.lr * h.weight_decay, bool(h.weight_decay)
+    return _run_step(_lib.gefen_adamw_step, a, state)
 
 
 # ----- the first step: the codebook histogram ---------------------------
-def _first_step_input(x: torch.Tensor) -> int | None:
-    """The C dtype code of ``x`` when the first-step kernels can read it in place, else None."""
-    dt = _DT.get(x.dtype)
-    if dt is None or not enabled or _lib is None or not _cpu_contiguous(x):
-        return None
-    return dt
-
-
 def block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor | None:
     """``codebook.histogram_normalised_blocks`` (identical counts) in one C pass, or None when
     it does not apply."""
-    dt = _first_step_input(blocks)
-    if dt is None or blocks.dim() < 1 or blocks.shape[-1] < 1 or num_bins < 1:
+    dt = _DT.get(blocks.dtype)
+    if dt is None or not enabled or _lib is None or not _cpu_contiguous(blocks):
+        return None
+    if blocks.dim() < 1 or blocks.shape[-1] < 1 or num_bins < 1:
         return None
     counts = torch.zeros(num_bins, dtype=torch.int64)
     P = blocks.shape[-1]
@@ -476,19 +455,31 @@ def block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor | None:
 
 
 # ----- calibration: the C emulation of torch's rounding order, checked against torch ------------
-def _problems():
-    """Small (shape, period, factored) cases that reach every summation path of the kernel
-    (vectorised and short rows, A/B column orders, two-pass single outputs, P = 1)."""
-    return [
-        ((37, 33), 11, True), ((260, 130), 130, True), ((1, 33000), 33000, True), ((33000, 1), 1, True),
-        ((45, 29), 29, True), ((3, 5, 8), 40, False), ((6, 24, 25), 600, False), ((1, 33000), 33000, False),
-        ((5000,), 1, False), ((), 1, False), ((12, 6), 2, False), ((70, 480), 240, False), ((4400, 8), 8, True),
-    ]
+class _Refused(Exception):
+    """A kernel did not apply to a calibration problem."""
 
 
-def _run_problem(shape, period, factored, W: int):
-    """Two m8 steps of one problem (one for the big ones) through the reference (``W == 0``) or the
-    C kernels at vector width ``W`` (None: a kernel refused)."""
+def _step_fns(cal: Calibration | None) -> types.SimpleNamespace:
+    """The step functions a calibration problem runs: the reference (``cal`` None) or the kernels
+    under the candidate ``cal``, raising ``_Refused`` where one does not apply."""
+    if cal is None:
+        return types.SimpleNamespace(partials=F.second_moment_partials, update=F.gefen_update_,
+                                     m4v4_partials=F.m4v4_partials, m4v4_update=F.m4v4_update_, adamw=F.adamw_update_)
+
+    def strict(fn):
+        def run(*args, **kw):
+            out = fn(*args, cal=cal, **kw)
+            if out is None or out is False:
+                raise _Refused
+            return out
+        return run
+    return types.SimpleNamespace(partials=strict(fused_partials), update=strict(fused_update_),
+                                 m4v4_partials=strict(fused_m4v4_partials), m4v4_update=strict(fused_m4v4_update_),
+                                 adamw=strict(fused_adamw_update_))
+
+
+def _run_m8(shape, period, factored, fns):
+    """Two m8 steps of one problem (one for the big ones, which only test the parallel split rules)."""
     gen = torch.Generator().manual_seed(1234 + len(shape) + period)
     p = torch.randn(shape, generator=gen)
     state = F.init_state(p, tuple(shape), period, factored)
@@ -497,20 +488,45 @@ def _run_problem(shape, period, factored, W: int):
     # beta1 <= 0.5 takes ATen's other lerp formula (|weight| >= 0.5): check both
     h = F.Hyper(lr=1e-2, beta1=0.9 if period % 2 else 0.4, beta2=0.99, eps=1e-8, weight_decay=0.05)
     rows = shape[0] if shape else 1
-    for _ in range(1 if p.numel() >= 32768 else 2):  # big ones only test the parallel split rules
+    for _ in range(1 if p.numel() >= 32768 else 2):
         g = torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)
         if len(shape) == 2 and shape[0] > 2:
             g[1] = 0  # all-zero blocks: zero scales (and their sign)
-        v_row = partials = None
-        if factored:
-            out = fused_partials(g, state, h.beta2, width=W) if W else None
-            v_row, partials = out if out is not None else F.second_moment_partials(g, state, h.beta2)
-        kw = dict(global_rows=rows, v_row=v_row, partials=partials)
-        if not W:
-            F.gefen_update_(p, g, state, codebook, h, **kw)
-        elif not fused_update_(p, g, state, codebook, h, width=W, **kw):
-            return None
+        v_row, partials = fns.partials(g, state, h.beta2) if factored else (None, None)
+        fns.update(p, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
     return p, state
+
+
+def _run_m4v4(shape, dtype, fns):
+    """Two m4v4 steps of one tensor (one for the big ones, which only test the summation paths)."""
+    gen = torch.Generator().manual_seed(4321 + len(shape))
+    p = torch.randn(shape, generator=gen).to(dtype)
+    state = F.init_m4v4_state(p, tuple(shape))
+    codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
+    ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values)
+    h = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    for _ in range(1 if p.numel() >= 32768 else 2):
+        g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
+        if len(shape) < 2:
+            fns.adamw(p, g, state, h, pidx=3, seed=1, row0=5)
+            continue
+        v_row, partials = fns.m4v4_partials(g, state, h.beta2)
+        fns.m4v4_update(p, g, state, codebook, ratio, h, global_rows=shape[0], v_row=v_row, partials=partials,
+                        pidx=3, seed=1, row0=5)
+    return p, state
+
+
+#: Small m8 problems that reach every summation path of the kernel (vectorised and short rows, A/B
+#: column orders, two-pass single outputs, P = 1): (shape, period, factored).
+_M8 = [(_run_m8, case) for case in [
+    ((37, 33), 11, True), ((260, 130), 130, True), ((1, 33000), 33000, True), ((33000, 1), 1, True),
+    ((45, 29), 29, True), ((3, 5, 8), 40, False), ((6, 24, 25), 600, False), ((1, 33000), 33000, False),
+    ((5000,), 1, False), ((), 1, False), ((12, 6), 2, False), ((70, 480), 240, False), ((4400, 8), 8, True)]]
+#: m4v4 problems: float64 row sums (vectorised, short, single-row two-pass), one-pass phase 1 with a
+#: partial chunk, bf16, and the 1-D/0-D step: (shape, dtype).
+_M4V4 = [(_run_m4v4, case) for case in [
+    ((37, 33), torch.float32), ((300, 130), torch.float32), ((1, 33000), torch.float32),
+    ((45, 29), torch.bfloat16), ((3, 5, 8), torch.float32), ((5000,), torch.float32), ((), torch.bfloat16)]]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -523,9 +539,20 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _same_run(got, ref) -> bool:
-    """Whether a kernel run's ``(param, state)`` (None: refused) is the reference's, bit for bit."""
-    return got is not None and _same(got[0], ref[0]) and all(_same(got[1][k], ref[1][k]) for k in ref[1])
+def _references(problems) -> list:
+    return [run(*case, _step_fns(None)) for run, case in problems]
+
+
+def _matches(problems, cal: Calibration, reference: list) -> bool:
+    """Whether the kernels under ``cal`` leave the reference's ``(param, state)`` on every problem,
+    bit for bit."""
+    fns = _step_fns(cal)
+    try:
+        runs = (run(*case, fns) for run, case in problems)
+        return all(_same(p, ref_p) and all(_same(st[k], ref_st[k]) for k in ref_st)
+                   for (p, st), (ref_p, ref_st) in zip(runs, reference))
+    except _Refused:
+        return False
 
 
 def _probe_scale_mode() -> int:
@@ -535,69 +562,26 @@ def _probe_scale_mode() -> int:
     return 0 if torch.signbit(scales).any() else 1
 
 
-def calibrate() -> int:
-    """torch's float vector width that makes the C step reproduce the eager step bit for bit on
-    ``_problems()`` with the current thread count, or 0 (native path off) when none does."""
-    global _scale_mode, _sqrt_is_vml, _m4v4_ok
+def calibrate() -> Calibration:
+    """The first candidate (square root, torch's float vector width) under which the C step
+    reproduces the eager step bit for bit on the m8 problems with the current thread count, and
+    whether the m4v4 kernels then reproduce theirs; width 0 (native path off) when none does."""
     if _lib is None:
-        return 0
-    _scale_mode = _probe_scale_mode()
-    capability = torch.backends.cpu.get_cpu_capability()
-    widths = (16, 8) if "512" in capability else (8, 16)
-    vml = _torch_vml_sqrt()
+        return Calibration(0, False, 0, False)
+    scale_mode = _probe_scale_mode()
+    widths = (16, 8) if "512" in torch.backends.cpu.get_cpu_capability() else (8, 16)
     with torch.no_grad():
-        reference = [_run_problem(*case, W=0) for case in _problems()]
-        for sqrt_fns in ([vml] if vml else []) + [(None, None)]:
-            _lib.gefen_set_sqrt(*sqrt_fns)
+        reference = _references(_M8)
+        for vml in ([True] if _torch_vml_sqrt() else []) + [False]:
             for W in widths:
-                if all(_same_run(_run_problem(*case, W=W), ref) for case, ref in zip(_problems(), reference)):
-                    _sqrt_is_vml = sqrt_fns is vml
-                    _m4v4_ok = _m4v4_matches(W)
-                    if not _m4v4_ok:
+                cal = Calibration(W, vml, scale_mode, False)
+                if _matches(_M8, cal, reference):
+                    m4v4 = _matches(_M4V4, cal, _references(_M4V4))
+                    if not m4v4:
                         _warn_mismatch("m4v4 ")
-                    return W
+                    return dataclasses.replace(cal, m4v4=m4v4)
     _warn_mismatch()
-    return 0
-
-
-def _m4v4_problems():
-    """(shape, dtype) cases for the m4v4 kernels: float64 row sums (vectorised, short, single-row
-    two-pass), one-pass phase 1 with a partial chunk, bf16, and the 1-D/0-D step."""
-    return [((37, 33), torch.float32), ((300, 130), torch.float32), ((1, 33000), torch.float32),
-            ((45, 29), torch.bfloat16), ((3, 5, 8), torch.float32), ((5000,), torch.float32), ((), torch.bfloat16)]
-
-
-def _run_m4v4(shape, dtype, W: int):
-    """Two m4v4 steps of one tensor (one for the big ones, which only test the summation paths)
-    through the reference (``W == 0``) or the kernels at vector width ``W`` (None: a kernel refused)."""
-    gen = torch.Generator().manual_seed(4321 + len(shape))
-    p = torch.randn(shape, generator=gen).to(dtype)
-    state = F.init_m4v4_state(p, tuple(shape))
-    codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
-    ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values)
-    h = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
-    for _ in range(1 if p.numel() >= 32768 else 2):
-        g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
-        if len(shape) < 2:
-            if not W:
-                F.adamw_update_(p, g, state, h, pidx=3, seed=1, row0=5)
-            elif not fused_adamw_update_(p, g, state, h, pidx=3, seed=1, row0=5, width=W):
-                return None
-            continue
-        out = fused_m4v4_partials(g, state, h.beta2, width=W) if W else F.m4v4_partials(g, state, h.beta2)
-        if out is None:
-            return None
-        kw = dict(global_rows=shape[0], v_row=out[0], partials=out[1], pidx=3, seed=1, row0=5)
-        if not W:
-            F.m4v4_update_(p, g, state, codebook, ratio, h, **kw)
-        elif not fused_m4v4_update_(p, g, state, codebook, ratio, h, width=W, **kw):
-            return None
-    return p, state
-
-
-def _m4v4_matches(W: int) -> bool:
-    """Whether the m4v4 kernels reproduce the m4v4 reference at torch vector width W."""
-    return all(_same_run(_run_m4v4(*case, W=W), _run_m4v4(*case, W=0)) for case in _m4v4_problems())
+    return Calibration(0, False, scale_mode, False)
 
 
 def _warn_mismatch(what: str = "") -> None:
@@ -644,47 +628,42 @@ def _cache_file() -> str:
     return os.path.join(cache_dir(), f"native-calibration-{cache_key()}.json")
 
 
-def _apply(entry: dict) -> int | None:
-    """Restore a cached calibration (width, square root, zero-scale sign); None if it cannot apply."""
-    global _scale_mode, _sqrt_is_vml, _m4v4_ok
-    width, use_vml, mode, m4v4 = (entry.get(k) for k in ("width", "vml", "scale_mode", "m4v4"))
-    vml = _torch_vml_sqrt()
-    if (width not in (0, 8, 16) or not isinstance(use_vml, bool) or mode not in (0, 1) or (use_vml and not vml)
-            or not isinstance(m4v4, bool)):
-        return None
-    _scale_mode, _sqrt_is_vml, _m4v4_ok = mode, use_vml, m4v4
-    _lib.gefen_set_sqrt(*(vml if use_vml else (None, None)))
-    if width == 0 or not m4v4:
-        _warn_mismatch("" if width == 0 else "m4v4 ")
-    return width
+_CACHED = ("width", "vml", "scale_mode", "m4v4")  # the Calibration fields a cache entry holds
 
 
-def calibrate_cached() -> int:
-    """``calibrate()``, or its result from an earlier process with the same library build, CPU and
-    torch. An unreadable, corrupt or unwritable cache only costs the calibration."""
-    if _lib is None:
-        return 0
-    try:
-        path = _cache_file()
-    except OSError:  # the library file vanished: calibrate, cache nothing
-        path = None
-    entry = _read_entry(path) if path else None
-    width = _apply(entry) if entry is not None else None
-    if width is None:
-        width = calibrate()
-        if path:
-            _write_entry(path, {"width": width, "vml": bool(width) and _sqrt_is_vml, "scale_mode": _scale_mode,
-                                "m4v4": bool(width) and _m4v4_ok, "torch": torch.__version__})
-    return width
-
-
-def _read_entry(path: str) -> dict | None:
+def _cached(path: str) -> Calibration | None:
+    """The calibration cached at ``path``; None when it is missing, unreadable, corrupt or cannot apply."""
     try:
         with open(path) as fh:
             entry = json.load(fh)
     except (OSError, ValueError):
         return None
-    return entry if isinstance(entry, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    width, vml, mode, m4v4 = (entry.get(k) for k in _CACHED)
+    if (width not in (0, 8, 16) or not isinstance(vml, bool) or mode not in (0, 1) or (vml and not _torch_vml_sqrt())
+            or not isinstance(m4v4, bool)):
+        return None
+    if width == 0 or not m4v4:
+        _warn_mismatch("" if width == 0 else "m4v4 ")
+    return Calibration(width, vml, mode, m4v4)
+
+
+def calibrate_cached() -> Calibration:
+    """``calibrate()``, or its result from an earlier process with the same library build, CPU and
+    torch. An unreadable, corrupt or unwritable cache only costs the calibration."""
+    if _lib is None:
+        return calibrate()
+    try:
+        path = _cache_file()
+    except OSError:  # the library file vanished: calibrate, cache nothing
+        path = None
+    cal = _cached(path) if path else None
+    if cal is None:
+        cal = calibrate()
+        if path:
+            _write_entry(path, {**{k: getattr(cal, k) for k in _CACHED}, "torch": torch.__version__})
+    return cal
 
 
 def _write_entry(path: str, entry: dict) -> None:
@@ -702,4 +681,3 @@ def _write_entry(path: str, entry: dict) -> None:
             raise
     except OSError:
         pass
-

@@ -16,10 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "gefen_common.h"
 
 #define HIST_PAR_MIN 65536 /* elements below which one thread does the histogram */
@@ -54,12 +50,9 @@ static void bin_run_portable(const float *x, int64_t n, float scale, float fbins
     }
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(_WIN32)
-#include <immintrin.h>
-#define FS_AVX2 __attribute__((target("avx2")))
-
+#if GEFEN_X86
 /* The same operations eight lanes at a time (each an IEEE rounding, so the same bits). */
-static FS_AVX2 float block_amax_avx2(const float *x, int64_t n, int *nan) {
+static AVX2 float block_amax_avx2(const float *x, int64_t n, int *nan) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
     int64_t j = 0;
@@ -68,17 +61,14 @@ static FS_AVX2 float block_amax_avx2(const float *x, int64_t n, int *nan) {
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
         m = _mm256_max_ps(a, m); /* a NaN lane keeps m; NaNs are reported through bad */
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, m);
-    float out = 0.0f;
-    for (int l = 0; l < 8; l++) out = lanes[l] > out ? lanes[l] : out;
+    const float out = hmax8(m); /* all lanes >= +0 */
     int tail_nan = 0;
     float tail = block_amax_portable(x + j, n - j, &tail_nan);
     *nan = tail_nan || _mm256_movemask_ps(bad) != 0;
     return tail > out ? tail : out;
 }
 
-static FS_AVX2 void bin_run_avx2(const float *x, int64_t n, float scale, float fbins, int32_t last, int32_t *idx) {
+static AVX2 void bin_run_avx2(const float *x, int64_t n, float scale, float fbins, int32_t last, int32_t *idx) {
     const __m256 s = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f),
                  b = _mm256_set1_ps(fbins);
     const __m256i hi = _mm256_set1_epi32(last), lo = _mm256_setzero_si256();
@@ -93,16 +83,8 @@ static FS_AVX2 void bin_run_avx2(const float *x, int64_t n, float scale, float f
     bin_run_portable(x + j, n - j, scale, fbins, last, idx + j);
 }
 
-static int fs_avx2(void) {
-    static int has = -1;
-    if (has < 0) {
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("avx2") ? 1 : 0;
-    }
-    return has;
-}
-#define block_amax(x, n, nan) (fs_avx2() ? block_amax_avx2(x, n, nan) : block_amax_portable(x, n, nan))
-#define bin_run(x, n, s, f, l, i) (fs_avx2() ? bin_run_avx2(x, n, s, f, l, i) : bin_run_portable(x, n, s, f, l, i))
+#define block_amax(x, n, nan) (cpu_isa() ? block_amax_avx2(x, n, nan) : block_amax_portable(x, n, nan))
+#define bin_run(x, n, s, f, l, i) (cpu_isa() ? bin_run_avx2(x, n, s, f, l, i) : bin_run_portable(x, n, s, f, l, i))
 #else
 #define block_amax block_amax_portable
 #define bin_run bin_run_portable
@@ -146,21 +128,14 @@ static void hist_blocks(const void *x, int dt, int64_t b0, int64_t b1, int64_t P
 GEFEN_EXPORT int gefen_block_histogram(const void *x, int dt, int64_t nblocks, int64_t P, int64_t bins,
                                        int64_t *counts) {
     if (bins < 1 || P < 1) return -2;
-    int nt = 1;
-#ifdef _OPENMP
-    if (nblocks * P >= HIST_PAR_MIN) nt = omp_get_max_threads();
-#endif
+    const int nt = nblocks * P >= HIST_PAR_MIN ? max_threads() : 1;
     if (bins > INT32_MAX) return -2;
     int64_t *local = calloc((size_t)nt * 4 * (size_t)bins, sizeof(int64_t));
     int failed = 0;
     if (!local) return -1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        int t = 0, T = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        T = omp_get_num_threads();
-#endif
+        const int t = thread_id(), T = thread_count();
         int64_t per = (nblocks + T - 1) / T, b0 = t * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;
         float *conv = dt == DT_BF16 ? malloc(sizeof(float) * (size_t)P) : NULL;
         int32_t *idx = malloc(sizeof(int32_t) * HIST_RUN);

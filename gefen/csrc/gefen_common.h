@@ -1,11 +1,17 @@
-/* What the C sources of gefen._gefen_step share: the export attribute, the dtype codes that
- * gefen.native passes (gefen.native._DT), exact bf16 widening and rounding, 8-lane loads and
- * stores, and the helpers gefen_step.c lends the other kernels. */
+/* What the C sources of gefen._gefen_step (and kmeans_dp.c) share: the export attribute, the
+ * dtype codes that gefen.native passes (gefen.native._DT), exact bf16 widening and rounding,
+ * 1- and 8-lane loads and stores, the per-call mode and the fields every step's arguments start
+ * with, the parameter update, the thread split and the CPU's instruction sets. */
 #ifndef GEFEN_COMMON_H
 #define GEFEN_COMMON_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GEFEN_X86 1
@@ -42,8 +48,125 @@ static inline float ld_g(const void *g, int dt, int64_t i) {
     return dt == DT_F32 ? ((const float *)g)[i] : bf16_to_f32(((const uint16_t *)g)[i]);
 }
 
+/* store v at i of an fp32 or bf16 array (bf16: round to nearest even) */
+static inline void st_g(void *dst, int dt, int64_t i, float v) {
+    if (dt == DT_F32) ((float *)dst)[i] = v;
+    else ((uint16_t *)dst)[i] = f32_to_bf16(v);
+}
+
+/* ----- how one call computes ------------------------------------------------------------------
+ * gefen.native passes its calibrated (immutable) choice with every call: no process-wide switch,
+ * so calibration trying a candidate can never change what a concurrent step computes.
+ * torch.sqrt on CPU is MKL's vmsSqrt (VML_HA) when torch is built with MKL, which is not always
+ * correctly rounded (about 0.75 ulp here); gefen.native hands us the very function torch calls
+ * (exported by libtorch_cpu) so both paths round alike, else NULL: IEEE sqrtf, what torch's own
+ * vectorised sqrt computes.  MKL_Set_Num_Threads_Local (C ABI: the lowercase symbol is the
+ * Fortran one) keeps MKL from threading each per-row call of our OpenMP threads (2 threads ran at
+ * 1.4x instead of 2x without it). */
+typedef void (*vms_sqrt_fn)(int n, const float *a, float *r, long long mode);
+typedef int (*mkl_threads_fn)(int n);
+typedef struct {
+    vms_sqrt_fn sqrt;           /* or NULL: sqrtf */
+    mkl_threads_fn mkl_threads; /* or NULL */
+    int32_t isa;                /* widest kernels allowed: 0 portable, 1 AVX2, 2 AVX-512 (capped by the CPU) */
+} gefen_mode;
+
+#define VML_MODE 0x140102LL /* VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as ATen's vml.h */
+
+/* torch's square root of x[0 .. n), in place */
+static inline void mode_sqrt_n(const gefen_mode *m, float *x, int64_t n) {
+    if (m->sqrt) {
+        while (n > 0) {
+            int k = n > (1 << 30) ? (1 << 30) : (int)n;
+            m->sqrt(k, x, x, VML_MODE);
+            x += k;
+            n -= k;
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) x[i] = sqrtf(x[i]);
+}
+
+/* MKL single-threaded in this (OpenMP) thread; returns what mode_threads_end restores */
+static inline int mode_threads_begin(const gefen_mode *m) { return m->mkl_threads ? m->mkl_threads(1) : 0; }
+static inline void mode_threads_end(const gefen_mode *m, int prev) {
+    if (m->mkl_threads) m->mkl_threads(prev);
+}
+
+/* The fields every step's arguments start with (gefen.native._HEAD mirrors them): the
+ * parameter, the gradient, the step count and the step's scalars exactly as the reference forms
+ * them (Python floats; each kernel rounds them to fp32 once, as torch does with a Python scalar). */
+#define GEFEN_ARGS_HEAD                                                                      \
+    void *param;                                                                             \
+    const void *grad;                                                                        \
+    int64_t *step_ptr; /* state["step"], or NULL (the caller writes it) */                   \
+    int64_t step;                                                                            \
+    double beta1, omb1, beta2, omb2, bias1, bias2_sqrt, eps, neg_lr, decay;                  \
+    int32_t param_dtype, grad_dtype, has_wd;                                                 \
+    const gefen_mode *mode /* required */
+
+/* those scalars in fp32: beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^t, sqrt(1 - beta2^t),
+ * eps, -lr, 1 - lr * weight_decay */
+typedef struct {
+    float b1, o1, b2, o2, bc1, b2s, eps, nlr, decay;
+} hyper_f32;
+#define HYPER_F32(a)                                                                                 \
+    ((hyper_f32){(float)(a)->beta1, (float)(a)->omb1, (float)(a)->beta2, (float)(a)->omb2,          \
+                 (float)(a)->bias1, (float)(a)->bias2_sqrt, (float)(a)->eps, (float)(a)->neg_lr,    \
+                 (float)(a)->decay})
+
+/* p[i] = p[i] * (1 - lr wd) + (-lr) * (u / den), as torch's mul_ and add_(alpha) (one fused
+ * multiply-add), where u is the bias-corrected step numerator */
+static inline void update_param(void *param, int dt, int64_t i, float u, float den, const hyper_f32 *s, int has_wd) {
+    u = u / den;
+    float p = ld_g(param, dt, i);
+    if (has_wd) p = p * s->decay;
+    st_g(param, dt, i, fmaf(u, s->nlr, p));
+}
+
+/* ----- threads ------------------------------------------------------------------------------ */
+static inline int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+static inline int thread_count(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+static inline int max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* This thread's share [*b0, *b1) of n items split evenly (the first n % nt threads take one more). */
+static inline void thread_range(int64_t n, int64_t *b0, int64_t *b1) {
+    const int64_t tid = thread_id(), nt = thread_count(), per = n / nt, extra = n % nt;
+    *b0 = tid * per + (tid < extra ? tid : extra);
+    *b1 = *b0 + per + (tid < extra ? 1 : 0);
+}
+
 #if GEFEN_X86
 #define AVX2 __attribute__((target("avx2,fma")))
+
+/* The widest kernels this CPU runs: 2 AVX-512, 1 AVX2 + FMA, 0 portable. */
+static inline int cpu_isa(void) {
+    static int isa = -1;
+    if (isa < 0) {
+        __builtin_cpu_init();
+        int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        isa = avx2 ? (__builtin_cpu_supports("avx512f") ? 2 : 1) : 0;
+    }
+    return isa;
+}
 
 /* 8 elements of an fp32 or bf16 array from i, as fp32 (exact) */
 static AVX2 inline __m256 ld8_g(const void *g, int dt, int64_t i) {
@@ -66,13 +189,31 @@ static AVX2 inline void st8_g(void *dst, int dt, int64_t i, __m256 v) {
     __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), packed);
 }
+
+/* the largest of 8 lanes (ties and NaN as the scalar `x > m ? x : m`, left to right) */
+static AVX2 inline float hmax8(__m256 v) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    float m = t[0];
+    for (int i = 1; i < 8; ++i) m = t[i] > m ? t[i] : m;
+    return m;
+}
+
+/* 8 lanes of p = p * decay + nlr * u at i (update_param without the division; the caller
+ * broadcasts 1 - lr wd and -lr once per row or block) */
+static AVX2 inline void update_param8(void *param, int dt, int64_t i, __m256 u, __m256 nlr, __m256 decay, int has_wd) {
+    __m256 p = ld8_g(param, dt, i);
+    if (has_wd) p = _mm256_mul_ps(p, decay);
+    st8_g(param, dt, i, _mm256_fmadd_ps(u, nlr, p));
+}
+#else
+static inline int cpu_isa(void) { return 0; }
 #endif
 
-/* Defined in gefen_step.c for the other kernels: torch's square root in place (see sqrt_n there),
- * MKL's thread-local thread count (returns the previous count, -1 without MKL) and whether the
- * AVX2 kernels are on (CPU support, not forced portable). */
-void gefen_sqrt_n(float *x, int64_t n);
-int gefen_mkl_threads_local(int n);
-int gefen_avx2_on(void);
+/* The kernels one call runs: what it allows, capped by the CPU. */
+static inline int call_isa(const gefen_mode *m) {
+    const int cpu = cpu_isa();
+    return m->isa < cpu ? m->isa : cpu;
+}
 
 #endif

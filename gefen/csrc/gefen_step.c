@@ -24,11 +24,11 @@
  *     with a uniform bucket LUT whose buckets hold <= 2 thresholds (exact: the bucket map is
  *     monotone, see gefen_build_lut), or by binary search when no LUT fits;
  *   - torch's CPU sqrt is MKL's vmsSqrt (not correctly rounded): gefen.native passes us its
- *     address (see sqrt_n).
+ *     address with every call (gefen_mode in gefen_common.h).
  * Work is split over blocks / rows / 256-row chunks with OpenMP; any split gives the same result
  * because each output is computed by exactly one thread in a fixed order.  Table lookups stay
- * scalar (AVX2 gathers measured slower); the arithmetic is AVX2 when the CPU has it, with a
- * portable twin (gefen_force_portable) that produces identical bits.
+ * scalar (AVX2 gathers measured slower); the arithmetic is AVX2 when the CPU has it and the
+ * call's mode allows it, with a portable twin that produces identical bits.
  *
  * Memory traffic of one step: param read + write, grad read (twice for factored tensors:
  * phase 1 reads it for the row/column statistics), codes read + write, per-block state.
@@ -39,18 +39,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "gefen_common.h"
 
-#define GEFEN_ABI 12
+#define GEFEN_ABI 13
 #define GRAIN 32768   /* at::internal::GRAIN_SIZE */
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 #define MAX_T 1024    /* largest torch thread count we emulate */
-
-static int force_portable = 0;
 
 /* ----- scalar helpers ------------------------------------------------------------------- */
 
@@ -74,11 +68,14 @@ static inline int level_power(int64_t size) {
 }
 
 /* ----- ATen cascade_sum, reproduced ------------------------------------------------------
- * For each element type LOAD(x, i) (the i-th summand, e.g. g[i]^2 in fp32):
- *   rowsum_X(x, off, stride, n): row_sum<acc_t, ScalarLoadPolicy> (4-way ILP over n strided
- *       elements, each a 4-level cascade), used for short rows and "B"-order columns;
- *   inner_X(x, off, n, W): vectorized_inner_sum over a contiguous run of n >= W elements:
- *       row_sum over W-lane vectors, then the scalar tail, then the lanes.
+ * For each element type LOAD(x, i) (the i-th summand, e.g. g[i]^2 in fp32), sum_X_w(x, off,
+ * stride, n, W) is
+ *   W == 1: row_sum<acc_t, ScalarLoadPolicy> (4-way ILP over n elements `stride` apart, each a
+ *       4-level cascade), used for short rows and "B"-order columns;
+ *   W > 1: vectorized_inner_sum over a contiguous run of n >= W elements (stride 1): row_sum
+ *       over W-lane vectors, then the scalar tail, then the lanes;
+ * and inner_X(x, off, n, W) picks between them for a contiguous run, as torch does.  (For W == 1
+ * the closing `0 + acc` is row_sum's plain result: acc starts at +0, so it is never -0.)
  * A result is stored by torch as `out(=0) += value`, hence the `0 +` at the call sites.
  */
 #define LD_SQ_F32(x, i) (((const float *)(x))[i] * ((const float *)(x))[i])
@@ -90,35 +87,8 @@ static inline int level_power(int64_t size) {
 #define LD_F64(x, i) (((const double *)(x))[i])
 
 #define DEF_SUMS(SUF, ACC, LOAD)                                                                \
-    static ACC rowsum_##SUF(const void *x, int64_t off, int64_t stride, int64_t n) {            \
-        const int64_t sz = n / 4;                                                               \
-        const int lp = level_power(sz);                                                         \
-        const int64_t step = (int64_t)1 << lp, mask = step - 1;                                 \
-        ACC acc[4][4];                                                                          \
-        memset(acc, 0, sizeof acc);                                                             \
-        int64_t i = 0;                                                                          \
-        while (i + step <= sz) {                                                                \
-            for (int64_t j = 0; j < step; ++j, ++i)                                             \
-                for (int k = 0; k < 4; ++k) acc[0][k] += LOAD(x, off + (4 * i + k) * stride);   \
-            for (int lv = 1; lv < 4; ++lv) {                                                    \
-                for (int k = 0; k < 4; ++k) {                                                   \
-                    acc[lv][k] += acc[lv - 1][k];                                               \
-                    acc[lv - 1][k] = 0;                                                         \
-                }                                                                               \
-                if (i & (mask << (lv * lp))) break;                                             \
-            }                                                                                   \
-        }                                                                                       \
-        for (; i < sz; ++i)                                                                     \
-            for (int k = 0; k < 4; ++k) acc[0][k] += LOAD(x, off + (4 * i + k) * stride);       \
-        for (int lv = 1; lv < 4; ++lv)                                                          \
-            for (int k = 0; k < 4; ++k) acc[0][k] += acc[lv][k];                                \
-        for (int64_t e = sz * 4; e < n; ++e) acc[0][0] += LOAD(x, off + e * stride);            \
-        for (int k = 1; k < 4; ++k) acc[0][0] += acc[0][k];                                     \
-        return acc[0][0];                                                                       \
-    }                                                                                           \
-    static inline __attribute__((always_inline)) ACC inner_##SUF##_w(const void *x, int64_t off, \
-                                                                     int64_t n, const int W) { \
-        if (n < W) return rowsum_##SUF(x, off, 1, n);                                           \
+    static inline __attribute__((always_inline)) ACC sum_##SUF##_w(                              \
+        const void *x, int64_t off, int64_t stride, int64_t n, const int W) {                   \
         const int L = 4 * W;                                                                    \
         const int64_t vs = n / W, sz = vs / 4;                                                  \
         const int lp = level_power(sz);                                                         \
@@ -128,10 +98,8 @@ static inline int level_power(int64_t size) {
             for (int e = 0; e < L; ++e) acc[lv][e] = 0;                                         \
         int64_t i = 0;                                                                          \
         while (i + step <= sz) {                                                                \
-            for (int64_t j = 0; j < step; ++j, ++i) {                                           \
-                const int64_t base = off + i * L;                                               \
-                for (int e = 0; e < L; ++e) acc[0][e] += LOAD(x, base + e);                     \
-            }                                                                                   \
+            for (int64_t j = 0; j < step; ++j, ++i)                                             \
+                for (int e = 0; e < L; ++e) acc[0][e] += LOAD(x, off + (i * L + e) * stride);   \
             for (int lv = 1; lv < 4; ++lv) {                                                    \
                 for (int e = 0; e < L; ++e) {                                                   \
                     acc[lv][e] += acc[lv - 1][e];                                               \
@@ -140,26 +108,25 @@ static inline int level_power(int64_t size) {
                 if (i & (mask << (lv * lp))) break;                                             \
             }                                                                                   \
         }                                                                                       \
-        for (; i < sz; ++i) {                                                                   \
-            const int64_t base = off + i * L;                                                   \
-            for (int e = 0; e < L; ++e) acc[0][e] += LOAD(x, base + e);                         \
-        }                                                                                       \
+        for (; i < sz; ++i)                                                                     \
+            for (int e = 0; e < L; ++e) acc[0][e] += LOAD(x, off + (i * L + e) * stride);       \
         for (int lv = 1; lv < 4; ++lv)                                                          \
             for (int e = 0; e < L; ++e) acc[0][e] += acc[lv][e];                                \
         for (int64_t v = sz * 4; v < vs; ++v)                                                   \
-            for (int l = 0; l < W; ++l) acc[0][l] += LOAD(x, off + v * W + l);                  \
+            for (int l = 0; l < W; ++l) acc[0][l] += LOAD(x, off + (v * W + l) * stride);       \
         for (int k = 1; k < 4; ++k)                                                             \
             for (int l = 0; l < W; ++l) acc[0][l] += acc[0][k * W + l];                         \
         ACC fin = 0;                                                                            \
-        for (int64_t e = vs * W; e < n; ++e) fin += LOAD(x, off + e);                           \
+        for (int64_t e = vs * W; e < n; ++e) fin += LOAD(x, off + e * stride);                  \
         for (int l = 0; l < W; ++l) fin += acc[0][l];                                           \
         return fin;                                                                             \
     }                                                                                           \
     static ACC inner_##SUF(const void *x, int64_t off, int64_t n, int W) {                      \
-        switch (W) {                                                                            \
-        case 4: return inner_##SUF##_w(x, off, n, 4);                                           \
-        case 8: return inner_##SUF##_w(x, off, n, 8);                                           \
-        default: return inner_##SUF##_w(x, off, n, 16);                                         \
+        switch (n < W ? 1 : W) {                                                                \
+        case 1: return sum_##SUF##_w(x, off, 1, n, 1);                                          \
+        case 4: return sum_##SUF##_w(x, off, 1, n, 4);                                          \
+        case 8: return sum_##SUF##_w(x, off, 1, n, 8);                                          \
+        default: return sum_##SUF##_w(x, off, 1, n, 16);                                        \
         }                                                                                       \
     }
 
@@ -175,14 +142,9 @@ DEF_SUMS(f64, double, LD_F64)
 /* ----- AVX2 + FMA helpers (the same roundings, 8 lanes at a time) -------------------------- */
 #define CLONES __attribute__((target_clones("avx2", "default")))
 
-static int cpu_has_avx2(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 /* inner_sq_*_w(.., 8) with 8-lane registers: one multi_row_sum cascade over quads of vectors. */
 static AVX2 float inner_sq_avx2(const void *g, int dt, int64_t off, int64_t n) {
-    if (n < 8) return dt == DT_F32 ? rowsum_sq_f32(g, off, 1, n) : rowsum_sq_bf16(g, off, 1, n);
+    if (n < 8) return dt == DT_F32 ? inner_sq_f32(g, off, n, 8) : inner_sq_bf16(g, off, n, 8); /* row_sum */
     const int64_t vs = n / 8, sz = vs / 4;
     const int lp = level_power(sz);
     const int64_t step = (int64_t)1 << lp, mask = step - 1;
@@ -236,65 +198,57 @@ static AVX2 float inner_sq_avx2(const void *g, int dt, int64_t off, int64_t n) {
 }
 #else
 #define CLONES
-static int cpu_has_avx2(void) { return 0; }
 #endif
-
-static int use_avx2 = -1; /* resolved once: CPU support and not forced off */
-
-static inline int avx2_on(void) {
-    if (use_avx2 < 0) use_avx2 = cpu_has_avx2();
-    return use_avx2 && !force_portable;
-}
 
 /* sum of g[off .. off+n)^2 over one contiguous run, as vectorized_inner_sum computes it */
-static inline float inner_sq(const void *g, int dt, int64_t off, int64_t n, int W) {
+static inline float inner_sq(const void *g, int dt, int64_t off, int64_t n, int W, int avx2) {
 #if GEFEN_X86
-    if (W == 8 && avx2_on()) return inner_sq_avx2(g, dt, off, n);
+    if (W == 8 && avx2) return inner_sq_avx2(g, dt, off, n);
 #endif
+    (void)avx2;
     return dt == DT_F32 ? inner_sq_f32(g, off, n, W) : inner_sq_bf16(g, off, n, W);
 }
 
-/* fp32 sum of g[off .. off+n)^2 as torch sums it; `single` = the reduction has one output
- * (then TensorIterator::parallel_reduce may use its two-pass, per-thread-chunk strategy). */
-static float tsum_sq(const void *g, int dt, int64_t off, int64_t n, int W, int T, int single) {
-    if (!single || n < GRAIN || T <= 1) return 0.0f + inner_sq(g, dt, off, n, W);
-    float buf[MAX_T];
-    int64_t nt = min64(T, divup(n, GRAIN)), chunk = divup(n, nt);
-    for (int t = 0; t < T; ++t) buf[t] = 0.0f;
-    for (int64_t t = 0; t < nt; ++t) {
-        int64_t b = t * chunk;
-        if (b >= n) break;
-        buf[t] = 0.0f + inner_sq(g, dt, off + b, min64(chunk, n - b), W);
-    }
+/* the same in float64 ((double)(g^2) summed), and row_sum's strided form of it */
+static inline double inner_sqd(const void *g, int dt, int64_t off, int64_t n, int Wd) {
+    return dt == DT_F32 ? inner_sqd_f32(g, off, n, Wd) : inner_sqd_bf16(g, off, n, Wd);
+}
+static inline double rowsum_sqd(const void *g, int dt, int64_t off, int64_t stride, int64_t n) {
+    return dt == DT_F32 ? sum_sqd_f32_w(g, off, stride, n, 1) : sum_sqd_bf16_w(g, off, stride, n, 1);
+}
+
+/* TensorIterator::parallel_reduce's two-pass strategy for a reduction with one output: n >= GRAIN
+ * summands and T > 1 torch threads are summed in chunks of the returned length (0: one pass), one
+ * partial per thread, then the T partials are summed.  The three sums below follow it. */
+static int64_t two_pass_chunk(int64_t n, int T) {
+    return n < GRAIN || T <= 1 ? 0 : divup(n, min64(T, divup(n, GRAIN)));
+}
+
+/* fp32 sum of g[off .. off+n)^2 as torch sums it; `single` = the reduction has one output. */
+static float tsum_sq(const void *g, int dt, int64_t off, int64_t n, int W, int T, int single, int avx2) {
+    const int64_t chunk = single ? two_pass_chunk(n, T) : 0;
+    if (!chunk) return 0.0f + inner_sq(g, dt, off, n, W, avx2);
+    float buf[MAX_T] = {0};
+    for (int64_t b = 0, t = 0; b < n; b += chunk, ++t)
+        buf[t] = 0.0f + inner_sq(g, dt, off + b, min64(chunk, n - b), W, avx2);
     return 0.0f + inner_f32(buf, 0, T, W);
 }
 
 /* float64 sum of (double)x[i] over a float array (v_row.sum(dtype=float64)), one output. */
 static double tsum_d_f32(const float *x, int64_t n, int Wd, int T) {
-    if (n < GRAIN || T <= 1) return 0.0 + inner_d_f32(x, 0, n, Wd);
-    double buf[MAX_T];
-    int64_t nt = min64(T, divup(n, GRAIN)), chunk = divup(n, nt);
-    for (int t = 0; t < T; ++t) buf[t] = 0.0;
-    for (int64_t t = 0; t < nt; ++t) {
-        int64_t b = t * chunk;
-        if (b >= n) break;
-        buf[t] = 0.0 + inner_d_f32(x, b, min64(chunk, n - b), Wd);
-    }
+    const int64_t chunk = two_pass_chunk(n, T);
+    if (!chunk) return 0.0 + inner_d_f32(x, 0, n, Wd);
+    double buf[MAX_T] = {0};
+    for (int64_t b = 0, t = 0; b < n; b += chunk, ++t) buf[t] = 0.0 + inner_d_f32(x, b, min64(chunk, n - b), Wd);
     return 0.0 + inner_f64(buf, 0, T, Wd);
 }
 
 /* float64 sum of (double)(g^2) over a contiguous run, one output (column sums when cols == 1). */
 static double tsum_sqd(const void *g, int dt, int64_t n, int Wd, int T) {
-    if (n < GRAIN || T <= 1) return 0.0 + (dt == DT_F32 ? inner_sqd_f32(g, 0, n, Wd) : inner_sqd_bf16(g, 0, n, Wd));
-    double buf[MAX_T];
-    int64_t nt = min64(T, divup(n, GRAIN)), chunk = divup(n, nt);
-    for (int t = 0; t < T; ++t) buf[t] = 0.0;
-    for (int64_t t = 0; t < nt; ++t) {
-        int64_t b = t * chunk;
-        if (b >= n) break;
-        int64_t len = min64(chunk, n - b);
-        buf[t] = 0.0 + (dt == DT_F32 ? inner_sqd_f32(g, b, len, Wd) : inner_sqd_bf16(g, b, len, Wd));
-    }
+    const int64_t chunk = two_pass_chunk(n, T);
+    if (!chunk) return 0.0 + inner_sqd(g, dt, 0, n, Wd);
+    double buf[MAX_T] = {0};
+    for (int64_t b = 0, t = 0; b < n; b += chunk, ++t) buf[t] = 0.0 + inner_sqd(g, dt, b, min64(chunk, n - b), Wd);
     return 0.0 + inner_f64(buf, 0, T, Wd);
 }
 
@@ -330,6 +284,28 @@ static int64_t a_columns(int64_t n, int Wd) {
     return n >= Wd ? n / (4 * Wd) * (4 * Wd) : n / 4 * 4;
 }
 
+/* acc[c] += (double)(g[off + c]^2), c < n */
+static CLONES void add_sq_row(double *acc, const void *g, int dt, int64_t off, int64_t n) {
+    if (dt == DT_F32) {
+        const float *src = (const float *)g + off;
+        for (int64_t c = 0; c < n; ++c) acc[c] += (double)(src[c] * src[c]);
+    } else {
+        const uint16_t *src = (const uint16_t *)g + off;
+        for (int64_t c = 0; c < n; ++c) {
+            float v = bf16_to_f32(src[c]);
+            acc[c] += (double)(v * v);
+        }
+    }
+}
+
+/* one cascade level into the next: hi += lo, lo = 0 */
+static CLONES void flush_into(double *hi, double *lo, int64_t n) {
+    for (int64_t c = 0; c < n; ++c) {
+        hi[c] += lo[c];
+        lo[c] = 0.0;
+    }
+}
+
 /* "A" order for columns [c0, c1): acc holds 4 levels x (c1 - c0) doubles. */
 static CLONES void colsum_A(const void *g, int dt, int64_t rows, int64_t cols, int64_t c0, int64_t c1,
                      double *acc, double *out) {
@@ -339,32 +315,14 @@ static CLONES void colsum_A(const void *g, int dt, int64_t rows, int64_t cols, i
     const int lp = level_power(rows);
     const int64_t step = (int64_t)1 << lp, mask = step - 1;
     int64_t i = 0;
-#define GEFEN_ADD_ROW(row)                                                             \
-    do {                                                                               \
-        if (dt == DT_F32) {                                                            \
-            const float *src = (const float *)g + (row) * cols + c0;                   \
-            for (int64_t c = 0; c < nc; ++c) a0[c] += (double)(src[c] * src[c]);       \
-        } else {                                                                       \
-            const uint16_t *src = (const uint16_t *)g + (row) * cols + c0;             \
-            for (int64_t c = 0; c < nc; ++c) {                                         \
-                float v = bf16_to_f32(src[c]);                                         \
-                a0[c] += (double)(v * v);                                              \
-            }                                                                          \
-        }                                                                              \
-    } while (0)
     while (i + step <= rows) {
-        for (int64_t j = 0; j < step; ++j, ++i) GEFEN_ADD_ROW(i);
+        for (int64_t j = 0; j < step; ++j, ++i) add_sq_row(a0, g, dt, i * cols + c0, nc);
         for (int lv = 1; lv < 4; ++lv) {
-            double *hi = lvl[lv], *lo = lvl[lv - 1];
-            for (int64_t c = 0; c < nc; ++c) {
-                hi[c] += lo[c];
-                lo[c] = 0.0;
-            }
+            flush_into(lvl[lv], lvl[lv - 1], nc);
             if (i & (mask << (lv * lp))) break;
         }
     }
-    for (; i < rows; ++i) GEFEN_ADD_ROW(i);
-#undef GEFEN_ADD_ROW
+    for (; i < rows; ++i) add_sq_row(a0, g, dt, i * cols + c0, nc);
     for (int lv = 1; lv < 4; ++lv)
         for (int64_t c = 0; c < nc; ++c) a0[c] += lvl[lv][c];
     for (int64_t c = 0; c < nc; ++c) out[c0 + c] = 0.0 + a0[c];
@@ -381,7 +339,7 @@ static void column_sums(const void *g, int dt, int64_t rows, int64_t cols, int W
     /* B columns: few (< 4 vectors per torch range), strided, serial */
     for (int r = 0; r < nr; ++r) {
         for (int64_t j = rb[r] + a_columns(re[r] - rb[r], Wd); j < re[r]; ++j)
-            out[j] = 0.0 + (dt == DT_F32 ? rowsum_sqd_f32(g, j, cols, rows) : rowsum_sqd_bf16(g, j, cols, rows));
+            out[j] = 0.0 + rowsum_sqd(g, dt, j, cols, rows);
     }
     /* A columns: split into pieces of <= `piece` columns, pieces spread over threads */
     int64_t piece = cols / (nthreads > 0 ? nthreads : 1);
@@ -421,14 +379,6 @@ static void column_sums(const void *g, int dt, int64_t rows, int64_t cols, int W
     }
 }
 
-static int max_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
 /* ----- phase 1: second_moment_partials (m8) and m4v4_partials -----------------------------
  * v_row_new = v_row * b2 + mean_cols(g^2) * (1 - b2)          (fp32, two products and a sum)
  * partials  = [sum_rows(g^2) as float64..., sum(v_row_new) as float64 (, m4v4: sum(v_row) too)]
@@ -437,15 +387,15 @@ static int max_threads(void) {
  * first); `single` = the matrix has one row (then torch may take its two-pass strategy). */
 static double row_sumd(const void *g, int dt, int64_t r, int64_t cols, int Wd, int T, int single) {
     if (single) return tsum_sqd((const char *)g + r * cols * (dt == DT_F32 ? 4 : 2), dt, cols, Wd, T);
-    return 0.0 + (dt == DT_F32 ? inner_sqd_f32(g, r * cols, cols, Wd) : inner_sqd_bf16(g, r * cols, cols, Wd));
+    return 0.0 + inner_sqd(g, dt, r * cols, cols, Wd);
 }
 
 /* Row r's mean of g^2 as each layout's reference forms it: m8 sq.mean(1) (fp32 sum / cols), m4v4
- * fp32(sq.sum(1, dtype=float64) / len) with len the global row length. */
+ * fp32(sq.sum(1, dtype=float64) / cols). */
 static float row_mean_sq(const void *g, int dt, int64_t r, int64_t cols, int W, int T, int single, int m4v4,
-                         double len) {
-    if (m4v4) return (float)(row_sumd(g, dt, r, cols, W / 2, T, single) / len);
-    return tsum_sq(g, dt, r * cols, cols, W, T, single) / (float)cols;
+                         int avx2) {
+    if (m4v4) return (float)(row_sumd(g, dt, r, cols, W / 2, T, single) / (double)cols);
+    return tsum_sq(g, dt, r * cols, cols, W, T, single, avx2) / (float)cols;
 }
 
 /* ----- phase 1 in one pass --------------------------------------------------------------------
@@ -461,31 +411,10 @@ typedef struct {
     const float *v_row_old;
     float *v_row_new;
     float b2, o2;
-    int m4v4;   /* row statistics of the m4v4 layout (see row_mean_sq) */
-    double len; /* m4v4: the global row length */
+    int m4v4, avx2; /* row statistics of the m4v4 layout (see row_mean_sq); AVX2 allowed */
     double *c2;   /* [nfull][cols]: level-2 chunk sums */
     double *tail; /* [2][cols]: the last, partial chunk's level-1 sum and trailing rows */
 } p1ctx;
-
-static CLONES void add_sq_row(double *acc, const void *g, int dt, int64_t off, int64_t n) {
-    if (dt == DT_F32) {
-        const float *src = (const float *)g + off;
-        for (int64_t c = 0; c < n; ++c) acc[c] += (double)(src[c] * src[c]);
-    } else {
-        const uint16_t *src = (const uint16_t *)g + off;
-        for (int64_t c = 0; c < n; ++c) {
-            float v = bf16_to_f32(src[c]);
-            acc[c] += (double)(v * v);
-        }
-    }
-}
-
-static CLONES void flush_into(double *hi, double *lo, int64_t n) {
-    for (int64_t c = 0; c < n; ++c) {
-        hi[c] += lo[c];
-        lo[c] = 0.0;
-    }
-}
 
 /* Level-2 chunks [k0, k1) (the partial last chunk is index nfull); acc: 2 * cols doubles. */
 static void phase1_chunks(const p1ctx *x, int64_t k0, int64_t k1, double *acc) {
@@ -496,7 +425,7 @@ static void phase1_chunks(const p1ctx *x, int64_t k0, int64_t k1, double *acc) {
         memset(acc, 0, (size_t)(2 * cols) * sizeof(double));
         int64_t in_chunk1 = 0;
         for (int64_t r = r0; r < r1; ++r) {
-            float mean = row_mean_sq(x->g, x->dt, r, cols, x->W, x->T, 0, x->m4v4, x->len);
+            float mean = row_mean_sq(x->g, x->dt, r, cols, x->W, x->T, 0, x->m4v4, x->avx2);
             x->v_row_new[r] = x->v_row_old[r] * x->b2 + mean * x->o2;
             add_sq_row(a0, x->g, x->dt, r * cols, cols);
             if (++in_chunk1 == x->S) {
@@ -534,12 +463,12 @@ static void combine_chunks(const p1ctx *x, int lp, int has_tail, int64_t c0, int
 /* Returns 0, or -1 when it does not apply / is out of memory (then nothing useful was written). */
 static int phase1_one_pass(const void *grad, int dt, int64_t rows, int64_t cols, const float *v_row_old,
                            float *v_row_new, double *partials, float b2, float o2, int W, int T, int nthreads,
-                           int m4v4, double len) {
+                           int m4v4, int avx2) {
     const int lp = level_power(rows);
     const int64_t S = (int64_t)1 << lp, S2 = S * S;
     const int64_t nfull = rows / S2, nchunks = divup(rows, S2);
     if (cols < 2 || nchunks < nthreads || (rows == 1 && cols >= GRAIN && T > 1)) return -1;
-    p1ctx x = {grad, dt, W, T, rows, cols, S, S2, nfull, v_row_old, v_row_new, b2, o2, m4v4, len, NULL, NULL};
+    p1ctx x = {grad, dt, W, T, rows, cols, S, S2, nfull, v_row_old, v_row_new, b2, o2, m4v4, avx2, NULL, NULL};
     x.c2 = (double *)malloc((size_t)(nfull * cols + 2 * cols) * sizeof(double));
     double *accs = (double *)malloc((size_t)nthreads * (size_t)(2 * cols) * sizeof(double));
     if (!x.c2 || !accs) {
@@ -551,17 +480,11 @@ static int phase1_one_pass(const void *grad, int dt, int64_t rows, int64_t cols,
     const int has_tail = nchunks > nfull;
 #pragma omp parallel
     {
-        int tid = 0, nt = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        int64_t per = nchunks / nt, extra = nchunks % nt;
-        int64_t k0 = tid * per + (tid < extra ? tid : extra), k1 = k0 + per + (tid < extra ? 1 : 0);
-        phase1_chunks(&x, k0, k1, accs + (size_t)tid * (size_t)(2 * cols));
+        int64_t k0, k1, c0, c1;
+        thread_range(nchunks, &k0, &k1);
+        phase1_chunks(&x, k0, k1, accs + (size_t)thread_id() * (size_t)(2 * cols));
 #pragma omp barrier
-        int64_t cper = cols / nt, cextra = cols % nt;
-        int64_t c0 = tid * cper + (tid < cextra ? tid : cextra), c1 = c0 + cper + (tid < cextra ? 1 : 0);
+        thread_range(cols, &c0, &c1);
         combine_chunks(&x, lp, has_tail, c0, c1, partials);
     }
     free(x.c2);
@@ -571,23 +494,27 @@ static int phase1_one_pass(const void *grad, int dt, int64_t rows, int64_t cols,
     const int Wd = W / 2, nr = col_ranges(rows, cols, T, rb, re);
     for (int r = 0; r < nr; ++r)
         for (int64_t j = rb[r] + a_columns(re[r] - rb[r], Wd); j < re[r]; ++j)
-            partials[j] = 0.0 + (dt == DT_F32 ? rowsum_sqd_f32(grad, j, cols, rows) : rowsum_sqd_bf16(grad, j, cols, rows));
+            partials[j] = 0.0 + rowsum_sqd(grad, dt, j, cols, rows);
     return 0;
 }
 
-/* Phase 1 of either layout; m4v4 adds sum(v_row_old) at partials[cols + 1]. */
-static int partials_impl(const void *grad, int32_t gdt, int64_t rows, int64_t cols, const float *v_row_old,
-                         float *v_row_new, double *partials, double beta2, double omb2, int32_t W, int32_t T, int m4v4,
-                         int64_t len) {
-    if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0 || len < 1) return -2;
+/* Phase 1 of either layout (second_moment_partials; m4v4: m4v4_partials, whose row statistics
+ * are float64 sums divided by the row length and rounded once, and which adds sum(v_row_old)):
+ *   v_row_new = v_row * b2 + fp32(sum_cols(g^2) / cols) * (1 - b2)
+ *   partials  = [sum_rows(g^2) as float64..., sum(v_row_new) (, sum(v_row_old))]
+ * The mode only chooses the kernels (isa). */
+GEFEN_EXPORT int gefen_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols, const float *v_row_old,
+                                float *v_row_new, double *partials, double beta2, double omb2, int32_t W, int32_t T,
+                                int32_t m4v4, const gefen_mode *mode) {
+    if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0 || !mode) return -2;
     const float b2 = (float)beta2, o2 = (float)omb2;
-    const int single = rows == 1, nthreads = max_threads();
+    const int single = rows == 1, nthreads = max_threads(), avx2 = call_isa(mode) >= 1;
     if (rows * cols < PAR_MIN || phase1_one_pass(grad, gdt, rows, cols, v_row_old, v_row_new, partials, b2, o2, W, T,
-                                                 nthreads, m4v4, (double)len) != 0) {
+                                                 nthreads, m4v4, avx2) != 0) {
         int64_t r = 0;
 #pragma omp parallel for schedule(static) if (rows * cols >= PAR_MIN)
         for (r = 0; r < rows; ++r) {
-            float mean = row_mean_sq(grad, gdt, r, cols, W, T, single, m4v4, (double)len);
+            float mean = row_mean_sq(grad, gdt, r, cols, W, T, single, m4v4, avx2);
             v_row_new[r] = v_row_old[r] * b2 + mean * o2;
         }
         column_sums(grad, gdt, rows, cols, W / 2, T, partials, nthreads);
@@ -595,22 +522,6 @@ static int partials_impl(const void *grad, int32_t gdt, int64_t rows, int64_t co
     partials[cols] = tsum_d_f32(v_row_new, rows, W / 2, T);
     if (m4v4) partials[cols + 1] = tsum_d_f32(v_row_old, rows, W / 2, T);
     return 0;
-}
-
-GEFEN_EXPORT int gefen_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols,
-                                const float *v_row_old, float *v_row_new, double *partials,
-                                double beta2, double omb2, int32_t W, int32_t T) {
-    return partials_impl(grad, gdt, rows, cols, v_row_old, v_row_new, partials, beta2, omb2, W, T, 0, cols);
-}
-
-/* m4v4's phase 1 (functional.m4v4_partials): row statistics are float64 sums divided by the
- * global row length and rounded once,
- *   v_row_new = v_row * b2 + fp32(sum_cols(g^2) / global_cols) * (1 - b2)
- *   partials  = [sum_rows(g^2) as float64..., sum(v_row_new), sum(v_row_old)]   (cols + 2 values) */
-GEFEN_EXPORT int gefen_m4v4_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols, int64_t global_cols,
-                                     const float *v_row_old, float *v_row_new, double *partials, double beta2,
-                                     double omb2, int32_t W, int32_t T) {
-    return partials_impl(grad, gdt, rows, cols, v_row_old, v_row_new, partials, beta2, omb2, W, T, 1, global_cols);
 }
 
 /* ----- the quantiser ------------------------------------------------------------------------ */
@@ -652,8 +563,7 @@ GEFEN_EXPORT int gefen_build_lut(const float *thr, int32_t nthr, int32_t M, int3
 /* ----- phase 2: the update ------------------------------------------------------------------ */
 
 typedef struct {
-    void *param;
-    const void *grad;
+    GEFEN_ARGS_HEAD;
     uint8_t *codes;
     float *scales;
     float *v;               /* block second moment [rows*bpr] (block path) */
@@ -661,13 +571,11 @@ typedef struct {
     float *v_row;           /* factored: state, overwritten with v_row_new */
     float *v_col;           /* factored: state, EMA updated here */
     const double *partials; /* factored: globally summed [cols + 1] */
-    int64_t *step_ptr;      /* state["step"], or NULL (caller writes it) */
     const float *codebook;  /* [K] */
     const float *thr;       /* [258]: code_thresholds padded with +inf */
     const uint16_t *lut;    /* [lut_M + 1] (gefen_build_lut), unused when lut_M == 0 (binary search) */
-    int64_t rows, bpr, period, global_rows, step;
-    double omb1, beta2, omb2, bias1, bias2_sqrt, eps, neg_lr, decay;
-    int32_t param_dtype, grad_dtype, K, lut_M, W, T, has_wd, factored;
+    int64_t rows, bpr, period, global_rows;
+    int32_t K, lut_M, W, T, factored;
     int32_t scale_mode; /* 0: torch.maximum(amax, -amin) (gefen.quant today); 1: abs().amax() */
     int32_t momentum_only; /* 1: only m = lerp(m, g, omb1) re-quantised, dequantised into m_out
                               (gefen.functional.update_momentum_, GefenMuon's momentum) */
@@ -677,10 +585,12 @@ typedef struct {
 typedef struct {
     const gefen_step_args *a;
     int64_t P, NB, cols;
-    float w1, b2, o2, b1, b2s, eps, nlr, decay, rm, hm;
+    hyper_f32 s;
+    float rm, hm;
     float lerp_coeff; /* lerp weight, or weight - 1 when |weight| >= 0.5 (ATen's lerp) */
     int lerp_small;   /* |weight| < 0.5: lerp = fma(w, end - self, self), else fma(w - 1, end - self, end) */
     int vec2;         /* 2 * W: torch's elementwise vector step */
+    int avx2;         /* the call may run the AVX2 kernels */
 } kctx;
 
 /* The block scale as gefen.quant.quantise forms it.  scale_mode 0: torch.maximum(amax, -amin)
@@ -729,56 +639,23 @@ static inline int32_t bucket_or_nan(const kctx *c, float x) {
     return x != x ? c->a->lut_M : bucket_of(x, c->hm, c->a->lut_M);
 }
 
-static inline float load_p(const gefen_step_args *a, int64_t i) {
-    return a->param_dtype == DT_F32 ? ((float *)a->param)[i] : bf16_to_f32(((uint16_t *)a->param)[i]);
-}
-static inline void store_p(const gefen_step_args *a, int64_t i, float v) {
-    if (a->param_dtype == DT_F32) ((float *)a->param)[i] = v;
-    else ((uint16_t *)a->param)[i] = f32_to_bf16(v);
-}
-
-/* ----- square roots ---------------------------------------------------------------------------
- * torch.sqrt on CPU is MKL's vmsSqrt (VML_HA) when torch is built with MKL, which is not always
- * correctly rounded (about 0.75 ulp here).  gefen.native hands us the very function torch calls
- * (exported by libtorch_cpu) so both paths round alike; without it we use IEEE sqrtf, which is
- * what torch's own vectorised sqrt computes.  Calibration checks whichever is in use. */
-typedef void (*vms_sqrt_fn)(int n, const float *a, float *r, long long mode);
-typedef int (*mkl_threads_fn)(int n);
-static vms_sqrt_fn vms_sqrt = NULL;
-/* MKL_Set_Num_Threads_Local (C ABI: the lowercase symbol is the Fortran one): our OpenMP threads call MKL one row at a time; left to itself MKL
- * would try to thread each call (2 threads ran at 1.4x instead of 2x). */
-static mkl_threads_fn mkl_threads_local = NULL;
-#define VML_MODE 0x140102LL /* VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as ATen's vml.h */
-
-static void sqrt_n(float *x, int64_t n) {
-    if (vms_sqrt) {
-        while (n > 0) {
-            int k = n > (1 << 30) ? (1 << 30) : (int)n;
-            vms_sqrt(k, x, x, VML_MODE);
-            x += k;
-            n -= k;
-        }
-        return;
-    }
-    for (int64_t i = 0; i < n; ++i) x[i] = sqrtf(x[i]);
-}
-
+/* ----- square roots (torch's: the call's mode, see gefen_common.h) ----------------------------- */
 static CLONES void scale_shift(float *q, int64_t n, float b2s, float eps) {
     for (int64_t i = 0; i < n; ++i) q[i] = q[i] / b2s + eps;
 }
 
 /* den[i] = sqrt(q[i]) / sqrt(1 - b2^t) + eps, in place. */
 static void finish_denominators(const kctx *c, float *q, int64_t n) {
-    sqrt_n(q, n);
-    scale_shift(q, n, c->b2s, c->eps);
+    mode_sqrt_n(c->a->mode, q, n);
+    scale_shift(q, n, c->s.b2s, c->s.eps);
 }
 
 /* Block path: update v for blocks [b0, b1) and write their denominators to den. */
 static void block_denominators(const kctx *c, int64_t b0, int64_t b1, float *den) {
     const gefen_step_args *a = c->a;
     for (int64_t bi = b0; bi < b1; ++bi) {
-        float bs = tsum_sq(a->grad, a->grad_dtype, bi * c->P, c->P, a->W, a->T, c->NB == 1) / (float)c->P;
-        float v = fmaf(bs, c->o2, a->v[bi] * c->b2);
+        float bs = tsum_sq(a->grad, a->grad_dtype, bi * c->P, c->P, a->W, a->T, c->NB == 1, c->avx2) / (float)c->P;
+        float v = fmaf(bs, c->s.o2, a->v[bi] * c->s.b2);
         a->v[bi] = v;
         den[bi - b0] = v;
     }
@@ -792,7 +669,7 @@ static CLONES void outer_over(float *den, const float *vc, int64_t n, float vr, 
 /* Factored path: sqrt(v_row * v_col / mean(v_row)) for row r, columns [j0, j1). */
 static void row_denominators(const kctx *c, int64_t r, int64_t j0, int64_t j1, float *den) {
     outer_over(den, c->a->v_col + j0, j1 - j0, c->a->v_row[r], c->rm);
-    sqrt_n(den, j1 - j0); /* "/ sqrt(1 - b2^t) + eps" happens in the block kernels (den_stride 1) */
+    mode_sqrt_n(c->a->mode, den, j1 - j0); /* "/ sqrt(1 - b2^t) + eps" happens in the block kernels (den_stride 1) */
 }
 
 /* ----- one block ------------------------------------------------------------------------------
@@ -839,11 +716,8 @@ static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, const
             a->m_out[off + e] = u;
             continue;
         }
-        u = u / c->b1;
-        u = u / (den_stride ? den[e] / c->b2s + c->eps : den[0]);
-        float p = load_p(a, off + e);
-        if (a->has_wd) p = p * c->decay;
-        store_p(a, off + e, fmaf(u, c->nlr, p));
+        update_param(a->param, a->param_dtype, off + e, u / c->s.bc1,
+                     den_stride ? den[e] / c->s.b2s + c->s.eps : den[0], &c->s, a->has_wd);
     }
     a->scales[bi] = scale;
 }
@@ -854,7 +728,7 @@ static void elementwise_portable(const kctx *c, int64_t i0, int64_t i1, float *d
     const float *cb = a->codebook;
     for (int64_t i = i0; i < i1; ++i) {
         float g = ld_g(a->grad, a->grad_dtype, i);
-        float v = fmaf(0.0f + g * g, c->o2, a->v[i] * c->b2);
+        float v = fmaf(0.0f + g * g, c->s.o2, a->v[i] * c->s.b2);
         a->v[i] = v;
         den[i - i0] = v;
     }
@@ -868,12 +742,7 @@ static void elementwise_portable(const kctx *c, int64_t i0, int64_t i1, float *d
             float x = m / scale;
             q = code_of(c, x, a->lut_M ? bucket_or_nan(c, x) : 0);
         }
-        float u = cb[q] * scale;
-        u = u / c->b1;
-        u = u / den[i - i0];
-        float p = load_p(a, i);
-        if (a->has_wd) p = p * c->decay;
-        store_p(a, i, fmaf(u, c->nlr, p));
+        update_param(a->param, a->param_dtype, i, cb[q] * scale / c->s.bc1, den[i - i0], &c->s, a->has_wd);
         a->codes[i] = (uint8_t)q;
         a->scales[i] = scale;
     }
@@ -917,17 +786,6 @@ static NOVEC void lookup_codes(const kctx *c, const float *x, const int32_t *b, 
 }
 
 #if GEFEN_X86
-static AVX2 inline __m256 ld8_p(const gefen_step_args *a, int64_t i) { return ld8_g(a->param, a->param_dtype, i); }
-
-static AVX2 inline void st8_p(const gefen_step_args *a, int64_t i, __m256 v) { st8_g(a->param, a->param_dtype, i, v); }
-
-static AVX2 float hmax8(__m256 v) {
-    float t[8];
-    _mm256_storeu_ps(t, v);
-    float m = t[0];
-    for (int i = 1; i < 8; ++i) m = t[i] > m ? t[i] : m;
-    return m;
-}
 static AVX2 float hmin8(__m256 v) {
     float t[8];
     _mm256_storeu_ps(t, v);
@@ -1001,36 +859,28 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, cons
         a->scales[bi] = scale;
         return;
     }
-    const __m256 b1 = _mm256_set1_ps(c->b1), nlr = _mm256_set1_ps(c->nlr), decay = _mm256_set1_ps(c->decay);
-    const __m256 vden_b = _mm256_set1_ps(den[0]), b2s = _mm256_set1_ps(c->b2s), eps = _mm256_set1_ps(c->eps);
+    const __m256 b1 = _mm256_set1_ps(c->s.bc1), vden_b = _mm256_set1_ps(den[0]);
+    const __m256 b2s = _mm256_set1_ps(c->s.b2s), eps = _mm256_set1_ps(c->s.eps);
+    const __m256 nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
     for (e = 0; e < P8; e += 8) {
         __m256 u = _mm256_div_ps(_mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale), b1);
         u = _mm256_div_ps(u, den_stride ? _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(den + e), b2s), eps) : vden_b);
-        __m256 p = ld8_p(a, off + e);
-        if (a->has_wd) p = _mm256_mul_ps(p, decay);
-        st8_p(a, off + e, _mm256_fmadd_ps(u, nlr, p));
+        update_param8(a->param, a->param_dtype, off + e, u, nlr, decay, a->has_wd);
     }
-    for (; e < P; ++e) {
-        float u = cbuf[e] * scale;
-        u = u / c->b1;
-        u = u / (den_stride ? den[e] / c->b2s + c->eps : den[0]);
-        float p = load_p(a, off + e);
-        if (a->has_wd) p = p * c->decay;
-        store_p(a, off + e, fmaf(u, c->nlr, p));
-    }
+    for (; e < P; ++e)
+        update_param(a->param, a->param_dtype, off + e, cbuf[e] * scale / c->s.bc1,
+                     den_stride ? den[e] / c->s.b2s + c->s.eps : den[0], &c->s, a->has_wd);
     a->scales[bi] = scale;
 }
 #endif
 
-static inline void one_block(const kctx *c, int64_t bi, const block_bufs *B, const float *den, int den_stride,
-                             int avx2) {
+static inline void one_block(const kctx *c, int64_t bi, const block_bufs *B, const float *den, int den_stride) {
 #if GEFEN_X86
-    if (avx2 && c->P >= 8) {
+    if (c->avx2 && c->P >= 8) {
         block_avx2(c, bi, B, den, den_stride);
         return;
     }
 #endif
-    (void)avx2;
     block_portable(c, bi, B, den, den_stride);
 }
 
@@ -1038,10 +888,10 @@ static inline void one_block(const kctx *c, int64_t bi, const block_bufs *B, con
 #define ELEM_CHUNK 4096         /* P == 1: elements per batch */
 
 /* Blocks [b0, b1) of one thread. den: den_len floats. */
-static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *B, float *den, int avx2) {
+static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *B, float *den) {
     const gefen_step_args *a = c->a;
     if (a->momentum_only) { /* no second moment, no parameter: blocks only (P == 1 included) */
-        for (int64_t bi = b0; bi < b1; ++bi) one_block(c, bi, B, den, 0, avx2);
+        for (int64_t bi = b0; bi < b1; ++bi) one_block(c, bi, B, den, 0);
         return;
     }
     if (!a->factored && c->P == 1) {
@@ -1054,7 +904,7 @@ static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *
         for (int64_t k0 = b0; k0 < b1; k0 += per) {
             int64_t k1 = min64(k0 + per, b1);
             block_denominators(c, k0, k1, den);
-            for (int64_t bi = k0; bi < k1; ++bi) one_block(c, bi, B, den + (bi - k0), 0, avx2);
+            for (int64_t bi = k0; bi < k1; ++bi) one_block(c, bi, B, den + (bi - k0), 0);
         }
         return;
     }
@@ -1064,7 +914,7 @@ static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *
         int64_t r = bi / bpr, end = min64((r + 1) * bpr, b1);
         int64_t j0 = (bi - r * bpr) * P, j1 = (end - r * bpr) * P;
         row_denominators(c, r, j0, j1, den);
-        for (int64_t k = bi; k < end; ++k) one_block(c, k, B, den + ((k - r * bpr) * P - j0), 1, avx2);
+        for (int64_t k = bi; k < end; ++k) one_block(c, k, B, den + ((k - r * bpr) * P - j0), 1);
         bi = end;
     }
 }
@@ -1075,30 +925,23 @@ static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *
  * Returns 0, -1 when out of memory (nothing modified), -2 on bad arguments (nothing modified). */
 GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
     if (a->T < 1 || a->T > MAX_T || (a->W != 8 && a->W != 16) || a->period < 1 || a->K < 2 || a->K > 256 ||
-        (a->lut_M && !a->lut) || (a->momentum_only && (!a->m_out || a->factored)))
+        (a->lut_M && !a->lut) || (a->momentum_only && (!a->m_out || a->factored)) || !a->mode)
         return -2;
     kctx c;
     c.a = a;
     c.P = a->period;
     c.NB = a->rows * a->bpr;
     c.cols = a->bpr * a->period;
-    c.w1 = (float)a->omb1;
-    c.lerp_small = fabsf(c.w1) < 0.5f;
-    c.lerp_coeff = c.lerp_small ? c.w1 : c.w1 - 1.0f;
-    c.b2 = (float)a->beta2;
-    c.o2 = (float)a->omb2;
-    c.b1 = (float)a->bias1;
-    c.b2s = (float)a->bias2_sqrt;
-    c.eps = (float)a->eps;
-    c.nlr = (float)a->neg_lr;
-    c.decay = (float)a->decay;
+    c.s = HYPER_F32(a);
+    c.lerp_small = fabsf(c.s.o1) < 0.5f;
+    c.lerp_coeff = c.lerp_small ? c.s.o1 : c.s.o1 - 1.0f;
     c.hm = (float)(a->lut_M / 2);
     c.vec2 = 2 * a->W;
     c.rm = 0.0f;
+    c.avx2 = call_isa(a->mode) >= 1;
     const int64_t numel = c.NB * c.P;
     const int nthreads = max_threads();
     const int par = numel >= PAR_MIN && nthreads > 1;
-    const int avx2 = avx2_on();
     (void)par;
     const int64_t den_len = a->factored ? c.cols : ELEM_CHUNK;
     const int64_t stride = (c.P + 15) / 16 * 16 + 48; /* floats; odd multiple of 64 B apart (no 4K aliasing) */
@@ -1111,7 +954,7 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
         const double R = (double)a->global_rows;
         for (int64_t j = 0; j < c.cols; ++j) {
             float cm = (float)(a->partials[j] / R);
-            a->v_col[j] = fmaf(cm, c.o2, a->v_col[j] * c.b2);
+            a->v_col[j] = fmaf(cm, c.s.o2, a->v_col[j] * c.s.b2);
         }
         float rm = (float)(a->partials[c.cols] / R);
         c.rm = rm < FLT_MIN ? FLT_MIN : rm;
@@ -1120,40 +963,18 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
 
 #pragma omp parallel if (par)
     {
-        int tid = 0, nt = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        int64_t per = c.NB / nt, extra = c.NB % nt;
-        int64_t b0 = tid * per + (tid < extra ? tid : extra);
-        int64_t b1 = b0 + per + (tid < extra ? 1 : 0);
-        const int mkl_prev = mkl_threads_local ? mkl_threads_local(1) : 0;
-        float *mine = bufs + (size_t)tid * (size_t)per_thread;
+        int64_t b0, b1;
+        thread_range(c.NB, &b0, &b1);
+        const int mkl_prev = mode_threads_begin(a->mode);
+        float *mine = bufs + (size_t)thread_id() * (size_t)per_thread;
         block_bufs B = {mine, mine + stride, (int32_t *)(mine + 2 * stride)};
-        run_blocks(&c, b0, b1, &B, mine + 3 * stride, avx2);
-        if (mkl_threads_local) mkl_threads_local(mkl_prev);
+        run_blocks(&c, b0, b1, &B, mine + 3 * stride);
+        mode_threads_end(a->mode, mkl_prev);
     }
     free(bufs);
     return 0;
 }
 
 GEFEN_EXPORT int gefen_native_abi(void) { return GEFEN_ABI; }
-GEFEN_EXPORT int gefen_native_avx2(void) { return cpu_has_avx2(); }
-GEFEN_EXPORT void gefen_force_portable(int on) { force_portable = on; }
-GEFEN_EXPORT void gefen_set_sqrt(void *fn, void *threads_local) {
-    vms_sqrt = (vms_sqrt_fn)fn;
-    mkl_threads_local = fn ? (mkl_threads_fn)threads_local : NULL;
-}
-/* for m4v4_step.c (declared in gefen_common.h) */
-void gefen_sqrt_n(float *x, int64_t n) { sqrt_n(x, n); }
-int gefen_mkl_threads_local(int n) { return mkl_threads_local ? mkl_threads_local(n) : -1; }
-int gefen_avx2_on(void) { return avx2_on(); }
-
-GEFEN_EXPORT int gefen_has_openmp(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* the widest kernels this CPU runs (gefen_mode.isa: 0 portable, 1 AVX2, 2 AVX-512) */
+GEFEN_EXPORT int gefen_cpu_isa(void) { return cpu_isa(); }

@@ -23,11 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(_WIN32)
-#define GEFEN_EXPORT __declspec(dllexport)
-#else
-#define GEFEN_EXPORT __attribute__((visibility("default")))
-#endif
+#include "gefen_common.h"
 
 typedef struct {
     const double *W, *S1, *S2, *prev; /* prev = D_{t-1} */

@@ -9,12 +9,12 @@
  * Why parity holds without any calibration of its own: after phase 1 every value is a chain of
  * single IEEE fp32 operations (the file is compiled with -ffp-contract=off; the one fused
  * multiply-add is the final p + (-lr) * u, as torch's add(alpha=) computes it), lookups in
- * 16-entry tables, an exact max, uint32 hashing and torch's own square root (gefen_sqrt_n).
+ * 16-entry tables, an exact max, uint32 hashing and torch's own square root (the call's mode).
  * The encode's clamp of p to [0, 1] is left out: u is in [0, 1), so `u < p` decides the same.
  * Each row is done by one thread, so any thread split gives the same bits.  Three row kernels
  * give identical results: AVX-512 (16 lanes; a 16-entry table is one register, the encode a
  * 4-step binary search of permutes), AVX2 (8 lanes, a table in two registers) and portable C;
- * gefen_m4v4_isa / gefen_force_portable choose (tests compare them).  The AVX-512 kernel halves
+ * the call's mode caps which runs (tests compare them).  The AVX-512 kernel halves
  * phase 2's time on the CPUs that have it (measured: 76 -> 33 ms per 8.4M elements, one thread).
  */
 #include <float.h>
@@ -22,10 +22,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "gefen_common.h"
 
@@ -40,21 +36,17 @@
 #define H_MUL2 0x846CA68Bu
 
 typedef struct {
-    void *param;
-    const void *grad;
+    GEFEN_ARGS_HEAD;
     uint8_t *codes;         /* mv_code [rows * cols]: first-moment code | second-moment code << 4 */
     uint16_t *m_scale;      /* m_row_scale, bf16 [rows] */
     float *v_row;           /* [rows]: the old v_row in, v_row_new out */
     const float *v_row_new; /* [rows]: phase 1's v_row' */
     float *v_col;           /* [cols]: EMA-updated here */
     const double *partials; /* [cols + 2]: globally reduced column sums, S_new, S_old */
-    int64_t *step_ptr;      /* state["step"], or NULL (the caller writes it) */
     const float *codebook;  /* [16] first-moment codebook, sorted */
     const float *ratios;    /* [16] second-moment ratio table R, sorted */
-    int64_t rows, cols, global_rows, global_cols, row_offset, col_offset, step;
-    double beta1, omb1, beta2, omb2, bias1, bias2_sqrt, eps, neg_lr, decay;
+    int64_t rows, cols, global_rows, global_cols, row_offset, col_offset;
     uint32_t salt_m, salt_v;
-    int32_t param_dtype, grad_dtype, has_wd;
 } m4v4_args;
 
 /* a sorted 16-entry table and its spacings d[lo] = max(t[lo + 1] - t[lo], GUARD) */
@@ -66,7 +58,8 @@ typedef struct {
     const m4v4_args *a;
     sr_table M, V;
     const float *v_col_old;
-    float mean_new, mean_old, b1, o1, b2, o2, bc1, b2s, eps, nlr, decay;
+    hyper_f32 s;
+    float mean_new, mean_old;
     uint32_t key_m, key_v; /* t * H_STEP + salt * H_SALT */
 } m4ctx;
 
@@ -104,12 +97,6 @@ static inline uint32_t row_gidx(const m4v4_args *a, int64_t r) {
     return (uint32_t)((uint64_t)(a->row_offset + r) * (uint64_t)a->global_cols + (uint64_t)a->col_offset);
 }
 
-static inline float load_p(const m4v4_args *a, int64_t i) { return ld_g(a->param, a->param_dtype, i); }
-static inline void store_p(const m4v4_args *a, int64_t i, float v) {
-    if (a->param_dtype == DT_F32) ((float *)a->param)[i] = v;
-    else ((uint16_t *)a->param)[i] = f32_to_bf16(v);
-}
-
 /* ----- one row, portable --------------------------------------------------------------------
  * Pass 1: both old moments decoded, v re-encoded (vq = vhat_new * R[code] kept in den for the
  * square root), m's EMA kept in mbuf with its max |m|.  Pass 2: the row scale, m re-encoded,
@@ -127,12 +114,12 @@ static void row_pass1_portable(const m4ctx *c, int64_t r, int64_t j0, float a_ol
         const float g = ld_g(a->grad, a->grad_dtype, off + j);
         const float vh = a_new * a->v_col[j];
         float v = (a_old * c->v_col_old[j]) * c->V.t[code >> 4];
-        v = v * c->b2 + (g * g) * c->o2;
+        v = v * c->s.b2 + (g * g) * c->s.o2;
         const int q = encode(&c->V, v / (vh > FLT_MIN ? vh : FLT_MIN), uniform(g0 + (uint32_t)j, c->key_v));
         vc[j] = (uint8_t)q;
         den[j] = vh * c->V.t[q];
         float m = c->M.t[code & 15] * s_old;
-        m = m * c->b1 + g * c->o1;
+        m = m * c->s.b1 + g * c->s.o1;
         mbuf[j] = m;
         const float am = fabsf(m);
         bad |= am != am;
@@ -150,12 +137,8 @@ static void row_pass2_portable(const m4ctx *c, int64_t r, int64_t j0, float sf, 
     const uint32_t g0 = row_gidx(a, r);
     for (int64_t j = j0; j < C; ++j) {
         const int q = encode(&c->M, mbuf[j] / div, uniform(g0 + (uint32_t)j, c->key_m));
-        float u = c->M.t[q] * sf;
-        u = u / c->bc1;
-        u = u / (den[j] / c->b2s + c->eps);
-        float p = load_p(a, off + j);
-        if (a->has_wd) p = p * c->decay;
-        store_p(a, off + j, fmaf(u, c->nlr, p));
+        update_param(a->param, a->param_dtype, off + j, c->M.t[q] * sf / c->s.bc1, den[j] / c->s.b2s + c->s.eps, &c->s,
+                     a->has_wd);
         a->codes[off + j] = (uint8_t)(q | (vc[j] << 4));
     }
 }
@@ -217,8 +200,8 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, int64_t r, float a_old, float a
     const table8 V = table_regs(&c->V), M = table_regs(&c->M);
     const __m256 vs_old = _mm256_set1_ps(bf16_to_f32(a->m_scale[r])), vaold = _mm256_set1_ps(a_old);
     const __m256 vanew = _mm256_set1_ps(a_new), tiny = _mm256_set1_ps(FLT_MIN);
-    const __m256 b1 = _mm256_set1_ps(c->b1), o1 = _mm256_set1_ps(c->o1), b2 = _mm256_set1_ps(c->b2);
-    const __m256 o2 = _mm256_set1_ps(c->o2), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 b1 = _mm256_set1_ps(c->s.b1), o1 = _mm256_set1_ps(c->s.o1), b2 = _mm256_set1_ps(c->s.b2);
+    const __m256 o2 = _mm256_set1_ps(c->s.o2), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i key = _mm256_set1_epi32((int)c->key_v), low4 = _mm256_set1_epi32(15);
     const uint32_t g0 = row_gidx(a, r);
     __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
@@ -242,9 +225,7 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, int64_t r, float a_old, float a
         vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(am, am, _CMP_UNORD_Q));
         vmax = _mm256_max_ps(vmax, am);
     }
-    float lanes[8], smax = 0.0f;
-    _mm256_storeu_ps(lanes, vmax);
-    for (int l = 0; l < 8; ++l) smax = lanes[l] > smax ? lanes[l] : smax;
+    float smax = hmax8(vmax); /* lanes >= +0; a NaN lane sets nan, which discards smax */
     *nan |= _mm256_movemask_ps(vnan) != 0;
     row_pass1_portable(c, r, C8, a_old, a_new, den, mbuf, vc, &smax, nan);
     return smax;
@@ -256,8 +237,8 @@ static AVX2 void row_pass2_avx2(const m4ctx *c, int64_t r, float sf, const float
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
     const table8 M = table_regs(&c->M);
     const __m256 vdiv = _mm256_set1_ps(sf == 0.0f ? 1.0f : sf), vsf = _mm256_set1_ps(sf);
-    const __m256 bc1 = _mm256_set1_ps(c->bc1), b2s = _mm256_set1_ps(c->b2s), eps = _mm256_set1_ps(c->eps);
-    const __m256 nlr = _mm256_set1_ps(c->nlr), decay = _mm256_set1_ps(c->decay);
+    const __m256 bc1 = _mm256_set1_ps(c->s.bc1), b2s = _mm256_set1_ps(c->s.b2s), eps = _mm256_set1_ps(c->s.eps);
+    const __m256 nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
     const __m256i key = _mm256_set1_epi32((int)c->key_m);
     const uint32_t g0 = row_gidx(a, r);
     for (int64_t j = 0; j < C8; j += 8) {
@@ -265,10 +246,8 @@ static AVX2 void row_pass2_avx2(const m4ctx *c, int64_t r, float sf, const float
                                   uniform8(lane_ids(g0 + (uint32_t)j), key));
         __m256 u = _mm256_div_ps(_mm256_mul_ps(perm16(M.lo, M.hi, q), vsf), bc1);
         u = _mm256_div_ps(u, _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(den + j), b2s), eps));
-        __m256 p = ld8_g(a->param, a->param_dtype, off + j);
-        if (a->has_wd) p = _mm256_mul_ps(p, decay);
-        st8_g(a->param, a->param_dtype, off + j, _mm256_fmadd_ps(u, nlr, p));
-        const __m256i vq = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(vc + j)));
+        update_param8(a->param, a->param_dtype, off + j, u, nlr, decay, a->has_wd);
+        const __m256i vq = load_codes8(vc + j);
         store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_slli_epi32(vq, 4)));
     }
     row_pass2_portable(c, r, C8, sf, den, mbuf, vc);
@@ -329,8 +308,8 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, int64_t r, float a_old, flo
     const __m512 VT = _mm512_loadu_ps(c->V.t), VD = _mm512_loadu_ps(c->V.d), MT = _mm512_loadu_ps(c->M.t);
     const __m512 vs_old = _mm512_set1_ps(bf16_to_f32(a->m_scale[r])), vaold = _mm512_set1_ps(a_old);
     const __m512 vanew = _mm512_set1_ps(a_new), tiny = _mm512_set1_ps(FLT_MIN);
-    const __m512 b1 = _mm512_set1_ps(c->b1), o1 = _mm512_set1_ps(c->o1), b2 = _mm512_set1_ps(c->b2);
-    const __m512 o2 = _mm512_set1_ps(c->o2);
+    const __m512 b1 = _mm512_set1_ps(c->s.b1), o1 = _mm512_set1_ps(c->s.o1), b2 = _mm512_set1_ps(c->s.b2);
+    const __m512 o2 = _mm512_set1_ps(c->s.o2);
     const __m512i key = _mm512_set1_epi32((int)c->key_v), low4 = _mm512_set1_epi32(15);
     const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
     const uint32_t g0 = row_gidx(a, r);
@@ -367,8 +346,8 @@ static AVX512 void row_pass2_avx512(const m4ctx *c, int64_t r, float sf, const f
     const int64_t C = a->cols, off = r * C, C16 = C & ~(int64_t)15;
     const __m512 MT = _mm512_loadu_ps(c->M.t), MD = _mm512_loadu_ps(c->M.d);
     const __m512 vdiv = _mm512_set1_ps(sf == 0.0f ? 1.0f : sf), vsf = _mm512_set1_ps(sf);
-    const __m512 bc1 = _mm512_set1_ps(c->bc1), b2s = _mm512_set1_ps(c->b2s), eps = _mm512_set1_ps(c->eps);
-    const __m512 nlr = _mm512_set1_ps(c->nlr), decay = _mm512_set1_ps(c->decay);
+    const __m512 bc1 = _mm512_set1_ps(c->s.bc1), b2s = _mm512_set1_ps(c->s.b2s), eps = _mm512_set1_ps(c->s.eps);
+    const __m512 nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay);
     const __m512i key = _mm512_set1_epi32((int)c->key_m);
     const uint32_t g0 = row_gidx(a, r);
     for (int64_t j = 0; j < C16; j += 16) {
@@ -384,34 +363,10 @@ static AVX512 void row_pass2_avx512(const m4ctx *c, int64_t r, float sf, const f
     }
     row_pass2_portable(c, r, C16, sf, den, mbuf, vc);
 }
-
-static int cpu_has_avx512(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
 #endif
 
-/* Which kernel rows run: 2 = AVX-512, 1 = AVX2, 0 = portable; the best the CPU has, capped by
- * gefen_m4v4_isa (tests compare them) and by gefen_force_portable. */
-static int isa_cap = 2;
-
-static int row_isa(void) {
-#if GEFEN_X86
-    static int has512 = -1;
-    if (!gefen_avx2_on()) return 0;
-    if (has512 < 0) has512 = cpu_has_avx512();
-    return has512 && isa_cap >= 2 ? 2 : (isa_cap >= 1 ? 1 : 0);
-#else
-    return 0;
-#endif
-}
-
-GEFEN_EXPORT int gefen_m4v4_isa(int cap) {
-    isa_cap = cap;
-    return row_isa();
-}
-
-/* Row r: both passes, the square root between them, the row's new scale and v_row. */
+/* Row r: both passes, the square root between them, the row's new scale and v_row.  isa: the
+ * kernels (call_isa: 2 AVX-512, 1 AVX2, 0 portable). */
 static void one_row(const m4ctx *c, int64_t r, float *den, float *mbuf, uint8_t *vc, int isa) {
     const m4v4_args *a = c->a;
     const float a_old = a->v_row[r] / c->mean_old, a_new = a->v_row_new[r] / c->mean_new;
@@ -423,7 +378,7 @@ static void one_row(const m4ctx *c, int64_t r, float *den, float *mbuf, uint8_t 
     else
 #endif
         row_pass1_portable(c, r, 0, a_old, a_new, den, mbuf, vc, &smax, &nan);
-    gefen_sqrt_n(den, a->cols);
+    mode_sqrt_n(a->mode, den, a->cols);
     const uint16_t sb = f32_to_bf16(nan ? NAN : smax);
     const float sf = bf16_to_f32(sb);
 #if GEFEN_X86
@@ -441,14 +396,11 @@ static void one_row(const m4ctx *c, int64_t r, float *den, float *mbuf, uint8_t 
  * Returns 0, -1 when out of memory (nothing modified), -2 on bad arguments (nothing modified). */
 GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
     if (a->rows < 0 || a->cols < 1 || a->global_rows < 1 || a->global_cols < a->cols || a->row_offset < 0 ||
-        a->col_offset < 0)
+        a->col_offset < 0 || !a->mode)
         return -2;
     const int64_t C = a->cols, numel = a->rows * C;
     const int par = numel >= M4_PAR_MIN;
-    int nthreads = 1;
-#ifdef _OPENMP
-    if (par) nthreads = omp_get_max_threads();
-#endif
+    const int nthreads = par ? max_threads() : 1;
     const int64_t stride = (C + 15) / 16 * 16 + 16; /* floats */
     float *bufs = (float *)malloc(((size_t)nthreads * (size_t)(3 * stride) + (size_t)stride) * sizeof(float));
     if (!bufs) return -1;
@@ -459,17 +411,9 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
     float *v_col_old = bufs + (size_t)nthreads * (size_t)(3 * stride);
     memcpy(v_col_old, a->v_col, (size_t)C * sizeof(float));
     c.v_col_old = v_col_old;
-    c.b1 = (float)a->beta1;
-    c.o1 = (float)a->omb1;
-    c.b2 = (float)a->beta2;
-    c.o2 = (float)a->omb2;
-    c.bc1 = (float)a->bias1;
-    c.b2s = (float)a->bias2_sqrt;
-    c.eps = (float)a->eps;
-    c.nlr = (float)a->neg_lr;
-    c.decay = (float)a->decay;
+    c.s = HYPER_F32(a);
     const double R = (double)a->global_rows;
-    for (int64_t j = 0; j < C; ++j) a->v_col[j] = a->v_col[j] * c.b2 + (float)(a->partials[j] / R) * c.o2;
+    for (int64_t j = 0; j < C; ++j) a->v_col[j] = a->v_col[j] * c.s.b2 + (float)(a->partials[j] / R) * c.s.o2;
     const float mn = (float)(a->partials[C] / R), mo = (float)(a->partials[C + 1] / R);
     c.mean_new = mn > FLT_MIN ? mn : FLT_MIN;
     c.mean_old = mo > FLT_MIN ? mo : FLT_MIN;
@@ -477,21 +421,16 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
     c.key_m = t * H_STEP + a->salt_m * H_SALT;
     c.key_v = t * H_STEP + a->salt_v * H_SALT;
     if (a->step_ptr) *a->step_ptr = a->step;
-    const int isa = row_isa();
+    const int isa = call_isa(a->mode);
 #pragma omp parallel num_threads(nthreads) if (par)
     {
-        int tid = 0, nt = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        const int64_t per = a->rows / nt, extra = a->rows % nt;
-        const int64_t r0 = tid * per + (tid < extra ? tid : extra), r1 = r0 + per + (tid < extra ? 1 : 0);
-        float *den = bufs + (size_t)tid * (size_t)(3 * stride), *mbuf = den + stride;
+        int64_t r0, r1;
+        thread_range(a->rows, &r0, &r1);
+        float *den = bufs + (size_t)thread_id() * (size_t)(3 * stride), *mbuf = den + stride;
         uint8_t *vc = (uint8_t *)(mbuf + stride);
-        const int mkl_prev = gefen_mkl_threads_local(1);
+        const int mkl_prev = mode_threads_begin(a->mode);
         for (int64_t r = r0; r < r1; ++r) one_row(&c, r, den, mbuf, vc, isa);
-        if (mkl_prev >= 0) gefen_mkl_threads_local(mkl_prev);
+        mode_threads_end(a->mode, mkl_prev);
     }
     free(bufs);
     return 0;
@@ -499,15 +438,11 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
 
 /* ----- 1-D / 0-D tensors: AdamW with the same op discipline, exp_avg in bf16 -------------------- */
 typedef struct {
-    void *param;
-    const void *grad;
+    GEFEN_ARGS_HEAD;
     uint16_t *exp_avg; /* bf16, stochastically rounded (round_bf16) */
     float *exp_avg_sq;
-    int64_t *step_ptr;
-    int64_t n, row_offset, step;
-    double beta1, omb1, beta2, omb2, bias1, bias2_sqrt, eps, neg_lr, decay;
+    int64_t n, row_offset;
     uint32_t salt;
-    int32_t param_dtype, grad_dtype, has_wd;
 } adamw_args;
 
 #define ADAMW_CHUNK 4096
@@ -521,42 +456,33 @@ static inline uint16_t round_bf16(float x, uint32_t bits) {
 }
 
 static void adamw_chunk(const adamw_args *a, int64_t i0, int64_t i1, float *den, float *mbuf) {
-    const float b1 = (float)a->beta1, o1 = (float)a->omb1, b2 = (float)a->beta2, o2 = (float)a->omb2;
-    const float bc1 = (float)a->bias1, b2s = (float)a->bias2_sqrt, eps = (float)a->eps, nlr = (float)a->neg_lr;
-    const float decay = (float)a->decay;
+    const hyper_f32 s = HYPER_F32(a);
     const uint32_t key = (uint32_t)a->step * H_STEP + a->salt * H_SALT;
     for (int64_t i = i0; i < i1; ++i) {
         const float g = ld_g(a->grad, a->grad_dtype, i);
-        const float m = bf16_to_f32(a->exp_avg[i]) * b1 + g * o1;
+        const float m = bf16_to_f32(a->exp_avg[i]) * s.b1 + g * s.o1;
         mbuf[i - i0] = m;
         a->exp_avg[i] = round_bf16(m, mix((uint32_t)(a->row_offset + i) * H_IDX + key));
-        const float v = a->exp_avg_sq[i] * b2 + (g * g) * o2;
+        const float v = a->exp_avg_sq[i] * s.b2 + (g * g) * s.o2;
         a->exp_avg_sq[i] = v;
         den[i - i0] = v;
     }
-    gefen_sqrt_n(den, i1 - i0);
-    for (int64_t i = i0; i < i1; ++i) {
-        float u = mbuf[i - i0] / bc1;
-        u = u / (den[i - i0] / b2s + eps);
-        float p = ld_g(a->param, a->param_dtype, i);
-        if (a->has_wd) p = p * decay;
-        const float out = fmaf(u, nlr, p);
-        if (a->param_dtype == DT_F32) ((float *)a->param)[i] = out;
-        else ((uint16_t *)a->param)[i] = f32_to_bf16(out);
-    }
+    mode_sqrt_n(a->mode, den, i1 - i0);
+    for (int64_t i = i0; i < i1; ++i)
+        update_param(a->param, a->param_dtype, i, mbuf[i - i0] / s.bc1, den[i - i0] / s.b2s + s.eps, &s, a->has_wd);
 }
 
 GEFEN_EXPORT int gefen_adamw_step(const adamw_args *a) {
-    if (a->n < 0) return -2;
+    if (a->n < 0 || !a->mode) return -2;
     const int64_t nchunks = (a->n + ADAMW_CHUNK - 1) / ADAMW_CHUNK;
     int64_t k = 0;
 #pragma omp parallel for schedule(static) if (a->n >= M4_PAR_MIN)
     for (k = 0; k < nchunks; ++k) {
         float den[ADAMW_CHUNK], mbuf[ADAMW_CHUNK];
-        const int mkl_prev = gefen_mkl_threads_local(1);
+        const int mkl_prev = mode_threads_begin(a->mode);
         const int64_t i0 = k * ADAMW_CHUNK, i1 = i0 + ADAMW_CHUNK < a->n ? i0 + ADAMW_CHUNK : a->n;
         adamw_chunk(a, i0, i1, den, mbuf);
-        if (mkl_prev >= 0) gefen_mkl_threads_local(mkl_prev);
+        mode_threads_end(a->mode, mkl_prev);
     }
     if (a->step_ptr) *a->step_ptr = a->step;
     return 0;

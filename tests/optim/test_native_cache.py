@@ -20,12 +20,9 @@ pytestmark = pytest.mark.skipif(native._lib is None, reason="gefen._gefen_step i
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """An empty cache directory and an uncalibrated module (restored afterwards)."""
-    saved = (native._width, native._scale_mode, native._sqrt_is_vml, native._m4v4_ok)
     monkeypatch.setenv("GEFEN_CACHE_DIR", str(tmp_path / "cache"))
-    native._width = None
+    monkeypatch.setattr(native, "_calibration", None)  # restored afterwards
     yield tmp_path / "cache"
-    native._width, native._scale_mode, native._sqrt_is_vml, native._m4v4_ok = saved
-    native.calibrate_cached()  # restore the square root the kernel uses (from the cache just written)
 
 
 def _files(cache):
@@ -33,20 +30,20 @@ def _files(cache):
 
 
 def test_first_use_calibrates_and_caches(fresh):
-    width = native._vector_width()
+    width = native._calibrated().width
     assert width > 0
     (name,) = _files(fresh)
     assert name == f"native-calibration-{native.cache_key()}.json"
     entry = json.loads((fresh / name).read_text())
-    assert entry["width"] == width and entry["scale_mode"] == native._scale_mode
-    assert entry["m4v4"] is native._m4v4_ok is True
+    assert entry["width"] == width and entry["scale_mode"] == native._calibrated().scale_mode
+    assert entry["m4v4"] is native._calibrated().m4v4 is True
 
 
 def test_a_cached_result_skips_calibration(fresh, monkeypatch):
-    width = native._vector_width()
-    native._width = None
+    calibration = native._calibrated()
+    native._calibration = None
     monkeypatch.setattr(native, "calibrate", lambda: pytest.fail("calibrated although the cache holds the result"))
-    assert native._vector_width() == width
+    assert native._calibrated() == calibration
 
 
 @pytest.mark.parametrize("content", ["not json", "[]", '{"width": 12, "vml": false, "scale_mode": 0}', ""])
@@ -54,15 +51,15 @@ def test_a_corrupt_entry_is_recalibrated_and_replaced(fresh, content):
     fresh.mkdir()
     path = fresh / f"native-calibration-{native.cache_key()}.json"
     path.write_text(content)
-    assert native._vector_width() > 0
-    assert json.loads(path.read_text())["width"] == native._width
+    assert native._calibrated().width > 0
+    assert json.loads(path.read_text())["width"] == native._calibrated().width
 
 
 def test_an_unwritable_cache_falls_back_to_calibrating(fresh, monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("GEFEN_CACHE_DIR", str(blocker / "cache"))  # a directory can never be made there
-    assert native._vector_width() > 0
+    assert native._calibrated().width > 0
 
 
 def test_the_key_follows_the_library_build(monkeypatch, tmp_path):
@@ -92,7 +89,7 @@ for _ in range(3):
     m(torch.randn(16, 64)).square().mean().backward()
     opt.step()
     opt.zero_grad()
-print(json.dumps({"width": native._width, "native": native.available(),
+print(json.dumps({"width": native._calibrated().width, "native": native.available(),
                   "sum": [float(p.double().sum()) for p in m.parameters()]}))
 """
 

@@ -10,6 +10,8 @@ stand-in and tied tables, 1-3 threads, the AVX2 and the portable kernels.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,12 +30,11 @@ def _restore():
     yield
     torch.set_num_threads(threads)
     native.enabled = enabled
-    native._lib.gefen_force_portable(0)
 
 
 def test_m4v4_kernels_are_verified():
     assert native.available(), "the fused m8 step does not reproduce the eager step on this machine"
-    assert native._m4v4_ok, "the m4v4 kernels do not reproduce the m4v4 reference on this machine"
+    assert native._calibrated().m4v4, "the m4v4 kernels do not reproduce the m4v4 reference on this machine"
 
 
 # ----- helpers ----------------------------------------------------------------------------------
@@ -211,15 +212,12 @@ def test_row_sharded_matches_between_paths():
 
 @pytest.mark.parametrize("shape", [(64, 48), (9, 21), (300, 130), (3, 40)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_instruction_sets_agree(shape, dtype):
+def test_instruction_sets_agree(shape, dtype, monkeypatch):
     """The AVX-512, AVX2 and portable kernels (those this CPU has) leave identical bits."""
     results = []
-    try:
-        for cap in (2, 1, 0):
-            if native._lib.gefen_m4v4_isa(cap) == cap:
-                results.append(run(shape, use_native=True, dtype=dtype))
-    finally:
-        native._lib.gefen_m4v4_isa(2)
+    for cap in range(native._lib.gefen_cpu_isa(), -1, -1):
+        monkeypatch.setattr(native, "_calibration", dataclasses.replace(native._calibrated(), isa=cap))
+        results.append(run(shape, use_native=True, dtype=dtype))
     if len(results) < 2:
         pytest.skip("this CPU runs the portable kernel only")
     for p, st in results[1:]:

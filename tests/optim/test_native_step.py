@@ -11,6 +11,7 @@ CUDA has no fused path yet; its tests would skip without a GPU (there are none h
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -35,7 +36,6 @@ def _restore():
     yield
     torch.set_num_threads(threads)
     native.enabled = enabled
-    native._lib.gefen_force_portable(0)
 
 
 def test_native_library_is_built_and_verified():
@@ -203,12 +203,17 @@ def test_row_sharded_matches_between_paths():
             assert_identical(results[True][1][i][key], results[False][1][i][key], f"shard {i} {key}")
 
 
-def test_avx2_and_portable_kernels_agree():
+def portable(monkeypatch):
+    """Every later fused call runs the portable kernels (a calibration that allows no SIMD)."""
+    monkeypatch.setattr(native, "_calibration", dataclasses.replace(native._calibrated(), isa=0))
+
+
+def test_avx2_and_portable_kernels_agree(monkeypatch):
     for shape, period, factored in [((64, 48), 48, True), ((70, 1000), 500, False), ((9, 16), 16, False)]:
         p1, s1 = run(shape, period, factored, use_native=True, dtype=torch.bfloat16)
-        native._lib.gefen_force_portable(1)
-        p2, s2 = run(shape, period, factored, use_native=True, dtype=torch.bfloat16)
-        native._lib.gefen_force_portable(0)
+        with monkeypatch.context() as m:
+            portable(m)
+            p2, s2 = run(shape, period, factored, use_native=True, dtype=torch.bfloat16)
         assert_identical(p1, p2, "param")
         for key in s1:
             assert_identical(s1[key], s2[key], key)
@@ -396,8 +401,8 @@ def test_momentum_parity_codebooks_and_bf16(kind, grad_dtype):
     assert_identical(s_nat["m_code"], s_ref["m_code"], "m_code")
 
 
-def test_momentum_portable_kernel_agrees():
-    native._lib.gefen_force_portable(1)
+def test_momentum_portable_kernel_agrees(monkeypatch):
+    portable(monkeypatch)
     (ref, _), (nat, _) = (_momentum_run((40, 64), 16, use_native=u) for u in (False, True))
     for a, b in zip(nat, ref):
         assert_identical(a, b, "momentum (portable kernel)")
