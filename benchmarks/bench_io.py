@@ -71,14 +71,19 @@ SCRATCH = Path(__file__).resolve().parent / "scratch"
 
 
 # ----- the state --------------------------------------------------------------------------------
-def flat(sd: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of a nested state dict under a '/'-joined key (for safetensors)."""
-    out = {}
+def flat(sd: dict, prefix: str = "", seen: set | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state dict under a '/'-joined key (for safetensors), later aliases
+    of a storage cloned: safetensors refuses shared tensors, and the m4v4 state's per-parameter
+    codebooks are the shared ones (every key keeps its bytes; torch.save writes a shared storage once,
+    a few KB less)."""
+    out, seen = {}, set() if seen is None else seen
     for k, v in sd.items():
         if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}/"))
+            out.update(flat(v, f"{prefix}{k}/", seen))
         elif isinstance(v, torch.Tensor):
-            out[f"{prefix}{k}"] = v.contiguous()
+            ptr = v.untyped_storage().data_ptr()
+            out[f"{prefix}{k}"] = v.clone() if v.numel() and ptr in seen else v.contiguous()
+            seen.add(ptr)
     return out
 
 

@@ -52,7 +52,7 @@ def llama_shapes(layers: int = 80, dim: int = 8192, kv: int = 1024, mlp: int = 2
 
 
 def _fields(shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Gefen's fields for a parameter (one block per row for matrices, as ``synthetic_gefen``)."""
+    """Gefen's m8 fields for a parameter (one block per row for matrices, as ``synthetic_gefen``)."""
     rows = shape[0]
     out = {"step": ("int64", ()), "period": ("int64", ()), "m_code": ("uint8", shape), "m_scale": ("float32", (rows, 1))}
     if len(shape) == 2:
@@ -75,7 +75,7 @@ def synthesize(root: Path, shapes: dict[str, tuple[int, ...]], ranks: int) -> di
     from gefen_ckpt.format.dtypes import itemsize
     from gefen_ckpt.layout import chunk_rows
 
-    contract = contract_of(gefen.Gefen([torch.nn.Parameter(torch.zeros(1))], lr=1e-3))
+    contract = contract_of(gefen.Gefen([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, moments="m8"))
     token = "0123456789abcdef"
     ends = [8 + 4096] * ranks  # each rank's file: a header's worth, then aligned pieces
     params, pieces_total = {}, 0

@@ -59,3 +59,35 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path, monkeypatch):
     # the m8 rows ran the kernels: both phases for the factored form, phase 2 alone for the per-block one
     for kind, phases in (("Gefen m8 (Triton)", {"phase1", "phase2"}), ("Gefen m8 block v (Triton)", {"phase2"})):
         assert f"| {kind} |" in section["markdown"] and set(results[kind]["kernel_s"]) == phases, kind
+
+
+def test_manifest_benchmark_writes_a_checkpoint_the_library_opens(tmp_path):
+    """bench_manifest synthesises the state of its layout: the manifest must open and verify its
+    geometry against the contract it names (it broke silently when the default layout changed)."""
+    from benchmarks import bench_manifest
+    from gefen_ckpt.format.manifest import open_checkpoint
+    from gefen_ckpt.storage import Store
+
+    shapes = {"w": (8, 4), "b": (8,)}
+    stats = bench_manifest.synthesize(tmp_path / "ckpt", shapes, ranks=3)
+    parsed = open_checkpoint(Store(str(tmp_path / "ckpt")))
+    assert sorted(parsed.raw["params"]) == sorted(shapes) and stats["ranks"] == 3
+
+
+def test_io_benchmark_saves_the_default_state_with_safetensors(tmp_path):
+    """The default (m4v4) state shares its codebooks between entries; the safetensors baseline
+    must still write every key with its bytes."""
+    from safetensors.torch import load_file, save_file
+
+    import gefen
+    from benchmarks.bench_io import flat
+
+    p = torch.nn.Parameter(torch.randn(16, 8))
+    opt = gefen.Gefen([("w", p)], lr=1e-3)
+    p.grad = torch.randn(16, 8)
+    opt.step()
+    tensors = flat(opt.state_dict())
+    save_file(tensors, str(tmp_path / "s.safetensors"))
+    back = load_file(str(tmp_path / "s.safetensors"))
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
