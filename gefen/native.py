@@ -162,15 +162,12 @@ class Calibration:
     m4v4: bool
     isa: int = 2
 
-    @functools.cached_property
-    def _mode(self) -> _Mode:
+    def __post_init__(self):
+        # built here, not lazily: two threads' first calls must not race to replace the struct
+        # whose address a kernel already holds. ``mode`` is the address the kernels get.
         sqrt, threads = (_torch_vml_sqrt() if self.vml else None) or (None, None)
-        return _Mode(sqrt, threads if sqrt else None, self.isa)
-
-    @functools.cached_property
-    def mode(self) -> int:
-        """The address of the ``gefen_mode`` the kernels get (kept alive by this object)."""
-        return ctypes.addressof(self._mode)
+        object.__setattr__(self, "_mode", _Mode(sqrt, threads if sqrt else None, self.isa))
+        object.__setattr__(self, "mode", ctypes.addressof(self._mode))
 
 
 _lib = _load()
