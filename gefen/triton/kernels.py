@@ -17,15 +17,13 @@ approximate instructions on NVIDIA (``div.full.f32``, ``sqrt.approx``).
 
 from __future__ import annotations
 
-try:  # Triton is optional (the gpu and test extras); gefen.triton.dispatch reports its absence
-    import triton
-    import triton.language as tl
-except ImportError as exc:
-    raise ImportError("gefen's GPU kernels need Triton: pip install 'gefen[gpu]'") from exc
+from gefen.triton.backend import require, tl, triton
+
+require()  # Triton is optional: without it this module refuses to load (gefen.triton.dispatch falls back)
 
 # module constants a kernel reads must be tl.constexpr (a compiled kernel refuses plain globals)
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny
-GUARD = tl.constexpr(1e-12)  # fp32(1e-12) once cast (the spec's GUARD)
+GUARD = tl.constexpr(1e-12)  # fp32(1e-12) once cast (gefen.stochastic.GUARD)
 INV_2_24 = tl.constexpr(5.960464477539063e-08)  # 2**-24
 
 
@@ -66,7 +64,7 @@ def _count_below(x, table, LOG2K: tl.constexpr):
 
 @triton.jit
 def _hash_bits(gidx, base):
-    """The spec's counter hash: ``gidx`` int64 (low 32 bits used), ``base`` uint32 =
+    """``gefen.stochastic.hash_bits``: ``gidx`` int64 (low 32 bits used), ``base`` uint32 =
     (t * 0x85EBCA77 + salt * 0xC2B2AE3D) mod 2**32 precomputed per parameter; uint32."""
     x = gidx.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32) + base
     x = (x ^ (x >> 16)) * tl.full([], 0x7FEB352D, tl.uint32)
@@ -91,7 +89,7 @@ def _round_bf16(x, bits):
 
 @triton.jit
 def _encode(x, table, u):
-    """Stochastic rounding of ``x`` to the sorted 16-entry ``table`` (the spec's encode)."""
+    """Stochastic rounding of ``x`` to the sorted 16-entry ``table`` (``gefen.stochastic.encode``)."""
     hi = _count_below(x, table, 4)
     hi = tl.minimum(tl.maximum(hi, 1), 15)
     lo = hi - 1

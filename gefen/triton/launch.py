@@ -15,14 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-try:  # Triton is optional (the gpu and test extras); gefen.triton.dispatch reports its absence
-    import triton
-except ImportError as exc:
-    raise ImportError("gefen's GPU kernels need Triton: pip install 'gefen[gpu]'") from exc
-
 from gefen.codebook import code_thresholds
 from gefen.stochastic import hash_base
-from gefen.triton import kernels
+from gefen.triton import kernels  # refuses to load without Triton
+from gefen.triton.backend import triton
 
 #: Rows longer than this are processed in two passes over column tiles (tests lower it). Sizes are
 #: chosen from ptxas' register counts for sm_90 (docs/decisions.md), not yet timed on a GPU.

@@ -449,6 +449,7 @@ def test_without_triton_everything_imports_and_steps():
         "m = GefenMuon([('w', w)]); m.step()\n"
         "assert 'gefen.triton.launch' not in sys.modules and 'gefen.triton.kernels' not in sys.modules\n"
         "assert dispatch._kernels() is None and 'not importable' in dispatch._import_error\n"
+        "assert \"pip install 'gefen[gpu]'\" in dispatch._import_error\n"
         "from gefen import native\n"
         "assert not dispatch.enabled and not native.enabled  # GEFEN_DISABLE_NATIVE=1: the eager step\n"
         "print('ok')\n"

@@ -15,7 +15,7 @@ INSTALLED = ("gefen", "gefen_ckpt", "cli")  # cli/ is installed as gefen_cli
 FIRST_PARTY = {"gefen", "gefen_ckpt", "gefen_cli"}
 #: optional imports: declared in the ``gpu`` extra and confined to modules that are imported only
 #: behind a guard (gefen.triton.dispatch imports gefen.triton.launch in a try block)
-OPTIONAL = {"triton": {"gefen/triton/kernels.py", "gefen/triton/launch.py"}}
+OPTIONAL = {"triton": {"gefen/triton/backend.py"}}  # its one (guarded) import
 
 
 def _names(deps: list[str]) -> set[str]:
