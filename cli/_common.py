@@ -15,7 +15,7 @@ from rich.progress import Progress
 
 # torch (and the gefen_ckpt modules that import it) is imported inside the commands, so `--help` stays
 # fast; gefen_ckpt.formats imports nothing heavy.
-from gefen_ckpt.formats import DCP, PORTABLE, TORCH, check_optimizer, detect_format  # noqa: F401
+from gefen_ckpt.formats import DCP, PORTABLE, TORCH, check_key, check_optimizer, detect_format  # noqa: F401
 from gefen_ckpt.progress import columns
 
 #: exit codes (documented in docs/cli.md)
@@ -198,8 +198,9 @@ def optimizer_hint() -> Iterator[None]:
 
 
 def open_state(url: str, fmt: str | None = None, optimizer: str | None = None,
-               param_names: str | None = None, names_from: str | None = None):
-    """(format, CanonicalState) of a checkpoint (``gefen_ckpt.open``)."""
+               param_names: str | None = None, names_from: str | None = None, key: str | None = None):
+    """(format, CanonicalState) of a checkpoint (``gefen_ckpt.open``; ``key``: which optimizer of
+    a DCP checkpoint that holds several)."""
     import gefen_ckpt
 
     fmt = fmt or detect_format(url)
@@ -207,4 +208,4 @@ def open_state(url: str, fmt: str | None = None, optimizer: str | None = None,
     refuse_names(url, fmt, param_names, names_from)
     with optimizer_hint():
         return fmt, gefen_ckpt.open(url, format=fmt, optimizer=optimizer, param_names=param_names,
-                                    names_from=names_from)
+                                    names_from=names_from, key=key)

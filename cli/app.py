@@ -98,6 +98,11 @@ NamesFromOpt = Annotated[str | None, typer.Option(
     help="Names for a torch optimizer state_dict saved without them, from the model's torch.save'd state_dict (or a "
          "directory with pytorch_model*.bin): matched in named_parameters() order, checked by shape.")]
 
+KeyOpt = Annotated[str | None, typer.Option(
+    "--key", metavar="KEY",
+    help="DCP only: the state-dict key of the optimizer to read when the checkpoint holds several (e.g. optimizer, "
+         "optim); default: the only one.")]
+
 
 class Target(str, Enum):
     portable = "portable"
@@ -135,6 +140,7 @@ def inspect(
     optimizer: OptimizerOpt = None,
     param_names: ParamNamesOpt = None,
     names_from: NamesFromOpt = None,
+    key: KeyOpt = None,
 ):
     """Summarise a checkpoint without reading its tensor data.
 
@@ -158,6 +164,7 @@ def inspect(
             from gefen_ckpt.storage import Store
 
             common.refuse_names(path, fmt, param_names, names_from)
+            common.check_key(path, fmt, key)
             store = Store(path)
             parsed = open_checkpoint(store)
             common.check_optimizer(path, parsed.contract.implementation, optimizer)
@@ -169,7 +176,8 @@ def inspect(
 
                 fs, p = fsspec.core.url_to_fs(path)
                 files = {p.rsplit("/", 1)[-1]: int(fs.size(p))}
-            described = _inspect.describe_state(common.open_state(path, fmt, optimizer, param_names, names_from)[1])
+            described = _inspect.describe_state(common.open_state(path, fmt, optimizer, param_names, names_from,
+                                                                  key)[1])
         summary = _inspect.summarize(path, fmt, described, manifest, files)
     if as_json:
         _echo_json(summary)
@@ -185,6 +193,7 @@ def verify(
     optimizer: OptimizerOpt = None,
     param_names: ParamNamesOpt = None,
     names_from: NamesFromOpt = None,
+    key: KeyOpt = None,
 ):
     """Check every stored piece's checksum and that the pieces cover every tensor exactly once.
 
@@ -206,7 +215,7 @@ def verify(
         with common.optimizer_hint():
             data = {"path": path, "format": fmt, **verify_any(path, format=fmt, optimizer=optimizer,
                                                               param_names=param_names, names_from=names_from,
-                                                              progress=common.want_progress())}
+                                                              progress=common.want_progress(), key=key)}
     if as_json:
         _echo_json(data)
     else:
@@ -240,6 +249,7 @@ def diff(
     optimizer: OptimizerOpt = None,
     param_names: ParamNamesOpt = None,
     names_from: NamesFromOpt = None,
+    key: KeyOpt = None,
 ):
     """Compare two checkpoints field by field: contract, hyperparameters, FQNs, shapes, dtypes, values.
 
@@ -260,7 +270,7 @@ def diff(
         def side(path: str):  # the names apply to a torch side (a portable or DCP side records its own)
             fmt = common.detect_format(path)
             names = (param_names, names_from) if fmt == common.TORCH else (None, None)
-            return common.open_state(path, fmt, optimizer, *names)[1]
+            return common.open_state(path, fmt, optimizer, *names, key if fmt == common.DCP else None)[1]
 
         sa, sb = side(a), side(b)
         with common.progress() as bar:
@@ -312,6 +322,7 @@ def convert(
         "--memory-budget", help="Extra memory while writing (portable), e.g. 256MiB.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print what was written (and the conversion's errors) "
                                                          "as JSON.")] = False,
+    key: KeyOpt = None,
     overwrite: Overwrite = False,
     create_bucket: CreateBucket = False,
 ):
@@ -346,7 +357,7 @@ def convert(
                 common.err().status(f"converting {src}", spinner="dots") if common.want_progress() else nullcontext():
             state = convert_checkpoint(src, dst, to=target, into=into, moments=moments.value, format=fmt,
                                        optimizer=optimizer, param_names=param_names, names_from=names_from,
-                                       progress=common.want_progress(), **sizes)
+                                       key=key, progress=common.want_progress(), **sizes)
     report = state.metadata.get("conversion") if into is not None else None
     if as_json:
         _echo_json({"src": src, "dst": dst, "from_format": fmt, "to": target,
@@ -378,7 +389,7 @@ def conversion_summary(report: dict) -> str:
 # ----- reshard ------------------------------------------------------------------------------
 @app.command()
 def reshard(
-    src: Annotated[str, typer.Argument(help="Source checkpoint: portable directory or torch.save file.")],
+    src: Annotated[str, typer.Argument(help="Source checkpoint: portable or DCP directory, or torch.save file.")],
     dst: Annotated[str, typer.Argument(help="Destination directory (written atomically).")],
     world_size: Annotated[int | None, typer.Option(
         "--world-size", "-n", min=1, help="Target number of ranks (FSDP2 Shard(0) over all of them).")] = None,
@@ -389,14 +400,16 @@ def reshard(
     max_file_bytes: Annotated[str | None, typer.Option(
         "--max-file-bytes", help="Largest data file, e.g. 2GiB (default).")] = None,
     to: Annotated[ShardedTarget, typer.Option(
-        "--to", help="Output format: portable (our sharded layout) or dcp (GefenDCPState's layout); "
-                     "for a torch.save file use `convert`.")] = ShardedTarget.portable,
+        "--to", help="Output format: portable (our sharded layout) or dcp (GefenDCPState's layout; torch's "
+                     "flattened optimizer layout, with the rest of SRC, when SRC is a DCP checkpoint in it); for a "
+                     "torch.save file use `convert`.")] = ShardedTarget.portable,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the plan (bytes each target rank will read) and write nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     optimizer: OptimizerOpt = None,
     param_names: ParamNamesOpt = None,
     names_from: NamesFromOpt = None,
+    key: KeyOpt = None,
     overwrite: Overwrite = False,
     create_bucket: CreateBucket = False,
 ):
@@ -428,7 +441,8 @@ def reshard(
         else:
             raise typer.BadParameter("give --world-size or --mesh")
         common.check_destination(src, dst, overwrite, create_bucket, writes=not dry_run)
-        fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from)
+        fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from,
+                                       key=key)
         ranks = plan(state, target.shard)
         if dry_run or as_json:
             _print_plan(src, dst, target, ranks, state.total_bytes(), as_json)

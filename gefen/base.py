@@ -41,7 +41,7 @@ from gefen.validation import (
     plain_hyperparameters,
 )
 
-#: the optimizer-wide field that every parameter's state_dict entry also carries
+#: the optimizer-wide field that every parameter's state (live and in the state_dict) also carries
 CODEBOOK = "codebook"
 
 
@@ -134,6 +134,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.bins_per_code = bins_per_code
         self.codebook: torch.Tensor | None = None
         self._plan: tuple[tuple[int, ...], ReductionPlan] | None = None
+        self._shared: tuple | None = None  # what share_books last put into the live state
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(_add_global_state, prepend=True)
 
@@ -142,13 +143,44 @@ class CompressedOptimizer(torch.optim.Optimizer):
         (the reduction plan is rebuilt on demand)."""
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in self.global_books()})
-        state.update(codebook_size=self.codebook_size, bins_per_code=self.bins_per_code, _plan=None)
+        state.update(codebook_size=self.codebook_size, bins_per_code=self.bins_per_code, _plan=None, _shared=None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_shared", None)
 
     def global_books(self) -> dict[str, int]:
         """The optimizer-wide codebooks (attributes of these names, None until learned) and their
-        sizes; every parameter's state_dict entry carries a copy of each (``_add_global_state``)."""
+        sizes; every parameter's live state holds each (``share_books``) and so does its state_dict
+        entry (``_add_global_state``)."""
         return {CODEBOOK: self.codebook_size}
+
+    def share_books(self) -> None:
+        """Put the optimizer-wide codebooks into every parameter's live state, one tensor shared by
+        all (an all-zero one, the same for every parameter, until learned).
+
+        torch's ``_unflatten_optim_state_dict`` and torchtitan's copy of it rebuild a state_dict
+        from the keys of the live ``optimizer.state[p]``: the codebooks each entry of
+        ``state_dict()`` carries reach ``load_state_dict`` only if the live state has those keys.
+        The step reads the attributes; it re-shares only when a book or the state changed."""
+        books = {}
+        for name, size in self.global_books().items():
+            book = getattr(self, name)
+            if book is None:
+                unlearned = self.__dict__.setdefault("_unlearned", {})
+                if name not in unlearned and self.param_groups and self.param_groups[0]["params"]:
+                    device = self.param_groups[0]["params"][0].device
+                    unlearned[name] = torch.zeros(size, dtype=torch.float32, device=device)
+                book = unlearned.get(name)
+            if book is not None:
+                books[name] = book
+        key = (tuple((name, id(book)) for name, book in books.items()), id(self.state), len(self.state))
+        if key == self._shared:
+            return
+        for entry in self.state.values():
+            entry.update(books)
+        self._shared = key
 
     #: the codebook is learned when the first non-zero gradients are allocated for (``step``);
     #: an optimizer that learns it inside its step (with more statistics) sets this False
@@ -230,6 +262,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self.reduction_plan()  # refuses a layout the block geometry cannot honour, before any state exists
             self._initialise_new(work)
             self._step(work)
+            self.share_books()
         return loss
 
     # ----- the first step with a gradient ---------------------------------------------------
@@ -297,6 +330,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self.__setstate__({"state": state, "param_groups": groups})
             for name, book in books.items():
                 setattr(self, name, book)
+            self._shared = None
+            self.share_books()
             for hook in self._optimizer_load_state_dict_post_hooks.values():
                 hook(self)
 

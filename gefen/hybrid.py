@@ -21,6 +21,7 @@ from torch import nn
 from gefen.base import apply_load_pre_hooks, check_field, local_tensor, run_closure, stage_groups
 from gefen.compile import eager_step
 from gefen.contract import (
+    CHILD_KEY,
     CONTRACT_KEY,
     OptimizerContract,
     contract_of,
@@ -97,23 +98,82 @@ def _is_explicit_split(params) -> bool:
             and all(isinstance(half, (list, tuple)) and not (half and isinstance(half[0], str)) for half in params))
 
 
-def _resolve_split(params, model: nn.Module | None) -> tuple[Named, Named]:
-    if not _is_explicit_split(params):
+def _is_group_list(params) -> bool:
+    """Param-group dicts (torch's other form): a non-empty sequence of dicts only."""
+    items = list(params) if isinstance(params, (list, tuple)) else None
+    if not items or not any(isinstance(item, dict) for item in items):
+        return False
+    if not all(isinstance(item, dict) for item in items):
+        raise TypeError("GefenMuonHybrid got a mix of param-group dicts and other items: pass one form")
+    return True
+
+
+def _group_pairs(group: dict) -> tuple[Named, dict]:
+    """A param-group dict's ``(name, tensor)`` pairs (named by ``"param_names"`` or given as
+    pairs, as torch's optimizers take them) and its other keys."""
+    if not isinstance(group, dict):
+        raise TypeError(f"param_group must be a dict, got {type(group).__name__}")
+    if "params" not in group:
+        raise ValueError("a param group needs 'params'")
+    params = group["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    if "param_names" in group:
+        names = list(group["param_names"])
+        if len(names) != len(params):
+            raise ValueError(f"a param group lists {len(names)} param_names for {len(params)} params")
+        params = list(zip(names, params))
+    if any(not isinstance(p, (tuple, list)) for p in params):
+        raise TypeError("GefenMuonHybrid routes parameters by name: give a group (name, tensor) pairs or "
+                        "'param_names'")
+    return _named(params), {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+#: one routed param group: its hyperparameters and the (name, tensor) pairs of each child
+Routed = list[tuple[dict, Named, Named]]
+
+
+def _resolve_split(params, model: nn.Module | None) -> Routed:
+    """Each input group's hyperparameters and its ``(muon, backup)`` pairs (one group without
+    hyperparameters unless param-group dicts were given, each routed by name and shape)."""
+    if _is_group_list(params):
+        routed = []
+        for group in params:
+            pairs, hyper = _group_pairs(group)
+            routed.append((hyper, *split_params_for_muon(pairs)))
+        _check_unique([pair for _, muon, rest in routed for pair in muon + rest])
+    elif not _is_explicit_split(params):
         if model is not None:
-            raise TypeError("model= only checks explicit (muon, backup) lists; pass the model itself instead")
-        return split_params_for_muon(params)
-    muon, backup = _named(params[0]), _named(params[1])
-    backup_ids = {id(p): n for n, p in backup}
-    for name, p in muon:
-        if id(p) in backup_ids:
-            raise ValueError(f"parameter {name!r} is in both the Muon and the backup list (as {backup_ids[id(p)]!r})")
-    _check_unique(muon + backup)
+            raise TypeError("model= only checks explicit (muon, backup) lists or param groups; pass the model itself "
+                            "instead")
+        return [({}, *split_params_for_muon(params))]
+    else:
+        muon, backup = _named(params[0]), _named(params[1])
+        backup_ids = {id(p): n for n, p in backup}
+        for name, p in muon:
+            if id(p) in backup_ids:
+                raise ValueError(f"parameter {name!r} is in both the Muon and the backup list (as "
+                                 f"{backup_ids[id(p)]!r})")
+        _check_unique(muon + backup)
+        routed = [({}, muon, backup)]
     if model is not None:
-        listed = {id(p) for _, p in muon + backup}
+        listed = {id(p) for _, muon, rest in routed for _, p in muon + rest}
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in listed]
         if missing:
             raise ValueError(f"trainable parameters in neither the Muon nor the backup list: {missing}")
-    return muon, backup
+    return routed
+
+
+def _apply_hyper(children: dict[str, torch.optim.Optimizer], hyper: dict, groups: dict[str, dict]) -> None:
+    """Give each child's new group the keys of ``hyper`` that child knows, validated as the
+    child validates its groups; a key neither child knows is refused."""
+    unknown = sorted(set(hyper) - {k for child in children.values() for k in child.defaults})
+    if unknown:
+        raise ValueError(f"param group keys unknown to both children: {unknown}")
+    for name, group in groups.items():
+        child = children[name]
+        group.update({k: v for k, v in hyper.items() if k in child.defaults})
+        if (check := getattr(child, "_check_group", None)) is not None:
+            check(group)
 
 
 def _keywords(cls) -> set[str]:
@@ -142,9 +202,11 @@ def _pick(override, default):
 class GefenMuonHybrid(torch.optim.Optimizer):
     """GefenMuon for hidden 2-D matrices plus a backup (``"gefen"`` or ``"adamw"``) for the rest.
 
-    ``model_or_named_params`` is a model, an iterable of ``(name, tensor)`` pairs, or explicit
-    ``(muon_pairs, backup_pairs)`` lists (pass ``model=`` to check that they cover every
-    trainable parameter). ``lr`` and ``weight_decay`` apply to both halves unless
+    ``model_or_named_params`` is a model, an iterable of ``(name, tensor)`` pairs, explicit
+    ``(muon_pairs, backup_pairs)`` lists, or param-group dicts as torch's optimizers take them
+    (``"params"`` as pairs or with ``"param_names"``; each group is routed by name and shape and
+    its other keys reach the child groups made from it, each child the keys it knows). Pass
+    ``model=`` with explicit lists or groups to check that they cover every trainable parameter. ``lr`` and ``weight_decay`` apply to both halves unless
     ``muon_lr``/``muon_weight_decay``/``backup_lr``/``backup_weight_decay`` override them. Other
     keywords go to every child whose constructor takes them (``momentum``, ``ns_schedule``,
     ``normuon`` -> Muon; ``betas``, ``factored_v_2d``, ``foreach`` -> backup; ``eps``,
@@ -156,7 +218,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
 
     Composite convention (``gefen.contract``): ``children = {"muon": ..., "backup": ...}``; the
     state_dict is torch's flat form over ``param_groups`` (the children's groups, each naming
-    its ``"child"``), so torch's ``get_state_dict`` / ``set_state_dict`` see every parameter.
+    its ``"child"``, live and saved), so torch's ``get_state_dict`` / ``set_state_dict``, with or
+    without ``flatten_optimizer_state_dict``, see every parameter.
     """
 
     def __init__(self, model_or_named_params, lr: float = 1e-3, backup: str = "gefen", muon_lr: float | None = None,
@@ -165,22 +228,39 @@ class GefenMuonHybrid(torch.optim.Optimizer):
                  model: nn.Module | None = None, **kwargs):
         if backup not in BACKUPS:
             raise ValueError(f"backup must be one of {sorted(BACKUPS)}, got {backup!r}")
-        muon, rest = _resolve_split(model_or_named_params, model)
-        if not muon:
+        routed = _resolve_split(model_or_named_params, model)
+        if not any(muon for _, muon, _ in routed):
             raise ValueError("no parameter was routed to Muon (no hidden 2-D matrix): use Gefen or AdamW alone")
-        if not rest:
+        if not any(rest for _, _, rest in routed):
             raise ValueError("no parameter was routed to the backup optimizer: use GefenMuon alone")
         muon_kwargs, backup_kwargs = _route_kwargs(kwargs, BACKUPS[backup])
         muon_kwargs.setdefault("adjust_lr", "match_rms_adamw")
+        # one child group per input group and child it has members in; each gets the group's keys
+        # the child knows once the children (and so their defaults) exist
+        muon_parts = [(hyper, muon) for hyper, muon, _ in routed if muon]
+        backup_parts = [(hyper, rest) for hyper, _, rest in routed if rest]
         self.children: dict[str, torch.optim.Optimizer] = {
-            "muon": GefenMuon(muon, lr=_pick(muon_lr, lr), weight_decay=_pick(muon_weight_decay, weight_decay),
-                              **muon_kwargs),
-            "backup": BACKUPS[backup](rest, lr=_pick(backup_lr, lr),
+            "muon": GefenMuon([{"params": part} for _, part in muon_parts], lr=_pick(muon_lr, lr),
+                              weight_decay=_pick(muon_weight_decay, weight_decay), **muon_kwargs),
+            "backup": BACKUPS[backup]([{"params": part} for _, part in backup_parts], lr=_pick(backup_lr, lr),
                                       weight_decay=_pick(backup_weight_decay, weight_decay), **backup_kwargs),
         }
+        groups = {name: iter(child.param_groups) for name, child in self.children.items()}
+        for hyper, muon, rest in routed:
+            _apply_hyper(self.children, hyper, {name: next(groups[name]) for name, part in
+                                                (("muon", muon), ("backup", rest)) if part})
+        self._tag_groups()
         # Optimizer.__init__ would own param_groups/state; the children own them, so only the
         # hook machinery is set up (the same path torch uses when unpickling an optimizer).
         torch.optim.Optimizer.__setstate__(self, {"defaults": dict(lr=lr, weight_decay=weight_decay, backup=backup)})
+
+    def _tag_groups(self) -> None:
+        """Every child group names its child (``CHILD_KEY``), live as in ``state_dict()``: torch's
+        ``_unflatten_optim_state_dict`` and torchtitan's copy rebuild the groups from the keys of
+        the live ``param_groups``, so a key only the state_dict had would be lost on load."""
+        for name, child in self.children.items():
+            for group in child.param_groups:
+                group[CHILD_KEY] = name
 
     def __getstate__(self) -> dict:
         return self.__dict__.copy()  # torch's version keeps only defaults/state/param_groups
@@ -216,21 +296,13 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Route a new group with the constructor's rules; its parameters must be named
         (``(name, tensor)`` pairs or ``"param_names"``). Each child gets the keys it knows."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        if "param_names" in param_group:
-            params = list(zip(param_group["param_names"], params))
-        if any(not isinstance(p, (tuple, list)) for p in params):
-            raise TypeError("GefenMuonHybrid routes new parameters by name: pass (name, tensor) pairs or 'param_names'")
-        muon, rest = split_params_for_muon(params)
+        pairs, hyper = _group_pairs(param_group)
+        muon, rest = split_params_for_muon(pairs)
         known = {id(p) for group in self.param_groups for p in group["params"]}
         for name, p in muon + rest:
             if id(p) in known:
                 raise ValueError(f"parameter {name!r} is already optimised by this GefenMuonHybrid")
-        hyper = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
-        unknown = sorted(set(hyper) - set(self.children["muon"].defaults) - set(self.children["backup"].defaults))
+        unknown = sorted(set(hyper) - {k for child in self.children.values() for k in child.defaults})
         if unknown:
             raise ValueError(f"param group keys unknown to both children: {unknown}")
         added = []
@@ -244,6 +316,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             for child in added:
                 child.param_groups.pop()
             raise
+        self._tag_groups()
 
     # ----- state_dict -----------------------------------------------------------------------
     @torch._disable_dynamo
@@ -283,6 +356,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         def publish() -> None:
             for _, publish_child in staged:
                 publish_child()
+            self._tag_groups()
             for hook in self._optimizer_load_state_dict_post_hooks.values():
                 hook(self)
 

@@ -94,8 +94,8 @@ from gefen_ckpt.exchange import (
 from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
 from gefen_ckpt.format.manifest import parse_contract
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
-from gefen_ckpt.layout import local_rows, rows_per_chunk, to_local
-from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_stock_keys, read_stock
+from gefen_ckpt.layout import chunk_rows, local_rows, rows_per_chunk, to_local
+from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_flat_keys, find_stock_keys, read_stock
 
 __all__ = [
     "GefenDCPState",
@@ -702,18 +702,22 @@ class DCPSource:
 
 def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
     """The ``CanonicalState`` of the optimizer state in the DCP checkpoint at ``path``: a
-    ``GefenDCPState``, or the layout of torch's ``get_state_dict`` (``gefen_ckpt.stock_dcp``).
+    ``GefenDCPState``, or the layout of torch's ``get_state_dict``, flattened by FQN
+    (``flatten_optimizer_state_dict=True``, torchtitan) or not (``gefen_ckpt.stock_dcp``).
 
     ``key`` is the state-dict key it was saved under (e.g. ``"optim"``); by default the only one
     present. No process group; tensors are lazy ``DCPSource`` objects that read only the rows
     asked for. DCP's ``.metadata`` pickle is loaded with an allowlist (no code execution)."""
     reader = _DCPReader(path)
-    found, stock = find_gefen_keys(reader.metadata), find_stock_keys(reader.metadata)
+    found = find_gefen_keys(reader.metadata)
+    stock = find_stock_keys(reader.metadata) + find_flat_keys(reader.metadata)
     if key is None:
         if len(found) + len(stock) != 1:
             raise CheckpointMismatchError(
-                f"{path}: " + (f"several optimizer states {found + stock}: pass key=" if found or stock
-                               else "this DCP checkpoint holds no GefenDCPState and no get_state_dict optimizer state")
+                f"{path}: " + (f"several optimizer states, under {', '.join(map(repr, found + stock))}: say which "
+                               "(key=, or --key)" if found or stock
+                               else "this DCP checkpoint holds no GefenDCPState and no optimizer state of torch's "
+                                    "get_state_dict (flattened or not)")
             )
         key = (found + stock)[0]
     elif key not in found + stock:
@@ -757,33 +761,28 @@ def _check_stored_field(contract: OptimizerContract, fqn: str, entry: ParamState
         raise CheckpointFormatError(f"{fqn}/{name}: stored {problem}")
 
 
-class _CanonicalSavePlanner(SavePlanner):
-    """Writes a CanonicalState in GefenDCPState's layout, one bounded row-chunk at a time."""
+class _SourcesSavePlanner(SavePlanner):
+    """Writes tensor sources (in bounded row chunks) and ``torch.save``d values under their full
+    keys, with ``planner_data`` = ``mappings`` (DCP's flatten mapping) plus ``record``."""
 
-    def __init__(self, state: CanonicalState, key: str, chunk_bytes: int):
-        self.canonical, self.key, self.chunk_bytes = state, key, max(1, int(chunk_bytes))
+    def __init__(self, sources: dict[str, TensorSource], values: dict[str, bytes], mappings: dict,
+                 chunk_bytes: int, world_size: int | None = None, record: dict | None = None):
+        self.sources, self.values, self.mappings = sources, values, mappings
+        self.chunk_bytes, self.world_size, self.record = max(1, int(chunk_bytes)), world_size, record
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
-        prefix = f"{self.key}." if self.key else ""
-        state = self.canonical
-        params = {fqn: (None, None, g.get("child"), False) for g in state.param_groups for fqn in g["params"]}
-        params.update({fqn: (e.shape, e.dtype, params[fqn][2], True) for fqn, e in state.params.items() if fqn in params})
-        meta = _meta_dict(state.contract, plain(state.param_groups, "param_groups"), params)
-        meta_tensor = _encode_meta(meta)
-        self.sources: dict[str, TensorSource] = {prefix + META_KEY: EagerSource(meta_tensor)}
-        for k in sorted(state.global_fields):
-            self.sources[prefix + GLOBAL_PREFIX + k] = state.global_fields[k]
-        for fqn, entry in state.params.items():
-            for name in sorted(entry.fields):
-                self.sources[f"{prefix}{fqn}/{name}"] = entry.fields[name]
-        path = (self.key,) if self.key else ()
-        self.mappings = {k: path + (k[len(prefix):],) for k in self.sources}
-        record = {"meta": _meta_bytes(meta_tensor), "topology": {"world_size": None, "writer": "write_dcp"}}
-        self.record = {self.key: msgpack.packb(record, use_bin_type=True)}
         self.is_coordinator = is_coordinator
 
+    def _starts(self, rows: int, step: int) -> list[int]:
+        """Chunk starts: every ``step`` rows, and at each of ``world_size`` ranks' first row."""
+        cuts = set(range(0, rows, step)) or {0}
+        if self.world_size:
+            cuts.update(start for r in range(self.world_size) if (start := chunk_rows(rows, self.world_size, r)[0])
+                        < rows)
+        return sorted(cuts)
+
     def create_local_plan(self) -> SavePlan:
-        items = []
+        items = [WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO) for key in self.values]
         for key, src in self.sources.items():
             shape = tuple(src.shape)
             props = TensorProperties(dtype=src.dtype)
@@ -792,14 +791,12 @@ class _CanonicalSavePlanner(SavePlanner):
                 items.append(WriteItem(MetadataIndex(key, ()), WriteItemType.TENSOR, tensor_data=TensorWriteData(
                     ChunkStorageMetadata(torch.Size(()), torch.Size(())), props, size)))
                 continue
-            step = rows_per_chunk(shape, src.dtype.itemsize, self.chunk_bytes)
-            starts = list(range(0, shape[0], step)) or [0]
+            starts = self._starts(shape[0], rows_per_chunk(shape, src.dtype.itemsize, self.chunk_bytes))
             kind = WriteItemType.TENSOR if len(starts) == 1 else WriteItemType.SHARD
-            for start in starts:
-                rows = min(step, shape[0] - start)
+            for start, stop in zip(starts, starts[1:] + [shape[0]]):
                 offsets = torch.Size((start,) + (0,) * (len(shape) - 1))
                 items.append(WriteItem(MetadataIndex(key, offsets), kind, tensor_data=TensorWriteData(
-                    ChunkStorageMetadata(offsets, torch.Size((rows,) + shape[1:])), props, size)))
+                    ChunkStorageMetadata(offsets, torch.Size((max(stop - start, 0),) + shape[1:])), props, size)))
         self.plan = SavePlan(items, planner_data=self.mappings)
         return self.plan
 
@@ -808,7 +805,8 @@ class _CanonicalSavePlanner(SavePlanner):
 
         plans, metadata = create_default_global_save_plan(all_plans)
         planner_data = dict(self.mappings)
-        planner_data[PLANNER_DATA_KEY] = self.record
+        if self.record is not None:
+            planner_data[PLANNER_DATA_KEY] = self.record
         self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
         return plans, self.metadata
 
@@ -817,12 +815,51 @@ class _CanonicalSavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self.values[write_item.index.fqn])
         src = self.sources[write_item.index.fqn]
         chunk = write_item.tensor_data.chunk
         if not chunk.offsets:
             return src.read().detach().reshape(())
         start = chunk.offsets[0]
         return src.read(start, start + chunk.sizes[0]).detach().contiguous()
+
+
+class _CanonicalSavePlanner(_SourcesSavePlanner):
+    """Writes a CanonicalState in GefenDCPState's layout, one bounded row-chunk at a time."""
+
+    def __init__(self, state: CanonicalState, key: str, chunk_bytes: int):
+        prefix = f"{key}." if key else ""
+        params = {fqn: (None, None, g.get("child"), False) for g in state.param_groups for fqn in g["params"]}
+        params.update({fqn: (e.shape, e.dtype, params[fqn][2], True) for fqn, e in state.params.items() if fqn in params})
+        meta = _meta_dict(state.contract, plain(state.param_groups, "param_groups"), params)
+        meta_tensor = _encode_meta(meta)
+        sources: dict[str, TensorSource] = {prefix + META_KEY: EagerSource(meta_tensor)}
+        for k in sorted(state.global_fields):
+            sources[prefix + GLOBAL_PREFIX + k] = state.global_fields[k]
+        for fqn, entry in state.params.items():
+            for name in sorted(entry.fields):
+                sources[f"{prefix}{fqn}/{name}"] = entry.fields[name]
+        path = (key,) if key else ()
+        mappings = {k: path + (k[len(prefix):],) for k in sources}
+        record = {"meta": _meta_bytes(meta_tensor), "topology": {"world_size": None, "writer": "write_dcp"}}
+        super().__init__(sources, {}, mappings, chunk_bytes, record={key: msgpack.packb(record, use_bin_type=True)})
+        self.canonical, self.key = state, key
+
+
+def write_sources(path: str | os.PathLike, sources: dict[str, TensorSource], values: dict[str, bytes],
+                  mappings: dict, *, chunk_bytes: int = 256 << 20, world_size: int | None = None) -> None:
+    """Write tensor sources and ``torch.save``d values as a DCP checkpoint under their full keys,
+    offline (no process group), memory bounded by one chunk of ``chunk_bytes``."""
+    _save_offline(path, _SourcesSavePlanner(sources, values, mappings, chunk_bytes, world_size))
+
+
+def _save_offline(path: str | os.PathLike, planner: SavePlanner) -> None:
+    from torch.distributed.checkpoint import save
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+        save({}, storage_writer=_storage_writer(path), planner=planner, no_dist=True)
 
 
 def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "optim",
@@ -832,11 +869,6 @@ def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "opt
 
     No process group; each tensor is written in row chunks of at most ``chunk_bytes`` (at least one
     row), read lazily from ``state``'s sources, so memory stays bounded by one chunk."""
-    from torch.distributed.checkpoint import save
-
     if "." in key:
         raise ValueError(f"key {key!r}: use a top-level name without dots (DCP flattens nested keys with '.')")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-        save({}, storage_writer=_storage_writer(path), planner=_CanonicalSavePlanner(state, key, chunk_bytes),
-             no_dist=True)
+    _save_offline(path, _CanonicalSavePlanner(state, key, chunk_bytes))

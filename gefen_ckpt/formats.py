@@ -50,21 +50,29 @@ def check_optimizer(url: str, implementation: str, optimizer: str | None) -> Non
         raise error
 
 
+def check_key(url: str, format: str, key: str | None) -> None:
+    """A state-dict key picks one optimizer among several, which only a DCP checkpoint can hold."""
+    if key is not None and format != DCP:
+        raise ValueError(f"a key picks an optimizer inside a DCP checkpoint; {url} is a {format} checkpoint")
+
+
 def open(url: str, *, format: str | None = None, optimizer: str | None = None, param_names: str | None = None,
-         names_from: str | None = None):
+         names_from: str | None = None, key: str | None = None):
     """The checkpoint at ``url`` as a ``CanonicalState`` (``format``: skip the detection).
 
     ``optimizer`` names the optimizer that wrote it (checked; needed for a torch file whose state
     does not say, e.g. Adam vs AdamW). A torch state_dict saved without names gets them from
-    ``param_names`` (a file, one name a line) or ``names_from`` (a model checkpoint, in order)."""
+    ``param_names`` (a file, one name a line) or ``names_from`` (a model checkpoint, in order).
+    ``key``: the state-dict key of the optimizer in a DCP checkpoint that holds several."""
     format = format or detect_format(url)
     check_names(url, format, param_names, names_from)
+    check_key(url, format, key)
     if format == TORCH:
         return _open_torch(url, optimizer, param_names, names_from)
     if format == DCP:
         from gefen_ckpt.dcp import read_dcp
 
-        state = read_dcp(url)
+        state = read_dcp(url, key)
     else:
         from gefen_ckpt.api import read
 
@@ -97,7 +105,7 @@ def _open_torch(url: str, optimizer: str | None, param_names: str | None, names_
 
 
 def verify_any(url: str, *, format: str | None = None, optimizer: str | None = None, param_names: str | None = None,
-               names_from: str | None = None, progress: bool = False) -> dict:
+               names_from: str | None = None, progress: bool = False, key: str | None = None) -> dict:
     """How intact the checkpoint at ``url`` is, as plain data: ``ok``, ``problems`` (one line
     each, naming the file or tensor) and counts; never raises for a problem it can report.
     Portable: every checksum and that the pieces cover every tensor once (``gefen_ckpt.verify``).
@@ -113,12 +121,13 @@ def verify_any(url: str, *, format: str | None = None, optimizer: str | None = N
         from gefen_ckpt.storage import Store
 
         check_names(url, format, param_names, names_from)
+        check_key(url, format, key)
         if optimizer is not None:
             check_optimizer(url, open_checkpoint(Store(url)).contract.implementation, optimizer)
         report = dataclasses.asdict(verify(url, progress=progress))
         del report["url"]
         return report
-    state = open(url, format=format, optimizer=optimizer, param_names=param_names, names_from=names_from)
+    state = open(url, format=format, optimizer=optimizer, param_names=param_names, names_from=names_from, key=key)
     tensors = sum(1 for _ in state.tensors())
     if format == TORCH:
         return {"ok": True, "problems": [], "tensors": tensors, "bytes": state.total_bytes(),
@@ -142,13 +151,20 @@ def verify_any(url: str, *, format: str | None = None, optimizer: str | None = N
 def write(state, url: str, format: str = PORTABLE, *, world_size: int | None = None,
           max_file_bytes: int | None = None, memory_budget: int | None = None, progress: bool = False) -> None:
     """Write ``state`` to ``url`` as ``format`` (portable: sharded over ``world_size`` if given;
-    DCP: in chunks of a quarter of ``memory_budget``)."""
+    DCP: in chunks of a quarter of ``memory_budget``, in torch's flattened layout with the rest of
+    the source checkpoint when ``state`` was read from one, else in ``GefenDCPState``'s)."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     if format == DCP:
-        from gefen_ckpt.dcp import write_dcp
+        from gefen_ckpt.stock_dcp import FLAT, write_flat
 
-        write_dcp(state, url, **({"chunk_bytes": memory_budget // 4} if memory_budget else {}))
+        chunks = {"chunk_bytes": memory_budget // 4} if memory_budget else {}
+        if state.metadata.get("dcp_layout") == FLAT:
+            write_flat(state, url, key=state.metadata["key"], world_size=world_size, **chunks)
+        else:
+            from gefen_ckpt.dcp import write_dcp
+
+            write_dcp(state, url, **chunks)
     elif format == TORCH:
         from gefen_ckpt.torch_format import write_torch
 
@@ -162,14 +178,14 @@ def write(state, url: str, format: str = PORTABLE, *, world_size: int | None = N
 
 def convert_checkpoint(src: str, dst: str, *, to: str | None = None, into: str | None = None, moments: str = "m4v4",
                        format: str | None = None, optimizer: str | None = None, param_names: str | None = None,
-                       names_from: str | None = None, **write_options):
+                       names_from: str | None = None, key: str | None = None, **write_options):
     """``open`` ``src``, ``convert_state`` it ``into`` another optimizer if given (e.g. ``"Gefen"``
     from AdamW), ``write`` it to ``dst`` as ``to`` (default: ``src``'s format) and return it;
     nothing is written unless the whole conversion succeeds."""
     if str(src).rstrip("/") == str(dst).rstrip("/"):
         raise ValueError("src and dst are the same location")
     format = format or detect_format(src)
-    state = open(src, format=format, optimizer=optimizer, param_names=param_names, names_from=names_from)
+    state = open(src, format=format, optimizer=optimizer, param_names=param_names, names_from=names_from, key=key)
     if into is not None:
         from gefen_ckpt.convert import convert_state
 

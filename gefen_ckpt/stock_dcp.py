@@ -1,9 +1,14 @@
-"""Reading the DCP layout that torch's own checkpoint API writes, offline.
+"""Reading (and writing) the DCP layouts that torch's own checkpoint API writes, offline.
 
 ``get_state_dict(model, optimizer)`` + ``dcp.save({"model": msd, "optim": osd})`` stores each
 optimizer state field as a tensor entry ``"<key>.state.<fqn>.<field>"`` (global shape: DTensor
 state is resharded by DCP like any tensor) and each param-group value as a small ``torch.save``d
-entry ``"<key>.param_groups.<i>.<name>"``. Nothing records which optimizer wrote it, so the
+entry ``"<key>.param_groups.<i>.<name>"``. With ``StateDictOptions(flatten_optimizer_state_dict=
+True)`` (and in torchtitan, whose ``OptimizersContainer`` flattens the same way) the groups are
+flattened per parameter instead: ``"<key>.param_groups.<fqn>.<name>"``, no ``params`` entry; the
+groups are rebuilt from ``param_names`` when it was saved, else from equal hyperparameters.
+``write_flat`` writes that layout back, with every other entry of the source checkpoint (the
+model, schedulers, ...) copied as it was. Nothing records which optimizer wrote it, so the
 contract is inferred from the field and hyperparameter names, as for a ``torch.save``d
 state_dict. Gefen optimizers repeat their codebook in every parameter's state (torch's API
 keeps nothing else); it becomes the one optimizer-wide field here, and copies that disagree are
@@ -26,18 +31,36 @@ from gefen.contract import CHILD_KEY, LIKE_PARAM, composite_children
 from gefen_ckpt.canonical import CanonicalState, ParamState, global_key
 from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 
-__all__ = ["find_stock_keys", "read_stock"]
+__all__ = ["find_stock_keys", "find_flat_keys", "read_stock", "write_flat", "FLAT"]
 
 _STATE, _GROUPS = ".state.", ".param_groups."
+#: ``CanonicalState.metadata["dcp_layout"]`` of a state read from (and to be written as) the flat layout
+FLAT = "flat"
+
+
+def _optimizer_keys(metadata) -> dict[str, bool]:
+    """Every state-dict key under which torch's layout holds param groups -> whether they are
+    numbered (``get_state_dict``'s ``<key>.param_groups.<i>.params``) rather than flattened."""
+    smd = metadata.state_dict_metadata
+    found: dict[str, bool] = {}
+    for full, md in smd.items():
+        if _GROUPS in full and isinstance(md, BytesStorageMetadata):
+            key, rest = full.split(_GROUPS, 1)
+            index, _, name = rest.partition(".")
+            numbered = name == "params" and index.isdigit()
+            found[key] = found.get(key, False) or numbered
+    return found
 
 
 def find_stock_keys(metadata) -> list[str]:
     """State-dict keys (e.g. ``"optim"``) under which torch's ``get_state_dict`` layout was saved."""
-    found = set()
-    for key in metadata.state_dict_metadata:
-        if _GROUPS in key and key.split(_GROUPS, 1)[1].split(".", 1)[0].isdigit():
-            found.add(key.split(_GROUPS, 1)[0])
-    return sorted(found)
+    return sorted(k for k, numbered in _optimizer_keys(metadata).items() if numbered)
+
+
+def find_flat_keys(metadata) -> list[str]:
+    """State-dict keys (e.g. torchtitan's ``"optimizer"``) under which an optimizer state_dict
+    flattened by FQN (``flatten_optimizer_state_dict=True``) was saved."""
+    return sorted(k for k, numbered in _optimizer_keys(metadata).items() if not numbered)
 
 
 class ReadOnlyPlanner(LoadPlanner):
@@ -110,14 +133,60 @@ def _groups(reader, key: str) -> list[dict]:
     return groups
 
 
+def _flat_groups(reader, key: str) -> tuple[list[dict], bool]:
+    """The param groups of a flattened optimizer state_dict (``<key>.param_groups.<fqn>.<name>``)
+    and whether they listed ``param_names``. With names, each group is exactly the names' list;
+    without, the parameters with equal hyperparameters form one group (in the order of the
+    model's entries when the checkpoint holds the model, else of the stored entries)."""
+    prefix = key + _GROUPS
+    smd = reader.metadata.state_dict_metadata
+    keys = [k for k in smd if k.startswith(prefix)]
+    for k in keys:
+        if not isinstance(smd[k], BytesStorageMetadata):
+            raise CheckpointFormatError(f"{reader.path}: {k!r} is a tensor where a param-group value was expected")
+    values = _read_values(reader, keys)
+    order = {k: i for i, k in enumerate(smd)}
+    per_fqn: dict[str, dict] = {}
+    position: dict[str, tuple[int, int]] = {}
+    for k in keys:
+        fqn, _, name = k[len(prefix):].rpartition(".")  # hyperparameter names hold no dots; FQNs may
+        if not fqn:
+            raise CheckpointFormatError(f"{reader.path}: {k!r} names no parameter")
+        per_fqn.setdefault(fqn, {})[name] = values[k]
+        model = [order[m] for m in (f"model.{fqn}", fqn) if m in order]  # torchtitan saves the model at the top
+        position[fqn] = min(position.get(fqn, (2, 0)), (0, min(model)) if model else (1, order[k]))
+    fqns = sorted(per_fqn, key=position.__getitem__)
+    named = any("param_names" in hp for hp in per_fqn.values())
+    groups, placed = [], set()
+    for fqn in fqns:
+        if fqn in placed:
+            continue
+        hp = per_fqn[fqn]
+        if named:
+            members = hp.get("param_names")
+            if not isinstance(members, list) or fqn not in members or not all(isinstance(m, str) for m in members):
+                raise CheckpointFormatError(f"{reader.path}: the param_names saved for {fqn!r} under {key!r} do not "
+                                            "list it")
+        else:
+            members = [f for f in fqns if f not in placed and per_fqn[f] == hp]
+        for member in members:
+            if member in placed or per_fqn.get(member) != hp:
+                raise CheckpointFormatError(f"{reader.path}: {member!r} is in two param groups of {key!r}, or its "
+                                            "hyperparameters differ from its group's")
+        placed.update(members)
+        groups.append({**{k: v for k, v in hp.items() if k != "param_names"}, "params": list(members)})
+    return groups, named
+
+
 def read_stock(reader, key: str, source_factory) -> CanonicalState:
-    """The ``CanonicalState`` of the optimizer saved under ``key`` by torch's API.
+    """The ``CanonicalState`` of the optimizer saved under ``key`` by torch's API (either layout).
 
     ``reader`` is an opened DCP checkpoint (``gefen_ckpt.dcp._DCPReader``); ``source_factory(full
     key)`` makes the lazy tensor source of one entry."""
     from gefen_ckpt.torch_format import infer_composite_contract, infer_contract
 
-    groups = _groups(reader, key)
+    flat = not _optimizer_keys(reader.metadata).get(key, True)
+    groups, named = _flat_groups(reader, key) if flat else (_groups(reader, key), False)
     fqns = [f for g in groups for f in g["params"]]
     smd = reader.metadata.state_dict_metadata
     prefix = key + _STATE
@@ -147,10 +216,84 @@ def read_stock(reader, key: str, source_factory) -> CanonicalState:
             like = [n for n in sources if leaf.field(n).geometry == "param"]
             if not like:
                 raise CheckpointFormatError(f"{reader.path}: {fqn}: no field of the parameter's shape")
-            model_md = smd.get(f"model.{fqn}")
+            model_md = smd.get(f"model.{fqn}", smd.get(fqn))
             dtype = model_md.properties.dtype if isinstance(model_md, TensorStorageMetadata) else next(
                 (sources[n].dtype for n in sources if leaf.field(n).dtype == LIKE_PARAM), torch.float32)
             params[fqn] = ParamState(tuple(sources[like[0]].shape), dtype, sources, child)
     plain_groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
-    return CanonicalState(contract, plain_groups, params, global_fields,
-                          metadata={"source_topology": {"kind": "dcp (torch get_state_dict)"}})
+    metadata = {"source_topology": {"kind": "dcp (torch get_state_dict)"}}
+    if flat:
+        metadata.update(source_topology={"kind": "dcp (torch flattened optimizer state_dict)"}, dcp_layout=FLAT,
+                        dcp_param_names=named)
+    return CanonicalState(contract, plain_groups, params, global_fields, metadata=metadata)
+
+
+# ----- writing the flat layout ----------------------------------------------------------------
+def _saved(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _raw_values(reader, keys: list[str]) -> dict[str, bytes]:
+    """The stored bytes of each ``torch.save``d entry, unparsed (copied as they are)."""
+    items = [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k), dest_offsets=torch.Size((0,)),
+                      storage_index=MetadataIndex(k), storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
+             for k in keys]
+    planner = _BytesPlanner()
+    if items:
+        reader.reader.read_data(LoadPlan(items), planner).wait()
+    return planner.values
+
+
+def flat_entries(state: CanonicalState, key: str) -> tuple[dict[str, object], dict[str, bytes]]:
+    """(tensor sources, ``torch.save``d values) of ``state`` in the flattened layout under ``key``:
+    ``<key>.state.<fqn>.<field>`` for every field, each parameter's entry repeating its
+    optimizer's optimizer-wide fields (as ``optimizer.state[p]`` holds them), and
+    ``<key>.param_groups.<fqn>.<name>`` for every hyperparameter (``param_names`` too when the
+    source saved them: torch's unflatten reads every key the live group has)."""
+    contract = state.contract
+    tensors: dict[str, object] = {}
+    values: dict[str, bytes] = {}
+    names = state.metadata.get("dcp_param_names", False)
+    for group in state.param_groups:
+        leaf = contract.leaf(group.get(CHILD_KEY))
+        hyper = {k: tuple(v) if isinstance(v, list) and k in leaf.hyperparameters else v
+                 for k, v in group.items() if k != "params"}
+        if names:
+            hyper["param_names"] = list(group["params"])
+        for fqn in group["params"]:
+            for name, value in hyper.items():
+                values[f"{key}{_GROUPS}{fqn}.{name}"] = _saved(value)
+    for fqn, entry in state.params.items():
+        fields = {**entry.fields, **state.globals_of(entry.child)}
+        for name in sorted(fields):
+            tensors[f"{key}{_STATE}{fqn}.{name}"] = fields[name]
+    return tensors, values
+
+
+def write_flat(state: CanonicalState, path, *, key: str, chunk_bytes: int = 256 << 20,
+               world_size: int | None = None) -> None:
+    """Write ``state`` as a DCP checkpoint in the flattened layout under ``key``, so that torch's
+    ``set_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``
+    and torchtitan's ``CheckpointManager`` resume from it. When ``state`` was read from a DCP
+    checkpoint, every entry of that checkpoint outside ``key`` (the model, LR schedulers,
+    dataloader and train state) is copied as it was, so the result is a whole checkpoint.
+
+    No process group; tensors are written in row chunks of at most ``chunk_bytes``, cut at the
+    ``torch.chunk`` boundaries of ``world_size`` ranks when given (each rank then reads only its
+    own chunks), read lazily from the sources."""
+    from gefen_ckpt.dcp import DCPSource, _DCPReader, write_sources
+
+    tensors, values = flat_entries(state, key)
+    mappings = {k: (key, k[len(key) + 1:]) for k in list(tensors) + list(values)}
+    source = state.metadata.get("path") if state.metadata.get("source_format") == "dcp" else None
+    if source is not None:
+        reader = _DCPReader(source)
+        smd, stored = reader.metadata.state_dict_metadata, reader.metadata.planner_data
+        others = [k for k in smd if not k.startswith(f"{state.metadata.get('key')}.")]
+        tensors.update({k: DCPSource(reader, k) for k in others if isinstance(smd[k], TensorStorageMetadata)})
+        values.update(_raw_values(reader, [k for k in others if isinstance(smd[k], BytesStorageMetadata)]))
+        if isinstance(stored, dict):
+            mappings.update({k: tuple(stored[k]) for k in others if isinstance(stored.get(k), (tuple, list))})
+    write_sources(path, tensors, values, mappings, chunk_bytes=chunk_bytes, world_size=world_size)
