@@ -290,7 +290,9 @@ def test_contract_describes_the_state():
     opt.step()
     contract = contract_of(opt)
     assert contract.implementation == "gefen.GefenMuon"
-    assert set(opt.state[p]) == {f.name for f in contract.fields}
+    # the optimizer-wide codebook too: one tensor, shared by every parameter's live state
+    assert set(opt.state[p]) == {f.name for f in contract.fields + contract.global_fields}
+    assert opt.state[p]["codebook"] is opt.codebook
     for f in contract.fields:
         assert str(opt.state[p][f.name].dtype).removeprefix("torch.") == f.dtype
     assert contract.field("v_row").geometry == "row" and contract.field("m_scale").geometry == "block"
