@@ -183,10 +183,10 @@ def measure(kind: str, named, device, reps: int) -> dict:
     result["step_times_s"] = times
     if "Triton" in kind:
         result["kernel_s"] = kernel_times(opt, device)
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    state += [b for b in (getattr(opt, "codebook", None), getattr(opt, "v_codebook", None))
-              if isinstance(b, torch.Tensor)]
-    result["state_bytes"] = sum(t.numel() * t.element_size() for t in state)
+    state = {id(v): v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)}
+    state.update({id(b): b for b in (getattr(opt, "codebook", None), getattr(opt, "v_codebook", None))
+                  if isinstance(b, torch.Tensor)})  # shared by every parameter's state: counted once
+    result["state_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
     result["traffic_bytes"] = traffic_bytes(kind, named)
     result["effective_GBps"] = result["traffic_bytes"] / result["median_step_s"] / 1e9
     dispatch.enabled = True

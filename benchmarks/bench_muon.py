@@ -53,9 +53,11 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     children = getattr(opt, "children", None)
     if isinstance(children, dict):
         return sum(state_bytes(child) for child in children.values())
-    total = sum(v.nbytes for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    tensors = {id(v): v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
     codebook = getattr(opt, "codebook", None)
-    return total + (codebook.nbytes if isinstance(codebook, torch.Tensor) else 0)
+    if isinstance(codebook, torch.Tensor):  # every parameter's state shares it: counted once
+        tensors[id(codebook)] = codebook
+    return sum(v.nbytes for v in tensors.values())
 
 
 def _hook_timer(opt: torch.optim.Optimizer, out: list[float]) -> None:

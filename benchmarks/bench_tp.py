@@ -63,8 +63,8 @@ def laid_out(d: int, layers: int, dims: tuple[int, int] | None) -> torch.nn.Modu
 
 
 def local_state_bytes(opt) -> int:
-    return sum(v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
-               for entry in opt.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
+    tensors = {id(v): v for entry in opt.state.values() for v in entry.values() if isinstance(v, torch.Tensor)}
+    return sum(v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes for v in tensors.values())
 
 
 def global_state_bytes(opt) -> int:

@@ -27,10 +27,10 @@ def make_model(seed: int = 0) -> torch.nn.Module:
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    tensors = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    books = optimizer.global_books() if hasattr(optimizer, "global_books") else {}  # Gefen's codebooks
-    tensors += [getattr(optimizer, name) for name in books if getattr(optimizer, name) is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    tensors = {id(t): t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)}
+    books = optimizer.global_books() if hasattr(optimizer, "global_books") else {}  # Gefen's codebooks,
+    tensors.update({id(b): b for name in books if (b := getattr(optimizer, name)) is not None})  # shared: once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def train(optimizer_cls, lr: float, steps: int = 300, **kwargs) -> tuple[float, int, int]:

@@ -213,27 +213,26 @@ def _defaults(cls) -> dict:
     return {k: p.default for k, p in inspect.signature(cls).parameters.items() if p.default is not inspect.Parameter.empty}
 
 
-def _group_defaults(cls, **kwargs) -> dict:
-    """Every key a group of ``cls`` holds, with its default (an instance's ``defaults``): a
-    converted group has them all, as the live optimizer's groups do (torch's flattened state
-    dicts are rebuilt from the keys of the live groups)."""
+def group_defaults(contract: OptimizerContract) -> dict:
+    """Every key a group of the optimizer of (leaf) ``contract`` holds, with its default (an
+    instance's ``defaults``; {} for an optimizer this module does not build). Writers of torch's
+    flattened layout fill a group's missing keys from it: torch rebuilds a flattened state dict
+    from the keys of the *live* groups, so a converted group must have them all."""
+    if contract.implementation == GEFEN:
+        moments = next((m for m, c in _gefen_contracts().items() if c.version == contract.version), None)
+        cls, kwargs = _target_class(GEFEN), ({"moments": moments} if moments else {})
+    elif contract.implementation == MUON:
+        cls, kwargs = _target_class(MUON), {}
+    elif contract.implementation in (ADAMW, ADAM):
+        cls, kwargs = (torch.optim.AdamW if contract.implementation == ADAMW else torch.optim.Adam), {}
+    else:
+        return {}
     probe = cls([torch.nn.Parameter(torch.zeros(2, 2))], **kwargs).defaults
     return {k: list(v) if isinstance(v, tuple) else v for k, v in probe.items()}
 
 
 def _target_group(target: str, g: dict, options: dict) -> dict:
-    """The target's hyperparameters for a group: carried where they mean the same, else its
-    defaults (every key its groups hold)."""
-    if target == ADAMW:
-        base = _group_defaults(torch.optim.AdamW)
-    elif target == GEFEN:
-        base = _group_defaults(_target_class(GEFEN), moments=options["moments"])
-    else:
-        base = _group_defaults(_target_class(MUON))
-    return {**base, **_carried_group(target, g, options)}
-
-
-def _carried_group(target: str, g: dict, options: dict) -> dict:
+    """The target's hyperparameters for a group: carried where they mean the same, else its defaults."""
     if target in (ADAMW, GEFEN):
         d = _defaults(torch.optim.AdamW if target == ADAMW else _target_class(GEFEN))
         group = {"lr": g["lr"], "betas": [g["beta1"], d["betas"][1] if g["beta2"] is None else g["beta2"]],

@@ -93,8 +93,8 @@ from gefen_ckpt.exchange import (
 )
 from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
 from gefen_ckpt.format.manifest import parse_contract
-from gefen_ckpt.layout import is_dtensor as _is_dtensor
 from gefen_ckpt.layout import chunk_rows, local_rows, rows_per_chunk, to_local
+from gefen_ckpt.layout import is_dtensor as _is_dtensor
 from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_flat_keys, find_stock_keys, read_stock
 
 __all__ = [

@@ -251,15 +251,22 @@ def flat_entries(state: CanonicalState, key: str) -> tuple[dict[str, object], di
     ``<key>.state.<fqn>.<field>`` for every field, each parameter's entry repeating its
     optimizer's optimizer-wide fields (as ``optimizer.state[p]`` holds them), and
     ``<key>.param_groups.<fqn>.<name>`` for every hyperparameter (``param_names`` too when the
-    source saved them: torch's unflatten reads every key the live group has)."""
+    source saved them) and every other key the optimizer's groups hold, at its default (a
+    converted state carries only its contract's): torch's unflatten reads every key the live
+    group has."""
     contract = state.contract
     tensors: dict[str, object] = {}
     values: dict[str, bytes] = {}
+    from gefen_ckpt.convert import group_defaults
+
     names = state.metadata.get("dcp_param_names", False)
+    defaults = {}
     for group in state.param_groups:
         leaf = contract.leaf(group.get(CHILD_KEY))
+        if leaf.implementation not in defaults:
+            defaults[leaf.implementation] = group_defaults(leaf)
         hyper = {k: tuple(v) if isinstance(v, list) and k in leaf.hyperparameters else v
-                 for k, v in group.items() if k != "params"}
+                 for k, v in {**defaults[leaf.implementation], **group}.items() if k != "params"}
         if names:
             hyper["param_names"] = list(group["params"])
         for fqn in group["params"]:

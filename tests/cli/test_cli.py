@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 import gefen_ckpt
-from gefen import Gefen
+from gefen import Gefen, contract_of
 from gefen_cli.app import app
 
 runner = CliRunner()
@@ -144,8 +144,11 @@ def test_inspect_json_matches_the_optimizer(layout_ckpt_dir):
         assert entry["shape"] == list(p.shape)
         assert entry["period"] == (int(state["period"]) if m8 else None)  # m4v4 has no block fields
         fields = {f["name"]: f for f in entry["fields"]}
-        assert set(fields) == set(state)
+        books = {f.name for f in contract_of(opt).global_fields}  # every entry holds the shared codebooks
+        assert set(fields) == set(state) - books
         for name, value in state.items():
+            if name in books:
+                continue
             assert fields[name]["shape"] == list(value.shape)
             assert fields[name]["dtype"] == str(value.dtype).removeprefix("torch.")
         numel += p.numel()
@@ -157,8 +160,10 @@ def test_inspect_json_matches_the_optimizer(layout_ckpt_dir):
         assert set(cb["quantiles"]) == {"0.05", "0.25", "0.5", "0.75", "0.95"}
     totals = info["totals"]
     assert totals["numel"] == numel and totals["params"] == len(names)
-    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
-    state_bytes += 256 * 4 if m8 else 2 * 16 * 4
+    unique = {id(t): t for s in opt.state.values() for t in s.values()}  # the codebooks are shared by every entry
+    books = [b for b in (opt.codebook, getattr(opt, "v_codebook", None)) if b is not None]
+    assert all(id(b) in unique for b in books) and sum(b.nbytes for b in books) == (256 if m8 else 2 * 16) * 4
+    state_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     assert totals["state_bytes"] == state_bytes
     assert totals["bytes_per_param"] == pytest.approx(state_bytes / numel)
     assert totals["files"] >= 1 and totals["file_bytes"] > state_bytes

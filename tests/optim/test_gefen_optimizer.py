@@ -308,9 +308,11 @@ def test_m4v4_state_dict_never_casts_codes_or_scales():
     fresh = Gefen(copy.deepcopy(model).named_parameters(), lr=1e-2)
     fresh.load_state_dict(copy.deepcopy(sd))
     for p, st in fresh.state.items():
-        assert set(st) == ({"step", "mv_code", "m_row_scale", "v_row", "v_col"} if p.dim() >= 2
-                           else {"step", "exp_avg", "exp_avg_sq"})
-        assert all(v.dtype == M4V4_DTYPES[k] for k, v in st.items())
+        # the optimizer-wide codebooks too, the very tensors the optimizer holds (torch's unflatten reads live keys)
+        assert st["codebook"] is fresh.codebook and st["v_codebook"] is fresh.v_codebook
+        assert set(st) - {"codebook", "v_codebook"} == ({"step", "mv_code", "m_row_scale", "v_row", "v_col"}
+                                                        if p.dim() >= 2 else {"step", "exp_avg", "exp_avg_sq"})
+        assert all(v.dtype == M4V4_DTYPES[k] for k, v in st.items() if k in M4V4_DTYPES)
     assert_same_state(state_bits(opt), state_bits(fresh))
 
 
@@ -659,6 +661,9 @@ def test_contract_describes_the_real_state(kind):
         rows = p.shape[0] if p.dim() else 1
         for name, value in opt.state[p].items():
             spec = contract.field(name)
+            if spec.geometry == "global":  # the optimizer-wide codebook, shared by every parameter's state
+                assert value is getattr(opt, name), (kind, name)
+                continue
             want_dtype = str(p.dtype if spec.dtype == "like_param" else getattr(torch, spec.dtype))
             assert str(value.dtype) == want_dtype, (kind, name)
             period = int(opt.state[p]["period"]) if "period" in opt.state[p] else 1
