@@ -297,6 +297,44 @@ def test_add_param_group_routes_by_name_and_rejects_clearly():
     assert len(opt.param_groups) == groups
 
 
+def test_param_group_dicts_are_routed_by_name_and_shape_and_checked():
+    """torch's other form of params (HF-style weight-decay groups, torchtitan's groups): each group
+    is split by name and shape, its keys reach the child groups made from it (each child the keys
+    it knows), and the construction checks still hold."""
+    model = TinyGPT(layers=1)
+    named = list(model.named_parameters())
+    decay = [(n, p) for n, p in named if p.dim() == 2]
+    rest = [(n, p) for n, p in named if p.dim() != 2]
+    groups = [{"params": [p for _, p in decay], "param_names": [n for n, _ in decay], "weight_decay": 0.1,
+               "betas": (0.8, 0.95)},
+              {"params": rest, "weight_decay": 0.0, "momentum": 0.9}]
+    opt = GefenMuonHybrid(groups, lr=1e-3, model=model)
+    muon, backup = opt.children["muon"], opt.children["backup"]
+    assert [sorted(g["param_names"]) for g in muon.param_groups] == [sorted(hidden_matrices(1))]
+    assert [g["weight_decay"] for g in muon.param_groups] == [0.1] and "betas" not in muon.param_groups[0]
+    # the embedding (and tied head) of the first group go to the backup, in a group of their own
+    assert [g["weight_decay"] for g in backup.param_groups] == [0.1, 0.0]
+    assert backup.param_groups[0]["betas"] == (0.8, 0.95) and "momentum" not in backup.param_groups[1]
+    assert [g[CHILD_KEY] for g in opt.param_groups] == ["muon", "backup", "backup"]
+    _train(model, opt, range(2))
+    sd = opt.state_dict()
+    assert [g[CHILD_KEY] for g in sd["param_groups"]] == ["muon", "backup", "backup"]
+
+    first = model.blocks[0].fc.weight
+    with pytest.raises(ValueError, match="same tensor"):  # in two groups
+        GefenMuonHybrid([{"params": [("a", first)]}, {"params": [("b", first)]}])
+    with pytest.raises(ValueError, match="neither"):
+        GefenMuonHybrid(groups[:1], model=model)
+    with pytest.raises(ValueError, match=r"unknown to both children: \['bogus'\]"):
+        GefenMuonHybrid([{**groups[0], "bogus": 1}, groups[1]])
+    with pytest.raises(TypeError, match="routes parameters by name"):
+        GefenMuonHybrid([{"params": [first]}])
+    with pytest.raises(TypeError, match="mix of param-group dicts"):
+        GefenMuonHybrid([groups[0], ("x", first)])
+    with pytest.raises(ValueError, match="betas"):  # validated as the child validates its groups
+        GefenMuonHybrid([{**groups[0], "betas": (0.9, 1.5)}, groups[1]])
+
+
 def test_deepcopy_gives_an_independent_hybrid():
     model = TinyGPT(layers=1)
     opt = GefenMuonHybrid(model)
