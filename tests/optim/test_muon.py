@@ -98,11 +98,11 @@ def test_schedules_resolve_to_the_spec_coefficients():
 @pytest.mark.parametrize(
     "schedule, ns_steps, pattern",
     [
-        ("tuned5", 5, "unknown ns_schedule 'tuned5'"),
+        ("tuned5", 5, "unknown ns_coefficients 'tuned5'"),
         ([], 5, "non-empty list"),
         (7, 5, "schedule name or a non-empty list"),
-        ([(1.0, 2.0)], 5, r"ns_schedule\[0\] must be an \(a, b, c\) triple"),
-        ([(3.0, -4.0, 2.0), (1.0, "x", 2.0)], 5, r"ns_schedule\[1\] must hold three finite numbers"),
+        ([(1.0, 2.0)], 5, r"ns_coefficients\[0\] must be an \(a, b, c\) triple"),
+        ([(3.0, -4.0, 2.0), (1.0, "x", 2.0)], 5, r"ns_coefficients\[1\] must hold three finite numbers"),
         ([(1.0, float("nan"), 2.0)], 5, "finite"),
         ([(True, 1.0, 2.0)], 5, "finite numbers"),
         ("standard", 0, "ns_steps must be a positive int"),
@@ -113,7 +113,7 @@ def test_malformed_schedules_raise_clear_errors(schedule, ns_steps, pattern):
     with pytest.raises(ValueError, match=pattern):
         resolve_schedule(schedule, ns_steps)
     with pytest.raises(ValueError, match=pattern):
-        GefenMuon([torch.nn.Parameter(torch.randn(4, 4))], ns_schedule=schedule, ns_steps=ns_steps)
+        GefenMuon([torch.nn.Parameter(torch.randn(4, 4))], ns_coefficients=schedule, ns_steps=ns_steps)
 
 
 # ----- one step against a dense reference -------------------------------------------------------
@@ -163,7 +163,7 @@ def test_steps_match_a_dense_reference_within_bf16_tolerance(case):
     lr, mu = 0.02, 0.95
     p = torch.nn.Parameter(w0.clone())
     opt = GefenMuon([("w", p)], lr=lr, momentum=mu, nesterov=case["nesterov"], weight_decay=case["wd"],
-                    adjust_lr=case["adjust"], normuon=case.get("normuon", False))
+                    adjust_lr_fn=case["adjust"], normuon=case.get("normuon", False))
     for g in grads:
         p.grad = g.clone()
         opt.step()
@@ -229,7 +229,9 @@ def test_momentum_state_is_gefens_encoder_bit_for_bit():
         (dict(eps=-1.0), "eps"),
         (dict(nesterov=1), "nesterov"),
         (dict(normuon="yes"), "normuon"),
-        (dict(adjust_lr="rms"), "adjust_lr"),
+        (dict(adjust_lr_fn="rms"), "adjust_lr_fn"),
+        (dict(normuon_eps=-1.0), "normuon_eps"),
+        (dict(bf16_stochastic_round=1), "bf16_stochastic_round"),
         (dict(codebook_size=512), "codebook_size"),
     ],
 )
@@ -268,13 +270,13 @@ def test_equal_shapes_are_orthogonalised_together_and_match_separate_optimizers(
     ws = [torch.randn(24, 40, generator=gen) for _ in range(3)]
     gs = [torch.randn(24, 40, generator=gen) for _ in range(3)]
     together = [torch.nn.Parameter(w.clone()) for w in ws]
-    opt = GefenMuon(together)
+    opt = GefenMuon(together, lr=0.02, weight_decay=0.0)
     for p, g in zip(together, gs):
         p.grad = g
     opt.step()
     for w, g, p in zip(ws, gs, together):
         alone = torch.nn.Parameter(w.clone())
-        single = GefenMuon([alone])
+        single = GefenMuon([alone], lr=0.02, weight_decay=0.0)
         single.codebook = opt.codebook  # the codebook is learned from all gradients together
         single.state[alone] = {k: torch.zeros_like(v) if k in ("step", "m_code", "m_scale") else v.clone()
                                for k, v in opt.state[p].items()}
@@ -310,11 +312,11 @@ def test_state_dict_round_trip_resumes_bitwise(normuon):
             opt.step()
 
     p = torch.nn.Parameter(w0.clone())
-    opt = GefenMuon([("w", p)], normuon=normuon, ns_schedule="tuned4")
+    opt = GefenMuon([("w", p)], normuon=normuon, ns_coefficients="tuned4")
     run(grads, p, opt)
 
     q = torch.nn.Parameter(w0.clone())
-    first = GefenMuon([("w", q)], normuon=normuon, ns_schedule="tuned4")
+    first = GefenMuon([("w", q)], normuon=normuon, ns_coefficients="tuned4")
     run(grads[:3], q, first)
     buf = io.BytesIO()
     torch.save(first.state_dict(), buf)
@@ -322,7 +324,7 @@ def test_state_dict_round_trip_resumes_bitwise(normuon):
     r = torch.nn.Parameter(q.detach().clone())
     resumed = GefenMuon([("w", r)], normuon=normuon)
     resumed.load_state_dict(torch.load(buf, weights_only=True))
-    assert resumed.param_groups[0]["ns_schedule"] == "tuned4"
+    assert resumed.param_groups[0]["ns_coefficients"] == "tuned4"
     run(grads[3:], r, resumed)
     assert torch.equal(r.detach(), p.detach())
 
