@@ -181,6 +181,7 @@ def _round(launch, device, gen) -> str | None:
         refs.append(ref)
     launch.round_params_(items)
     for (shape, _), ref, (got, *_) in zip(cases, refs, items):
-        if not torch.equal(ref.view(torch.int16), got.view(torch.int16)):
+        nan = ref.isnan()  # NaN stays NaN (torch's own bf16 cast picks one of two NaN patterns)
+        if not (torch.equal(nan, got.isnan()) and torch.equal(ref.view(torch.int16)[~nan], got.view(torch.int16)[~nan])):
             return f"the stochastic bf16 write-back differs from the eager step (shape {shape})"
     return None
