@@ -20,14 +20,16 @@ import concurrent.futures as cf
 import json
 import math
 import multiprocessing
+import os
 import time
 from contextlib import nullcontext
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_quality import CharLM, Task, batch, corpus, held_out_loss, state_bytes
-from benchmarks.common import md_table
+from benchmarks.common import md_table, write_json
 
 RUNS = {
     "adamw-fp32-master": ("fp32 parameters + bf16 autocast, torch AdamW", torch.float32, None),
@@ -80,17 +82,15 @@ def _job(args):
     return train(*args)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--jobs", type=int, default=2)
-    args = parser.parse_args()
-    task = Task(d=64, layers=2, heads=4, context=64, batch=16, steps=args.steps, warmup=max(1, args.steps // 10),
+def measure(steps: int, seeds: list[int], jobs: int) -> tuple[Task, list[dict]]:
+    task = Task(d=64, layers=2, heads=4, context=64, batch=16, steps=steps, warmup=max(1, steps // 10),
                 eval_batches=16)
-    jobs = [(name, seed, task) for seed in args.seeds for name in RUNS]
-    with cf.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = list(pool.map(_job, jobs))
+    plan = [(name, seed, task) for seed in seeds for name in RUNS]
+    with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return task, list(pool.map(_job, plan))
+
+
+def render(task: Task, seeds: list[int], results: list[dict]) -> str:
     base = [r["held_out"] for r in results if r["run"] == "adamw-fp32-master"]
     rows = []
     for name, (what, _, _) in RUNS.items():
@@ -101,11 +101,38 @@ def main() -> None:
         rows.append([f"`{name}`", what, f"{r['weight_bytes'] / r['params']:.2f}", f"{r['state_bytes'] / r['params']:.3f}",
                      f"{(r['weight_bytes'] + r['state_bytes']) / r['params']:.3f}",
                      f"{mean:.4f} ({' / '.join(f'{x:.4f}' for x in losses)})", f"{mean / (sum(base) / len(base)):.4f}"])
-    print(f"character LM ({results[0]['params']:,} parameters, d {task.d}, {task.layers} layers, context "
-          f"{task.context}, batch {task.batch}), {task.steps} steps, cosine lr {task.lr}, weight decay "
-          f"{task.weight_decay}, clipping 1.0, seeds {args.seeds}")
-    print(md_table(["run", "weights and optimizer", "weights B/param", "optimizer B/param", "training state B/param",
-                    "held-out loss, mean (per seed)", "vs AdamW fp32 master"], rows))
+    return "\n".join([
+        f"Character LM on real text ({results[0]['params']:,} parameters, d = {task.d}, {task.layers} layers, context "
+        f"{task.context}, batch {task.batch}; `bench_quality`'s data, model and held-out loss over {task.eval_batches} "
+        f"batches), {task.steps} steps, cosine LR {task.lr} ({task.warmup} warm-up), weight decay {task.weight_decay}, "
+        f"clipping 1.0, one thread per run, seeds {seeds}. Training state = the parameters as stored + the "
+        "optimizer's state (gradients and activations are not state).",
+        "",
+        md_table(["run", "weights and optimizer", "weights B/param", "optimizer B/param", "training state B/param",
+                  "held-out loss, mean (per seed)", "vs AdamW fp32 master"], rows),
+    ])
+
+
+def run(quick: bool) -> dict:
+    """``make bench``: 20 steps unless GEFEN_BENCH_FULL=1 (150 steps, ~30 CPU-minutes: bf16 matrix
+    products are slow on CPUs without bf16 units)."""
+    full = not quick and os.environ.get("GEFEN_BENCH_FULL") == "1"
+    steps, seeds = (150, [0]) if full else (20, [0])
+    task, results = measure(steps, seeds, int(os.environ.get("GEFEN_BENCH_JOBS", "2")))
+    write_json("bf16", {"task": asdict(task), "runs": results})
+    markdown = render(task, seeds, results) + "\n\nRe-run: `nice -n 10 python -m benchmarks.bench_bf16 --steps 150`."
+    return {"title": "Pure-bf16 training: stochastic vs nearest rounding vs fp32 master weights",
+            "markdown": markdown, "plots": [], "data": {"runs": results}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    task, results = measure(args.steps, args.seeds, args.jobs)
+    print(render(task, args.seeds, results))
     print(json.dumps(results))
 
 
