@@ -8,7 +8,8 @@ forward and backward under ``torch.autocast(bfloat16)``, torch AdamW; ``gefen-fp
 same with Gefen. ``gefen-bf16-sr`` / ``gefen-bf16-nearest``: the model itself in bfloat16 (no fp32
 copy anywhere), Gefen with and without stochastic rounding of the parameter update. "Training
 state" counts the parameters (as stored) and the optimizer state (every state tensor and the
-codebooks); activations and gradients are not state.
+codebooks); activations and gradients are not state. The held-out loss of every run is computed
+in fp32 from its trained weights (bf16 weights are exact in fp32), so it measures the weights.
 
     nice -n 10 python -m benchmarks.bench_bf16 [--steps 150] [--seeds 0] [--jobs 2]
 """
@@ -70,8 +71,7 @@ def train(name: str, seed: int, task: Task) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         schedule.step()
-    with autocast():
-        held_loss = held_out_loss(model, held, task)
+    held_loss = held_out_loss(model.float(), held, task)  # every run evaluated alike: its weights, in fp32
     params = sum(p.numel() for p in model.parameters())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"run": name, "seed": seed, "held_out": held_loss, "params": params, "weight_bytes": weights,
