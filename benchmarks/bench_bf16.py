@@ -71,9 +71,9 @@ def train(name: str, seed: int, task: Task) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         schedule.step()
-    held_loss = held_out_loss(model.float(), held, task)  # every run evaluated alike: its weights, in fp32
     params = sum(p.numel() for p in model.parameters())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    held_loss = held_out_loss(model.float(), held, task)  # every run evaluated alike: its weights, in fp32
     return {"run": name, "seed": seed, "held_out": held_loss, "params": params, "weight_bytes": weights,
             "state_bytes": state_bytes(opt), "seconds": round(time.perf_counter() - start, 1)}
 
