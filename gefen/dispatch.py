@@ -19,7 +19,8 @@ from gefen.triton import dispatch as triton
 from gefen.triton.dispatch import batched, m4v4_partials_, m8_partials_
 
 __all__ = ["adamw_update_", "batched", "block_histogram", "gefen_update_", "m4v4_partials", "m4v4_partials_",
-           "m4v4_update_", "m8_partials_", "momenta_", "second_moment_partials", "update_momentum_"]
+           "m4v4_update_", "m8_partials_", "momenta_", "round_param_", "second_moment_partials", "sr_target",
+           "update_momentum_"]
 
 
 def second_moment_partials(grad, state, beta2):
@@ -71,6 +72,25 @@ def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0)
         if run(param, grad, state, h, pidx=pidx, seed=seed, row0=row0):
             return
     F.adamw_update_(param, grad, state, h, pidx=pidx, seed=seed, row0=row0)
+
+
+def sr_target(param: torch.Tensor, enabled: bool) -> torch.Tensor:
+    """What an update writes: under ``bf16_stochastic_round`` a bf16 parameter's fp32 copy (every
+    kernel computes a bf16 parameter in fp32 and rounds once, so the fp32 result is the one the
+    nearest rounding would round; ``round_param_`` then rounds it stochastically), else ``param``."""
+    return param.float() if enabled and param.dtype == torch.bfloat16 else param
+
+
+def round_param_(param, work, *, step: int, salt: int, row0: int = 0, col0: int = 0, row_len=None) -> None:
+    """``functional.round_param_`` unless ``work`` is ``param`` itself (``sr_target`` kept it)."""
+    if work is param:
+        return
+    kw = dict(step=step, salt=salt, row0=row0, col0=col0, row_len=row_len)
+    for run in (triton.round_param_, native.fused_round_param_):
+        if run(param, work, **kw):
+            return
+    triton.drain()  # an update queued in batched() must have written ``work`` first
+    F.round_param_(param, work, **kw)
 
 
 def block_histogram(blocks, num_bins: int) -> torch.Tensor:

@@ -374,3 +374,27 @@ def v_ratio_histogram(grad: torch.Tensor, state: dict, beta2: float, *, global_r
     v = (g * g) * (1 - beta2)
     x = torch.log(v.clamp_min(TINY) / vhat_new.clamp_min(TINY)).div_(LOG_RANGE).clamp_(-1.0, 1.0)
     return histogram_fixed(x, num_bins)
+
+
+# ----- bf16_stochastic_round: the parameter written back ----------------------------------------
+def param_rows(param: torch.Tensor, *, row0: int = 0, col0: int = 0,
+               row_len: int | None = None) -> tuple[int, int, int, int, int]:
+    """``(rows, cols, row0, row_len, col0)`` such that ``element_index`` of a ``[rows, cols]`` view
+    of the rank-local ``param`` is each element's flat index in the global parameter: rows of a
+    >= 2-D tensor (``row0``/``col0``: the shard's first global row and column, ``row_len``: the
+    global row length); a 1-D shard is one row starting at its global offset ``row0``."""
+    if param.dim() >= 2:
+        cols = math.prod(param.shape[1:])
+        return param.shape[0], cols, row0, cols if row_len is None else row_len, col0
+    n = param.numel()
+    return 1, n, 0, n, row0
+
+
+def round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: int, row0: int = 0, col0: int = 0,
+                 row_len: int | None = None) -> None:
+    """Write fp32 ``work`` (the updated parameter) into the bf16 ``param`` by unbiased stochastic
+    rounding (``round_bf16``), the noise the hash of (global element index, ``step``, ``salt``):
+    the same bits for any world size, mesh or device, so a pure-bf16 run stays independent of them."""
+    rows, cols, r0, row_len, c0 = param_rows(param, row0=row0, col0=col0, row_len=row_len)
+    gidx = element_index(rows, cols, row0=r0, row_len=row_len, col0=c0, device=work.device)
+    param.copy_(round_bf16(work.reshape(rows, cols), hash_bits(gidx, step, salt)).view(param.shape))

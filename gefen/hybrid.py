@@ -181,8 +181,9 @@ def _keywords(cls) -> set[str]:
 
 
 def _route_kwargs(kwargs: dict, backup_cls) -> tuple[dict, dict]:
-    """Each keyword goes to every child whose constructor takes it (``eps`` may reach both)."""
-    muon_keys, backup_keys = _keywords(GefenMuon), _keywords(backup_cls)
+    """Each keyword goes to every child whose constructor takes it (``seed`` may reach both), but
+    ``eps`` to the backup only: Muon's ``eps`` (torch's) is Newton-Schulz's norm floor, not Adam's."""
+    muon_keys, backup_keys = _keywords(GefenMuon) - {"eps"}, _keywords(backup_cls)
     unknown = sorted(set(kwargs) - muon_keys - backup_keys)
     if unknown:
         raise TypeError(f"GefenMuonHybrid got keyword arguments neither GefenMuon nor {backup_cls.__name__} takes: "
@@ -208,13 +209,13 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     its other keys reach the child groups made from it, each child the keys it knows). Pass
     ``model=`` with explicit lists or groups to check that they cover every trainable parameter. ``lr`` and ``weight_decay`` apply to both halves unless
     ``muon_lr``/``muon_weight_decay``/``backup_lr``/``backup_weight_decay`` override them. Other
-    keywords go to every child whose constructor takes them (``momentum``, ``ns_schedule``,
-    ``normuon`` -> Muon; ``betas``, ``factored_v_2d``, ``foreach`` -> backup; ``eps``,
-    ``codebook_size`` -> each that accepts it).
+    keywords go to every child whose constructor takes them (``momentum``, ``ns_coefficients``,
+    ``normuon`` -> Muon; ``betas``, ``eps``, ``factored_v_2d``, ``foreach`` -> backup;
+    ``codebook_size``, ``seed``, ``bf16_stochastic_round`` -> each that accepts it).
 
-    Defaults: ``lr=1e-3`` (an AdamW learning rate) with Muon's ``adjust_lr="match_rms_adamw"``,
+    Defaults: ``lr=1e-3`` (an AdamW learning rate) with Muon's ``adjust_lr_fn="match_rms_adamw"``,
     which scales Muon's update to AdamW's RMS so one learning rate serves both halves;
-    ``weight_decay=0.0`` as in ``Gefen``; ``backup="gefen"`` (~1 byte/param everywhere).
+    ``weight_decay=0.0`` for both halves unless given; ``backup="gefen"`` (~1 byte/param everywhere).
 
     Composite convention (``gefen.contract``): ``children = {"muon": ..., "backup": ...}``; the
     state_dict is torch's flat form over ``param_groups`` (the children's groups, each naming
@@ -233,8 +234,11 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             raise ValueError("no parameter was routed to Muon (no hidden 2-D matrix): use Gefen or AdamW alone")
         if not any(rest for _, _, rest in routed):
             raise ValueError("no parameter was routed to the backup optimizer: use GefenMuon alone")
+        if kwargs.get("bf16_stochastic_round") and backup == "adamw":
+            raise ValueError("bf16_stochastic_round=True needs backup='gefen': torch.optim.AdamW rounds bf16 "
+                             "parameters to nearest")
         muon_kwargs, backup_kwargs = _route_kwargs(kwargs, BACKUPS[backup])
-        muon_kwargs.setdefault("adjust_lr", "match_rms_adamw")
+        muon_kwargs.setdefault("adjust_lr_fn", "match_rms_adamw")
         # one child group per input group and child it has members in; each gets the group's keys
         # the child knows once the children (and so their defaults) exist
         muon_parts = [(hyper, muon) for hyper, muon, _ in routed if muon]

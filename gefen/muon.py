@@ -17,25 +17,48 @@ import torch
 
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.contract import FieldSpec, OptimizerContract
-from gefen.dispatch import momenta_
+from gefen.dispatch import momenta_, round_param_, sr_target
 from gefen.distributed import Layout, RowGather
 from gefen.functional import decay_and_add_, init_momentum_state, momentum_ema, rows_view, store_momentum_
 from gefen.layouts import CODEBOOK_FIELD, MOMENTUM_FIELDS
-from gefen.newton_schulz import orthogonalise, resolve_schedule
+from gefen.newton_schulz import NORM_EPS, STANDARD, orthogonalise, resolve_schedule
 from gefen.quant import block_scales
+from gefen.stochastic import param_salt
 from gefen.validation import check_range, param_label
 
 __all__ = ["GefenMuon", "LocalGather", "lr_scale"]
 
-ADJUST_LR = ("original", "match_rms_adamw")
+#: flipped into the parameter-rounding salt, so a GefenMuonHybrid's two children never share noise
+MUON_SALT = 0x40000000
+#: ``adjust_lr_fn`` values, as ``torch.optim.Muon`` (None: "original")
+ADJUST_LR = (None, "original", "match_rms_adamw")
 _CONTRACT = OptimizerContract(
     implementation="gefen.GefenMuon",
     version="1",
-    hyperparameters=("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_schedule", "normuon", "beta2",
-                     "eps", "adjust_lr"),
+    hyperparameters=("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+                     "adjust_lr_fn", "normuon", "beta2", "normuon_eps"),
     fields=(*MOMENTUM_FIELDS, FieldSpec("v_row", "float32", "row", optional=True)),  # v_row: NorMuon only
     global_fields=(CODEBOOK_FIELD,),
 )
+#: the hyperparameter names GefenMuon saved before it took torch.optim.Muon's (docs/decisions.md)
+LEGACY_HYPERPARAMETERS = ("ns_schedule", "adjust_lr")
+
+
+def upgrade_group(group: dict, defaults: dict) -> dict:
+    """A saved param group in today's names. Legacy names (GefenMuon's first layout): ``adjust_lr``
+    -> ``adjust_lr_fn``, ``ns_schedule`` -> ``ns_coefficients`` (``"standard"`` -> its one triple),
+    NorMuon's ``eps`` -> ``normuon_eps`` (``eps`` is Newton-Schulz's norm floor, 1e-7 in that
+    layout). Options a group may lack (``seed``, ``bf16_stochastic_round``) take ``defaults``'."""
+    group = {k: defaults[k] for k in ("seed", "bf16_stochastic_round")} | group
+    if not any(k in group for k in LEGACY_HYPERPARAMETERS):
+        return group
+    group = {k: v for k, v in group.items() if k not in LEGACY_HYPERPARAMETERS} | {
+        "adjust_lr_fn": group.get("adjust_lr", "original"),
+        "ns_coefficients": STANDARD if group.get("ns_schedule", "standard") == "standard" else group["ns_schedule"],
+        "normuon_eps": group.get("eps", 1e-8),
+        "eps": NORM_EPS,
+    }
+    return group
 
 
 class LocalGather:
@@ -53,14 +76,14 @@ class LocalGather:
         return fn(blocks)
 
 
-def lr_scale(shape: tuple[int, int], adjust_lr: str) -> float:
+def lr_scale(shape: tuple[int, int], adjust_lr_fn: str | None) -> float:
     """Multiplier on the learning rate for a ``rows x cols`` matrix (global shape).
 
-    ``original`` (Keller Jordan): ``sqrt(max(1, rows/cols))``. ``match_rms_adamw`` (Moonlight):
+    ``original`` or None (Keller Jordan): ``sqrt(max(1, rows/cols))``. ``match_rms_adamw`` (Moonlight):
     ``0.2 * sqrt(max(rows, cols))`` gives the update AdamW's typical RMS, so AdamW's LR carries over.
     """
     rows, cols = shape
-    if adjust_lr == "original":
+    if adjust_lr_fn in (None, "original"):
         return math.sqrt(max(1.0, rows / cols))
     return 0.2 * math.sqrt(max(rows, cols))
 
@@ -83,22 +106,28 @@ class GefenMuon(CompressedOptimizer):
     """Muon (momentum, then Newton-Schulz orthogonalisation) for 2-D parameters, with the momentum
     compressed to ~1 byte per parameter exactly like ``Gefen``'s first moment.
 
-    Defaults follow Keller Jordan's reference Muon, so published Muon recipes carry over:
-    ``lr=0.02`` with ``adjust_lr="original"`` (``sqrt(max(1, rows/cols))``), ``momentum=0.95``,
-    Nesterov, 5 ``"standard"`` Newton-Schulz steps, no weight decay. Choose
-    ``adjust_lr="match_rms_adamw"`` to reuse an AdamW learning rate (``GefenMuonHybrid``'s default).
-    ``ns_schedule`` is ``"standard"`` (``ns_steps`` steps), ``"tuned3"``, ``"tuned4"`` or a list of
-    ``(a, b, c)``; the tuned and custom schedules fix their own step count. ``normuon=True`` adds
-    NorMuon's per-row normalisation (``beta2``, ``eps``). Weight decay is decoupled and uses the
-    unscaled ``lr``. Embeddings, heads and 1-D tensors belong to a backup optimizer.
+    The parameters before ``*`` are ``torch.optim.Muon``'s, in its order, with its defaults and
+    meaning (``lr=1e-3``, ``weight_decay=0.1`` decoupled with the unscaled ``lr``, ``momentum=0.95``,
+    Nesterov, ``ns_coefficients`` = Keller Jordan's ``(a, b, c)`` for ``ns_steps=5`` steps, ``eps``
+    the floor of the norm Newton-Schulz divides by, ``adjust_lr_fn`` None/``"original"``:
+    ``sqrt(max(1, rows/cols))`` or ``"match_rms_adamw"``: AdamW's update RMS, so an AdamW
+    learning rate carries over, ``GefenMuonHybrid``'s default). ``ns_coefficients`` also takes a
+    schedule name, ``"tuned3"`` / ``"tuned4"``, or a list of per-step ``(a, b, c)``, which fix their
+    own step count. Keyword-only: ``normuon=True`` adds NorMuon's per-row normalisation
+    (``beta2``, ``normuon_eps``); ``bf16_stochastic_round=True`` rounds bf16 parameters
+    stochastically (as ``Gefen``; noise salted by ``seed``). Embeddings, heads and 1-D tensors
+    belong to a backup optimizer.
     """
 
-    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
-                 weight_decay: float = 0.0, ns_steps: int = 5, ns_schedule="standard", normuon: bool = False,
-                 beta2: float = 0.95, eps: float = 1e-8, adjust_lr: str = "original", codebook_size: int = 256,
-                 bins_per_code: int = 16):
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
-                        ns_schedule=ns_schedule, normuon=normuon, beta2=beta2, eps=eps, adjust_lr=adjust_lr)
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients=STANDARD, eps: float = NORM_EPS, ns_steps: int = 5,
+                 adjust_lr_fn: str | None = None, *, normuon: bool = False, beta2: float = 0.95,
+                 normuon_eps: float = 1e-8, codebook_size: int = 256, bins_per_code: int = 16, seed: int = 0,
+                 bf16_stochastic_round: bool = False):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                        normuon=normuon, beta2=beta2, normuon_eps=normuon_eps, seed=seed,
+                        bf16_stochastic_round=bf16_stochastic_round)
         self._check_group(defaults)
         super().__init__(params, defaults, codebook_size=codebook_size, bins_per_code=bins_per_code)
 
@@ -113,12 +142,19 @@ class GefenMuon(CompressedOptimizer):
         check_range("weight_decay", group["weight_decay"], 0.0)
         check_range("beta2", group["beta2"], 0.0, 1.0, high_open=True)
         check_range("eps", group["eps"], 0.0)
-        for flag in ("nesterov", "normuon"):
-            if not isinstance(group[flag], bool):
+        check_range("normuon_eps", group["normuon_eps"], 0.0)
+        for flag in ("nesterov", "normuon", "bf16_stochastic_round"):
+            if not isinstance(group.get(flag, False), bool):
                 raise TypeError(f"{flag} must be a bool, got {group[flag]!r}")
-        if group["adjust_lr"] not in ADJUST_LR:
-            raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {group['adjust_lr']!r}")
-        resolve_schedule(group["ns_schedule"], group["ns_steps"])
+        if group["adjust_lr_fn"] not in ADJUST_LR:
+            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR}, got {group['adjust_lr_fn']!r}")
+        resolve_schedule(group["ns_coefficients"], group["ns_steps"])
+        seed = group.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+
+    def _saved_group(self, group: dict) -> dict:
+        return upgrade_group(group, self.defaults)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -166,7 +202,8 @@ class GefenMuon(CompressedOptimizer):
             inputs.append(momenta[k].mul_(mu).add_(g, alpha=1 - mu) if group["nesterov"] else momenta[k])
 
         # 2. orthogonalise: the one step that needs whole matrices (this rank gets its rows, whole)
-        schedules = [resolve_schedule(group["ns_schedule"], group["ns_steps"]) for group, _, _ in work]
+        schedules = [(resolve_schedule(group["ns_coefficients"], group["ns_steps"]), group["eps"])
+                     for group, _, _ in work]
         gather = RowGather(plan) if plan.group is not None else self.gather
         ortho = gather.orthogonalise_rows([p for _, p, _ in work], inputs,
                                           lambda full: orthogonalise_batched(full, schedules))
@@ -178,20 +215,25 @@ class GefenMuon(CompressedOptimizer):
             for i in normed:
                 group, p, _ = work[i]
                 ortho[i] = ortho[i].float()
-                sums = normuon_(ortho[i], self.state[p], group["beta2"], group["eps"])
+                sums = normuon_(ortho[i], self.state[p], group["beta2"], group["normuon_eps"])
                 partials.append(sums if plan.counts_rows(p) else sums.zero_())  # the same rows elsewhere: one counts
             sums = plan.reducer.sum_(torch.stack(partials)).tolist()
             for i, (before, after) in zip(normed, sums):
                 ortho[i].mul_(math.sqrt(before / after) if after > 0 else 0.0)
 
-        # 4. decoupled weight decay with the plain lr, then the scaled orthogonal step (own columns)
+        # 4. decoupled weight decay with the plain lr, then the scaled orthogonal step (own columns);
+        # bf16_stochastic_round: added in fp32, rounded by the hash of the global index
+        position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for k, ((group, p, _), o) in enumerate(zip(work, ortho)):
             param = local_tensor(p)
+            row0, col0 = plan.offsets(p)
             if k in cut:
-                col0 = plan.offsets(p)[1]
                 o = o[:, col0:col0 + param.shape[1]]
-            decay_and_add_(param, o, group["lr"], group["weight_decay"],
-                           alpha=-group["lr"] * lr_scale(global_shape(p), group["adjust_lr"]))
+            target = sr_target(param, group["bf16_stochastic_round"])
+            decay_and_add_(target, o, group["lr"], group["weight_decay"],
+                           alpha=-group["lr"] * lr_scale(global_shape(p), group["adjust_lr_fn"]))
+            round_param_(param, target, step=int(self.state[p]["step"]), row0=row0, col0=col0, row_len=p.shape[1],
+                         salt=param_salt(position[id(p)], group["seed"]) ^ MUON_SALT)
 
     def _cut_momenta_(self, items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list:
         """``update_momentum_`` of shards whose columns tensor parallelism splits: each row's one
@@ -203,13 +245,14 @@ class GefenMuon(CompressedOptimizer):
 
 
 def orthogonalise_batched(matrices: list[torch.Tensor], schedules: list[tuple]) -> list[torch.Tensor]:
-    """Newton-Schulz of every matrix; equal shapes and schedules run as one batched iteration."""
+    """Newton-Schulz of every matrix (``schedules``: its ``(coefficients, eps)``); equal shapes and
+    schedules run as one batched iteration."""
     batches = defaultdict(list)
     for i, (m, schedule) in enumerate(zip(matrices, schedules)):
         batches[(tuple(m.shape), m.device, schedule)].append(i)
     out: list[torch.Tensor] = [None] * len(matrices)
-    for (_, _, schedule), idx in batches.items():
-        result = orthogonalise(torch.stack([matrices[i] for i in idx]), list(schedule), len(schedule))
+    for (_, _, (coefficients, eps)), idx in batches.items():
+        result = orthogonalise(torch.stack([matrices[i] for i in idx]), list(coefficients), len(coefficients), eps)
         for i, o in zip(idx, result.unbind(0)):
             out[i] = o
     return out

@@ -48,10 +48,11 @@ from gefen import functional as F
 from gefen.codebook import code_thresholds, load_extension
 from gefen.geometry import rows_and_row_numel
 from gefen.quant import quantise
-from gefen.stochastic import ratio_table, salts
+from gefen.stochastic import hash_base, ratio_table, salts
 
 __all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_momentum_", "calibrate",
-           "Calibration", "block_histogram", "fused_m4v4_partials", "fused_m4v4_update_", "fused_adamw_update_"]
+           "Calibration", "block_histogram", "fused_m4v4_partials", "fused_m4v4_update_", "fused_adamw_update_",
+           "fused_round_param_"]
 
 #: Module switch (tests and benchmarks); the environment variable sets its initial value.
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
@@ -121,6 +122,8 @@ def _load():
                        ("gefen_cpu_isa", [])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
+    if (fn := getattr(lib, "gefen_round_bf16", None)) is not None:  # (a build without it: the reference rounds)
+        fn.argtypes, fn.restype = [_P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_uint32], ctypes.c_int
     return lib
 
 
@@ -434,6 +437,19 @@ def fused_adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h,
     a.exp_avg, a.exp_avg_sq, a.n, a.row_offset = m.data_ptr(), v.data_ptr(), param.numel(), row0
     a.salt = salts(pidx, seed)[0]
     return _run_step(_lib.gefen_adamw_step, a, state)
+
+
+def fused_round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: int, row0: int = 0,
+                       col0: int = 0, row_len: int | None = None) -> bool:
+    """``functional.round_param_`` (bf16_stochastic_round's write-back) in one C call; False
+    (touching nothing) when it does not apply. Integer arithmetic only: no calibration needed."""
+    if (_lib is None or not enabled or getattr(_lib, "gefen_round_bf16", None) is None
+            or param.dtype != torch.bfloat16 or work.dtype != torch.float32 or work.shape != param.shape
+            or not _cpu_contiguous(param, work)):
+        return False
+    rows, cols, r0, row_len, c0 = F.param_rows(param, row0=row0, col0=col0, row_len=row_len)
+    return _lib.gefen_round_bf16(work.data_ptr(), param.data_ptr(), rows, cols, r0, row_len, c0,
+                                 hash_base(step, salt)) == 0
 
 
 # ----- the first step: the codebook histogram ---------------------------

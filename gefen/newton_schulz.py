@@ -27,42 +27,50 @@ TUNED: dict[str, tuple[Triple, ...]] = {
         (2.8386, -4.1421, 2.5758),
     ),
 }
-#: Added to the Frobenius norm so that an all-zero update stays zero instead of NaN.
+#: The floor of the Frobenius norm the input is divided by (``torch.optim.Muon``'s ``eps``), so
+#: that an all-zero update stays zero instead of NaN.
 NORM_EPS = 1e-7
 
 
-def resolve_schedule(schedule: str | Sequence[Sequence[float]], ns_steps: int) -> tuple[Triple, ...]:
-    """The (a, b, c) of every step. ``ns_steps`` only sizes ``"standard"``; the tuned and
-    custom schedules carry their own length (it is still validated, so typos surface early)."""
+def resolve_schedule(schedule: str | Sequence[float] | Sequence[Sequence[float]], ns_steps: int) -> tuple[Triple, ...]:
+    """The (a, b, c) of every step. One ``(a, b, c)`` (``torch.optim.Muon``'s ``ns_coefficients``)
+    and ``"standard"`` repeat for ``ns_steps`` steps; the tuned and custom (per-step) schedules
+    carry their own length (``ns_steps`` is still validated, so typos surface early)."""
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
         raise ValueError(f"ns_steps must be a positive int, got {ns_steps!r}")
+    if isinstance(schedule, (list, tuple)) and len(schedule) == 3 and not any(
+            isinstance(x, (list, tuple)) for x in schedule):
+        return (_triple(0, schedule),) * ns_steps
     if isinstance(schedule, str):
         if schedule == "standard":
             return (STANDARD,) * ns_steps
         if schedule in TUNED:
             return TUNED[schedule]
         raise ValueError(
-            f"unknown ns_schedule {schedule!r}: expected 'standard', 'tuned3', 'tuned4' or a list of (a, b, c)"
+            f"unknown ns_coefficients {schedule!r}: expected an (a, b, c) triple, 'standard', 'tuned3', 'tuned4' or a "
+            "list of per-step (a, b, c)"
         )
     if not isinstance(schedule, (list, tuple)) or not schedule:
-        raise ValueError(f"ns_schedule must be a schedule name or a non-empty list of (a, b, c), got {schedule!r}")
+        raise ValueError(f"ns_coefficients must be an (a, b, c) triple, a schedule name or a non-empty list of "
+                         f"(a, b, c), got {schedule!r}")
     return tuple(_triple(i, t) for i, t in enumerate(schedule))
 
 
 def _triple(index: int, triple) -> Triple:
     if not isinstance(triple, (list, tuple)) or len(triple) != 3:
-        raise ValueError(f"ns_schedule[{index}] must be an (a, b, c) triple, got {triple!r}")
+        raise ValueError(f"ns_coefficients[{index}] must be an (a, b, c) triple, got {triple!r}")
     for x in triple:
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-            raise ValueError(f"ns_schedule[{index}] must hold three finite numbers, got {triple!r}")
+            raise ValueError(f"ns_coefficients[{index}] must hold three finite numbers, got {triple!r}")
     return tuple(float(x) for x in triple)
 
 
-def orthogonalise(u: torch.Tensor, schedule: str | Sequence[Sequence[float]] = "standard",
-                  ns_steps: int = 5) -> torch.Tensor:
+def orthogonalise(u: torch.Tensor, schedule: str | Sequence[float] | Sequence[Sequence[float]] = "standard",
+                  ns_steps: int = 5, eps: float = NORM_EPS) -> torch.Tensor:
     """bf16 approximation of the polar factor of ``u`` (``[..., rows, cols]``, batched over ``...``).
 
-    Tall matrices are iterated transposed so the Gram matrix ``A`` is the small side.
+    Tall matrices are iterated transposed so the Gram matrix ``A`` is the small side. The input
+    is divided by ``max(||u||_F, eps)`` (in fp32, then rounded to bf16), as ``torch.optim.Muon``.
     """
     coefficients = resolve_schedule(schedule, ns_steps)
     if u.dim() < 2:
@@ -70,7 +78,7 @@ def orthogonalise(u: torch.Tensor, schedule: str | Sequence[Sequence[float]] = "
     tall = u.shape[-2] > u.shape[-1]
     x = (u.mT if tall else u).float().contiguous()  # one layout, so u and u.T give the same bits
     x = x.reshape(-1, *x.shape[-2:])
-    x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + NORM_EPS)).bfloat16()
+    x = (x / torch.linalg.matrix_norm(x, keepdim=True).clamp_min(eps)).bfloat16()
     for a, b, c in coefficients:
         gram = _baddbmm(None, x, x.mT)
         x = _baddbmm(x, _baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)

@@ -24,7 +24,7 @@ from gefen.functional import (
 )
 from gefen.geometry import rows_and_row_numel
 from gefen.layouts import CONTRACTS, MOMENTS, V_CODEBOOK, version_refusal
-from gefen.stochastic import CODES, ratio_table, standin_codebook
+from gefen.stochastic import CODES, param_salt, ratio_table, standin_codebook
 from gefen.validation import check_adamw_options, check_betas, check_range
 
 __all__ = ["Gefen", "MOMENTS", "version_refusal"]
@@ -46,17 +46,23 @@ class Gefen(CompressedOptimizer):
     Codebooks are learned once from the first non-zero gradients, with a histogram of
     ``bins_per_code * codebook_size`` bins.
 
-    AdamW's keywords: ``lr`` and ``betas`` may be tensors; ``maximize`` ascends the objective;
-    ``foreach`` / ``fused`` are accepted as hints (one implementation serves all); ``amsgrad``,
-    ``capturable`` and ``differentiable`` are refused with the reason. ``step()`` is never traced
-    by ``torch.compile``: a compiled training step graph-breaks around it (``gefen.compile``).
+    The signature is ``torch.optim.AdamW``'s, positionally and in its defaults (``weight_decay=1e-2``,
+    ``amsgrad`` sixth), so swapping the class name keeps every argument's meaning; Gefen's own
+    options are keyword-only after AdamW's. ``lr`` and ``betas`` may be tensors; ``maximize``
+    ascends the objective; ``foreach`` / ``fused`` are accepted as hints (one implementation
+    serves all); ``amsgrad``, ``capturable`` and ``differentiable`` are refused with the reason.
+    ``bf16_stochastic_round=True`` (bf16 parameters): the update is added in fp32 and rounded to
+    bf16 stochastically, unbiased, by the counter hash of (global element index, step, ``seed``),
+    so small updates accumulate in expectation instead of vanishing and the trajectory stays
+    independent of the world size (no fp32 master copy). ``step()`` is never traced by
+    ``torch.compile``: a compiled training step graph-breaks around it (``gefen.compile``).
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, factored_v_2d: bool = True,
-                 codebook_size: int | None = None, bins_per_code: int = 16, *, moments: str = "m4v4", seed: int = 0,
-                 maximize: bool = False, foreach: bool | None = None, fused: bool | None = None,
-                 capturable: bool = False, differentiable: bool = False, amsgrad: bool = False):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, factored_v_2d: bool = True, codebook_size: int | None = None,
+                 bins_per_code: int = 16, moments: str = "m4v4", seed: int = 0, bf16_stochastic_round: bool = False):
         check_adamw_options(foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable,
                             amsgrad=amsgrad)
         if moments not in CONTRACTS:
@@ -70,7 +76,7 @@ class Gefen(CompressedOptimizer):
         self.v_codebook: torch.Tensor | None = None
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
                         weight_decay=weight_decay, factored_v_2d=factored_v_2d, maximize=maximize, moments=moments,
-                        seed=seed)
+                        seed=seed, bf16_stochastic_round=bf16_stochastic_round)
         self._check_group(defaults)
         super().__init__(params, defaults, codebook_size=codebook_size, bins_per_code=bins_per_code)
 
@@ -98,7 +104,7 @@ class Gefen(CompressedOptimizer):
         check_betas(group["betas"])
         check_range("eps", group["eps"], 0.0)
         check_range("weight_decay", group["weight_decay"], 0.0)
-        for flag in ("factored_v_2d", "maximize"):
+        for flag in ("factored_v_2d", "maximize", "bf16_stochastic_round"):
             if not isinstance(group.get(flag, False), bool):
                 raise TypeError(f"{flag} must be a bool, got {group[flag]!r}")
         if group.get("moments", self.moments) != self.moments:
@@ -117,6 +123,7 @@ class Gefen(CompressedOptimizer):
         refusal = version_refusal(CONTRACTS[saved].version, self.contract().version) if saved in CONTRACTS else None
         if refusal:
             raise ValueError(refusal)
+        group = {"bf16_stochastic_round": self.defaults["bf16_stochastic_round"], **group}  # unsaved: the live choice
         return {"moments": "m8", "seed": 0, **group} if saved == "m8" else group
 
     def _state_fields(self, group: dict, shape: tuple[int, ...]) -> tuple[str, ...]:
@@ -173,12 +180,18 @@ class Gefen(CompressedOptimizer):
         pending = self._reduced_partials(work, "v_row", lambda p, *args: dispatch.second_moment_partials(*args),
                                          batched_fn=dispatch.m8_partials_)
         codebook = self._step_codebook()
+        plan = self.reduction_plan()
+        position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for i, (group, p, grad) in enumerate(work):
             h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
             v_row, partials = pending.get(i, (None, None))
             shape = global_shape(p)
-            dispatch.gefen_update_(local_tensor(p), local_tensor(grad), self.state[p], codebook, h,
+            local = local_tensor(p)
+            target = dispatch.sr_target(local, group["bf16_stochastic_round"])
+            step = int(self.state[p]["step"]) + 1
+            dispatch.gefen_update_(target, local_tensor(grad), self.state[p], codebook, h,
                                    global_rows=shape[0] if shape else 1, v_row=v_row, partials=partials)
+            self._round(local, target, group, p, step, position[id(p)], plan.offsets(p))
 
     def _step_m4v4(self, work) -> None:
         plan = self.reduction_plan()
@@ -205,18 +218,29 @@ class Gefen(CompressedOptimizer):
             h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
             local, local_grad = local_tensor(p), local_tensor(grad)
             row0, col0 = plan.offsets(p)
+            target = dispatch.sr_target(local, group["bf16_stochastic_round"])
+            step = int(self.state[p]["step"]) + 1  # (a queued Triton update writes the count at its launch)
             if i not in pending:
-                dispatch.adamw_update_(local, local_grad, self.state[p], h, pidx=position[id(p)], seed=group["seed"],
+                dispatch.adamw_update_(target, local_grad, self.state[p], h, pidx=position[id(p)], seed=group["seed"],
                                        row0=row0)
+                self._round(local, target, group, p, step, position[id(p)], (row0, col0))
                 continue
             if local.device not in ratios:
                 v_book = standin_codebook(local.device) if self.v_codebook is None else self.v_codebook.to(local.device)
                 ratios[local.device] = ratio_table(v_book)
             v_row, partials = pending[i]
-            dispatch.m4v4_update_(local, local_grad, self.state[p], codebook.to(local.device), ratios[local.device],
+            dispatch.m4v4_update_(target, local_grad, self.state[p], codebook.to(local.device), ratios[local.device],
                                   h, global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=position[id(p)],
                                   seed=group["seed"], row0=row0, col0=col0, row_len=_row_len(p),
                                   row_max=row_max.get(id(p)))
+            self._round(local, target, group, p, step, position[id(p)], (row0, col0))
+
+    @staticmethod
+    def _round(local: torch.Tensor, target: torch.Tensor, group: dict, p: torch.Tensor, step: int, pidx: int,
+               offsets: tuple[int, int]) -> None:
+        """bf16_stochastic_round: the fp32 ``target`` the update wrote, rounded into ``local``."""
+        dispatch.round_param_(local, target, step=step, salt=param_salt(pidx, group["seed"]), row0=offsets[0],
+                              col0=offsets[1], row_len=_row_len(p))
 
     def _learn_m4v4_codebooks(self, work, pending) -> None:
         """Both codebooks at the first step whose gradients are not all zero: the first moment's as

@@ -34,6 +34,12 @@ def salts(pidx: int, seed: int) -> tuple[int, int]:
     return salt_m, (salt_m + 1) & _MASK
 
 
+def param_salt(pidx: int, seed: int) -> int:
+    """The salt of the parameter's own stochastic bf16 rounding (``bf16_stochastic_round``): its
+    first-moment salt with the top bit flipped, so its noise is not the moments'."""
+    return salts(pidx, seed)[0] ^ 0x80000000
+
+
 def hash_base(step: int, salt: int) -> int:
     """``(step * 0x85EBCA77 + salt * 0xC2B2AE3D) mod 2**32``: the per-parameter part of the hash."""
     return (step * _K_STEP + salt * _K_SALT) & _MASK

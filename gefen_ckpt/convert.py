@@ -152,10 +152,11 @@ def _carried(impl: str, group: dict) -> dict:
                 "eps": _number(impl, "eps", group.get("eps")),
                 "weight_decay": _number(impl, "weight_decay", group.get("weight_decay"))}
     if impl == MUON:
-        if group.get("adjust_lr") != "match_rms_adamw":
+        adjust = group.get("adjust_lr_fn", group.get("adjust_lr"))  # (the name GefenMuon's first layout saved)
+        if adjust != "match_rms_adamw":
             raise CheckpointMismatchError(
-                f"GefenMuon's lr cannot be carried: with adjust_lr={group.get('adjust_lr')!r} it is not on AdamW's "
-                "scale (only adjust_lr='match_rms_adamw', GefenMuonHybrid's default, is)")
+                f"GefenMuon's lr cannot be carried: with adjust_lr_fn={adjust!r} it is not on AdamW's "
+                "scale (only adjust_lr_fn='match_rms_adamw', GefenMuonHybrid's default, is)")
         return {"lr": _number(impl, "lr", group.get("lr")), "beta1": _number(impl, "momentum", group.get("momentum")),
                 "beta2": None, "eps": None,
                 "weight_decay": _number(impl, "weight_decay", group.get("weight_decay"))}
@@ -242,8 +243,9 @@ def _target_group(target: str, g: dict, options: dict) -> dict:
         group["factored_v_2d"] = bool(options["factored_v_2d"])
         return group | ({"moments": "m4v4", "seed": d["seed"]} if options["moments"] == "m4v4" else {})
     d = _defaults(_target_class(MUON))  # the lr is AdamW's, so Muon's update is scaled to AdamW's RMS
-    return {**{h: d[h] for h in ("nesterov", "ns_steps", "ns_schedule", "normuon", "beta2", "eps")},
-            "lr": g["lr"], "momentum": g["beta1"], "weight_decay": g["weight_decay"], "adjust_lr": "match_rms_adamw"}
+    return {**{h: d[h] for h in ("nesterov", "ns_coefficients", "eps", "ns_steps", "normuon", "beta2", "normuon_eps")},
+            "lr": g["lr"], "momentum": g["beta1"], "weight_decay": g["weight_decay"],
+            "adjust_lr_fn": "match_rms_adamw"}
 
 
 def _gefen_contracts() -> dict[str, OptimizerContract]:

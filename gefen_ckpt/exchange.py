@@ -218,6 +218,12 @@ def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: Opt
             raise CheckpointMismatchError(f"{fqn}/{name}: {problem}")
 
 
+def _saved_leaf(contract: OptimizerContract, child: str | None) -> OptimizerContract:
+    """The checkpoint's own contract of ``child``: its hyperparameter names are the ones saved
+    (the optimizer's load maps names it has since renamed, e.g. ``gefen.muon.upgrade_group``)."""
+    return contract if child is None else dict(contract.children)[child]
+
+
 def _check_groups(opt, leaf: OptimizerContract, child: str | None, state: CanonicalState,
                   names: dict[int, str]) -> None:
     """Groups, members, hyperparameters, and every parameter's shape and fields: from the
@@ -232,7 +238,7 @@ def _check_groups(opt, leaf: OptimizerContract, child: str | None, state: Canoni
         fqns = group_fqns(live, names, leaf.implementation)
         if sorted(saved["params"]) != sorted(fqns):
             raise CheckpointMismatchError(f"param group {gi}{f' of {child!r}' if child else ''} has different members")
-        missing = [h for h in leaf.hyperparameters if h not in saved]
+        missing = [h for h in _saved_leaf(state.contract, child).hyperparameters if h not in saved]
         if missing:
             raise CheckpointMismatchError(f"param group {gi} of the checkpoint lacks hyperparameters {missing}")
         for fqn, p in zip(fqns, live["params"]):
@@ -250,7 +256,8 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
     for live, saved in zip(opt.param_groups, saved_groups):
         fqns = group_fqns(live, names, leaf.implementation)
         group = {k: v for k, v in live.items() if k != "params"}
-        group.update({h: tuple(saved[h]) if isinstance(saved[h], list) else saved[h] for h in leaf.hyperparameters})
+        group.update({h: tuple(saved[h]) if isinstance(saved[h], list) else saved[h]
+                      for h in _saved_leaf(state.contract, child).hyperparameters})
         group["params"] = list(range(index, index + len(fqns)))
         sd_groups.append(group)
         for fqn, p in zip(fqns, live["params"]):

@@ -86,6 +86,9 @@ def _load_model_state_dict(url: str) -> dict:
     sd = torch_load(url, "a torch.save'd model state_dict", mmap=True)
     if not isinstance(sd, dict):
         raise CheckpointFormatError(f"{url}: holds a {type(sd).__name__}, not a model state_dict")
+    if "state" in sd and "param_groups" in sd:  # e.g. the optimizer's own file given as the model
+        raise CheckpointFormatError(f"{url} is an optimizer state_dict, not a model's: the names come from the "
+                                    "model's torch.save(model.state_dict()) file (or its Hugging Face directory)")
     return sd
 
 

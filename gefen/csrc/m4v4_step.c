@@ -487,3 +487,21 @@ GEFEN_EXPORT int gefen_adamw_step(const adamw_args *a) {
     if (a->step_ptr) *a->step_ptr = a->step;
     return 0;
 }
+
+/* ----- bf16_stochastic_round: a parameter's fp32 update written back into bf16 ---------------- */
+/* dst[k] = round_bf16(src[k], hash(global index of k, key)) for the [rows, cols] view of a shard
+ * whose element (r, j) is global flat index (row_offset + r) * global_cols + col_offset + j;
+ * key = t * H_STEP + salt * H_SALT (gefen.stochastic.hash_base).  Returns 0, -2 on bad arguments. */
+GEFEN_EXPORT int gefen_round_bf16(const float *src, uint16_t *dst, int64_t rows, int64_t cols, int64_t row_offset,
+                                  int64_t global_cols, int64_t col_offset, uint32_t key) {
+    if (rows < 0 || cols < 0 || row_offset < 0 || col_offset < 0 || global_cols < 0) return -2;
+    int64_t r = 0;
+#pragma omp parallel for schedule(static) if (rows * cols >= M4_PAR_MIN)
+    for (r = 0; r < rows; ++r) {
+        const uint32_t g0 = (uint32_t)((uint64_t)(row_offset + r) * (uint64_t)global_cols + (uint64_t)col_offset);
+        const float *s = src + r * cols;
+        uint16_t *d = dst + r * cols;
+        for (int64_t j = 0; j < cols; ++j) d[j] = round_bf16(s[j], mix((g0 + (uint32_t)j) * H_IDX + key));
+    }
+    return 0;
+}

@@ -133,8 +133,17 @@ def _flush(queue) -> None:
     groups: dict[tuple, list] = {}
     for run, item, books in queue:
         groups.setdefault((run, *(id(b) for b in books)), []).append((item, books))
-    for (run, *_), entries in groups.items():
+    # a parameter's stochastic bf16 write-back reads the fp32 its update wrote: those launch last
+    for (run, *_), entries in sorted(groups.items(), key=lambda kv: kv[0][0] == "round_params_"):
         getattr(_launch_mod, run)([item for item, _ in entries], *entries[0][1])
+
+
+def drain() -> None:
+    """Launch what ``batched()`` has queued so far (before an eager op that reads its results)."""
+    queue = getattr(_local, "queue", None)
+    if queue:
+        _local.queue = []
+        _flush(queue)
 
 
 def _submit(item, books, run: str = "m4v4_update_") -> None:
@@ -254,3 +263,13 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
                    for c, s, g in zip(codes, scales, grads))):
         return _fallback("an unexpected compressed-momentum layout") or None
     return _launch_mod.momentum_(items, codebook)
+
+
+def round_param_(param, work, *, step: int, salt: int, row0: int = 0, col0: int = 0, row_len=None) -> bool:
+    """``functional.round_param_`` (bf16_stochastic_round's write-back) through the kernels."""
+    if param.dtype != torch.bfloat16 or work.dtype != torch.float32 or param.shape != work.shape:
+        return False
+    if not _decide([param, work], [], "round"):
+        return False
+    _submit((param, work, step, salt, row0, col0, row_len), (), "round_params_")
+    return True

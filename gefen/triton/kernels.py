@@ -492,3 +492,21 @@ def m8_kernel(progs, ptrs, ints, scal, cb, thr, K, LOG2K: tl.constexpr, BR: tl.c
             mq = _store_codes(m, s, off, mask, codes_p, cb, thr, K, LOG2K)
             _apply_update(param_p, off, mask, mq, den, has_wd, sb, PARAM_T)
     tl.store(scales_p + blocks, s, mask=bmask)
+
+
+# ----- bf16_stochastic_round: a parameter's fp32 update written back into bf16 --------------------
+@triton.jit
+def round_bf16_kernel(progs, ptrs, ints, BLOCK: tl.constexpr):
+    """``functional.round_param_`` for a table of parameters. ptrs = (param (bf16), its fp32 update);
+    ints = (numel, local row length, global row of local row 0, global row length, global column
+    of local column 0, hash base): element k is global index (row0 + k // C) * row_len + col0 + k % C."""
+    pidx, start = _program(progs)
+    dst_p = _ptr(ptrs, 0, 2, pidx, tl.bfloat16)
+    src_p = _ptr(ptrs, 1, 2, pidx, tl.float32)
+    ib = ints + pidx * 6
+    off = start + tl.arange(0, BLOCK).to(tl.int64)
+    mask = off < tl.load(ib)
+    C = tl.load(ib + 1)
+    gidx = (tl.load(ib + 2) + off // C) * tl.load(ib + 3) + tl.load(ib + 4) + off % C
+    x = tl.load(src_p + off, mask=mask, other=0.0)
+    tl.store(dst_p + off, _round_bf16(x, _hash_bits(gidx, tl.load(ib + 5).to(tl.uint32))), mask=mask)

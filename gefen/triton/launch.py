@@ -339,3 +339,21 @@ def m8_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[tor
     ``v_row`` and the float64 partials ``[column sums of g^2, sum of the new v_row]`` of each matrix,
     in two launches per gradient dtype (rows, then the columns' fixed-order sums)."""
     return [(v_row, parts[:-1]) for v_row, parts in _partials(items, m8=True)]
+
+
+# ----- bf16_stochastic_round's write-back ------------------------------------------------------
+ROUND_BLOCK = 1024
+
+
+def round_params_(items: list[tuple]) -> None:
+    """``functional.round_param_`` of every ``(param, work, step, salt, row0, col0, row_len)`` in one launch."""
+    from gefen.functional import param_rows
+
+    device = items[0][0].device
+    ints = []
+    for param, _, step, salt, row0, col0, row_len in items:
+        rows, cols, r0, length, c0 = param_rows(param, row0=row0, col0=col0, row_len=row_len)
+        ints.append([param.numel(), max(cols, 1), r0, length, c0, hash_base(step, salt)])
+    progs = _programs([it[0].numel() for it in items], ROUND_BLOCK, device)
+    ptrs, ints = _to(device, _ptr_table([[it[0], it[1]] for it in items]), torch.tensor(ints, dtype=torch.int64))
+    _launch(kernels.round_bf16_kernel, progs, ptrs, ints, BLOCK=ROUND_BLOCK)

@@ -27,10 +27,10 @@ M8_APPROX = ("v", "v_row")
 
 
 def run(launch, device: torch.device, family: str) -> str | None:
-    """None when the ``family`` kernels (``"m4v4"``, ``"m8"`` or ``"momentum"``) reproduce the reference
+    """None when the ``family`` kernels (``"m4v4"``, ``"m8"``, ``"momentum"`` or ``"round"``) reproduce the reference
     on ``device``, else what differs."""
     gen = torch.Generator().manual_seed(0)
-    return {"momentum": _momentum, "m8": _m8}.get(family, _m4v4)(launch, device, gen)
+    return {"momentum": _momentum, "m8": _m8, "round": _round}.get(family, _m4v4)(launch, device, gen)
 
 
 def _grad(gen, shape, dtype, device):
@@ -161,4 +161,27 @@ def _m8(launch, device, gen) -> str | None:
             if not params_close(before[i], p_ref, p_got, M8_V_RTOL):
                 return f"parameters differ from the eager step beyond rounding (m8, shape {cases[i][0]}, step {step})"
             p_got.copy_(p_ref)
+    return None
+
+
+def _round(launch, device, gen) -> str | None:
+    """bf16_stochastic_round's write-back: a row shard with column offset, a 1-D shard, a 0-D
+    tensor; values across magnitudes with +-inf and NaN."""
+    cases = [((5, 37), dict(row0=3, col0=11, row_len=80)), ((1030,), dict(row0=17)), ((), {})]
+    items, refs = [], []
+    for shape, kw in cases:
+        work = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen) * 8)
+        if work.numel() > 3:
+            work.view(-1)[:3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+        work = work.to(device)
+        ref = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        F.round_param_(ref, work, step=7, salt=12345, **kw)
+        got = torch.empty_like(ref)
+        items.append((got, work, 7, 12345, kw.get("row0", 0), kw.get("col0", 0), kw.get("row_len")))
+        refs.append(ref)
+    launch.round_params_(items)
+    for (shape, _), ref, (got, *_) in zip(cases, refs, items):
+        nan = ref.isnan()  # NaN stays NaN (torch's own bf16 cast picks one of two NaN patterns)
+        if not (torch.equal(nan, got.isnan()) and torch.equal(ref.view(torch.int16)[~nan], got.view(torch.int16)[~nan])):
+            return f"the stochastic bf16 write-back differs from the eager step (shape {shape})"
     return None

@@ -26,16 +26,20 @@ def _initial_params() -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
 
 
-#: the default layout, and m8 with a factored and a per-block second moment
-VARIANTS = {"m4v4": dict(), "m8-factored": dict(moments="m8"), "m8-block": dict(moments="m8", factored_v_2d=False)}
+#: the default layout, m8 with a factored and a per-block second moment, and pure-bf16 parameters
+#: with stochastic rounding (its noise follows the global element index: bitwise on any world size)
+VARIANTS = {"m4v4": dict(), "m8-factored": dict(moments="m8"), "m8-block": dict(moments="m8", factored_v_2d=False),
+            "m4v4-bf16-sr": dict(bf16_stochastic_round=True, seed=5), "m8-bf16-sr": dict(moments="m8",
+                                                                                     bf16_stochastic_round=True)}
 
 
 def _train(make_param, to_grad, local, variant: str):
-    params = {name: make_param(t) for name, t in _initial_params().items()}
+    dtype = torch.bfloat16 if variant.endswith("bf16-sr") else torch.float32
+    params = {name: make_param(t.to(dtype)) for name, t in _initial_params().items()}
     opt = Gefen(list(params.items()), lr=1e-2, weight_decay=0.1, **VARIANTS[variant])
     for step in range(STEPS):
         for name, grad in _global_grads(step).items():
-            params[name].grad = to_grad(grad)
+            params[name].grad = to_grad(grad.to(dtype))
         opt.step()
     fields = contract_of(opt)
     state = {}
@@ -108,7 +112,7 @@ def _check_same(runs: list[dict], variant: str) -> None:
     single = _train(lambda t: torch.nn.Parameter(t.clone()), lambda g: g, lambda p: p.detach(), variant)
     results = [r[variant] for r in runs]
     for book in ("codebook", "v_codebook"):
-        assert (single[book] is None) == (book == "v_codebook" and variant != "m4v4"), book
+        assert (single[book] is None) == (book == "v_codebook" and variant.startswith("m8")), book
         for r in results:
             assert (r[book] is None and single[book] is None) or torch.equal(r[book], single[book]), book
     state = _assemble(results, "state")
@@ -189,18 +193,23 @@ def test_wrappers_match_single_process(world_size: int, kinds: tuple[str, ...]):
 
 # ----- GefenMuon: row-sharded momentum, whole matrices only for Newton-Schulz -------------------
 MUON_SHAPES = {"a": (24, 16), "b": (7, 32), "tiny": (3, 8)}  # uneven rows, an empty shard on 4 ranks
+MUON_VARIANTS = (False, True, "bf16-sr")
 
 
-def _muon_run(make_param, to_grad, local, normuon: bool):
+def _muon_run(make_param, to_grad, local, normuon):
+    """``normuon``: False, True, or "bf16-sr" (plain Muon on bf16 parameters, stochastic rounding)."""
     from gefen import GefenMuon
 
+    sr = normuon == "bf16-sr"
+    dtype = torch.bfloat16 if sr else torch.float32
     g = torch.Generator().manual_seed(0)
-    params = {n: make_param(torch.randn(s, generator=g)) for n, s in MUON_SHAPES.items()}
-    opt = GefenMuon(list(params.items()), lr=0.02, weight_decay=0.01, normuon=normuon)
+    params = {n: make_param(torch.randn(s, generator=g).to(dtype)) for n, s in MUON_SHAPES.items()}
+    opt = GefenMuon(list(params.items()), lr=0.02, weight_decay=0.01, normuon=normuon is True,
+                    bf16_stochastic_round=sr)
     for step in range(3):
         gg = torch.Generator().manual_seed(50 + step)
         for n, s in MUON_SHAPES.items():
-            params[n].grad = to_grad(torch.randn(s, generator=gg) * torch.rand(s[0], 1, generator=gg))
+            params[n].grad = to_grad((torch.randn(s, generator=gg) * torch.rand(s[0], 1, generator=gg)).to(dtype))
         opt.step()
     return {n: local(p).clone() for n, p in params.items()}, {n: opt.state[p]["m_code"].clone() for n, p in params.items()}
 
@@ -212,15 +221,17 @@ def _muon_worker(rank: int, world_size: int):
     mesh = init_device_mesh("cpu", (world_size,))
     shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
     return {normuon: _muon_run(lambda t: torch.nn.Parameter(shard(t)), shard, lambda p: p.to_local(), normuon)
-            for normuon in (False, True)}
+            for normuon in MUON_VARIANTS}
 
 
 def test_muon_sharded_matches_single_process():
-    """Sharded GefenMuon (incl. NorMuon) == one process within bf16 tolerance; codes row-sharded."""
+    """Sharded GefenMuon (incl. NorMuon, and bf16 parameters with stochastic rounding) == one process
+    within bf16 tolerance; codes row-sharded."""
     results = run(_muon_worker, 4)
-    for normuon in (False, True):
+    for normuon in MUON_VARIANTS:
         params, codes = _muon_run(lambda t: torch.nn.Parameter(t.clone()), lambda g: g, lambda p: p.detach(), normuon)
         for name in MUON_SHAPES:
             got = torch.cat([r[normuon][0][name] for r in results])
-            torch.testing.assert_close(got, params[name], rtol=2e-2, atol=2e-3, msg=f"normuon={normuon} {name}")
+            torch.testing.assert_close(got.float(), params[name].float(), rtol=2e-2, atol=2e-3,
+                                       msg=f"normuon={normuon} {name}")
             assert sum(r[normuon][1][name].shape[0] for r in results) == codes[name].shape[0]

@@ -1,7 +1,10 @@
-"""Gefen as a drop-in for torch.optim.AdamW: tensor hyperparameters, AdamW's keyword arguments,
-LR schedulers on a tensor lr, and torch.compile of a training step that calls ``opt.step()``."""
+"""Gefen as a drop-in for torch.optim.AdamW (and GefenMuon for torch.optim.Muon): the same
+signatures, tensor hyperparameters, AdamW's keyword arguments, LR schedulers on a tensor lr,
+and torch.compile of a training step that calls ``opt.step()``."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -41,6 +44,50 @@ def _same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _torch_part(ours, theirs) -> list[tuple]:
+    """(name, kind, default) of ``ours``' first parameters, as many as ``theirs`` has, and the rest's kinds."""
+    a = list(inspect.signature(ours).parameters.values())
+    b = list(inspect.signature(theirs).parameters.values())
+    return [(p.name, p.kind, p.default) for p in a[:len(b)]], [(p.name, p.kind, p.default) for p in b], a[len(b):]
+
+
+@pytest.mark.parametrize("ours, theirs", [(Gefen, torch.optim.AdamW), (GefenMuon, torch.optim.Muon)],
+                         ids=["Gefen-AdamW", "GefenMuon-Muon"])
+def test_signature_is_torchs_then_keyword_only_options(ours, theirs):
+    """Names, kinds, order and defaults of torch's parameters; ours only after them, keyword-only."""
+    got, want, rest = _torch_part(ours, theirs)
+    assert got == want
+    assert rest and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in rest), [p.name for p in rest]
+    assert {p.name for p in rest} >= {"seed", "bf16_stochastic_round", "codebook_size", "bins_per_code"}
+
+
+def test_positional_adamw_arguments_mean_what_they_mean_for_adamw():
+    model = _model()
+    opt = Gefen(model.parameters(), 1e-3, (0.9, 0.999), 1e-8, 1e-2, False)
+    assert opt.defaults["weight_decay"] == 1e-2 and opt.defaults["factored_v_2d"] is True
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        Gefen(model.parameters(), 1e-3, (0.9, 0.999), 1e-8, 1e-2, True)
+    with pytest.raises(TypeError):
+        Gefen(model.parameters(), 1e-3, (0.9, 0.999), 1e-8, 1e-2, False, False)  # maximize is keyword-only
+
+
+def test_gefen_muon_takes_torch_muons_arguments_with_their_meaning():
+    """Positional torch.optim.Muon arguments; one (a, b, c) repeated ns_steps times is the schedule;
+    adjust_lr_fn None is "original"; on the same dense momentum the step is torch's up to bf16."""
+    torch.manual_seed(0)
+    w0, g = torch.randn(24, 40), torch.randn(24, 40)
+    ours_p, theirs_p = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    args = (0.02, 0.1, 0.9, False, (3.4445, -4.7750, 2.0315), 1e-7, 5, None)
+    ours, theirs = GefenMuon([ours_p], *args), torch.optim.Muon([theirs_p], *args)
+    ours_p.grad, theirs_p.grad = g.clone(), g.clone()
+    ours.step()
+    theirs.step()
+    d_ours, d_theirs = ours_p.detach() - w0, theirs_p.detach() - w0
+    # the first momentum is (1 - mu) g in both, ours 8-bit-coded; Newton-Schulz in bf16 in both
+    assert float((d_ours - d_theirs).norm() / d_theirs.norm()) < 0.03
+    assert GefenMuon([torch.nn.Parameter(torch.randn(4, 4))], ns_coefficients="tuned3").defaults["ns_steps"] == 5
+
+
 def test_tensor_lr_and_betas_step_like_floats():
     floats, _, _ = _train(lambda m: Gefen(m.named_parameters(), lr=0.01, betas=(0.9, 0.99)))
     tensors, opt, _ = _train(lambda m: Gefen(m.named_parameters(), lr=torch.tensor(0.01, dtype=torch.float64),
@@ -62,7 +109,7 @@ def test_scheduler_on_a_tensor_lr_changes_the_step():
     assert opt.param_groups[0]["lr"] is lr and float(lr) == 0.0
     before = _params(model)
     model(x).sum().backward()
-    opt.step()  # lr 0 and no weight decay: nothing moves
+    opt.step()  # lr 0 (weight decay is scaled by lr): nothing moves
     assert _same(before, _params(model))
 
 

@@ -174,20 +174,26 @@ def test_invalid_construction_raises(params, kwargs, error, pattern):
 def test_keywords_and_overrides_reach_the_right_child():
     opt = GefenMuonHybrid(TinyGPT(), lr=3e-3, weight_decay=0.1, backup="adamw", muon_lr=0.02,
                           backup_weight_decay=0.0, momentum=0.9, betas=(0.8, 0.99), eps=1e-6, foreach=True,
-                          adjust_lr="original", ns_schedule="tuned3")
+                          adjust_lr_fn="original", ns_coefficients="tuned3", normuon_eps=1e-6)
     muon, backup = opt.children["muon"].param_groups[0], opt.children["backup"].param_groups[0]
-    assert (muon["lr"], muon["weight_decay"], muon["momentum"], muon["eps"]) == (0.02, 0.1, 0.9, 1e-6)
-    assert (muon["adjust_lr"], muon["ns_schedule"]) == ("original", "tuned3")
+    # eps is Adam's (the backup's); Muon's eps is torch.optim.Muon's Newton-Schulz norm floor
+    assert (muon["lr"], muon["weight_decay"], muon["momentum"], muon["eps"]) == (0.02, 0.1, 0.9, 1e-7)
+    assert (muon["adjust_lr_fn"], muon["ns_coefficients"], muon["normuon_eps"]) == ("original", "tuned3", 1e-6)
     assert (backup["lr"], backup["weight_decay"], backup["betas"], backup["eps"]) == (3e-3, 0.0, (0.8, 0.99), 1e-6)
     assert isinstance(opt.children["backup"], torch.optim.AdamW)
     default = GefenMuonHybrid(TinyGPT())
-    assert default.children["muon"].param_groups[0]["adjust_lr"] == "match_rms_adamw"
+    assert default.children["muon"].param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
     assert isinstance(default.children["backup"], Gefen) and isinstance(default.children["muon"], GefenMuon)
     # the Gefen backup takes Gefen's default layout (and its keywords); GefenMuon keeps 8-bit momentum
     assert default.children["backup"].moments == "m4v4" and default.children["muon"].codebook_size == 256
     seeded = GefenMuonHybrid(TinyGPT(), moments="m8", seed=3)
     assert seeded.children["backup"].moments == "m8" and seeded.children["backup"].param_groups[0]["seed"] == 3
     assert seeded.contract().child("backup").version == "1" and default.contract().child("backup").version == "2"
+    assert seeded.children["muon"].param_groups[0]["seed"] == 3  # both children salt their rounding with it
+    with pytest.raises(ValueError, match="bf16_stochastic_round=True needs backup='gefen'"):
+        GefenMuonHybrid(TinyGPT(), backup="adamw", bf16_stochastic_round=True)
+    sr = GefenMuonHybrid(TinyGPT(), bf16_stochastic_round=True)
+    assert all(g["bf16_stochastic_round"] for g in sr.param_groups)
 
 
 # ----- one torch optimizer -----------------------------------------------------------------------

@@ -98,11 +98,11 @@ def test_schedules_resolve_to_the_spec_coefficients():
 @pytest.mark.parametrize(
     "schedule, ns_steps, pattern",
     [
-        ("tuned5", 5, "unknown ns_schedule 'tuned5'"),
+        ("tuned5", 5, "unknown ns_coefficients 'tuned5'"),
         ([], 5, "non-empty list"),
         (7, 5, "schedule name or a non-empty list"),
-        ([(1.0, 2.0)], 5, r"ns_schedule\[0\] must be an \(a, b, c\) triple"),
-        ([(3.0, -4.0, 2.0), (1.0, "x", 2.0)], 5, r"ns_schedule\[1\] must hold three finite numbers"),
+        ([(1.0, 2.0)], 5, r"ns_coefficients\[0\] must be an \(a, b, c\) triple"),
+        ([(3.0, -4.0, 2.0), (1.0, "x", 2.0)], 5, r"ns_coefficients\[1\] must hold three finite numbers"),
         ([(1.0, float("nan"), 2.0)], 5, "finite"),
         ([(True, 1.0, 2.0)], 5, "finite numbers"),
         ("standard", 0, "ns_steps must be a positive int"),
@@ -113,7 +113,7 @@ def test_malformed_schedules_raise_clear_errors(schedule, ns_steps, pattern):
     with pytest.raises(ValueError, match=pattern):
         resolve_schedule(schedule, ns_steps)
     with pytest.raises(ValueError, match=pattern):
-        GefenMuon([torch.nn.Parameter(torch.randn(4, 4))], ns_schedule=schedule, ns_steps=ns_steps)
+        GefenMuon([torch.nn.Parameter(torch.randn(4, 4))], ns_coefficients=schedule, ns_steps=ns_steps)
 
 
 # ----- one step against a dense reference -------------------------------------------------------
@@ -163,7 +163,7 @@ def test_steps_match_a_dense_reference_within_bf16_tolerance(case):
     lr, mu = 0.02, 0.95
     p = torch.nn.Parameter(w0.clone())
     opt = GefenMuon([("w", p)], lr=lr, momentum=mu, nesterov=case["nesterov"], weight_decay=case["wd"],
-                    adjust_lr=case["adjust"], normuon=case.get("normuon", False))
+                    adjust_lr_fn=case["adjust"], normuon=case.get("normuon", False))
     for g in grads:
         p.grad = g.clone()
         opt.step()
@@ -229,7 +229,9 @@ def test_momentum_state_is_gefens_encoder_bit_for_bit():
         (dict(eps=-1.0), "eps"),
         (dict(nesterov=1), "nesterov"),
         (dict(normuon="yes"), "normuon"),
-        (dict(adjust_lr="rms"), "adjust_lr"),
+        (dict(adjust_lr_fn="rms"), "adjust_lr_fn"),
+        (dict(normuon_eps=-1.0), "normuon_eps"),
+        (dict(bf16_stochastic_round=1), "bf16_stochastic_round"),
         (dict(codebook_size=512), "codebook_size"),
     ],
 )
@@ -268,13 +270,13 @@ def test_equal_shapes_are_orthogonalised_together_and_match_separate_optimizers(
     ws = [torch.randn(24, 40, generator=gen) for _ in range(3)]
     gs = [torch.randn(24, 40, generator=gen) for _ in range(3)]
     together = [torch.nn.Parameter(w.clone()) for w in ws]
-    opt = GefenMuon(together)
+    opt = GefenMuon(together, lr=0.02, weight_decay=0.0)
     for p, g in zip(together, gs):
         p.grad = g
     opt.step()
     for w, g, p in zip(ws, gs, together):
         alone = torch.nn.Parameter(w.clone())
-        single = GefenMuon([alone])
+        single = GefenMuon([alone], lr=0.02, weight_decay=0.0)
         single.codebook = opt.codebook  # the codebook is learned from all gradients together
         single.state[alone] = {k: torch.zeros_like(v) if k in ("step", "m_code", "m_scale") else v.clone()
                                for k, v in opt.state[p].items()}
@@ -312,11 +314,11 @@ def test_state_dict_round_trip_resumes_bitwise(normuon):
             opt.step()
 
     p = torch.nn.Parameter(w0.clone())
-    opt = GefenMuon([("w", p)], normuon=normuon, ns_schedule="tuned4")
+    opt = GefenMuon([("w", p)], normuon=normuon, ns_coefficients="tuned4")
     run(grads, p, opt)
 
     q = torch.nn.Parameter(w0.clone())
-    first = GefenMuon([("w", q)], normuon=normuon, ns_schedule="tuned4")
+    first = GefenMuon([("w", q)], normuon=normuon, ns_coefficients="tuned4")
     run(grads[:3], q, first)
     buf = io.BytesIO()
     torch.save(first.state_dict(), buf)
@@ -324,7 +326,7 @@ def test_state_dict_round_trip_resumes_bitwise(normuon):
     r = torch.nn.Parameter(q.detach().clone())
     resumed = GefenMuon([("w", r)], normuon=normuon)
     resumed.load_state_dict(torch.load(buf, weights_only=True))
-    assert resumed.param_groups[0]["ns_schedule"] == "tuned4"
+    assert resumed.param_groups[0]["ns_coefficients"] == "tuned4"
     run(grads[3:], r, resumed)
     assert torch.equal(r.detach(), p.detach())
 
@@ -340,3 +342,74 @@ def test_normuon_state_does_not_load_into_plain_muon():
     with pytest.raises(ValueError, match="v_row"):
         plain.load_state_dict(sd)
     assert not plain.state and plain.codebook is None
+
+
+# ----- state saved under the legacy hyperparameter names ---------------------------------------
+LEGACY_CONTRACT_HYPER = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_schedule", "normuon", "beta2",
+                         "eps", "adjust_lr")
+
+
+def _legacy_group(group: dict) -> dict:
+    """A group as GefenMuon's first layout saved it: adjust_lr, ns_schedule, NorMuon's eps, no seed."""
+    old = {k: v for k, v in group.items()
+           if k not in ("adjust_lr_fn", "ns_coefficients", "eps", "normuon_eps", "seed", "bf16_stochastic_round")}
+    return old | {"adjust_lr": group["adjust_lr_fn"], "ns_schedule": "standard", "eps": group["normuon_eps"]}
+
+
+def _legacy_run(steps: int, p, opt, gen_seed: int = 11):
+    gen = torch.Generator().manual_seed(gen_seed)
+    for _ in range(steps):
+        p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+@pytest.mark.parametrize("normuon", [False, True])
+def test_legacy_state_dict_loads_and_resumes_bitwise(normuon):
+    """A state_dict with the legacy names loads with their meaning: adjust_lr -> adjust_lr_fn,
+    ns_schedule "standard" -> the one (a, b, c), NorMuon's eps -> normuon_eps."""
+    kw = dict(lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw", normuon=normuon, normuon_eps=1e-6)
+    w0 = torch.randn(24, 40, generator=torch.Generator().manual_seed(5))
+    p, q = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    straight, first = GefenMuon([("w", p)], **kw), GefenMuon([("w", q)], **kw)
+    _legacy_run(4, p, straight)
+    _legacy_run(2, q, first)
+    sd = first.state_dict()
+    sd["param_groups"] = [_legacy_group(g) for g in sd["param_groups"]]
+    r = torch.nn.Parameter(q.detach().clone())
+    resumed = GefenMuon([("w", r)], normuon=normuon)  # torch's defaults: the saved values must win
+    resumed.load_state_dict(sd)
+    group = resumed.param_groups[0]
+    assert (group["adjust_lr_fn"], group["ns_coefficients"], group["normuon_eps"], group["eps"]) == (
+        "match_rms_adamw", STANDARD, 1e-6, 1e-7)
+    assert "adjust_lr" not in group and "ns_schedule" not in group
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(2):
+        torch.randn(r.shape, generator=gen)  # the two gradients ``first`` consumed
+    for _ in range(2):
+        r.grad = torch.randn(r.shape, generator=gen)
+        resumed.step()
+    assert torch.equal(r.detach(), p.detach())
+
+
+def test_legacy_gefen_ckpt_checkpoint_loads(tmp_path):
+    """A gefen_ckpt checkpoint whose contract names the legacy hyperparameters loads too."""
+    import dataclasses
+
+    import gefen_ckpt
+
+    kw = dict(lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+    p = torch.nn.Parameter(torch.randn(16, 24))
+    opt = GefenMuon([("w", p)], **kw)
+    _legacy_run(2, p, opt)
+    state = gefen_ckpt.export_canonical(opt)
+    legacy = dataclasses.replace(
+        state, contract=dataclasses.replace(state.contract, hyperparameters=LEGACY_CONTRACT_HYPER),
+        param_groups=[{k: v for k, v in _legacy_group({**g, "normuon_eps": 1e-8}).items()
+                       if k in LEGACY_CONTRACT_HYPER or k == "params"} for g in state.param_groups])
+    gefen_ckpt.write(legacy, str(tmp_path / "old"))
+    fresh = GefenMuon([("w", torch.nn.Parameter(p.detach().clone()))])
+    gefen_ckpt.load(fresh, str(tmp_path / "old"))
+    group = fresh.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["adjust_lr_fn"], group["ns_coefficients"]) == (
+        0.02, 0.0, "match_rms_adamw", STANDARD)
+    assert torch.equal(fresh.state[fresh.param_groups[0]["params"][0]]["m_code"], opt.state[p]["m_code"])

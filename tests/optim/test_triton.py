@@ -176,6 +176,38 @@ def test_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
         assert _same_step(init[name], a.detach(), b.detach(), steps=len(grads)), name
 
 
+@pytest.mark.parametrize("moments", ["m4v4", "m8"])
+def test_bf16_stochastic_round_write_back_launches_after_the_updates(moments, monkeypatch):
+    """bf16_stochastic_round on the kernels: the updates write fp32 copies, queued; the write-back
+    is one launch for the group after them, and gives the bits of the eager write-back of the
+    same fp32 values (the kernel's write-back disabled: the queue is drained, then the reference)."""
+    from gefen import Gefen
+
+    shapes = {"w1": (9, 20), "b": (20,), "e": (3, 2, 5)}
+    gen = torch.Generator().manual_seed(4)
+    init = {n: torch.randn(s, generator=gen).to(DEVICE, torch.bfloat16) for n, s in shapes.items()}
+    grads = [{n: _grad(gen, s, torch.bfloat16, zero_row=False) for n, s in shapes.items()} for _ in range(3)]
+    calls = []
+    real = launch.round_params_
+    monkeypatch.setattr(launch, "round_params_", lambda items: (calls.append(len(items)), real(items)))
+
+    def run():
+        params = [(n, torch.nn.Parameter(t.clone())) for n, t in init.items()]
+        opt = Gefen(params, lr=1e-2, moments=moments, bf16_stochastic_round=True, seed=2)
+        for g in grads:
+            for n, p in params:
+                p.grad = g[n].clone()
+            opt.step()
+        return [p.detach().clone() for _, p in params]
+
+    kernels = run()
+    assert calls == [len(shapes)] * len(grads)
+    monkeypatch.setattr(dispatch, "round_param_", lambda *a, **k: False)
+    monkeypatch.setattr(native, "fused_round_param_", lambda *a, **k: False)
+    eager = run()
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(kernels, eager))
+
+
 # ----- Gefen m8 (8-bit codes; block or factored second moment) ---------------------------------
 M8_CASES = [  # shape, block length, factored, parameter dtype, gradient dtype, codebook size
     ((37, 33), 33, True, torch.float32, torch.float32, 256),  # odd shape, one tile
@@ -400,6 +432,19 @@ def test_disabled_or_foreign_devices_fall_back(caplog):
     if DEVICE == "cpu":  # CPU tensors are the C kernel's or the eager step's: silently not ours
         assert dispatch.momentum_(s, torch.randn(shape, generator=gen), 0.9, cb) is None
         assert not caplog.records
+
+
+def test_first_use_check_of_the_write_back_passes_and_catches_a_wrong_kernel(monkeypatch):
+    device = torch.device(DEVICE)
+    assert selfcheck.run(launch, device, "round") is None
+    real = launch.round_params_
+
+    def broken(items):
+        real(items)
+        items[0][0].view(-1)[-1] = items[0][0].view(-1)[-1].float() * 2  # one element off
+
+    monkeypatch.setattr(launch, "round_params_", broken)
+    assert "differs" in selfcheck.run(launch, device, "round")
 
 
 @pytest.mark.parametrize("family", ["m4v4", "m8", "momentum"])
