@@ -32,6 +32,7 @@ from gefen.stochastic import (
     V_BINS,
     element_index,
     encode,
+    encode_v,
     hash_bits,
     hash_uniform,
     histogram_fixed,
@@ -256,6 +257,16 @@ def factored_estimates(state: dict, v_row: torch.Tensor, partials: torch.Tensor,
     return v_col, vhat_old, vhat_new
 
 
+def decoded_second_moment(state: dict, ratio: torch.Tensor) -> torch.Tensor:
+    """A coded tensor's second moment as its last step's denominator used it, fp32 ``[rows,
+    row_numel]``: ``vhat * R[code >> 4]``, ``vhat = (v_row / max(mean(v_row), TINY))[i] * v_col[j]``
+    (``ratio``: ``ratio_table(v_codebook)``). Local rows only: the mean of an unsharded ``v_row``."""
+    v_row, v_col = state["v_row"].float(), state["v_col"].float()
+    mean = (v_row.sum(dtype=torch.float64) / max(v_row.numel(), 1)).float().clamp_min(TINY)
+    codes = rows_view(state["mv_code"]).long() >> 4
+    return (v_row / mean)[:, None] * v_col[None, :] * ratio[:16].to(v_col.device).take(codes)
+
+
 def _second_moment(state: dict, sq: torch.Tensor, ratio: torch.Tensor, beta2: float,
                    vhat_old: torch.Tensor) -> torch.Tensor:
     """The new per-element second moment (before re-quantisation): decoded old v, then the EMA."""
@@ -310,7 +321,7 @@ def m4v4_update_(
     # second moment: per-element code of v / vhat against the ratio table
     v = _second_moment(state, sq, ratio, b2, vhat_old)
     r = v / vhat_new.clamp_min(TINY)
-    vcode = encode(r, ratio, hash_uniform(gidx, step, salt_v))
+    vcode = encode_v(r, ratio, hash_uniform(gidx, step, salt_v))
     vq = vhat_new * ratio.take(vcode)
     denom = _div(vq.sqrt(), math.sqrt(1 - b2**step)) + h.eps
 
