@@ -607,4 +607,7 @@ if __name__ == "__main__":
     import sys
 
     torch.set_num_threads(1)
-    print(json.dumps(run("--quick" in sys.argv)["data"], indent=1))
+    if "--sweep" in sys.argv:  # only the learning-rate sweep (markdown on stdout)
+        print(sweep_section(workers=int(os.environ.get("GEFEN_BENCH_JOBS", "2")))["markdown"])
+    else:
+        print(json.dumps(run("--quick" in sys.argv)["data"], indent=1))
