@@ -345,6 +345,32 @@ def test_m4v4_optimizer_steps_are_the_reference_functions(seed):
                 assert same_bits(opt.state[params[i]][name], value), f"param {i} {name} step {step + 1}"
 
 
+def test_a_state_with_a_learned_v_codebook_loads_and_keeps_it():
+    """Version-"2" states written before the fixed grid hold a codebook learned at the first step;
+    the codes mean the same (decode unchanged), so such a state loads as it is, keeps its codebook
+    and steps with the rounding derived from it (the curvatures of its own ratio table)."""
+    gen = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(12, 20, generator=gen))
+    opt = Gefen([p], lr=1e-2, weight_decay=0.0)
+    p.grad = torch.randn(12, 20, generator=gen)
+    opt.step()
+    learned = torch.tensor([-1.0, -0.79, -0.63, -0.5, -0.38, -0.29, -0.2, -0.13, -0.06, 0.0, 0.05, 0.11,
+                            0.19, 0.28, 0.41, 1.0])  # the shape of a first-step DP solution
+    opt.v_codebook = learned.clone()
+    sd = opt.state_dict()
+    q = torch.nn.Parameter(p.detach().clone())
+    resumed = Gefen([q], lr=1e-2, weight_decay=0.0)
+    resumed.load_state_dict(sd)
+    assert torch.equal(resumed.v_codebook, learned)
+    g = torch.randn(12, 20, generator=gen)
+    for opt_, param in ((opt, p), (resumed, q)):
+        param.grad = g.clone()
+        opt_.step()
+    assert torch.equal(p.detach(), q.detach())
+    assert torch.equal(opt.state[p]["mv_code"], resumed.state[q]["mv_code"])
+    assert torch.equal(resumed.v_codebook, learned)  # never re-learned
+
+
 def test_m4v4_refuses_what_it_cannot_represent():
     p = torch.nn.Parameter(torch.randn(4, 4))
     with pytest.raises(ValueError, match="codebook_size must be 16"):
