@@ -174,7 +174,7 @@ def test_v_grid_is_the_documented_sinh_grid_with_bounded_gaps():
     gaps = grid.diff()
     assert grid[0] == -8 and grid[-1] == 8 and (gaps > 0).all()
     assert gaps.min() > 0.25 and gaps[6:9].max() < 0.3  # 0.25 nats apart at the centre
-    assert gaps.max() < 2.9  # the widest gap: a step at most exp(2.9 / 2) = 4.3x the code above's
+    assert gaps.max() < 2.9  # the widest gap: a step at most exp(2.9 / 2) = 4.2x the code above's
 
 
 @pytest.mark.parametrize("power", [1.0, 1.0 / 3.0])
