@@ -2,7 +2,8 @@
 
 A 4-bit EMA re-quantised to the nearest code freezes (each step moves ``v`` by ~0.1% with
 ``beta2 = 0.999``, far below a code step), so both codes are re-quantised by *unbiased*
-stochastic rounding between the two neighbouring table entries. The noise is a counter hash
+stochastic rounding between the two neighbouring table entries (the second moment's unbiased in
+``v ** V_POWER``, see ``encode_v``). The noise is a counter hash
 of (the element's index in the *global* parameter, the step, a per-parameter salt): the same
 bits on every world size, mesh and device, and nothing to store or to seed per rank.
 

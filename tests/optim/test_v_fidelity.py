@@ -5,9 +5,9 @@ trained with the default Gefen while an exact fp32 EMA of g^2 runs on the same g
 every coded matrix's elements, the second moment the last step used must be unbiased within 3%:
 mean ``log(v_decoded / v_exact)`` within +-0.03 and the mean step-size factor
 ``(sqrt(v_exact) + eps) / (sqrt(v_decoded) + eps)`` within [0.97, 1.03]. Measured (torch 2.13,
-CPU), seeds 0 / 1: log ratio +0.013 / see docs/decisions.md, step factor 1.013; rounding unbiased
-in v instead (``V_POWER = 1``, the learned codebook it had) gave -0.111 and 1.088, which the
-second test pins so this one cannot pass vacuously.
+CPU), seeds 0 / 1: log ratio +0.013 / +0.015, step factor 1.013 / 1.013. Rounding unbiased in v
+(``V_POWER = 1``; with the learned codebook it had: -0.111 and 1.088) fails the bound, which
+the second test pins so the first cannot pass vacuously.
 """
 
 from __future__ import annotations
