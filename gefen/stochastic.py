@@ -28,8 +28,6 @@ V_GRID_SHAPE = 3.35
 LOG_RANGE = 8.0
 #: entries of each of the two codebooks (two 4-bit codes share one byte)
 CODES = 16
-#: bins of the fixed-range histogram the second-moment codebook is learned from
-V_BINS = 16 * CODES
 TINY = torch.finfo(torch.float32).tiny
 #: fp32(1e-12): the smallest gap between two table entries that the rounding divides by
 GUARD = float(torch.tensor(1e-12, dtype=torch.float32))
@@ -146,12 +144,3 @@ def v_grid(device: torch.device | str | None = None) -> torch.Tensor:
 def standin_codebook(device: torch.device | str | None = None) -> torch.Tensor:
     """The table used before a codebook is learned (every moment is exactly zero then)."""
     return torch.linspace(-1.0, 1.0, CODES, dtype=torch.float32, device=device)
-
-
-def histogram_fixed(x: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """int64 counts of values in [-1, 1]: bin ``clamp(floor((x + 1) / 2 * num_bins), 0, num_bins - 1)``
-    in fp32 in that order (no per-block normalisation: the range is fixed)."""
-    if x.numel() == 0:
-        return torch.zeros(num_bins, dtype=torch.int64, device=x.device)
-    idx = x.float().add(1.0).div_(2.0).mul_(num_bins).to(torch.int64).clamp_(0, num_bins - 1)  # x >= -1
-    return torch.bincount(idx.reshape(-1), minlength=num_bins)

@@ -26,7 +26,6 @@ from gefen.stochastic import (
     encode_v,
     hash_bits,
     hash_uniform,
-    histogram_fixed,
     ratio_table,
     round_bf16,
     salts,
@@ -195,12 +194,6 @@ def test_encode_v_is_unbiased_in_v_to_the_power(power, monkeypatch):
     assert ((got - want).abs() / span).max() < 0.02
     if power != 1.0:  # and biased in v, upwards (Jensen), as it must be
         assert ((R.take(encode_v(x.expand(n, *x.shape), table, u))).mean(0) > x.double()).all()
-
-
-def test_histogram_fixed_bins():
-    x = torch.tensor([-1.0, -0.99, 0.0, 0.5, 1.0])
-    counts = histogram_fixed(x, 4)
-    assert counts.tolist() == [2, 0, 1, 2]
 
 
 # ----- one step against the numpy model ------------------------------------------------------
