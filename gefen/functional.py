@@ -27,14 +27,12 @@ from gefen.contract import DIMENSION_FIELDS
 from gefen.geometry import as_blocks, block_shape, uses_row_period
 from gefen.quant import dequantise, quantise
 from gefen.stochastic import (
-    LOG_RANGE,
     TINY,
-    V_BINS,
     element_index,
     encode,
+    encode_v,
     hash_bits,
     hash_uniform,
-    histogram_fixed,
     round_bf16,
     salts,
 )
@@ -256,6 +254,16 @@ def factored_estimates(state: dict, v_row: torch.Tensor, partials: torch.Tensor,
     return v_col, vhat_old, vhat_new
 
 
+def decoded_second_moment(state: dict, ratio: torch.Tensor) -> torch.Tensor:
+    """A coded tensor's second moment as its last step's denominator used it, fp32 ``[rows,
+    row_numel]``: ``vhat * R[code >> 4]``, ``vhat = (v_row / max(mean(v_row), TINY))[i] * v_col[j]``
+    (``ratio``: ``ratio_table(v_codebook)``). Local rows only: the mean of an unsharded ``v_row``."""
+    v_row, v_col = state["v_row"].float(), state["v_col"].float()
+    mean = (v_row.sum(dtype=torch.float64) / max(v_row.numel(), 1)).float().clamp_min(TINY)
+    codes = rows_view(state["mv_code"]).long() >> 4
+    return (v_row / mean)[:, None] * v_col[None, :] * ratio[:16].to(v_col.device).take(codes)
+
+
 def _second_moment(state: dict, sq: torch.Tensor, ratio: torch.Tensor, beta2: float,
                    vhat_old: torch.Tensor) -> torch.Tensor:
     """The new per-element second moment (before re-quantisation): decoded old v, then the EMA."""
@@ -310,7 +318,7 @@ def m4v4_update_(
     # second moment: per-element code of v / vhat against the ratio table
     v = _second_moment(state, sq, ratio, b2, vhat_old)
     r = v / vhat_new.clamp_min(TINY)
-    vcode = encode(r, ratio, hash_uniform(gidx, step, salt_v))
+    vcode = encode_v(r, ratio, hash_uniform(gidx, step, salt_v))
     vq = vhat_new * ratio.take(vcode)
     denom = _div(vq.sqrt(), math.sqrt(1 - b2**step)) + h.eps
 
@@ -359,21 +367,6 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper
     gidx = torch.arange(row0, row0 + m.numel(), dtype=torch.int64, device=m.device).reshape(m.shape)
     state["exp_avg"].copy_(round_bf16(m, hash_bits(gidx, step, salts(pidx, seed)[0])))
     state["exp_avg_sq"].copy_(v)
-
-
-def v_ratio_histogram(grad: torch.Tensor, state: dict, beta2: float, *, global_rows: int, v_row: torch.Tensor,
-                      partials: torch.Tensor, num_bins: int = V_BINS) -> torch.Tensor:
-    """int64 counts of ``clamp(log(max(v, TINY) / max(vhat, TINY)) / 8, -1, 1)`` for one coded
-    tensor at the step its codebooks are learned; the optimizer all-reduces the sum over tensors
-    and solves the second-moment codebook from it. Every earlier step had all-zero gradients on
-    every rank (and a load with moments but no codebooks is refused), so the old moments are
-    exactly zero and ``v = g^2 (1 - b2)`` is what the step's ``0 * b2 + g^2 (1 - b2)`` gives, bit
-    for bit, without decoding the old codes (the first step's largest cost)."""
-    g = _rows(grad)
-    _, _, vhat_new = factored_estimates(state, v_row, partials, beta2, global_rows=global_rows)
-    v = (g * g) * (1 - beta2)
-    x = torch.log(v.clamp_min(TINY) / vhat_new.clamp_min(TINY)).div_(LOG_RANGE).clamp_(-1.0, 1.0)
-    return histogram_fixed(x, num_bins)
 
 
 # ----- bf16_stochastic_round: the parameter written back ----------------------------------------

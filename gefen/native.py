@@ -57,7 +57,7 @@ __all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_mom
 #: Module switch (tests and benchmarks); the environment variable sets its initial value.
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 
-_ABI = 13
+_ABI = 14
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _P = ctypes.c_void_p
 _I32, _I64, _DBL = ctypes.c_int32, ctypes.c_int64, ctypes.c_double
@@ -404,7 +404,7 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
     codes, scale, v_row_old, v_col = fields
     tables = (codebook, ratio)
     if (v_row.dtype != torch.float32 or partials.dtype != torch.float64
-            or any(t.dtype != torch.float32 or t.numel() != 16 for t in tables)
+            or any(t.dtype != torch.float32 or t.numel() != n for t, n in zip(tables, (16, 32)))
             or not _cpu_contiguous(param, grad, *fields, v_row, partials, *tables)):
         return False
     if (codes.numel() != rows * cols or scale.numel() != rows or v_row_old.numel() != rows or v_row.numel() != rows

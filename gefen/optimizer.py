@@ -6,7 +6,6 @@ import torch
 
 from gefen import dispatch
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
-from gefen.codebook import solve_codebook
 from gefen.contract import OptimizerContract
 from gefen.distributed import Layout
 from gefen.functional import (
@@ -20,11 +19,10 @@ from gefen.functional import (
     m4v4_momentum,
     row_abs_max,
     row_square_sums,
-    v_ratio_histogram,
 )
 from gefen.geometry import rows_and_row_numel
 from gefen.layouts import CONTRACTS, MOMENTS, V_CODEBOOK, version_refusal
-from gefen.stochastic import CODES, param_salt, ratio_table, standin_codebook
+from gefen.stochastic import CODES, param_salt, ratio_table, standin_codebook, v_grid
 from gefen.validation import check_adamw_options, check_betas, check_range
 
 __all__ = ["Gefen", "MOMENTS", "version_refusal"]
@@ -243,25 +241,13 @@ class Gefen(CompressedOptimizer):
                               col0=offsets[1], row_len=_row_len(p))
 
     def _learn_m4v4_codebooks(self, work, pending) -> None:
-        """Both codebooks at the first step whose gradients are not all zero: the first moment's as
-        for m8, the second moment's from every coded tensor's ``log(v / vhat)`` at this step (a
-        fixed-range histogram, summed over the ranks, solved by the same exact DP)."""
+        """Both codebooks at the first step whose gradients are not all zero: the first moment's
+        learned as for m8, the second moment's the fixed ``v_grid`` (no histogram of the first
+        step's ``g^2 / vhat``, which is far wider than the EMA's ratio)."""
         codebook = self._learn_codebook(work)
         if codebook is None:
             return
-        plan = self.reduction_plan()
-        counts = None
-        for i, (group, p, grad) in enumerate(work):
-            if i in pending and plan.counts(p):
-                v_row, partials = pending[i]
-                local = local_tensor(grad)
-                h = v_ratio_histogram(local, self.state[p], group["betas"][1], global_rows=p.shape[0], v_row=v_row,
-                                      partials=partials)
-                counts = h if counts is None else counts + h.to(counts.device)
-        if counts is None:
-            counts = torch.zeros(16 * CODES, dtype=torch.int64, device=codebook.device)
-        plan.reducer.sum_(counts)
-        self.v_codebook = solve_codebook(counts, CODES).to(codebook.device)
+        self.v_codebook = v_grid(codebook.device)
         self.codebook = codebook
 
 

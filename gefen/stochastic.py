@@ -2,7 +2,8 @@
 
 A 4-bit EMA re-quantised to the nearest code freezes (each step moves ``v`` by ~0.1% with
 ``beta2 = 0.999``, far below a code step), so both codes are re-quantised by *unbiased*
-stochastic rounding between the two neighbouring table entries. The noise is a counter hash
+stochastic rounding between the two neighbouring table entries (the second moment's unbiased in
+``v ** V_POWER``, see ``encode_v``). The noise is a counter hash
 of (the element's index in the *global* parameter, the step, a per-parameter salt): the same
 bits on every world size, mesh and device, and nothing to store or to seed per rank.
 
@@ -14,12 +15,19 @@ from __future__ import annotations
 
 import torch
 
+#: the power of v in which the second-moment rounding is unbiased. Rounding unbiased in v (power 1)
+#: leaves the decoded v unbiased but its 1/sqrt(v), which the step uses, 8-9% high (the Jensen gap
+#: of the codes' spread); power 1/2 makes it unbiased in log v, 1/4 in 1/sqrt(v); 1/3 keeps both
+#: biases within ~1.5% (docs/decisions.md, "An unbiased second moment")
+V_POWER = 1.0 / 3.0
+#: shape of the fixed second-moment codebook: ``sinh(V_GRID_SHAPE * t) / sinh(V_GRID_SHAPE)`` at 16
+#: evenly spaced t in [-1, 1], i.e. log-ratio codes 0.25 nats apart at the centre, where the EMA's
+#: log(v / vhat) lives, widening to 2.9 nats at +-8, so no gap makes a large rare step
+V_GRID_SHAPE = 3.35
 #: the second-moment code is ``log(v / vhat) / LOG_RANGE`` in [-1, 1] (e^8 ~ 3000x in v)
 LOG_RANGE = 8.0
 #: entries of each of the two codebooks (two 4-bit codes share one byte)
 CODES = 16
-#: bins of the fixed-range histogram the second-moment codebook is learned from
-V_BINS = 16 * CODES
 TINY = torch.finfo(torch.float32).tiny
 #: fp32(1e-12): the smallest gap between two table entries that the rounding divides by
 GUARD = float(torch.tensor(1e-12, dtype=torch.float32))
@@ -90,22 +98,55 @@ def encode(x: torch.Tensor, table: torch.Tensor, u: torch.Tensor) -> torch.Tenso
     return lo.add_(u < p)
 
 
+def encode_v(x: torch.Tensor, table: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """int64 second-moment codes of fp32 ratios ``x = v / vhat`` against ``ratio_table``'s 32
+    entries (16 sorted ratios ``R``, then 16 curvatures ``K``): ``encode``'s interpolation
+    ``p = clamp((x - R[lo]) / max(R[hi] - R[lo], GUARD), 0, 1)`` bent to ``p + K[lo] * (p * (1 - p))``
+    (fp32, in that order), so the rounding is unbiased in ``v ** V_POWER`` rather than in ``v``
+    (docs/format.md, "The m4v4 step"); decided by ``u < p``."""
+    ratios, kappa = table[:CODES], table[CODES:]
+    lo = torch.searchsorted(ratios, x.contiguous(), side="left").clamp_(1, CODES - 1).sub_(1)
+    gaps = torch.clamp_min(ratios[1:] - ratios[:-1], GUARD)
+    p = ((x - ratios.take(lo)) / gaps.take(lo)).clamp_(0.0, 1.0)
+    p = p + kappa.take(lo) * (p * (1.0 - p))
+    return lo.add_(u < p)
+
+
+def curvatures(log_ratios: torch.Tensor, power: float) -> torch.Tensor:
+    """float64 ``K`` of each interval ``[R[k], R[k + 1]]`` (``log_ratios`` = log R, float64): the
+    quadratic ``p + K p (1 - p)`` that maps the fraction ``p`` of the way in ``v`` to the fraction
+    of the way in ``v ** power`` matches it at the midpoint, ``K = 4 (f(1/2) - 1/2)``, clamped to
+    [-1, 1] so the map stays monotone; 0 for the unused last entry and for empty intervals."""
+    rho = torch.exp((log_ratios[1:] - log_ratios[:-1]).clamp_min(0.0))
+    wide = rho > 1.0 + 1e-9
+    safe = torch.where(wide, rho, 2.0)
+    if power == 0.0:  # unbiased in log v
+        frac = torch.log((1.0 + safe) / 2.0) / torch.log(safe)
+    else:
+        frac = (((1.0 + safe) / 2.0) ** power - 1.0) / (safe**power - 1.0)
+    frac = torch.where(wide, frac, 0.5)
+    kappa = (4.0 * (frac - 0.5)).clamp_(-1.0, 1.0)
+    return torch.cat([kappa, kappa.new_zeros(1)])
+
+
 def ratio_table(v_codebook: torch.Tensor) -> torch.Tensor:
-    """The 16 fp32 ratios ``v / vhat`` the second-moment codes stand for, ``exp(8 * c)``: computed
-    on the CPU in float64 and rounded once, so every device decodes the same values."""
-    ratios = torch.exp(v_codebook.detach().cpu().double() * LOG_RANGE).float()
-    return ratios.to(v_codebook.device)
+    """32 fp32 values: the 16 ratios ``v / vhat`` the second-moment codes stand for, ``exp(8 * c)``,
+    then ``encode_v``'s 16 curvatures (unbiased in ``v ** V_POWER``). Computed on the CPU in float64
+    and rounded once, so every device decodes and rounds alike; decoding reads the first 16."""
+    logs = v_codebook.detach().cpu().double() * LOG_RANGE
+    table = torch.cat([torch.exp(logs), curvatures(logs, V_POWER)]).float()
+    return table.to(v_codebook.device)
+
+
+def v_grid(device: torch.device | str | None = None) -> torch.Tensor:
+    """The second-moment codebook (16 sorted fp32 in [-1, 1], code ``c`` = ``log(v / vhat) / 8``):
+    fixed rather than learned from the first step, whose single-sample ``g^2 / vhat`` is far wider
+    than the EMA's ratio (it spent half the codes beyond -3 nats); computed in float64, rounded once."""
+    t = torch.linspace(-1.0, 1.0, CODES, dtype=torch.float64)
+    grid = torch.sinh(V_GRID_SHAPE * t) / torch.sinh(torch.tensor(V_GRID_SHAPE, dtype=torch.float64))
+    return grid.float().to(device)
 
 
 def standin_codebook(device: torch.device | str | None = None) -> torch.Tensor:
     """The table used before a codebook is learned (every moment is exactly zero then)."""
     return torch.linspace(-1.0, 1.0, CODES, dtype=torch.float32, device=device)
-
-
-def histogram_fixed(x: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """int64 counts of values in [-1, 1]: bin ``clamp(floor((x + 1) / 2 * num_bins), 0, num_bins - 1)``
-    in fp32 in that order (no per-block normalisation: the range is fixed)."""
-    if x.numel() == 0:
-        return torch.zeros(num_bins, dtype=torch.int64, device=x.device)
-    idx = x.float().add(1.0).div_(2.0).mul_(num_bins).to(torch.int64).clamp_(0, num_bins - 1)  # x >= -1
-    return torch.bincount(idx.reshape(-1), minlength=num_bins)

@@ -16,8 +16,8 @@ Gefen targets get the default layout, ``moments="m4v4"`` (contract version "2"),
 ``v_codebook``, i.e. nearest in log ratio; a 1-D tensor's ``exp_avg`` to the nearest bf16): a
 one-off quantisation has no bias to average out
 (stochastic rounding matters for an EMA re-quantised every step), and nearest has the smaller
-error that the report then shows. Both codebooks are learned as at the first step, from the
-first moments' rows and from every matrix's log ratios of ``exp_avg_sq`` to its factored estimate.
+error that the report then shows. The first-moment codebook is learned as at the first step, from
+the first moments' rows; the second moment's is the step's fixed ``gefen.stochastic.v_grid``.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gefen.codebook import learn_codebook, nearest_code, solve_codebook
+from gefen.codebook import learn_codebook, nearest_code
 from gefen.contract import OptimizerContract
-from gefen.functional import is_coded, is_factored
+from gefen.functional import decoded_second_moment, is_coded, is_factored
 from gefen.geometry import as_blocks, shape_period
 from gefen.quant import dequantise, quantise
-from gefen.stochastic import CODES, LOG_RANGE, TINY, V_BINS, histogram_fixed, ratio_table
+from gefen.stochastic import CODES, LOG_RANGE, TINY, ratio_table, v_grid
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, global_key
 from gefen_ckpt.errors import CheckpointMismatchError
 from gefen_ckpt.format.manifest import names_optimizer
@@ -192,7 +192,7 @@ def _dense_m4v4(entry: ParamState, step: int, fields: dict, codebook: torch.Tens
     rows = entry.shape[0]
     codes = fields["mv_code"].reshape(rows, -1).long()
     m = codebook[codes & 15] * fields["m_row_scale"].float()[:, None]
-    v = _vhat(fields["v_row"].float(), fields["v_col"].float()) * ratio_table(v_codebook)[codes >> 4]
+    v = decoded_second_moment(fields, ratio_table(v_codebook))
     return Dense(entry.shape, entry.dtype, step, m.reshape(entry.shape), v.reshape(entry.shape))
 
 
@@ -320,14 +320,13 @@ def _build_m4v4(members: list[str], dense: dict[str, Dense], options: dict, chil
     bins = options["bins_per_code"] or 16
     rows = {fqn: dense[fqn].exp_avg.reshape(dense[fqn].shape[0], -1) for fqn in coded}
     codebook = learn_codebook([m.unsqueeze(1) for m in rows.values() if m.shape[1] > 1], CODES, bins)
-    stats, counts = {}, torch.zeros(V_BINS, dtype=torch.int64)
+    stats = {}
     for fqn in coded:
         v = dense[fqn].exp_avg_sq.reshape(rows[fqn].shape)
         v_row, v_col = v.double().mean(1).float(), v.double().mean(0).float()
         x = torch.log(v.clamp_min(TINY) / _vhat(v_row, v_col).clamp_min(TINY)).div_(LOG_RANGE).clamp_(-1.0, 1.0)
         stats[fqn] = (v_row, v_col, x)
-        counts += histogram_fixed(x, V_BINS)
-    v_codebook = solve_codebook(counts, CODES)
+    v_codebook = v_grid()
     global_fields[global_key(child, "codebook")] = EagerSource(codebook)
     global_fields[global_key(child, "v_codebook")] = EagerSource(v_codebook)
     for fqn in coded:

@@ -44,14 +44,15 @@ typedef struct {
     float *v_col;           /* [cols]: EMA-updated here */
     const double *partials; /* [cols + 2]: globally reduced column sums, S_new, S_old */
     const float *codebook;  /* [16] first-moment codebook, sorted */
-    const float *ratios;    /* [16] second-moment ratio table R, sorted */
+    const float *ratios;    /* [32] second-moment ratio table R (16, sorted), then curvatures K (16) */
     int64_t rows, cols, global_rows, global_cols, row_offset, col_offset;
     uint32_t salt_m, salt_v;
 } m4v4_args;
 
-/* a sorted 16-entry table and its spacings d[lo] = max(t[lo + 1] - t[lo], GUARD) */
+/* a sorted 16-entry table, its spacings d[lo] = max(t[lo + 1] - t[lo], GUARD) and curvatures
+ * k[lo] (the second moment's; 0 for the first moment's, whose encode ignores them) */
 typedef struct {
-    float t[16], d[16];
+    float t[16], d[16], k[16];
 } sr_table;
 
 typedef struct {
@@ -63,8 +64,11 @@ typedef struct {
     uint32_t key_m, key_v; /* t * H_STEP + salt * H_SALT */
 } m4ctx;
 
-static void make_table(sr_table *T, const float *values) {
-    for (int k = 0; k < 16; ++k) T->t[k] = values[k];
+static void make_table(sr_table *T, const float *values, const float *kappa) {
+    for (int k = 0; k < 16; ++k) {
+        T->t[k] = values[k];
+        T->k[k] = kappa ? kappa[k] : 0.0f;
+    }
     for (int k = 0; k < 15; ++k) {
         float d = values[k + 1] - values[k];
         T->d[k] = d > GUARD ? d : GUARD;
@@ -92,6 +96,19 @@ static inline int encode(const sr_table *T, float x, float u) {
     return lo + (u < p);
 }
 
+/* the second moment's rounding (gefen.stochastic.encode_v): p clamped to [0, 1] (NaN -> 0, the
+ * same code as the reference's NaN p), then bent to p + K[lo] * (p * (1 - p)) */
+static inline int encode_v(const sr_table *T, float x, float u) {
+    int hi = 1;
+    for (int k = 1; k < 15; ++k) hi += T->t[k] < x;
+    const int lo = hi - 1;
+    float p = (x - T->t[lo]) / T->d[lo];
+    p = p > 0.0f ? p : 0.0f;
+    p = p < 1.0f ? p : 1.0f;
+    p = p + T->k[lo] * (p * (1.0f - p));
+    return lo + (u < p);
+}
+
 /* the first global flat index of row r (rank-local), mod 2^32 */
 static inline uint32_t row_gidx(const m4v4_args *a, int64_t r) {
     return (uint32_t)((uint64_t)(a->row_offset + r) * (uint64_t)a->global_cols + (uint64_t)a->col_offset);
@@ -115,7 +132,7 @@ static void row_pass1_portable(const m4ctx *c, int64_t r, int64_t j0, float a_ol
         const float vh = a_new * a->v_col[j];
         float v = (a_old * c->v_col_old[j]) * c->V.t[code >> 4];
         v = v * c->s.b2 + (g * g) * c->s.o2;
-        const int q = encode(&c->V, v / (vh > FLT_MIN ? vh : FLT_MIN), uniform(g0 + (uint32_t)j, c->key_v));
+        const int q = encode_v(&c->V, v / (vh > FLT_MIN ? vh : FLT_MIN), uniform(g0 + (uint32_t)j, c->key_v));
         vc[j] = (uint8_t)q;
         den[j] = vh * c->V.t[q];
         float m = c->M.t[code & 15] * s_old;
@@ -146,11 +163,12 @@ static void row_pass2_portable(const m4ctx *c, int64_t r, int64_t j0, float sf, 
 #if GEFEN_X86
 /* ----- one row, AVX2 (same roundings, 8 lanes) ---------------------------------------------- */
 typedef struct {
-    __m256 lo, hi, dlo, dhi;
+    __m256 lo, hi, dlo, dhi, klo, khi;
 } table8;
 
 static AVX2 inline table8 table_regs(const sr_table *T) {
-    table8 R = {_mm256_loadu_ps(T->t), _mm256_loadu_ps(T->t + 8), _mm256_loadu_ps(T->d), _mm256_loadu_ps(T->d + 8)};
+    table8 R = {_mm256_loadu_ps(T->t), _mm256_loadu_ps(T->t + 8), _mm256_loadu_ps(T->d),
+                _mm256_loadu_ps(T->d + 8), _mm256_loadu_ps(T->k), _mm256_loadu_ps(T->k + 8)};
     return R;
 }
 
@@ -175,6 +193,19 @@ static AVX2 inline __m256i encode8(const sr_table *T, const table8 *R, __m256 x,
         hi = _mm256_sub_epi32(hi, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(T->t[k]), x, _CMP_LT_OQ)));
     const __m256i lo = _mm256_sub_epi32(hi, _mm256_set1_epi32(1));
     const __m256 p = _mm256_div_ps(_mm256_sub_ps(x, perm16(R->lo, R->hi, lo)), perm16(R->dlo, R->dhi, lo));
+    return _mm256_sub_epi32(lo, _mm256_castps_si256(_mm256_cmp_ps(u, p, _CMP_LT_OQ)));
+}
+
+/* encode_v() on 8 lanes (max_ps(p, 0) is 0 for a NaN p, as the portable kernel's) */
+static AVX2 inline __m256i encode8_v(const sr_table *T, const table8 *R, __m256 x, __m256 u) {
+    __m256i hi = _mm256_set1_epi32(1);
+    for (int k = 1; k < 15; ++k)
+        hi = _mm256_sub_epi32(hi, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(T->t[k]), x, _CMP_LT_OQ)));
+    const __m256i lo = _mm256_sub_epi32(hi, _mm256_set1_epi32(1));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 p = _mm256_div_ps(_mm256_sub_ps(x, perm16(R->lo, R->hi, lo)), perm16(R->dlo, R->dhi, lo));
+    p = _mm256_min_ps(_mm256_max_ps(p, _mm256_setzero_ps()), one);
+    p = _mm256_add_ps(p, _mm256_mul_ps(perm16(R->klo, R->khi, lo), _mm256_mul_ps(p, _mm256_sub_ps(one, p))));
     return _mm256_sub_epi32(lo, _mm256_castps_si256(_mm256_cmp_ps(u, p, _CMP_LT_OQ)));
 }
 
@@ -215,7 +246,7 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, int64_t r, float a_old, float a
         v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(_mm256_mul_ps(g, g), o2));
         /* max(vh, tiny) as the portable kernel's (vh > tiny ? vh : tiny): tiny for NaN */
         const __m256 ratio = _mm256_div_ps(v, _mm256_max_ps(vh, tiny));
-        const __m256i q = encode8(&c->V, &V, ratio, uniform8(lane_ids(g0 + (uint32_t)j), key));
+        const __m256i q = encode8_v(&c->V, &V, ratio, uniform8(lane_ids(g0 + (uint32_t)j), key));
         store_bytes8(vc + j, q);
         _mm256_storeu_ps(den + j, _mm256_mul_ps(vh, perm16(V.lo, V.hi, q)));
         __m256 m = _mm256_mul_ps(perm16(M.lo, M.hi, _mm256_and_si256(code, low4)), vs_old);
@@ -296,6 +327,23 @@ static AVX512 inline __m512i encode16(__m512 T, __m512 D, __m512 x, __m512 u) {
     return _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), lo, one);
 }
 
+/* encode_v() on 16 lanes: encode16's search, then the clamp (max_ps(p, 0) is 0 for a NaN p) and
+ * the curvature K */
+static AVX512 inline __m512i encode16_v(__m512 T, __m512 D, __m512 K, __m512 x, __m512 u) {
+    __m512i idx = _mm512_setzero_si512();
+    for (int s = 8; s; s >>= 1) {
+        __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(s - 1)), T);
+        idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(t, x, _CMP_LT_OQ), idx, _mm512_set1_epi32(s));
+    }
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i lo = _mm512_sub_epi32(_mm512_max_epi32(idx, one), one);
+    const __m512 fone = _mm512_set1_ps(1.0f);
+    __m512 p = _mm512_div_ps(_mm512_sub_ps(x, _mm512_permutexvar_ps(lo, T)), _mm512_permutexvar_ps(lo, D));
+    p = _mm512_min_ps(_mm512_max_ps(p, _mm512_setzero_ps()), fone);
+    p = _mm512_add_ps(p, _mm512_mul_ps(_mm512_permutexvar_ps(lo, K), _mm512_mul_ps(p, _mm512_sub_ps(fone, p))));
+    return _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), lo, one);
+}
+
 static AVX512 inline __m512i lane_ids16(uint32_t g) {
     return _mm512_add_epi32(_mm512_set1_epi32((int)g),
                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
@@ -305,7 +353,8 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, int64_t r, float a_old, flo
                                      uint8_t *vc, int *nan) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C16 = C & ~(int64_t)15;
-    const __m512 VT = _mm512_loadu_ps(c->V.t), VD = _mm512_loadu_ps(c->V.d), MT = _mm512_loadu_ps(c->M.t);
+    const __m512 VT = _mm512_loadu_ps(c->V.t), VD = _mm512_loadu_ps(c->V.d), VK = _mm512_loadu_ps(c->V.k);
+    const __m512 MT = _mm512_loadu_ps(c->M.t);
     const __m512 vs_old = _mm512_set1_ps(bf16_to_f32(a->m_scale[r])), vaold = _mm512_set1_ps(a_old);
     const __m512 vanew = _mm512_set1_ps(a_new), tiny = _mm512_set1_ps(FLT_MIN);
     const __m512 b1 = _mm512_set1_ps(c->s.b1), o1 = _mm512_set1_ps(c->s.o1), b2 = _mm512_set1_ps(c->s.b2);
@@ -324,7 +373,7 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, int64_t r, float a_old, flo
                                  _mm512_permutexvar_ps(_mm512_srli_epi32(code, 4), VT));
         v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), o2));
         const __m512 ratio = _mm512_div_ps(v, _mm512_max_ps(vh, tiny));
-        const __m512i q = encode16(VT, VD, ratio, uniform16(lane_ids16(g0 + (uint32_t)j), key));
+        const __m512i q = encode16_v(VT, VD, VK, ratio, uniform16(lane_ids16(g0 + (uint32_t)j), key));
         _mm_storeu_si128((__m128i *)(vc + j), _mm512_cvtepi32_epi8(q));
         _mm512_storeu_ps(den + j, _mm512_mul_ps(vh, _mm512_permutexvar_ps(q, VT)));
         __m512 m = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(code, low4), MT), vs_old);
@@ -406,8 +455,8 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
     if (!bufs) return -1;
     m4ctx c;
     c.a = a;
-    make_table(&c.M, a->codebook);
-    make_table(&c.V, a->ratios);
+    make_table(&c.M, a->codebook, NULL);
+    make_table(&c.V, a->ratios, a->ratios + 16);
     float *v_col_old = bufs + (size_t)nthreads * (size_t)(3 * stride);
     memcpy(v_col_old, a->v_col, (size_t)C * sizeof(float));
     c.v_col_old = v_col_old;

@@ -167,7 +167,7 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
         return False
     if extra or col0 or (row_len is not None and row_len != cols):
         return _fallback("tensor-parallel column shards (the kernels take whole rows)")
-    if (param.dim() < 2 or param.shape != grad.shape or codebook.numel() != 16 or ratio.numel() != 16
+    if (param.dim() < 2 or param.shape != grad.shape or codebook.numel() != 16 or ratio.numel() != 32
             or codebook.dtype != torch.float32 or ratio.dtype != torch.float32 or partials.dtype != torch.float64
             or partials.numel() != cols + 2 or v_row.dtype != torch.float32 or v_row.numel() != param.shape[0]
             or state["mv_code"].dtype != torch.uint8 or state["m_row_scale"].dtype != torch.bfloat16):

@@ -100,6 +100,21 @@ def _encode(x, table, u):
     return tl.where(u < p, hi, lo)
 
 
+@triton.jit
+def _encode_v(x, table, u):
+    """The second moment's rounding (``gefen.stochastic.encode_v``): ``_encode``'s clamped ``p``
+    bent by the interval's curvature ``table[16 + lo]``."""
+    hi = _count_below(x, table, 4)
+    hi = tl.minimum(tl.maximum(hi, 1), 15)
+    lo = hi - 1
+    t_lo = tl.load(table + lo)
+    t_hi = tl.load(table + hi)
+    p = tl.div_rn(x - t_lo, tl.maximum(t_hi - t_lo, GUARD))
+    p = tl.minimum(tl.maximum(p, 0.0), 1.0)
+    p = p + tl.load(table + 16 + lo) * (p * (1.0 - p))
+    return tl.where(u < p, hi, lo)
+
+
 # ----- the per-parameter tables of the Gefen kernels (m4v4, its 1-D path and m8) -----------------
 # scalar columns (fp32, one row per parameter); m8's lerp weight is S_OMB1 and its factored row
 # mean S_MEAN_NEW (written by prologue_kernel, as m4v4's two row means)
@@ -269,7 +284,7 @@ def _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, c, off, m
     v = vhat_old * tl.load(R + (mv >> 4))
     v = v * b2 + (g * g) * omb2
     r = tl.div_rn(v, tl.maximum(vhat_new, TINY))
-    vcode = _encode(r, R, _hash_uniform(gidx, tl.load(ib + I_BASE_V).to(tl.uint32)))
+    vcode = _encode_v(r, R, _hash_uniform(gidx, tl.load(ib + I_BASE_V).to(tl.uint32)))
     denom = _adam_den(vhat_new * tl.load(R + vcode), sb)
     # first moment: code against the row's bf16 max-abs scale
     x = tl.div_rn(m, tl.where(s_f == 0.0, 1.0, s_f)[:, None])

@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from gefen import Gefen
-from gefen.codebook import learn_codebook, solve_codebook
+from gefen.codebook import learn_codebook
 from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partials, m4v4_update_
 from gefen.geometry import as_blocks, rows_and_row_numel, shape_period
-from gefen.stochastic import ratio_table
+from gefen.stochastic import ratio_table, v_grid
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -288,25 +288,6 @@ def test_float64_params_keep_float64_precision():
 
 
 # ----- the m4v4 layout: the optimizer drives the reference functions ------------------------------
-def dense_v_codebook(grads, beta2):
-    """The second-moment codebook as documented: every coded tensor's first-step
-    ``clamp(log(max(v, tiny) / max(vhat, tiny)) / 8, -1, 1)``, ``v = g^2 (1 - b2)``, ``vhat`` the
-    factored estimate, in a 256-bin histogram over [-1, 1], solved by the exact DP."""
-    tiny = torch.finfo(torch.float32).tiny
-    counts = torch.zeros(256, dtype=torch.int64)
-    for g in grads:
-        if g.dim() < 2:
-            continue
-        sq = g.float().reshape(g.shape[0], -1).square()
-        v_row = sq.sum(1, dtype=torch.float64).div(sq.shape[1]).float() * (1 - beta2)
-        v_col = sq.sum(0, dtype=torch.float64).div(sq.shape[0]).float() * (1 - beta2)
-        mean = v_row.sum(dtype=torch.float64).div(sq.shape[0]).float().clamp_min(tiny)
-        vhat = (v_row / mean)[:, None] * v_col[None, :]
-        x = torch.log((sq * (1 - beta2)).clamp_min(tiny) / vhat.clamp_min(tiny)).div(8).clamp(-1, 1)
-        counts += torch.bincount(((x + 1) / 2 * 256).long().clamp(0, 255).reshape(-1), minlength=256)
-    return solve_codebook(counts, 16)
-
-
 def test_m4v4_learns_both_codebooks_at_the_first_nonzero_step():
     specs = [((48, 96), 96), ((16, 8, 3, 3), 72), ((40,), 1)]
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape, _ in specs]
@@ -321,7 +302,7 @@ def test_m4v4_learns_both_codebooks_at_the_first_nonzero_step():
     opt.step()
     want = learn_codebook([as_blocks(g, period) for g, (_, period) in zip(grads, specs) if period > 1], 16, 16)
     assert torch.equal(opt.codebook, want)
-    assert torch.equal(opt.v_codebook, dense_v_codebook(grads, 0.99))
+    assert torch.equal(opt.v_codebook, v_grid())  # the second moment's is fixed
     assert opt.v_codebook[0] == -1 and opt.v_codebook[-1] == 1 and (opt.v_codebook.diff() >= 0).all()
     for p in params:
         p.grad = torch.randn(p.shape) * 100
@@ -362,6 +343,32 @@ def test_m4v4_optimizer_steps_are_the_reference_functions(seed):
             assert same_bits(params[i].detach(), ref), f"param {i} step {step + 1}"
             for name, value in states[i].items():
                 assert same_bits(opt.state[params[i]][name], value), f"param {i} {name} step {step + 1}"
+
+
+def test_a_state_with_a_learned_v_codebook_loads_and_keeps_it():
+    """Version-"2" states written before the fixed grid hold a codebook learned at the first step;
+    the codes mean the same (decode unchanged), so such a state loads as it is, keeps its codebook
+    and steps with the rounding derived from it (the curvatures of its own ratio table)."""
+    gen = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(12, 20, generator=gen))
+    opt = Gefen([p], lr=1e-2, weight_decay=0.0)
+    p.grad = torch.randn(12, 20, generator=gen)
+    opt.step()
+    learned = torch.tensor([-1.0, -0.79, -0.63, -0.5, -0.38, -0.29, -0.2, -0.13, -0.06, 0.0, 0.05, 0.11,
+                            0.19, 0.28, 0.41, 1.0])  # the shape of a first-step DP solution
+    opt.v_codebook = learned.clone()
+    sd = opt.state_dict()
+    q = torch.nn.Parameter(p.detach().clone())
+    resumed = Gefen([q], lr=1e-2, weight_decay=0.0)
+    resumed.load_state_dict(sd)
+    assert torch.equal(resumed.v_codebook, learned)
+    g = torch.randn(12, 20, generator=gen)
+    for opt_, param in ((opt, p), (resumed, q)):
+        param.grad = g.clone()
+        opt_.step()
+    assert torch.equal(p.detach(), q.detach())
+    assert torch.equal(opt.state[p]["mv_code"], resumed.state[q]["mv_code"])
+    assert torch.equal(resumed.v_codebook, learned)  # never re-learned
 
 
 def test_m4v4_refuses_what_it_cannot_represent():

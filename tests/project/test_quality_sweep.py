@@ -1,0 +1,35 @@
+"""bench_quality's sweep bookkeeping (no training): which runs get a second seed, and the
+best-vs-best and near-best ratios computed from them."""
+
+from __future__ import annotations
+
+from benchmarks.bench_quality import sweep_second_seeds, sweep_summary
+
+LRS = (1e-3, 2e-3, 4e-3)
+
+
+def _run(name, lr, seed, loss):
+    return {"text": "t", "optimizer": name, "seed": seed, "held_out": loss, "task": {"lr": lr}}
+
+
+def test_second_seeds_are_each_ones_best_two_and_adamws_near_best_rates():
+    seed0 = [_run("adamw", 1e-3, 0, 3.0), _run("adamw", 2e-3, 0, 2.0), _run("adamw", 4e-3, 0, 2.09),
+             _run("gefen", 1e-3, 0, 2.0), _run("gefen", 2e-3, 0, 2.5), _run("gefen", 4e-3, 0, 2.6),
+             _run("muon", 1e-3, 0, 1.0), _run("muon", 2e-3, 0, 1.1), _run("muon", 4e-3, 0, 0.9)]
+    todo = sweep_second_seeds(seed0, LRS)
+    assert {(n, lr) for _, n, lr in todo} == {("adamw", 2e-3), ("adamw", 4e-3), ("gefen", 1e-3),
+                                              ("gefen", 2e-3), ("gefen", 4e-3), ("muon", 1e-3),
+                                              ("muon", 4e-3)}
+
+
+def test_summary_best_vs_best_uses_two_seed_means_and_own_rates():
+    runs = [_run("adamw", 1e-3, 0, 2.0), _run("adamw", 1e-3, 1, 2.2), _run("adamw", 2e-3, 0, 2.1),
+            _run("adamw", 2e-3, 1, 2.0), _run("gefen", 1e-3, 0, 2.3), _run("gefen", 1e-3, 1, 2.3),
+            _run("gefen", 2e-3, 0, 2.02), _run("gefen", 2e-3, 1, 2.04), _run("gefen", 4e-3, 0, 1.0)]
+    s = sweep_summary(runs)["t"]
+    assert s["best"]["adamw"] == {"lr": 2e-3, "mean": 2.05}
+    assert s["best"]["gefen"]["lr"] == 2e-3  # 4e-3 has one seed only: not a "best"
+    assert abs(s["best_vs_best"]["gefen"] - 2.03 / 2.05) < 1e-12
+    near = s["near_adamw_best"]["gefen"]  # AdamW's seed 0 within 5% of its best at both rates
+    assert set(near) == {1e-3, 2e-3} and near[1e-3]["seeds"] == [0, 1]
+    assert abs(near[1e-3]["ratio"] - 4.6 / 4.2) < 1e-12
