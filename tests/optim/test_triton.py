@@ -3,7 +3,7 @@
 On a machine without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
 set by conftest.py before Triton is imported) on CPU tensors; with a CUDA device the same
 comparisons run on it. Codes, scales and moments must be identical; parameters may differ by
-one ulp where torch's CPU ``sqrt`` (MKL) is not correctly rounded (docs/decisions.md, "Triton
+two ulps of the update where torch's CPU ``sqrt`` (MKL) is not correctly rounded (docs/decisions.md, "Triton
 kernels: what is bit-exact").
 """
 
@@ -41,11 +41,12 @@ def _kernels_on_this_device(monkeypatch):
 
 
 def _same_step(before: torch.Tensor, ref: torch.Tensor, got: torch.Tensor, steps: int = 1) -> bool:
-    """``got`` equals ``ref`` up to one rounding of each step's update and result: the kernels'
-    square root is correctly rounded, torch's CPU one (MKL) is not always."""
+    """``got`` equals ``ref`` up to one rounding of each step's result and two of its update: the
+    kernels' square root is correctly rounded, torch's CPU one (MKL) is not always, and its error
+    reaches the update through the denominator (1.4 ulps of the update measured on AMD EPYC)."""
     eps = torch.finfo(ref.dtype).eps * steps
     before, ref, got = before.float(), ref.float(), got.float()
-    tol = eps * (ref.abs() + (ref - before).abs()) + 1e-30
+    tol = eps * (ref.abs() + 2 * (ref - before).abs()) + 1e-30
     return bool(((ref - got).abs() <= tol).all())
 
 
