@@ -47,6 +47,7 @@ typedef struct {
     const float *ratios;    /* [16] second-moment ratio table R, sorted */
     int64_t rows, cols, global_rows, global_cols, row_offset, col_offset;
     uint32_t salt_m, salt_v;
+    const float *row_max; /* [rows] or NULL: each row's max |m| given (a column split's whole rows', reduced over tp) */
 } m4v4_args;
 
 /* a sorted 16-entry table and its spacings d[lo] = max(t[lo + 1] - t[lo], GUARD) */
@@ -379,7 +380,7 @@ static void one_row(const m4ctx *c, int64_t r, float *den, float *mbuf, uint8_t 
 #endif
         row_pass1_portable(c, r, 0, a_old, a_new, den, mbuf, vc, &smax, &nan);
     mode_sqrt_n(a->mode, den, a->cols);
-    const uint16_t sb = f32_to_bf16(nan ? NAN : smax);
+    const uint16_t sb = f32_to_bf16(a->row_max ? a->row_max[r] : nan ? NAN : smax);
     const float sf = bf16_to_f32(sb);
 #if GEFEN_X86
     if (isa == 2) row_pass2_avx512(c, r, sf, den, mbuf, vc);
@@ -433,6 +434,34 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
         mode_threads_end(a->mode, mkl_prev);
     }
     free(bufs);
+    return 0;
+}
+
+/* Phase 0 of a shard whose columns tensor parallelism splits: each local row's float64 sum of
+ * g^2 (functional.row_square_sums) and max |m| of the new first moment (functional.row_abs_max of
+ * m4v4_momentum; NaN when an m is NaN), the statistics reduced over tp before phases 1 and 2.
+ * Nothing else is read or written. Returns 0, -2 on bad arguments. */
+GEFEN_EXPORT int gefen_m4v4_row_stats(const void *grad, int32_t gdt, const uint8_t *codes, const uint16_t *m_scale,
+                                      const float *codebook, double beta1, double omb1, int64_t rows, int64_t cols,
+                                      int32_t W, int32_t T, double *row_sum, float *row_max) {
+    if (rows < 0 || cols < 1 || (W != 8 && W != 16) || T < 1) return -2;
+    const float b1 = (float)beta1, o1 = (float)omb1;
+    int64_t r = 0;
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * cols >= M4_PAR_MIN)
+    for (r = 0; r < rows; ++r) {
+        const int64_t off = r * cols;
+        const float s_old = bf16_to_f32(m_scale[r]);
+        float most = 0.0f;
+        int bad = 0;
+        for (int64_t j = 0; j < cols; ++j) {
+            const float m = (codebook[codes[off + j] & 15] * s_old) * b1 + ld_g(grad, gdt, off + j) * o1;
+            const float am = fabsf(m);
+            bad |= am != am;
+            most = am > most ? am : most;
+        }
+        row_max[r] = bad ? NAN : most;
+        row_sum[r] = gefen_row_sq_sum(grad, gdt, r, rows, cols, W, T);
+    }
     return 0;
 }
 

@@ -27,10 +27,10 @@ M8_APPROX = ("v", "v_row")
 
 
 def run(launch, device: torch.device, family: str) -> str | None:
-    """None when the ``family`` kernels (``"m4v4"``, ``"m8"`` or ``"momentum"``) reproduce the reference
-    on ``device``, else what differs."""
+    """None when the ``family`` kernels (``"m4v4"``, ``"m8"``, ``"momentum"`` or ``"histogram"``)
+    reproduce the reference on ``device``, else what differs."""
     gen = torch.Generator().manual_seed(0)
-    return {"momentum": _momentum, "m8": _m8}.get(family, _m4v4)(launch, device, gen)
+    return {"momentum": _momentum, "m8": _m8, "histogram": _histogram}.get(family, _m4v4)(launch, device, gen)
 
 
 def _grad(gen, shape, dtype, device):
@@ -161,4 +161,21 @@ def _m8(launch, device, gen) -> str | None:
             if not params_close(before[i], p_ref, p_got, M8_V_RTOL):
                 return f"parameters differ from the eager step beyond rounding (m8, shape {cases[i][0]}, step {step})"
             p_got.copy_(p_ref)
+    return None
+
+
+def _histogram(launch, device, gen) -> str | None:
+    """The first step's histogram: blocks of one tile and of several, bf16, an all-zero block, and
+    blocks normalised by given scales (a column split's whole rows')."""
+    from gefen.codebook import histogram_normalised_blocks
+
+    for shape, dtype in (((5, 8, 16), torch.float32), ((3, 2500), torch.bfloat16)):
+        x = _grad(gen, shape, dtype, device)
+        if not torch.equal(launch.block_histogram(x, 4096), histogram_normalised_blocks(x, 4096)):
+            return f"the codebook histogram differs from the eager one (shape {shape})"
+        rows = x.reshape(-1, shape[-1])
+        scale = rows.float().abs().amax(1) * 1.5
+        if not torch.equal(launch.block_histogram(rows, 256, scale),
+                           histogram_normalised_blocks(rows.unsqueeze(1), 256, scale=scale)):
+            return f"the codebook histogram with given scales differs from the eager one (shape {shape})"
     return None
