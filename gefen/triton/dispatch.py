@@ -292,7 +292,9 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
             or any(s.dtype != torch.float32 or s.numel() != m.numel() for s, m in zip(scales or [], m_scales)
                    if s is not None)):
         return _fallback("an unexpected compressed-momentum layout") or None
-    return _launch_mod.momentum_(items, codebook, scales, scales_only=scales_only)
+    if scales_only:
+        return _launch_mod.momentum_(items, codebook, scales_only=True)
+    return _launch_mod.momentum_(items, codebook, *([scales] if scales else []))
 
 
 def block_histogram(blocks, num_bins: int, scale=None) -> torch.Tensor | None:

@@ -189,10 +189,10 @@ def momentum_kernel(progs, ptrs, sizes, weights, cb, thr, K, LOG2K: tl.constexpr
     aux_p = _ptr(ptrs, 4, 5, pidx, tl.float32)
     nb = tl.load(sizes + 3 * pidx)
     P = tl.load(sizes + 3 * pidx + 1)
-    mode = tl.load(sizes + 3 * pidx + 2)
     w = tl.load(weights + pidx)
     small = w < 0.5
     rows = r0 + tl.arange(0, BR).to(tl.int64)
+    mode = tl.load(sizes + 3 * pidx + 2) + rows * 0  # per row, as a mask must be
     rmask = rows < nb
     wmask = rmask & (mode != 2)  # what a scales-only launch leaves alone
     cols = tl.arange(0, BC).to(tl.int64)
@@ -319,7 +319,7 @@ def m4v4_kernel(progs, ptrs, ints, scal, cb, R, BR: tl.constexpr, BC: tl.constex
     v_row_new = tl.load(v_row_new_p + rows, mask=rmask, other=0.0)
     a_new = tl.div_rn(v_row_new, tl.load(sb + S_MEAN_NEW))
     a_old = tl.div_rn(tl.load(v_row_p + rows, mask=rmask, other=0.0), tl.load(sb + S_MEAN_OLD))
-    given = tl.load(ib + I_GIVEN) != 0
+    given = (tl.load(ib + I_GIVEN) + rows * 0) != 0  # per row, as a mask must be
     row_max = tl.load(row_max_p + rows, mask=rmask & given, other=0.0)
     if SINGLE:
         off, mask = _tile(rows, rmask, cols, C)
@@ -404,7 +404,7 @@ def partials_kernel(progs, ptrs, ints, betas, BR: tl.constexpr, BC: tl.constexpr
     if M8:
         mean = tl.div_rn(row_sum.to(tl.float32), C.to(tl.float32))
     else:
-        given = tl.load(ints + pidx * N_INTS + I_GIVEN) != 0
+        given = (tl.load(ints + pidx * N_INTS + I_GIVEN) + rows * 0) != 0  # per row, as a mask must be
         row_sum = tl.where(given, tl.load(row_sum_p + rows, mask=rmask & given, other=0.0), row_sum)
         row_len = tl.where(given, tl.load(ints + pidx * N_INTS + I_ROW_LEN), C)
         mean = (row_sum / tl.maximum(row_len, 1).to(tl.float64)).to(tl.float32)

@@ -146,7 +146,7 @@ def momentum_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Ten
             ptrs.append([grad, state["m_code"], state["m_scale"], out, aux])
             weights.append(1 - beta)
         device = items[idx[0]][1].device
-        progs = _programs([nb for nb, _ in sizes], br, device)
+        progs = _programs([nb for nb, _, _ in sizes], br, device)
         ptr_t, size_t, w_t = _to(device, _ptr_table(ptrs), torch.tensor(sizes, dtype=torch.int64),
                                  torch.tensor(weights, dtype=torch.float32))
         _launch(kernels.momentum_kernel, progs, ptr_t, size_t, w_t, book.values, book.thr, book.K, LOG2K=book.log2k,
