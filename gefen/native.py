@@ -114,7 +114,7 @@ def _load():
     except AttributeError:
         return None
     for name, args in (("gefen_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _I32, _I32, _I32, _P, _P, _I64]),
-                       ("gefen_m4v4_row_stats", [_P, _I32, _P, _P, _P, _DBL, _DBL, _I64, _I64, _I32, _I32, _P, _P]),
+                       ("gefen_m4v4_row_stats", [_P, _I32, _P, _P, _P, _DBL, _DBL, _I64, _I64, _I32, _I32, _P, _P, _P]),
                        ("gefen_build_lut", [_P, _I32, _I32, _I32, _P]),
                        ("gefen_step", [ctypes.POINTER(_StepArgs)]),
                        ("gefen_m4v4_step", [ctypes.POINTER(_M4v4Args)]),
@@ -305,7 +305,7 @@ def fused_m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor
     row_sum, row_max = torch.empty(rows, dtype=torch.float64), torch.empty(rows, dtype=torch.float32)
     rc = _lib.gefen_m4v4_row_stats(grad.data_ptr(), _DT[grad.dtype], codes.data_ptr(), scale.data_ptr(),
                                    codebook.data_ptr(), beta1, 1 - beta1, rows, cols, cal.width,
-                                   torch.get_num_threads(), row_sum.data_ptr(), row_max.data_ptr())
+                                   torch.get_num_threads(), row_sum.data_ptr(), row_max.data_ptr(), cal.mode)
     return (row_sum, row_max) if rc == 0 else None
 
 

@@ -12,6 +12,7 @@ identical to the reference's (compared as integers), and every kernel must apply
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -89,6 +90,30 @@ def test_m4v4_column_shard_matches_the_reference(rows, cols, row_len, col0, thre
         assert_identical(p, p_ref, f"step {step}: parameter")
         for key, value in s_ref.items():
             assert_identical(s[key], value, f"step {step}: {key}")
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["portable", "avx2", "avx512"])
+def test_row_statistics_kernels_agree(isa):
+    """The portable, AVX2 and AVX-512 row-statistics kernels (capped by the CPU) give the reference's
+    bits, row lengths with and without a vector tail, NaN rows included."""
+    cal = dataclasses.replace(native._calibrated(), isa=isa)
+    gen = torch.Generator().manual_seed(isa)
+    cb = _book(gen, 16)
+    for cols in (7, 64, 203):
+        g = _grad(gen, (9, cols), torch.bfloat16, zero_row=True)
+        g[4, cols // 2] = float("nan")
+        state = F.init_m4v4_state(g, (9, 2 * cols))
+        state["mv_code"].copy_(torch.randint(0, 256, (9, cols), generator=gen, dtype=torch.uint8))
+        state["m_row_scale"].copy_(torch.rand(9, generator=gen))
+        row_sum, row_max = native.fused_m4v4_row_stats(g, state, cb, HYPER.beta1, cal=cal)
+        want = F.row_square_sums(g)
+        assert torch.isnan(row_sum[4]) and torch.isnan(want[4])
+        row_sum[4] = want[4] = 0
+        assert_identical(row_sum, want, f"{cols} columns: row sums")
+        want = F.row_abs_max(F.m4v4_momentum(g, state, cb, HYPER.beta1))
+        assert torch.isnan(row_max[4]) and torch.isnan(want[4])
+        row_max[4] = want[4] = 0
+        assert_identical(row_max, want, f"{cols} columns: row max")
 
 
 def test_m4v4_column_offset_moves_the_rounding_noise():
