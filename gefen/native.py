@@ -527,8 +527,12 @@ def _step_fns(cal: Calibration | None) -> types.SimpleNamespace:
     """The step functions a calibration problem runs: the reference (``cal`` None) or the kernels
     under the candidate ``cal``, raising ``_Refused`` where one does not apply."""
     if cal is None:
+        def row_stats(g, state, codebook, beta1):
+            return F.row_square_sums(g), F.row_abs_max(F.m4v4_momentum(g, state, codebook, beta1))
+
         return types.SimpleNamespace(partials=F.second_moment_partials, update=F.gefen_update_,
-                                     m4v4_partials=F.m4v4_partials, m4v4_update=F.m4v4_update_, adamw=F.adamw_update_)
+                                     m4v4_partials=F.m4v4_partials, m4v4_update=F.m4v4_update_, adamw=F.adamw_update_,
+                                     row_stats=row_stats)
 
     def strict(fn):
         def run(*args, **kw):
@@ -539,7 +543,7 @@ def _step_fns(cal: Calibration | None) -> types.SimpleNamespace:
         return run
     return types.SimpleNamespace(partials=strict(fused_partials), update=strict(fused_update_),
                                  m4v4_partials=strict(fused_m4v4_partials), m4v4_update=strict(fused_m4v4_update_),
-                                 adamw=strict(fused_adamw_update_))
+                                 adamw=strict(fused_adamw_update_), row_stats=strict(fused_m4v4_row_stats))
 
 
 def _run_m8(shape, period, factored, fns):
@@ -580,6 +584,27 @@ def _run_m4v4(shape, dtype, fns):
     return p, state
 
 
+def _run_m4v4_cut(shape, dtype, fns):
+    """Two m4v4 steps of a column shard (tensor parallelism): its row statistics, scaled as the
+    reduction over the other columns' ranks raises them, then both phases given them, at a column
+    offset of a longer row."""
+    gen = torch.Generator().manual_seed(2468)
+    p = torch.randn(shape, generator=gen).to(dtype)
+    state = F.init_m4v4_state(p, (shape[0], 3 * shape[1]))
+    codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
+    ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values)
+    h = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    for _ in range(2):
+        g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
+        row_sum, row_max = fns.row_stats(g, state, codebook, h.beta1)
+        state["row_sum"], state["row_max"] = row_sum.clone(), row_max.clone()  # compared too
+        row_sum, row_max = row_sum * 2.5, row_max * 1.5
+        v_row, partials = fns.m4v4_partials(g, state, h.beta2, row_sum=row_sum, row_len=3 * shape[1])
+        fns.m4v4_update(p, g, state, codebook, ratio, h, global_rows=shape[0], v_row=v_row, partials=partials,
+                        pidx=2, seed=1, row0=5, col0=shape[1], row_len=3 * shape[1], row_max=row_max)
+    return p, state
+
+
 #: Small m8 problems that reach every summation path of the kernel (vectorised and short rows, A/B
 #: column orders, two-pass single outputs, P = 1): (shape, period, factored).
 _M8 = [(_run_m8, case) for case in [
@@ -587,10 +612,11 @@ _M8 = [(_run_m8, case) for case in [
     ((45, 29), 29, True), ((3, 5, 8), 40, False), ((6, 24, 25), 600, False), ((1, 33000), 33000, False),
     ((5000,), 1, False), ((), 1, False), ((12, 6), 2, False), ((70, 480), 240, False), ((4400, 8), 8, True)]]
 #: m4v4 problems: float64 row sums (vectorised, short, single-row two-pass), one-pass phase 1 with a
-#: partial chunk, bf16, and the 1-D/0-D step: (shape, dtype).
+#: partial chunk, bf16, the 1-D/0-D step, and a column shard given its rows' statistics: (shape, dtype).
 _M4V4 = [(_run_m4v4, case) for case in [
     ((37, 33), torch.float32), ((300, 130), torch.float32), ((1, 33000), torch.float32),
-    ((45, 29), torch.bfloat16), ((3, 5, 8), torch.float32), ((5000,), torch.float32), ((), torch.bfloat16)]]
+    ((45, 29), torch.bfloat16), ((3, 5, 8), torch.float32), ((5000,), torch.float32), ((), torch.bfloat16)]] + [
+    (_run_m4v4_cut, ((37, 45), torch.bfloat16))]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
