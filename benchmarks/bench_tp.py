@@ -162,7 +162,9 @@ def run(quick: bool) -> dict:
     per_param = {name: b / n for name, b in result["bytes"].items()}
     per_param_global = {name: b / n for name, b in result["global_bytes"].items()}
     base, tp = LAYOUTS
-    ratios = {kind: med[kind, tp] / med[kind, base] for kind in KINDS}
+    # the median of each round's ratio: the two layouts of a round run back to back, so a load
+    # change between rounds (the machine is shared) cancels
+    ratios = {kind: statistics.median(t / b for t, b in zip(times[kind, tp], times[kind, base])) for kind in KINDS}
     data = {"params": n, "d_model": d, "layers": layers, "rounds": rounds, "world": WORLD,
             "times_s": {f"{k} / {name}": ts for (k, name), ts in times.items()},
             "median_s": {f"{k} / {name}": t for (k, name), t in med.items()},
@@ -177,7 +179,8 @@ def run(quick: bool) -> dict:
     markdown = "\n\n".join([
         f"{layers} MLP blocks of d = {d} ({n / 1e6:.1f}M parameters) on {WORLD} gloo ranks (CPU, one thread each), "
         f"the same global parameters and gradients on both layouts; `opt.step()` wall time of the slowest rank, "
-        f"median of {rounds} rounds that interleave every optimizer and layout, after a warm-up step; collectives: "
+        f"median of {rounds} rounds that interleave every optimizer and layout, after a warm-up step (the ratio: "
+        "the median of the rounds' ratios); collectives: "
         "`torch.distributed` calls of one later step. Under tensor parallelism every parameter steps on the C "
         "kernels, given its rows' statistics reduced over `tp`.",
         md_table(["optimizer", "layout", "step ms", "collectives / step", "2x2 / data parallel"], rows),
