@@ -15,11 +15,13 @@ import torch
 from gefen import functional as F
 from gefen import native
 from gefen.codebook import histogram_normalised_blocks
+from gefen.quant import block_scales
 from gefen.triton import dispatch as triton
 from gefen.triton.dispatch import batched, m4v4_partials_, m8_partials_
 
 __all__ = ["adamw_update_", "batched", "block_histogram", "gefen_update_", "m4v4_partials", "m4v4_partials_",
-           "m4v4_update_", "m8_partials_", "momenta_", "round_param_", "second_moment_partials", "sr_target",
+           "m4v4_row_stats", "m4v4_update_", "m8_partials_", "momenta_", "momentum_scales", "round_param_",
+           "second_moment_partials", "sr_target",
            "update_momentum_"]
 
 
@@ -35,11 +37,24 @@ def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, p
     F.gefen_update_(param, grad, state, codebook, h, **kw)
 
 
-def update_momentum_(state, grad, beta, codebook) -> torch.Tensor:
+def update_momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor:
+    """``scales``: a column split's rows' scales, reduced over tensor parallelism (``momentum_scales``)."""
     for run in (native.fused_momentum_, triton.momentum_):
+        if (out := run(state, grad, beta, codebook, scales)) is not None:
+            return out
+    if scales is None:
+        return F.update_momentum_(state, grad, beta, codebook)
+    return F.store_momentum_(state, F.momentum_ema(state, grad, beta, codebook), codebook, scales)
+
+
+def momentum_scales(state, grad, beta, codebook) -> torch.Tensor:
+    """The block scales ``update_momentum_`` would choose, state untouched: a column-split shard's
+    part of its rows' scales, which tensor parallelism reduces (max) before ``update_momentum_``."""
+    for run in (native.fused_momentum_scales, triton.momentum_scales):
         if (out := run(state, grad, beta, codebook)) is not None:
             return out
-    return F.update_momentum_(state, grad, beta, codebook)
+    m = F.momentum_ema(state, grad, beta, codebook)
+    return block_scales(F.as_blocks(m, F._local_period(state)))
 
 
 def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list[torch.Tensor]:
@@ -51,20 +66,30 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
 
 
 def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
-    if row_sum is None and (fused := native.fused_m4v4_partials(grad, state, beta2)) is not None:
-        return fused
-    return F.m4v4_partials(grad, state, beta2, row_sum=row_sum, row_len=row_len)
+    kw = dict(row_sum=row_sum, row_len=row_len)
+    for run in (triton.m4v4_partials, native.fused_m4v4_partials):
+        if (out := run(grad, state, beta2, **kw)) is not None:
+            return out
+    return F.m4v4_partials(grad, state, beta2, **kw)
+
+
+def m4v4_row_stats(grad, state, codebook, beta1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A coded shard's per-row float64 sums of g^2 and max |m| of the new first moment: what a
+    column split reduces over tensor parallelism before ``m4v4_partials`` and ``m4v4_update_``."""
+    for run in (triton.m4v4_row_stats, native.fused_m4v4_row_stats):
+        if (out := run(grad, state, codebook, beta1)) is not None:
+            return out
+    return F.row_square_sums(grad), F.row_abs_max(F.m4v4_momentum(grad, state, codebook, beta1))
 
 
 def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, partials, pidx, seed, row0=0,
                  col0=0, row_len=None, row_max=None) -> None:
     kw = dict(global_rows=global_rows, v_row=v_row, partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0,
-              row_len=row_len)
-    if row_max is None:  # the kernels take whole rows
-        for run in (triton.m4v4_update_, native.fused_m4v4_update_):
-            if run(param, grad, state, codebook, ratio, h, **kw):
-                return
-    F.m4v4_update_(param, grad, state, codebook, ratio, h, row_max=row_max, **kw)
+              row_len=row_len, row_max=row_max)
+    for run in (triton.m4v4_update_, native.fused_m4v4_update_):
+        if run(param, grad, state, codebook, ratio, h, **kw):
+            return
+    F.m4v4_update_(param, grad, state, codebook, ratio, h, **kw)
 
 
 def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0) -> None:
@@ -97,7 +122,10 @@ def block_histogram(blocks, num_bins: int) -> torch.Tensor:
     """The first step's histogram: the C pass when it applies, else the torch reference (the same
     counts). A ``(rows, scale)`` pair is a column-split tensor's local rows with the whole rows'
     max-abs (tensor parallelism)."""
-    if isinstance(blocks, tuple):
-        return histogram_normalised_blocks(blocks[0].unsqueeze(1), num_bins, scale=blocks[1])
-    counts = native.block_histogram(blocks, num_bins)
-    return histogram_normalised_blocks(blocks, num_bins) if counts is None else counts
+    blocks, scale = blocks if isinstance(blocks, tuple) else (blocks, None)
+    for run in (triton.block_histogram, native.block_histogram):
+        if (counts := run(blocks, num_bins, scale)) is not None:
+            return counts
+    if scale is not None:
+        return histogram_normalised_blocks(blocks.unsqueeze(1), num_bins, scale=scale)
+    return histogram_normalised_blocks(blocks, num_bins)

@@ -106,6 +106,14 @@ class ProcessGroupReducer:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor
 
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor``, stacked in rank order (one ``all_gather``)."""
+        import torch.distributed as dist
+
+        everyone = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(everyone, tensor, group=self.group)
+        return torch.stack(everyone)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -289,6 +297,21 @@ class ReductionPlan:
         flat = torch.cat([r.reshape(-1) for r in rows])
         (self.columns.sum_ if op == "sum" else self.columns.max_)(flat)
         return [part.view_as(r) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
+
+
+    def reduce_row_stats_(self, stats: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-row ``(float64 sums, fp32 maxes)`` of column-split parameters summed and maxed over
+        the ranks holding the other columns of the same rows: ONE collective (an ``all_gather``:
+        a sum and a max need two all-reduces) for all of them, then the sum and the max in rank
+        order, the same on every rank (a NaN max stays NaN)."""
+        if self.columns is None or not stats:
+            return list(stats)
+        parts = [t.reshape(-1).double() for pair in stats for t in pair]
+        everyone = self.columns.gather(torch.cat(parts))
+        sizes = [t.numel() for t in parts]
+        sums = everyone.sum(0).split(sizes)
+        maxes = everyone.amax(0).split(sizes)
+        return [(sums[2 * i].view_as(s), maxes[2 * i + 1].to(m.dtype).view_as(m)) for i, (s, m) in enumerate(stats)]
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:

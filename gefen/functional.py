@@ -159,7 +159,7 @@ def store_momentum_(state: dict, m: torch.Tensor, codebook: torch.Tensor,
                     scales: torch.Tensor | None = None) -> torch.Tensor:
     """Re-quantise ``m`` into the state; returns the re-quantised momentum (fp32). ``scales``:
     tensor parallelism's max-abs of each whole row (``[rows, 1]``, the one block per row a column
-    split cuts), reduced over the ranks holding the row's other columns; the kernels never see it."""
+    split cuts), reduced over the ranks holding the row's other columns (the kernels take it too)."""
     period = _local_period(state)
     codes, scales = quantise(m, codebook, period, scales)
     state["m_code"].copy_(codes)
@@ -296,7 +296,7 @@ def m4v4_update_(
     the rounding noise's salts; ``row0``/``col0``: the global index of this shard's first row and
     column; ``row_len``: the global row length (default: the local one); ``row_max``: tensor
     parallelism's max |m| of each whole row (``m4v4_momentum`` reduced over the ranks holding the
-    row's other columns; the fused kernels do not take it).
+    row's other columns; the fused kernels take it too).
     """
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1

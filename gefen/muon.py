@@ -17,12 +17,11 @@ import torch
 
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.contract import FieldSpec, OptimizerContract
-from gefen.dispatch import momenta_, round_param_, sr_target
+from gefen.dispatch import momenta_, momentum_scales, round_param_, sr_target, update_momentum_
 from gefen.distributed import Layout, RowGather
-from gefen.functional import decay_and_add_, init_momentum_state, momentum_ema, rows_view, store_momentum_
+from gefen.functional import decay_and_add_, init_momentum_state
 from gefen.layouts import CODEBOOK_FIELD, MOMENTUM_FIELDS
 from gefen.newton_schulz import NORM_EPS, STANDARD, orthogonalise, resolve_schedule
-from gefen.quant import block_scales
 from gefen.stochastic import param_salt
 from gefen.validation import check_range, param_label
 
@@ -239,9 +238,9 @@ class GefenMuon(CompressedOptimizer):
         """``update_momentum_`` of shards whose columns tensor parallelism splits: each row's one
         block is cut, so its max-abs scale is reduced over the ranks holding the row's other columns
         (one collective for all of them) before the codes are chosen, as one process would."""
-        ema = [momentum_ema(state, g.float(), mu, codebook) for state, g, mu in items]
-        scales = self.reduction_plan().reduce_rows_("max", [block_scales(rows_view(m).unsqueeze(1)) for m in ema])
-        return [store_momentum_(state, m, codebook, s) for (state, _, _), m, s in zip(items, ema, scales)]
+        items = [(state, g.float(), mu) for state, g, mu in items]
+        scales = self.reduction_plan().reduce_rows_("max", [momentum_scales(*item, codebook) for item in items])
+        return [update_momentum_(*item, codebook, s) for item, s in zip(items, scales)]
 
 
 def orthogonalise_batched(matrices: list[torch.Tensor], schedules: list[tuple]) -> list[torch.Tensor]:

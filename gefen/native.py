@@ -50,14 +50,14 @@ from gefen.geometry import rows_and_row_numel
 from gefen.quant import quantise
 from gefen.stochastic import hash_base, ratio_table, salts
 
-__all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_momentum_", "calibrate",
-           "Calibration", "block_histogram", "fused_m4v4_partials", "fused_m4v4_update_", "fused_adamw_update_",
-           "fused_round_param_"]
+__all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_momentum_", "fused_momentum_scales",
+           "calibrate", "Calibration", "block_histogram", "fused_m4v4_partials", "fused_m4v4_row_stats",
+           "fused_m4v4_update_", "fused_adamw_update_", "fused_round_param_"]
 
 #: Module switch (tests and benchmarks); the environment variable sets its initial value.
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 
-_ABI = 14
+_ABI = 15
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _P = ctypes.c_void_p
 _I32, _I64, _DBL = ctypes.c_int32, ctypes.c_int64, ctypes.c_double
@@ -83,7 +83,7 @@ class _StepArgs(ctypes.Structure):
         ("codebook", _P), ("thr", _P), ("lut", _P),
         ("rows", _I64), ("bpr", _I64), ("period", _I64), ("global_rows", _I64),
         ("K", _I32), ("lut_M", _I32), ("W", _I32), ("T", _I32), ("factored", _I32),
-        ("scale_mode", _I32), ("momentum_only", _I32), ("m_out", _P),
+        ("scale_mode", _I32), ("momentum_only", _I32), ("m_out", _P), ("given_scales", _P), ("scales_out", _P),
     ]
 
 
@@ -94,7 +94,7 @@ class _M4v4Args(ctypes.Structure):
         ("codes", _P), ("m_scale", _P), ("v_row", _P), ("v_row_new", _P), ("v_col", _P), ("partials", _P),
         ("codebook", _P), ("ratios", _P),
         ("rows", _I64), ("cols", _I64), ("global_rows", _I64), ("global_cols", _I64), ("row_offset", _I64),
-        ("col_offset", _I64), ("salt_m", ctypes.c_uint32), ("salt_v", ctypes.c_uint32),
+        ("col_offset", _I64), ("salt_m", ctypes.c_uint32), ("salt_v", ctypes.c_uint32), ("row_max", _P),
     ]
 
 
@@ -113,12 +113,13 @@ def _load():
             return None
     except AttributeError:
         return None
-    for name, args in (("gefen_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _I32, _I32, _I32, _P]),
+    for name, args in (("gefen_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _I32, _I32, _I32, _P, _P, _I64]),
+                       ("gefen_m4v4_row_stats", [_P, _I32, _P, _P, _P, _DBL, _DBL, _I64, _I64, _I32, _I32, _P, _P, _P]),
                        ("gefen_build_lut", [_P, _I32, _I32, _I32, _P]),
                        ("gefen_step", [ctypes.POINTER(_StepArgs)]),
                        ("gefen_m4v4_step", [ctypes.POINTER(_M4v4Args)]),
                        ("gefen_adamw_step", [ctypes.POINTER(_AdamwArgs)]),
-                       ("gefen_block_histogram", [_P, _I32, _I64, _I64, _I64, _P]),
+                       ("gefen_block_histogram", [_P, _I32, _I64, _I64, _I64, _P, _P]),
                        ("gefen_cpu_isa", [])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
@@ -252,9 +253,11 @@ def _cpu_contiguous(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
-def _partials(grad: torch.Tensor, state: dict, beta2: float, cal: Calibration | None, m4v4: bool):
+def _partials(grad: torch.Tensor, state: dict, beta2: float, cal: Calibration | None, m4v4: bool,
+              row_sum: torch.Tensor | None = None, row_len: int | None = None):
     """Phase 1 of either layout (``gefen_partials``): ``(v_row, partials)``, or None when it does not
-    apply.  m8 takes 2-D gradients only, as its reference does."""
+    apply.  m8 takes 2-D gradients only, as its reference does; m4v4 may be given the whole rows'
+    sums of g^2 (``row_sum``, float64) and length (``row_len``) of a column split."""
     gdt, v_row_old = _DT.get(grad.dtype), state.get("v_row")
     if gdt is None or v_row_old is None or grad.dim() < 2 or (grad.dim() > 2 and not m4v4):
         return None
@@ -263,11 +266,15 @@ def _partials(grad: torch.Tensor, state: dict, beta2: float, cal: Calibration | 
         return None
     if not _cpu_contiguous(grad, v_row_old):
         return None
+    if row_sum is not None and (not m4v4 or row_sum.dtype != torch.float64 or row_sum.shape != (rows,)
+                                or not _cpu_contiguous(row_sum)):
+        return None
     v_row = torch.empty(rows, dtype=torch.float32)
     partials = torch.empty(cols + 1 + m4v4, dtype=torch.float64)
     rc = _lib.gefen_partials(grad.data_ptr(), gdt, rows, cols, v_row_old.data_ptr(), v_row.data_ptr(),
                              partials.data_ptr(), beta2, 1 - beta2, cal.width, torch.get_num_threads(), m4v4,
-                             cal.mode)
+                             cal.mode, None if row_sum is None else row_sum.data_ptr(),
+                             max(cols if row_len is None else row_len, 1))
     return (v_row, partials) if rc == 0 else None
 
 
@@ -277,10 +284,31 @@ def fused_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibr
     return _partials(grad, state, beta2, cal, False)
 
 
-def fused_m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
-    """``functional.m4v4_partials`` (same ``(v_row, partials)``, bit for bit) in one C call, or
-    None when it does not apply (``cal``: as for ``fused_partials``)."""
-    return _partials(grad, state, beta2, cal, True)
+def fused_m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: torch.Tensor | None = None,
+                        row_len: int | None = None, cal: Calibration | None = None):
+    """``functional.m4v4_partials`` (same ``(v_row, partials)``, bit for bit, ``row_sum``/``row_len``
+    included) in one C call, or None when it does not apply (``cal``: as for ``fused_partials``)."""
+    return _partials(grad, state, beta2, cal, True, row_sum, row_len)
+
+
+def fused_m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1: float, *,
+                         cal: Calibration | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(functional.row_square_sums(grad), functional.row_abs_max(functional.m4v4_momentum(...)))``
+    of a coded shard (bit for bit) in one C pass, or None when it does not apply: the row
+    statistics a column split reduces over tensor parallelism before phases 1 and 2."""
+    codes, scale = state.get("mv_code"), state.get("m_row_scale")
+    if grad.dtype not in _DT or codes is None or scale is None or grad.dim() < 2 or (cal := _use(cal, True)) is None:
+        return None
+    rows, cols = rows_and_row_numel(grad.shape)
+    if (cols < 1 or codes.dtype != torch.uint8 or codes.numel() != rows * cols or scale.dtype != torch.bfloat16
+            or scale.numel() != rows or codebook.dtype != torch.float32 or codebook.numel() != 16
+            or not _cpu_contiguous(grad, codes, scale, codebook)):
+        return None
+    row_sum, row_max = torch.empty(rows, dtype=torch.float64), torch.empty(rows, dtype=torch.float32)
+    rc = _lib.gefen_m4v4_row_stats(grad.data_ptr(), _DT[grad.dtype], codes.data_ptr(), scale.data_ptr(),
+                                   codebook.data_ptr(), beta1, 1 - beta1, rows, cols, cal.width,
+                                   torch.get_num_threads(), row_sum.data_ptr(), row_max.data_ptr(), cal.mode)
+    return (row_sum, row_max) if rc == 0 else None
 
 
 def _head(a, param: torch.Tensor, grad: torch.Tensor, state: dict, h, cal: Calibration) -> None:
@@ -346,22 +374,50 @@ def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
     return _run_step(_lib.gefen_step, a, state)
 
 
-def fused_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor | None:
+def fused_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
+                    scales: torch.Tensor | None = None) -> torch.Tensor | None:
     """``functional.update_momentum_`` in one C call (same codes, scales and returned fp32
-    momentum, bit for bit), or None when it does not apply (nothing modified then)."""
-    codes, scales = state["m_code"], state["m_scale"]
-    if grad.dtype not in _DT or codes.dtype != torch.uint8 or scales.dtype != torch.float32:
+    momentum, bit for bit), or None when it does not apply (nothing modified then). ``scales``:
+    as ``store_momentum_``'s (a column split's rows' scales, reduced over tensor parallelism)."""
+    a = _momentum_only_args(state, grad, beta, codebook, scales)
+    if a is None:
         return None
-    if not _cpu_contiguous(grad, codes, scales) or codes.shape != grad.shape or (cal := _use(None)) is None:
+    out = torch.empty(grad.shape, dtype=torch.float32)
+    a.m_out = out.data_ptr()
+    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
+
+
+def fused_momentum_scales(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor | None:
+    """The block scales ``update_momentum_`` would choose (``quant.block_scales`` of
+    ``functional.momentum_ema``, bit for bit), ``[rows, blocks per row]``, without touching the
+    state; None when the C kernel does not apply. A column split's rows reduce them over
+    tensor parallelism, then ``fused_momentum_(..., scales=)`` stores the momentum."""
+    a = _momentum_only_args(state, grad, beta, codebook, None)
+    if a is None:
+        return None
+    out = torch.empty(tuple(state["m_scale"].shape), dtype=torch.float32)
+    a.scales_out = out.data_ptr()
+    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
+
+
+def _momentum_only_args(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
+                        scales: torch.Tensor | None) -> _StepArgs | None:
+    codes, m_scale = state["m_code"], state["m_scale"]
+    if grad.dtype not in _DT or codes.dtype != torch.uint8 or m_scale.dtype != torch.float32:
+        return None
+    if not _cpu_contiguous(grad, codes, m_scale) or codes.shape != grad.shape or (cal := _use(None)) is None:
+        return None
+    if scales is not None and (scales.dtype != torch.float32 or scales.numel() != m_scale.numel()
+                               or not _cpu_contiguous(scales)):
         return None
     a = _momentum_args(state, grad, codebook, cal)
     if a is None:
         return None
-    out = torch.empty(grad.shape, dtype=torch.float32)
     a.grad, a.grad_dtype, a.mode = grad.data_ptr(), _DT[grad.dtype], cal.mode  # the full step sets these in _head
-    a.m_out, a.momentum_only, a.global_rows = out.data_ptr(), 1, a.rows
+    a.momentum_only, a.global_rows = 1, a.rows
     a.omb1 = 1 - beta  # the lerp weight exactly as update_momentum_ passes it
-    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
+    a.given_scales = None if scales is None else scales.data_ptr()
+    return a
 
 
 def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal: Calibration) -> _StepArgs | None:
@@ -371,7 +427,7 @@ def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal:
     if q is None:
         return None
     codes, scales = state["m_code"], state["m_scale"]
-    period = int(state["period"])
+    period = F._local_period(state)  # a column split's one block per (cut) row: the local row
     rows, row_numel = rows_and_row_numel(grad.shape)
     if period < 1 or row_numel % period or scales.numel() != rows * (row_numel // period):
         return None
@@ -390,9 +446,10 @@ _M4V4_DTYPES = {"mv_code": torch.uint8, "m_row_scale": torch.bfloat16, "v_row": 
 def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor,
                        ratio: torch.Tensor, h, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor,
                        pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None,
-                       cal: Calibration | None = None) -> bool:
-    """``functional.m4v4_update_`` in one C call; returns False (touching nothing) when it does
-    not apply (then the caller runs the reference; ``cal``: as for ``fused_partials``)."""
+                       row_max: torch.Tensor | None = None, cal: Calibration | None = None) -> bool:
+    """``functional.m4v4_update_`` in one C call (``row_max``, a column split's whole rows' max
+    |m|, included); returns False (touching nothing) when it does not apply (then the caller runs
+    the reference; ``cal``: as for ``fused_partials``)."""
     if param.dtype not in _DT or grad.dtype not in _DT or param.shape != grad.shape or grad.dim() < 2:
         return False
     if (cal := _use(cal, m4v4=True)) is None:
@@ -410,6 +467,9 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
     if (codes.numel() != rows * cols or scale.numel() != rows or v_row_old.numel() != rows or v_row.numel() != rows
             or v_col.numel() != cols or partials.numel() != cols + 2):
         return False
+    if row_max is not None and (row_max.dtype != torch.float32 or row_max.numel() != rows
+                                or not _cpu_contiguous(row_max)):
+        return False
     a = _M4v4Args()
     _head(a, param, grad, state, h, cal)
     a.codes, a.m_scale, a.codebook, a.ratios = codes.data_ptr(), scale.data_ptr(), codebook.data_ptr(), ratio.data_ptr()
@@ -417,6 +477,7 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
     a.rows, a.cols, a.global_rows, a.global_cols = rows, cols, global_rows, cols if row_len is None else row_len
     a.row_offset, a.col_offset = row0, col0
     a.salt_m, a.salt_v = salts(pidx, seed)
+    a.row_max = None if row_max is None else row_max.data_ptr()
     return _run_step(_lib.gefen_m4v4_step, a, state)
 
 
@@ -453,17 +514,22 @@ def fused_round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, sa
 
 
 # ----- the first step: the codebook histogram ---------------------------
-def block_histogram(blocks: torch.Tensor, num_bins: int) -> torch.Tensor | None:
-    """``codebook.histogram_normalised_blocks`` (identical counts) in one C pass, or None when
-    it does not apply."""
+def block_histogram(blocks: torch.Tensor, num_bins: int, scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``codebook.histogram_normalised_blocks`` (identical counts, ``scale`` included: one fp32
+    per block) in one C pass, or None when it does not apply."""
     dt = _DT.get(blocks.dtype)
     if dt is None or not enabled or _lib is None or not _cpu_contiguous(blocks):
         return None
     if blocks.dim() < 1 or blocks.shape[-1] < 1 or num_bins < 1:
         return None
-    counts = torch.zeros(num_bins, dtype=torch.int64)
     P = blocks.shape[-1]
-    rc = _lib.gefen_block_histogram(blocks.data_ptr(), dt, blocks.numel() // P, P, num_bins, counts.data_ptr())
+    if scale is not None:
+        scale = scale.float().contiguous() if scale.device.type == "cpu" else None
+        if scale is None or scale.numel() != blocks.numel() // P:
+            return None
+    counts = torch.zeros(num_bins, dtype=torch.int64)
+    rc = _lib.gefen_block_histogram(blocks.data_ptr(), dt, blocks.numel() // P, P, num_bins, counts.data_ptr(),
+                                    None if scale is None else scale.data_ptr())
     return counts if rc == 0 else None
 
 
@@ -476,8 +542,12 @@ def _step_fns(cal: Calibration | None) -> types.SimpleNamespace:
     """The step functions a calibration problem runs: the reference (``cal`` None) or the kernels
     under the candidate ``cal``, raising ``_Refused`` where one does not apply."""
     if cal is None:
+        def row_stats(g, state, codebook, beta1):
+            return F.row_square_sums(g), F.row_abs_max(F.m4v4_momentum(g, state, codebook, beta1))
+
         return types.SimpleNamespace(partials=F.second_moment_partials, update=F.gefen_update_,
-                                     m4v4_partials=F.m4v4_partials, m4v4_update=F.m4v4_update_, adamw=F.adamw_update_)
+                                     m4v4_partials=F.m4v4_partials, m4v4_update=F.m4v4_update_, adamw=F.adamw_update_,
+                                     row_stats=row_stats)
 
     def strict(fn):
         def run(*args, **kw):
@@ -488,7 +558,7 @@ def _step_fns(cal: Calibration | None) -> types.SimpleNamespace:
         return run
     return types.SimpleNamespace(partials=strict(fused_partials), update=strict(fused_update_),
                                  m4v4_partials=strict(fused_m4v4_partials), m4v4_update=strict(fused_m4v4_update_),
-                                 adamw=strict(fused_adamw_update_))
+                                 adamw=strict(fused_adamw_update_), row_stats=strict(fused_m4v4_row_stats))
 
 
 def _run_m8(shape, period, factored, fns):
@@ -529,6 +599,27 @@ def _run_m4v4(shape, dtype, fns):
     return p, state
 
 
+def _run_m4v4_cut(shape, dtype, fns):
+    """Two m4v4 steps of a column shard (tensor parallelism): its row statistics, scaled as the
+    reduction over the other columns' ranks raises them, then both phases given them, at a column
+    offset of a longer row."""
+    gen = torch.Generator().manual_seed(2468)
+    p = torch.randn(shape, generator=gen).to(dtype)
+    state = F.init_m4v4_state(p, (shape[0], 3 * shape[1]))
+    codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
+    ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values)
+    h = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    for _ in range(2):
+        g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
+        row_sum, row_max = fns.row_stats(g, state, codebook, h.beta1)
+        state["row_sum"], state["row_max"] = row_sum.clone(), row_max.clone()  # compared too
+        row_sum, row_max = row_sum * 2.5, row_max * 1.5
+        v_row, partials = fns.m4v4_partials(g, state, h.beta2, row_sum=row_sum, row_len=3 * shape[1])
+        fns.m4v4_update(p, g, state, codebook, ratio, h, global_rows=shape[0], v_row=v_row, partials=partials,
+                        pidx=2, seed=1, row0=5, col0=shape[1], row_len=3 * shape[1], row_max=row_max)
+    return p, state
+
+
 #: Small m8 problems that reach every summation path of the kernel (vectorised and short rows, A/B
 #: column orders, two-pass single outputs, P = 1): (shape, period, factored).
 _M8 = [(_run_m8, case) for case in [
@@ -536,10 +627,11 @@ _M8 = [(_run_m8, case) for case in [
     ((45, 29), 29, True), ((3, 5, 8), 40, False), ((6, 24, 25), 600, False), ((1, 33000), 33000, False),
     ((5000,), 1, False), ((), 1, False), ((12, 6), 2, False), ((70, 480), 240, False), ((4400, 8), 8, True)]]
 #: m4v4 problems: float64 row sums (vectorised, short, single-row two-pass), one-pass phase 1 with a
-#: partial chunk, bf16, and the 1-D/0-D step: (shape, dtype).
+#: partial chunk, bf16, the 1-D/0-D step, and a column shard given its rows' statistics: (shape, dtype).
 _M4V4 = [(_run_m4v4, case) for case in [
     ((37, 33), torch.float32), ((300, 130), torch.float32), ((1, 33000), torch.float32),
-    ((45, 29), torch.bfloat16), ((3, 5, 8), torch.float32), ((5000,), torch.float32), ((), torch.bfloat16)]]
+    ((45, 29), torch.bfloat16), ((3, 5, 8), torch.float32), ((5000,), torch.float32), ((), torch.bfloat16)]] + [
+    (_run_m4v4_cut, ((37, 45), torch.bfloat16))]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -16,9 +16,6 @@ from gefen.functional import (
     init_state,
     is_coded,
     is_factored,
-    m4v4_momentum,
-    row_abs_max,
-    row_square_sums,
 )
 from gefen.geometry import rows_and_row_numel
 from gefen.layouts import CONTRACTS, MOMENTS, V_CODEBOOK, version_refusal
@@ -193,11 +190,17 @@ class Gefen(CompressedOptimizer):
 
     def _step_m4v4(self, work) -> None:
         plan = self.reduction_plan()
-        # tensor parallelism: the coded tensors whose columns are split need their whole rows' sums of
-        # g^2 first (one collective for every split tensor)
+        # tensor parallelism: a coded tensor whose columns are split needs its whole rows' sums of g^2
+        # (phase 1) and max |m| (phase 2); one pass over each shard gives both, then ONE collective
+        # over tp serves every split tensor. The new m does not depend on a codebook learned at this
+        # step: until one is learned every row scale is 0, and |codebook[code] * 0 * b1 + g (1 - b1)|
+        # is the same under any finite codebook.
         split = [(g, p, grad) for g, p, grad in work if "mv_code" in self.state[p] and plan.splits_columns(p)]
-        sums = plan.reduce_rows_("sum", [row_square_sums(local_tensor(grad)) for *_, grad in split])
-        row_sums = {id(p): s for (_, p, _), s in zip(split, sums)}
+        book = self._step_codebook()
+        stats = plan.reduce_row_stats_([dispatch.m4v4_row_stats(local_tensor(grad), self.state[p], book.to(grad.device),
+                                                                group["betas"][0]) for group, p, grad in split])
+        row_sums = {id(p): s for (_, p, _), (s, _) in zip(split, stats)}
+        row_max = {id(p): m for (_, p, _), (_, m) in zip(split, stats)}
         pending = self._reduced_partials(
             work, "mv_code", lambda p, g, state, beta2: dispatch.m4v4_partials(
                 g, state, beta2, row_sum=row_sums.get(id(p)), row_len=_row_len(p)),
@@ -205,11 +208,6 @@ class Gefen(CompressedOptimizer):
         if self.codebook is None:
             self._learn_m4v4_codebooks(work, pending)
         codebook = self._step_codebook()
-        # tensor parallelism: whole rows' max |m| (one collective for every split tensor)
-        maxes = plan.reduce_rows_("max", [row_abs_max(m4v4_momentum(local_tensor(grad), self.state[p],
-                                                                    codebook.to(grad.device), group["betas"][0]))
-                                          for group, p, grad in split])
-        row_max = {id(p): m for (_, p, _), m in zip(split, maxes)}
         ratios = {}  # device -> ratio table
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for i, (group, p, grad) in enumerate(work):

@@ -90,8 +90,8 @@ static AVX2 void bin_run_avx2(const float *x, int64_t n, float scale, float fbin
 #define bin_run bin_run_portable
 #endif
 
-static void hist_blocks(const void *x, int dt, int64_t b0, int64_t b1, int64_t P, int64_t bins, int64_t *counts,
-                        float *conv, int32_t *idx) {
+static void hist_blocks(const void *x, int dt, int64_t b0, int64_t b1, int64_t P, int64_t bins, const float *scales,
+                        int64_t *counts, float *conv, int32_t *idx) {
     const float fbins = (float)bins;
     for (int64_t b = b0; b < b1; b++) {
         const float *blk = (const float *)x + b * P;
@@ -99,8 +99,9 @@ static void hist_blocks(const void *x, int dt, int64_t b0, int64_t b1, int64_t P
             for (int64_t j = 0; j < P; j++) conv[j] = ld_g(x, dt, b * P + j);
             blk = conv;
         }
-        int nan;
-        float scale = block_amax(blk, P, &nan);
+        int nan = 0;
+        float scale = scales ? scales[b] : block_amax(blk, P, &nan);
+        nan |= scale != scale; /* a given NaN scale: every value NaN -> bin 0, as torch's */
         if (nan) { /* torch: a NaN max-abs makes every value of the block NaN -> bin 0 */
             counts[0] += P;
             continue;
@@ -123,10 +124,12 @@ static void hist_blocks(const void *x, int dt, int64_t b0, int64_t b1, int64_t P
 
 /*
  * x: nblocks x P (contiguous fp32 or bf16).  Adds each normalised value's bin to counts[bins]
- * (int64, not cleared).  Returns 0, or -1 when out of memory (counts untouched).
+ * (int64, not cleared).  scales: NULL (each block's max-abs) or [nblocks] fp32, the blocks' scales
+ * given (a column split's whole rows' max-abs, reduced over tensor parallelism).  Returns 0, or
+ * -1 when out of memory (counts untouched).
  */
 GEFEN_EXPORT int gefen_block_histogram(const void *x, int dt, int64_t nblocks, int64_t P, int64_t bins,
-                                       int64_t *counts) {
+                                       int64_t *counts, const float *scales) {
     if (bins < 1 || P < 1) return -2;
     const int nt = nblocks * P >= HIST_PAR_MIN ? max_threads() : 1;
     if (bins > INT32_MAX) return -2;
@@ -143,7 +146,7 @@ GEFEN_EXPORT int gefen_block_histogram(const void *x, int dt, int64_t nblocks, i
 #pragma omp atomic write
             failed = 1;
         } else if (b0 < b1) {
-            hist_blocks(x, dt, b0, b1, P, bins, local + (int64_t)t * 4 * bins, conv, idx);
+            hist_blocks(x, dt, b0, b1, P, bins, scales, local + (int64_t)t * 4 * bins, conv, idx);
         }
         free(conv);
         free(idx);

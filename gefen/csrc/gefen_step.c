@@ -41,7 +41,7 @@
 
 #include "gefen_common.h"
 
-#define GEFEN_ABI 14
+#define GEFEN_ABI 15
 #define GRAIN 32768   /* at::internal::GRAIN_SIZE */
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 #define MAX_T 1024    /* largest torch thread count we emulate */
@@ -390,6 +390,11 @@ static double row_sumd(const void *g, int dt, int64_t r, int64_t cols, int Wd, i
     return 0.0 + inner_sqd(g, dt, r * cols, cols, Wd);
 }
 
+/* row r's float64 sum of g^2 (gefen_common.h: m4v4_step.c's row statistics of a column split) */
+double gefen_row_sq_sum(const void *g, int dt, int64_t r, int64_t rows, int64_t cols, int W, int T) {
+    return row_sumd(g, dt, r, cols, W / 2, T, rows == 1);
+}
+
 /* Row r's mean of g^2 as each layout's reference forms it: m8 sq.mean(1) (fp32 sum / cols), m4v4
  * fp32(sq.sum(1, dtype=float64) / cols). */
 static float row_mean_sq(const void *g, int dt, int64_t r, int64_t cols, int W, int T, int single, int m4v4,
@@ -502,14 +507,19 @@ static int phase1_one_pass(const void *grad, int dt, int64_t rows, int64_t cols,
  * are float64 sums divided by the row length and rounded once, and which adds sum(v_row_old)):
  *   v_row_new = v_row * b2 + fp32(sum_cols(g^2) / cols) * (1 - b2)
  *   partials  = [sum_rows(g^2) as float64..., sum(v_row_new) (, sum(v_row_old))]
- * The mode only chooses the kernels (isa). */
+ * m4v4 with row_sums (a column split's whole rows' sums, reduced over tensor parallelism): the
+ * row statistic is fp32(row_sums[r] / row_len) instead. The mode only chooses the kernels (isa). */
 GEFEN_EXPORT int gefen_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols, const float *v_row_old,
                                 float *v_row_new, double *partials, double beta2, double omb2, int32_t W, int32_t T,
-                                int32_t m4v4, const gefen_mode *mode) {
+                                int32_t m4v4, const gefen_mode *mode, const double *row_sums, int64_t row_len) {
     if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0 || !mode) return -2;
+    if (row_sums && (!m4v4 || row_len < 1)) return -2;
     const float b2 = (float)beta2, o2 = (float)omb2;
     const int single = rows == 1, nthreads = max_threads(), avx2 = call_isa(mode) >= 1;
-    if (rows * cols < PAR_MIN || phase1_one_pass(grad, gdt, rows, cols, v_row_old, v_row_new, partials, b2, o2, W, T,
+    if (row_sums) {
+        for (int64_t r = 0; r < rows; ++r) v_row_new[r] = v_row_old[r] * b2 + (float)(row_sums[r] / (double)row_len) * o2;
+        column_sums(grad, gdt, rows, cols, W / 2, T, partials, nthreads);
+    } else if (rows * cols < PAR_MIN || phase1_one_pass(grad, gdt, rows, cols, v_row_old, v_row_new, partials, b2, o2, W, T,
                                                  nthreads, m4v4, avx2) != 0) {
         int64_t r = 0;
 #pragma omp parallel for schedule(static) if (rows * cols >= PAR_MIN)
@@ -580,6 +590,8 @@ typedef struct {
     int32_t momentum_only; /* 1: only m = lerp(m, g, omb1) re-quantised, dequantised into m_out
                               (gefen.functional.update_momentum_, GefenMuon's momentum) */
     float *m_out;          /* momentum_only: [rows * bpr * period] */
+    const float *given_scales; /* momentum_only, or NULL: the blocks' scales given (a column split's, reduced over tp) */
+    float *scales_out;         /* momentum_only, or NULL: only each block's scale, written here; nothing else */
 } gefen_step_args;
 
 typedef struct {
@@ -702,7 +714,11 @@ static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, const
         amax = m > amax ? m : amax;
         amin = m < amin ? m : amin;
     }
-    const float scale = block_scale(c, bi, amax, amin, nan);
+    const float scale = a->given_scales ? a->given_scales[bi] : block_scale(c, bi, amax, amin, nan);
+    if (a->scales_out) {
+        a->scales_out[bi] = scale;
+        return;
+    }
     const int zero = scale == 0.0f;
     for (int64_t e = 0; e < P; ++e) {
         int32_t q = 0;
@@ -827,7 +843,11 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, cons
         amax = m > amax ? m : amax;
         amin = m < amin ? m : amin;
     }
-    const float scale = block_scale(c, bi, amax, amin, nan);
+    const float scale = a->given_scales ? a->given_scales[bi] : block_scale(c, bi, amax, amin, nan);
+    if (a->scales_out) {
+        a->scales_out[bi] = scale;
+        return;
+    }
     const __m256 vscale = _mm256_set1_ps(scale);
 
     /* pass 2: normalise and bucket (vector), look up codes (scalar), update (vector) */
@@ -925,8 +945,9 @@ static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *
  * Returns 0, -1 when out of memory (nothing modified), -2 on bad arguments (nothing modified). */
 GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
     if (a->T < 1 || a->T > MAX_T || (a->W != 8 && a->W != 16) || a->period < 1 || a->K < 2 || a->K > 256 ||
-        (a->lut_M && !a->lut) || (a->momentum_only && (!a->m_out || a->factored)) || !a->mode)
+        (a->lut_M && !a->lut) || (a->momentum_only && ((!a->m_out && !a->scales_out) || a->factored)) || !a->mode)
         return -2;
+    if ((a->given_scales || a->scales_out) && !a->momentum_only) return -2;
     kctx c;
     c.a = a;
     c.P = a->period;

@@ -47,6 +47,7 @@ typedef struct {
     const float *ratios;    /* [32] second-moment ratio table R (16, sorted), then curvatures K (16) */
     int64_t rows, cols, global_rows, global_cols, row_offset, col_offset;
     uint32_t salt_m, salt_v;
+    const float *row_max; /* [rows] or NULL: each row's max |m| given (a column split's whole rows', reduced over tp) */
 } m4v4_args;
 
 /* a sorted 16-entry table, its spacings d[lo] = max(t[lo + 1] - t[lo], GUARD) and curvatures
@@ -428,7 +429,7 @@ static void one_row(const m4ctx *c, int64_t r, float *den, float *mbuf, uint8_t 
 #endif
         row_pass1_portable(c, r, 0, a_old, a_new, den, mbuf, vc, &smax, &nan);
     mode_sqrt_n(a->mode, den, a->cols);
-    const uint16_t sb = f32_to_bf16(nan ? NAN : smax);
+    const uint16_t sb = f32_to_bf16(a->row_max ? a->row_max[r] : nan ? NAN : smax);
     const float sf = bf16_to_f32(sb);
 #if GEFEN_X86
     if (isa == 2) row_pass2_avx512(c, r, sf, den, mbuf, vc);
@@ -482,6 +483,90 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
         mode_threads_end(a->mode, mkl_prev);
     }
     free(bufs);
+    return 0;
+}
+
+/* Phase 0 of a shard whose columns tensor parallelism splits: each local row's float64 sum of
+ * g^2 (functional.row_square_sums) and max |m| of the new first moment (functional.row_abs_max of
+ * m4v4_momentum; NaN when an m is NaN), the statistics reduced over tp before phases 1 and 2.
+ * Nothing else is read or written.  The max is exact in any order, so the vector kernels (the
+ * same m as pass 1's, lane by lane) give the portable loop's bits. */
+static void row_max_portable(const void *g, int dt, const uint8_t *codes, const float *cb, int64_t off, int64_t j0,
+                             int64_t C, float s_old, float b1, float o1, float *most, int *bad) {
+    for (int64_t j = j0; j < C; ++j) {
+        const float am = fabsf((cb[codes[off + j] & 15] * s_old) * b1 + ld_g(g, dt, off + j) * o1);
+        *bad |= am != am;
+        *most = am > *most ? am : *most;
+    }
+}
+
+#if GEFEN_X86
+static AVX2 int64_t row_max_avx2(const void *g, int dt, const uint8_t *codes, const float *cb, int64_t off, int64_t C,
+                                 float s_old, float b1, float o1, float *most, int *bad) {
+    const __m256 lo = _mm256_loadu_ps(cb), hi = _mm256_loadu_ps(cb + 8), vs = _mm256_set1_ps(s_old);
+    const __m256 vb1 = _mm256_set1_ps(b1), vo1 = _mm256_set1_ps(o1);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i low4 = _mm256_set1_epi32(15);
+    __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= C; j += 8) {
+        const __m256i code = _mm256_and_si256(load_codes8(codes + off + j), low4);
+        __m256 m = _mm256_mul_ps(perm16(lo, hi, code), vs);
+        m = _mm256_add_ps(_mm256_mul_ps(m, vb1), _mm256_mul_ps(ld8_g(g, dt, off + j), vo1));
+        const __m256 am = _mm256_and_ps(m, absmask);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(am, am, _CMP_UNORD_Q));
+        vmax = _mm256_max_ps(vmax, am);
+    }
+    *most = hmax8(vmax);
+    *bad = _mm256_movemask_ps(vnan) != 0;
+    return j;
+}
+
+static AVX512 int64_t row_max_avx512(const void *g, int dt, const uint8_t *codes, const float *cb, int64_t off,
+                                     int64_t C, float s_old, float b1, float o1, float *most, int *bad) {
+    const __m512 MT = _mm512_loadu_ps(cb), vs = _mm512_set1_ps(s_old), vb1 = _mm512_set1_ps(b1);
+    const __m512 vo1 = _mm512_set1_ps(o1);
+    const __m512i low4 = _mm512_set1_epi32(15), absmask = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    int64_t j = 0;
+    for (; j + 16 <= C; j += 16) {
+        const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + off + j)));
+        __m512 m = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(code, low4), MT), vs);
+        m = _mm512_add_ps(_mm512_mul_ps(m, vb1), _mm512_mul_ps(ld16_g(g, dt, off + j), vo1));
+        const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), absmask));
+        nan |= _mm512_cmp_ps_mask(am, am, _CMP_UNORD_Q);
+        vmax = _mm512_max_ps(vmax, am);
+    }
+    *most = _mm512_reduce_max_ps(vmax);
+    *bad = nan != 0;
+    return j;
+}
+#endif
+
+GEFEN_EXPORT int gefen_m4v4_row_stats(const void *grad, int32_t gdt, const uint8_t *codes, const uint16_t *m_scale,
+                                      const float *codebook, double beta1, double omb1, int64_t rows, int64_t cols,
+                                      int32_t W, int32_t T, double *row_sum, float *row_max, const gefen_mode *mode) {
+    if (rows < 0 || cols < 1 || (W != 8 && W != 16) || T < 1 || !mode) return -2;
+    const float b1 = (float)beta1, o1 = (float)omb1;
+    const int isa = call_isa(mode);
+    int64_t r = 0;
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * cols >= M4_PAR_MIN)
+    for (r = 0; r < rows; ++r) {
+        const int64_t off = r * cols;
+        const float s_old = bf16_to_f32(m_scale[r]);
+        float most = 0.0f;
+        int bad = 0;
+        int64_t j = 0;
+#if GEFEN_X86
+        if (isa == 2) j = row_max_avx512(grad, gdt, codes, codebook, off, cols, s_old, b1, o1, &most, &bad);
+        else if (isa == 1) j = row_max_avx2(grad, gdt, codes, codebook, off, cols, s_old, b1, o1, &most, &bad);
+#endif
+        (void)isa;
+        row_max_portable(grad, gdt, codes, codebook, off, j, cols, s_old, b1, o1, &most, &bad);
+        row_max[r] = bad ? NAN : most;
+        row_sum[r] = gefen_row_sq_sum(grad, gdt, r, rows, cols, W, T);
+    }
     return 0;
 }
 

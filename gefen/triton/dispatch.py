@@ -157,30 +157,56 @@ def _submit(item, books, run: str = "m4v4_update_") -> None:
 
 
 def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, partials, pidx, seed, row0=0,
-                 col0=0, row_len=None, **extra) -> bool:
-    """``functional.m4v4_update_`` through the kernels; False when it must run eagerly."""
+                 col0=0, row_len=None, row_max=None) -> bool:
+    """``functional.m4v4_update_`` through the kernels (a column split's ``col0``, ``row_len`` and
+    ``row_max`` included); False when it must run eagerly."""
     cols = math.prod(param.shape[1:])
     keys = ("mv_code", "m_row_scale", "v_row", "v_col")
     if any(k not in state for k in keys):
         return False
-    if not _decide([param, grad], [state[k] for k in keys] + [codebook, ratio, v_row, partials]):
+    given = [] if row_max is None else [row_max]
+    if not _decide([param, grad], [state[k] for k in keys] + [codebook, ratio, v_row, partials] + given):
         return False
-    if extra or col0 or (row_len is not None and row_len != cols):
-        return _fallback("tensor-parallel column shards (the kernels take whole rows)")
+    if row_max is not None and (row_max.dtype != torch.float32 or row_max.numel() != param.shape[0]):
+        return _fallback("an unexpected row statistic of a column split")
     if (param.dim() < 2 or param.shape != grad.shape or codebook.numel() != 16 or ratio.numel() != 32
             or codebook.dtype != torch.float32 or ratio.dtype != torch.float32 or partials.dtype != torch.float64
             or partials.numel() != cols + 2 or v_row.dtype != torch.float32 or v_row.numel() != param.shape[0]
             or state["mv_code"].dtype != torch.uint8 or state["m_row_scale"].dtype != torch.bfloat16):
         return _fallback("an unexpected m4v4 state or argument layout")
     item = _launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0,
-                                global_rows=global_rows, row_len=row_len, v_row=v_row, partials=partials)
+                            global_rows=global_rows, row_len=row_len, v_row=v_row, partials=partials, col0=col0,
+                            row_max=row_max)
     _submit(item, (codebook, ratio))
     return True
 
 
-def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
+def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
+    """``functional.m4v4_partials`` of one coded shard (a column split's given ``row_sum`` and
+    ``row_len`` included) through the kernels, or None."""
+    if row_sum is not None and (not _decide([grad], [row_sum]) or row_sum.dtype != torch.float64
+                                or row_sum.numel() != grad.shape[0]):
+        return None
+    out = m4v4_partials_([(grad, state, beta2)], None if row_sum is None else [(row_sum, row_len or grad[0].numel())])
+    return None if out is None else out[0]
+
+
+def m4v4_row_stats(grad, state, codebook, beta1):
+    """``(row_square_sums(grad), row_abs_max(m4v4_momentum(...)))`` of one coded shard through the
+    kernels (phase 0 of a column split), or None."""
+    codes, scale = state.get("mv_code"), state.get("m_row_scale")
+    if codes is None or not _decide([grad], [codes, scale, codebook]):
+        return None
+    if (grad.dim() < 2 or codes.shape != grad.shape or scale.dtype != torch.bfloat16 or codebook.numel() != 16
+            or codebook.dtype != torch.float32):
+        return _fallback("an unexpected m4v4 state layout") or None
+    return _launch_mod.m4v4_row_stats([(grad, state, beta1)], codebook)[0]
+
+
+def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]], rows=None) -> list | None:
     """``functional.m4v4_partials`` of every ``(grad, state, beta2)`` in two launches (phase 1 of a
-    whole group), or None when any of them must take the eager path."""
+    whole group), or None when any of them must take the eager path. ``rows``: each item's given
+    ``(row_sum, row_len)`` or None (``gefen.triton.launch.m4v4_partials``)."""
     if not items:
         return None
     grads = [g for g, _, _ in items]
@@ -188,7 +214,7 @@ def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None
     if not _decide(grads, v_rows) or any(g.dim() < 2 or v.shape != g.shape[:1] or v.dtype != torch.float32
                                          for g, v in zip(grads, v_rows)):
         return None
-    return _launch_mod.m4v4_partials(items)
+    return _launch_mod.m4v4_partials(items, rows)
 
 
 def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0) -> bool:
@@ -243,26 +269,41 @@ def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
     return _launch_mod.m8_partials(items)
 
 
-def momentum_(state, grad, beta, codebook) -> torch.Tensor | None:
-    """``functional.update_momentum_`` (GefenMuon, Gefen m8) through the kernels, or None."""
-    out = momenta_([(state, grad, beta)], codebook)
+def momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor | None:
+    """``functional.update_momentum_`` (GefenMuon, Gefen m8) through the kernels, or None.
+    ``scales``: the blocks' scales given (``store_momentum_``'s: a column split's, reduced over tp)."""
+    out = momenta_([(state, grad, beta)], codebook, None if scales is None else [scales])
     return None if out is None else out[0]
 
 
-def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list | None:
+def momentum_scales(state, grad, beta, codebook) -> torch.Tensor | None:
+    """The block scales ``update_momentum_`` would choose, through the kernels (nothing else
+    written), or None."""
+    out = momenta_([(state, grad, beta)], codebook, scales_only=True)
+    return None if out is None else out[0]
+
+
+def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor, scales=None, *,
+             scales_only: bool = False) -> list | None:
     """``functional.update_momentum_`` of every ``(state, grad, beta)`` in one launch per class,
-    or None (nothing touched) when any of them must take the eager path."""
+    or None (nothing touched) when any of them must take the eager path (``scales``,
+    ``scales_only``: as ``gefen.triton.launch.momentum_``'s)."""
     if not items:
         return None
     grads = [g for _, g, _ in items]
-    codes, scales = [s["m_code"] for s, _, _ in items], [s["m_scale"] for s, _, _ in items]
-    if not _decide(grads, codes + scales + [codebook], "momentum"):
+    codes, m_scales = [s["m_code"] for s, _, _ in items], [s["m_scale"] for s, _, _ in items]
+    given = [s for s in scales or [] if s is not None]
+    if not _decide(grads, codes + m_scales + [codebook] + given, "momentum"):
         return None
     if (codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256
             or any(c.dtype != torch.uint8 or s.dtype != torch.float32 or c.shape != g.shape
-                   for c, s, g in zip(codes, scales, grads))):
+                   for c, s, g in zip(codes, m_scales, grads))
+            or any(s.dtype != torch.float32 or s.numel() != m.numel() for s, m in zip(scales or [], m_scales)
+                   if s is not None)):
         return _fallback("an unexpected compressed-momentum layout") or None
-    return _launch_mod.momentum_(items, codebook)
+    if scales_only:
+        return _launch_mod.momentum_(items, codebook, scales_only=True)
+    return _launch_mod.momentum_(items, codebook, *([scales] if scales else []))
 
 
 def round_param_(param, work, *, step: int, salt: int, row0: int = 0, col0: int = 0, row_len=None) -> bool:
@@ -273,3 +314,17 @@ def round_param_(param, work, *, step: int, salt: int, row0: int = 0, col0: int 
         return False
     _submit((param, work, step, salt, row0, col0, row_len), (), "round_params_")
     return True
+
+
+
+def block_histogram(blocks, num_bins: int, scale=None) -> torch.Tensor | None:
+    """``codebook.histogram_normalised_blocks`` (``scale``: one per block, a column split's whole
+    rows' max-abs) through the kernel, or None."""
+    if blocks.dim() < 1 or not blocks.numel() or num_bins < 1:
+        return None
+    given = [] if scale is None else [scale]
+    if not _decide([blocks], given, "histogram"):
+        return None
+    if scale is not None and scale.numel() != blocks.numel() // blocks.shape[-1]:
+        return _fallback("an unexpected histogram scale layout") or None
+    return _launch_mod.block_histogram(blocks, num_bins, scale)

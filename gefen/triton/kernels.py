@@ -121,9 +121,12 @@ def _encode_v(x, table, u):
 S_B1, S_OMB1, S_B2, S_OMB2, S_BIAS1, S_BIAS2, S_EPS, S_NEG_LR, S_DECAY, S_MEAN_NEW, S_MEAN_OLD = map(tl.constexpr, range(11))
 N_SCALARS = tl.constexpr(11)
 # int columns (int64): local rows (m8: blocks), row length C, global row of local row 0, hash bases,
-# weight decay flag, global rows (>= 1 for m4v4), global row length, m8's block length and blocks per row
-I_ROWS, I_C, I_ROW0, I_BASE_M, I_BASE_V, I_HAS_WD, I_GROWS, I_ROW_LEN, I_P, I_BPR = map(tl.constexpr, range(10))
-N_INTS = tl.constexpr(10)
+# weight decay flag, global rows (>= 1 for m4v4), global row length, m8's block length and blocks per row,
+# global column of local column 0 and whether the rows' statistics are given (a column split's, reduced
+# over tensor parallelism: m4v4's row max |m| in phase 2, its row sums of g^2 in phase 1)
+I_ROWS, I_C, I_ROW0, I_BASE_M, I_BASE_V, I_HAS_WD, I_GROWS, I_ROW_LEN, I_P, I_BPR, I_COL0, I_GIVEN = map(
+    tl.constexpr, range(12))
+N_INTS = tl.constexpr(12)
 
 
 @triton.jit
@@ -190,36 +193,45 @@ def _store_codes(m, s, off, mask, codes_p, cb, thr, K, LOG2K: tl.constexpr):
 def momentum_kernel(progs, ptrs, sizes, weights, cb, thr, K, LOG2K: tl.constexpr, BR: tl.constexpr,
                     BC: tl.constexpr, SINGLE: tl.constexpr, GRAD_T: tl.constexpr):
     """``functional.update_momentum_`` for a table of parameters viewed as ``[blocks, P]``:
-    ptrs = (grad, codes, scales, out), sizes = (blocks, P), weights = fp32 lerp weight."""
+    ptrs = (grad, codes, scales, out, aux), sizes = (blocks, P, mode), weights = fp32 lerp weight.
+    mode 0: the blocks' own max-abs scales; 1: the scales given in aux (a column split's rows',
+    reduced over tensor parallelism); 2: only the blocks' scales, into aux (nothing else written)."""
     pidx, r0 = _program(progs)
-    grad_p = _ptr(ptrs, 0, 4, pidx, GRAD_T)
-    codes_p = _ptr(ptrs, 1, 4, pidx, tl.uint8)
-    scales_p = _ptr(ptrs, 2, 4, pidx, tl.float32)
-    out_p = _ptr(ptrs, 3, 4, pidx, tl.float32)
-    nb = tl.load(sizes + 2 * pidx)
-    P = tl.load(sizes + 2 * pidx + 1)
+    grad_p = _ptr(ptrs, 0, 5, pidx, GRAD_T)
+    codes_p = _ptr(ptrs, 1, 5, pidx, tl.uint8)
+    scales_p = _ptr(ptrs, 2, 5, pidx, tl.float32)
+    out_p = _ptr(ptrs, 3, 5, pidx, tl.float32)
+    aux_p = _ptr(ptrs, 4, 5, pidx, tl.float32)
+    nb = tl.load(sizes + 3 * pidx)
+    P = tl.load(sizes + 3 * pidx + 1)
     w = tl.load(weights + pidx)
     small = w < 0.5
     rows = r0 + tl.arange(0, BR).to(tl.int64)
+    mode = tl.load(sizes + 3 * pidx + 2) + rows * 0  # per row, as a mask must be
     rmask = rows < nb
+    wmask = rmask & (mode != 2)  # what a scales-only launch leaves alone
     cols = tl.arange(0, BC).to(tl.int64)
     scale = tl.load(scales_p + rows, mask=rmask, other=0.0)
+    given = tl.load(aux_p + rows, mask=rmask & (mode == 1), other=0.0)
     if SINGLE:
         off, mask = _tile(rows, rmask, cols, P)
         m, _ = _momentum_and_grad(grad_p, codes_p, cb, off, mask, scale, w, small)
-        s = _abs_max(m, mask)
-        tl.store(out_p + off, _store_codes(m, s, off, mask, codes_p, cb, thr, K, LOG2K), mask=mask)
+        s = tl.where(mode == 1, given, _abs_max(m, mask))
+        _, wm = _tile(rows, wmask, cols, P)
+        tl.store(out_p + off, _store_codes(m, s, off, wm, codes_p, cb, thr, K, LOG2K), mask=wm)
     else:
         s = tl.zeros([BR], dtype=tl.float32)
         for c0 in range(0, P, BC):
             off, mask = _tile(rows, rmask, c0 + cols, P)
             m, _ = _momentum_and_grad(grad_p, codes_p, cb, off, mask, scale, w, small)
             s = tl.maximum(s, _abs_max(m, mask))
+        s = tl.where(mode == 1, given, s)
         for c0 in range(0, P, BC):
-            off, mask = _tile(rows, rmask, c0 + cols, P)
+            off, mask = _tile(rows, wmask, c0 + cols, P)
             m, _ = _momentum_and_grad(grad_p, codes_p, cb, off, mask, scale, w, small)
             tl.store(out_p + off, _store_codes(m, s, off, mask, codes_p, cb, thr, K, LOG2K), mask=mask)
-    tl.store(scales_p + rows, s, mask=rmask)
+    tl.store(scales_p + rows, s, mask=wmask)
+    tl.store(aux_p + rows, s, mask=rmask & (mode == 2))
 
 
 # ----- factored matrices before phase 2 (both layouts) ---------------------------------------
@@ -276,7 +288,7 @@ def _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, c, off, m
     b2 = tl.load(sb + S_B2)
     omb2 = tl.load(sb + S_OMB2)
     C = tl.load(ib + I_C)
-    gidx = (tl.load(ib + I_ROW0) + rows)[:, None] * tl.load(ib + I_ROW_LEN) + c[None, :]
+    gidx = (tl.load(ib + I_ROW0) + rows)[:, None] * tl.load(ib + I_ROW_LEN) + (tl.load(ib + I_COL0) + c)[None, :]
     # second moment: decode against the old factored estimate, EMA, code against the new one
     cmask = c < C
     vhat_new = a_new[:, None] * tl.load(v_new_p + c, mask=cmask, other=0.0)[None, :]
@@ -297,17 +309,19 @@ def _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, c, off, m
 @triton.jit
 def m4v4_kernel(progs, ptrs, ints, scal, cb, R, BR: tl.constexpr, BC: tl.constexpr, SINGLE: tl.constexpr,
                 PARAM_T: tl.constexpr, GRAD_T: tl.constexpr):
-    """Phase 2 of an m4v4 step for a table of matrices (rank-local rows, whole rows).
-    ptrs = (param, grad, mv_code, m_row_scale, v_row, v_row_new, v_col, v_col_new)."""
+    """Phase 2 of an m4v4 step for a table of matrices (rank-local rows; a column split's shard
+    with ints[I_COL0] and, ints[I_GIVEN] set, its whole rows' max |m| in row_max).
+    ptrs = (param, grad, mv_code, m_row_scale, v_row, v_row_new, v_col, v_col_new, row_max)."""
     pidx, r0 = _program(progs)
-    param_p = _ptr(ptrs, 0, 8, pidx, PARAM_T)
-    grad_p = _ptr(ptrs, 1, 8, pidx, GRAD_T)
-    mv_p = _ptr(ptrs, 2, 8, pidx, tl.uint8)
-    ms_p = _ptr(ptrs, 3, 8, pidx, tl.bfloat16)
-    v_row_p = _ptr(ptrs, 4, 8, pidx, tl.float32)
-    v_row_new_p = _ptr(ptrs, 5, 8, pidx, tl.float32)
-    v_col_p = _ptr(ptrs, 6, 8, pidx, tl.float32)
-    v_new_p = _ptr(ptrs, 7, 8, pidx, tl.float32)
+    param_p = _ptr(ptrs, 0, 9, pidx, PARAM_T)
+    grad_p = _ptr(ptrs, 1, 9, pidx, GRAD_T)
+    mv_p = _ptr(ptrs, 2, 9, pidx, tl.uint8)
+    ms_p = _ptr(ptrs, 3, 9, pidx, tl.bfloat16)
+    v_row_p = _ptr(ptrs, 4, 9, pidx, tl.float32)
+    v_row_new_p = _ptr(ptrs, 5, 9, pidx, tl.float32)
+    v_col_p = _ptr(ptrs, 6, 9, pidx, tl.float32)
+    v_new_p = _ptr(ptrs, 7, 9, pidx, tl.float32)
+    row_max_p = _ptr(ptrs, 8, 9, pidx, tl.float32)
     ib = ints + pidx * N_INTS
     sb = scal + pidx * N_SCALARS
     C = tl.load(ib + I_C)
@@ -320,10 +334,12 @@ def m4v4_kernel(progs, ptrs, ints, scal, cb, R, BR: tl.constexpr, BC: tl.constex
     v_row_new = tl.load(v_row_new_p + rows, mask=rmask, other=0.0)
     a_new = tl.div_rn(v_row_new, tl.load(sb + S_MEAN_NEW))
     a_old = tl.div_rn(tl.load(v_row_p + rows, mask=rmask, other=0.0), tl.load(sb + S_MEAN_OLD))
+    given = (tl.load(ib + I_GIVEN) + rows * 0) != 0  # per row, as a mask must be
+    row_max = tl.load(row_max_p + rows, mask=rmask & given, other=0.0)
     if SINGLE:
         off, mask = _tile(rows, rmask, cols, C)
         m, g, mv = _m4v4_first(grad_p, mv_p, cb, off, mask, s_old, b1, omb1)
-        s_bf = _to_bf16(_abs_max(m, mask))
+        s_bf = _to_bf16(tl.where(given, row_max, _abs_max(m, mask)))
         _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, cols, off, mask, s_bf.to(tl.float32),
                    a_new, a_old, ib, sb, PARAM_T)
     else:
@@ -332,7 +348,7 @@ def m4v4_kernel(progs, ptrs, ints, scal, cb, R, BR: tl.constexpr, BC: tl.constex
             off, mask = _tile(rows, rmask, c0 + cols, C)
             m, _, _ = _m4v4_first(grad_p, mv_p, cb, off, mask, s_old, b1, omb1)
             s = tl.maximum(s, _abs_max(m, mask))
-        s_bf = _to_bf16(s)
+        s_bf = _to_bf16(tl.where(given, row_max, s))
         for c0 in range(0, C, BC):
             c = c0 + cols
             off, mask = _tile(rows, rmask, c, C)
@@ -376,14 +392,16 @@ def partials_kernel(progs, ptrs, ints, betas, BR: tl.constexpr, BC: tl.constexpr
     (complete: it owns the rows), the new ``v_row = v_row * b2 + mean(g^2) * (1 - b2)``, and its
     rows' share of every column sum and of the new and old ``v_row`` sums, written to its row of a
     scratch ``[row tiles, C + 2]`` float64 buffer (summed by ``column_sum_kernel``). m4v4's mean
-    is the float64 sum / C rounded once; m8's (``functional.second_moment_partials``) is an fp32
-    sum divided by C, as torch's ``mean``, and its last slot is 0.
-    ptrs = (grad, v_row, v_row_new, scratch); ints[I_ROWS], ints[I_C]; betas = (b2, 1 - b2) fp32."""
+    is the float64 sum / C rounded once (a column split: the whole rows' sums given in row_sum,
+    ints[I_GIVEN] set, over their length ints[I_ROW_LEN]); m8's (``functional.second_moment_partials``)
+    is an fp32 sum divided by C, as torch's ``mean``, and its last slot is 0.
+    ptrs = (grad, v_row, v_row_new, scratch, row_sum); ints[I_ROWS], ints[I_C]; betas = (b2, 1 - b2) fp32."""
     pidx, r0 = _program(progs)
-    grad_p = _ptr(ptrs, 0, 4, pidx, GRAD_T)
-    v_row_p = _ptr(ptrs, 1, 4, pidx, tl.float32)
-    v_new_p = _ptr(ptrs, 2, 4, pidx, tl.float32)
-    scratch = _ptr(ptrs, 3, 4, pidx, tl.float64)
+    grad_p = _ptr(ptrs, 0, 5, pidx, GRAD_T)
+    v_row_p = _ptr(ptrs, 1, 5, pidx, tl.float32)
+    v_new_p = _ptr(ptrs, 2, 5, pidx, tl.float32)
+    scratch = _ptr(ptrs, 3, 5, pidx, tl.float64)
+    row_sum_p = _ptr(ptrs, 4, 5, pidx, tl.float64)
     C = tl.load(ints + pidx * N_INTS + I_C)
     out = scratch + (r0 // BR) * (C + 2)
     rows = r0 + tl.arange(0, BR).to(tl.int64)
@@ -401,7 +419,10 @@ def partials_kernel(progs, ptrs, ints, betas, BR: tl.constexpr, BC: tl.constexpr
     if M8:
         mean = tl.div_rn(row_sum.to(tl.float32), C.to(tl.float32))
     else:
-        mean = (row_sum / tl.maximum(C, 1).to(tl.float64)).to(tl.float32)
+        given = (tl.load(ints + pidx * N_INTS + I_GIVEN) + rows * 0) != 0  # per row, as a mask must be
+        row_sum = tl.where(given, tl.load(row_sum_p + rows, mask=rmask & given, other=0.0), row_sum)
+        row_len = tl.where(given, tl.load(ints + pidx * N_INTS + I_ROW_LEN), C)
+        mean = (row_sum / tl.maximum(row_len, 1).to(tl.float64)).to(tl.float32)
     v_new = v_old * tl.load(betas + 2 * pidx) + mean * tl.load(betas + 2 * pidx + 1)
     tl.store(v_new_p + rows, v_new, mask=rmask)
     tl.store(out + C, tl.sum(tl.where(rmask, v_new, 0.0).to(tl.float64), axis=0))
@@ -409,6 +430,36 @@ def partials_kernel(progs, ptrs, ints, betas, BR: tl.constexpr, BC: tl.constexpr
         tl.store(out + C + 1, 0.0)
     else:
         tl.store(out + C + 1, tl.sum(tl.where(rmask, v_old, 0.0).to(tl.float64), axis=0))
+
+
+@triton.jit
+def row_stats_kernel(progs, ptrs, ints, scal, cb, BR: tl.constexpr, BC: tl.constexpr, GRAD_T: tl.constexpr):
+    """Phase 0 of an m4v4 shard whose columns tensor parallelism splits: each local row's float64
+    sum of g^2 and max |m| of the new first moment (``functional.row_square_sums``,
+    ``row_abs_max(m4v4_momentum)``), reduced over tp before phases 1 and 2; nothing else written.
+    ptrs = (grad, mv_code, m_row_scale, row_sum (f64 out), row_max (fp32 out))."""
+    pidx, r0 = _program(progs)
+    grad_p = _ptr(ptrs, 0, 5, pidx, GRAD_T)
+    mv_p = _ptr(ptrs, 1, 5, pidx, tl.uint8)
+    ms_p = _ptr(ptrs, 2, 5, pidx, tl.bfloat16)
+    sum_p = _ptr(ptrs, 3, 5, pidx, tl.float64)
+    max_p = _ptr(ptrs, 4, 5, pidx, tl.float32)
+    ib = ints + pidx * N_INTS
+    sb = scal + pidx * N_SCALARS
+    C = tl.load(ib + I_C)
+    rows = r0 + tl.arange(0, BR).to(tl.int64)
+    rmask = rows < tl.load(ib + I_ROWS)
+    cols = tl.arange(0, BC).to(tl.int64)
+    s_old = tl.load(ms_p + rows, mask=rmask, other=0.0).to(tl.float32)
+    most = tl.zeros([BR], dtype=tl.float32)
+    total = tl.zeros([BR], dtype=tl.float64)
+    for c0 in range(0, C, BC):
+        off, mask = _tile(rows, rmask, c0 + cols, C)
+        m, g, _ = _m4v4_first(grad_p, mv_p, cb, off, mask, s_old, tl.load(sb + S_B1), tl.load(sb + S_OMB1))
+        most = tl.maximum(most, _abs_max(m, mask))
+        total += tl.sum((g * g).to(tl.float64), axis=1)
+    tl.store(sum_p + rows, total, mask=rmask)
+    tl.store(max_p + rows, most, mask=rmask)
 
 
 @triton.jit
@@ -525,3 +576,41 @@ def round_bf16_kernel(progs, ptrs, ints, BLOCK: tl.constexpr):
     gidx = (tl.load(ib + 2) + off // C) * tl.load(ib + 3) + tl.load(ib + 4) + off % C
     x = tl.load(src_p + off, mask=mask, other=0.0)
     tl.store(dst_p + off, _round_bf16(x, _hash_bits(gidx, tl.load(ib + 5).to(tl.uint32))), mask=mask)
+
+
+# ----- the first step: the codebook histogram -------------------------------------------------
+@triton.jit
+def histogram_kernel(progs, x_p, scale_p, counts_p, nblocks, P, bins, GIVEN: tl.constexpr, NB: tl.constexpr,
+                     BR: tl.constexpr, BC: tl.constexpr):
+    """``codebook.histogram_normalised_blocks`` of ``[nblocks, P]`` (``x_p``), ``BR`` blocks per
+    program, added to int64 ``counts`` (``bins`` <= ``NB``, a power of two): each value divided by
+    its block's max-abs (``GIVEN``: by ``scale_p``'s, a column split's whole rows'), an all-zero
+    block by 1, then bin ``clamp(trunc((x + 1) / 2 * bins), 0, bins - 1)``, NaN in bin 0 (a block
+    holding a NaN has a NaN max-abs: all of it)."""
+    _, r0 = _program(progs)
+    rows = r0 + tl.arange(0, BR).to(tl.int64)
+    rmask = rows < nblocks
+    cols = tl.arange(0, BC).to(tl.int64)
+    if GIVEN:
+        s = tl.load(scale_p + rows, mask=rmask, other=1.0)
+    else:
+        s = tl.zeros([BR], dtype=tl.float32)
+        bad = tl.zeros([BR], dtype=tl.int32)
+        for c0 in range(0, P, BC):
+            off, mask = _tile(rows, rmask, c0 + cols, P)
+            x = tl.load(x_p + off, mask=mask, other=0.0).to(tl.float32)
+            s = tl.maximum(s, _abs_max(x, mask))
+            bad = tl.maximum(bad, tl.max((x != x).to(tl.int32), axis=1))
+        s = tl.where(bad > 0, tl.full([BR], float("nan"), tl.float32), s)
+    s = tl.where(s == 0.0, 1.0, s)
+    fbins = bins.to(tl.float32)
+    hist = tl.zeros([NB], dtype=tl.int32)
+    for c0 in range(0, P, BC):
+        off, mask = _tile(rows, rmask, c0 + cols, P)
+        x = tl.load(x_p + off, mask=mask, other=0.0).to(tl.float32)
+        t = tl.div_rn(tl.div_rn(x, s[:, None]) + 1.0, 2.0) * fbins
+        idx = tl.minimum(tl.maximum(t, 0.0), fbins - 1.0).to(tl.int32)  # t >= 0 truncates as floor
+        idx = tl.where(t != t, 0, idx)
+        hist += tl.histogram(tl.reshape(idx, [BR * BC]), NB, mask=tl.reshape(mask, [BR * BC]))
+    b = tl.arange(0, NB)
+    tl.atomic_add(counts_p + b, hist.to(tl.int64), mask=b < bins)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from gefen.codebook import code_thresholds
+from gefen.functional import _local_period
 from gefen.stochastic import hash_base
 from gefen.triton import kernels  # refuses to load without Triton
 from gefen.triton.backend import triton
@@ -120,22 +121,32 @@ def codebook_tables(codebook: torch.Tensor) -> _Codebook:
     return book
 
 
-def momentum_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list[torch.Tensor]:
+def momentum_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor,
+              scales: list[torch.Tensor | None] | None = None, *, scales_only: bool = False) -> list[torch.Tensor]:
     """``functional.update_momentum_`` for every ``(state, grad, beta)`` in ``items``: codes and
-    scales updated in place; returns each re-quantised fp32 momentum (one launch per class)."""
+    scales updated in place; returns each re-quantised fp32 momentum (one launch per class).
+    ``scales[i]``: item i's block scales given (``store_momentum_``'s); ``scales_only``: return
+    each item's block scales instead, touching nothing (a column split reduces them over tp)."""
     book = codebook_tables(codebook)
-    outs = [torch.empty(g.shape, dtype=torch.float32, device=g.device) for _, g, _ in items]
-    classes = _classes((g.dtype, _geometry(int(s["period"]))) if g.numel() else None for s, g, _ in items)
+    scales = scales or [None] * len(items)
+    if scales_only:
+        outs = [torch.empty(tuple(s["m_scale"].shape), dtype=torch.float32, device=g.device) for s, g, _ in items]
+    else:
+        outs = [torch.empty(g.shape, dtype=torch.float32, device=g.device) for _, g, _ in items]
+    classes = _classes((g.dtype, _geometry(_local_period(s))) if g.numel() else None for s, g, _ in items)
     for (gdt, (br, bc, single)), idx in classes.items():
         sizes, ptrs, weights = [], [], []
         for i in idx:
             state, grad, beta = items[i]
-            P = int(state["period"])
-            sizes.append((grad.numel() // P, P))
-            ptrs.append([grad, state["m_code"], state["m_scale"], outs[i]])
+            P = _local_period(state)
+            mode = 2 if scales_only else int(scales[i] is not None)
+            sizes.append((grad.numel() // P, P, mode))
+            out = outs[i] if not scales_only else state["m_scale"]  # (not written: mode 2 masks it)
+            aux = outs[i] if scales_only else (scales[i] if scales[i] is not None else state["m_scale"])
+            ptrs.append([grad, state["m_code"], state["m_scale"], out, aux])
             weights.append(1 - beta)
         device = items[idx[0]][1].device
-        progs = _programs([nb for nb, _ in sizes], br, device)
+        progs = _programs([nb for nb, _, _ in sizes], br, device)
         ptr_t, size_t, w_t = _to(device, _ptr_table(ptrs), torch.tensor(sizes, dtype=torch.int64),
                                  torch.tensor(weights, dtype=torch.float32))
         _launch(kernels.momentum_kernel, progs, ptr_t, size_t, w_t, book.values, book.thr, book.K, LOG2K=book.log2k,
@@ -161,6 +172,8 @@ class Item:
     row_len: int | None = None  # global row length (default: the local one)
     v_row: torch.Tensor | None = None
     partials: torch.Tensor | None = None
+    col0: int = 0  # global column of local column 0 (a column split)
+    row_max: torch.Tensor | None = None  # a column split's whole rows' max |m| (fp32), reduced over tp
 
 
 def _row(n, *pairs) -> list:
@@ -185,7 +198,8 @@ def _ints(it: Item, rows: int, C: int) -> list[int]:
     return _row(
         k.N_INTS, (k.I_ROWS, rows), (k.I_C, C), (k.I_ROW0, it.row0), (k.I_BASE_M, hash_base(it.step, it.salt_m)),
         (k.I_BASE_V, hash_base(it.step, (it.salt_m + 1) & 0xFFFFFFFF)), (k.I_HAS_WD, int(bool(it.h.weight_decay))),
-        (k.I_GROWS, max(it.global_rows, 1)), (k.I_ROW_LEN, C if it.row_len is None else it.row_len))
+        (k.I_GROWS, max(it.global_rows, 1)), (k.I_ROW_LEN, C if it.row_len is None else it.row_len),
+        (k.I_COL0, it.col0), (k.I_GIVEN, int(it.row_max is not None)))
 
 
 def m4v4_update_(items: list[Item], codebook: torch.Tensor, ratios: torch.Tensor) -> None:
@@ -221,8 +235,8 @@ def _m4v4_matrices(items: list[Item], codebook, ratios) -> None:
         sel = torch.tensor(idx, dtype=torch.int64)
         progs = _programs([shapes[i][0] for i in idx], br, device)
         ptrs = _ptr_table([[items[i].param, items[i].grad, items[i].state["mv_code"], items[i].state["m_row_scale"],
-                            items[i].state["v_row"], items[i].v_row, items[i].state["v_col"], v_new_views[i]]
-                           for i in idx])
+                            items[i].state["v_row"], items[i].v_row, items[i].state["v_col"], v_new_views[i],
+                            items[i].v_row if items[i].row_max is None else items[i].row_max] for i in idx])
         ptrs, sel = _to(device, ptrs, sel)
         _launch(kernels.m4v4_kernel, progs, ptrs, ints.index_select(0, sel), scal.index_select(0, sel), cb, R,
                 BR=br, BC=bc, SINGLE=single, PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt])
@@ -248,14 +262,39 @@ def _adamw_vectors(items: list[Item]) -> None:
 PARTIALS_BR = 32
 
 
-def m4v4_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def m4v4_partials(items: list[tuple[torch.Tensor, dict, float]],
+                  rows: list[tuple[torch.Tensor, int] | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``functional.m4v4_partials`` for every ``(grad, state, beta2)``: the new ``v_row`` and the
     float64 partials ``[column sums of g^2, sum of the new v_row, sum of the old v_row]`` of each
-    matrix, in two launches per gradient dtype (rows, then the columns' fixed-order sums)."""
-    return _partials(items, m8=False)
+    matrix, in two launches per gradient dtype (rows, then the columns' fixed-order sums).
+    ``rows[i]``: item i's ``(row_sum, row_len)`` given (a column split's whole rows)."""
+    return _partials(items, m8=False, given=rows)
 
 
-def _partials(items, *, m8: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def m4v4_row_stats(items: list[tuple[torch.Tensor, dict, float]],
+                   codebook: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each ``(grad, state, beta1)``'s per-row float64 sums of g^2 and max |m| of the new first
+    moment (``row_stats_kernel``, one launch per gradient dtype); nothing else written."""
+    device = items[0][0].device
+    shapes = [(g.shape[0], math.prod(g.shape[1:])) for g, _, _ in items]
+    outs = [(torch.empty(r, dtype=torch.float64, device=device), torch.empty(r, dtype=torch.float32, device=device))
+            for r, _ in shapes]
+    br, k = 4, kernels
+    ints = torch.tensor([_row(k.N_INTS, (k.I_ROWS, r), (k.I_C, C)) for r, C in shapes], dtype=torch.int64)
+    scal = torch.tensor([_row(k.N_SCALARS, (k.S_B1, b1), (k.S_OMB1, 1 - b1)) for _, _, b1 in items],
+                        dtype=torch.float32)
+    for gdt, idx in _classes(g.dtype if g.numel() else None for g, _, _ in items).items():
+        sel = torch.tensor(idx, dtype=torch.int64)
+        progs = _programs([shapes[i][0] for i in idx], br, device)
+        ptrs = _ptr_table([[items[i][0], items[i][1]["mv_code"], items[i][1]["m_row_scale"], *outs[i]] for i in idx])
+        ptrs, ints_c, scal_c = _to(device, ptrs, ints[sel], scal[sel])
+        bc = max(16, min(triton.next_power_of_2(max(shapes[i][1] for i in idx)), 1024))
+        _launch(kernels.row_stats_kernel, progs, ptrs, ints_c, scal_c, codebook.contiguous(), BR=br, BC=bc,
+                GRAD_T=_TRITON_DT[gdt])
+    return outs
+
+
+def _partials(items, *, m8: bool, given=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Phase 1 of either layout: ``partials_kernel`` writes each row tile's share of the ``C + 2`` float64
     partials to a scratch buffer that ``column_sum_kernel`` sums in a fixed order."""
     device = items[0][0].device
@@ -267,13 +306,17 @@ def _partials(items, *, m8: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     parts = torch.empty(sum(C + 2 for _, C in shapes), dtype=torch.float64, device=device)
     part_views = list(parts.split([C + 2 for _, C in shapes]))
     v_rows = [torch.empty(r, dtype=torch.float32, device=device) for r, _ in shapes]
-    ints = torch.tensor([_row(kernels.N_INTS, (kernels.I_ROWS, r), (kernels.I_C, C)) for r, C in shapes],
+    given = given or [None] * len(items)
+    k = kernels
+    ints = torch.tensor([_row(k.N_INTS, (k.I_ROWS, r), (k.I_C, C), (k.I_GIVEN, int(rl is not None)),
+                              (k.I_ROW_LEN, C if rl is None else rl[1])) for (r, C), rl in zip(shapes, given)],
                         dtype=torch.int64)
     betas = torch.tensor([(b2, 1 - b2) for _, _, b2 in items], dtype=torch.float32)
     for gdt, idx in _classes(g.dtype for g, _, _ in items).items():
         sel = torch.tensor(idx, dtype=torch.int64)
         progs = _programs([shapes[i][0] for i in idx], br, device)
-        ptrs = _ptr_table([[items[i][0], items[i][1]["v_row"], v_rows[i], scratch_views[i]] for i in idx])
+        ptrs = _ptr_table([[items[i][0], items[i][1]["v_row"], v_rows[i], scratch_views[i],
+                            scratch_views[i] if given[i] is None else given[i][0]] for i in idx])
         ptrs, ints_c, betas_c = _to(device, ptrs, ints[sel], betas[sel])
         bc = max(16, min(triton.next_power_of_2(max(shapes[i][1] for i in idx)), 4096 // br))
         _launch(kernels.partials_kernel, progs, ptrs, ints_c, betas_c, BR=br, BC=bc, GRAD_T=_TRITON_DT[gdt], M8=m8)
@@ -357,3 +400,20 @@ def round_params_(items: list[tuple]) -> None:
     progs = _programs([it[0].numel() for it in items], ROUND_BLOCK, device)
     ptrs, ints = _to(device, _ptr_table([[it[0], it[1]] for it in items]), torch.tensor(ints, dtype=torch.int64))
     _launch(kernels.round_bf16_kernel, progs, ptrs, ints, BLOCK=ROUND_BLOCK)
+
+
+# ----- the first step: the codebook histogram -------------------------------------------------
+def block_histogram(blocks: torch.Tensor, num_bins: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``codebook.histogram_normalised_blocks`` of ``blocks`` ``[..., P]`` (``scale``: one fp32 per
+    block given), int64 ``[num_bins]`` on the blocks' device, in one launch."""
+    P = blocks.shape[-1]
+    flat = blocks.reshape(-1, P)
+    counts = torch.zeros(num_bins, dtype=torch.int64, device=blocks.device)
+    bc = max(16, min(triton.next_power_of_2(P), 1024))
+    br = max(1, 2048 // bc)
+    progs = _programs([flat.shape[0]], br, blocks.device)
+    given = scale is not None
+    scale = scale.reshape(-1).float().contiguous() if given else counts.new_empty(0, dtype=torch.float32)
+    _launch(kernels.histogram_kernel, progs, flat, scale, counts, flat.shape[0], P, num_bins, GIVEN=given,
+            NB=triton.next_power_of_2(num_bins), BR=br, BC=bc)
+    return counts

@@ -27,10 +27,11 @@ M8_APPROX = ("v", "v_row")
 
 
 def run(launch, device: torch.device, family: str) -> str | None:
-    """None when the ``family`` kernels (``"m4v4"``, ``"m8"``, ``"momentum"`` or ``"round"``) reproduce the reference
-    on ``device``, else what differs."""
+    """None when the ``family`` kernels (``"m4v4"``, ``"m8"``, ``"momentum"``, ``"round"`` or
+    ``"histogram"``) reproduce the reference on ``device``, else what differs."""
     gen = torch.Generator().manual_seed(0)
-    return {"momentum": _momentum, "m8": _m8, "round": _round}.get(family, _m4v4)(launch, device, gen)
+    return {"momentum": _momentum, "m8": _m8, "round": _round, "histogram": _histogram}.get(family, _m4v4)(
+        launch, device, gen)
 
 
 def _grad(gen, shape, dtype, device):
@@ -184,4 +185,21 @@ def _round(launch, device, gen) -> str | None:
         nan = ref.isnan()  # NaN stays NaN (torch's own bf16 cast picks one of two NaN patterns)
         if not (torch.equal(nan, got.isnan()) and torch.equal(ref.view(torch.int16)[~nan], got.view(torch.int16)[~nan])):
             return f"the stochastic bf16 write-back differs from the eager step (shape {shape})"
+    return None
+
+
+def _histogram(launch, device, gen) -> str | None:
+    """The first step's histogram: blocks of one tile and of several, bf16, an all-zero block, and
+    blocks normalised by given scales (a column split's whole rows')."""
+    from gefen.codebook import histogram_normalised_blocks
+
+    for shape, dtype in (((5, 8, 16), torch.float32), ((3, 2500), torch.bfloat16)):
+        x = _grad(gen, shape, dtype, device)
+        if not torch.equal(launch.block_histogram(x, 4096), histogram_normalised_blocks(x, 4096)):
+            return f"the codebook histogram differs from the eager one (shape {shape})"
+        rows = x.reshape(-1, shape[-1])
+        scale = rows.float().abs().amax(1) * 1.5
+        if not torch.equal(launch.block_histogram(rows, 256, scale),
+                           histogram_normalised_blocks(rows.unsqueeze(1), 256, scale=scale)):
+            return f"the codebook histogram with given scales differs from the eager one (shape {shape})"
     return None
