@@ -178,6 +178,31 @@ def all_gather_bytes(payload: bytes, what: str, group=None) -> list[bytes]:
     return [bytes(t[: int(s)].cpu().numpy()) for t, s in zip(out, sizes)]
 
 
+def gather_bytes(payload: bytes, what: str, dst: int = 0) -> list[bytes] | None:
+    """Every rank's ``payload`` on rank ``dst`` (None elsewhere): what a commit needs from each
+    rank, without sending every rank's bytes to every rank (``all_gather_bytes``)."""
+    if not active():
+        return [payload]
+    import torch.distributed as dist
+
+    checkin(what)
+    dev, ws = device(), dist.get_world_size()
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+    longest = size.clone()
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    mine = torch.zeros(int(longest) + 8, dtype=torch.uint8, device=dev)  # 8 bytes: the length
+    mine[:8] = torch.frombuffer(bytearray(len(payload).to_bytes(8, "little")), dtype=torch.uint8)
+    if payload:
+        mine[8:8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    here = dist.get_rank() == dst
+    out = [torch.empty_like(mine) for _ in range(ws)] if here else None
+    dist.gather(mine, out, dst=dst)
+    if not here:
+        return None
+    blobs = [bytes(t.cpu().numpy()) for t in out]
+    return [b[8:8 + int.from_bytes(b[:8], "little")] for b in blobs]
+
+
 def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
     """``payload`` of rank ``src`` on every rank."""
     if not active():

@@ -13,7 +13,6 @@ delete, cannot change or invalidate a tensor already read.
 
 from __future__ import annotations
 
-import bisect
 import mmap
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -109,7 +108,6 @@ class PieceSource:
     def __init__(self, store: Store, tensor: TensorRecord, mapped: MappedFiles | None = None):
         self.store, self.tensor, self.mapped = store, tensor, mapped
         self.shape, self.dtype = tensor.shape, torch_dtype(tensor.dtype)
-        self._starts = [p.rows[0] for p in tensor.pieces]
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         t = self.tensor
@@ -118,12 +116,9 @@ class PieceSource:
         stop = t.rows if stop is None else stop
         if not 0 <= start <= stop <= t.rows:
             raise IndexError(f"{t.label}: rows [{start}, {stop}) are outside [0, {t.rows})")
-        overlapping = []
-        for piece in t.pieces[max(bisect.bisect_right(self._starts, start) - 1, 0):]:
-            lo, hi = max(start, piece.rows[0]), min(stop, piece.rows[1])
-            if lo >= hi:
-                break
-            overlapping.append((piece, lo, hi))
+        overlapping = []  # a 2.0 record reads only the indexes of the writers holding these rows
+        for piece in t.pieces_in(start, stop) if stop > start else ():
+            overlapping.append((piece, max(start, piece.rows[0]), min(stop, piece.rows[1])))
         if self.mapped is not None:
             views = [self.mapped.piece(t, piece)[lo - piece.rows[0]:hi - piece.rows[0]] for piece, lo, hi in overlapping]
             return _joined(views, (stop - start, *t.shape[1:]), self.dtype)
