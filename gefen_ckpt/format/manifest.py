@@ -709,10 +709,10 @@ def build_v2(state: CanonicalState, splits: dict, writers: Sequence, *, layout: 
     def tensor(key, source) -> dict:
         return {"dtype": dtype_name(source.dtype), "shape": list(source.shape), "split": split(key)}
 
-    globals_ = {k: tensor((None, k), s) for k, s in state.global_fields.items()}
+    globals_ = {k: tensor((None, k), state.global_fields[k]) for k in sorted(state.global_fields)}
     params = {fqn: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "child": e.child,
-                    "fields": {name: tensor((fqn, name), s) for name, s in e.fields.items()}}
-              for fqn, e in state.params.items()}
+                    "fields": {name: tensor((fqn, name), e.fields[name]) for name in sorted(e.fields)}}
+              for fqn, e in _params_in_order(state)}
     return {
         "format": FORMAT_NAME,
         "version": [2, 0],
@@ -733,9 +733,18 @@ def build_v2(state: CanonicalState, splits: dict, writers: Sequence, *, layout: 
     }
 
 
+def _params_in_order(state: CanonicalState) -> list:
+    """Parameters in param-group order (then any others in state order): the same on every
+    rank of a job, whatever order each rank's state was filled in."""
+    order = {fqn: i for i, fqn in enumerate(state.fqns())}
+    return sorted(state.params.items(), key=lambda kv: order.get(kv[0], len(order)))
+
+
 def tensor_order(state: CanonicalState) -> dict[tuple[str | None, str], int]:
-    """Each tensor's ordinal in a 2.0 manifest built from ``state`` (``_walk``'s order)."""
-    keys = [(None, k) for k in state.global_fields] + [(fqn, n) for fqn, e in state.params.items() for n in e.fields]
+    """Each tensor's ordinal in a 2.0 manifest built from ``state`` (``build_v2``'s and so
+    ``_walk``'s order: globals by key, parameters in group order, fields by name)."""
+    keys = [(None, k) for k in sorted(state.global_fields)]
+    keys += [(fqn, n) for fqn, e in _params_in_order(state) for n in sorted(e.fields)]
     return {k: i for i, k in enumerate(keys)}
 
 
