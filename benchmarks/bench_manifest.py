@@ -243,7 +243,7 @@ def _synthesize_v2(root: Path, shapes, ranks: int, contract) -> dict:
         (root / name).write_bytes(data)
         data_name = f"data-{TOKEN}-r{rank:05d}-00000.safetensors"
         _sparse(root / data_name, file_bytes)
-        pins.append({"files": [[data_name, file_bytes]], "index": [name, len(data), checksum.update(0, data)]})
+        pins.append([name, len(data), checksum.update(0, data), data_name, file_bytes])
         pieces_total += len(held)
         index_total += len(data)
     rules = [{"kind": "chunk", "parts": 1, "writers": [0]},

@@ -134,7 +134,7 @@ def _save_v2(state, store, token, previous, rank, world_size, url, max_file_byte
             raise error or _failure(f"save to {url} failed on rank(s) {list(failed)} ({kinds}); nothing was changed",
                                     failed)
         manifest = build_v2(state, plan.merged([p["explicit"] for p in everyone], [p["digest"] for p in everyone]),
-                            [WriterPin(tuple(map(tuple, p["files"])), *p["index"]) for p in everyone],
+                            [_pin(p["writer"]) for p in everyone],
                             layout="sharded", world_size=world_size)
         commit(store, manifest, token, previous=previous)  # removes every rank's files if it fails
     except Exception as exc:
@@ -143,11 +143,14 @@ def _save_v2(state, store, token, previous, rank, world_size, url, max_file_byte
     return error
 
 
+def _pin(raw: list) -> WriterPin:
+    return WriterPin(tuple(zip(raw[3::2], raw[4::2])), raw[0], raw[1], raw[2])
+
+
 def commit_payload(pin: WriterPin, plan: OwnSplit) -> dict:
     """What one rank sends the committing rank: its files, its index's pin, a digest of the
     state's structure, and only where no rule describes its rows, those rows: O(1) bytes."""
-    return {"files": [list(f) for f in pin.files], "index": [pin.index, pin.index_bytes, pin.index_checksum],
-            "digest": plan.digest, "explicit": plan.explicit}
+    return {"writer": pin.to_raw(), "digest": plan.digest, "explicit": plan.explicit}
 
 
 class OwnSplit:
@@ -259,7 +262,7 @@ def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_o
     error, state = None, None
     try:
         store = Store(url, storage_options)
-        state = lazy_state(store, open_checkpoint(store), map_files=copies_on_load(optimizer))
+        state = lazy_state(store, open_checkpoint(store, whole=False), map_files=copies_on_load(optimizer))
         check_fits(optimizer, state, model)  # refuse before reading any data
     except Exception as exc:
         error = exc

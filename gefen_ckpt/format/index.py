@@ -17,6 +17,7 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgpack
 
@@ -154,17 +155,18 @@ def parse_split(x, path: str, rows: int, rules: Sequence[Rule], writers: int) ->
 
 
 # ----- records --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class WriterPin:
-    """One writer in the manifest: its data files (name, bytes) and its index (name, bytes, CRC)."""
+class WriterPin(NamedTuple):
+    """One writer in the manifest: its data files (name, bytes) and its index (name, bytes, CRC),
+    stored flat as ``[index, index_bytes, index_checksum, file, bytes, file, bytes, ...]`` (one
+    container per writer: 16,384 writers decode in milliseconds)."""
 
     files: tuple[tuple[str, int], ...]
     index: str
     index_bytes: int
     index_checksum: int
 
-    def to_raw(self) -> dict:
-        return {"files": [list(f) for f in self.files], "index": [self.index, self.index_bytes, self.index_checksum]}
+    def to_raw(self) -> list:
+        return [self.index, self.index_bytes, self.index_checksum, *(v for f in self.files for v in f)]
 
 
 class SplitTensor:
@@ -317,11 +319,12 @@ class IndexSet:
             t = self.tensors[ordinal]
             row_bytes, pieces = t.row_bytes, []
             for p in stored:
-                if not (isinstance(p, list) and len(p) == 5 and all(type(v) is int for v in p)):
+                if type(p) is not list or len(p) != 5:
                     bad(f"{t.label}: malformed piece {p!r}"[:300])
                 start, stop, f, offset, crc = p
-                if not (0 <= start < stop <= t.rows and 0 <= f < len(files) and offset >= 0 and 0 <= crc < 2**32):
-                    bad(f"{t.label}: piece {p!r} is out of range"[:300])
+                if not (type(start) is type(stop) is type(f) is type(offset) is type(crc) is int
+                        and 0 <= start < stop <= t.rows and 0 <= f < len(files) and offset >= 0 and 0 <= crc < 2**32):
+                    bad(f"{t.label}: piece {p!r} is malformed or out of range"[:300])
                 name, size = files[f]
                 nbytes = (stop - start) * row_bytes
                 if offset + nbytes > size:

@@ -664,31 +664,27 @@ def _validate_v2(raw: dict) -> Manifest:
 
 
 def _writers(x) -> list:
+    """The 2.0 ``writers``: ``[index, index_bytes, index_checksum, file, bytes, ...]`` each; every
+    name a plain file name, listed once."""
     from gefen_ckpt.format.index import WriterPin
 
     out, seen = [], set()
-
-    def named(name, path: str) -> str:
-        if not (isinstance(name, str) and _FILE_NAME.fullmatch(name)) or name == MANIFEST_NAME:
-            _fail(path, f"{name!r} is not a plain file name"[:300])
-        if name in seen:
-            _fail(path, f"{name!r} is listed twice")
-        seen.add(name)
-        return name
-
     for i, w in enumerate(_list(x, "writers")):
-        path = f"writers[{i}]"
-        _map(w, path, ("files", "index"))
-        index = _list(w["index"], f"{path}.index")
-        if len(index) != 3:
-            _fail(f"{path}.index", "expected [name, bytes, checksum]")
-        files = []
-        for j, f in enumerate(_list(w["files"], f"{path}.files")):
-            if not (isinstance(f, list) and len(f) == 2):
-                _fail(f"{path}.files[{j}]", "expected [name, bytes]")
-            files.append((named(f[0], f"{path}.files[{j}]"), _int(f[1], f"{path}.files[{j}]")))
-        out.append(WriterPin(tuple(files), named(index[0], f"{path}.index"), _int(index[1], f"{path}.index"),
-                             _int(index[2], f"{path}.index", 0, 2**32 - 1)))
+        if type(w) is not list or len(w) < 3 or len(w) % 2 == 0:
+            _fail(f"writers[{i}]", "expected [index, bytes, checksum, file, bytes, ...]")
+        crc = w[2]
+        sizes = [w[1], *w[4::2]]
+        names = [w[0], *w[3::2]]
+        for k, (name, size) in enumerate(zip(names, sizes)):
+            if type(name) is not str or name in seen or name == MANIFEST_NAME or not _FILE_NAME.fullmatch(name):
+                what = "listed twice" if name in seen else "not a plain file name"
+                _fail(f"writers[{i}]", f"{name!r} is {what}"[:300])
+            if type(size) is not int or not 0 <= size <= _MAX_INT:
+                _fail(f"writers[{i}]", f"size of {name!r} is not a byte count"[:300])
+            seen.add(name)
+        if type(crc) is not int or not 0 <= crc < 2**32:
+            _fail(f"writers[{i}]", "the index checksum is not a uint32")
+        out.append(WriterPin(tuple(zip(names[1:], sizes[1:])), w[0], w[1], crc))
     if not out:
         _fail("writers", "no writers")
     return out
@@ -821,10 +817,8 @@ def _file_names(files, writers) -> set[str]:
     """Every file name a (not yet validated) 1.x ``files`` or 2.0 ``writers`` array lists."""
     names = {f.get("name") for f in files if isinstance(f, dict)} if isinstance(files, list) else set()
     for w in writers if isinstance(writers, list) else ():
-        if isinstance(w, dict):
-            index, listed = w.get("index"), w.get("files")
-            names.add(index[0] if isinstance(index, list) and index else None)
-            names.update(f[0] for f in listed if isinstance(f, list) and f) if isinstance(listed, list) else None
+        if isinstance(w, list) and w:
+            names.update([w[0], *w[3::2]])
     return {n for n in names if isinstance(n, str)}
 
 
@@ -858,9 +852,25 @@ def committed_files(store: Store) -> set[str] | None:
     return _file_names(found.get("files"), found.get("writers"))
 
 
-def open_checkpoint(store: Store) -> Manifest:
-    """The validated manifest, after checking that every data file exists with its recorded size."""
-    listing = store.listing()
-    manifest = parse_manifest(store, read_manifest_bytes(store, listing))
-    check_files(manifest, listing, store.url)
+def open_checkpoint(store: Store, *, whole: bool = True) -> Manifest:
+    """The validated manifest, after checking that every data file exists with its recorded size.
+
+    ``whole=False`` (a reader of some rows: a rank's load, a lazy ``read``): no directory
+    listing, which costs a stat per file of the world's; a 2.0 index is checked against its
+    pinned size and CRC when first read, and a short data file is refused when read
+    (``integrity.check_length``). 1.x manifests are always checked whole."""
+    if whole:
+        listing = store.listing()
+        manifest = parse_manifest(store, read_manifest_bytes(store, listing))
+        check_files(manifest, listing, store.url)
+        return manifest
+    try:
+        data = store.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        data = read_manifest_bytes(store)  # raises naming what is there (or finds it, if it just appeared)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointFormatError(f"{store.url}: {MANIFEST_NAME} is over the {MAX_MANIFEST_BYTES}-byte limit")
+    manifest = parse_manifest(store, data)
+    if manifest.major < 2:
+        check_files(manifest, store.listing(), store.url)
     return manifest
