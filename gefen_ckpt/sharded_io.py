@@ -55,14 +55,17 @@ def _own_items(state: CanonicalState) -> list[WriteItem]:
     return out
 
 
-def save_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, max_file_bytes: int,
-                 memory_budget: int, storage_options: dict | None = None) -> None:
+def save_sharded(optimizer: torch.optim.Optimizer | None, url: str, *, model, max_file_bytes: int,
+                 memory_budget: int, storage_options: dict | None = None, state: CanonicalState | None = None,
+                 group=None) -> None:
     """Rank 0 holds the location's writer lock from before any rank writes until after the
-    commit; a refusal or failure anywhere raises on every rank and removes this save's files."""
+    commit; a refusal or failure anywhere raises on every rank and removes this save's files.
+    ``state``: this rank's exported (e.g. staged) state instead of ``optimizer``'s; ``group``: a
+    process group over every rank for the collectives (an async save's own)."""
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    token = broadcast_bytes(new_token().encode() if rank == 0 else None).decode()
+    token = broadcast_bytes(new_token().encode() if rank == 0 else None, group=group).decode()
     store, lock, previous, error = None, None, None, None
     try:
         store = Store(url, storage_options)
@@ -71,12 +74,15 @@ def save_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, max_file_
     except Exception as exc:
         error = exc
     try:
-        agree(error, f"locking {url}")
-        state = export_canonical(optimizer, model=model)
+        agree(error, f"locking {url}", group)
+        state = export_canonical(optimizer, model=model) if state is None else state
         state.metadata["source_topology"] = {"kind": "sharded", "world_size": world_size}
-        save = _save_v2 if mf.WRITE_VERSION[0] >= 2 else _save_v1
-        error = save(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget)
-        agree(error, f"committing {url}")
+        if mf.WRITE_VERSION[0] >= 2:
+            error = _save_v2(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget,
+                             group)
+        else:
+            error = _save_v1(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget)
+        agree(error, f"committing {url}", group)
     finally:
         if lock is not None:
             lock.release()
@@ -107,7 +113,7 @@ def _save_v1(state, store, token, previous, rank, world_size, url, max_file_byte
     return None
 
 
-def _save_v2(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget):
+def _save_v2(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget, group=None):
     """2.0, rank-local: each rank writes its data and its index and checks the index against the
     split every rank derives alike (``layout.row_split``); rank 0 gathers O(1) bytes per rank
     (``commit_payload``) and commits. Returns this rank's error (None: committed)."""
@@ -123,7 +129,7 @@ def _save_v2(state, store, token, previous, rank, world_size, url, max_file_byte
         error = exc
         discard(store, token, rank)
     payload["error"] = None if error is None else describe_error(error)
-    gathered = gather_bytes(pack(payload), f"save to {url}")
+    gathered = gather_bytes(pack(payload), f"save to {url}", group=group)
     if rank != 0:
         return error
     try:
