@@ -200,7 +200,7 @@ def _synthesize_v2(root: Path, shapes, ranks: int, contract) -> dict:
     from gefen_ckpt.format import manifest as mf
     from gefen_ckpt.format.datafile import build_packed
     from gefen_ckpt.format.dtypes import itemsize
-    from gefen_ckpt.format.index import chunk_rows, encode_index, index_name
+    from gefen_ckpt.format.index import encode_index, index_name
 
     entries = _tensors(shapes, contract)
     header_bytes = len(build_packed([], {"format": mf.FORMAT_NAME, "version": "2.0"})[0]) + 64

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gefen_ckpt.canonical import CanonicalState, nbytes
-from gefen_ckpt.layout import chunk_rows
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,16 @@ import hashlib
 import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
-from gefen_ckpt.collective import _failure, agree, broadcast_bytes, describe_error, exchange, gather_bytes, pack, unpack
+from gefen_ckpt.collective import (
+    _failure,
+    agree,
+    broadcast_bytes,
+    describe_error,
+    exchange,
+    gather_bytes,
+    pack,
+    unpack,
+)
 from gefen_ckpt.errors import CheckpointError
 from gefen_ckpt.exchange import check_fits, copies_on_load, export_canonical, import_canonical
 from gefen_ckpt.format import manifest as mf

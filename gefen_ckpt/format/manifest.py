@@ -675,7 +675,7 @@ def _writers(x) -> list:
         crc = w[2]
         sizes = [w[1], *w[4::2]]
         names = [w[0], *w[3::2]]
-        for k, (name, size) in enumerate(zip(names, sizes)):
+        for name, size in zip(names, sizes):
             if type(name) is not str or name in seen or name == MANIFEST_NAME or not _FILE_NAME.fullmatch(name):
                 what = "listed twice" if name in seen else "not a plain file name"
                 _fail(f"writers[{i}]", f"{name!r} is {what}"[:300])

@@ -26,8 +26,8 @@ import torch
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, TensorSource
 from gefen_ckpt.format import checksum, datafile
 from gefen_ckpt.format import manifest as mf
-from gefen_ckpt.format.index import WriterPin, encode_index, index_entries, index_name
 from gefen_ckpt.format.dtypes import dtype_name, itemsize
+from gefen_ckpt.format.index import WriterPin, encode_index, index_entries, index_name
 from gefen_ckpt.format.manifest import (
     FORMAT_NAME,
     MANIFEST_NAME,

@@ -207,7 +207,7 @@ def test_explicit_parts_that_overlap_or_leave_a_gap(source, sharded, tmp_path, n
     for rows, words in (([[0, 10, 0], [5, 40, 1]], "overlap"), ([[0, 10, 0], [12, 40, 1]], "do not tile")):
         url = str(tmp_path / words.replace(" ", "-"))
         shutil.copytree(sharded, url)
-        _rewrite(url, lambda m: m["params"]["embed.weight"]["fields"]["mv_code"].__setitem__("split", rows))
+        _rewrite(url, lambda m, rows=rows: m["params"]["embed.weight"]["fields"]["mv_code"].__setitem__("split", rows))
         refused(source, url, CheckpointFormatError, "embed.weight", "mv_code", words, opened=no_data_reads)
 
 

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 import gefen_ckpt
 from gefen import Gefen
-from gefen_cli.app import app
 from gefen_ckpt.format.manifest import open_checkpoint
 from gefen_ckpt.storage import Store
+from gefen_cli.app import app
 
 runner = CliRunner()
 COMMANDS = ["inspect", "verify", "diff", "convert", "reshard"]
