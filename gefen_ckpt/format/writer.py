@@ -52,6 +52,10 @@ MIN_FILE_BYTES = 1024
 #: A live state's pieces are written in batches of about this many bytes (one C call each; the
 #: progress bar moves once per batch).
 WRITE_BATCH_BYTES = 64 * 2**20
+#: Pieces read from elsewhere (a checkpoint being converted or resharded) are held until about
+#: this many bytes, then written in one call: a reshard to thousands of ranks writes millions of
+#: small pieces, and one call each cost more than their data.
+READ_BATCH_BYTES = 4 * 2**20
 _ZEROS = np.zeros(datafile.ALIGNMENT, np.uint8)  # the padding before a piece is shorter than this
 _ZEROS_AT = _ZEROS.ctypes.data
 OnBytes = Callable[[int], None]
@@ -182,8 +186,8 @@ def _write_file(store: Store, name: str, pieces: list[_Piece], durable: bool,
                 on_bytes: OnBytes | None, version: tuple[int, int]) -> tuple[list[PieceRecord], FileRecord]:
     """One data file. Pieces of a state held in memory anyway (a live optimizer's) go to the
     writer in batches of up to ``WRITE_BATCH_BYTES``, one ``write_hashed`` call each (written and
-    hashed without the GIL); a piece read from elsewhere (a checkpoint being converted) is written
-    as soon as it is read, so a conversion holds one piece at a time."""
+    hashed without the GIL); pieces read from elsewhere (a checkpoint being converted) are written
+    every ``READ_BATCH_BYTES``, so a conversion holds at most that plus one piece."""
     layout = datafile.build_packed if version[0] >= 2 else datafile.build
     prefix, offsets, size = layout([p.entry for p in pieces], {"format": FORMAT_NAME, "version": ".".join(map(str, version))})
     records = []
@@ -201,7 +205,7 @@ def _write_file(store: Store, name: str, pieces: list[_Piece], durable: bool,
             placed.append((p, offset, len(spans)))
             spans.append((address, p.entry.nbytes))
             end, held = offset + p.entry.nbytes, held + p.entry.nbytes
-            if held >= WRITE_BATCH_BYTES or not _resident(p.item.source):
+            if held >= WRITE_BATCH_BYTES or (held >= READ_BATCH_BYTES and not _resident(p.item.source)):
                 records += _put(out, name, spans, placed, on_bytes)
                 spans, owners, placed, held = [], [], [], 0
         records += _put(out, name, spans, placed, on_bytes)
