@@ -24,6 +24,7 @@ _LAZY = {
     **dict.fromkeys(("export_canonical", "import_canonical"), "gefen_ckpt.exchange"),
     **dict.fromkeys(("open", "detect_format", "convert_checkpoint"), "gefen_ckpt.formats"),
     "convert_state": "gefen_ckpt.convert",
+    "async_save": "gefen_ckpt.async_io",
     "name_state_dict": "gefen_ckpt.names",
 }
 
@@ -40,6 +41,7 @@ __all__ = [
     "convert_checkpoint",
     "name_state_dict",
     "save",
+    "async_save",
     "load",
     "read",
     "write",

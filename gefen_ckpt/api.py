@@ -69,7 +69,7 @@ def read(url: str, *, storage_options: dict | None = None) -> CanonicalState:
     """The checkpoint at ``url`` as a lazy ``CanonicalState``: tensors are read (and verified)
     only when asked for, and only the pieces holding the requested rows."""
     store = Store(url, storage_options)
-    return lazy_state(store, open_checkpoint(store))
+    return lazy_state(store, open_checkpoint(store, whole=False))
 
 
 def read_manifest(url: str, *, storage_options: dict | None = None) -> dict:

@@ -56,9 +56,13 @@ class LocalPart:
     between ranks with ``gefen_ckpt.transport``.
     """
 
-    def __init__(self, tensor: torch.Tensor, row_start: int, shape: tuple[int, ...], writer: bool):
+    def __init__(self, tensor: torch.Tensor, row_start: int, shape: tuple[int, ...], writer: bool,
+                 split: tuple[int, tuple[int, ...]] | None = None):
         self.tensor, self.row_start, self.shape, self.writer = tensor, row_start, tuple(shape), writer
         self.dtype = tensor.dtype
+        #: ``(parts, writer ranks)``: the rows are ``torch.chunk``-split over ``parts``, part ``i``
+        #: stored by rank ``writers[i]`` (``layout.row_split``); None when no such rule describes it.
+        self.split = split
 
     @property
     def row_stop(self) -> int:

@@ -34,6 +34,7 @@ from gefen_ckpt.format.dtypes import plain
 DEFAULT_TIMEOUT = 300.0
 _local = threading.local()
 _sequence: dict[tuple, int] = {}
+_sequence_lock = threading.Lock()
 
 
 def active(group=None) -> bool:
@@ -92,8 +93,11 @@ def checkin(what: str, group=None) -> None:
 
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
     store = c10d._get_default_store()  # the rendezvous store every process group shares
-    seq = _sequence[ranks] = _sequence.get(ranks, 0) + 1
-    base = f"gefen-ckpt/checkin/{hash(ranks) & 0xFFFFFFFF:08x}/{seq}"
+    name = "world" if group is None else c10d._get_process_group_name(group)  # one sequence per group
+    key = (ranks, name)
+    with _sequence_lock:
+        seq = _sequence[key] = _sequence.get(key, 0) + 1
+    base = f"gefen-ckpt/checkin/{name}/{hash(ranks) & 0xFFFFFFFF:08x}/{seq}"
     me, timeout = dist.get_rank(), current_timeout()
     store.set(f"{base}/{me}", b"1")
     try:
@@ -178,18 +182,43 @@ def all_gather_bytes(payload: bytes, what: str, group=None) -> list[bytes]:
     return [bytes(t[: int(s)].cpu().numpy()) for t, s in zip(out, sizes)]
 
 
-def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
+def gather_bytes(payload: bytes, what: str, dst: int = 0, group=None) -> list[bytes] | None:
+    """Every rank's ``payload`` on rank ``dst`` (None elsewhere): what a commit needs from each
+    rank, without sending every rank's bytes to every rank (``all_gather_bytes``)."""
+    if not active(group):
+        return [payload]
+    import torch.distributed as dist
+
+    checkin(what, group)
+    dev, ws = device(group), dist.get_world_size(group)
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+    longest = size.clone()
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    mine = torch.zeros(int(longest) + 8, dtype=torch.uint8, device=dev)  # 8 bytes: the length
+    mine[:8] = torch.frombuffer(bytearray(len(payload).to_bytes(8, "little")), dtype=torch.uint8)
+    if payload:
+        mine[8:8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    here = dist.get_rank() == dst
+    out = [torch.empty_like(mine) for _ in range(ws)] if here else None
+    dist.gather(mine, out, dst=dst, group=group)
+    if not here:
+        return None
+    blobs = [bytes(t.cpu().numpy()) for t in out]
+    return [b[8:8 + int.from_bytes(b[:8], "little")] for b in blobs]
+
+
+def broadcast_bytes(payload: bytes | None, src: int = 0, group=None) -> bytes:
     """``payload`` of rank ``src`` on every rank."""
-    if not active():
+    if not active(group):
         return payload or b""
     import torch.distributed as dist
 
-    checkin("sharing checkpoint metadata")
-    dev = device()
+    checkin("sharing checkpoint metadata", group)
+    dev = device(group)
     size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=dev)
-    dist.broadcast(size, src)
+    dist.broadcast(size, src, group=group)
     buf = torch.zeros(int(size), dtype=torch.uint8, device=dev)
     if dist.get_rank() == src and payload:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(buf, src)
+    dist.broadcast(buf, src, group=group)
     return bytes(buf.cpu().numpy())

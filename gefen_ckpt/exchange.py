@@ -137,7 +137,7 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
                         lp.child)
         for fqn, lp in live.params.items() if lp.state
     }
-    global_fields = {k: LocalPart(v, 0, tuple(v.shape), rank0) for k, v in live.global_fields.items()}
+    global_fields = {k: LocalPart(v, 0, tuple(v.shape), rank0, (1, (0,))) for k, v in live.global_fields.items()}
     return CanonicalState(live.contract, live.groups, params, global_fields,
                           metadata={"source_topology": {"kind": "single"}})
 
@@ -148,8 +148,9 @@ def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.T
     if row_sharded and value.dim():
         start, _ = layout.local_rows(param, fqn)
         rows = param.shape[0] if param.dim() else 1
-        return LocalPart(value, start, (rows, *value.shape[1:]), layout.writes_rows(param))
-    return LocalPart(value, 0, tuple(value.shape), layout.writes_replicated(param))
+        return LocalPart(value, start, (rows, *value.shape[1:]), layout.writes_rows(param),
+                         layout.row_split(param, True))
+    return LocalPart(value, 0, tuple(value.shape), layout.writes_replicated(param), layout.row_split(param, False))
 
 
 # ----- import -------------------------------------------------------------------------------

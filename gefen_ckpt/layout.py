@@ -12,6 +12,7 @@ import math
 import torch
 
 from gefen_ckpt.errors import UnsupportedLayoutError
+from gefen_ckpt.format.index import chunk_rows  # noqa: F401  (the split rule's one home)
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -45,16 +46,6 @@ def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
     return offset[0], offset[0] + local_shape[0]
 
 
-def chunk_rows(rows: int, parts: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s rows ``[start, stop)`` when ``torch.chunk`` (and so FSDP2 ``Shard(0)``) splits
-    ``rows`` over ``parts`` ranks: ``ceil(rows/parts)`` each, trailing ranks possibly short or empty."""
-    if parts < 1 or rows < 0:
-        raise ValueError(f"cannot split {rows} rows over {parts} parts")
-    size = -(-rows // parts)
-    start = min(rank * size, rows)
-    return start, min(start + size, rows)
-
-
 def rows_per_chunk(shape: tuple[int, ...], itemsize: int, budget: int) -> int:
     """Whole rows of a tensor of ``shape`` that fit in ``budget`` bytes (at least one)."""
     return max(1, budget // max(1, math.prod(shape[1:]) * itemsize))
@@ -79,3 +70,26 @@ def writes_replicated(param: torch.Tensor) -> bool:
     if not is_dtensor(param):
         return rank() == 0
     return all(param.device_mesh.get_local_rank(i) == 0 for i in range(param.device_mesh.ndim))
+
+
+def row_split(param: torch.Tensor, row_sharded: bool) -> tuple[int, tuple[int, ...]] | None:
+    """How the rows of a field of ``param`` are stored by a sharded save, as a rule every rank
+    derives alike from the mesh (no communication): ``(parts, writers)``, rows ``torch.chunk``-split
+    over ``parts`` with part ``i`` written by global rank ``writers[i]``. Replicated fields are one
+    part. None when no single chunk rule applies (rows sharded over several mesh dimensions)."""
+    if not is_dtensor(param):
+        return 1, (0,)
+    mesh, placements = param.device_mesh, param.placements
+    ranks = mesh.mesh
+    sharded = [i for i, pl in enumerate(placements) if pl.is_shard() and pl.dim == 0]
+    if not row_sharded or param.dim() == 0 or not sharded:
+        return 1, (int(ranks.reshape(-1)[0]),)
+    if len(sharded) > 1:
+        return None
+    dim = sharded[0]
+    index = [0] * ranks.dim()
+    writers = []
+    for i in range(ranks.shape[dim]):
+        index[dim] = i
+        writers.append(int(ranks[tuple(index)]))
+    return len(writers), tuple(writers)

@@ -1,8 +1,10 @@
 """``save``/``load`` under a process group: every rank writes and reads only its own rows.
 
-Save: each rank writes the rows it owns (one replica per row range) into its own data files,
-in parallel; the ranks agree that every write succeeded; rank 0 builds the manifest from
-every rank's piece records and commits it. Until that commit the previous checkpoint at the
+Save: each rank writes the rows it owns (one replica per row range) into its own data files
+and (format 2.0) its own index, in parallel, and checks that index against the row-split rule
+every rank derives alike; rank 0 gathers O(1) bytes from each rank (file names and sizes, the
+index's pin, a digest of the state's structure) in a constant number of collectives, builds
+the manifest and commits it. Until that commit the previous checkpoint at the
 URL stays the committed one, so a failure anywhere leaves it intact (and this save's data
 files are removed).
 
@@ -12,14 +14,38 @@ Load: every rank opens the checkpoint lazily and reads only the pieces that over
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
-from gefen_ckpt.collective import agree, broadcast_bytes, exchange
+from gefen_ckpt.collective import (
+    _failure,
+    agree,
+    broadcast_bytes,
+    describe_error,
+    exchange,
+    gather_bytes,
+    pack,
+    unpack,
+)
+from gefen_ckpt.errors import CheckpointError
 from gefen_ckpt.exchange import check_fits, copies_on_load, export_canonical, import_canonical
-from gefen_ckpt.format.manifest import FileRecord, PieceRecord, build, open_checkpoint
+from gefen_ckpt.format import manifest as mf
+from gefen_ckpt.format.index import WriterPin
+from gefen_ckpt.format.manifest import FileRecord, PieceRecord, build, build_v2, open_checkpoint, tensor_order
 from gefen_ckpt.format.reader import lazy_state
-from gefen_ckpt.format.writer import WriteItem, begin, commit, data_stem, discard, new_token, write_pieces
+from gefen_ckpt.format.writer import (
+    WriteItem,
+    begin,
+    commit,
+    data_stem,
+    discard,
+    new_token,
+    write_index,
+    write_pieces,
+)
+from gefen_ckpt.layout import chunk_rows
 from gefen_ckpt.storage import Store
 
 
@@ -38,14 +64,17 @@ def _own_items(state: CanonicalState) -> list[WriteItem]:
     return out
 
 
-def save_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, max_file_bytes: int,
-                 memory_budget: int, storage_options: dict | None = None) -> None:
+def save_sharded(optimizer: torch.optim.Optimizer | None, url: str, *, model, max_file_bytes: int,
+                 memory_budget: int, storage_options: dict | None = None, state: CanonicalState | None = None,
+                 group=None) -> None:
     """Rank 0 holds the location's writer lock from before any rank writes until after the
-    commit; a refusal or failure anywhere raises on every rank and removes this save's files."""
+    commit; a refusal or failure anywhere raises on every rank and removes this save's files.
+    ``state``: this rank's exported (e.g. staged) state instead of ``optimizer``'s; ``group``: a
+    process group over every rank for the collectives (an async save's own)."""
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    token = broadcast_bytes(new_token().encode() if rank == 0 else None).decode()
+    token = broadcast_bytes(new_token().encode() if rank == 0 else None, group=group).decode()
     store, lock, previous, error = None, None, None, None
     try:
         store = Store(url, storage_options)
@@ -54,40 +83,201 @@ def save_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, max_file_
     except Exception as exc:
         error = exc
     try:
-        agree(error, f"locking {url}")
-        state = export_canonical(optimizer, model=model)
+        agree(error, f"locking {url}", group)
+        state = export_canonical(optimizer, model=model) if state is None else state
         state.metadata["source_topology"] = {"kind": "sharded", "world_size": world_size}
-        pieces, files = [], []
-        try:
-            pieces, files = write_pieces(store, data_stem(token, rank), _own_items(state),
-                                         max_file_bytes=max_file_bytes, memory_budget=memory_budget)
-        except Exception as exc:  # every rank learns of it in exchange()
-            error = exc
-        try:  # every rank's piece records, once every rank has written
-            gathered = exchange({"pieces": [p.to_dict() for p in pieces], "files": [[f.name, f.nbytes] for f in files]},
-                                error, f"save to {url}")
-        except BaseException:
-            discard(store, token, rank)
-            raise
-        if rank == 0:
-            try:
-                manifest = build(state, [PieceRecord.from_dict(p) for g in gathered for p in g["pieces"]],
-                                 [FileRecord(n, b) for g in gathered for n, b in g["files"]],
-                                 layout="sharded", world_size=world_size)
-                commit(store, manifest, token, previous=previous)  # removes every rank's files if it fails
-            except Exception as exc:
-                error = exc
-        agree(error, f"committing {url}")
+        if mf.WRITE_VERSION[0] >= 2:
+            error = _save_v2(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget,
+                             group)
+        else:
+            error = _save_v1(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget)
+        agree(error, f"committing {url}", group)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _save_v1(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget):
+    """1.x: every rank's piece records go to every rank; rank 0 builds the manifest from them."""
+    pieces, files, error = [], [], None
+    try:
+        pieces, files = write_pieces(store, data_stem(token, rank), _own_items(state),
+                                     max_file_bytes=max_file_bytes, memory_budget=memory_budget, version=(1, 1))
+    except Exception as exc:  # every rank learns of it in exchange()
+        error = exc
+    try:  # every rank's piece records, once every rank has written
+        gathered = exchange({"pieces": [p.to_dict() for p in pieces], "files": [[f.name, f.nbytes] for f in files]},
+                            error, f"save to {url}")
+    except BaseException:
+        discard(store, token, rank)
+        raise
+    if rank == 0:
+        try:
+            manifest = build(state, [PieceRecord.from_dict(p) for g in gathered for p in g["pieces"]],
+                             [FileRecord(n, b) for g in gathered for n, b in g["files"]],
+                             layout="sharded", world_size=world_size)
+            commit(store, manifest, token, previous=previous)  # removes every rank's files if it fails
+        except Exception as exc:
+            return exc
+    return None
+
+
+def _save_v2(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget, group=None):
+    """2.0, rank-local: each rank writes its data and its index and checks the index against the
+    split every rank derives alike (``layout.row_split``); rank 0 gathers O(1) bytes per rank
+    (``commit_payload``) and commits. Returns this rank's error (None: committed)."""
+    error, payload = None, {}
+    try:
+        plan = own_split(state, rank)
+        pieces, files = write_pieces(store, data_stem(token, rank), _own_items(state),
+                                     max_file_bytes=max_file_bytes, memory_budget=memory_budget)
+        pin, data = write_index(store, token, rank, pieces, files, plan.ordinals)
+        plan.check(pin, data, {f.name: f.nbytes for f in files}, store)
+        payload = commit_payload(pin, plan)
+    except Exception as exc:
+        error = exc
+        discard(store, token, rank)
+    payload["error"] = None if error is None else describe_error(error)
+    gathered = gather_bytes(pack(payload), f"save to {url}", group=group)
+    if rank != 0:
+        return error
+    try:
+        everyone = [unpack(b) for b in gathered]
+        failed = {r: p["error"] for r, p in enumerate(everyone) if p.get("error") is not None}
+        if failed:
+            kinds = "; ".join(f"rank {r}: {e.split(':', 1)[0]}" for r, e in failed.items())
+            raise error or _failure(f"save to {url} failed on rank(s) {list(failed)} ({kinds}); nothing was changed",
+                                    failed)
+        manifest = build_v2(state, plan.merged([p["explicit"] for p in everyone], [p["digest"] for p in everyone]),
+                            [_pin(p["writer"]) for p in everyone],
+                            layout="sharded", world_size=world_size)
+        commit(store, manifest, token, previous=previous)  # removes every rank's files if it fails
+    except Exception as exc:
+        discard(store, token)
+        return error or exc
+    return error
+
+
+def _pin(raw: list) -> WriterPin:
+    return WriterPin(tuple(zip(raw[3::2], raw[4::2])), raw[0], raw[1], raw[2])
+
+
+def commit_payload(pin: WriterPin, plan: OwnSplit) -> dict:
+    """What one rank sends the committing rank: its files, its index's pin, a digest of the
+    state's structure, and only where no rule describes its rows, those rows: O(1) bytes."""
+    return {"writer": pin.to_raw(), "digest": plan.digest, "explicit": plan.explicit}
+
+
+class OwnSplit:
+    """One rank's view of a sharded save's splits: every tensor's rule (the same on every rank),
+    this rank's rows of the tensors no rule describes, and the check of its own index."""
+
+    def __init__(self, state: CanonicalState, rank: int):
+        self.state, self.rank = state, rank
+        self.ordinals = tensor_order(state)
+        self.rules: dict[tuple, tuple | None] = {}
+        self.explicit: dict[int, list[list[int]]] = {}  # ordinal -> this rank's [start, stop] rows
+        structure = []
+        for (fqn, name), ordinal in self.ordinals.items():
+            part = state.global_fields[name] if fqn is None else state.params[fqn].fields[name]
+            rule = getattr(part, "split", None)
+            self.rules[(fqn, name)] = rule
+            structure.append([fqn, name, list(part.shape), str(part.dtype), rule])
+            mine = self._own_rows(part)
+            if rule is None or mine != _rule_rows(rule, part.shape, rank):
+                self.explicit[ordinal] = [list(r) for r in mine]
+        self.digest = hashlib.blake2b(pack(structure), digest_size=16).hexdigest()
+
+    @staticmethod
+    def _own_rows(part) -> list[tuple[int, int]]:
+        if not part.writer:
+            return []
+        if not part.shape:
+            return [(0, 1)]
+        return [(part.row_start, part.row_stop)] if part.row_stop > part.row_start else []
+
+    def _tensors(self, explicit_parts) -> list:
+        """``SplitTensor`` s in ordinal order with ``explicit_parts(ordinal)`` where no rule fits."""
+        from gefen_ckpt.format.dtypes import dtype_name
+        from gefen_ckpt.format.index import Explicit, Rule, SplitTensor
+
+        out, rules = [], {}
+        for key, ordinal in self.ordinals.items():
+            fqn, name = key
+            part = self.state.global_fields[name] if fqn is None else self.state.params[fqn].fields[name]
+            rule = self.rules[key]
+            if ordinal in self.explicit or rule is None:
+                split = Explicit(tuple(explicit_parts(ordinal)))
+            else:  # one Rule object per distinct rule: it indexes its writers once
+                split = rules.get(rule) or rules.setdefault(rule, Rule(rule[0], tuple(rule[1])))
+            out.append(SplitTensor(fqn, name, dtype_name(part.dtype), tuple(part.shape), split, ordinal, None))
+        return out
+
+    def check(self, pin: WriterPin, data: bytes, sizes: dict[str, int], store: Store) -> None:
+        """This rank's index, validated exactly as a reader will, against its own parts."""
+        from gefen_ckpt.format.index import IndexSet
+
+        tensors = self._tensors(lambda o: [(a, b, self.rank) for a, b in self.explicit[o]])
+        indexes = IndexSet({self.rank: pin}, tensors, sizes)
+        indexes.store = store
+        indexes.parse(self.rank, data)
+
+    def merged(self, explicit: list[dict], digests: list[str]) -> dict:
+        """Every tensor's split for the manifest (on the committing rank): the rule, or where any
+        rank's rows differ from it, explicit parts built from the rule and those ranks' rows."""
+        differ = [r for r, d in enumerate(digests) if d != self.digest]
+        if differ:
+            raise CheckpointError(f"rank(s) {differ[:8]} hold a state of another structure (FQNs, shapes, dtypes or "
+                                  "sharding differ from rank 0's): the ranks do not hold one optimizer")
+        reported: dict[int, dict[int, list]] = {}
+        for r, rows in enumerate(explicit):
+            for ordinal, parts in rows.items():
+                reported.setdefault(int(ordinal), {})[r] = parts
+        out = {}
+        for key, ordinal in self.ordinals.items():
+            rule = self.rules[key]
+            if ordinal not in reported and rule is not None:
+                out[key] = (rule[0], tuple(rule[1]))
+                continue
+            by_rank = reported.get(ordinal, {})
+            parts = [(a, b, w) for a, b, w in _all_rule_parts(rule, self._rows(key)) if w not in by_rank]
+            parts += [(a, b, r) for r, rows in by_rank.items() for a, b in rows]
+            out[key] = sorted(parts)
+        return out
+
+    def _rows(self, key) -> int:
+        fqn, name = key
+        part = self.state.global_fields[name] if fqn is None else self.state.params[fqn].fields[name]
+        return part.shape[0] if part.shape else 1
+
+
+def _rule_rows(rule, shape, rank: int) -> list[tuple[int, int]]:
+    parts, writers = rule
+    rows = shape[0] if shape else 1
+    return [(a, b) for a, b, w in _all_rule_parts(rule, rows) if w == rank]
+
+
+def _all_rule_parts(rule, rows: int) -> list[tuple[int, int, int]]:
+    if rule is None:
+        return []
+    parts, writers = rule
+    out = []
+    for i, w in enumerate(writers):
+        a, b = chunk_rows(rows, parts, i)
+        if a < b:
+            out.append((a, b, w))
+    return out
+
+
+def own_split(state: CanonicalState, rank: int) -> OwnSplit:
+    return OwnSplit(state, rank)
 
 
 def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_options: dict | None = None) -> None:
     error, state = None, None
     try:
         store = Store(url, storage_options)
-        state = lazy_state(store, open_checkpoint(store), map_files=copies_on_load(optimizer))
+        state = lazy_state(store, open_checkpoint(store, whole=False), map_files=copies_on_load(optimizer))
         check_fits(optimizer, state, model)  # refuse before reading any data
     except Exception as exc:
         error = exc

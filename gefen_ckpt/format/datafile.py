@@ -116,3 +116,32 @@ def parse_header(prefix: bytes, file_size: int) -> dict[str, tuple[str, tuple[in
     if 8 + n + pos != file_size:
         raise ValueError(f"tensors end at byte {8 + n + pos}, the file has {file_size}")
     return out
+
+
+#: The one tensor of a 2.0 data file: its whole data section, where the writer's index places
+#: every piece (``docs/format.md`` 13). Per-piece header entries would cost ~80 bytes a piece,
+#: more than the data of the small pieces a many-rank save has.
+DATA_KEY = "__data__"
+#: A 2.0 piece of at least this many bytes starts on an ``ALIGNMENT`` boundary; a smaller one
+#: on a multiple of its dtype's size (enough for a view), so small pieces pack without padding.
+ALIGN_FROM = 4096
+
+
+def piece_alignment(entry: Entry) -> int:
+    return ALIGNMENT if entry.nbytes >= ALIGN_FROM else DTYPES[entry.dtype][1]
+
+
+def build_packed(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes, list[int], int]:
+    """A 2.0 data file's (length prefix + padded JSON header, absolute offset of each entry,
+    file size): one ``U8`` tensor ``DATA_KEY`` spanning the data section, pieces packed in it."""
+    relative, pos = [], 0
+    for e in entries:
+        pos += -pos % piece_alignment(e)
+        relative.append(pos)
+        pos += e.nbytes
+    parts = ['"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":")),
+             _entry_json(DATA_KEY, "U8", (pos,), 0, pos)]
+    text = ("{" + ",".join(parts) + "}").encode()
+    text += b" " * (-(8 + len(text)) % ALIGNMENT)
+    start = 8 + len(text)
+    return struct.pack("<Q", len(text)) + text, [start + r for r in relative], start + pos

@@ -9,6 +9,7 @@ files it points at. Unknown keys are ignored: minor versions may add optional ke
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import math
 import re
@@ -35,9 +36,14 @@ if TYPE_CHECKING:  # reading a manifest needs no torch
     from gefen_ckpt.storage import Store
 
 FORMAT_NAME = "gefen-ckpt"
-#: (major, minor). Readers accept any minor of their major and refuse other majors. 1.1 added
-#: the manifest's own checksum (``MANIFEST_CHECKSUM``); 1.0 manifests are still read.
-FORMAT_VERSION = (1, 1)
+#: (major, minor) of the newest format. Readers accept any minor of the majors in
+#: ``READ_MAJORS`` and refuse newer ones. 1.1 added the manifest's own checksum
+#: (``MANIFEST_CHECKSUM``); 2.0 moved piece records into per-writer indexes (``index``).
+FORMAT_VERSION = (2, 0)
+READ_MAJORS = (1, 2)
+#: What writers write: 2.0. (1, 1) writes the 1.x layout (piece records in the manifest), which
+#: every reader since 1.1 reads; tests set it to keep 1.x covered.
+WRITE_VERSION = FORMAT_VERSION
 MANIFEST_NAME = "manifest.msgpack"
 LAYOUTS = ("canonical", "sharded")
 MAX_MANIFEST_BYTES = 256 * 2**20
@@ -112,6 +118,9 @@ class TensorRecord(NamedTuple):
     def label(self) -> str:
         return f"global field {self.field!r}" if self.fqn is None else f"{self.fqn}/{self.field}"
 
+    def pieces_in(self, start: int, stop: int) -> tuple[PieceRecord, ...]:
+        return pieces_overlapping(self.pieces, start, stop)
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -121,6 +130,28 @@ class Manifest:
     contract: OptimizerContract
     files: tuple[FileRecord, ...]
     tensors: dict[tuple[str | None, str], TensorRecord]
+    writers: tuple = ()  # 2.0: ``index.WriterPin`` per writer
+    indexes: object = None  # 2.0: the ``index.IndexSet`` that resolves pieces
+
+    @property
+    def major(self) -> int:
+        return self.raw["version"][0]
+
+    @property
+    def index_files(self) -> tuple[FileRecord, ...]:
+        return tuple(FileRecord(w.index, w.index_bytes) for w in self.writers)
+
+
+def pieces_overlapping(pieces: Sequence[PieceRecord], start: int, stop: int) -> tuple[PieceRecord, ...]:
+    """The pieces (sorted by rows, tiling) that overlap rows ``[start, stop)``."""
+    starts = [p.rows[0] for p in pieces]
+    out = []
+    for p in pieces[max(bisect.bisect_right(starts, start) - 1, 0):]:
+        if p.rows[0] >= max(stop, start + 1):
+            break
+        if p.rows[1] > start:
+            out.append(p)
+    return tuple(out)
 
 
 # ----- building -----------------------------------------------------------------------------
@@ -135,7 +166,7 @@ def _created() -> dict:
 
 def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[FileRecord], *,
           layout: str, world_size: int) -> dict:
-    """The manifest of ``state`` stored as ``pieces`` in ``files`` (reads no tensor data)."""
+    """The 1.x manifest of ``state`` stored as ``pieces`` in ``files`` (reads no tensor data)."""
     files = list(files)
     index = {f.name: i for i, f in enumerate(files)}
     by_tensor: dict[tuple, list[PieceRecord]] = defaultdict(list)
@@ -150,7 +181,7 @@ def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[
 
     manifest = {
         "format": FORMAT_NAME,
-        "version": list(FORMAT_VERSION),
+        "version": [1, 1],
         "layout": layout,
         "world_size": world_size,
         "alignment": ALIGNMENT,
@@ -216,7 +247,7 @@ def decode(data: bytes) -> dict:
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"manifest is a msgpack {type(raw).__name__}, not a map")
     version = raw.get("version")
-    if not checked and isinstance(version, list) and version[:1] == [FORMAT_VERSION[0]] and version[1:] != [0]:
+    if not checked and isinstance(version, list) and version != [1, 0]:
         raise CheckpointFormatError(f"manifest version {version} must end with its checksum "
                                     f"({MANIFEST_CHECKSUM}), which is missing: the manifest is damaged")
     return raw
@@ -315,14 +346,15 @@ def check_version(raw: dict) -> None:
     if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
         raise CheckpointFormatError(f"manifest version {version!r} is not [major, minor]"[:300])
     major, minor = version
-    if major > FORMAT_VERSION[0]:
+    reads = " and ".join(f"{m}.x" for m in READ_MAJORS)
+    if major > max(READ_MAJORS):
         raise CheckpointFormatError(
             f"checkpoint format version {major}.{minor} is newer than this gefen_ckpt reads "
-            f"({FORMAT_VERSION[0]}.x): upgrade gefen to load it"
+            f"({reads}): upgrade gefen to load it"
         )
-    if major < FORMAT_VERSION[0]:
+    if major not in READ_MAJORS:
         raise CheckpointFormatError(f"checkpoint format version {major}.{minor} is not supported "
-                                    f"(this gefen_ckpt reads {FORMAT_VERSION[0]}.x)")
+                                    f"(this gefen_ckpt reads {reads})")
 
 
 def parse_contract(raw, what: str) -> OptimizerContract:
@@ -518,10 +550,28 @@ def _span_path(label) -> str:
 
 
 def validate(raw: dict) -> Manifest:
-    """Check a decoded manifest completely; raises ``CheckpointFormatError`` naming the bad entry."""
+    """Check a decoded manifest completely; raises ``CheckpointFormatError`` naming the bad entry.
+    (For 2.0 the writers' indexes are checked when first read: ``index.IndexSet``.)"""
     _map(raw, "")
     check_version(raw)
-    _map(raw, "", ("layout", "world_size", "contract", "param_groups", "files", "globals", "params"))
+    if raw["version"][0] == 2:
+        return _validate_v2(raw)
+    contract, owner = _head(raw, "files")
+    files = _files(raw["files"])
+    spans: dict[int, list] = defaultdict(list)
+    tensors = _walk(raw, contract, owner, lambda t, where, fqn, field: _tensor(t, where, fqn, field, files, spans))
+    for i, found in spans.items():
+        found.sort(key=lambda span: span[:2])
+        for (_, end, a), (begin, _, b) in zip(found, found[1:]):
+            if begin < end:
+                _fail(_span_path(b), f"overlaps {_span_path(a)} in {files[i].name}")
+    return Manifest(raw, contract, files, tensors)
+
+
+def _head(raw: dict, storage_key: str) -> tuple[OptimizerContract, dict[str, str | None]]:
+    """The checks every version shares: top-level keys, layout, informational maps, the
+    contract and the param groups (FQN -> owning child)."""
+    _map(raw, "", ("layout", "world_size", "contract", "param_groups", storage_key, "globals", "params"))
     if raw["layout"] not in LAYOUTS:
         _fail("layout", f"{raw['layout']!r} is not one of {LAYOUTS}"[:300])
     _int(raw["world_size"], "world_size", 1, 2**31)
@@ -530,12 +580,14 @@ def validate(raw: dict) -> Manifest:
         _fail("checksum", f"unsupported algorithm {raw['checksum']!r}"[:300])
     for key in ("topology", "created", "metadata"):
         _free(_map(raw.get(key, {}), key), key)
-    contract = _contract(raw["contract"])
-    files = _files(raw["files"])
-    owner = _groups(raw["param_groups"])
-    spans: dict[int, list] = defaultdict(list)
-    tensors: dict[tuple[str | None, str], TensorRecord] = {}
+    return _contract(raw["contract"]), _groups(raw["param_groups"])
 
+
+def _walk(raw: dict, contract: OptimizerContract, owner: dict[str, str | None], make) -> dict:
+    """Every tensor entry, in manifest order (globals, then each parameter's fields: the
+    ordinals of 2.0 indexes), as ``make(entry, where, fqn, field)`` (a tensor record with
+    ``dtype`` and ``shape``), checked against the contract and its parameter."""
+    tensors: dict[tuple[str | None, str], TensorRecord] = {}
     for key, t in _map(raw["globals"], "globals").items():
         child, _, name = _str(key, "globals key").rpartition("/")
 
@@ -545,7 +597,7 @@ def validate(raw: dict) -> Manifest:
         spec = _spec(contract, child or None, name, gpath)
         if spec.geometry != "global":
             _fail(gpath(), f"field has geometry {spec.geometry!r}, not 'global'")
-        rec = _tensor(t, gpath, None, key, files, spans)
+        rec = make(t, gpath, None, key)
         if spec.dtype != LIKE_PARAM and rec.dtype != spec.dtype:
             _fail(f"globals[{key!r}].dtype", f"{rec.dtype}, the contract says {spec.dtype}")
         tensors[(None, key)] = rec
@@ -567,26 +619,143 @@ def validate(raw: dict) -> Manifest:
                 return f"{path}.fields[{name!r}]"[:400]
 
             spec = _spec(contract, child, name, fpath)
-            rec = _tensor(t, fpath, fqn, name, files, spans)
+            rec = make(t, fpath, fqn, name)
             if problem := spec.check_dtype(rec.dtype, dtype):
                 _fail(f"{fpath()}.dtype", problem)
             if problem := ("an optimizer-wide field" if spec.geometry == "global" else spec.check_shape(shape, rec.shape)):
                 _fail(f"{fpath()}.shape", problem)
             tensors[(fqn, name)] = rec
-
     _check_required(contract, raw)
-    for i, found in spans.items():
-        found.sort(key=lambda span: span[:2])
-        for (_, end, a), (begin, _, b) in zip(found, found[1:]):
-            if begin < end:
-                _fail(_span_path(b), f"overlaps {_span_path(a)} in {files[i].name}")
-    return Manifest(raw, contract, files, tensors)
+    return tensors
+
+
+# ----- format 2.0 ---------------------------------------------------------------------------
+def _validate_v2(raw: dict) -> Manifest:
+    """A 2.0 manifest: writers (files, pinned index), rules, and each tensor's split."""
+    from gefen_ckpt.format import index as ix
+
+    contract, owner = _head(raw, "writers")
+    writers = _writers(raw["writers"])
+    sizes = {name: nbytes for w in writers for name, nbytes in w.files}
+    rules = ix.parse_rules(_map(raw, "", ("rules",))["rules"], len(writers))
+    order: list[ix.SplitTensor] = []
+    indexes = ix.IndexSet(writers, order, sizes)
+    split_cache: dict[int, ix.Split] = {}
+
+    def make(t, where, fqn, field):
+        if not (isinstance(t, dict) and t.keys() >= {"dtype", "shape", "split"}):
+            _map(t, where(), ("dtype", "shape", "split"))
+        dtype = t["dtype"] if isinstance(t["dtype"], str) and t["dtype"] in DTYPES else _dtype(t["dtype"], f"{where()}.dtype")
+        shape = _valid_shape(t["shape"]) or _shape(t["shape"], f"{where()}.shape")
+        rows, split = shape[0] if shape else 1, t["split"]
+        if type(split) is int and split in split_cache:
+            parsed = split_cache[split]
+        else:
+            parsed = ix.parse_split(split, f"{where()}.split", rows, rules, len(writers))
+            if type(split) is int:
+                split_cache[split] = parsed
+        rec = ix.SplitTensor(fqn, field, dtype, shape, parsed, len(order), indexes)
+        order.append(rec)
+        return rec
+
+    tensors = _walk(raw, contract, owner, make)
+    files = tuple(FileRecord(name, nbytes) for w in writers for name, nbytes in w.files)
+    return Manifest(raw, contract, files, tensors, tuple(writers), indexes)
+
+
+def _writers(x) -> list:
+    """The 2.0 ``writers``: ``[index, index_bytes, index_checksum, file, bytes, ...]`` each; every
+    name a plain file name, listed once."""
+    from gefen_ckpt.format.index import WriterPin
+
+    out, seen = [], set()
+    for i, w in enumerate(_list(x, "writers")):
+        if type(w) is not list or len(w) < 3 or len(w) % 2 == 0:
+            _fail(f"writers[{i}]", "expected [index, bytes, checksum, file, bytes, ...]")
+        crc = w[2]
+        sizes = [w[1], *w[4::2]]
+        names = [w[0], *w[3::2]]
+        for name, size in zip(names, sizes):
+            if type(name) is not str or name in seen or name == MANIFEST_NAME or not _FILE_NAME.fullmatch(name):
+                what = "listed twice" if name in seen else "not a plain file name"
+                _fail(f"writers[{i}]", f"{name!r} is {what}"[:300])
+            if type(size) is not int or not 0 <= size <= _MAX_INT:
+                _fail(f"writers[{i}]", f"size of {name!r} is not a byte count"[:300])
+            seen.add(name)
+        if type(crc) is not int or not 0 <= crc < 2**32:
+            _fail(f"writers[{i}]", "the index checksum is not a uint32")
+        out.append(WriterPin(tuple(zip(names[1:], sizes[1:])), w[0], w[1], crc))
+    if not out:
+        _fail("writers", "no writers")
+    return out
+
+
+def build_v2(state: CanonicalState, splits: dict, writers: Sequence, *, layout: str, world_size: int) -> dict:
+    """The 2.0 manifest of ``state``: ``splits`` maps each tensor key (fqn or None, field) to
+    ``(parts, writers)`` (a rule) or a list of ``(start, stop, writer)`` (explicit parts);
+    ``writers`` are the ``index.WriterPin`` s. Equal rules are stored once."""
+    rules: dict[tuple, int] = {}
+
+    def split(key) -> int | list:
+        s = splits[key]
+        if isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], tuple):
+            return rules.setdefault(s, len(rules))
+        return [list(p) for p in s]
+
+    def tensor(key, source) -> dict:
+        return {"dtype": dtype_name(source.dtype), "shape": list(source.shape), "split": split(key)}
+
+    globals_ = {k: tensor((None, k), state.global_fields[k]) for k in sorted(state.global_fields)}
+    params = {fqn: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "child": e.child,
+                    "fields": {name: tensor((fqn, name), e.fields[name]) for name in sorted(e.fields)}}
+              for fqn, e in _params_in_order(state)}
+    return {
+        "format": FORMAT_NAME,
+        "version": [2, 0],
+        "layout": layout,
+        "world_size": world_size,
+        "alignment": ALIGNMENT,
+        "checksum": checksum.ALGORITHM,
+        "contract": state.contract.to_dict(),
+        "param_groups": plain(state.param_groups, "param_groups"),
+        "writers": [w.to_raw() for w in writers],
+        "rules": [{"kind": "chunk", "parts": p, "writers": list(ws)} for (p, ws) in rules],
+        "globals": globals_,
+        "params": params,
+        "topology": plain(state.metadata.get("source_topology", {}), "metadata"),
+        "created": _created(),
+        "metadata": plain({k: v for k, v in state.metadata.items() if k not in ("source_topology", "created")},
+                          "metadata"),
+    }
+
+
+def _params_in_order(state: CanonicalState) -> list:
+    """Parameters in param-group order (then any others in state order): the same on every
+    rank of a job, whatever order each rank's state was filled in."""
+    order = {fqn: i for i, fqn in enumerate(state.fqns())}
+    return sorted(state.params.items(), key=lambda kv: order.get(kv[0], len(order)))
+
+
+def tensor_order(state: CanonicalState) -> dict[tuple[str | None, str], int]:
+    """Each tensor's ordinal in a 2.0 manifest built from ``state`` (``build_v2``'s and so
+    ``_walk``'s order: globals by key, parameters in group order, fields by name)."""
+    keys = [(None, k) for k in sorted(state.global_fields)]
+    keys += [(fqn, n) for fqn, e in _params_in_order(state) for n in sorted(e.fields)]
+    return {k: i for i, k in enumerate(keys)}
 
 
 def check_files(manifest: Manifest, listing: dict[str, int], where: str) -> None:
-    """Every data file exists with the size the manifest records (else ``CheckpointCorruptError``
-    naming the file and the tensors stored in it). Runs before any tensor is allocated."""
-    for f in manifest.files:
+    """Every data file (and 2.0 index) exists with the size the manifest records (else
+    ``CheckpointCorruptError`` naming the file and what it holds). Runs before any tensor is
+    allocated."""
+    for w, pin in enumerate(manifest.writers):
+        for name, nbytes in ((pin.index, pin.index_bytes), *pin.files):
+            size = listing.get(name)
+            if size != nbytes:
+                what = "is missing" if size is None else f"has {size} bytes, the manifest says {nbytes} (truncated?)"
+                kind = "index" if name == pin.index else "data file"
+                raise CheckpointCorruptError(f"{where}: {kind} {name} of writer {w} {what}")
+    for f in manifest.files if not manifest.writers else ():
         size = listing.get(f.name)
         if size == f.nbytes:
             continue
@@ -597,7 +766,7 @@ def check_files(manifest: Manifest, listing: dict[str, int], where: str) -> None
 
 
 def total_tensor_bytes(manifest: Manifest) -> int:
-    return sum(p.nbytes for t in manifest.tensors.values() for p in t.pieces)
+    return sum(t.rows * t.row_bytes for t in manifest.tensors.values())
 
 
 # ----- reading the committed manifest -------------------------------------------------------
@@ -630,17 +799,27 @@ def decoded(store: Store, data: bytes) -> dict:
 
 def validated(store: Store, raw: dict) -> Manifest:
     with naming(store.path(MANIFEST_NAME), CheckpointFormatError):
-        return validate(raw)
+        manifest = validate(raw)
+    if manifest.indexes is not None:
+        manifest.indexes.store = store
+    return manifest
 
 
 def listed_data_files(raw: dict, listing: dict[str, int]) -> dict[str, int]:
     """name -> size of the files a decoded, not yet validated manifest lists that are in the
     directory ``listing``, by name: what may be prefetched before validation (real directory
     entries only)."""
-    files = raw.get("files")
-    names = {f.get("name") for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)
-             } if isinstance(files, list) else set()
+    names = _file_names(raw.get("files"), raw.get("writers"))
     return {name: listing[name] for name in sorted(names) if name in listing}
+
+
+def _file_names(files, writers) -> set[str]:
+    """Every file name a (not yet validated) 1.x ``files`` or 2.0 ``writers`` array lists."""
+    names = {f.get("name") for f in files if isinstance(f, dict)} if isinstance(files, list) else set()
+    for w in writers if isinstance(writers, list) else ():
+        if isinstance(w, list) and w:
+            names.update([w[0], *w[3::2]])
+    return {n for n in names if isinstance(n, str)}
 
 
 def committed_files(store: Store) -> set[str] | None:
@@ -658,24 +837,40 @@ def committed_files(store: Store) -> set[str] | None:
         return None
     unpacker = msgpack.Unpacker(max_buffer_size=len(data) + 1, **_DECODING)
     unpacker.feed(data)
+    found = {}
     try:
         for _ in range(unpacker.read_map_header()):
-            if unpacker.unpack() == "files":
-                files = unpacker.unpack()
-                break
-            unpacker.skip()
-        else:
-            return None
+            key = unpacker.unpack()
+            if key in ("files", "writers"):
+                found[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
     except Exception:  # malformed: then nothing is deleted
         return None
-    if not isinstance(files, list):
+    if not any(isinstance(v, list) for v in found.values()):
         return None
-    return {f["name"] for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)}
+    return _file_names(found.get("files"), found.get("writers"))
 
 
-def open_checkpoint(store: Store) -> Manifest:
-    """The validated manifest, after checking that every data file exists with its recorded size."""
-    listing = store.listing()
-    manifest = parse_manifest(store, read_manifest_bytes(store, listing))
-    check_files(manifest, listing, store.url)
+def open_checkpoint(store: Store, *, whole: bool = True) -> Manifest:
+    """The validated manifest, after checking that every data file exists with its recorded size.
+
+    ``whole=False`` (a reader of some rows: a rank's load, a lazy ``read``): no directory
+    listing, which costs a stat per file of the world's; a 2.0 index is checked against its
+    pinned size and CRC when first read, and a short data file is refused when read
+    (``integrity.check_length``). 1.x manifests are always checked whole."""
+    if whole:
+        listing = store.listing()
+        manifest = parse_manifest(store, read_manifest_bytes(store, listing))
+        check_files(manifest, listing, store.url)
+        return manifest
+    try:
+        data = store.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        data = read_manifest_bytes(store)  # raises naming what is there (or finds it, if it just appeared)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointFormatError(f"{store.url}: {MANIFEST_NAME} is over the {MAX_MANIFEST_BYTES}-byte limit")
+    manifest = parse_manifest(store, data)
+    if manifest.major < 2:
+        check_files(manifest, store.listing(), store.url)
     return manifest

@@ -13,8 +13,9 @@ delete, cannot change or invalidate a tensor already read.
 
 from __future__ import annotations
 
-import bisect
 import mmap
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -109,7 +110,6 @@ class PieceSource:
     def __init__(self, store: Store, tensor: TensorRecord, mapped: MappedFiles | None = None):
         self.store, self.tensor, self.mapped = store, tensor, mapped
         self.shape, self.dtype = tensor.shape, torch_dtype(tensor.dtype)
-        self._starts = [p.rows[0] for p in tensor.pieces]
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         t = self.tensor
@@ -118,12 +118,9 @@ class PieceSource:
         stop = t.rows if stop is None else stop
         if not 0 <= start <= stop <= t.rows:
             raise IndexError(f"{t.label}: rows [{start}, {stop}) are outside [0, {t.rows})")
-        overlapping = []
-        for piece in t.pieces[max(bisect.bisect_right(self._starts, start) - 1, 0):]:
-            lo, hi = max(start, piece.rows[0]), min(stop, piece.rows[1])
-            if lo >= hi:
-                break
-            overlapping.append((piece, lo, hi))
+        overlapping = []  # a 2.0 record reads only the indexes of the writers holding these rows
+        for piece in t.pieces_in(start, stop) if stop > start else ():
+            overlapping.append((piece, max(start, piece.rows[0]), min(stop, piece.rows[1])))
         if self.mapped is not None:
             views = [self.mapped.piece(t, piece)[lo - piece.rows[0]:hi - piece.rows[0]] for piece, lo, hi in overlapping]
             return _joined(views, (stop - start, *t.shape[1:]), self.dtype)
@@ -133,11 +130,43 @@ class PieceSource:
             if (lo, hi) == piece.rows:
                 read_piece(self.store, t, piece, dst)
             else:
-                dst.copy_(read_piece(self.store, t, piece)[lo - piece.rows[0]:hi - piece.rows[0]])
+                dst.copy_(_PARTIAL.get(self.store, t, piece)[lo - piece.rows[0]:hi - piece.rows[0]])
         return out
 
     def __repr__(self) -> str:
         return f"PieceSource({self.tensor.label}, shape={self.shape}, dtype={self.dtype})"
+
+
+class _PartialPieces:
+    """Whole pieces read for partial reads, kept (least recently used first out, at most
+    ``budget`` bytes): a reshard to many ranks reads each source piece once per target rank
+    overlapping it, and would otherwise re-read and re-verify it every time."""
+
+    def __init__(self, budget: int):
+        self.budget, self.held = budget, 0
+        self._pieces: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, store: Store, t: TensorRecord, piece: PieceRecord) -> torch.Tensor:
+        key = (store.url, piece.file, piece.offset, piece.nbytes, piece.checksum)
+        with self._lock:
+            hit = self._pieces.get(key)
+            if hit is not None:
+                self._pieces.move_to_end(key)
+                return hit
+        tensor = read_piece(store, t, piece)
+        if piece.nbytes <= self.budget // 4:
+            with self._lock:
+                self._pieces[key] = tensor
+                self.held += piece.nbytes
+                while self.held > self.budget:
+                    _, old = self._pieces.popitem(last=False)
+                    self.held -= old.numel() * old.element_size()
+        return tensor
+
+
+#: 64 MiB: the pieces a reshard of a model's worth of tensors revisits rank after rank
+_PARTIAL = _PartialPieces(64 * 2**20)
 
 
 class MappedFiles:

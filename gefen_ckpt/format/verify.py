@@ -51,7 +51,7 @@ class VerifyReport:
 
 
 def _header_problems(store: Store, name: str, size: int, pieces: list[tuple[TensorRecord, PieceRecord]],
-                     alignment: int) -> list[str]:
+                     alignment: int, packed: bool = False) -> list[str]:
     where = store.path(name)
     try:
         head = store.read(name, 0, min(size, 8))
@@ -61,6 +61,8 @@ def _header_problems(store: Store, name: str, size: int, pieces: list[tuple[Tens
         header = datafile.parse_header(store.read(name, 0, min(size, 8 + n)), size)
     except ValueError as exc:
         return [f"{where}: not a valid safetensors file: {exc}"]
+    if packed:
+        return _packed_problems(where, header, size, pieces)
     out = []
     for key, (_, _, begin, end) in header.items():
         if key.startswith(datafile.PAD_PREFIX) and 0 <= begin <= end <= size and end - begin <= 2 * alignment:
@@ -74,6 +76,22 @@ def _header_problems(store: Store, name: str, size: int, pieces: list[tuple[Tens
                        f"the manifest says {want}")
         elif p.offset % alignment:
             out.append(f"{where}: tensor {p.key!r} starts at {p.offset}, not a multiple of {alignment}")
+    return out
+
+
+def _packed_problems(where: str, header: dict, size: int, pieces: list[tuple[TensorRecord, PieceRecord]]) -> list[str]:
+    """A 2.0 data file: one ``U8`` tensor spanning the data section, every piece inside it and
+    aligned as the writer aligns it (``datafile.piece_alignment``)."""
+    data = header.get(datafile.DATA_KEY)
+    if set(header) != {datafile.DATA_KEY} or data[0] != "U8" or data[3] != size:
+        return [f"{where}: a 2.0 data file holds one U8 tensor {datafile.DATA_KEY!r} spanning its data; "
+                f"its header has {sorted(header)[:4]}"]
+    out = []
+    for t, p in pieces:
+        align = datafile.piece_alignment(datafile.Entry(p.key, t.dtype, (), p.nbytes))
+        if p.offset < data[2] or p.offset % align:
+            out.append(f"{where}: {t.label} rows {list(p.rows)} start at byte {p.offset}, outside the data section "
+                       f"or not a multiple of {align}")
     return out
 
 
@@ -102,7 +120,8 @@ def _check_file(store: Store, report: VerifyReport, name: str, expected: int, ac
     report.files_checked += 1
     if actual != expected:
         report.problem(f"{where}: {actual} bytes, the manifest says {expected} (truncated or replaced)")
-    for message in _header_problems(store, name, actual, pieces, manifest.raw.get("alignment", datafile.ALIGNMENT)):
+    for message in _header_problems(store, name, actual, pieces, manifest.raw.get("alignment", datafile.ALIGNMENT),
+                                    packed=manifest.major >= 2):
         report.problem(message)
     wait = (lambda end: warming.wait(where, end)) if warming is not None else (lambda end: None)
     with store.reader(name) as reader:
@@ -130,7 +149,13 @@ def verify_checkpoint(store: Store, on_bytes: Callable[[int], None] | None = Non
     report.tensors = len(manifest.tensors)
     by_file: dict[str, list[tuple[TensorRecord, PieceRecord]]] = {f.name: [] for f in manifest.files}
     for t in manifest.tensors.values():
-        for p in t.pieces:
+        try:  # 2.0: through the writers' indexes, each verified against its pin and the manifest
+            pieces = t.pieces
+        except CheckpointError as exc:
+            if str(exc) not in report.problems:
+                report.problem(str(exc))
+            continue
+        for p in pieces:
             by_file[p.file].append((t, p))
     buffer = memoryview(bytearray(_CHUNK))
     files = sorted(manifest.files, key=lambda f: f.name)  # the order the prefetch reads them in
@@ -142,7 +167,10 @@ def verify_checkpoint(store: Store, on_bytes: Callable[[int], None] | None = Non
     finally:
         if warming is not None:
             warming.stop()
-    referenced = {f.name for f in manifest.files} | {MANIFEST_NAME, LOCK_NAME}
+    for f in manifest.index_files:
+        if listing.get(f.name) != f.nbytes and not any(f.name in p for p in report.problems):
+            report.problem(f"{store.path(f.name)}: index has {listing.get(f.name)} bytes, the manifest says {f.nbytes}")
+    referenced = {f.name for f in (*manifest.files, *manifest.index_files)} | {MANIFEST_NAME, LOCK_NAME}
     for name in sorted(set(listing) - referenced):
         report.warnings.append(f"{store.path(name)}: not part of the checkpoint (left by an interrupted save?)")
     return report

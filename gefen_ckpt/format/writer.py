@@ -24,18 +24,21 @@ import numpy as np
 import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, TensorSource
-from gefen_ckpt.format import datafile
+from gefen_ckpt.format import checksum, datafile
+from gefen_ckpt.format import manifest as mf
 from gefen_ckpt.format.dtypes import dtype_name, itemsize
+from gefen_ckpt.format.index import WriterPin, encode_index, index_entries, index_name
 from gefen_ckpt.format.manifest import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     MANIFEST_NAME,
     FileRecord,
     PieceRecord,
     build,
+    build_v2,
     check_files,
     committed_files,
     encode,
+    tensor_order,
     validate,
 )
 from gefen_ckpt.format.writelock import WriterLock, acquire
@@ -43,11 +46,16 @@ from gefen_ckpt.layout import chunk_rows
 from gefen_ckpt.storage import Store, Writer
 
 DATA_FILE = re.compile(r"data-[0-9a-f]+-r\d+-\d+\.safetensors")
+INDEX_FILE = re.compile(r"index-[0-9a-f]+-r\d+\.msgpack")
 TEMP_MANIFEST = re.compile(re.escape(MANIFEST_NAME) + r"\.[0-9a-f]+\.tmp")
 MIN_FILE_BYTES = 1024
 #: A live state's pieces are written in batches of about this many bytes (one C call each; the
 #: progress bar moves once per batch).
 WRITE_BATCH_BYTES = 64 * 2**20
+#: Pieces read from elsewhere (a checkpoint being converted or resharded) are held until about
+#: this many bytes, then written in one call: a reshard to thousands of ranks writes millions of
+#: small pieces, and one call each cost more than their data.
+READ_BATCH_BYTES = 4 * 2**20
 _ZEROS = np.zeros(datafile.ALIGNMENT, np.uint8)  # the padding before a piece is shorter than this
 _ZEROS_AT = _ZEROS.ctypes.data
 OnBytes = Callable[[int], None]
@@ -175,13 +183,13 @@ def _resident(source: TensorSource) -> bool:
 
 
 def _write_file(store: Store, name: str, pieces: list[_Piece], durable: bool,
-                on_bytes: OnBytes | None) -> tuple[list[PieceRecord], FileRecord]:
+                on_bytes: OnBytes | None, version: tuple[int, int]) -> tuple[list[PieceRecord], FileRecord]:
     """One data file. Pieces of a state held in memory anyway (a live optimizer's) go to the
     writer in batches of up to ``WRITE_BATCH_BYTES``, one ``write_hashed`` call each (written and
-    hashed without the GIL); a piece read from elsewhere (a checkpoint being converted) is written
-    as soon as it is read, so a conversion holds one piece at a time."""
-    prefix, offsets, size = datafile.build([p.entry for p in pieces],
-                                           {"format": FORMAT_NAME, "version": ".".join(map(str, FORMAT_VERSION))})
+    hashed without the GIL); pieces read from elsewhere (a checkpoint being converted) are written
+    every ``READ_BATCH_BYTES``, so a conversion holds at most that plus one piece."""
+    layout = datafile.build_packed if version[0] >= 2 else datafile.build
+    prefix, offsets, size = layout([p.entry for p in pieces], {"format": FORMAT_NAME, "version": ".".join(map(str, version))})
     records = []
     with store.create(name, durable) as out:
         out.write(prefix)
@@ -197,7 +205,7 @@ def _write_file(store: Store, name: str, pieces: list[_Piece], durable: bool,
             placed.append((p, offset, len(spans)))
             spans.append((address, p.entry.nbytes))
             end, held = offset + p.entry.nbytes, held + p.entry.nbytes
-            if held >= WRITE_BATCH_BYTES or not _resident(p.item.source):
+            if held >= WRITE_BATCH_BYTES or (held >= READ_BATCH_BYTES and not _resident(p.item.source)):
                 records += _put(out, name, spans, placed, on_bytes)
                 spans, owners, placed, held = [], [], [], 0
         records += _put(out, name, spans, placed, on_bytes)
@@ -216,14 +224,18 @@ def _put(out: Writer, name: str, spans: list[tuple[int, int]], placed: list[tupl
 
 def write_pieces(store: Store, stem: str, to_write: Iterable[WriteItem], *, max_file_bytes: int,
                  memory_budget: int, on_bytes: OnBytes | None = None, durable: bool = True,
-                 on_file: Callable[[str], None] | None = None) -> tuple[list[PieceRecord], list[FileRecord]]:
+                 on_file: Callable[[str], None] | None = None,
+                 version: tuple[int, int] | None = None) -> tuple[list[PieceRecord], list[FileRecord]]:
     """Write ``to_write`` into new data files ``<stem>-<n>.safetensors``; the pieces' records.
 
     Each file is at most ``max_file_bytes``; each piece at most ``memory_budget // 4`` bytes
     (at least one row). Files are complete when this returns, and durable unless ``durable``
     is False (then ``store.durable_soon`` them before committing). ``on_file(name)`` is called
-    as each file is completed (to start its fsync while the next one is written).
+    as each file is completed (to start its fsync while the next one is written). ``version``
+    (default ``manifest.WRITE_VERSION``): 2.x files pack their pieces in one tensor
+    (``datafile.build_packed``), 1.x files give each piece its own.
     """
+    version = mf.WRITE_VERSION if version is None else version
     if max_file_bytes < MIN_FILE_BYTES:
         raise ValueError(f"max_file_bytes must be at least {MIN_FILE_BYTES}, got {max_file_bytes}")
     if memory_budget <= 0:
@@ -231,7 +243,7 @@ def write_pieces(store: Store, stem: str, to_write: Iterable[WriteItem], *, max_
     pieces = [p for item in to_write for p in _split(item, max_file_bytes, memory_budget // 4)]
     records, files = [], []
     for i, group in enumerate(_pack(pieces, max_file_bytes)):
-        recs, file = _write_file(store, f"{stem}-{i:05d}.safetensors", group, durable, on_bytes)
+        recs, file = _write_file(store, f"{stem}-{i:05d}.safetensors", group, durable, on_bytes, version)
         records += recs
         files.append(file)
         if on_file is not None:
@@ -246,6 +258,16 @@ def new_token() -> str:
 
 def data_stem(token: str, rank: int) -> str:
     return f"data-{token}-r{rank:05d}"
+
+
+def write_index(store: Store, token: str, rank: int, records: list[PieceRecord], files: list[FileRecord],
+                ordinals: dict, durable: bool = True) -> tuple[WriterPin, bytes]:
+    """Writer ``rank``'s 2.0 index of ``records`` (its pieces, in ``files``); its pin and bytes."""
+    data = encode_index(rank, index_entries(records, ordinals, [f.name for f in files]))
+    name = index_name(token, rank)
+    with store.create(name, durable) as out:
+        out.write(data)
+    return WriterPin(tuple((f.name, f.nbytes) for f in files), name, len(data), checksum.update(0, data)), data
 
 
 # ----- committing ---------------------------------------------------------------------------
@@ -265,11 +287,11 @@ def begin(store: Store, token: str) -> tuple[WriterLock, set[str] | None]:
 
 
 def _of_save(name: str, token: str) -> bool:
-    return name.startswith(f"data-{token}-") or name == f"{MANIFEST_NAME}.{token}.tmp"
+    return name.startswith((f"data-{token}-", f"index-{token}-")) or name == f"{MANIFEST_NAME}.{token}.tmp"
 
 
 def commit(store: Store, manifest: dict, token: str, *, previous: set[str] | None,
-           wait: Callable[[], object] | None = None) -> None:
+           wait: Callable[[], object] | None = None, indexes: dict[int, bytes] | None = None) -> None:
     """Publish ``manifest`` atomically (the commit point), then delete the files of ``previous``
     (what the manifest it replaced named) that it does not name: only what this commit made
     unreferenced, never another save's files.
@@ -277,10 +299,14 @@ def commit(store: Store, manifest: dict, token: str, *, previous: set[str] | Non
     The manifest is validated against the files first: a checkpoint a reader would refuse is
     never committed. ``wait`` (e.g. the data files' fsync running in the background) is
     called after validation and before publishing. If the commit fails, this save's data files
-    are removed -- unless the new manifest did become visible.
+    are removed -- unless the new manifest did become visible. ``indexes`` (writer -> bytes):
+    2.0 indexes this process wrote, validated against the manifest too (a collective save's
+    ranks each validate their own before agreeing: ``sharded_io``).
     """
     try:
         parsed = validate(manifest)
+        for writer, data in (indexes or {}).items():
+            parsed.indexes.preset(writer, data)
         data = encode(manifest)
         if wait is not None:
             wait()
@@ -291,7 +317,7 @@ def commit(store: Store, manifest: dict, token: str, *, previous: set[str] | Non
             discard(store, token)
         raise
     if previous is not None:
-        drop(store, sorted(previous - {f.name for f in parsed.files}))
+        drop(store, sorted(previous - {f.name for f in (*parsed.files, *parsed.index_files)}))
 
 
 def _visible(store: Store, token: str) -> bool:
@@ -300,12 +326,12 @@ def _visible(store: Store, token: str) -> bool:
         named = committed_files(store)
     except Exception:
         return True
-    return named is None or any(n.startswith(f"data-{token}-") for n in named)
+    return named is None or any(n.startswith((f"data-{token}-", f"index-{token}-")) for n in named)
 
 
 def drop(store: Store, names: Iterable[str]) -> None:
     for name in names:
-        if DATA_FILE.fullmatch(name) or TEMP_MANIFEST.fullmatch(name):
+        if DATA_FILE.fullmatch(name) or INDEX_FILE.fullmatch(name) or TEMP_MANIFEST.fullmatch(name):
             store.remove(name)
 
 
@@ -321,25 +347,54 @@ def write_state(state: CanonicalState, store: Store, *, world_size: int | None, 
                              memory_budget=memory_budget, on_bytes=on_bytes)
 
 
+def splits(state: CanonicalState, world_size: int | None) -> dict:
+    """Each tensor's 2.0 split when ``items`` writes ``state``: row-sharded fields ``torch.chunk``
+    over ``world_size`` writers in rank order, everything else one part by writer 0."""
+    out = {}
+    whole = (1, (0,))
+    spread = (world_size, tuple(range(world_size))) if world_size is not None else whole
+    for key in state.global_fields:
+        out[(None, key)] = whole
+    for fqn, entry in state.params.items():
+        leaf = state.contract.leaf(entry.child)
+        for name, src in entry.fields.items():
+            out[(fqn, name)] = spread if src.shape and leaf.field(name).row_sharded else whole
+    return out
+
+
 def _write_locked(state: CanonicalState, store: Store, token: str, previous: set[str] | None, *,
                   world_size: int | None, max_file_bytes: int, memory_budget: int, on_bytes: OnBytes | None) -> dict:
-    records, files = [], []
+    records, files, pins, indexes = [], [], [], {}
+    version = mf.WRITE_VERSION
+    ordinals = tensor_order(state)
     syncing: list[Callable[[], None]] = []  # each file's fsync starts as soon as it is written
+
+    def sync(name: str) -> None:
+        syncing.append(store.durable_soon(name))
+
     try:
         for rank in range(world_size or 1):
             recs, fs = write_pieces(store, data_stem(token, rank), items(state, rank, world_size),
                                     max_file_bytes=max_file_bytes, memory_budget=memory_budget, on_bytes=on_bytes,
-                                    durable=False, on_file=lambda name: syncing.append(store.durable_soon(name)))
-            records += recs
-            files += fs
-        manifest = build(state, records, files, layout="canonical" if world_size is None else "sharded",
-                         world_size=world_size or 1)
+                                    durable=False, on_file=sync, version=version)
+            if version[0] >= 2:
+                pin, indexes[rank] = write_index(store, token, rank, recs, fs, ordinals, durable=False)
+                sync(pin.index)
+                pins.append(pin)
+            else:
+                records += recs
+                files += fs
+        layout = "canonical" if world_size is None else "sharded"
+        if version[0] >= 2:
+            manifest = build_v2(state, splits(state, world_size), pins, layout=layout, world_size=world_size or 1)
+        else:
+            manifest = build(state, records, files, layout=layout, world_size=world_size or 1)
     except BaseException:
         _settle(syncing, quiet=True)
         discard(store, token)
         raise
     try:  # the fsyncs run while the manifest is validated and encoded
-        commit(store, manifest, token, previous=previous, wait=lambda: _settle(syncing))
+        commit(store, manifest, token, previous=previous, wait=lambda: _settle(syncing), indexes=indexes)
     finally:
         _settle(syncing, quiet=True)  # whatever commit did not wait for (it failed first)
     return manifest
@@ -359,7 +414,7 @@ def _settle(waits: list[Callable[[], None]], quiet: bool = False) -> None:
 
 def discard(store: Store, token: str, rank: int | None = None) -> None:
     """Best-effort removal of the files of a save that failed before its commit (of one rank's)."""
-    prefix = data_stem(token, rank) if rank is not None else f"data-{token}-"
+    prefix = (data_stem(token, rank), index_name(token, rank)) if rank is not None else (f"data-{token}-",)
     try:
         drop(store, [n for n in store.listing() if n.startswith(prefix) or (rank is None and _of_save(n, token))])
     except OSError:

@@ -23,7 +23,7 @@ from gefen_ckpt.format.manifest import encode
 
 from ckpt_util import Tiny, fresh_like, same, snapshot, train, trained
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("format_1x")]  # 1.x internals; 2.0: test_format2.py
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_truncated_or_garbage_manifest(ck, target, cut):
     refused(target, ck, CheckpointFormatError, "manifest.msgpack")
 
 
-@pytest.mark.parametrize("version, words", [([2, 0], "newer"), ([1, 7], None), ([0, 9], "not supported"),
+@pytest.mark.parametrize("version, words", [([3, 0], "newer"), ([1, 7], None), ([0, 9], "not supported"),
                                             ("1.0", "[major, minor]")])
 def test_format_versions(ck, target, source, version, words):
     rewrite_manifest(ck, lambda m: m.update(version=version))

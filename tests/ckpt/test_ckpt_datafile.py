@@ -22,7 +22,7 @@ from gefen_ckpt.storage import Store
 
 from ckpt_util import trained
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("format_1x")]  # 1.x internals; 2.0: test_format2.py
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from gefen_ckpt.format.dtypes import itemsize
 
 from ckpt_util import fresh_like, trained
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("format_1x")]  # 1.x internals; 2.0: test_format2.py
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 SCALARS = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=12)

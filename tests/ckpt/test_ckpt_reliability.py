@@ -27,6 +27,8 @@ from gefen_ckpt.format import writelock, writer
 
 from ckpt_util import fresh_like, same, snapshot, train, trained
 
+pytestmark = pytest.mark.usefixtures("format_1x")  # 1.x internals; 2.0: test_format2.py
+
 
 def _files(url) -> set[str]:
     return set(os.listdir(url))

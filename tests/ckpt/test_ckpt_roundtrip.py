@@ -9,7 +9,7 @@ import gefen_ckpt
 
 from ckpt_util import OPTIMIZERS, canonical_equal, fresh_like, same, snapshot, train, trained
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("format_1x")]  # 1.x internals; 2.0: test_format2.py
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))

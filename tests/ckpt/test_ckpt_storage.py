@@ -13,7 +13,7 @@ from gefen_ckpt.errors import CheckpointCorruptError, CheckpointIncompleteError
 
 from ckpt_util import fresh_like, same, snapshot, trained
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("format_1x")]  # 1.x internals; 2.0: test_format2.py
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 
 import gefen_ckpt
 from gefen import Gefen, contract_of
+from gefen_ckpt.format.manifest import open_checkpoint
+from gefen_ckpt.storage import Store
 from gefen_cli.app import app
 
 runner = CliRunner()
@@ -89,9 +91,8 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 def piece(path: Path, fqn: str, field: str) -> tuple[Path, int, int]:
     """(data file, byte offset, byte count) of the first stored piece of ``fqn/field``."""
-    manifest = gefen_ckpt.read_manifest(str(path))
-    p = manifest["params"][fqn]["fields"][field]["pieces"][0]
-    return path / manifest["files"][p["file"]]["name"], p["offset"], p["bytes"]
+    p = open_checkpoint(Store(str(path))).tensors[(fqn, field)].pieces[0]  # any format version
+    return path / p.file, p.offset, p.nbytes
 
 
 def flip_byte(file: Path, offset: int) -> None:
@@ -192,9 +193,8 @@ def test_inspect_verifies_the_codebook_it_reads(gefen_ckpt_dir, tmp_path):
     src, _, _ = gefen_ckpt_dir
     path = tmp_path / "ckpt"
     shutil.copytree(src, path)
-    manifest = gefen_ckpt.read_manifest(str(path))
-    p = manifest["globals"]["codebook"]["pieces"][0]
-    flip_byte(path / manifest["files"][p["file"]]["name"], p["offset"] + 5)
+    p = open_checkpoint(Store(str(path))).tensors[(None, "codebook")].pieces[0]
+    flip_byte(path / p.file, p.offset + 5)
     one_line_error(invoke("inspect", path), "checksum mismatch", "codebook")
 
 

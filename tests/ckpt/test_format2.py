@@ -1,0 +1,252 @@
+"""Format 2.0: row-split rules in the manifest, piece records in per-writer indexes.
+
+Round trips (and 1.x <-> 2.0), reads that touch only the indexes they need, the offline
+reshard's data size, and every bad index, rule or part refused by name before any tensor data
+is read and with the optimizer untouched."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import msgpack
+import pytest
+import torch
+
+import gefen_ckpt
+from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
+from gefen_ckpt.format import checksum
+from gefen_ckpt.format import manifest as mf
+from gefen_ckpt.format.index import chunk_rows
+from gefen_ckpt.format.manifest import encode, open_checkpoint
+from gefen_ckpt.storage import LocalStore, Store
+
+from ckpt_util import fresh_like, same, snapshot, trained
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def source():
+    return trained("gefen_factored", steps=3)
+
+
+@pytest.fixture(scope="module")
+def sharded(source, tmp_path_factory):
+    """The source's state written as 3 writers (format 2.0, the default)."""
+    model, opt = source
+    url = str(tmp_path_factory.mktemp("f2") / "ws3")
+    gefen_ckpt.write(gefen_ckpt.export_canonical(opt, model=model), url, world_size=3)
+    return url
+
+
+def _copy(url, tmp_path) -> str:
+    dst = str(tmp_path / "copy")
+    shutil.copytree(url, dst)
+    return dst
+
+
+def _tensors(state) -> dict:
+    return {k: s.read().clone() for k, s in state.tensors()}
+
+
+def test_2_0_is_the_default_and_round_trips_bitwise(source, sharded, tmp_path):
+    model, opt = source
+    raw = gefen_ckpt.read_manifest(sharded)
+    assert raw["version"] == [2, 0] and "files" not in raw and len(raw["writers"]) == 3
+    assert {r["parts"] for r in raw["rules"]} == {1, 3}  # replicated fields, and the 3-way chunk split
+    names = os.listdir(sharded)
+    assert sum(n.startswith("index-") for n in names) == 3
+    back_model, back = fresh_like(model, "gefen_factored")
+    gefen_ckpt.load(back, sharded, model=back_model)
+    assert same(snapshot(back, back_model), snapshot(opt, model))
+    assert gefen_ckpt.verify(sharded).ok
+
+
+def test_1_x_stays_readable_and_converts_both_ways(source, sharded, tmp_path, monkeypatch):
+    model, opt = source
+    want = _tensors(gefen_ckpt.export_canonical(opt, model=model))
+    monkeypatch.setattr(mf, "WRITE_VERSION", (1, 1))
+    old = str(tmp_path / "old")
+    gefen_ckpt.write(gefen_ckpt.read(sharded), old, world_size=2)  # 2.0 -> 1.1
+    monkeypatch.setattr(mf, "WRITE_VERSION", (2, 0))
+    assert gefen_ckpt.read_manifest(old)["version"] == [1, 1] and gefen_ckpt.verify(old).ok
+    got = _tensors(gefen_ckpt.read(old))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    back_model, back = fresh_like(model, "gefen_factored")
+    gefen_ckpt.load(back, old, model=back_model)  # a 1.x checkpoint loads as it always did
+    assert same(snapshot(back, back_model), snapshot(opt, model))
+    new = str(tmp_path / "new")
+    gefen_ckpt.write(gefen_ckpt.read(old), new, world_size=5)  # 1.1 -> 2.0
+    got = _tensors(gefen_ckpt.read(new))
+    assert all(torch.equal(want[k], got[k]) for k in want) and gefen_ckpt.verify(new).ok
+
+
+def test_a_read_of_some_rows_reads_only_the_indexes_holding_them(sharded):
+    m = open_checkpoint(Store(sharded), whole=False)
+    t = m.tensors[("embed.weight", "mv_code")]
+    a, b = chunk_rows(t.rows, 3, 1)
+    pieces = t.pieces_in(a, b)
+    assert m.indexes.reads == 1 and {p.file for p in pieces} == {n for n, _ in m.writers[1].files}
+    full = gefen_ckpt.read(sharded).params["embed.weight"].fields["mv_code"].read()
+    assert torch.equal(gefen_ckpt.read(sharded).params["embed.weight"].fields["mv_code"].read(a + 1, b + 1),
+                       full[a + 1:b + 1])  # across a writer boundary
+
+
+def test_memory_store_round_trip(source):
+    model, opt = source
+    url = "memory://gefen-format2/ws2"
+    gefen_ckpt.write(gefen_ckpt.export_canonical(opt, model=model), url, world_size=2)
+    got = _tensors(gefen_ckpt.read(url))
+    want = _tensors(gefen_ckpt.export_canonical(opt, model=model))
+    assert all(torch.equal(want[k], got[k]) for k in want) and gefen_ckpt.verify(url).ok
+
+
+def test_resharding_to_many_ranks_keeps_the_data_near_the_state_size(source, tmp_path):
+    model, opt = source
+    state = gefen_ckpt.export_canonical(opt, model=model)
+    url = str(tmp_path / "ws512")
+    gefen_ckpt.write(state, url, world_size=512)
+    names = os.listdir(url)
+    data = sum(os.path.getsize(os.path.join(url, n)) for n in names if n.startswith("data-"))
+    files = sum(n.startswith("data-") for n in names)
+    pieces = sum(len(t.pieces) for t in open_checkpoint(Store(url)).tensors.values())
+    # per data file a 128-byte header; a small piece starts at a multiple of its dtype's size
+    # (at most 7 bytes of padding): no per-piece header entry, no 64-byte alignment
+    assert data <= state.total_bytes() + 128 * files + 7 * pieces, (data, state.total_bytes(), files, pieces)
+    assert data - state.total_bytes() - 128 * files < 0.15 * state.total_bytes()
+    assert os.path.getsize(os.path.join(url, "manifest.msgpack")) < 64 * 1024 + 160 * 512
+    got = _tensors(gefen_ckpt.read(url))
+    assert all(torch.equal(s.read(), got[k]) for k, s in state.tensors())
+
+
+# ----- bad input: refused by name, before any tensor data is read ------------------------------
+@pytest.fixture
+def no_data_reads(monkeypatch):
+    """Fail the test if any data file is opened for reading (indexes are read with ``Store.read``)."""
+    opened = []
+    real = LocalStore.reader
+
+    def reader(self, name):
+        opened.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(LocalStore, "reader", reader)
+    return opened
+
+
+def refused(source, url, error, *needles, opened=None):
+    model, opt = source  # a trained optimizer: a refused load must leave its state as it was
+    before = snapshot(opt, model)
+    with pytest.raises(error) as info:
+        gefen_ckpt.load(opt, url, model=model)
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    assert same(before, snapshot(opt, model)), "the optimizer changed"
+    if opened is not None:
+        assert not [n for n in opened if n.startswith("data-")], opened
+    return str(info.value)
+
+
+def _rewrite(url, change):
+    path = os.path.join(url, mf.MANIFEST_NAME)
+    m = msgpack.unpackb(open(path, "rb").read())
+    change(m)
+    open(path, "wb").write(encode(m))
+
+
+def _index(url, writer=1) -> str:
+    return gefen_ckpt.read_manifest(url)["writers"][writer][0]
+
+
+def test_missing_index(source, sharded, tmp_path, no_data_reads):
+    url = _copy(sharded, tmp_path)
+    os.remove(os.path.join(url, _index(url)))
+    refused(source, url, CheckpointCorruptError, _index(url), "writer 1", "missing", opened=no_data_reads)
+
+
+def test_truncated_index(source, sharded, tmp_path, no_data_reads):
+    url = _copy(sharded, tmp_path)
+    path = os.path.join(url, _index(url))
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:-7])
+    refused(source, url, CheckpointCorruptError, _index(url), "truncated", opened=no_data_reads)
+
+
+def test_corrupt_index(source, sharded, tmp_path, no_data_reads):
+    url = _copy(sharded, tmp_path)
+    path = os.path.join(url, _index(url))
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(path, "wb").write(bytes(data))
+    refused(source, url, CheckpointCorruptError, _index(url), "checksum", opened=no_data_reads)
+
+
+def test_index_pin_that_disagrees_with_the_manifest(source, sharded, tmp_path, no_data_reads):
+    url = _copy(sharded, tmp_path)
+    _rewrite(url, lambda m: m["writers"][2].__setitem__(2, (m["writers"][2][2] + 1) % 2**32))
+    refused(source, url, CheckpointCorruptError, _index(url, 2), "checksum in the manifest", opened=no_data_reads)
+    url2 = str(tmp_path / "size")
+    shutil.copytree(sharded, url2)
+    _rewrite(url2, lambda m: m["writers"][0].__setitem__(1, m["writers"][0][1] + 1))
+    refused(source, url2, CheckpointCorruptError, _index(url2, 0), "the manifest says", opened=no_data_reads)
+
+
+def test_a_rule_that_does_not_tile_the_rows(source, sharded, tmp_path, no_data_reads):
+    url = _copy(sharded, tmp_path)
+
+    def short(m):
+        rule = next(r for r in m["rules"] if r["parts"] == 3)
+        rule["writers"] = rule["writers"][:2]
+
+    _rewrite(url, short)
+    refused(source, url, CheckpointFormatError, "rules[", "does not tile", opened=no_data_reads)
+
+
+def test_explicit_parts_that_overlap_or_leave_a_gap(source, sharded, tmp_path, no_data_reads):
+    for rows, words in (([[0, 10, 0], [5, 40, 1]], "overlap"), ([[0, 10, 0], [12, 40, 1]], "do not tile")):
+        url = str(tmp_path / words.replace(" ", "-"))
+        shutil.copytree(sharded, url)
+        _rewrite(url, lambda m, rows=rows: m["params"]["embed.weight"]["fields"]["mv_code"].__setitem__("split", rows))
+        refused(source, url, CheckpointFormatError, "embed.weight", "mv_code", words, opened=no_data_reads)
+
+
+def _rewrite_index(url, writer, change):
+    """Edit writer ``writer``'s index and re-pin it (size and CRC): the checks behind the pin."""
+    index = _index(url, writer)
+    path = os.path.join(url, index)
+    raw = msgpack.unpackb(open(path, "rb").read())
+    change(raw)
+    data = msgpack.packb(raw)
+    open(path, "wb").write(data)
+
+    def pin(m):
+        m["writers"][writer][1:3] = [len(data), checksum.update(0, data)]
+
+    _rewrite(url, pin)
+
+
+def test_index_pieces_that_overlap_or_miss_rows(source, sharded, tmp_path, no_data_reads):
+    def overlap(raw):
+        entry = max(raw["tensors"], key=lambda e: e[1][0][1] - e[1][0][0])
+        start, stop, f, offset, crc = entry[1][0]
+        entry[1][:] = [[start, stop - 1, f, offset, crc], [stop - 2, stop, f, offset, crc]]
+
+    def drop(raw):
+        raw["tensors"].pop(0)
+
+    for change, words in ((overlap, "overlap"), (drop, "its index has none of them")):
+        url = str(tmp_path / change.__name__)
+        shutil.copytree(sharded, url)
+        _rewrite_index(url, 0, change)
+        refused(source, url, CheckpointFormatError, _index(url, 0), words, opened=no_data_reads)
+        report = gefen_ckpt.verify(url)  # reads the data: it reports every problem
+        assert not report.ok and any(words in p for p in report.problems), report.problems
+        no_data_reads.clear()
+
+
+def test_a_missing_data_file_is_named(source, sharded, tmp_path):
+    url = _copy(sharded, tmp_path)
+    name = [n for n in os.listdir(url) if n.startswith("data-") and "-r00002-" in n][0]
+    os.remove(os.path.join(url, name))
+    refused(source, url, CheckpointCorruptError, name, "writer 2")
