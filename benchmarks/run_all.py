@@ -73,7 +73,7 @@ def run_one(name: str, quick: bool) -> dict:
         result = module.run(quick)
         _check(result)
         record = {"ok": True, "title": result["title"], "markdown": result["markdown"],
-                  "plots": [str(p) for p in result["plots"]]}
+                  "plots": [_in_repo(p) for p in result["plots"]]}
     except Exception as exc:  # report it in the docs, keep going
         record = {"ok": False, "title": f"bench_{name}", "markdown": "", "plots": [],
                   "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
@@ -97,12 +97,17 @@ def _check(result) -> None:
         raise FileNotFoundError(f"plots not written: {missing}")
 
 
+def _in_repo(path) -> str:
+    """A plot's path relative to the repository (the JSON record names no machine's folders)."""
+    return Path(os.path.relpath(Path(path).resolve(), ROOT)).as_posix()
+
+
 def publish_plots(name: str, plots: list[str]) -> list[str]:
     """Copy plots to docs/img/; return their paths relative to docs/."""
     IMG.mkdir(parents=True, exist_ok=True)
     links = []
     for plot in plots:
-        src = Path(plot)
+        src = ROOT / plot
         target = src.name if src.name.startswith(name) else f"{name}_{src.name}"
         if src.is_file():
             shutil.copyfile(src, IMG / target)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -41,6 +42,13 @@ _CONTRACT = OptimizerContract(
 )
 #: the hyperparameter names GefenMuon saved before it took torch.optim.Muon's (docs/decisions.md)
 LEGACY_HYPERPARAMETERS = ("ns_schedule", "adjust_lr")
+#: that layout's contract: the offline tools recognise a ``torch.save``d state_dict of it (the
+#: optimizer's own ``load_state_dict`` renames its groups with ``upgrade_group``)
+_LEGACY_CONTRACT = dataclasses.replace(
+    _CONTRACT, hyperparameters=("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_schedule", "normuon",
+                                "beta2", "eps", "adjust_lr"))
+#: every readable layout, the current one first
+CONTRACTS = {"current": _CONTRACT, "legacy": _LEGACY_CONTRACT}
 
 
 def upgrade_group(group: dict, defaults: dict) -> dict:

@@ -413,3 +413,25 @@ def test_legacy_gefen_ckpt_checkpoint_loads(tmp_path):
     assert (group["lr"], group["weight_decay"], group["adjust_lr_fn"], group["ns_coefficients"]) == (
         0.02, 0.0, "match_rms_adamw", STANDARD)
     assert torch.equal(fresh.state[fresh.param_groups[0]["params"][0]]["m_code"], opt.state[p]["m_code"])
+
+
+def test_legacy_torch_file_reads_offline_and_loads(tmp_path):
+    """A ``torch.save``d state_dict with the legacy names is recognised by the offline reader
+    (its contract is GefenMuon's legacy layout) and its canonical state loads into today's GefenMuon."""
+    import gefen_ckpt
+    from gefen_ckpt import formats
+
+    p = torch.nn.Parameter(torch.randn(16, 24, generator=torch.Generator().manual_seed(3)))
+    opt = GefenMuon([("w", p)], lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+    _legacy_run(2, p, opt)
+    sd = opt.state_dict()
+    sd["param_groups"] = [_legacy_group(g) for g in sd["param_groups"]]
+    torch.save(sd, tmp_path / "old.pt")
+    state = formats.open(str(tmp_path / "old.pt"))
+    assert state.contract.implementation == "gefen.GefenMuon"
+    assert "adjust_lr" in state.contract.hyperparameters
+    fresh = GefenMuon([("w", torch.nn.Parameter(p.detach().clone()))])
+    gefen_ckpt.import_canonical(fresh, state)
+    group = fresh.param_groups[0]
+    assert (group["lr"], group["adjust_lr_fn"], group["ns_coefficients"]) == (0.02, "match_rms_adamw", STANDARD)
+    assert torch.equal(fresh.state[group["params"][0]]["m_code"], opt.state[p]["m_code"])
