@@ -9,9 +9,9 @@ splits columns, each row's momentum scale (a max over the tensor-parallel dimens
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
-import dataclasses
 from collections.abc import Callable
 
 import torch

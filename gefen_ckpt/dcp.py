@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -95,7 +96,14 @@ from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
 from gefen_ckpt.format.manifest import parse_contract
 from gefen_ckpt.layout import chunk_rows, local_rows, rows_per_chunk, to_local
 from gefen_ckpt.layout import is_dtensor as _is_dtensor
-from gefen_ckpt.stock_dcp import ReadOnlyPlanner, find_flat_keys, find_stock_keys, read_stock
+from gefen_ckpt.stock_dcp import (
+    ReadOnlyPlanner,
+    find_flat_keys,
+    find_stock_keys,
+    flat_entries,
+    raw_values,
+    read_stock,
+)
 
 __all__ = [
     "GefenDCPState",
@@ -872,3 +880,28 @@ def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "opt
     if "." in key:
         raise ValueError(f"key {key!r}: use a top-level name without dots (DCP flattens nested keys with '.')")
     _save_offline(path, _CanonicalSavePlanner(state, key, chunk_bytes))
+
+
+def write_flat(state: CanonicalState, path, *, key: str, chunk_bytes: int = 256 << 20,
+               world_size: int | None = None) -> None:
+    """Write ``state`` as a DCP checkpoint in the flattened layout under ``key``, so that torch's
+    ``set_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``
+    and torchtitan's ``CheckpointManager`` resume from it. When ``state`` was read from a DCP
+    checkpoint, every entry of that checkpoint outside ``key`` (the model, LR schedulers,
+    dataloader and train state) is copied as it was, so the result is a whole checkpoint.
+
+    No process group; tensors are written in row chunks of at most ``chunk_bytes``, cut at the
+    ``torch.chunk`` boundaries of ``world_size`` ranks when given (each rank then reads only its
+    own chunks), read lazily from the sources."""
+    tensors, values = flat_entries(state, key)
+    mappings = {k: (key, k[len(key) + 1:]) for k in list(tensors) + list(values)}
+    source = state.metadata.get("path") if state.metadata.get("source_format") == "dcp" else None
+    if source is not None:
+        reader = _DCPReader(source)
+        smd, stored = reader.metadata.state_dict_metadata, reader.metadata.planner_data
+        others = [k for k in smd if not k.startswith(f"{state.metadata.get('key')}.")]
+        tensors.update({k: DCPSource(reader, k) for k in others if isinstance(smd[k], TensorStorageMetadata)})
+        values.update(raw_values(reader, [k for k in others if isinstance(smd[k], BytesStorageMetadata)]))
+        if isinstance(stored, dict):
+            mappings.update({k: tuple(stored[k]) for k in others if isinstance(stored.get(k), (tuple, list))})
+    write_sources(path, tensors, values, mappings, chunk_bytes=chunk_bytes, world_size=world_size)

@@ -156,7 +156,8 @@ def write(state, url: str, format: str = PORTABLE, *, world_size: int | None = N
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     if format == DCP:
-        from gefen_ckpt.stock_dcp import FLAT, write_flat
+        from gefen_ckpt.dcp import write_flat
+        from gefen_ckpt.stock_dcp import FLAT
 
         chunks = {"chunk_bytes": memory_budget // 4} if memory_budget else {}
         if state.metadata.get("dcp_layout") == FLAT:

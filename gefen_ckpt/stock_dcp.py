@@ -7,7 +7,7 @@ entry ``"<key>.param_groups.<i>.<name>"``. With ``StateDictOptions(flatten_optim
 True)`` (and in torchtitan, whose ``OptimizersContainer`` flattens the same way) the groups are
 flattened per parameter instead: ``"<key>.param_groups.<fqn>.<name>"``, no ``params`` entry; the
 groups are rebuilt from ``param_names`` when it was saved, else from equal hyperparameters.
-``write_flat`` writes that layout back, with every other entry of the source checkpoint (the
+``gefen_ckpt.dcp.write_flat`` writes that layout back, with every other entry of the source checkpoint (the
 model, schedulers, ...) copied as it was. Nothing records which optimizer wrote it, so the
 contract is inferred from the field and hyperparameter names, as for a ``torch.save``d
 state_dict. Gefen optimizers repeat their codebook in every parameter's state (torch's API
@@ -31,7 +31,7 @@ from gefen.contract import CHILD_KEY, LIKE_PARAM, composite_children
 from gefen_ckpt.canonical import CanonicalState, ParamState, global_key
 from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 
-__all__ = ["find_stock_keys", "find_flat_keys", "read_stock", "write_flat", "FLAT"]
+__all__ = ["find_stock_keys", "find_flat_keys", "read_stock", "flat_entries", "raw_values", "FLAT"]
 
 _STATE, _GROUPS = ".state.", ".param_groups."
 #: ``CanonicalState.metadata["dcp_layout"]`` of a state read from (and to be written as) the flat layout
@@ -235,7 +235,7 @@ def _saved(value) -> bytes:
     return buffer.getvalue()
 
 
-def _raw_values(reader, keys: list[str]) -> dict[str, bytes]:
+def raw_values(reader, keys: list[str]) -> dict[str, bytes]:
     """The stored bytes of each ``torch.save``d entry, unparsed (copied as they are)."""
     items = [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k), dest_offsets=torch.Size((0,)),
                       storage_index=MetadataIndex(k), storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
@@ -277,30 +277,3 @@ def flat_entries(state: CanonicalState, key: str) -> tuple[dict[str, object], di
         for name in sorted(fields):
             tensors[f"{key}{_STATE}{fqn}.{name}"] = fields[name]
     return tensors, values
-
-
-def write_flat(state: CanonicalState, path, *, key: str, chunk_bytes: int = 256 << 20,
-               world_size: int | None = None) -> None:
-    """Write ``state`` as a DCP checkpoint in the flattened layout under ``key``, so that torch's
-    ``set_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``
-    and torchtitan's ``CheckpointManager`` resume from it. When ``state`` was read from a DCP
-    checkpoint, every entry of that checkpoint outside ``key`` (the model, LR schedulers,
-    dataloader and train state) is copied as it was, so the result is a whole checkpoint.
-
-    No process group; tensors are written in row chunks of at most ``chunk_bytes``, cut at the
-    ``torch.chunk`` boundaries of ``world_size`` ranks when given (each rank then reads only its
-    own chunks), read lazily from the sources."""
-    from gefen_ckpt.dcp import DCPSource, _DCPReader, write_sources
-
-    tensors, values = flat_entries(state, key)
-    mappings = {k: (key, k[len(key) + 1:]) for k in list(tensors) + list(values)}
-    source = state.metadata.get("path") if state.metadata.get("source_format") == "dcp" else None
-    if source is not None:
-        reader = _DCPReader(source)
-        smd, stored = reader.metadata.state_dict_metadata, reader.metadata.planner_data
-        others = [k for k in smd if not k.startswith(f"{state.metadata.get('key')}.")]
-        tensors.update({k: DCPSource(reader, k) for k in others if isinstance(smd[k], TensorStorageMetadata)})
-        values.update(_raw_values(reader, [k for k in others if isinstance(smd[k], BytesStorageMetadata)]))
-        if isinstance(stored, dict):
-            mappings.update({k: tuple(stored[k]) for k in others if isinstance(stored.get(k), (tuple, list))})
-    write_sources(path, tensors, values, mappings, chunk_bytes=chunk_bytes, world_size=world_size)

@@ -24,6 +24,7 @@ import msgpack
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.dtypes import itemsize
+from gefen_ckpt.format.records import DECODING, PieceRecord, pieces_overlapping
 
 INDEX_FORMAT = "gefen-ckpt-index"
 #: An index is at most this large (a writer's pieces of every tensor: ~20 bytes per piece).
@@ -197,8 +198,6 @@ class SplitTensor:
         """The pieces holding rows ``[start, stop)``, sorted; reads (and validates) only the
         indexes of the writers holding those rows."""
         if self._all is not None:
-            from gefen_ckpt.format.manifest import pieces_overlapping
-
             return pieces_overlapping(self._all, start, stop)
         found = []
         for a, b, w in self.split.parts_in(self.rows, start, stop):
@@ -283,8 +282,6 @@ class IndexSet:
 
     def parse(self, writer: int, data: bytes) -> dict[int, tuple]:
         """ordinal -> sorted ``PieceRecord`` s of one writer's index, after every check."""
-        from gefen_ckpt.format.manifest import _DECODING, PieceRecord
-
         pin = self.writers[writer]
         where = self.store.path(pin.index) if self.store is not None else pin.index
         if len(data) != pin.index_bytes:
@@ -298,7 +295,7 @@ class IndexSet:
             raise CheckpointFormatError(f"{where}: {message}"[:500])
 
         try:
-            raw = msgpack.unpackb(data, **_DECODING)
+            raw = msgpack.unpackb(data, **DECODING)
         except Exception as exc:
             bad(f"index is not valid msgpack: {type(exc).__name__}: {exc}")
         if not (isinstance(raw, dict) and raw.get("format") == INDEX_FORMAT and raw.get("writer") == writer

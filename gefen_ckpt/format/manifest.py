@@ -9,7 +9,6 @@ files it points at. Unknown keys are ignored: minor versions may add optional ke
 
 from __future__ import annotations
 
-import bisect
 import datetime
 import math
 import re
@@ -30,6 +29,9 @@ from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, Che
 from gefen_ckpt.format import checksum
 from gefen_ckpt.format.datafile import ALIGNMENT
 from gefen_ckpt.format.dtypes import DTYPES, dtype_name, itemsize, plain
+from gefen_ckpt.format.records import DECODING as _DECODING
+from gefen_ckpt.format.records import MAX_STR as _MAX_STR
+from gefen_ckpt.format.records import PieceRecord, pieces_overlapping
 
 if TYPE_CHECKING:  # reading a manifest needs no torch
     from gefen_ckpt.canonical import CanonicalState, TensorSource
@@ -58,12 +60,10 @@ _TRAILER = msgpack.packb(MANIFEST_CHECKSUM) + b"\xce"
 #: decoded objects of any manifest within ``DECODE_MEMORY_FACTOR`` x its size (measured by
 #: tests/ckpt/test_ckpt_reliability.py on the worst shapes: tiny maps, short strings, nils).
 _BYTES_PER_CONTAINER = 16
-_MAX_LEN = 2**22  # elements of one array or map: params, files, pieces of one tensor
 DECODE_MEMORY_FACTOR = 32
 _MAX_INT = 2**62
 _MAX_NDIM = 16
 _MAX_DEPTH = 24
-_MAX_STR = 65536
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
@@ -72,31 +72,6 @@ _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 class FileRecord:
     name: str
     nbytes: int
-
-
-class PieceRecord(NamedTuple):
-    """Rows ``[rows[0], rows[1])`` of one tensor, stored as tensor ``key`` of data file ``file``.
-
-    ``fqn`` is None for optimizer-wide fields. Records are plain data (``to_dict``/``from_dict``)
-    so ranks can send theirs to the rank that commits the manifest.
-    """
-
-    fqn: str | None
-    field: str
-    rows: tuple[int, int]
-    file: str
-    key: str
-    offset: int
-    nbytes: int
-    checksum: int
-
-    def to_dict(self) -> dict:
-        return {"fqn": self.fqn, "field": self.field, "rows": list(self.rows), "file": self.file, "key": self.key,
-                "offset": self.offset, "bytes": self.nbytes, "checksum": self.checksum}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> PieceRecord:
-        return cls(d["fqn"], d["field"], tuple(d["rows"]), d["file"], d["key"], d["offset"], d["bytes"], d["checksum"])
 
 
 class TensorRecord(NamedTuple):
@@ -140,18 +115,6 @@ class Manifest:
     @property
     def index_files(self) -> tuple[FileRecord, ...]:
         return tuple(FileRecord(w.index, w.index_bytes) for w in self.writers)
-
-
-def pieces_overlapping(pieces: Sequence[PieceRecord], start: int, stop: int) -> tuple[PieceRecord, ...]:
-    """The pieces (sorted by rows, tiling) that overlap rows ``[start, stop)``."""
-    starts = [p.rows[0] for p in pieces]
-    out = []
-    for p in pieces[max(bisect.bisect_right(starts, start) - 1, 0):]:
-        if p.rows[0] >= max(stop, start + 1):
-            break
-        if p.rows[1] > start:
-            out.append(p)
-    return tuple(out)
 
 
 # ----- building -----------------------------------------------------------------------------
@@ -251,15 +214,6 @@ def decode(data: bytes) -> dict:
         raise CheckpointFormatError(f"manifest version {version} must end with its checksum "
                                     f"({MANIFEST_CHECKSUM}), which is missing: the manifest is damaged")
     return raw
-
-
-def _no_ext(code, data):
-    raise ValueError(f"msgpack extension type {code} is not allowed")
-
-
-#: msgpack's options for every decode of a manifest (docs/format.md, "Decoding limits")
-_DECODING = {"raw": False, "strict_map_key": True, "ext_hook": _no_ext, "max_str_len": _MAX_STR,
-             "max_bin_len": _MAX_STR, "max_ext_len": 0, "max_array_len": _MAX_LEN, "max_map_len": _MAX_LEN}
 
 
 # ----- validation helpers -------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""The records the manifest and the per-writer indexes share: a stored piece, the search for
+the pieces that overlap some rows, and msgpack's decoding limits (one module below both, so
+neither imports the other)."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import NamedTuple
+
+MAX_LEN = 2**22  # elements of one array or map: params, files, pieces of one tensor
+MAX_STR = 65536
+
+
+class PieceRecord(NamedTuple):
+    """Rows ``[rows[0], rows[1])`` of one tensor, stored as tensor ``key`` of data file ``file``.
+
+    ``fqn`` is None for optimizer-wide fields. Records are plain data (``to_dict``/``from_dict``)
+    so ranks can send theirs to the rank that commits the manifest.
+    """
+
+    fqn: str | None
+    field: str
+    rows: tuple[int, int]
+    file: str
+    key: str
+    offset: int
+    nbytes: int
+    checksum: int
+
+    def to_dict(self) -> dict:
+        return {"fqn": self.fqn, "field": self.field, "rows": list(self.rows), "file": self.file, "key": self.key,
+                "offset": self.offset, "bytes": self.nbytes, "checksum": self.checksum}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PieceRecord:
+        return cls(d["fqn"], d["field"], tuple(d["rows"]), d["file"], d["key"], d["offset"], d["bytes"], d["checksum"])
+
+
+def pieces_overlapping(pieces: Sequence[PieceRecord], start: int, stop: int) -> tuple[PieceRecord, ...]:
+    """The pieces (sorted by rows, tiling) that overlap rows ``[start, stop)``."""
+    starts = [p.rows[0] for p in pieces]
+    out = []
+    for p in pieces[max(bisect.bisect_right(starts, start) - 1, 0):]:
+        if p.rows[0] >= max(stop, start + 1):
+            break
+        if p.rows[1] > start:
+            out.append(p)
+    return tuple(out)
+
+
+def _no_ext(code, data):
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+#: msgpack's options for every decode of a manifest (docs/format.md, "Decoding limits")
+DECODING = {"raw": False, "strict_map_key": True, "ext_hook": _no_ext, "max_str_len": MAX_STR,
+            "max_bin_len": MAX_STR, "max_ext_len": 0, "max_array_len": MAX_LEN, "max_map_len": MAX_LEN}
