@@ -272,13 +272,9 @@ def held_out_loss(model: nn.Module, held: torch.Tensor, task: Task) -> float:
     return sum(losses) / len(losses)
 
 
-def train(text: str, optimizer: str, seed: int, task: Task = Task(), data=None) -> dict:
-    """Train one model; the held-out loss, the training-loss curve, state bytes and seconds."""
-    start = time.perf_counter()
-    train_data, held, vocab = corpus(text) if data is None else data
-    torch.manual_seed(seed)
-    model = CharLM(vocab, task)
-    opt = OPTIMIZERS[optimizer][1](model, task, seed)
+def fit(model, opt, train_data, task: Task, seed: int, after_step=None) -> list[float]:
+    """The recipe's training loop (warm-up + cosine LR, clipping 1.0, batches drawn from ``seed``);
+    ``after_step()`` runs after every step (probes that watch the gradients). The loss curve."""
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / task.warmup) * 0.5 * (1 + math.cos(math.pi * s / task.steps)))
     gen = torch.Generator().manual_seed(100 + seed)
@@ -291,7 +287,20 @@ def train(text: str, optimizer: str, seed: int, task: Task = Task(), data=None) 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         schedule.step()
+        if after_step is not None:
+            after_step()
         curve.append(loss.item())
+    return curve
+
+
+def train(text: str, optimizer: str, seed: int, task: Task = Task(), data=None) -> dict:
+    """Train one model; the held-out loss, the training-loss curve, state bytes and seconds."""
+    start = time.perf_counter()
+    train_data, held, vocab = corpus(text) if data is None else data
+    torch.manual_seed(seed)
+    model = CharLM(vocab, task)
+    opt = OPTIMIZERS[optimizer][1](model, task, seed)
+    curve = fit(model, opt, train_data, task, seed)
     params = sum(p.numel() for p in model.parameters())
     return {"text": text, "optimizer": optimizer, "seed": seed, "held_out": held_out_loss(model, held, task),
             "curve": curve, "state_bytes": state_bytes(opt), "params": params,

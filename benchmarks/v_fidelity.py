@@ -16,12 +16,10 @@ denominator used (``gefen.functional.decoded_second_moment``) with the exact one
 from __future__ import annotations
 
 import json
-import math
 
 import torch
-import torch.nn.functional as F
 
-from benchmarks.bench_quality import CharLM, Task, batch, corpus
+from benchmarks.bench_quality import CharLM, Task, corpus, fit
 from gefen.functional import decoded_second_moment
 from gefen.stochastic import ratio_table
 
@@ -38,22 +36,15 @@ def probe(text: str = "stdlib", seed: int = 0, task: Task = SHORT, data=None, **
     model = CharLM(vocab, task)
     opt = Gefen(model.named_parameters(), lr=task.lr, weight_decay=task.weight_decay, seed=seed, **gefen_kw)
     b2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / task.warmup) * 0.5 * (1 + math.cos(math.pi * s / task.steps)))
-    gen = torch.Generator().manual_seed(100 + seed)
     coded = [p for p in model.parameters() if p.dim() >= 2]
     exact = {p: torch.zeros(p.shape[0], p[0].numel()) for p in coded}
-    for _ in range(task.steps):
-        x, y = batch(train_data, task, gen)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
+
+    def track_g2():
         for p in coded:
             g = p.grad.reshape(exact[p].shape).float()
             exact[p].mul_(b2).add_(g * g, alpha=1 - b2)
+
+    fit(model, opt, train_data, task, seed, after_step=track_g2)
     ratio = ratio_table(opt.v_codebook)
     bc2 = 1 - b2**task.steps
     logs, factors, spread, per_matrix = [], [], [], []
