@@ -400,9 +400,9 @@ def reshard(
     max_file_bytes: Annotated[str | None, typer.Option(
         "--max-file-bytes", help="Largest data file, e.g. 2GiB (default).")] = None,
     to: Annotated[ShardedTarget, typer.Option(
-        "--to", help="Output format: portable (our sharded layout) or dcp (GefenDCPState's layout; torch's "
-                     "flattened optimizer layout, with the rest of SRC, when SRC is a DCP checkpoint in it); for a "
-                     "torch.save file use `convert`.")] = ShardedTarget.portable,
+        "--to", help="Output format: portable (our sharded layout) or dcp (torch's layout, flattened and "
+                     "with the rest of SRC when SRC is a DCP checkpoint in that layout); for a torch.save file use "
+                     "`convert`.")] = ShardedTarget.portable,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the plan (bytes each target rank will read) and write nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,

@@ -1,33 +1,23 @@
-"""``torch.distributed.checkpoint`` (DCP) integration (docs/design.md 8, ``docs/dcp.md``).
+"""``torch.distributed.checkpoint`` (DCP) on torch's stock state_dict route (docs/design.md 8,
+``docs/dcp.md``).
 
-``GefenDCPState(optimizer)`` is a DCP ``Stateful`` that presents an optimizer's state with
-*global* shapes, so stock ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` reshard it natively,
-still compressed (uint8 codes stay uint8) and bit-exact:
+Gefen's optimizers present DTensor fields with global shapes and the codebooks inside
+``state``, so torch's ``get_state_dict`` / ``set_state_dict`` + ``dcp.save`` / ``dcp.load``
+reshard them like AdamW's. This module adds, on that same layout:
 
-* row-sharded fields (geometries ``param``, ``block``, ``row``) of a DTensor parameter become
-  DTensors built with ``DTensor.from_local`` on the parameter's mesh and placements, so each
-  rank writes and reads only its own rows (uneven and empty shards included);
-* replicated fields (``scalar``, ``col``, optimizer-wide ``global`` fields such as the codebook)
-  are plain tensors, which DCP writes once;
-* the namespace is flat: ``"<fqn>/<field>"``, ``"__global__/<key>"`` and ``"__gefen__"``, a
-  uint8 tensor holding msgpack (never pickle) with the contract, the param groups and each
-  parameter's global shape/dtype/owning child.
-
-``GefenSavePlanner`` additionally records that description in DCP's metadata, so that
-``GefenLoadPlanner`` can check the contract and schema version and the FQNs and shapes against
-the live optimizer *before any tensor is read*, and allocate destination buffers for an
-optimizer that has no state yet (block shapes depend on periods stored in the checkpoint).
-``GefenDCPState.load_state_dict`` then assembles a ``CanonicalState`` and imports it: every rank
-validates and stages first, the ranks agree (one all-reduce), and only then does any rank
-publish, so a failure anywhere raises everywhere and leaves every optimizer untouched.
-
-Plain ``dcp.load`` without ``GefenLoadPlanner`` works only into an optimizer that already has
-state of the same geometry (DCP then reads in place into the live state, so only DCP's own
-pre-read checks come before mutation); into a fresh optimizer it raises
-``CheckpointMismatchError`` asking for the planner, and changes nothing.
-
-``read_dcp(path)`` / ``write_dcp(state, path)`` convert between this layout and a
-``CanonicalState`` offline, with no process group and memory bounded by one stored chunk.
+* ``GefenDCPState(optimizer)``: a ``Stateful`` whose ``state_dict()`` is the optimizer's own,
+  keyed by FQN as ``get_optimizer_state_dict`` keys it (``<key>.state.<fqn>.<field>``,
+  ``<key>.param_groups.<i>.<name>``), plus a record (``<key>.gefen_ckpt``: msgpack bytes with the
+  contract and every parameter's shape and dtype). Its ``load_state_dict`` stages the loaded state
+  with the optimizer's own staging, the ranks agree, and only then does any rank publish.
+* ``GefenSavePlanner`` copies each record into DCP's metadata, so ``GefenLoadPlanner`` checks the
+  contract, schema version, FQNs and shapes against the live optimizer before any tensor is read,
+  checks every stored field against the live contract, and allocates fresh buffers of the stored
+  shapes (DTensors on the parameter's mesh), so a fresh optimizer loads without a step and DCP
+  never reads into live state.
+* ``read_dcp`` / ``write_dcp``: a DCP checkpoint <-> ``CanonicalState`` offline, no process group,
+  memory bounded by one stored chunk (``gefen_ckpt.stock_dcp`` parses the layout;
+  ``gefen_ckpt.dcp_legacy`` reads the description layout).
 """
 
 from __future__ import annotations
@@ -66,14 +56,11 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.stateful import Stateful
 
-from gefen.contract import (
-    FieldSpec,
-    OptimizerContract,
-    contract_of,
-)
-from gefen.distributed import as_field_dtensor
+from gefen.contract import OptimizerContract, contract_of
+from gefen.distributed import as_field_dtensor, field_placements
 from gefen_ckpt import collective
-from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
+from gefen_ckpt.canonical import CanonicalState, TensorSource
+from gefen_ckpt.dcp_legacy import find_legacy_keys, read_legacy, unpack
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -82,241 +69,131 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
 )
 from gefen_ckpt.exchange import (
-    LiveOptimizer,
-    LiveParam,
     check_contract,
     check_param_shape,
     check_same_params,
-    check_schema,
     field_spec,
-    live_view,
+    group_fqns,
+    leaves,
     load_agreed,
+    names_from_model,
+    stage_state_dict,
 )
-from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
+from gefen_ckpt.format.dtypes import dtype_name
 from gefen_ckpt.format.manifest import parse_contract
-from gefen_ckpt.layout import chunk_rows, local_rows, rows_per_chunk, to_local
-from gefen_ckpt.layout import is_dtensor as _is_dtensor
+from gefen_ckpt.layout import chunk_rows, is_dtensor, rows_per_chunk, to_local
 from gefen_ckpt.stock_dcp import (
+    FLAT,
     ReadOnlyPlanner,
     find_flat_keys,
     find_stock_keys,
-    flat_entries,
     raw_values,
     read_stock,
+    read_values,
+    saved_value,
+    stock_entries,
 )
 
 __all__ = [
     "GefenDCPState",
     "GefenSavePlanner",
     "GefenLoadPlanner",
+    "fqn_state_dict",
     "read_dcp",
     "write_dcp",
-    "find_gefen_keys",
+    "write_sources",
     "safe_load_dcp_metadata",
     "DCPSource",
-    "META_KEY",
-    "GLOBAL_PREFIX",
+    "RECORD_KEY",
     "PLANNER_DATA_KEY",
-    "DCP_FORMAT",
-    "DCP_FORMAT_VERSION",
 ]
 
-#: key (inside the Stateful's namespace) of the uint8 msgpack description
-META_KEY = "__gefen__"
-#: prefix of optimizer-wide fields: ``"__global__/codebook"``, ``"__global__/<child>/codebook"``
-GLOBAL_PREFIX = "__global__/"
-#: key under ``Metadata.planner_data`` where ``GefenSavePlanner`` records each optimizer
+#: key, inside an optimizer's namespace, of the record (msgpack bytes: contract, shapes, dtypes)
+RECORD_KEY = "gefen_ckpt"
+#: key under ``Metadata.planner_data`` where ``GefenSavePlanner`` copies each record
 PLANNER_DATA_KEY = "gefen_ckpt.dcp"
-DCP_FORMAT = "gefen-dcp"
-DCP_FORMAT_VERSION = 1
-
-_MAGIC = b"GEFNDCP\x01"
-_HEADER = len(_MAGIC) + 8
-#: the description tensor is padded to a multiple of this, so that the same optimizer encodes
-#: to the same size whatever its hyperparameter values (needed by plain ``dcp.load``)
-_META_PAD = 4096
-_MAX_META = 1 << 30
+_STATE, _GROUPS = "state.", "param_groups."
 
 
-# ----- the msgpack description ---------------------------------------------------------------
-def _encode_meta(meta: dict) -> torch.Tensor:
-    body = msgpack.packb(meta, use_bin_type=True)
-    size = -(-(_HEADER + len(body)) // _META_PAD) * _META_PAD
-    buf = bytearray(size)
-    buf[: len(_MAGIC)] = _MAGIC
-    buf[len(_MAGIC):_HEADER] = len(body).to_bytes(8, "little")
-    buf[_HEADER:_HEADER + len(body)] = body
-    return torch.frombuffer(buf, dtype=torch.uint8).clone()
+# ----- the record ------------------------------------------------------------------------------
+def _record(contract: OptimizerContract, fqns: list[str], shapes: Mapping[str, tuple], world_size: int | None) -> bytes:
+    """``fqns``: every parameter of the optimizer; ``shapes``: fqn -> (global shape, dtype) where known."""
+    return msgpack.packb({"contract": contract.to_dict(), "world_size": world_size, "fqns": list(fqns),
+                          "params": [[fqn, list(shape), dtype_name(dtype)] for fqn, (shape, dtype) in shapes.items()]},
+                         use_bin_type=True)
 
 
-def _meta_bytes(tensor: torch.Tensor) -> bytes:
-    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
-        raise CheckpointFormatError(f"the {META_KEY!r} entry is not a 1-D uint8 tensor")
-    data = tensor.detach().cpu().numpy().tobytes()
-    if len(data) < _HEADER or data[: len(_MAGIC)] != _MAGIC:
-        raise CheckpointFormatError(f"the {META_KEY!r} entry is not a gefen DCP description (bad magic)")
-    length = int.from_bytes(data[len(_MAGIC):_HEADER], "little")
-    if length > len(data) - _HEADER:
-        raise CheckpointFormatError(f"the {META_KEY!r} entry claims {length} bytes but holds {len(data) - _HEADER}")
-    return data[_HEADER:_HEADER + length]
+def _decode_record(data: Any, what: str) -> dict:
+    record = unpack(data, what) if isinstance(data, bytes) else None
+    params = record.get("params") if isinstance(record, dict) else None
+    if not isinstance(params, list) or not all(isinstance(p, list) and len(p) == 3 and isinstance(p[0], str)
+                                               and isinstance(p[1], list) for p in params) \
+            or not isinstance(record.get("fqns"), list) or not all(isinstance(f, str) for f in record["fqns"]):
+        raise CheckpointFormatError(f"{what} is malformed")
+    record["contract"] = parse_contract(record.get("contract"), what)
+    record["params"] = {fqn: tuple(shape) for fqn, shape, _ in params}
+    return record
 
 
-def _unpack(body: bytes, what: str) -> Any:
-    if len(body) > _MAX_META:
-        raise CheckpointFormatError(f"{what} is implausibly large ({len(body)} bytes)")
-    try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise CheckpointFormatError(f"{what} is not valid msgpack: {exc}") from None
-
-
-def _decode_meta(body: bytes) -> dict:
-    return _check_meta(_unpack(body, "the gefen DCP description"))
-
-
-def _check_meta_entry(md, what: str) -> None:
-    """The stored description must be a 1-D uint8 tensor of a plausible size (checked before reading it)."""
-    if not isinstance(md, TensorStorageMetadata) or md.properties.dtype != torch.uint8 or len(md.size) != 1 \
-            or md.size[0] > _MAX_META:
-        raise CheckpointFormatError(f"{what} is not a plausible description tensor")
-
-
-def _planner_record(metadata: Metadata, key: str) -> Any:
-    """What ``GefenSavePlanner`` (or ``write_dcp``) recorded for the state saved under ``key``, decoded
-    (None: nothing)."""
+def _planner_record(metadata: Metadata, key: str) -> dict | None:
     data = metadata.planner_data
-    record = (data.get(PLANNER_DATA_KEY) or {}).get(key) if isinstance(data, dict) else None
-    return None if record is None else _unpack(record, f"the planner record of {key!r}")
+    raw = (data.get(PLANNER_DATA_KEY) or {}).get(key) if isinstance(data, dict) else None
+    return None if raw is None else _decode_record(raw, f"the planner record of {key!r}")
 
 
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise CheckpointFormatError(f"malformed gefen DCP description: {msg}")
+def _check_record(record: dict, optimizer, live: Mapping[str, tuple]) -> None:
+    """Contract, schema, FQNs and shapes of a checkpoint's record vs the live optimizer."""
+    check_contract(contract_of(optimizer), record["contract"])
+    check_same_params(live, record["fqns"])
+    for fqn, shape in record["params"].items():
+        check_param_shape(fqn, shape, live[fqn][0])
 
 
-def _is_shape(value) -> bool:
-    return isinstance(value, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value)
+# ----- the live optimizer, keyed by FQN ----------------------------------------------------------
+def _live(optimizer, model) -> tuple[list[list[str]], dict[str, tuple]]:
+    """(FQNs of each of ``optimizer.param_groups``, fqn -> (parameter, its leaf contract))."""
+    contract, names = contract_of(optimizer), names_from_model(model)
+    leaf_of = {id(p): (p, leaf) for _, opt, leaf in leaves(optimizer, contract)
+               for g in opt.param_groups for p in g["params"]}
+    groups, live = [], {}
+    for g in optimizer.param_groups:
+        fqns = group_fqns(g, names, contract.implementation)
+        groups.append(fqns)
+        for fqn, p in zip(fqns, g["params"]):
+            if fqn in live:
+                raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
+            live[fqn] = leaf_of[id(p)]
+    return groups, live
 
 
-def _check_meta(meta: Any) -> dict:
-    """Structural validation of a decoded description (hostile input gets CheckpointFormatError)."""
-    _need(isinstance(meta, dict), "not a map")
-    _need(meta.get("format") == DCP_FORMAT, f"format {meta.get('format')!r}, expected {DCP_FORMAT!r}")
-    version = meta.get("format_version")
-    _need(isinstance(version, int), "format_version missing")
-    if version > DCP_FORMAT_VERSION:
-        raise CheckpointFormatError(
-            f"gefen DCP format version {version} is newer than this gefen_ckpt ({DCP_FORMAT_VERSION})"
-        )
-    _need(isinstance(meta.get("schema_version"), int), "schema_version missing")
-    check_schema(meta["schema_version"])
-    _need(isinstance(meta.get("contract"), dict), "contract missing")
-    meta["contract"] = parse_contract(meta["contract"], "the gefen DCP description's contract")
-    groups = meta.get("param_groups")
-    _need(isinstance(groups, list) and all(isinstance(g, dict) for g in groups), "param_groups must be a list of maps")
-    for g in groups:
-        _need(isinstance(g.get("params"), list) and all(isinstance(f, str) for f in g["params"]),
-              "a param group's params must be a list of FQNs")
-    params = meta.get("params")
-    _need(isinstance(params, list), "params must be a list")
-    out = {}
-    for entry in params:
-        _need(isinstance(entry, list) and len(entry) == 5, "a param entry must be [fqn, shape, dtype, child, state]")
-        fqn, shape, dtype, child, has_state = entry
-        _need(isinstance(fqn, str), "param FQN must be a string")
-        _need(shape is None or _is_shape(shape), f"{fqn}: bad shape {shape!r}")
-        _need(child is None or isinstance(child, str), f"{fqn}: bad child {child!r}")
-        _need(isinstance(has_state, bool), f"{fqn}: bad state flag")
-        _need(not has_state or (shape is not None and dtype is not None), f"{fqn}: has state but no shape/dtype")
-        _need(fqn not in out, f"parameter {fqn!r} listed twice")
-        out[fqn] = (None if shape is None else tuple(shape),
-                    None if dtype is None else torch_dtype(dtype, f"malformed gefen DCP description: {fqn}"),
-                    child, has_state)
-    meta["params"] = out
-    return meta
+def fqn_state_dict(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> dict:
+    """``optimizer.state_dict()`` keyed by FQN, as torch's ``get_optimizer_state_dict`` keys it:
+    ``{"state": {fqn: fields}, "param_groups": [{..., "params": [fqn, ...]}]}`` (no copy)."""
+    groups, _ = _live(optimizer, model)
+    fqns = [fqn for group in groups for fqn in group]
+    sd = optimizer.state_dict()
+    return {"state": {fqns[i]: dict(entry) for i, entry in sd["state"].items()},
+            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in sd["param_groups"]]}
 
 
-def _meta_dict(contract: OptimizerContract, groups: list[dict], params: dict[str, tuple]) -> dict:
-    """The description of an optimizer whose ``params`` are fqn -> (shape, dtype, child, has
-    state); shape and dtype may be None for a parameter without state."""
-    return {
-        "format": DCP_FORMAT,
-        "format_version": DCP_FORMAT_VERSION,
-        "schema_version": contract.schema_version,
-        "contract": contract.to_dict(),
-        "param_groups": groups,
-        "params": [[fqn, None if shape is None else list(shape), None if dtype is None else dtype_name(dtype),
-                    child, has_state] for fqn, (shape, dtype, child, has_state) in params.items()],
-    }
-
-
-# ----- the live optimizer, seen through its contract ----------------------------------------
-def _global_spec(contract: OptimizerContract, key: str) -> FieldSpec:
-    """The optimizer-wide field ``key`` (``"<child>/<name>"`` in a composite optimizer); KeyError if none."""
-    child, name = key.split("/", 1) if "/" in key else (None, key)
-    for f in contract.leaf(child).global_fields:
-        if f.name == name:
-            return f
-    raise KeyError(key)
-
-
-def _as_global(fqn: str, name: str, value: torch.Tensor, lp: LiveParam, spec: FieldSpec) -> torch.Tensor:
-    """A rank-local field as DCP should see it: a DTensor of the global shape when row-sharded."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor) or not spec.row_sharded or not _is_dtensor(lp.param) or value.dim() == 0:
-        return value
-    start, stop = local_rows(lp.param, fqn)
-    if value.shape[0] != stop - start:
-        raise CheckpointMismatchError(
-            f"{fqn}/{name}: this rank holds {value.shape[0]} rows but owns rows [{start}, {stop}) of the parameter"
-        )
-    shape = (lp.param.shape[0] if lp.param.dim() else 1, *value.shape[1:])
-    return as_field_dtensor(value.contiguous(), lp.param, spec.geometry, shape)
-
-
-# ----- sources over what dcp.load filled in --------------------------------------------------
-def _source_of(value: torch.Tensor) -> TensorSource:
-    if _is_dtensor(value):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        local = value.to_local()
-        if value.dim() == 0:
-            return EagerSource(local)
-        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return LocalPart(local, offset[0], tuple(value.shape), True)
-    return EagerSource(value)
-
-
-def _split_key(key: str) -> tuple[str, str] | None:
-    """``"<fqn>/<field>"`` -> (fqn, field); None for the description and global fields."""
-    if key == META_KEY or key.startswith(GLOBAL_PREFIX) or "/" not in key:
-        return None
-    fqn, name = key.rsplit("/", 1)
-    return fqn, name
-
-
-def _canonical(meta: dict, entries: Mapping[str, Any], *, what: str) -> CanonicalState:
-    """A CanonicalState from a checked description and ``key -> tensor/source`` entries."""
-    params: dict[str, ParamState] = {}
-    global_fields: dict[str, TensorSource] = {}
-    described = meta["params"]
-    for key, value in entries.items():
-        if key == META_KEY:
-            continue
-        source = value if not isinstance(value, torch.Tensor) else _source_of(value)
-        if key.startswith(GLOBAL_PREFIX):
-            global_fields[key[len(GLOBAL_PREFIX):]] = source
-            continue
-        split = _split_key(key)
-        if split is None or split[0] not in described or not described[split[0]][3]:
-            raise CheckpointFormatError(f"{what}: entry {key!r} belongs to no parameter with state")
-        fqn, name = split
-        shape, dtype, child, _ = described[fqn]
-        entry = params.setdefault(fqn, ParamState(shape, dtype, {}, child))
-        entry.fields[name] = source
-    return CanonicalState(meta["contract"], meta["param_groups"], params, global_fields,
-                          metadata={"source_format": "dcp"})
+def _index_keyed(sd: Mapping, optimizer, groups: list[list[str]]) -> dict:
+    """The inverse of :func:`fqn_state_dict`, checked against the live groups (fail before mutation:
+    a torch optimizer's ``load_state_dict`` would change the optimizer before it refuses)."""
+    saved = list(sd.get("param_groups") or [])
+    if len(saved) != len(groups):
+        raise CheckpointMismatchError(f"checkpoint has {len(saved)} param groups, the optimizer has {len(groups)}")
+    index = {fqn: i for i, fqn in enumerate(f for g in groups for f in g)}
+    out_groups = []
+    for gi, (fqns, live, group) in enumerate(zip(groups, optimizer.param_groups, saved)):
+        if not isinstance(group, Mapping) or sorted(map(str, group.get("params") or ())) != sorted(fqns):
+            raise CheckpointMismatchError(f"param group {gi} has different members")
+        out_groups.append({**{k: v for k, v in live.items() if k != "params"}, **group,
+                           "params": [index[f] for f in fqns]})
+    unknown = sorted(set(sd.get("state") or {}) - set(index))
+    if unknown:
+        raise CheckpointMismatchError(f"checkpoint has state for {unknown[:3]}, which the optimizer does not hold")
+    state = {index[fqn]: {k: v for k, v in entry.items()} for fqn, entry in (sd.get("state") or {}).items()}
+    return {"state": state, "param_groups": out_groups}
 
 
 # ----- the Stateful ------------------------------------------------------------------------------
@@ -327,10 +204,9 @@ class _GefenStateDict(dict):
 
     __slots__ = ("owner", "planned")
 
-    def __init__(self, owner: GefenDCPState):
+    def __init__(self, owner: GefenDCPState, planned: bool = False):
         super().__init__()
-        self.owner = owner
-        self.planned = False
+        self.owner, self.planned = owner, planned
 
     def __reduce__(self):
         return (dict, (dict(self),))
@@ -345,7 +221,7 @@ class _GefenStateDict(dict):
 
 
 class GefenDCPState(Stateful):
-    """An optimizer's state as a DCP ``Stateful`` with global shapes.
+    """An optimizer's state as a DCP ``Stateful``, in torch's stock layout plus a record.
 
     Save::
 
@@ -366,54 +242,35 @@ class GefenDCPState(Stateful):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
                  process_group=None, no_dist: bool = False, timeout: float | None = None):
-        self.optimizer = optimizer
-        self.model = model
-        self.process_group = process_group
-        self.no_dist = no_dist
-        self.timeout = timeout
+        self.optimizer, self.model = optimizer, model
+        self.process_group, self.no_dist, self.timeout = process_group, no_dist, timeout
         contract_of(optimizer)  # fail now for an optimizer without a contract
 
     def state_dict(self) -> dict[str, Any]:
-        """Live views (no copy): rank-local rows as DTensors of the global shape where the field is
-        row-sharded along a DTensor parameter, plain tensors otherwise, plus the description."""
-        live = live_view(self.optimizer, self.model)
+        """The optimizer's state_dict keyed by FQN (live views, no copy) and the record."""
         out = _GefenStateDict(self)
-        out[META_KEY] = _encode_meta(_meta_dict(live.contract, live.groups, {
-            fqn: (lp.param.shape, lp.param.dtype, lp.child, lp.state is not None) for fqn, lp in live.params.items()}))
-        for key in sorted(live.global_fields):
-            out[GLOBAL_PREFIX + key] = live.global_fields[key]
-        for fqn, lp in live.params.items():
-            for name in sorted(lp.state or {}):
-                spec = field_spec(lp.contract, fqn, name)
-                out[f"{fqn}/{name}"] = _as_global(fqn, name, lp.state[name], lp, spec)
+        out.update(fqn_state_dict(self.optimizer, self.model))
+        _, live = _live(self.optimizer, self.model)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        out[RECORD_KEY] = _record(contract_of(self.optimizer), list(live),
+                                  {f: (p.shape, p.dtype) for f, (p, _) in live.items()}, world)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Import what ``dcp.load`` read into ``state_dict`` (fail before mutation, on all ranks)."""
+        """Stage what ``dcp.load`` read, agree with the other ranks, publish (fail before mutation)."""
         with collective.deadline(self.timeout):
-            load_agreed(self.optimizer, lambda: self._to_canonical(state_dict), self.model,
-                        "loading the optimizer state (DCP)", self.process_group, alone=self.no_dist)
+            load_agreed(lambda: self._stage(state_dict), "loading the optimizer state (DCP)", self.process_group,
+                        alone=self.no_dist)
 
-    def _to_canonical(self, state_dict: Mapping[str, Any]) -> CanonicalState:
-        if META_KEY not in state_dict:
+    def _stage(self, state_dict: Mapping[str, Any]):
+        groups, live = _live(self.optimizer, self.model)
+        if not getattr(state_dict, "planned", False) and not state_dict.get("state") and live:
             raise CheckpointMismatchError(
-                "nothing was loaded into GefenDCPState: the checkpoint has no gefen description under "
-                "this key, or the optimizer has no state yet and dcp.load ran without "
-                "planner=GefenLoadPlanner() (which allocates the buffers a fresh optimizer lacks)"
-            )
-        meta = _decode_meta(_meta_bytes(state_dict[META_KEY]))
-        planned = getattr(state_dict, "planned", False)
-        present = {fqn for key in state_dict if (s := _split_key(key)) is not None for fqn in [s[0]]}
-        lacking = [fqn for fqn, (_, _, _, has) in meta["params"].items() if has and fqn not in present]
-        if lacking:
-            if not planned:
-                raise CheckpointMismatchError(
-                    f"the checkpoint has state for {lacking[:3]} but this optimizer has no state buffers for "
-                    "them: load with dcp.load(..., planner=GefenLoadPlanner()) (plain dcp.load only works "
-                    "into an optimizer that already has state of the same geometry)"
-                )
-            raise CheckpointFormatError(f"the checkpoint describes state for {lacking[:3]} but stores none")
-        return _canonical(meta, state_dict, what="DCP checkpoint")
+                "nothing was loaded into GefenDCPState: the optimizer has no state yet and dcp.load ran without "
+                "planner=GefenLoadPlanner() (which allocates the buffers a fresh optimizer lacks)")
+        if (raw := state_dict.get(RECORD_KEY)) is not None:
+            _check_record(_decode_record(raw, "the checkpoint's gefen_ckpt record"), self.optimizer, live)
+        return stage_state_dict(self.optimizer, _index_keyed(state_dict, self.optimizer, groups))
 
 
 # ----- planners ---------------------------------------------------------------------------------
@@ -426,122 +283,111 @@ def _find_gefen_dicts(state_dict: Mapping, path: tuple = ()) -> Iterator[tuple[t
 
 
 class GefenSavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` that records each ``GefenDCPState``'s description (contract, schema
-    version, param groups, shapes) in ``Metadata.planner_data[PLANNER_DATA_KEY]``, where
-    ``GefenLoadPlanner`` checks it before any tensor is read.
-
-    Memory: ``GefenDCPState.state_dict()`` hands DCP live views of each rank's own rows, so
-    saving allocates nothing beyond DCP's own write buffers (no gather, no copy of the state)."""
+    """``DefaultSavePlanner`` that copies each ``GefenDCPState``'s record (contract, schema
+    version, shapes) into ``Metadata.planner_data[PLANNER_DATA_KEY]``, where ``GefenLoadPlanner``
+    checks it before any tensor is read. Saving allocates nothing beyond DCP's own write path:
+    ``GefenDCPState`` hands DCP views of each rank's own state."""
 
     def set_up_planner(self, state_dict, storage_meta: StorageMeta | None = None, is_coordinator: bool = False):
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         # found by key, not by type: async_save hands the planner a staged (copied) state dict
-        self._gefen_records = {}
-        for key, value in self.state_dict.items():
-            if (owner := _owner_key(key)) is not None:
-                world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-                record = {"meta": _meta_bytes(value), "topology": {"world_size": world}}
-                self._gefen_records[owner] = msgpack.packb(record, use_bin_type=True)
+        self._records = {key[: -len(RECORD_KEY) - 1]: value for key, value in self.state_dict.items()
+                         if key.endswith("." + RECORD_KEY) and isinstance(value, bytes)}
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = super().create_global_plan(all_plans)
-        planner_data = dict(metadata.planner_data or {})
-        planner_data[PLANNER_DATA_KEY] = dict(getattr(self, "_gefen_records", {}))
+        planner_data = {**(metadata.planner_data or {}), PLANNER_DATA_KEY: dict(getattr(self, "_records", {}))}
         self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
         return plans, self.metadata
 
 
 class GefenLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that, for every ``GefenDCPState`` in the state dict, checks the
-    checkpoint against the live optimizer (contract, schema version, FQNs, shapes, dtypes)
-    before anything is read, and allocates fresh destination buffers of the stored global
-    shapes (this rank's rows only), so loading works into a fresh optimizer and never writes
-    into live state. Errors are ``CheckpointMismatchError``/``CheckpointFormatError``; ``dcp.load``
-    delivers them wrapped in its ``CheckpointException`` (on every rank)."""
+    checkpoint against the live optimizer (the record: contract, schema version, FQNs, shapes;
+    every stored field: its dtype and shape) before anything is read, and allocates fresh
+    destination buffers of the stored global shapes (this rank's part only), so loading works
+    into a fresh optimizer and never writes into live state. Errors are
+    ``CheckpointMismatchError``/``CheckpointFormatError``; ``dcp.load`` delivers them wrapped in
+    its ``CheckpointException`` (on every rank). Param-group values load with
+    ``torch.load(weights_only=True)``."""
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         if metadata is not None:
             for path, target in _find_gefen_dicts(state_dict):
-                self._allocate(".".join(path), target, metadata)
+                _allocate(".".join(path), target, metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
-    def _allocate(self, name: str, target: _GefenStateDict, metadata: Metadata) -> None:
-        prefix = name + "."
-        meta_key = prefix + META_KEY
-        entries = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-        if META_KEY not in entries:
-            found = find_gefen_keys(metadata)
-            raise CheckpointMismatchError(
-                f"the checkpoint has no gefen optimizer state under {name!r}"
-                + (f" (it has some under {found})" if found else " (it holds no GefenDCPState at all)")
-            )
-        live = live_view(target.owner.optimizer, target.owner.model)
-        rec = _planner_record(metadata, name)
-        if rec is not None:
-            if not isinstance(rec, dict) or not isinstance(rec.get("meta"), bytes):
-                raise CheckpointFormatError(f"the planner record of {name!r} is malformed")
-            _check_against_live(_decode_meta(rec["meta"]), live)
-        fresh = _GefenStateDict(target.owner)
-        for key, md in entries.items():
-            if not isinstance(md, TensorStorageMetadata):
-                raise CheckpointFormatError(f"{meta_key[:-len(META_KEY)]}{key}: not a tensor entry")
-            fresh[key] = _allocate_entry(key, md, live)
-        target.clear()
-        target.update(fresh)
-        target.planned = True
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._nested_dict import set_element
+
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def _check_against_live(meta: dict, live: LiveOptimizer) -> None:
-    """Contract, schema, FQNs and shapes of a checkpoint's description vs the live optimizer."""
-    check_contract(live.contract, meta["contract"])
-    check_same_params(live.params, [fqn for g in meta["param_groups"] for fqn in g["params"]])
-    for fqn, (shape, _, _, has_state) in meta["params"].items():
-        if has_state:
-            check_param_shape(fqn, shape, _held_param(live, fqn))
+def _allocate(name: str, target: _GefenStateDict, metadata: Metadata) -> None:
+    """Check the checkpoint's entries under ``name`` against ``target``'s optimizer and replace
+    ``target``'s contents by fresh buffers for them."""
+    prefix = name + "."
+    entries = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    if not any(k.startswith(_GROUPS) for k in entries):
+        found = find_stock_keys(metadata) + find_flat_keys(metadata)
+        legacy = find_legacy_keys(metadata)
+        raise CheckpointMismatchError(
+            f"the checkpoint has no optimizer state under {name!r}"
+            + (f" (it has some under {found})" if found else "")
+            + (f" (it holds {legacy} in the description layout: rewrite it with `gefen-ckpt convert SRC DST --to dcp`)"
+               if legacy else ""))
+    owner = target.owner
+    _, live = _live(owner.optimizer, owner.model)
+    if (record := _planner_record(metadata, name)) is not None:
+        _check_record(record, owner.optimizer, live)
+    fields = [(*key[len(_STATE):].rpartition(".")[::2], md) for key, md in entries.items() if key.startswith(_STATE)]
+    for fqn, name, _ in fields:  # field names hold no dots; FQNs may
+        if fqn not in live:
+            raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
+        field_spec(live[fqn][1], fqn, name)  # a foreign field is named before any dtype or shape
+    state, groups = {}, {}
+    for fqn, name, md in fields:
+        state.setdefault(fqn, {})[name] = _buffer(fqn, name, md, live)
+    for key in entries:
+        if key.startswith(_GROUPS):
+            index, _, hyper = key[len(_GROUPS):].partition(".")
+            if not index.isdigit() or not hyper:
+                raise CheckpointMismatchError(
+                    f"{prefix}{key}: param groups flattened by FQN: load them with torch's set_optimizer_state_dict "
+                    "(flatten_optimizer_state_dict=True)")
+            groups.setdefault(int(index), {})[hyper] = None
+    if sorted(groups) != list(range(len(groups))):
+        raise CheckpointFormatError(f"the param groups under {name!r} are not numbered 0..{len(groups) - 1}")
+    target.clear()
+    target.update(state=state, param_groups=[groups[i] for i in sorted(groups)])
+    if RECORD_KEY in entries:
+        target[RECORD_KEY] = None
+    target.planned = True
 
 
-def _held_param(live: LiveOptimizer, fqn: str) -> torch.Tensor:
-    if fqn not in live.params:
-        raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
-    return live.params[fqn].param
-
-
-def _allocate_entry(key: str, md: TensorStorageMetadata, live: LiveOptimizer) -> torch.Tensor:
-    """An empty destination for one stored entry: this rank's rows of it, on the right device."""
-
+def _buffer(fqn: str, name: str, md, live: Mapping[str, tuple]) -> torch.Tensor | None:
+    """An empty destination for one stored field: this rank's part of it, on the parameter's device."""
+    param, leaf = live[fqn]
+    spec = field_spec(leaf, fqn, name)
+    if isinstance(md, BytesStorageMetadata):
+        return None  # a plain number (old torch's step)
     shape, dtype = tuple(md.size), md.properties.dtype
-    if key == META_KEY:
-        _check_meta_entry(md, repr(META_KEY))
-        return torch.empty(shape, dtype=dtype)
-    if key.startswith(GLOBAL_PREFIX):
-        name = key[len(GLOBAL_PREFIX):]
-        try:
-            spec = _global_spec(live.contract, name)
-        except KeyError:
-            raise CheckpointMismatchError(
-                f"optimizer-wide field {name!r} of the checkpoint is not part of {live.contract.implementation}'s state"
-            ) from None
-        if problem := spec.check_dtype(dtype):
-            raise CheckpointMismatchError(f"optimizer-wide field {name!r}: {problem}")
-        return torch.empty(shape, dtype=dtype)
-    split = _split_key(key)
-    if split is None:
-        raise CheckpointMismatchError(f"checkpoint entry {key!r} is not gefen optimizer state")
-    fqn, name = split
-    param = _held_param(live, fqn)
-    spec = field_spec(live.params[fqn].contract, fqn, name)
     if problem := spec.check(param.shape, shape, dtype, param.dtype):
         raise CheckpointMismatchError(f"{fqn}/{name}: checkpoint {problem}")
-    local_param = to_local(param)
-    device = torch.device("cpu") if spec.geometry == "scalar" else local_param.device
-    if spec.row_sharded and _is_dtensor(param) and shape:
-        start, stop = local_rows(param, fqn)
-        local = torch.empty((stop - start,) + shape[1:], dtype=dtype, device=device)
-        return as_field_dtensor(local, param, spec.geometry, shape)
-    return torch.empty(shape, dtype=dtype, device=device)
+    device = torch.device("cpu") if spec.geometry == "scalar" else to_local(param).device
+    if spec.geometry in ("scalar", "global") or not is_dtensor(param):
+        return torch.empty(shape, dtype=dtype, device=device)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, _ = compute_local_shape_and_global_offset(shape, param.device_mesh, field_placements(spec.geometry, param))
+    return as_field_dtensor(torch.empty(local, dtype=dtype, device=device), param, spec.geometry, shape)
 
 
-# ----- offline: read and write the layout without a process group ------------------------------
+# ----- offline: reading and writing without a process group ----------------------------------
 _SAFE_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -622,19 +468,6 @@ def _storage_writer(path: str | os.PathLike):
     return cls(path)
 
 
-def _owner_key(key: str) -> str | None:
-    """The state-dict key of the ``GefenDCPState`` whose description is stored under ``key``
-    ('' = top level; None: ``key`` is no description)."""
-    if key == META_KEY:
-        return ""
-    return key[: -len(META_KEY) - 1] if key.endswith("." + META_KEY) else None
-
-
-def find_gefen_keys(metadata: Metadata) -> list[str]:
-    """The state-dict keys under which a DCP checkpoint holds a ``GefenDCPState`` ('' = top level)."""
-    return sorted(owner for key in metadata.state_dict_metadata if (owner := _owner_key(key)) is not None)
-
-
 class _RowsLoadPlanner(ReadOnlyPlanner):
     """Feeds ``StorageReader.read_data`` a destination tensor that holds rows ``[start, ...)``."""
 
@@ -692,6 +525,8 @@ class _DCPReader:
         return dest
 
 
+
+
 class DCPSource:
     """A lazy global tensor inside a DCP checkpoint: ``read(start, stop)`` reads those rows only
     (DCP's reader loads each overlapping stored chunk, i.e. at most one rank's shard, at a time)."""
@@ -707,66 +542,6 @@ class DCPSource:
     def __repr__(self) -> str:
         return f"DCPSource({self.key!r}, shape={self.shape}, dtype={self.dtype})"
 
-
-def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
-    """The ``CanonicalState`` of the optimizer state in the DCP checkpoint at ``path``: a
-    ``GefenDCPState``, or the layout of torch's ``get_state_dict``, flattened by FQN
-    (``flatten_optimizer_state_dict=True``, torchtitan) or not (``gefen_ckpt.stock_dcp``).
-
-    ``key`` is the state-dict key it was saved under (e.g. ``"optim"``); by default the only one
-    present. No process group; tensors are lazy ``DCPSource`` objects that read only the rows
-    asked for. DCP's ``.metadata`` pickle is loaded with an allowlist (no code execution)."""
-    reader = _DCPReader(path)
-    found = find_gefen_keys(reader.metadata)
-    stock = find_stock_keys(reader.metadata) + find_flat_keys(reader.metadata)
-    if key is None:
-        if len(found) + len(stock) != 1:
-            raise CheckpointMismatchError(
-                f"{path}: " + (f"several optimizer states, under {', '.join(map(repr, found + stock))}: say which "
-                               "(key=, or --key)" if found or stock
-                               else "this DCP checkpoint holds no GefenDCPState and no optimizer state of torch's "
-                                    "get_state_dict (flattened or not)")
-            )
-        key = (found + stock)[0]
-    elif key not in found + stock:
-        raise CheckpointMismatchError(f"{path}: no optimizer state under {key!r} (found: {found + stock})")
-    if key in stock:
-        state = read_stock(reader, key, lambda full: DCPSource(reader, full))
-        state.metadata.update({"source_format": "dcp", "path": str(path), "key": key})
-        return state
-    prefix = f"{key}." if key else ""
-    smd = reader.metadata.state_dict_metadata
-    _check_meta_entry(smd[prefix + META_KEY], f"{path}: {prefix + META_KEY!r}")
-    meta = _decode_meta(_meta_bytes(reader.read(prefix + META_KEY, 0, None)))
-    entries = {}
-    for full, md in smd.items():
-        if not full.startswith(prefix):
-            continue
-        sub = full[len(prefix):]
-        if sub == META_KEY:
-            continue
-        if not key and not sub.startswith(GLOBAL_PREFIX):
-            split = _split_key(sub)
-            if split is None or split[0] not in meta["params"]:
-                continue  # a top-level GefenDCPState shares the namespace with other entries
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointFormatError(f"{path}: {full!r} is not a tensor entry")
-        entries[sub] = DCPSource(reader, full)
-    state = _canonical(meta, entries, what=str(path))
-    for fqn, entry in state.params.items():
-        for name, src in entry.fields.items():
-            _check_stored_field(state.contract, fqn, entry, name, src)
-    rec = _planner_record(reader.metadata, key)
-    if isinstance(rec, dict) and isinstance(rec.get("topology"), dict):
-        state.metadata["source_topology"] = rec["topology"]
-    state.metadata.update({"source_format": "dcp", "path": str(path), "key": key})
-    return state
-
-
-def _check_stored_field(contract: OptimizerContract, fqn: str, entry: ParamState, name: str, src) -> None:
-    if problem := field_spec(contract.leaf(entry.child), fqn, name).check(entry.shape, src.shape, src.dtype,
-                                                                          entry.dtype):
-        raise CheckpointFormatError(f"{fqn}/{name}: stored {problem}")
 
 
 class _SourcesSavePlanner(SavePlanner):
@@ -833,33 +608,14 @@ class _SourcesSavePlanner(SavePlanner):
         return src.read(start, start + chunk.sizes[0]).detach().contiguous()
 
 
-class _CanonicalSavePlanner(_SourcesSavePlanner):
-    """Writes a CanonicalState in GefenDCPState's layout, one bounded row-chunk at a time."""
-
-    def __init__(self, state: CanonicalState, key: str, chunk_bytes: int):
-        prefix = f"{key}." if key else ""
-        params = {fqn: (None, None, g.get("child"), False) for g in state.param_groups for fqn in g["params"]}
-        params.update({fqn: (e.shape, e.dtype, params[fqn][2], True) for fqn, e in state.params.items() if fqn in params})
-        meta = _meta_dict(state.contract, plain(state.param_groups, "param_groups"), params)
-        meta_tensor = _encode_meta(meta)
-        sources: dict[str, TensorSource] = {prefix + META_KEY: EagerSource(meta_tensor)}
-        for k in sorted(state.global_fields):
-            sources[prefix + GLOBAL_PREFIX + k] = state.global_fields[k]
-        for fqn, entry in state.params.items():
-            for name in sorted(entry.fields):
-                sources[f"{prefix}{fqn}/{name}"] = entry.fields[name]
-        path = (key,) if key else ()
-        mappings = {k: path + (k[len(prefix):],) for k in sources}
-        record = {"meta": _meta_bytes(meta_tensor), "topology": {"world_size": None, "writer": "write_dcp"}}
-        super().__init__(sources, {}, mappings, chunk_bytes, record={key: msgpack.packb(record, use_bin_type=True)})
-        self.canonical, self.key = state, key
-
 
 def write_sources(path: str | os.PathLike, sources: dict[str, TensorSource], values: dict[str, bytes],
-                  mappings: dict, *, chunk_bytes: int = 256 << 20, world_size: int | None = None) -> None:
+                  mappings: dict, *, chunk_bytes: int = 256 << 20, world_size: int | None = None,
+                  records: dict[str, bytes] | None = None) -> None:
     """Write tensor sources and ``torch.save``d values as a DCP checkpoint under their full keys,
-    offline (no process group), memory bounded by one chunk of ``chunk_bytes``."""
-    _save_offline(path, _SourcesSavePlanner(sources, values, mappings, chunk_bytes, world_size))
+    offline (no process group), memory bounded by one chunk of ``chunk_bytes``; ``records``: key ->
+    record, copied into the planner data as ``GefenSavePlanner`` does."""
+    _save_offline(path, _SourcesSavePlanner(sources, values, mappings, chunk_bytes, world_size, records))
 
 
 def _save_offline(path: str | os.PathLike, planner: SavePlanner) -> None:
@@ -870,38 +626,77 @@ def _save_offline(path: str | os.PathLike, planner: SavePlanner) -> None:
         save({}, storage_writer=_storage_writer(path), planner=planner, no_dist=True)
 
 
-def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "optim",
-              chunk_bytes: int = 256 << 20) -> None:
-    """Write ``state`` as a DCP checkpoint in ``GefenDCPState``'s layout under ``key``, so that
-    ``dcp.load({key: GefenDCPState(opt)}, planner=GefenLoadPlanner())`` loads it on any world size.
-
-    No process group; each tensor is written in row chunks of at most ``chunk_bytes`` (at least one
-    row), read lazily from ``state``'s sources, so memory stays bounded by one chunk."""
-    if "." in key:
-        raise ValueError(f"key {key!r}: use a top-level name without dots (DCP flattens nested keys with '.')")
-    _save_offline(path, _CanonicalSavePlanner(state, key, chunk_bytes))
 
 
-def write_flat(state: CanonicalState, path, *, key: str, chunk_bytes: int = 256 << 20,
-               world_size: int | None = None) -> None:
-    """Write ``state`` as a DCP checkpoint in the flattened layout under ``key``, so that torch's
-    ``set_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``
-    and torchtitan's ``CheckpointManager`` resume from it. When ``state`` was read from a DCP
-    checkpoint, every entry of that checkpoint outside ``key`` (the model, LR schedulers,
-    dataloader and train state) is copied as it was, so the result is a whole checkpoint.
+def _stored_record(reader: _DCPReader, key: str) -> dict | None:
+    """The record of the optimizer saved under ``key``: the planner's copy, else the stored entry."""
+    if (record := _planner_record(reader.metadata, key)) is not None:
+        return record
+    full = f"{key}.{RECORD_KEY}"
+    if not isinstance(reader.metadata.state_dict_metadata.get(full), BytesStorageMetadata):
+        return None
+    return _decode_record(read_values(reader, [full])[full], f"{reader.path}: {full!r}")
+
+
+def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
+    """The ``CanonicalState`` of the optimizer state in the DCP checkpoint at ``path``: torch's
+    stock layout (numbered param groups or flattened by FQN, with or without ``GefenDCPState``'s
+    record) or the description layout (``gefen_ckpt.dcp_legacy``).
+
+    ``key`` is the state-dict key it was saved under (e.g. ``"optim"``); by default the only one
+    present. No process group; tensors are lazy ``DCPSource`` objects that read only the rows
+    asked for. DCP's ``.metadata`` pickle is loaded with an allowlist (no code execution)."""
+    reader = _DCPReader(path)
+    stock = find_stock_keys(reader.metadata) + find_flat_keys(reader.metadata)
+    found = stock + [k for k in find_legacy_keys(reader.metadata) if k not in stock]
+    if key is None:
+        if len(found) != 1:
+            raise CheckpointMismatchError(
+                f"{path}: " + (f"several optimizer states, under {', '.join(map(repr, found))}: say which "
+                               "(key=, or --key)" if found else "this DCP checkpoint holds no optimizer state"))
+        key = found[0]
+    elif key not in found:
+        raise CheckpointMismatchError(f"{path}: no optimizer state under {key!r} (found: {found})")
+    source = lambda full: DCPSource(reader, full)  # noqa: E731
+    if key in stock:
+        record = _stored_record(reader, key)
+        state = read_stock(reader, key, source, record and record["contract"])
+        if record and isinstance(record.get("world_size"), int):
+            state.metadata["source_topology"] = {"world_size": record["world_size"]}
+    else:
+        state = read_legacy(reader, key, source)
+    state.metadata.update({"source_format": "dcp", "path": str(path), "key": key})
+    return state
+
+
+def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "optim", chunk_bytes: int = 256 << 20,
+              world_size: int | None = None, flat: bool | None = None) -> None:
+    """Write ``state`` as a DCP checkpoint in torch's stock layout under ``key``, with its record, so
+    that ``GefenDCPState`` + ``GefenLoadPlanner`` and torch's ``set_state_dict`` resume from it;
+    ``flat`` (default: as the source was) flattens the param groups by FQN, as torch's
+    ``flatten_optimizer_state_dict=True`` and torchtitan's ``CheckpointManager`` expect. When
+    ``state`` was read from a DCP checkpoint, every entry of it outside the optimizer's key (the
+    model, LR schedulers, dataloader and train state) is copied as it was.
 
     No process group; tensors are written in row chunks of at most ``chunk_bytes``, cut at the
     ``torch.chunk`` boundaries of ``world_size`` ranks when given (each rank then reads only its
     own chunks), read lazily from the sources."""
-    tensors, values = flat_entries(state, key)
-    mappings = {k: (key, k[len(key) + 1:]) for k in list(tensors) + list(values)}
-    source = state.metadata.get("path") if state.metadata.get("source_format") == "dcp" else None
-    if source is not None:
+    if "." in key:
+        raise ValueError(f"key {key!r}: use a top-level name without dots (DCP flattens nested keys with '.')")
+    flat = state.metadata.get("dcp_layout") == FLAT if flat is None else flat
+    tensors, values, mappings = stock_entries(state, key, flat)
+    record = _record(state.contract, state.fqns(), {f: (e.shape, e.dtype) for f, e in state.params.items()},
+                     world_size)
+    values[f"{key}.{RECORD_KEY}"] = saved_value(record)
+    mappings[f"{key}.{RECORD_KEY}"] = (key, RECORD_KEY)
+    source, source_key = state.metadata.get("path"), state.metadata.get("key")
+    if state.metadata.get("source_format") == "dcp" and source is not None and source_key:
         reader = _DCPReader(source)
         smd, stored = reader.metadata.state_dict_metadata, reader.metadata.planner_data
-        others = [k for k in smd if not k.startswith(f"{state.metadata.get('key')}.")]
+        others = [k for k in smd if not k.startswith(f"{source_key}.")]
         tensors.update({k: DCPSource(reader, k) for k in others if isinstance(smd[k], TensorStorageMetadata)})
         values.update(raw_values(reader, [k for k in others if isinstance(smd[k], BytesStorageMetadata)]))
         if isinstance(stored, dict):
             mappings.update({k: tuple(stored[k]) for k in others if isinstance(stored.get(k), (tuple, list))})
-    write_sources(path, tensors, values, mappings, chunk_bytes=chunk_bytes, world_size=world_size)
+    write_sources(path, tensors, values, mappings, chunk_bytes=chunk_bytes, world_size=world_size,
+                  records={key: record})

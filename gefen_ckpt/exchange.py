@@ -287,17 +287,16 @@ def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
     (``CheckpointMismatchError`` naming the FQN/field, or a read error) the optimizer is
     untouched. Under a process group it is a collective and every rank raises together.
     """
-    load_agreed(optimizer, lambda: state, model, "import_canonical")
+    load_agreed(lambda: stage_import(optimizer, state, model), "import_canonical")
 
 
-def load_agreed(optimizer: torch.optim.Optimizer, staged: Callable[[], CanonicalState], model, what: str,
-                group=None, alone: bool = False) -> None:
-    """Stage ``staged()`` into ``optimizer``, agree with every rank of ``group`` (not when
-    ``alone``: only this process loads), then publish: a failure on any rank raises on every rank
-    before any of them publishes."""
+def load_agreed(stage: Callable[[], Callable[[], None]], what: str, group=None, alone: bool = False) -> None:
+    """Run ``stage()`` (validate and stage; it returns the publisher), agree with every rank of
+    ``group`` (not when ``alone``: only this process loads), then publish: a failure on any rank
+    raises on every rank before any of them publishes."""
     error, publish = None, None
     try:
-        publish = stage_import(optimizer, staged(), model)
+        publish = stage()
     except Exception as exc:  # re-raised on this rank by agree(), after every rank has reported
         error = exc
     if alone and error is not None:
@@ -317,10 +316,14 @@ def copies_on_load(optimizer: torch.optim.Optimizer) -> bool:
 def stage_import(optimizer: torch.optim.Optimizer, state: CanonicalState,
                  model: torch.nn.Module | None = None) -> Callable[[], None]:
     """Validate ``state`` against ``optimizer`` and stage it without publishing; the returned
-    callable publishes. Gefen optimizers stage (validate + copy) in
-    ``prepare_load_state_dict``, so a refusal on any rank is known before any rank publishes;
-    torch optimizers load what gefen_ckpt checked."""
-    sd = local_state_dict(optimizer, state, model)
+    callable publishes."""
+    return stage_state_dict(optimizer, local_state_dict(optimizer, state, model))
+
+
+def stage_state_dict(optimizer: torch.optim.Optimizer, sd: dict) -> Callable[[], None]:
+    """Stage the optimizer's own ``sd`` without publishing; the returned callable publishes. Gefen
+    optimizers stage (validate + copy) in ``prepare_load_state_dict``, so a refusal on any rank is
+    known before any rank publishes; torch optimizers load what gefen_ckpt checked."""
     prepare = getattr(optimizer, "prepare_load_state_dict", None)
     if prepare is None:
         return functools.partial(optimizer.load_state_dict, sd)

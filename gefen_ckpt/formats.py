@@ -151,21 +151,16 @@ def verify_any(url: str, *, format: str | None = None, optimizer: str | None = N
 def write(state, url: str, format: str = PORTABLE, *, world_size: int | None = None,
           max_file_bytes: int | None = None, memory_budget: int | None = None, progress: bool = False) -> None:
     """Write ``state`` to ``url`` as ``format`` (portable: sharded over ``world_size`` if given;
-    DCP: in chunks of a quarter of ``memory_budget``, in torch's flattened layout with the rest of
-    the source checkpoint when ``state`` was read from one, else in ``GefenDCPState``'s)."""
+    DCP: in torch's stock layout, in chunks of a quarter of ``memory_budget``, under the source's key
+    and layout with the rest of the source checkpoint when ``state`` was read from one)."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     if format == DCP:
-        from gefen_ckpt.dcp import write_flat
-        from gefen_ckpt.stock_dcp import FLAT
+        from gefen_ckpt.dcp import write_dcp
 
         chunks = {"chunk_bytes": memory_budget // 4} if memory_budget else {}
-        if state.metadata.get("dcp_layout") == FLAT:
-            write_flat(state, url, key=state.metadata["key"], world_size=world_size, **chunks)
-        else:
-            from gefen_ckpt.dcp import write_dcp
-
-            write_dcp(state, url, **chunks)
+        key = state.metadata.get("key") if state.metadata.get("source_format") == DCP else None
+        write_dcp(state, url, key=key or "optim", world_size=world_size, **chunks)
     elif format == TORCH:
         from gefen_ckpt.torch_format import write_torch
 

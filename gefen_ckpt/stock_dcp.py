@@ -7,10 +7,10 @@ entry ``"<key>.param_groups.<i>.<name>"``. With ``StateDictOptions(flatten_optim
 True)`` (and in torchtitan, whose ``OptimizersContainer`` flattens the same way) the groups are
 flattened per parameter instead: ``"<key>.param_groups.<fqn>.<name>"``, no ``params`` entry; the
 groups are rebuilt from ``param_names`` when it was saved, else from equal hyperparameters.
-``gefen_ckpt.dcp.write_flat`` writes that layout back, with every other entry of the source checkpoint (the
+``gefen_ckpt.dcp.write_dcp`` writes either layout back, with every other entry of the source checkpoint (the
 model, schedulers, ...) copied as it was. Nothing records which optimizer wrote it, so the
 contract is inferred from the field and hyperparameter names, as for a ``torch.save``d
-state_dict. Gefen optimizers repeat their codebook in every parameter's state (torch's API
+state_dict, unless ``GefenDCPState`` stored its record beside the state. Gefen optimizers repeat their codebook in every parameter's state (torch's API
 keeps nothing else); it becomes the one optimizer-wide field here, and copies that disagree are
 refused. Groups that name a ``"child"`` are a composite optimizer's (``gefen.contract``): each
 child's contract is inferred from its own groups and fields, its parameters are marked with
@@ -27,11 +27,12 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from gefen.contract import CHILD_KEY, LIKE_PARAM, composite_children
-from gefen_ckpt.canonical import CanonicalState, ParamState, global_key
-from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
+from gefen.contract import CHILD_KEY, composite_children
+from gefen_ckpt.canonical import CanonicalState
+from gefen_ckpt.errors import CheckpointError, CheckpointFormatError
+from gefen_ckpt.format.dtypes import plain
 
-__all__ = ["find_stock_keys", "find_flat_keys", "read_stock", "flat_entries", "raw_values", "FLAT"]
+__all__ = ["find_stock_keys", "find_flat_keys", "read_stock", "stock_entries", "raw_values", "read_values", "FLAT"]
 
 _STATE, _GROUPS = ".state.", ".param_groups."
 #: ``CanonicalState.metadata["dcp_layout"]`` of a state read from (and to be written as) the flat layout
@@ -97,17 +98,12 @@ class _BytesPlanner(ReadOnlyPlanner):
         raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a tensor where a param-group value was expected")
 
 
-def _read_values(reader, keys: list[str]) -> dict[str, object]:
+def read_values(reader, keys: list[str]) -> dict[str, object]:
     """``torch.load(weights_only=True)`` of each bytes entry: plain numbers, strings, lists only."""
-    items = [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k), dest_offsets=torch.Size((0,)),
-                      storage_index=MetadataIndex(k), storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
-             for k in keys]
-    planner = _BytesPlanner()
-    reader.reader.read_data(LoadPlan(items), planner).wait()
     out = {}
-    for key in keys:
+    for key, raw in raw_values(reader, keys).items():
         try:
-            out[key] = torch.load(io.BytesIO(planner.values[key]), weights_only=True)
+            out[key] = torch.load(io.BytesIO(raw), weights_only=True)
         except Exception as exc:
             raise CheckpointFormatError(f"{reader.path}: {key!r} is not a plain param-group value: {exc}") from None
     return out
@@ -123,7 +119,7 @@ def _groups(reader, key: str) -> list[dict]:
                 names.setdefault(int(index), []).append(name)
     if sorted(names) != list(range(len(names))):
         raise CheckpointFormatError(f"{reader.path}: param groups of {key!r} are not numbered 0..{len(names) - 1}")
-    values = _read_values(reader, [f"{prefix}{i}.{n}" for i in sorted(names) for n in names[i]])
+    values = read_values(reader, [f"{prefix}{i}.{n}" for i in sorted(names) for n in names[i]])
     groups = [{n: values[f"{prefix}{i}.{n}"] for n in names[i]} for i in sorted(names)]
     for i, group in enumerate(groups):
         fqns = group.get("params")
@@ -144,7 +140,7 @@ def _flat_groups(reader, key: str) -> tuple[list[dict], bool]:
     for k in keys:
         if not isinstance(smd[k], BytesStorageMetadata):
             raise CheckpointFormatError(f"{reader.path}: {k!r} is a tensor where a param-group value was expected")
-    values = _read_values(reader, keys)
+    values = read_values(reader, keys)
     order = {k: i for i, k in enumerate(smd)}
     per_fqn: dict[str, dict] = {}
     position: dict[str, tuple[int, int]] = {}
@@ -178,12 +174,13 @@ def _flat_groups(reader, key: str) -> tuple[list[dict], bool]:
     return groups, named
 
 
-def read_stock(reader, key: str, source_factory) -> CanonicalState:
+def read_stock(reader, key: str, source_factory, contract=None) -> CanonicalState:
     """The ``CanonicalState`` of the optimizer saved under ``key`` by torch's API (either layout).
 
     ``reader`` is an opened DCP checkpoint (``gefen_ckpt.dcp._DCPReader``); ``source_factory(full
-    key)`` makes the lazy tensor source of one entry."""
-    from gefen_ckpt.torch_format import infer_composite_contract, infer_contract
+    key)`` makes the lazy tensor source of one entry; ``contract``: the recorded one (default:
+    inferred from the names)."""
+    from gefen_ckpt.torch_format import infer_composite_contract, infer_contract, param_states
 
     flat = not _optimizer_keys(reader.metadata).get(key, True)
     groups, named = _flat_groups(reader, key) if flat else (_groups(reader, key), False)
@@ -200,27 +197,20 @@ def read_stock(reader, key: str, source_factory) -> CanonicalState:
 
     sketch = {"state": {fqn: dict.fromkeys(f, True) for fqn, f in fields.items()}, "param_groups": groups}
     children = composite_children(sketch)
-    contract = infer_composite_contract(sketch) if children else infer_contract(sketch)
+    if contract is None:
+        contract = infer_composite_contract(sketch) if children else infer_contract(sketch)
     global_fields, params = {}, {}
     for child, leaf in [(c, contract.child(c)) for c in children] or [(None, contract)]:
-        shared = {f.name for f in leaf.global_fields}
         members = [fqn for g in groups if g.get(CHILD_KEY) == child for fqn in g["params"] if fqn in fields]
-        for fqn in members:
-            sources = {name: source_factory(full) for name, full in fields[fqn].items()}
-            for name in shared & set(sources):
-                copy = sources.pop(name)
-                first = global_fields.setdefault(global_key(child, name), copy)
-                if first is not copy and not torch.equal(first.read(), copy.read()):
-                    raise CheckpointMismatchError(f"{reader.path}: {fqn}: its {name} differs from the other "
-                                                  "parameters'")
-            like = [n for n in sources if leaf.field(n).geometry == "param"]
-            if not like:
-                raise CheckpointFormatError(f"{reader.path}: {fqn}: no field of the parameter's shape")
-            model_md = smd.get(f"model.{fqn}", smd.get(fqn))
-            dtype = model_md.properties.dtype if isinstance(model_md, TensorStorageMetadata) else next(
-                (sources[n].dtype for n in sources if leaf.field(n).dtype == LIKE_PARAM), torch.float32)
-            params[fqn] = ParamState(tuple(sources[like[0]].shape), dtype, sources, child)
-    plain_groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
+        entries = {fqn: {name: source_factory(full) for name, full in fields[fqn].items()} for fqn in members}
+        dtypes = {fqn: md.properties.dtype for fqn in members
+                  if isinstance(md := smd.get(f"model.{fqn}", smd.get(fqn)), TensorStorageMetadata)}
+        try:
+            params.update(param_states(leaf, child, entries, global_fields, dtypes))
+        except CheckpointError as exc:
+            raise type(exc)(f"{reader.path}: {exc}") from None
+    plain_groups = [{**{h: plain(g[h], f"hyperparameter {h!r}") for h in contract.leaf(g.get(CHILD_KEY)).hyperparameters
+                        if h in g}, **{k: g[k] for k in ("params", CHILD_KEY) if k in g}} for g in groups]
     metadata = {"source_topology": {"kind": "dcp (torch get_state_dict)"}}
     if flat:
         metadata.update(source_topology={"kind": "dcp (torch flattened optimizer state_dict)"}, dcp_layout=FLAT,
@@ -229,7 +219,7 @@ def read_stock(reader, key: str, source_factory) -> CanonicalState:
 
 
 # ----- writing the flat layout ----------------------------------------------------------------
-def _saved(value) -> bytes:
+def saved_value(value) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
@@ -246,34 +236,39 @@ def raw_values(reader, keys: list[str]) -> dict[str, bytes]:
     return planner.values
 
 
-def flat_entries(state: CanonicalState, key: str) -> tuple[dict[str, object], dict[str, bytes]]:
-    """(tensor sources, ``torch.save``d values) of ``state`` in the flattened layout under ``key``:
-    ``<key>.state.<fqn>.<field>`` for every field, each parameter's entry repeating its
-    optimizer's optimizer-wide fields (as ``optimizer.state[p]`` holds them), and
-    ``<key>.param_groups.<fqn>.<name>`` for every hyperparameter (``param_names`` too when the
-    source saved them) and every other key the optimizer's groups hold, at its default (a
-    converted state carries only its contract's): torch's unflatten reads every key the live
-    group has."""
-    contract = state.contract
-    tensors: dict[str, object] = {}
-    values: dict[str, bytes] = {}
+def stock_entries(state: CanonicalState, key: str, flat: bool) -> tuple[dict, dict[str, bytes], dict]:
+    """(tensor sources, ``torch.save``d values, DCP's flatten mapping) of ``state`` in torch's layout
+    under ``key``: ``<key>.state.<fqn>.<field>`` for every field, each parameter's entry repeating
+    its optimizer's optimizer-wide fields (as ``optimizer.state[p]`` holds them), and the groups,
+    numbered (``<key>.param_groups.<i>.<name>``, ``params`` and ``param_names`` the FQNs) or
+    ``flat`` (``<key>.param_groups.<fqn>.<name>``, ``param_names`` when the source saved them).
+    Every key the optimizer's groups hold is written, at its default where ``state`` lacks it (a
+    converted state carries only its contract's): torch reads every key the live group has."""
     from gefen_ckpt.convert import group_defaults
 
+    contract = state.contract
+    tensors, values, mappings = {}, {}, {}
     names = state.metadata.get("dcp_param_names", False)
     defaults = {}
-    for group in state.param_groups:
+    for gi, group in enumerate(state.param_groups):
         leaf = contract.leaf(group.get(CHILD_KEY))
         if leaf.implementation not in defaults:
             defaults[leaf.implementation] = group_defaults(leaf)
         hyper = {k: tuple(v) if isinstance(v, list) and k in leaf.hyperparameters else v
                  for k, v in {**defaults[leaf.implementation], **group}.items() if k != "params"}
-        if names:
+        if names or not flat:
             hyper["param_names"] = list(group["params"])
-        for fqn in group["params"]:
+        if not flat:
+            hyper["params"] = list(group["params"])
+        for fqn in group["params"] if flat else [gi]:
             for name, value in hyper.items():
-                values[f"{key}{_GROUPS}{fqn}.{name}"] = _saved(value)
+                full = f"{key}{_GROUPS}{fqn}.{name}"
+                values[full] = saved_value(value)
+                mappings[full] = (key, full[len(key) + 1:]) if flat else (key, "param_groups", gi, name)
     for fqn, entry in state.params.items():
         fields = {**entry.fields, **state.globals_of(entry.child)}
         for name in sorted(fields):
-            tensors[f"{key}{_STATE}{fqn}.{name}"] = fields[name]
-    return tensors, values
+            full = f"{key}{_STATE}{fqn}.{name}"
+            tensors[full] = fields[name]
+            mappings[full] = (key, full[len(key) + 1:]) if flat else (key, "state", fqn, name)
+    return tensors, values, mappings

@@ -285,7 +285,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
                 raise CheckpointMismatchError(
                     f"{where}: optimizer-wide field {key!r} is unknown to {leaf.implementation}") from None
             global_fields[global_key(child, key)] = EagerSource(_field_tensor(value, spec, "global", key))
-        owner: dict = {}
+        owner, entries = {}, {}
         for gi, saved in enumerate(leaf_sd["param_groups"]):
             names = saved.get("param_names")
             if not names:
@@ -314,47 +314,60 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             if not isinstance(entry, dict):
                 raise CheckpointFormatError(f"{fqn}: state is a {type(entry).__name__}, not a dict")
             entry = {k: v for k, v in entry.items() if v is not None}  # SGD without momentum: None buffers
-            for spec in leaf.global_fields:  # each parameter repeats them for torch's checkpoint API
-                if spec.name in entry:
-                    key = global_key(child, spec.name)
-                    value = _field_tensor(entry.pop(spec.name), spec, fqn, spec.name)
-                    known = global_fields.setdefault(key, EagerSource(value))
-                    if not torch.equal(known.read(), value):
-                        raise CheckpointMismatchError(f"{fqn}: its {spec.name} differs from the optimizer's")
-            if not entry:
-                continue
-            params[fqn] = _param_state(fqn, entry, leaf, child, dtypes.get(fqn))
+            entries[fqn] = {name: EagerSource(_field_tensor(v, _spec(leaf, fqn, name), fqn, name))
+                            for name, v in entry.items()}
+        params.update(param_states(leaf, child, entries, global_fields, dtypes))
     return CanonicalState(contract, groups, params, global_fields,
                           metadata={"source_topology": {"kind": "single"}, "source_format": "torch"})
 
 
-def _param_state(fqn: str, entry: dict, leaf: OptimizerContract, child: str | None, stored_dtype) -> ParamState:
-    fields: dict[str, torch.Tensor] = {}
-    for name, value in entry.items():
-        try:
-            spec = leaf.field(str(name))
-        except KeyError:
-            raise CheckpointMismatchError(
-                f"{fqn}: field {name!r} is unknown to {leaf.implementation} (a checkpoint of another optimizer? "
-                "pass the optimizer explicitly)") from None
-        fields[spec.name] = _field_tensor(value, spec, fqn, spec.name)
-    if missing := missing_fields(leaf, fields):
-        raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {missing}")
-    like = [n for n in fields if leaf.field(n).geometry == "param"]
-    if not like:
-        raise CheckpointMismatchError(f"{fqn}: no field of 'param' geometry, so the parameter's shape is unknown")
-    shape = tuple(fields[like[0]].shape)
-    if missing := missing_fields(leaf, fields, shape):
-        raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {missing} (shape {shape})")
-    if stored_dtype is not None:
-        dtype = torch_dtype(stored_dtype, fqn)
-    else:
-        like_param = [n for n in fields if leaf.field(n).dtype == LIKE_PARAM]
-        dtype = fields[like_param[0]].dtype if like_param else torch.float32
-    for name, t in fields.items():
-        if problem := leaf.field(name).check(shape, t.shape, t.dtype, dtype):
-            raise CheckpointMismatchError(f"{fqn}/{name}: {problem} ({leaf.implementation})")
-    return ParamState(shape, dtype, {n: EagerSource(t) for n, t in fields.items()}, child)
+def _spec(leaf: OptimizerContract, fqn: str, name: str):
+    try:
+        return leaf.field(str(name))
+    except KeyError:
+        raise CheckpointMismatchError(
+            f"{fqn}: field {name!r} is unknown to {leaf.implementation} (a checkpoint of another optimizer? "
+            "pass the optimizer explicitly)") from None
+
+
+def param_states(leaf: OptimizerContract, child: str | None, entries: dict[str, dict[str, TensorSource]],
+                 global_fields: dict[str, TensorSource], dtypes: dict | None = None) -> dict[str, ParamState]:
+    """The one conversion of FQN-keyed optimizer state (a torch state_dict's entries, a DCP
+    checkpoint's) into ``ParamState``s: the optimizer-wide fields each entry repeats for torch's
+    checkpoint API (the codebook) go to ``global_fields`` once (copies that disagree are refused),
+    the shape comes from a field of ``param`` geometry, the dtype from ``dtypes`` (recorded), else
+    a field stored like the parameter, else fp32; every field is checked against ``leaf``."""
+    params = {}
+    for fqn, fields in entries.items():
+        fields = dict(fields)
+        for spec in leaf.global_fields:
+            if spec.name in fields:
+                copy = fields.pop(spec.name)
+                known = global_fields.setdefault(global_key(child, spec.name), copy)
+                if known is not copy and not torch.equal(known.read(), copy.read()):
+                    raise CheckpointMismatchError(f"{fqn}: its {spec.name} differs from the optimizer's")
+        if not fields:
+            continue
+        specs = {name: _spec(leaf, fqn, name) for name in fields}
+        if missing := missing_fields(leaf, fields):
+            raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {missing}")
+        like = [n for n in fields if specs[n].geometry == "param"]
+        if not like:
+            raise CheckpointMismatchError(f"{fqn}: no field of 'param' geometry, so the parameter's shape is unknown")
+        shape = tuple(fields[like[0]].shape)
+        if missing := missing_fields(leaf, fields, shape):
+            raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {missing} (shape {shape})")
+        stored = (dtypes or {}).get(fqn)
+        if stored is not None:
+            dtype = stored if isinstance(stored, torch.dtype) else torch_dtype(stored, fqn)
+        else:
+            like_param = [n for n in fields if specs[n].dtype == LIKE_PARAM]
+            dtype = fields[like_param[0]].dtype if like_param else torch.float32
+        for name, src in fields.items():
+            if problem := specs[name].check(shape, src.shape, src.dtype, dtype):
+                raise CheckpointMismatchError(f"{fqn}/{name}: {problem} ({leaf.implementation})")
+        params[fqn] = ParamState(shape, dtype, {specs[n].name: src for n, src in fields.items()}, child)
+    return params
 
 
 # ----- canonical -> state_dict --------------------------------------------------------------

@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
-from gefen_ckpt.dcp import GefenDCPState
+from gefen_ckpt import export_canonical
+from gefen_ckpt.dcp import GefenDCPState, GefenLoadPlanner, GefenSavePlanner
 from gefen_ckpt.errors import UnsupportedLayoutError
 
 from distributed import row_scaled_grads, run
@@ -192,9 +193,11 @@ def _world_2x2(rank: int, world: int, path: str) -> dict:
         train(m, opt, 0, STEPS)
         out[kind] = snapshot(m, opt)
         save(m, opt, f"{path}/{kind}", use_async=kind == ASYNC)
-        if kind == "m4v4":
-            try:  # gefen_ckpt's own DCP state hands each rank whole rows: it refuses a column split
-                GefenDCPState(opt, m).state_dict()
+        if kind == "m4v4":  # GefenDCPState is the stock layout with a record: it takes every TP style
+            dcp.save({"model": m.state_dict(), "optim": GefenDCPState(opt, m)}, checkpoint_id=f"{path}/planned",
+                     planner=GefenSavePlanner())
+            try:  # gefen_ckpt's own formats hand each rank whole rows: they refuse a column split
+                export_canonical(opt, model=m)
                 out["gefen_ckpt"] = "exported"
             except UnsupportedLayoutError as exc:
                 out["gefen_ckpt"] = str(exc)
@@ -211,12 +214,26 @@ def _world_2x2(rank: int, world: int, path: str) -> dict:
     return out
 
 
+def resume_planned(path: str, mesh) -> tuple[nn.Module, object]:
+    """A fresh model and m4v4 optimizer filled by GefenDCPState + GefenLoadPlanner (no step)."""
+    m = parallel_model(1, mesh)
+    opt = make_opt("m4v4", m)
+    msd = m.state_dict()
+    dcp.load({"model": msd, "optim": GefenDCPState(opt, m)}, checkpoint_id=f"{path}/planned",
+             planner=GefenLoadPlanner())
+    m.load_state_dict(msd)
+    return m, opt
+
+
 def _resume_world(rank: int, world: int, dp: int, path: str) -> dict:
     out = {}
     for kind in STOCK_KINDS:
         m, opt = resume(f"{path}/{kind}", mesh_of(dp, world // dp), kind)
         train(m, opt, STEPS, MORE)
         out[kind] = snapshot(m, opt)
+    m, opt = resume_planned(path, mesh_of(dp, world // dp))
+    train(m, opt, STEPS, MORE)
+    out["planned"] = snapshot(m, opt)
     return out
 
 
@@ -247,23 +264,28 @@ def test_2x2_matches_one_process(two_by_two):
 def test_stock_checkpoint_of_2x2_resumes_on_other_meshes(two_by_two):
     """get_state_dict + dcp.save (dcp.async_save for GefenMuon) on 2x2, then a fresh model and
     optimizer on 1x3, 3x1 and one process: get_state_dict, dcp.load, set_state_dict, continue; each
-    equals the uninterrupted run bit for bit (m4v4, GefenMuon, GefenMuonHybrid)."""
+    equals the uninterrupted run bit for bit (m4v4, GefenMuon, GefenMuonHybrid); and so does m4v4
+    saved through GefenDCPState and loaded by GefenLoadPlanner into a fresh optimizer."""
     path, _ = two_by_two
     want = {kind: uninterrupted(kind, STYLES, STEPS + MORE) for kind in STOCK_KINDS}
     for dp in (1, 3):
         for r in run(_resume_world, 3, dp, path, timeout=300):
             for kind in STOCK_KINDS:
                 assert_same(want[kind], r[kind], f"{kind}: 2x2 -> {dp}x{3 // dp}")
+            assert_same(want["m4v4"], r["planned"], f"GefenDCPState: 2x2 -> {dp}x{3 // dp}")
     for kind in STOCK_KINDS:
         m, opt = resume(f"{path}/{kind}", None, kind)
         train(m, opt, STEPS, MORE)
         assert_same(want[kind], snapshot(m, opt), f"{kind}: 2x2 -> one process")
+    m, opt = resume_planned(path, None)
+    train(m, opt, STEPS, MORE)
+    assert_same(want["m4v4"], snapshot(m, opt), "GefenDCPState: 2x2 -> one process")
 
 
 def test_unsupported_tensor_parallel_layouts_are_refused(two_by_two):
     """m8 with columns split (no state allocated), and GefenMuon state whose blocks are shorter than
     a row loaded onto a column split (the live state unchanged): one line naming the parameter, its
-    placements and what works. gefen_ckpt's GefenDCPState (whole rows per rank) refuses a column
+    placements and what works. gefen_ckpt's canonical export (whole rows per rank) refuses a column
     split, naming the parameter."""
     _, results = two_by_two
     for r in results:
