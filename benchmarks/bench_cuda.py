@@ -1,4 +1,4 @@
-"""Gefen vs torch AdamW step time on a CUDA device (issue 15's GPU numbers), in one call.
+"""Gefen vs torch AdamW step time on a CUDA device, in one call.
 
 Transformer-shaped parameters (``common.transformer_shapes``; default ~1.75B at d_model 2048,
 vocab 32768), gradients with row structure, fp32 or bf16 parameters and gradients. For each
@@ -235,7 +235,7 @@ def markdown(data: dict) -> str:
             if spans := r.get("kernel_s"):
                 targets += (f"\n\n{kind}, one step's kernel calls alone (each timed with a synchronisation): "
                             + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in spans.items()) + ".")
-        targets += "\n\n" + md_table(["target (issue 15)", "measured", "met"], [
+        targets += "\n\n" + md_table(["target (docs/design.md 12)", "measured", "met"], [
             ["Gefen step <= 0.5x torch fused AdamW", f"{ratio:.2f}x", "yes" if ratio <= 0.5 else "no"],
             ["first step <= 3x a steady step, compilation included", f"{first:.1f}x", "yes" if first <= 3 else "no"],
             ["first step <= 3x a steady step, kernels compiled", f"{warm:.1f}x", "yes" if warm <= 3 else "no"],

@@ -1,4 +1,4 @@
-"""GefenMuon / GefenMuonHybrid step time and state size vs torch AdamW, CPU, 2 threads (issue 3).
+"""GefenMuon / GefenMuonHybrid step time and state size vs torch AdamW, CPU, 2 threads.
 
 The same ~25M transformer-shaped tensors as ``bench_step`` (``common.transformer_shapes(25)``:
 tied embedding, q/k/v/o, MLP up/down, norms) get random gradients with row/column scale

@@ -4,7 +4,7 @@ For each shape set (~25M and ~42M parameters, ``common.transformer_shapes``) the
 random gradients with row/column scale structure, then Gefen (the default m4v4 layout, fused C
 kernels), the same Gefen with the kernels off (its torch reference: identical numbers, measured in
 only the first ``REFERENCE_REPS`` rounds because one step takes seconds), Gefen with the m8 layout
-(the layout before issue 17), ``AdamW(foreach=True)`` and ``AdamW(fused=True)`` step the same
+(``moments="m8"``), ``AdamW(foreach=True)`` and ``AdamW(fused=True)`` step the same
 parameters in interleaved rounds (so load changes on a shared machine hit all alike); each number
 is the median over the rounds after one warm-up step.
 Also measured: Gefen's first step (state allocation + codebook + step, on a fresh optimizer, one
@@ -242,12 +242,12 @@ def _markdown(data: dict) -> str:
     ):
         values = [key(r) for r in sizes.values()]
         targets.append([label, target, " / ".join(f"{v:.3g}" for v in values), verdict(max(values) <= limit)])
-    target_table = md_table(["what (docs/design.md 12 / issue 2)", "target", " / ".join(sizes), "status"], targets)
+    target_table = md_table(["what (docs/design.md 12)", "target", " / ".join(sizes), "status"], targets)
     return f"{intro}\n\n{table}\n\n{target_table}\n\n{_fresh_markdown(data['fresh_process'])}"
 
 
 def _fresh_markdown(fresh: dict) -> str:
-    """The one-time costs of a new process (issue 12), against its own steady step."""
+    """The one-time costs of a new process, against its own steady step."""
     rows = []
     for kind, r in fresh.items():
         rows.append([kind, r["rounds"], f"{r['import_s']:.2f}", f"{r['calibration_s']:.3f}", f"{r['first_step_s']:.3f}",

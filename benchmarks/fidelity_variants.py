@@ -1,4 +1,4 @@
-"""Prototype: a Gefen-like AdamW step with pluggable moment storage (issue 17), for measurement only.
+"""Prototype: a Gefen-like AdamW step with pluggable moment storage, for measurement only.
 
 The production optimizer (``gefen.Gefen``) keeps an 8-bit first moment and a factored second
 moment. Its loss gap to AdamW on real text is the factored second moment, so this eager torch

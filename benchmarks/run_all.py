@@ -122,7 +122,8 @@ def _anchor(title: str) -> str:
 
 def render(records: dict[str, dict], machine: dict) -> str:
     """The whole docs/benchmarks.md page."""
-    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = max((r["when"] for r in records.values() if r.get("when")), default=None) \
+        or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")  # the newest run shown
     lines = [
         "# Benchmarks",
         "",
@@ -159,7 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true",
                         help="also the sizes that take minutes (bench_io's ~400 MB state); same as GEFEN_BENCH_FULL=1")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks (bench_NAME.py)")
+    parser.add_argument("--render-only", action="store_true",
+                        help=f"run nothing: rewrite {DOC.name} from the records in {CACHE.name}")
     args = parser.parse_args(argv)
+    if args.render_only:
+        cached = json.loads(CACHE.read_text())
+        DOC.write_text(render(cached["records"], cached["machine"]))
+        print(f"[run_all] wrote {DOC.relative_to(ROOT)}", flush=True)
+        return 0
     if args.full:
         os.environ["GEFEN_BENCH_FULL"] = "1"  # read by the modules with a full-only size
     names = discover()

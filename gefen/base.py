@@ -1,5 +1,6 @@
-"""What every compressed Gefen optimizer shares: parameter checks, the first-step decisions
-(periods and the optimizer-wide codebook), and a state_dict round trip that never casts the
+"""What every compressed Gefen optimizer shares: parameter checks, state allocated from the
+global shape alone (block lengths: ``gefen.geometry.shape_period``), the codebook learned at the
+first step with a nonzero gradient, and a state_dict round trip that never casts the
 uint8 codes and fails before it mutates anything.
 
 Subclasses supply ``contract()``, ``_state_fields(group, shape)``, ``_check_group(group)``,

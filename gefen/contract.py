@@ -17,7 +17,7 @@ each with ``CHILD_KEY`` naming its owner; ``params`` and ``state`` are numbered 
 index over those groups; each state entry is the child's own; a child's optimizer-wide field
 ``f`` is ``GLOBAL_STATE_KEY["<child>/f"]``. :func:`join_composite` builds that form from the
 children's state_dicts and :func:`split_composite` takes it apart (it also reads the nested
-form written before: ``{"state": {}, "param_groups": [], CHILDREN_KEY: {name: child_sd}}``).
+form: ``{"state": {}, "param_groups": [], CHILDREN_KEY: {name: child_sd}}``).
 ``load_state_dict`` validates every child before it changes any.
 """
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # torch is imported only where torch optimizers are involved:
 #: The canonical-state schema this code writes and reads.
 SCHEMA_VERSION = 1
 GLOBAL_STATE_KEY = "global_state"
-#: the nested composite form (read, no longer written): ``state_dict()[CHILDREN_KEY][name]``
+#: the nested composite form (read, never written): ``state_dict()[CHILDREN_KEY][name]``
 CHILDREN_KEY = "children"
 #: a composite optimizer's param group names the child that owns it under this key
 CHILD_KEY = "child"

@@ -34,8 +34,7 @@ _M4V4_FIELDS = (
     FieldSpec("exp_avg_sq", "float32", "param", optional=True),
 )
 _HYPER = ("lr", "betas", "eps", "weight_decay", "factored_v_2d")
-#: the state layouts: ``moments=`` value -> its contract, the default first (version "1" is the
-#: layout before issue 17)
+#: the state layouts: ``moments=`` value -> its contract, the default first (version "1": ``moments="m8"``)
 CONTRACTS = {
     "m4v4": OptimizerContract(implementation="gefen.Gefen", version="2",
                               hyperparameters=(*_HYPER, "moments", "seed"), fields=_M4V4_FIELDS,

@@ -32,9 +32,9 @@ class Gefen(CompressedOptimizer):
     16-entry learned codebook) and a 4-bit code of ``v / vhat`` against the factored second
     moment ``vhat`` (row and column EMAs), both re-quantised by unbiased stochastic rounding
     whose noise is a hash of the element's global index, the step and ``seed``; 1-D tensors keep
-    AdamW's moments (the first in bf16, rounded by the same hashed noise). ``moments="m8"`` (version "1", the layout before): 8-bit first-moment
+    AdamW's moments (the first in bf16, rounded by the same hashed noise). ``moments="m8"`` (version "1"): 8-bit first-moment
     codes into a ``codebook_size`` codebook and a factored (``factored_v_2d``) or per-block
-    second moment; it loads checkpoints written before version "2".
+    second moment; it loads version "1" checkpoints.
 
     ``params`` may be tensors, ``(name, tensor)`` pairs (preferred: names become the state's
     identity in checkpoints) or param-group dicts (optionally with ``"param_names"``).

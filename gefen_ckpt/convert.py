@@ -11,7 +11,7 @@ target will use against what the source held. Pure functions on ``CanonicalState
 reader and writer of gefen_ckpt works with them.
 
 Gefen targets get the default layout, ``moments="m4v4"`` (contract version "2"), unless
-``moments="m8"`` asks for the layout before it. m4v4 codes are chosen by *nearest* rounding
+``moments="m8"`` asks for the 8-bit first-moment layout (version "1"). m4v4 codes are chosen by *nearest* rounding
 (the first moment's in the codebook, the second moment's ``log(v / vhat) / 8`` in the
 ``v_codebook``, i.e. nearest in log ratio; a 1-D tensor's ``exp_avg`` to the nearest bf16): a
 one-off quantisation has no bias to average out

@@ -395,7 +395,7 @@ def test_a_failed_commit_leaves_only_the_previous_checkpoint(tmp_path, monkeypat
             return real_create(self, name, durable)
 
         monkeypatch.setattr(storage.Store, "create", create)
-    for _ in range(3):  # each retry on a full disk used to leak another save
+    for _ in range(3):  # no retry on a full disk may leak another save
         with pytest.raises(OSError):
             gefen_ckpt.save(opt, str(url), model=model)
         assert _files(url) == before

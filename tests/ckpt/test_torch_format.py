@@ -275,7 +275,7 @@ def test_composite_state_dicts():
     assert {k: v.child for k, v in state.params.items()} == {k: v.child for k, v in exported.params.items()}
     assert_bitwise_equal(canonical_tensors(state), canonical_tensors(exported))
     assert "main/codebook" in state.global_fields
-    # the nested form (files written before the flat one) reads to the same state
+    # the nested form reads to the same state
     nested = {"state": {}, "param_groups": [], "children": {k: o.state_dict() for k, o in comp.children.items()}}
     old = canonical_from_state_dict(nested, comp.contract())
     assert old.param_groups == state.param_groups and old.global_fields.keys() == state.global_fields.keys()

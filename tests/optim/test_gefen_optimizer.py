@@ -499,7 +499,7 @@ def test_layouts_refuse_each_other_in_one_line_naming_both_ways_out():
     assert "gefen-ckpt convert SRC DST --into Gefen" in str(info.value)
     with pytest.raises(ValueError, match=r"version '2' \(moments='m4v4'\).*Gefen\(moments='m8'\)"):
         Gefen(make_model().named_parameters(), moments="m8").load_state_dict(copy.deepcopy(m4v4.state_dict()))
-    old = copy.deepcopy(m8.state_dict())  # a version "1" state_dict, as written before the layout change
+    old = copy.deepcopy(m8.state_dict())  # a version "1" state_dict
     _v1_groups(old)
     twin = Gefen(make_model().named_parameters(), moments="m8")
     twin.load_state_dict(old)

@@ -270,7 +270,7 @@ def test_vectors_follow_torch_adamw():
 
 
 def test_step_never_writes_into_the_gradient():
-    """The gradient is read only (float64 too: period statistics used to square it in place)."""
+    """The gradient is read only (float64 too: no statistic squares it in place)."""
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         p = torch.nn.Parameter(torch.randn(24, 40, dtype=dtype))
         p.grad = structured_grad(p.shape, 20, 0, dtype)
@@ -282,7 +282,7 @@ def test_step_never_writes_into_the_gradient():
 
 
 def test_float64_params_keep_float64_precision():
-    """lr = 0 leaves float64 parameters bit-identical (they used to be rounded to fp32 each step)."""
+    """lr = 0 leaves float64 parameters bit-identical (no rounding to fp32 on the way)."""
     p = torch.nn.Parameter(torch.randn(24, 40, dtype=torch.float64))
     before = p.detach().clone()
     p.grad = structured_grad(p.shape, 20, 0, torch.float64)
@@ -349,7 +349,7 @@ def test_m4v4_optimizer_steps_are_the_reference_functions(seed):
 
 
 def test_a_state_with_a_learned_v_codebook_loads_and_keeps_it():
-    """Version-"2" states written before the fixed grid hold a codebook learned at the first step;
+    """A version-"2" state may hold a ``v_codebook`` learned at the first step rather than the fixed grid;
     the codes mean the same (decode unchanged), so such a state loads as it is, keeps its codebook
     and steps with the rounding derived from it (the curvatures of its own ratio table)."""
     gen = torch.Generator().manual_seed(3)

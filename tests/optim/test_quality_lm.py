@@ -10,7 +10,7 @@ AdamW's seed 0; ``bench_quality``'s sweep has the other rates and seeds); Gefen(
 where m8's factored second moment is no handicap; the 400-step task of ``bench_quality`` is
 where m8's ~1.5% gap shows (docs/benchmarks.md). So this test is a guard against regressions
 (MARGIN = 1.01: 1.6% above the default's ratio, about three times the seed spread), not a check
-of the issue-17 target.
+of the quality target (`benchmarks/bench_quality.py` measures that).
 """
 
 from __future__ import annotations

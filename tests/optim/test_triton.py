@@ -151,7 +151,7 @@ def test_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
     from gefen import Gefen
 
     if "moments" not in Gefen.__init__.__code__.co_varnames:
-        pytest.skip("needs issue 17's m4v4 optimizer")
+        pytest.skip("needs the m4v4 optimizer")
     shapes = {"w1": (9, 20), "w2": (20, 9), "b": (20,), "e": (3, 2, 5)}
     gen = torch.Generator().manual_seed(3)
     init = {n: torch.randn(s, generator=gen).to(DEVICE) for n, s in shapes.items()}
