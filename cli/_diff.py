@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from gefen.geometry import rows_and_row_numel
 from gefen_ckpt.canonical import CanonicalState
 from gefen_ckpt.layout import rows_per_chunk
 
@@ -46,7 +47,7 @@ def _ranges(rows: int, step: int, cuts: list[int]):
 def _compare_chunks(a, b, atol: float | None, chunk_bytes: int, advance: Callable[[int], None]) -> tuple[int, float]:
     """(number of differing elements, max |a - b| over them) of two same-shape sources."""
     shape = tuple(a.shape)
-    rows = shape[0] if shape else 1
+    rows = rows_and_row_numel(shape)[0]
     row_numel = math.prod(shape[1:])
     itemsize = a.dtype.itemsize
     step = rows_per_chunk(shape, itemsize, chunk_bytes)

@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gefen.contract import OptimizerContract
+from gefen.geometry import period_of_blocks
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -93,15 +94,14 @@ def describe_state(state) -> Described:
 
 # ----- the summary ----------------------------------------------------------------------------
 def period_of(shape: tuple[int, ...], fields: dict[str, Stored], contract: OptimizerContract) -> int | None:
-    """Block length P from the shape of a ``block``-geometry field (``row_numel // blocks``)."""
-    row_numel = math.prod(shape[1:])
+    """Block length P from the shape of a ``block``-geometry field."""
     for name, source in sorted(fields.items()):
         try:
             spec = contract.field(name)
         except KeyError:
             continue
         if spec.geometry == "block" and len(source.shape) == 2 and source.shape[1] > 0:
-            return row_numel // source.shape[1]
+            return period_of_blocks(shape, source.shape[1])
     return None
 
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from gefen.geometry import GEOMETRIES, field_local_shape, shape_problem
 
 if TYPE_CHECKING:  # torch is imported only where torch optimizers are involved: reading a
     import torch  # manifest (gefen-ckpt inspect/verify) needs no torch
@@ -42,15 +43,6 @@ CHILD_KEY = "child"
 #: a composite optimizer's state_dict records its contract (``to_dict()``) under this key
 CONTRACT_KEY = "contract"
 
-#: geometry -> does it follow the parameter's dim-0 slice (True) or stay replicated (False)
-GEOMETRIES = {
-    "scalar": False,  # shape (), replicated
-    "param": True,  # the parameter's shape, same slice
-    "block": True,  # [rows, row_numel // P], same row slice
-    "row": True,  # [rows], same row slice
-    "col": False,  # [cols], a global reduction: replicated
-    "global": False,  # optimizer-wide (e.g. the codebook), one copy
-}
 #: dtype placeholder for fields stored in the parameter's own dtype (torch AdamW's moments)
 LIKE_PARAM = "like_param"
 #: layouts whose per-parameter fields depend on the parameter's number of dimensions (their
@@ -94,28 +86,10 @@ class FieldSpec:
         return None if got == want else f"dtype {got}, expected {want}"
 
     def check_shape(self, shape: tuple[int, ...], value_shape) -> str | None:
-        shape, value_shape = tuple(shape), tuple(value_shape)
-        rows, row_numel = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
-        ok = {"scalar": value_shape == (), "param": value_shape == shape, "row": value_shape == (rows,),
-              "col": value_shape == (row_numel,), "global": True,  # optimizer-wide: any shape
-              "block": len(value_shape) == 2 and value_shape[0] == rows and value_shape[1] > 0
-              and row_numel % value_shape[1] == 0}[self.geometry]
-        return None if ok else f"shape {list(value_shape)} is not a valid {self.geometry} shape for {list(shape)}"
+        return shape_problem(self.geometry, shape, value_shape)
 
     def local_shape(self, local: tuple[int, ...], shape: tuple[int, ...], period: int) -> tuple[int, ...]:
-        """Shape of the field on a rank holding ``local`` of a parameter of global ``shape``: the
-        global shape with this rank's rows where the field follows the parameter's rows, and its
-        columns where it follows the parameter's columns (tensor parallelism's ``Shard(1)``)."""
-        from gefen.geometry import field_global_shape
-
-        if self.geometry == "param":
-            return tuple(local)
-        global_shape = field_global_shape(self.geometry, shape, period)
-        if self.geometry in ("block", "row"):
-            return (local[0] if len(local) else 1, *global_shape[1:])
-        if self.geometry == "col" and len(local) > 1:
-            return (math.prod(local[1:]),)
-        return global_shape
+        return field_local_shape(self.geometry, local, shape, period)
 
 
 def _dtype_name(dtype) -> str:  # torch.float32 or "float32" -> "float32" (no torch import here)

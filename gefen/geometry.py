@@ -1,4 +1,5 @@
-"""Block geometry: where the compressed state's blocks lie inside a parameter.
+"""Geometry (docs/design.md 4): where a state field lies relative to its parameter. Torch-free,
+so the contracts, the checkpoint subsystem and the CLI share it.
 
 Every block is a contiguous run of ``P`` elements inside one row of the *global* parameter
 (``rows = shape[0]``, ``row_numel = prod(shape[1:])``), so ``P`` always divides ``row_numel``.
@@ -10,8 +11,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+#: geometry -> does it follow the parameter's dim-0 slice (True) or stay replicated (False)
+GEOMETRIES = {
+    "scalar": False,  # shape (), replicated
+    "param": True,  # the parameter's shape, same slice
+    "block": True,  # [rows, row_numel // P], same row slice
+    "row": True,  # [rows], same row slice
+    "col": False,  # [row_numel], a global reduction: replicated (split where dim 1 is)
+    "global": False,  # optimizer-wide (e.g. the codebook), one copy
+}
 
 
 def rows_and_row_numel(shape: Sequence[int]) -> tuple[int, int]:
@@ -60,6 +73,37 @@ def is_valid_period(shape: Sequence[int], period: int) -> bool:
         return True
     _, row_numel = rows_and_row_numel(shape)
     return uses_row_period(shape) and period > 1 and row_numel > 0 and row_numel % period == 0
+
+
+def period_of_blocks(shape: Sequence[int], blocks: int) -> int:
+    """The block length of a ``block`` field with ``blocks`` per row of a parameter of ``shape``."""
+    return rows_and_row_numel(shape)[1] // blocks
+
+
+def shape_problem(geometry: str, shape: Sequence[int], value_shape: Sequence[int]) -> str | None:
+    """Why ``value_shape`` cannot be the global shape of a ``geometry`` field of a parameter of
+    global ``shape`` (a ``block`` field may have any block count that divides the row); None if it can."""
+    shape, value_shape = tuple(shape), tuple(value_shape)
+    rows, row_numel = rows_and_row_numel(shape)
+    ok = {"scalar": value_shape == (), "param": value_shape == shape, "row": value_shape == (rows,),
+          "col": value_shape == (row_numel,), "global": True,  # optimizer-wide: any shape
+          "block": len(value_shape) == 2 and value_shape[0] == rows and value_shape[1] > 0
+          and row_numel % value_shape[1] == 0}[geometry]
+    return None if ok else f"shape {list(value_shape)} is not a valid {geometry} shape for {list(shape)}"
+
+
+def field_local_shape(geometry: str, local: Sequence[int], shape: Sequence[int], period: int) -> tuple[int, ...]:
+    """Shape of a ``geometry`` field on a rank holding ``local`` of a parameter of global ``shape``:
+    the global shape with this rank's rows where the field follows the parameter's rows, and its
+    columns where it follows the parameter's columns (tensor parallelism's ``Shard(1)``)."""
+    if geometry == "param":
+        return tuple(local)
+    global_shape = field_global_shape(geometry, shape, period)
+    if geometry in ("block", "row"):
+        return (local[0] if len(local) else 1, *global_shape[1:])
+    if geometry == "col" and len(local) > 1:
+        return (math.prod(local[1:]),)
+    return global_shape
 
 
 def field_global_shape(geometry: str, shape: Sequence[int], period: int) -> tuple[int, ...]:

@@ -25,6 +25,7 @@ from gefen.contract import (
     join_composite,
 )
 from gefen.distributed import as_field_dtensor
+from gefen.geometry import rows_and_row_numel
 from gefen.layouts import version_refusal
 from gefen_ckpt import layout
 from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState, global_key
@@ -147,7 +148,7 @@ def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.T
     value = layout.to_local(value)  # torch optimizers keep DTensor state for DTensor params
     if row_sharded and value.dim():
         start, _ = layout.local_rows(param, fqn)
-        rows = param.shape[0] if param.dim() else 1
+        rows = rows_and_row_numel(param.shape)[0]
         return LocalPart(value, start, (rows, *value.shape[1:]), layout.writes_rows(param),
                          layout.row_split(param, True))
     return LocalPart(value, 0, tuple(value.shape), layout.writes_replicated(param), layout.row_split(param, False))

@@ -5,6 +5,8 @@ The CLI is these calls plus printing."""
 
 from __future__ import annotations
 
+from gefen.geometry import rows_and_row_numel
+
 PORTABLE, DCP, TORCH = "portable", "dcp", "torch"
 FORMATS = (PORTABLE, DCP, TORCH)
 
@@ -137,7 +139,7 @@ def verify_any(url: str, *, format: str | None = None, optimizer: str | None = N
 
     problems, checked = [], 0
     for key, source in state.tensors():
-        rows = source.shape[0] if source.shape else 1
+        rows = rows_and_row_numel(source.shape)[0]
         step = rows_per_chunk(source.shape, source.dtype.itemsize, 64 << 20)
         try:
             for start in range(0, rows, step):

@@ -7,26 +7,18 @@ rank one contiguous range of global rows; that range is all the checkpoint code 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from gefen.distributed import is_dtensor  # noqa: F401  (the DTensor helpers' one home)
+from gefen.distributed import local_tensor as to_local  # noqa: F401
+from gefen.geometry import rows_and_row_numel
 from gefen_ckpt.errors import UnsupportedLayoutError
 from gefen_ckpt.format.index import chunk_rows  # noqa: F401  (the split rule's one home)
 
 
-def is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "placements") and hasattr(t, "device_mesh")
-
-
-def to_local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor; any other tensor as it is."""
-    return t.to_local() if is_dtensor(t) else t
-
-
 def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
     """``[start, stop)`` of the global rows this rank holds (0-D tensors are one row)."""
-    rows = param.shape[0] if param.dim() else 1
+    rows = rows_and_row_numel(param.shape)[0]
     if not is_dtensor(param):
         return 0, rows
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -48,7 +40,7 @@ def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
 
 def rows_per_chunk(shape: tuple[int, ...], itemsize: int, budget: int) -> int:
     """Whole rows of a tensor of ``shape`` that fit in ``budget`` bytes (at least one)."""
-    return max(1, budget // max(1, math.prod(shape[1:]) * itemsize))
+    return max(1, budget // max(1, rows_and_row_numel(shape)[1] * itemsize))
 
 
 def rank() -> int:

@@ -103,3 +103,22 @@ def test_block_shape_rejects_non_divisors(period):
         block_shape((3, 12), period)
 
 
+
+
+def test_the_geometry_module_is_torch_free_and_owns_the_field_shapes():
+    """Contracts, the checkpoint subsystem and the CLI's torch-free inspect share one table."""
+    import subprocess
+    import sys
+
+    code = "import sys, gefen.geometry, gefen.contract; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    from gefen.contract import GEOMETRIES, FieldSpec
+    from gefen.geometry import field_local_shape, period_of_blocks, shape_problem
+
+    assert set(GEOMETRIES) == {"scalar", "param", "block", "row", "col", "global"}
+    assert shape_problem("block", (6, 4, 3), (6, 3)) is None and period_of_blocks((6, 4, 3), 3) == 4
+    assert "not a valid block shape" in shape_problem("block", (6, 12), (6, 5))
+    assert shape_problem("col", (6, 4, 3), (12,)) is None and shape_problem("row", (6, 4), (4,))
+    assert field_local_shape("row", (2, 12), (6, 12), 12) == (2,)
+    assert field_local_shape("col", (6, 5), (6, 10), 10) == (5,)  # columns split (Shard(1))
+    assert FieldSpec("v", "float32", "block").check_shape((6, 12), (6, 3)) is None
