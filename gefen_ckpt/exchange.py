@@ -10,7 +10,6 @@ stages and publishes atomically.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 
@@ -66,60 +65,6 @@ def leaves(optimizer, contract: OptimizerContract, child: str | None = None):
         yield from leaves(children[name], child_contract, name)
 
 
-# ----- the live optimizer, seen through its contract ----------------------------------------
-@dataclasses.dataclass(frozen=True)
-class LiveParam:
-    """One parameter of a live optimizer: its leaf contract and this rank's state (None: none yet)."""
-
-    param: torch.Tensor
-    child: str | None
-    contract: OptimizerContract
-    state: dict[str, torch.Tensor] | None
-
-
-@dataclasses.dataclass(frozen=True)
-class LiveOptimizer:
-    """What export and the DCP adapter read from an optimizer, without copying any tensor."""
-
-    contract: OptimizerContract
-    groups: list[dict]  # plain hyperparameters, "params": FQNs, "child" for composite optimizers
-    params: dict[str, LiveParam]
-    global_fields: dict[str, torch.Tensor]  # "<child>/<name>" in composite optimizers
-
-
-def live_view(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> LiveOptimizer:
-    """Walk every leaf optimizer's ``state_dict()`` and key it by FQN (``model`` names bare tensors)."""
-    contract = contract_of(optimizer)
-    names = names_from_model(model)
-    groups: list[dict] = []
-    params: dict[str, LiveParam] = {}
-    global_fields: dict[str, torch.Tensor] = {}
-    for child, opt, leaf in leaves(optimizer, contract):
-        sd = opt.state_dict()
-        shared = {f.name for f in leaf.global_fields}
-        for key, value in (sd.get(GLOBAL_STATE_KEY) or {}).items():
-            if isinstance(value, torch.Tensor):
-                global_fields[global_key(child, key)] = value
-        for live, saved in zip(opt.param_groups, sd["param_groups"]):
-            fqns = group_fqns(live, names, leaf.implementation)
-            group = {h: plain(saved[h], f"hyperparameter {h!r}") for h in leaf.hyperparameters if h in saved}
-            group["params"] = fqns
-            if child is not None:
-                group["child"] = child
-            groups.append(group)
-            for index, fqn, p in zip(saved["params"], fqns, live["params"]):
-                if fqn in params:
-                    raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
-                if layout.is_dtensor(p):
-                    layout.local_rows(p, fqn)  # whole rows on every rank: refuses a column split (Shard(1))
-                entry = sd["state"].get(index)
-                # optimizer-wide fields that each parameter's entry repeats for torch's API (the codebook)
-                state = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                         for k, v in entry.items() if v is not None and k not in shared} if entry else None
-                params[fqn] = LiveParam(p, child, leaf, state)
-    return LiveOptimizer(contract, groups, params, global_fields)
-
-
 # ----- export -------------------------------------------------------------------------------
 def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None) -> CanonicalState:
     """The optimizer's state as a topology-free ``CanonicalState``.
@@ -130,17 +75,33 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
     global tensor (no communication): ``gefen_ckpt.save`` writes the parts in parallel and
     ``gefen_ckpt.transport.gather`` assembles them on one rank.
     """
-    live = live_view(optimizer, model)
-    rank0 = layout.rank() == 0
-    params = {
-        fqn: ParamState(tuple(lp.param.shape), lp.param.dtype,
-                        {k: _local_part(fqn, lp.param, lp.contract.field(k).row_sharded, v) for k, v in lp.state.items()},
-                        lp.child)
-        for fqn, lp in live.params.items() if lp.state
-    }
-    global_fields = {k: LocalPart(v, 0, tuple(v.shape), rank0, (1, (0,))) for k, v in live.global_fields.items()}
-    return CanonicalState(live.contract, live.groups, params, global_fields,
-                          metadata={"source_topology": {"kind": "single"}})
+    contract, names, rank0 = contract_of(optimizer), names_from_model(model), layout.rank() == 0
+    groups: list[dict] = []
+    params: dict[str, ParamState] = {}
+    global_fields: dict[str, LocalPart] = {}
+    seen: set[str] = set()
+    for child, opt, leaf in leaves(optimizer, contract):
+        sd = opt.state_dict()
+        shared = {f.name for f in leaf.global_fields}  # each parameter's entry repeats them (the codebook)
+        for key, value in (sd.get(GLOBAL_STATE_KEY) or {}).items():
+            if isinstance(value, torch.Tensor):
+                global_fields[global_key(child, key)] = LocalPart(value, 0, tuple(value.shape), rank0, (1, (0,)))
+        for live, saved in zip(opt.param_groups, sd["param_groups"]):
+            fqns = group_fqns(live, names, leaf.implementation)
+            group = {h: plain(saved[h], f"hyperparameter {h!r}") for h in leaf.hyperparameters if h in saved}
+            groups.append({**group, "params": fqns, **({"child": child} if child is not None else {})})
+            for index, fqn, p in zip(saved["params"], fqns, live["params"]):
+                if fqn in seen:
+                    raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
+                seen.add(fqn)
+                if layout.is_dtensor(p):
+                    layout.local_rows(p, fqn)  # whole rows on every rank: refuses a column split (Shard(1))
+                fields = {k: _local_part(fqn, p, leaf.field(k).row_sharded,
+                                         v if isinstance(v, torch.Tensor) else torch.tensor(v))
+                          for k, v in (sd["state"].get(index) or {}).items() if v is not None and k not in shared}
+                if fields:
+                    params[fqn] = ParamState(tuple(p.shape), p.dtype, fields, child)
+    return CanonicalState(contract, groups, params, global_fields, metadata={"source_topology": {"kind": "single"}})
 
 
 def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.Tensor) -> LocalPart:
