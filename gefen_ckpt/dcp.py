@@ -70,6 +70,7 @@ from gefen_ckpt.errors import (
 )
 from gefen_ckpt.exchange import (
     check_contract,
+    check_group_members,
     check_param_shape,
     check_same_params,
     field_spec,
@@ -179,16 +180,11 @@ def fqn_state_dict(optimizer: torch.optim.Optimizer, model: torch.nn.Module | No
 def _index_keyed(sd: Mapping, optimizer, groups: list[list[str]]) -> dict:
     """The inverse of :func:`fqn_state_dict`, checked against the live groups (fail before mutation:
     a torch optimizer's ``load_state_dict`` would change the optimizer before it refuses)."""
-    saved = list(sd.get("param_groups") or [])
-    if len(saved) != len(groups):
-        raise CheckpointMismatchError(f"checkpoint has {len(saved)} param groups, the optimizer has {len(groups)}")
+    saved = [g if isinstance(g, Mapping) else {} for g in sd.get("param_groups") or ()]
+    check_group_members([g.get("params") or () for g in saved], groups)
     index = {fqn: i for i, fqn in enumerate(f for g in groups for f in g)}
-    out_groups = []
-    for gi, (fqns, live, group) in enumerate(zip(groups, optimizer.param_groups, saved)):
-        if not isinstance(group, Mapping) or sorted(map(str, group.get("params") or ())) != sorted(fqns):
-            raise CheckpointMismatchError(f"param group {gi} has different members")
-        out_groups.append({**{k: v for k, v in live.items() if k != "params"}, **group,
-                           "params": [index[f] for f in fqns]})
+    out_groups = [{**{k: v for k, v in live.items() if k != "params"}, **group, "params": [index[f] for f in fqns]}
+                  for fqns, live, group in zip(groups, optimizer.param_groups, saved)]
     unknown = sorted(set(sd.get("state") or {}) - set(index))
     if unknown:
         raise CheckpointMismatchError(f"checkpoint has state for {unknown[:3]}, which the optimizer does not hold")

@@ -181,6 +181,16 @@ def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: Opt
             raise CheckpointMismatchError(f"{fqn}/{name}: {problem}")
 
 
+def check_group_members(saved: list[list[str]], live: list[list[str]], child: str | None = None) -> None:
+    """The checkpoint's param groups (FQN lists) must be the optimizer's, in number and members."""
+    if len(saved) != len(live):
+        raise CheckpointMismatchError(f"checkpoint has {len(saved)} param groups{f' for {child!r}' if child else ''}, "
+                                      f"the optimizer has {len(live)}")
+    for gi, (a, b) in enumerate(zip(saved, live)):
+        if sorted(map(str, a)) != sorted(b):
+            raise CheckpointMismatchError(f"param group {gi}{f' of {child!r}' if child else ''} has different members")
+
+
 def _saved_leaf(contract: OptimizerContract, child: str | None) -> OptimizerContract:
     """The checkpoint's own contract of ``child``: its hyperparameter names are the ones saved
     (the optimizer's load maps names it has since renamed, e.g. ``gefen.muon.upgrade_group``)."""
@@ -192,15 +202,9 @@ def _check_groups(opt, leaf: OptimizerContract, child: str | None, state: Canoni
     """Groups, members, hyperparameters, and every parameter's shape and fields: from the
     checkpoint's description alone, so a mismatch is reported before any data is read."""
     saved_groups = [g for g in state.param_groups if g.get("child") == child]
-    if len(saved_groups) != len(opt.param_groups):
-        raise CheckpointMismatchError(
-            f"checkpoint has {len(saved_groups)} param groups{f' for {child!r}' if child else ''}, "
-            f"the optimizer has {len(opt.param_groups)}"
-        )
-    for gi, (live, saved) in enumerate(zip(opt.param_groups, saved_groups)):
-        fqns = group_fqns(live, names, leaf.implementation)
-        if sorted(saved["params"]) != sorted(fqns):
-            raise CheckpointMismatchError(f"param group {gi}{f' of {child!r}' if child else ''} has different members")
+    live_fqns = [group_fqns(live, names, leaf.implementation) for live in opt.param_groups]
+    check_group_members([g["params"] for g in saved_groups], live_fqns, child)
+    for gi, (live, saved, fqns) in enumerate(zip(opt.param_groups, saved_groups, live_fqns)):
         missing = [h for h in _saved_leaf(state.contract, child).hyperparameters if h not in saved]
         if missing:
             raise CheckpointMismatchError(f"param group {gi} of the checkpoint lacks hyperparameters {missing}")
