@@ -263,7 +263,7 @@ def diff(
 
       gefen-ckpt diff a b --json | jq '.differences[].key'
     """
-    from . import _diff
+    from gefen_ckpt.diff import diff_states
 
     chunk_bytes = common.parse_size(chunk)
     with common.handled():
@@ -278,7 +278,7 @@ def diff(
                 task = bar.add_task("comparing", total=total)
                 return lambda n: bar.advance(task, n)
 
-            report = _diff.diff_states(sa, sb, atol=atol, chunk_bytes=chunk_bytes, progress=start)
+            report = diff_states(sa, sb, atol=atol, chunk_bytes=chunk_bytes, progress=start)
     report = {"a": a, "b": b, **report}
     if as_json:
         _echo_json(report)

@@ -1,4 +1,4 @@
-"""``gefen-ckpt diff``: compare two canonical states field by field, streaming rows.
+"""Compare two canonical states field by field, streaming rows (``gefen-ckpt diff`` prints the report).
 
 Tensors are compared in chunks of whole rows (dim 0) read from the lazy sources, so memory
 stays bounded by a few times ``chunk_bytes`` (a single row larger than that is read on its
