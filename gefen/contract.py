@@ -125,6 +125,11 @@ class OptimizerContract:
         """The contract of the optimizer that owns a parameter: ``child``'s, or this one (None)."""
         return self if child is None else self.child(child)
 
+    def leaves(self) -> tuple[tuple[str | None, OptimizerContract], ...]:
+        """(child name, contract) of every non-composite optimizer inside (composites are one
+        level deep): the one walk over children, for live optimizers and state_dicts alike."""
+        return self.children or ((None, self),)
+
     def to_dict(self) -> dict:
         """Plain dict of str/int/list only (msgpack- and JSON-able)."""
         return {

@@ -53,16 +53,12 @@ def group_fqns(group: dict, names: dict[int, str], implementation: str) -> list[
         ) from None
 
 
-def leaves(optimizer, contract: OptimizerContract, child: str | None = None):
+def leaves(optimizer, contract: OptimizerContract):
     """(child name, optimizer, contract) for every non-composite optimizer inside ``optimizer``."""
-    if not contract.children:
-        yield child, optimizer, contract
-        return
-    children = getattr(optimizer, "children", None)
-    if not isinstance(children, dict):
+    children = getattr(optimizer, "children", None) if contract.children else None
+    if contract.children and not isinstance(children, dict):
         raise TypeError(f"{contract.implementation} declares children but has no `children` dict")
-    for name, child_contract in contract.children:
-        yield from leaves(children[name], child_contract, name)
+    return [(name, children[name] if name is not None else optimizer, leaf) for name, leaf in contract.leaves()]
 
 
 # ----- export -------------------------------------------------------------------------------

@@ -200,7 +200,7 @@ def read_stock(reader, key: str, source_factory, contract=None) -> CanonicalStat
     if contract is None:
         contract = infer_composite_contract(sketch) if children else infer_contract(sketch)
     global_fields, params = {}, {}
-    for child, leaf in [(c, contract.child(c)) for c in children] or [(None, contract)]:
+    for child, leaf in contract.leaves():
         members = [fqn for g in groups if g.get(CHILD_KEY) == child for fqn in g["params"] if fqn in fields]
         entries = {fqn: {name: source_factory(full) for name, full in fields[fqn].items()} for fqn in members}
         dtypes = {fqn: md.properties.dtype for fqn in members

@@ -222,16 +222,6 @@ def _split(sd: dict, children: list[str], implementation: str, where: str = "sta
         raise CheckpointMismatchError(f"{where}: not a state_dict of {implementation}: {exc}") from None
 
 
-def _leaves(contract: OptimizerContract, sd: dict, child: str | None = None, where: str = "state_dict"):
-    """(child name, contract, state_dict) of every non-composite optimizer inside ``sd``."""
-    if not contract.children:
-        yield child, contract, sd
-        return
-    names = [name for name, _ in contract.children]
-    for name, child_sd in _split(sd, names, contract.implementation, where).items():
-        yield from _leaves(contract.child(name), child_sd, name, f"{where}[{CHILD_KEY}={name!r}]")
-
-
 def _field_tensor(value, spec, fqn: str, name: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
@@ -275,7 +265,9 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
     seen: set[str] = set()
     params: dict[str, ParamState] = {}
     global_fields: dict[str, TensorSource] = {}
-    for child, leaf, leaf_sd in _leaves(contract, sd):
+    split = _split(sd, [n for n, _ in contract.children], contract.implementation) if contract.children else {None: sd}
+    for child, leaf in contract.leaves():
+        leaf_sd = split[child]
         where = f"child {child!r}" if child else "state_dict"
         check_state_dict(leaf_sd, where)
         for key, value in (leaf_sd.get(GLOBAL_STATE_KEY) or {}).items():
@@ -391,7 +383,7 @@ def state_dict_from_canonical(state: CanonicalState) -> dict:
     """
     contract = state.contract
     leaves = {}
-    for child, leaf in contract.children or ((None, contract),):  # composites are one level deep
+    for child, leaf in contract.leaves():
         groups = [g for g in state.param_groups if g.get(CHILD_KEY) == child]
         sd_state, sd_groups, index = {}, [], 0
         for g in groups:
