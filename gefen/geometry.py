@@ -31,7 +31,7 @@ def rows_and_row_numel(shape: Sequence[int]) -> tuple[int, int]:
     """Split a global shape into (rows, elements per row); a 0-D tensor is one row of one."""
     if len(shape) == 0:
         return 1, 1
-    return int(shape[0]), math.prod(int(s) for s in shape[1:])
+    return int(shape[0]), int(math.prod(shape[1:]))
 
 
 def block_shape(shape: Sequence[int], period: int) -> tuple[int, int]:
