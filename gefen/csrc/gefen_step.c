@@ -41,7 +41,7 @@
 
 #include "gefen_common.h"
 
-#define GEFEN_ABI 15
+#define GEFEN_ABI 16
 #define GRAIN 32768   /* at::internal::GRAIN_SIZE */
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 #define MAX_T 1024    /* largest torch thread count we emulate */
