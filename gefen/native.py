@@ -137,6 +137,7 @@ def _load():
                        ("gefen_cpu_isa", [])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
+    lib.gefen_set_threads.argtypes, lib.gefen_set_threads.restype = [_I32], None
     if (fn := getattr(lib, "gefen_round_bf16", None)) is not None:  # (a build without it: the reference rounds)
         fn.argtypes, fn.restype = [_P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_uint32], ctypes.c_int
     return lib
@@ -212,6 +213,7 @@ def _use(cal: Calibration | None, m4v4: bool = False) -> Calibration | None:
     ``m4v4``, the m4v4 kernels too); None: the fused path does not apply."""
     if _lib is None:
         return None
+    _lib.gefen_set_threads(torch.get_num_threads())  # the kernels follow torch.set_num_threads
     if cal is not None:
         return cal
     if not enabled:

@@ -13,6 +13,7 @@ portable kernels, at 1 and 2 threads, leave identical bits (the kernels' own con
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -360,3 +361,44 @@ def test_refuses_what_it_cannot_do():
                                           pidx=0, seed=0)
     for k, v in st.items():
         assert torch.equal(v, before[k]), k
+
+
+# ----- checkpoints: the state layout did not change -----------------------------------------------
+def _continue(params, saved, use_native, steps, seed):
+    """Load ``saved`` (a torch-serialised state dict, or None) into a fresh Gefen and train on."""
+    native.enabled = use_native
+    opt = Gefen(params, lr=1e-2, weight_decay=0.05, seed=5)
+    if saved is not None:
+        saved.seek(0)
+        opt.load_state_dict(torch.load(saved, weights_only=True))
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for _, p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    out = io.BytesIO()
+    torch.save(opt.state_dict(), out)
+    return opt, out
+
+
+@pytest.mark.parametrize("first,then", [(False, True), (True, False)], ids=["reference-then-kernels",
+                                                                            "kernels-then-reference"])
+def test_checkpoints_cross_between_the_reference_and_the_kernels(first, then):
+    """A state saved by one path loads into the other and trains on (the eager reference writes what
+    the earlier, bit-exact kernels wrote): the continuation stays within the kernels' bound of the
+    reference continuing the same checkpoint."""
+    params = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in _model_params(0)]
+    _, saved = _continue(params, None, first, 3, seed=1)
+    at_save = [p.detach().clone() for _, p in params]
+    runs = {}
+    for use_native in (then, not then):
+        mine = [(n, torch.nn.Parameter(p.clone())) for (n, _), p in zip(params, at_save)]
+        opt, _ = _continue(mine, saved, use_native, 3, seed=2)
+        runs[use_native] = (mine, opt)
+        assert all(int(opt.state[p]["step"]) == 6 for _, p in mine)
+    (got, opt), (want, ref) = runs[True], runs[False]
+    for (name, a), (_, b), before in zip(got, want, at_save):
+        st = {k: v for k, v in opt.state[a].items() if isinstance(v, torch.Tensor)}
+        ref_st = {k: v for k, v in ref.state[b].items() if isinstance(v, torch.Tensor)}
+        assert torch.isfinite(a).all(), name
+        assert_within_bound(a.detach(), st, b.detach(), ref_st, before, name)
