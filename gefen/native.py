@@ -19,10 +19,11 @@ both paths compute the same numbers, so this only changes speed.
 
 ``fused_m4v4_partials``, ``fused_m4v4_update_`` and ``fused_adamw_update_`` do the same for the
 default m4v4 layout (``m4v4_partials``, ``m4v4_update_`` and the 1-D ``adamw_update_`` of
-``gefen.functional``; C in ``gefen/csrc/m4v4_step.c`` and ``gefen_step.c``). After its float64
-sums every m4v4 value is a chain of single fp32 operations, so parity needs no emulation beyond
-the sums and the square root; the calibration also runs a few m4v4 problems and turns off only
-the m4v4 kernels if they disagree.
+``gefen.functional``; C in ``gefen/csrc/m4v4_step.c``), under a different contract for the coded
+(>= 2-D) tensors: the same bits on every ISA (``GEFEN_CPU_ISA``), thread count and run, and within
+a stated bound of the reference rather than equal to it (``m4v4_disagreement``, docs/design.md,
+"The m4v4 kernels"); the 1-D step stays bit-identical. The calibration also runs a few m4v4
+problems and turns off only the m4v4 kernels if they leave the bound.
 
 ``block_histogram`` is the first step's one-time pass (``gefen/csrc/first_step.c``): the same
 histogram counts as ``gefen.codebook``.
@@ -308,15 +309,17 @@ def fused_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibr
 
 def fused_m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: torch.Tensor | None = None,
                         row_len: int | None = None, cal: Calibration | None = None):
-    """``functional.m4v4_partials`` (same ``(v_row, partials)``, bit for bit, ``row_sum``/``row_len``
-    included) in one C call, or None when it does not apply (``cal``: as for ``fused_partials``)."""
+    """``functional.m4v4_partials`` (``row_sum``/``row_len`` included) in one C call, its float64
+    sums in an order fixed by the shape (so within 1e-12 of the reference's, and the same bits on
+    any thread count and ISA), or None when it does not apply (``cal``: as for ``fused_partials``)."""
     return _partials(grad, state, beta2, cal, True, row_sum, row_len)
 
 
 def fused_m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1: float, *,
                          cal: Calibration | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(functional.row_square_sums(grad), functional.row_abs_max(functional.m4v4_momentum(...)))``
-    of a coded shard (bit for bit) in one C pass, or None when it does not apply: the row
+    of a coded shard (the max bit for bit, the float64 sums in phase 1's fixed order) in one C
+    pass, or None when it does not apply: the row
     statistics a column split reduces over tensor parallelism before phases 1 and 2."""
     codes, scale = state.get("mv_code"), state.get("m_row_scale")
     if grad.dtype not in _DT or codes is None or scale is None or grad.dim() < 2 or (cal := _use(cal, True)) is None:
@@ -470,8 +473,8 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
                        pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None,
                        row_max: torch.Tensor | None = None, cal: Calibration | None = None) -> bool:
     """``functional.m4v4_update_`` in one C call (``row_max``, a column split's whole rows' max
-    |m|, included); returns False (touching nothing) when it does not apply (then the caller runs
-    the reference; ``cal``: as for ``fused_partials``)."""
+    |m|, included), within the bound ``m4v4_disagreement`` checks; returns False (touching nothing)
+    when it does not apply (then the caller runs the reference; ``cal``: as for ``fused_partials``)."""
     if param.dtype not in _DT or grad.dtype not in _DT or param.shape != grad.shape or grad.dim() < 2:
         return False
     if (cal := _use(cal, m4v4=True)) is None:
