@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -402,3 +405,17 @@ def test_checkpoints_cross_between_the_reference_and_the_kernels(first, then):
         ref_st = {k: v for k, v in ref.state[b].items() if isinstance(v, torch.Tensor)}
         assert torch.isfinite(a).all(), name
         assert_within_bound(a.detach(), st, b.detach(), ref_st, before, name)
+
+
+@pytest.mark.parametrize("name,isa", [("scalar", 0), ("avx2", 1), ("avx512", 2), ("bogus", 2)])
+def test_the_isa_can_be_forced_from_the_environment(name, isa):
+    """``GEFEN_CPU_ISA`` (read at import) caps the kernels every call runs; an unknown name warns."""
+    code = "from gefen import native\nprint(native._ISA, native._calibrated().isa)\n"
+    env = {**os.environ, "GEFEN_CPU_ISA": name}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(isa), str(isa)]
+    if name == "bogus":
+        warn = subprocess.run([sys.executable, "-W", "error", "-c", "import gefen.native"], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert warn.returncode != 0 and "GEFEN_CPU_ISA" in warn.stderr
