@@ -151,7 +151,7 @@ def run(quick: bool = False) -> dict:
     for layout in ("m4v4", "m8"):
         Gefen([warm], moments=layout).step()
     limits = machine_limits()
-    reps, eager_reps, first_samples = (3, 1, 1) if quick else (10, 3, 2)
+    reps, eager_reps, first_samples = (3, 1, 1) if quick else (6, 2, 2)
     results: dict[str, dict] = {}
     for size in SIZES[:1] if quick else SIZES:
         shapes = transformer_shapes(size)
