@@ -18,8 +18,8 @@
  * MKL square root.  So the kernels and the reference differ by rounding (a few ulp), which moves
  * a code only when the rounding noise lands between the two (a ~1e-7 chance per element).
  * Each row is done by one thread, so any thread split gives the same bits.  Three row kernels
- * give identical results: AVX-512 (16 lanes; a 16-entry table is one register, the encode a
- * 4-step binary search of permutes), AVX2 (8 lanes, a table in two registers) and portable C;
+ * give identical results: AVX-512 (16 lanes; a 16-entry table is one register, the encode's
+ * search three compares and a 2-step binary search of permutes), AVX2 (8 lanes, a table in two registers) and portable C;
  * the call's mode caps which runs (GEFEN_CPU_ISA, tests compare them).
  */
 #include <float.h>
@@ -332,11 +332,18 @@ static AVX512 inline __m512 uniform16(__m512i gidx, __m512i key) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 8)), _mm512_set1_ps(0x1p-24f));
 }
 
-/* lower_code() on 16 lanes: #{t[k] < x} capped at 15 by a 4-step branchless binary search (t is
- * sorted, so t[i + s - 1] < x means all of t[0 .. i + s) are), then max(that, 1) - 1. */
+/* lower_code() on 16 lanes: #{t[k] < x} capped at 15 (t is sorted, so t[i + s - 1] < x means all
+ * of t[0 .. i + s) are): three independent compares with t[3], t[7], t[11] pick the group of
+ * four, a 2-step branchless binary search of permutes the entry in it; then max(that, 1) - 1. */
 static AVX512 inline __m512i lower16(__m512 T, __m512 x) {
-    __m512i idx = _mm512_setzero_si512();
-    for (int s = 8; s; s >>= 1) {
+    const __m512i four = _mm512_set1_epi32(4);
+    __m512i idx = _mm512_maskz_mov_epi32(
+        _mm512_cmp_ps_mask(_mm512_permutexvar_ps(_mm512_set1_epi32(3), T), x, _CMP_LT_OQ), four);
+    idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(_mm512_set1_epi32(7), T), x, _CMP_LT_OQ),
+                                idx, four);
+    idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(_mm512_set1_epi32(11), T), x, _CMP_LT_OQ),
+                                idx, four);
+    for (int s = 2; s; s >>= 1) {
         __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(s - 1)), T);
         idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(t, x, _CMP_LT_OQ), idx, _mm512_set1_epi32(s));
     }
