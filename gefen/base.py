@@ -288,7 +288,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         every rank, nothing to learn from); every rank takes part in the same reductions."""
         plan = self.reduction_plan()
         counted = [(p, local_tensor(grad)) for _, p, grad in work if plan.counts(p)]
-        signal = torch.tensor([sum(int(g.count_nonzero()) for _, g in counted)], dtype=torch.int64)
+        # whether any local gradient is non-zero (stops at the first that is: nearly always the first)
+        signal = torch.tensor([int(any(bool(g.any()) for _, g in counted))], dtype=torch.int64)
         plan.reducer.sum_(signal)
         if not int(signal):
             return None

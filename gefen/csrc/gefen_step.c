@@ -41,7 +41,7 @@
 
 #include "gefen_common.h"
 
-#define GEFEN_ABI 15
+#define GEFEN_ABI 16
 #define GRAIN 32768   /* at::internal::GRAIN_SIZE */
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 #define MAX_T 1024    /* largest torch thread count we emulate */
@@ -997,5 +997,14 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
 }
 
 GEFEN_EXPORT int gefen_native_abi(void) { return GEFEN_ABI; }
+/* The OpenMP thread count of the calling thread's next kernels (gefen.native passes torch's, so
+ * torch.set_num_threads governs both; the results do not depend on it). */
+GEFEN_EXPORT void gefen_set_threads(int32_t n) {
+#ifdef _OPENMP
+    if (n > 0 && n != omp_get_max_threads()) omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}
 /* the widest kernels this CPU runs (gefen_mode.isa: 0 portable, 1 AVX2, 2 AVX-512) */
 GEFEN_EXPORT int gefen_cpu_isa(void) { return cpu_isa(); }

@@ -1,21 +1,26 @@
 /*
  * The fused CPU step of Gefen's "m4v4" state layout (4-bit first-moment code + 4-bit code of the
- * second moment's ratio to its factored estimate, both re-quantised with stochastic rounding),
- * bit-identical to the torch reference in gefen.functional.  Phase 1 (the float64 row and
- * column statistics) is gefen_m4v4_partials in gefen_step.c, which owns torch's summation order;
- * this file is phase 2 (decode, both moments, re-encode, the parameter update) and the exact
- * AdamW step of 1-D / 0-D tensors.  Part of gefen._gefen_step, loaded by gefen.native.
+ * second moment's ratio to its factored estimate, both re-quantised with stochastic rounding):
+ * phase 1 (gefen_m4v4_partials: the float64 row and column statistics), phase 2
+ * (gefen_m4v4_step: decode, both moments, re-encode, the parameter update), the column split's
+ * row statistics and the AdamW step of 1-D / 0-D tensors.  Part of gefen._gefen_step, loaded by
+ * gefen.native.
  *
- * Why parity holds without any calibration of its own: after phase 1 every value is a chain of
- * single IEEE fp32 operations (the file is compiled with -ffp-contract=off; the one fused
- * multiply-add is the final p + (-lr) * u, as torch's add(alpha=) computes it), lookups in
- * 16-entry tables, an exact max, uint32 hashing and torch's own square root (the call's mode).
- * The encode's clamp of p to [0, 1] is left out: u is in [0, 1), so `u < p` decides the same.
+ * The kernel contract (docs/design.md, "The m4v4 kernels"): the arithmetic of gefen.functional's
+ * m4v4 reference, computed for speed rather than replayed op by op, and the same bits on every
+ * ISA, thread count and run.  Every value is a chain of correctly rounded IEEE fp32 operations
+ * (+ - * /, sqrt; the file is compiled with -ffp-contract=off and the one fused multiply-add, the
+ * final p + (-lr) * u, is fmaf / vfmadd in every kernel), 16-entry table lookups, an exact max,
+ * uint32 hashing and float64 sums in an order fixed by the shape (phase 1 below).  Where the
+ * reference divides, the kernels multiply by reciprocals computed once per call or row (the
+ * encode's 1 / (table spacing), 1 / row scale, 1 / sqrt(1 - b2^t), 1 / (1 - b1^t)) and divide
+ * once per element for the update's denominator; the square root is the exact one, not torch's
+ * MKL square root.  So the kernels and the reference differ by rounding (a few ulp), which moves
+ * a code only when the rounding noise lands between the two (a ~1e-7 chance per element).
  * Each row is done by one thread, so any thread split gives the same bits.  Three row kernels
- * give identical results: AVX-512 (16 lanes; a 16-entry table is one register, the encode a
- * 4-step binary search of permutes), AVX2 (8 lanes, a table in two registers) and portable C;
- * the call's mode caps which runs (tests compare them).  The AVX-512 kernel halves
- * phase 2's time on the CPUs that have it (measured: 76 -> 33 ms per 8.4M elements, one thread).
+ * give identical results: AVX-512 (16 lanes; a 16-entry table is one register, the encode's
+ * search three compares and a 2-step binary search of permutes), AVX2 (8 lanes, a table in two registers) and portable C;
+ * the call's mode caps which runs (GEFEN_CPU_ISA, tests compare them).
  */
 #include <float.h>
 #include <math.h>
@@ -27,6 +32,7 @@
 
 #define M4_PAR_MIN 32768 /* elements below which one thread does the tensor */
 #define GUARD 1e-12f     /* smallest table spacing the encode divides by */
+#define IVH_MAX 0x1p126f /* 1 / FLT_MIN: the largest 1 / vhat (the reference clamps vhat to FLT_MIN) */
 
 /* the counter hash (gefen.stochastic): x = gidx * H_IDX + t * H_STEP + salt * H_SALT, then mix */
 #define H_IDX 0x9E3779B1u
@@ -50,20 +56,30 @@ typedef struct {
     const float *row_max; /* [rows] or NULL: each row's max |m| given (a column split's whole rows', reduced over tp) */
 } m4v4_args;
 
-/* a sorted 16-entry table, its spacings d[lo] = max(t[lo + 1] - t[lo], GUARD) and curvatures
- * k[lo] (the second moment's; 0 for the first moment's, whose encode ignores them) */
+/* a sorted 16-entry table, the reciprocals of its spacings inv[lo] = 1 / max(t[lo + 1] - t[lo],
+ * GUARD) and curvatures k[lo] (the second moment's; 0 for the first moment's, whose encode ignores
+ * them).  The reciprocals are fp32 divisions done once per call, so every kernel multiplies by
+ * the same values. */
 typedef struct {
-    float t[16], d[16], k[16];
+    float t[16], inv[16], k[16];
 } sr_table;
 
 typedef struct {
     const m4v4_args *a;
     sr_table M, V;
     const float *v_col_old;
+    const float *svc, *ivc; /* sqrt(v_col') and 1 / v_col' per column */
+    float sr[16];           /* sqrt(R[k]) */
     hyper_f32 s;
-    float mean_new, mean_old;
-    uint32_t key_m, key_v; /* t * H_STEP + salt * H_SALT */
+    float mean_new, mean_old, ib2s, ibc1; /* 1 / sqrt(1 - b2^t), 1 / (1 - b1^t) */
+    uint32_t key_m, key_v;                /* t * H_STEP + salt * H_SALT */
 } m4ctx;
+
+/* Per row: the first-moment codebook times the old scale (the decode) and times the new scale
+ * and 1 / (1 - b1^t) (the update's numerator); 16 entries each, scalar fp32 products. */
+typedef struct {
+    float mold[16], unum[16];
+} row_tables;
 
 static void make_table(sr_table *T, const float *values, const float *kappa) {
     for (int k = 0; k < 16; ++k) {
@@ -72,9 +88,9 @@ static void make_table(sr_table *T, const float *values, const float *kappa) {
     }
     for (int k = 0; k < 15; ++k) {
         float d = values[k + 1] - values[k];
-        T->d[k] = d > GUARD ? d : GUARD;
+        T->inv[k] = 1.0f / (d > GUARD ? d : GUARD);
     }
-    T->d[15] = GUARD;
+    T->inv[15] = 1.0f / GUARD;
 }
 
 static inline uint32_t mix(uint32_t x) {
@@ -88,22 +104,24 @@ static inline float uniform(uint32_t gidx, uint32_t key) {
     return (float)(mix(gidx * H_IDX + key) >> 8) * 0x1p-24f;
 }
 
-/* stochastic rounding of x to T: hi = clamp(#{t < x}, 1, 15) = 1 + #{k in 1..14 : t[k] < x} */
+/* lo = clamp(#{t < x}, 1, 15) - 1 = #{k in 1..14 : t[k] < x} (NaN: 0) */
+static inline int lower_code(const sr_table *T, float x) {
+    int lo = 0;
+    for (int k = 1; k < 15; ++k) lo += T->t[k] < x;
+    return lo;
+}
+
+/* stochastic rounding of x to T: lo + (u < (x - t[lo]) * inv[lo]) */
 static inline int encode(const sr_table *T, float x, float u) {
-    int hi = 1;
-    for (int k = 1; k < 15; ++k) hi += T->t[k] < x;
-    const int lo = hi - 1;
-    const float p = (x - T->t[lo]) / T->d[lo];
+    const int lo = lower_code(T, x);
+    const float p = (x - T->t[lo]) * T->inv[lo];
     return lo + (u < p);
 }
 
-/* the second moment's rounding (gefen.stochastic.encode_v): p clamped to [0, 1] (NaN -> 0, the
- * same code as the reference's NaN p), then bent to p + K[lo] * (p * (1 - p)) */
+/* the second moment's rounding: p clamped to [0, 1] (NaN -> 0), bent to p + K[lo] * (p * (1 - p)) */
 static inline int encode_v(const sr_table *T, float x, float u) {
-    int hi = 1;
-    for (int k = 1; k < 15; ++k) hi += T->t[k] < x;
-    const int lo = hi - 1;
-    float p = (x - T->t[lo]) / T->d[lo];
+    const int lo = lower_code(T, x);
+    float p = (x - T->t[lo]) * T->inv[lo];
     p = p > 0.0f ? p : 0.0f;
     p = p < 1.0f ? p : 1.0f;
     p = p + T->k[lo] * (p * (1.0f - p));
@@ -116,27 +134,28 @@ static inline uint32_t row_gidx(const m4v4_args *a, int64_t r) {
 }
 
 /* ----- one row, portable --------------------------------------------------------------------
- * Pass 1: both old moments decoded, v re-encoded (vq = vhat_new * R[code] kept in den for the
- * square root), m's EMA kept in mbuf with its max |m|.  Pass 2: the row scale, m re-encoded,
- * the update.  vc: the new second-moment codes. */
-static void row_pass1_portable(const m4ctx *c, int64_t r, int64_t j0, float a_old, float a_new, float *den,
-                               float *mbuf, uint8_t *vc, float *smax, int *nan) {
+ * Pass 1: both old moments decoded, v re-encoded, the update's denominator
+ * w = 1 / (sqrt(vhat_new * R[code]) * (1 / sqrt(1 - b2^t)) + eps) kept in wbuf, m's EMA kept in
+ * mbuf with its max |m|.  Pass 2: m * (1 / row scale) re-encoded, p = p * (1 - lr wd) +
+ * (-lr) * (unum[code] * w) (one fused multiply-add).  vc: the new second-moment codes. */
+static void row_pass1_portable(const m4ctx *c, const row_tables *rt, int64_t r, int64_t j0, float a_old, float ia,
+                               float sa, float *wbuf, float *mbuf, uint8_t *vc, float *smax, int *nan) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C;
-    const float s_old = bf16_to_f32(a->m_scale[r]);
     const uint32_t g0 = row_gidx(a, r);
     float most = *smax;
     int bad = 0;
     for (int64_t j = j0; j < C; ++j) {
         const uint8_t code = a->codes[off + j];
         const float g = ld_g(a->grad, a->grad_dtype, off + j);
-        const float vh = a_new * a->v_col[j];
         float v = (a_old * c->v_col_old[j]) * c->V.t[code >> 4];
         v = v * c->s.b2 + (g * g) * c->s.o2;
-        const int q = encode_v(&c->V, v / (vh > FLT_MIN ? vh : FLT_MIN), uniform(g0 + (uint32_t)j, c->key_v));
+        float ivh = ia * c->ivc[j];
+        ivh = ivh < IVH_MAX ? ivh : IVH_MAX;
+        const int q = encode_v(&c->V, v * ivh, uniform(g0 + (uint32_t)j, c->key_v));
         vc[j] = (uint8_t)q;
-        den[j] = vh * c->V.t[q];
-        float m = c->M.t[code & 15] * s_old;
+        wbuf[j] = (sa * c->svc[j]) * c->sr[q] + c->s.eps;
+        float m = rt->mold[code & 15];
         m = m * c->s.b1 + g * c->s.o1;
         mbuf[j] = m;
         const float am = fabsf(m);
@@ -147,16 +166,17 @@ static void row_pass1_portable(const m4ctx *c, int64_t r, int64_t j0, float a_ol
     *nan |= bad;
 }
 
-static void row_pass2_portable(const m4ctx *c, int64_t r, int64_t j0, float sf, const float *den, const float *mbuf,
-                               const uint8_t *vc) {
+static void row_pass2_portable(const m4ctx *c, const row_tables *rt, int64_t r, int64_t j0, float isf,
+                               const float *wbuf, const float *mbuf, const uint8_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C;
-    const float div = sf == 0.0f ? 1.0f : sf;
     const uint32_t g0 = row_gidx(a, r);
+    const int dt = a->param_dtype;
     for (int64_t j = j0; j < C; ++j) {
-        const int q = encode(&c->M, mbuf[j] / div, uniform(g0 + (uint32_t)j, c->key_m));
-        update_param(a->param, a->param_dtype, off + j, c->M.t[q] * sf / c->s.bc1, den[j] / c->s.b2s + c->s.eps, &c->s,
-                     a->has_wd);
+        const int q = encode(&c->M, mbuf[j] * isf, uniform(g0 + (uint32_t)j, c->key_m));
+        float p = ld_g(a->param, dt, off + j);
+        if (a->has_wd) p = p * c->s.decay;
+        st_g(a->param, dt, off + j, fmaf(rt->unum[q] / wbuf[j], c->s.nlr, p));
         a->codes[off + j] = (uint8_t)(q | (vc[j] << 4));
     }
 }
@@ -164,18 +184,17 @@ static void row_pass2_portable(const m4ctx *c, int64_t r, int64_t j0, float sf, 
 #if GEFEN_X86
 /* ----- one row, AVX2 (same roundings, 8 lanes) ---------------------------------------------- */
 typedef struct {
-    __m256 lo, hi, dlo, dhi, klo, khi;
+    __m256 lo, hi;
 } table8;
 
-static AVX2 inline table8 table_regs(const sr_table *T) {
-    table8 R = {_mm256_loadu_ps(T->t), _mm256_loadu_ps(T->t + 8), _mm256_loadu_ps(T->d),
-                _mm256_loadu_ps(T->d + 8), _mm256_loadu_ps(T->k), _mm256_loadu_ps(T->k + 8)};
+static AVX2 inline table8 table_regs(const float *t) {
+    table8 R = {_mm256_loadu_ps(t), _mm256_loadu_ps(t + 8)};
     return R;
 }
 
-/* lo8/hi8[idx], idx in 0..15 */
-static AVX2 inline __m256 perm16(__m256 lo8, __m256 hi8, __m256i idx) {
-    __m256 a = _mm256_permutevar8x32_ps(lo8, idx), b = _mm256_permutevar8x32_ps(hi8, idx);
+/* R[idx], idx in 0..15 */
+static AVX2 inline __m256 perm16(table8 R, __m256i idx) {
+    __m256 a = _mm256_permutevar8x32_ps(R.lo, idx), b = _mm256_permutevar8x32_ps(R.hi, idx);
     return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
 
@@ -187,26 +206,27 @@ static AVX2 inline __m256 uniform8(__m256i gidx, __m256i key) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 8)), _mm256_set1_ps(0x1p-24f));
 }
 
-/* encode() on 8 lanes; returns the codes as int32 lanes */
-static AVX2 inline __m256i encode8(const sr_table *T, const table8 *R, __m256 x, __m256 u) {
-    __m256i hi = _mm256_set1_epi32(1);
-    for (int k = 1; k < 15; ++k) /* mask lanes are -1: subtracting counts them */
-        hi = _mm256_sub_epi32(hi, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(T->t[k]), x, _CMP_LT_OQ)));
-    const __m256i lo = _mm256_sub_epi32(hi, _mm256_set1_epi32(1));
-    const __m256 p = _mm256_div_ps(_mm256_sub_ps(x, perm16(R->lo, R->hi, lo)), perm16(R->dlo, R->dhi, lo));
+/* lower_code() on 8 lanes (mask lanes are -1: subtracting counts them) */
+static AVX2 inline __m256i lower8(const sr_table *T, __m256 x) {
+    __m256i lo = _mm256_setzero_si256();
+    for (int k = 1; k < 15; ++k)
+        lo = _mm256_sub_epi32(lo, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(T->t[k]), x, _CMP_LT_OQ)));
+    return lo;
+}
+
+static AVX2 inline __m256i encode8(const sr_table *T, table8 Tt, table8 Ti, __m256 x, __m256 u) {
+    const __m256i lo = lower8(T, x);
+    const __m256 p = _mm256_mul_ps(_mm256_sub_ps(x, perm16(Tt, lo)), perm16(Ti, lo));
     return _mm256_sub_epi32(lo, _mm256_castps_si256(_mm256_cmp_ps(u, p, _CMP_LT_OQ)));
 }
 
 /* encode_v() on 8 lanes (max_ps(p, 0) is 0 for a NaN p, as the portable kernel's) */
-static AVX2 inline __m256i encode8_v(const sr_table *T, const table8 *R, __m256 x, __m256 u) {
-    __m256i hi = _mm256_set1_epi32(1);
-    for (int k = 1; k < 15; ++k)
-        hi = _mm256_sub_epi32(hi, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(T->t[k]), x, _CMP_LT_OQ)));
-    const __m256i lo = _mm256_sub_epi32(hi, _mm256_set1_epi32(1));
+static AVX2 inline __m256i encode8_v(const sr_table *T, table8 Tt, table8 Ti, table8 Tk, __m256 x, __m256 u) {
+    const __m256i lo = lower8(T, x);
     const __m256 one = _mm256_set1_ps(1.0f);
-    __m256 p = _mm256_div_ps(_mm256_sub_ps(x, perm16(R->lo, R->hi, lo)), perm16(R->dlo, R->dhi, lo));
+    __m256 p = _mm256_mul_ps(_mm256_sub_ps(x, perm16(Tt, lo)), perm16(Ti, lo));
     p = _mm256_min_ps(_mm256_max_ps(p, _mm256_setzero_ps()), one);
-    p = _mm256_add_ps(p, _mm256_mul_ps(perm16(R->klo, R->khi, lo), _mm256_mul_ps(p, _mm256_sub_ps(one, p))));
+    p = _mm256_add_ps(p, _mm256_mul_ps(perm16(Tk, lo), _mm256_mul_ps(p, _mm256_sub_ps(one, p))));
     return _mm256_sub_epi32(lo, _mm256_castps_si256(_mm256_cmp_ps(u, p, _CMP_LT_OQ)));
 }
 
@@ -225,15 +245,17 @@ static AVX2 inline void store_bytes8(uint8_t *p, __m256i v) {
     _mm_storel_epi64((__m128i *)p, _mm_packus_epi16(w, w));
 }
 
-static AVX2 float row_pass1_avx2(const m4ctx *c, int64_t r, float a_old, float a_new, float *den, float *mbuf,
-                                 uint8_t *vc, int *nan) {
+static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r, float a_old, float ia, float sa,
+                                 float *wbuf, float *mbuf, uint8_t *vc, int *nan) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
-    const table8 V = table_regs(&c->V), M = table_regs(&c->M);
-    const __m256 vs_old = _mm256_set1_ps(bf16_to_f32(a->m_scale[r])), vaold = _mm256_set1_ps(a_old);
-    const __m256 vanew = _mm256_set1_ps(a_new), tiny = _mm256_set1_ps(FLT_MIN);
+    const table8 VT = table_regs(c->V.t), VI = table_regs(c->V.inv), VK = table_regs(c->V.k);
+    const table8 MO = table_regs(rt->mold), SR = table_regs(c->sr);
+    const __m256 vaold = _mm256_set1_ps(a_old), via = _mm256_set1_ps(ia), vsa = _mm256_set1_ps(sa);
+    const __m256 ivmax = _mm256_set1_ps(IVH_MAX);
     const __m256 b1 = _mm256_set1_ps(c->s.b1), o1 = _mm256_set1_ps(c->s.o1), b2 = _mm256_set1_ps(c->s.b2);
     const __m256 o2 = _mm256_set1_ps(c->s.o2), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 eps = _mm256_set1_ps(c->s.eps);
     const __m256i key = _mm256_set1_epi32((int)c->key_v), low4 = _mm256_set1_epi32(15);
     const uint32_t g0 = row_gidx(a, r);
     __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
@@ -241,16 +263,16 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, int64_t r, float a_old, float a
     for (; j < C8; j += 8) {
         const __m256i code = load_codes8(a->codes + off + j);
         const __m256 g = ld8_g(a->grad, a->grad_dtype, off + j);
-        const __m256 vh = _mm256_mul_ps(vanew, _mm256_loadu_ps(a->v_col + j));
         __m256 v = _mm256_mul_ps(_mm256_mul_ps(vaold, _mm256_loadu_ps(c->v_col_old + j)),
-                                 perm16(V.lo, V.hi, _mm256_srli_epi32(code, 4)));
+                                 perm16(VT, _mm256_srli_epi32(code, 4)));
         v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(_mm256_mul_ps(g, g), o2));
-        /* max(vh, tiny) as the portable kernel's (vh > tiny ? vh : tiny): tiny for NaN */
-        const __m256 ratio = _mm256_div_ps(v, _mm256_max_ps(vh, tiny));
-        const __m256i q = encode8_v(&c->V, &V, ratio, uniform8(lane_ids(g0 + (uint32_t)j), key));
+        /* min_ps(t, max) is max for a NaN t, as the portable kernel's (t < max ? t : max) */
+        const __m256 ivh = _mm256_min_ps(_mm256_mul_ps(via, _mm256_loadu_ps(c->ivc + j)), ivmax);
+        const __m256i q = encode8_v(&c->V, VT, VI, VK, _mm256_mul_ps(v, ivh), uniform8(lane_ids(g0 + (uint32_t)j), key));
         store_bytes8(vc + j, q);
-        _mm256_storeu_ps(den + j, _mm256_mul_ps(vh, perm16(V.lo, V.hi, q)));
-        __m256 m = _mm256_mul_ps(perm16(M.lo, M.hi, _mm256_and_si256(code, low4)), vs_old);
+        _mm256_storeu_ps(wbuf + j, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(vsa, _mm256_loadu_ps(c->svc + j)),
+                                                               perm16(SR, q)), eps));
+        __m256 m = perm16(MO, _mm256_and_si256(code, low4));
         m = _mm256_add_ps(_mm256_mul_ps(m, b1), _mm256_mul_ps(g, o1));
         _mm256_storeu_ps(mbuf + j, m);
         const __m256 am = _mm256_and_ps(m, absmask);
@@ -259,34 +281,30 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, int64_t r, float a_old, float a
     }
     float smax = hmax8(vmax); /* lanes >= +0; a NaN lane sets nan, which discards smax */
     *nan |= _mm256_movemask_ps(vnan) != 0;
-    row_pass1_portable(c, r, C8, a_old, a_new, den, mbuf, vc, &smax, nan);
+    row_pass1_portable(c, rt, r, C8, a_old, ia, sa, wbuf, mbuf, vc, &smax, nan);
     return smax;
 }
 
-static AVX2 void row_pass2_avx2(const m4ctx *c, int64_t r, float sf, const float *den, const float *mbuf,
-                                const uint8_t *vc) {
+static AVX2 void row_pass2_avx2(const m4ctx *c, const row_tables *rt, int64_t r, float isf, const float *wbuf,
+                                const float *mbuf, const uint8_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
-    const table8 M = table_regs(&c->M);
-    const __m256 vdiv = _mm256_set1_ps(sf == 0.0f ? 1.0f : sf), vsf = _mm256_set1_ps(sf);
-    const __m256 bc1 = _mm256_set1_ps(c->s.bc1), b2s = _mm256_set1_ps(c->s.b2s), eps = _mm256_set1_ps(c->s.eps);
-    const __m256 nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
+    const table8 MT = table_regs(c->M.t), MI = table_regs(c->M.inv), U = table_regs(rt->unum);
+    const __m256 visf = _mm256_set1_ps(isf), nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
     const __m256i key = _mm256_set1_epi32((int)c->key_m);
     const uint32_t g0 = row_gidx(a, r);
     for (int64_t j = 0; j < C8; j += 8) {
-        const __m256i q = encode8(&c->M, &M, _mm256_div_ps(_mm256_loadu_ps(mbuf + j), vdiv),
+        const __m256i q = encode8(&c->M, MT, MI, _mm256_mul_ps(_mm256_loadu_ps(mbuf + j), visf),
                                   uniform8(lane_ids(g0 + (uint32_t)j), key));
-        __m256 u = _mm256_div_ps(_mm256_mul_ps(perm16(M.lo, M.hi, q), vsf), bc1);
-        u = _mm256_div_ps(u, _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(den + j), b2s), eps));
+        const __m256 u = _mm256_div_ps(perm16(U, q), _mm256_loadu_ps(wbuf + j));
         update_param8(a->param, a->param_dtype, off + j, u, nlr, decay, a->has_wd);
-        const __m256i vq = load_codes8(vc + j);
-        store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_slli_epi32(vq, 4)));
+        store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_slli_epi32(load_codes8(vc + j), 4)));
     }
-    row_pass2_portable(c, r, C8, sf, den, mbuf, vc);
+    row_pass2_portable(c, rt, r, C8, isf, wbuf, mbuf, vc);
 }
 
 /* ----- one row, AVX-512 (same roundings, 16 lanes; a 16-entry table is one register) ------- */
-#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 static AVX512 inline __m512 ld16_g(const void *g, int dt, int64_t i) {
     if (dt == DT_F32) return _mm512_loadu_ps((const float *)g + i);
@@ -314,35 +332,39 @@ static AVX512 inline __m512 uniform16(__m512i gidx, __m512i key) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 8)), _mm512_set1_ps(0x1p-24f));
 }
 
-/* encode() on 16 lanes: #{t[k] < x} capped at 15 by a 4-step branchless binary search (t is
- * sorted, so t[i + s - 1] < x means all of t[0 .. i + s) are), then hi = max(that, 1). */
-static AVX512 inline __m512i encode16(__m512 T, __m512 D, __m512 x, __m512 u) {
-    __m512i idx = _mm512_setzero_si512();
-    for (int s = 8; s; s >>= 1) {
+/* lower_code() on 16 lanes: #{t[k] < x} capped at 15 (t is sorted, so t[i + s - 1] < x means all
+ * of t[0 .. i + s) are): three independent compares with t[3], t[7], t[11] pick the group of
+ * four, a 2-step branchless binary search of permutes the entry in it; then max(that, 1) - 1. */
+static AVX512 inline __m512i lower16(__m512 T, __m512 x) {
+    const __m512i four = _mm512_set1_epi32(4);
+    __m512i idx = _mm512_maskz_mov_epi32(
+        _mm512_cmp_ps_mask(_mm512_permutexvar_ps(_mm512_set1_epi32(3), T), x, _CMP_LT_OQ), four);
+    idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(_mm512_set1_epi32(7), T), x, _CMP_LT_OQ),
+                                idx, four);
+    idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(_mm512_set1_epi32(11), T), x, _CMP_LT_OQ),
+                                idx, four);
+    for (int s = 2; s; s >>= 1) {
         __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(s - 1)), T);
         idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(t, x, _CMP_LT_OQ), idx, _mm512_set1_epi32(s));
     }
     const __m512i one = _mm512_set1_epi32(1);
-    const __m512i lo = _mm512_sub_epi32(_mm512_max_epi32(idx, one), one);
-    const __m512 p = _mm512_div_ps(_mm512_sub_ps(x, _mm512_permutexvar_ps(lo, T)), _mm512_permutexvar_ps(lo, D));
-    return _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), lo, one);
+    return _mm512_sub_epi32(_mm512_max_epi32(idx, one), one);
 }
 
-/* encode_v() on 16 lanes: encode16's search, then the clamp (max_ps(p, 0) is 0 for a NaN p) and
- * the curvature K */
-static AVX512 inline __m512i encode16_v(__m512 T, __m512 D, __m512 K, __m512 x, __m512 u) {
-    __m512i idx = _mm512_setzero_si512();
-    for (int s = 8; s; s >>= 1) {
-        __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(s - 1)), T);
-        idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(t, x, _CMP_LT_OQ), idx, _mm512_set1_epi32(s));
-    }
-    const __m512i one = _mm512_set1_epi32(1);
-    const __m512i lo = _mm512_sub_epi32(_mm512_max_epi32(idx, one), one);
+static AVX512 inline __m512i encode16(__m512 T, __m512 I, __m512 x, __m512 u) {
+    const __m512i lo = lower16(T, x);
+    const __m512 p = _mm512_mul_ps(_mm512_sub_ps(x, _mm512_permutexvar_ps(lo, T)), _mm512_permutexvar_ps(lo, I));
+    return _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), lo, _mm512_set1_epi32(1));
+}
+
+/* encode_v() on 16 lanes: the clamp (max_ps(p, 0) is 0 for a NaN p) and the curvature K */
+static AVX512 inline __m512i encode16_v(__m512 T, __m512 I, __m512 K, __m512 x, __m512 u) {
+    const __m512i lo = lower16(T, x);
     const __m512 fone = _mm512_set1_ps(1.0f);
-    __m512 p = _mm512_div_ps(_mm512_sub_ps(x, _mm512_permutexvar_ps(lo, T)), _mm512_permutexvar_ps(lo, D));
+    __m512 p = _mm512_mul_ps(_mm512_sub_ps(x, _mm512_permutexvar_ps(lo, T)), _mm512_permutexvar_ps(lo, I));
     p = _mm512_min_ps(_mm512_max_ps(p, _mm512_setzero_ps()), fone);
     p = _mm512_add_ps(p, _mm512_mul_ps(_mm512_permutexvar_ps(lo, K), _mm512_mul_ps(p, _mm512_sub_ps(fone, p))));
-    return _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), lo, one);
+    return _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), lo, _mm512_set1_epi32(1));
 }
 
 static AVX512 inline __m512i lane_ids16(uint32_t g) {
@@ -350,16 +372,16 @@ static AVX512 inline __m512i lane_ids16(uint32_t g) {
                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
-static AVX512 float row_pass1_avx512(const m4ctx *c, int64_t r, float a_old, float a_new, float *den, float *mbuf,
-                                     uint8_t *vc, int *nan) {
+static AVX512 float row_pass1_avx512(const m4ctx *c, const row_tables *rt, int64_t r, float a_old, float ia,
+                                     float sa, float *wbuf, float *mbuf, uint8_t *vc, int *nan) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C16 = C & ~(int64_t)15;
-    const __m512 VT = _mm512_loadu_ps(c->V.t), VD = _mm512_loadu_ps(c->V.d), VK = _mm512_loadu_ps(c->V.k);
-    const __m512 MT = _mm512_loadu_ps(c->M.t);
-    const __m512 vs_old = _mm512_set1_ps(bf16_to_f32(a->m_scale[r])), vaold = _mm512_set1_ps(a_old);
-    const __m512 vanew = _mm512_set1_ps(a_new), tiny = _mm512_set1_ps(FLT_MIN);
+    const __m512 VT = _mm512_loadu_ps(c->V.t), VI = _mm512_loadu_ps(c->V.inv), VK = _mm512_loadu_ps(c->V.k);
+    const __m512 MO = _mm512_loadu_ps(rt->mold), SR = _mm512_loadu_ps(c->sr);
+    const __m512 vaold = _mm512_set1_ps(a_old), via = _mm512_set1_ps(ia), vsa = _mm512_set1_ps(sa);
+    const __m512 ivmax = _mm512_set1_ps(IVH_MAX);
     const __m512 b1 = _mm512_set1_ps(c->s.b1), o1 = _mm512_set1_ps(c->s.o1), b2 = _mm512_set1_ps(c->s.b2);
-    const __m512 o2 = _mm512_set1_ps(c->s.o2);
+    const __m512 o2 = _mm512_set1_ps(c->s.o2), eps = _mm512_set1_ps(c->s.eps);
     const __m512i key = _mm512_set1_epi32((int)c->key_v), low4 = _mm512_set1_epi32(15);
     const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
     const uint32_t g0 = row_gidx(a, r);
@@ -369,15 +391,15 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, int64_t r, float a_old, flo
     for (; j < C16; j += 16) {
         const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(a->codes + off + j)));
         const __m512 g = ld16_g(a->grad, a->grad_dtype, off + j);
-        const __m512 vh = _mm512_mul_ps(vanew, _mm512_loadu_ps(a->v_col + j));
         __m512 v = _mm512_mul_ps(_mm512_mul_ps(vaold, _mm512_loadu_ps(c->v_col_old + j)),
                                  _mm512_permutexvar_ps(_mm512_srli_epi32(code, 4), VT));
         v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), o2));
-        const __m512 ratio = _mm512_div_ps(v, _mm512_max_ps(vh, tiny));
-        const __m512i q = encode16_v(VT, VD, VK, ratio, uniform16(lane_ids16(g0 + (uint32_t)j), key));
+        const __m512 ivh = _mm512_min_ps(_mm512_mul_ps(via, _mm512_loadu_ps(c->ivc + j)), ivmax);
+        const __m512i q = encode16_v(VT, VI, VK, _mm512_mul_ps(v, ivh), uniform16(lane_ids16(g0 + (uint32_t)j), key));
         _mm_storeu_si128((__m128i *)(vc + j), _mm512_cvtepi32_epi8(q));
-        _mm512_storeu_ps(den + j, _mm512_mul_ps(vh, _mm512_permutexvar_ps(q, VT)));
-        __m512 m = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(code, low4), MT), vs_old);
+        _mm512_storeu_ps(wbuf + j, _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(vsa, _mm512_loadu_ps(c->svc + j)),
+                                                               _mm512_permutexvar_ps(q, SR)), eps));
+        __m512 m = _mm512_permutexvar_ps(_mm512_and_si512(code, low4), MO);
         m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, o1));
         _mm512_storeu_ps(mbuf + j, m);
         const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), absmask));
@@ -386,57 +408,58 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, int64_t r, float a_old, flo
     }
     float smax = _mm512_reduce_max_ps(vmax); /* exact: all lanes >= +0 */
     *nan |= bad != 0;
-    row_pass1_portable(c, r, C16, a_old, a_new, den, mbuf, vc, &smax, nan);
+    row_pass1_portable(c, rt, r, C16, a_old, ia, sa, wbuf, mbuf, vc, &smax, nan);
     return smax;
 }
 
-static AVX512 void row_pass2_avx512(const m4ctx *c, int64_t r, float sf, const float *den, const float *mbuf,
-                                    const uint8_t *vc) {
+static AVX512 void row_pass2_avx512(const m4ctx *c, const row_tables *rt, int64_t r, float isf, const float *wbuf,
+                                    const float *mbuf, const uint8_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C16 = C & ~(int64_t)15;
-    const __m512 MT = _mm512_loadu_ps(c->M.t), MD = _mm512_loadu_ps(c->M.d);
-    const __m512 vdiv = _mm512_set1_ps(sf == 0.0f ? 1.0f : sf), vsf = _mm512_set1_ps(sf);
-    const __m512 bc1 = _mm512_set1_ps(c->s.bc1), b2s = _mm512_set1_ps(c->s.b2s), eps = _mm512_set1_ps(c->s.eps);
-    const __m512 nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay);
+    const __m512 MT = _mm512_loadu_ps(c->M.t), MI = _mm512_loadu_ps(c->M.inv), U = _mm512_loadu_ps(rt->unum);
+    const __m512 visf = _mm512_set1_ps(isf), nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay);
     const __m512i key = _mm512_set1_epi32((int)c->key_m);
     const uint32_t g0 = row_gidx(a, r);
     for (int64_t j = 0; j < C16; j += 16) {
-        const __m512i q = encode16(MT, MD, _mm512_div_ps(_mm512_loadu_ps(mbuf + j), vdiv),
+        const __m512i q = encode16(MT, MI, _mm512_mul_ps(_mm512_loadu_ps(mbuf + j), visf),
                                    uniform16(lane_ids16(g0 + (uint32_t)j), key));
-        __m512 u = _mm512_div_ps(_mm512_mul_ps(_mm512_permutexvar_ps(q, MT), vsf), bc1);
-        u = _mm512_div_ps(u, _mm512_add_ps(_mm512_div_ps(_mm512_loadu_ps(den + j), b2s), eps));
+        const __m512 u = _mm512_div_ps(_mm512_permutexvar_ps(q, U), _mm512_loadu_ps(wbuf + j));
         __m512 p = ld16_g(a->param, a->param_dtype, off + j);
         if (a->has_wd) p = _mm512_mul_ps(p, decay);
         st16_g(a->param, a->param_dtype, off + j, _mm512_fmadd_ps(u, nlr, p));
         const __m512i vq = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vc + j)));
         _mm_storeu_si128((__m128i *)(a->codes + off + j), _mm512_cvtepi32_epi8(_mm512_or_si512(q, _mm512_slli_epi32(vq, 4))));
     }
-    row_pass2_portable(c, r, C16, sf, den, mbuf, vc);
+    row_pass2_portable(c, rt, r, C16, isf, wbuf, mbuf, vc);
 }
 #endif
 
-/* Row r: both passes, the square root between them, the row's new scale and v_row.  isa: the
- * kernels (call_isa: 2 AVX-512, 1 AVX2, 0 portable). */
-static void one_row(const m4ctx *c, int64_t r, float *den, float *mbuf, uint8_t *vc, int isa) {
+/* Row r: both passes, the row's new scale and v_row.  isa: the kernels (call_isa: 2 AVX-512,
+ * 1 AVX2, 0 portable). */
+static void one_row(const m4ctx *c, int64_t r, float *wbuf, float *mbuf, uint8_t *vc, int isa) {
     const m4v4_args *a = c->a;
     const float a_old = a->v_row[r] / c->mean_old, a_new = a->v_row_new[r] / c->mean_new;
+    const float ia = 1.0f / a_new, sa = sqrtf(a_new) * c->ib2s;
+    const float s_old = bf16_to_f32(a->m_scale[r]);
+    row_tables rt;
+    for (int k = 0; k < 16; ++k) rt.mold[k] = c->M.t[k] * s_old;
     int nan = 0;
     float smax = 0.0f;
 #if GEFEN_X86
-    if (isa == 2) smax = row_pass1_avx512(c, r, a_old, a_new, den, mbuf, vc, &nan);
-    else if (isa == 1) smax = row_pass1_avx2(c, r, a_old, a_new, den, mbuf, vc, &nan);
+    if (isa == 2) smax = row_pass1_avx512(c, &rt, r, a_old, ia, sa, wbuf, mbuf, vc, &nan);
+    else if (isa == 1) smax = row_pass1_avx2(c, &rt, r, a_old, ia, sa, wbuf, mbuf, vc, &nan);
     else
 #endif
-        row_pass1_portable(c, r, 0, a_old, a_new, den, mbuf, vc, &smax, &nan);
-    mode_sqrt_n(a->mode, den, a->cols);
+        row_pass1_portable(c, &rt, r, 0, a_old, ia, sa, wbuf, mbuf, vc, &smax, &nan);
     const uint16_t sb = f32_to_bf16(a->row_max ? a->row_max[r] : nan ? NAN : smax);
-    const float sf = bf16_to_f32(sb);
+    const float sf = bf16_to_f32(sb), isf = 1.0f / (sf == 0.0f ? 1.0f : sf);
+    for (int k = 0; k < 16; ++k) rt.unum[k] = (c->M.t[k] * sf) * c->ibc1;
 #if GEFEN_X86
-    if (isa == 2) row_pass2_avx512(c, r, sf, den, mbuf, vc);
-    else if (isa == 1) row_pass2_avx2(c, r, sf, den, mbuf, vc);
+    if (isa == 2) row_pass2_avx512(c, &rt, r, isf, wbuf, mbuf, vc);
+    else if (isa == 1) row_pass2_avx2(c, &rt, r, isf, wbuf, mbuf, vc);
     else
 #endif
-        row_pass2_portable(c, r, 0, sf, den, mbuf, vc);
+        row_pass2_portable(c, &rt, r, 0, isf, wbuf, mbuf, vc);
     (void)isa;
     a->m_scale[r] = sb;
     a->v_row[r] = a->v_row_new[r];
@@ -452,7 +475,7 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
     const int par = numel >= M4_PAR_MIN;
     const int nthreads = par ? max_threads() : 1;
     const int64_t stride = (C + 15) / 16 * 16 + 16; /* floats */
-    float *bufs = (float *)malloc(((size_t)nthreads * (size_t)(3 * stride) + (size_t)stride) * sizeof(float));
+    float *bufs = (float *)malloc(((size_t)nthreads * (size_t)(3 * stride) + (size_t)(3 * stride)) * sizeof(float));
     if (!bufs) return -1;
     m4ctx c;
     c.a = a;
@@ -462,8 +485,19 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
     memcpy(v_col_old, a->v_col, (size_t)C * sizeof(float));
     c.v_col_old = v_col_old;
     c.s = HYPER_F32(a);
+    c.ib2s = 1.0f / c.s.b2s;
+    c.ibc1 = 1.0f / c.s.bc1;
     const double R = (double)a->global_rows;
-    for (int64_t j = 0; j < C; ++j) a->v_col[j] = a->v_col[j] * c.s.b2 + (float)(a->partials[j] / R) * c.s.o2;
+    float *svc = v_col_old + stride, *ivc = svc + stride;
+    for (int64_t j = 0; j < C; ++j) {
+        const float vcn = a->v_col[j] * c.s.b2 + (float)(a->partials[j] / R) * c.s.o2;
+        a->v_col[j] = vcn;
+        svc[j] = sqrtf(vcn);
+        ivc[j] = 1.0f / vcn;
+    }
+    c.svc = svc;
+    c.ivc = ivc;
+    for (int k = 0; k < 16; ++k) c.sr[k] = sqrtf(c.V.t[k]);
     const float mn = (float)(a->partials[C] / R), mo = (float)(a->partials[C + 1] / R);
     c.mean_new = mn > FLT_MIN ? mn : FLT_MIN;
     c.mean_old = mo > FLT_MIN ? mo : FLT_MIN;
@@ -476,13 +510,142 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
     {
         int64_t r0, r1;
         thread_range(a->rows, &r0, &r1);
-        float *den = bufs + (size_t)thread_id() * (size_t)(3 * stride), *mbuf = den + stride;
+        float *wbuf = bufs + (size_t)thread_id() * (size_t)(3 * stride), *mbuf = wbuf + stride;
         uint8_t *vc = (uint8_t *)(mbuf + stride);
-        const int mkl_prev = mode_threads_begin(a->mode);
-        for (int64_t r = r0; r < r1; ++r) one_row(&c, r, den, mbuf, vc, isa);
-        mode_threads_end(a->mode, mkl_prev);
+        for (int64_t r = r0; r < r1; ++r) one_row(&c, r, wbuf, mbuf, vc, isa);
     }
     free(bufs);
+    return 0;
+}
+
+/* ----- phase 1: the float64 row and column sums of g^2, in one fixed order ------------------
+ * functional.m4v4_partials: v_row' = v_row * b2 + fp32(sum_j g^2 / row_len) * (1 - b2) and
+ * partials = [sum_i g^2 per column..., sum(v_row'), sum(v_row)], every sum in float64 of the fp32
+ * squares.  The order is fixed by the shape alone (not the thread count, not the ISA): a row's
+ * sum has 16 lanes (lane l takes columns j = l mod 16 below the last multiple of 16), added
+ * l = 0..15, then the remaining columns in order; a column's sum runs over fixed chunks of
+ * P1_CHUNK(rows) rows, each summed top to bottom, the chunk sums then added in chunk order.
+ * float64 sums of fp32 squares rounded once to fp32 rarely depend on the order at all. */
+static inline int64_t p1_chunk(int64_t rows) {
+    const int64_t c = (rows + 31) / 32;
+    return c < 16 ? 16 : c;
+}
+
+/* row j0.. tail (and all of a row on the portable path): lanes[], tail, col[] */
+static inline void p1_row_portable(const void *g, int dt, int64_t off, int64_t j0, int64_t C, double *lanes,
+                                   double *tail, double *col) {
+    const int64_t C16 = C & ~(int64_t)15;
+    for (int64_t j = j0; j < C; ++j) {
+        const float x = ld_g(g, dt, off + j);
+        const double s = (double)(x * x);
+        if (col) col[j] += s;
+        if (j < C16) lanes[j & 15] += s;
+        else *tail += s;
+    }
+}
+
+#if GEFEN_X86
+static AVX2 int64_t p1_row_avx2(const void *g, int dt, int64_t off, int64_t C, double *lanes, double *col) {
+    __m256d l0 = _mm256_loadu_pd(lanes), l1 = _mm256_loadu_pd(lanes + 4), l2 = _mm256_loadu_pd(lanes + 8),
+            l3 = _mm256_loadu_pd(lanes + 12);
+    int64_t j = 0;
+    for (; j + 16 <= C; j += 16) {
+        const __m256 x0 = ld8_g(g, dt, off + j), x1 = ld8_g(g, dt, off + j + 8);
+        const __m256 s0 = _mm256_mul_ps(x0, x0), s1 = _mm256_mul_ps(x1, x1);
+        const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(s0)), d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(s0, 1));
+        const __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(s1)), d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(s1, 1));
+        l0 = _mm256_add_pd(l0, d0);
+        l1 = _mm256_add_pd(l1, d1);
+        l2 = _mm256_add_pd(l2, d2);
+        l3 = _mm256_add_pd(l3, d3);
+        if (!col) continue;
+        _mm256_storeu_pd(col + j, _mm256_add_pd(_mm256_loadu_pd(col + j), d0));
+        _mm256_storeu_pd(col + j + 4, _mm256_add_pd(_mm256_loadu_pd(col + j + 4), d1));
+        _mm256_storeu_pd(col + j + 8, _mm256_add_pd(_mm256_loadu_pd(col + j + 8), d2));
+        _mm256_storeu_pd(col + j + 12, _mm256_add_pd(_mm256_loadu_pd(col + j + 12), d3));
+    }
+    _mm256_storeu_pd(lanes, l0);
+    _mm256_storeu_pd(lanes + 4, l1);
+    _mm256_storeu_pd(lanes + 8, l2);
+    _mm256_storeu_pd(lanes + 12, l3);
+    return j;
+}
+
+static AVX512 int64_t p1_row_avx512(const void *g, int dt, int64_t off, int64_t C, double *lanes, double *col) {
+    __m512d l0 = _mm512_loadu_pd(lanes), l1 = _mm512_loadu_pd(lanes + 8);
+    int64_t j = 0;
+    for (; j + 16 <= C; j += 16) {
+        const __m512 x = ld16_g(g, dt, off + j);
+        const __m512 s = _mm512_mul_ps(x, x);
+        const __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(s));
+        const __m512d d1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+        l0 = _mm512_add_pd(l0, d0);
+        l1 = _mm512_add_pd(l1, d1);
+        if (!col) continue;
+        _mm512_storeu_pd(col + j, _mm512_add_pd(_mm512_loadu_pd(col + j), d0));
+        _mm512_storeu_pd(col + j + 8, _mm512_add_pd(_mm512_loadu_pd(col + j + 8), d1));
+    }
+    _mm512_storeu_pd(lanes, l0);
+    _mm512_storeu_pd(lanes + 8, l1);
+    return j;
+}
+#endif
+
+/* row r's float64 sum of g^2; each square is also added into col[j] unless col is NULL */
+static double p1_row(const void *g, int dt, int64_t r, int64_t C, double *col, int isa) {
+    double lanes[16] = {0}, tail = 0.0;
+    const int64_t off = r * C;
+    int64_t j = 0;
+#if GEFEN_X86
+    if (isa == 2) j = p1_row_avx512(g, dt, off, C, lanes, col);
+    else if (isa == 1) j = p1_row_avx2(g, dt, off, C, lanes, col);
+#endif
+    (void)isa;
+    p1_row_portable(g, dt, off, j, C, lanes, &tail, col);
+    double s = lanes[0];
+    for (int l = 1; l < 16; ++l) s += lanes[l];
+    return s + tail;
+}
+
+GEFEN_EXPORT int gefen_m4v4_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols, const float *v_row_old,
+                                     float *v_row_new, double *partials, double beta2, double omb2,
+                                     const gefen_mode *mode, const double *row_sums, int64_t row_len) {
+    if (cols < 1 || rows < 0 || !mode || row_len < 1) return -2;
+    const float b2 = (float)beta2, o2 = (float)omb2;
+    const int isa = call_isa(mode);
+    const int64_t CH = p1_chunk(rows), nch = (rows + CH - 1) / CH;
+    double *chunks = (double *)calloc((size_t)(nch > 0 ? nch : 1) * (size_t)cols, sizeof(double));
+    if (!chunks) return -1;
+    const int par = rows * cols >= M4_PAR_MIN;
+    int64_t k = 0;
+#pragma omp parallel for schedule(static) if (par)
+    for (k = 0; k < nch; ++k) {
+        double *col = chunks + (size_t)k * (size_t)cols;
+        const int64_t r1 = (k + 1) * CH < rows ? (k + 1) * CH : rows;
+        for (int64_t r = k * CH; r < r1; ++r) {
+            const double s = p1_row(grad, gdt, r, cols, col, isa);
+            const double rs = row_sums ? row_sums[r] : s;
+            v_row_new[r] = v_row_old[r] * b2 + (float)(rs / (double)row_len) * o2;
+        }
+    }
+#pragma omp parallel if (par)
+    {
+        int64_t c0, c1;
+        thread_range(cols, &c0, &c1);
+        for (int64_t j = c0; j < c1; ++j) partials[j] = 0.0;
+        for (int64_t q = 0; q < nch; ++q) { /* chunk order, per column */
+            const double *src = chunks + (size_t)q * (size_t)cols;
+            for (int64_t j = c0; j < c1; ++j) partials[j] += src[j];
+        }
+    }
+    free(chunks);
+    double sn = 0.0, so = 0.0;
+    for (int64_t r = 0; r < rows; ++r) {
+        sn += (double)v_row_new[r];
+        so += (double)v_row_old[r];
+    }
+    partials[cols] = sn;
+    partials[cols + 1] = so;
     return 0;
 }
 
@@ -503,7 +666,8 @@ static void row_max_portable(const void *g, int dt, const uint8_t *codes, const 
 #if GEFEN_X86
 static AVX2 int64_t row_max_avx2(const void *g, int dt, const uint8_t *codes, const float *cb, int64_t off, int64_t C,
                                  float s_old, float b1, float o1, float *most, int *bad) {
-    const __m256 lo = _mm256_loadu_ps(cb), hi = _mm256_loadu_ps(cb + 8), vs = _mm256_set1_ps(s_old);
+    const table8 CB = table_regs(cb);
+    const __m256 vs = _mm256_set1_ps(s_old);
     const __m256 vb1 = _mm256_set1_ps(b1), vo1 = _mm256_set1_ps(o1);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i low4 = _mm256_set1_epi32(15);
@@ -511,7 +675,7 @@ static AVX2 int64_t row_max_avx2(const void *g, int dt, const uint8_t *codes, co
     int64_t j = 0;
     for (; j + 8 <= C; j += 8) {
         const __m256i code = _mm256_and_si256(load_codes8(codes + off + j), low4);
-        __m256 m = _mm256_mul_ps(perm16(lo, hi, code), vs);
+        __m256 m = _mm256_mul_ps(perm16(CB, code), vs);
         m = _mm256_add_ps(_mm256_mul_ps(m, vb1), _mm256_mul_ps(ld8_g(g, dt, off + j), vo1));
         const __m256 am = _mm256_and_ps(m, absmask);
         vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(am, am, _CMP_UNORD_Q));
@@ -565,7 +729,7 @@ GEFEN_EXPORT int gefen_m4v4_row_stats(const void *grad, int32_t gdt, const uint8
         (void)isa;
         row_max_portable(grad, gdt, codes, codebook, off, j, cols, s_old, b1, o1, &most, &bad);
         row_max[r] = bad ? NAN : most;
-        row_sum[r] = gefen_row_sq_sum(grad, gdt, r, rows, cols, W, T);
+        row_sum[r] = p1_row(grad, gdt, r, cols, NULL, isa);
     }
     return 0;
 }

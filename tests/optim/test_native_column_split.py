@@ -5,8 +5,10 @@ A column split's step has three phases: this shard's per-row statistics (``m4v4_
 float64 sums of g^2 and max |m|; GefenMuon: the momentum's block scales), their reduction over
 the tensor-parallel ranks (here: a stand-in, the local statistics scaled up as the other columns'
 ranks would raise them), then phases 1 and 2 given the reduced statistics, the shard's first row
-and column and the global row length. Every state tensor and the parameter must be bit-for-bit
-identical to the reference's (compared as integers), and every kernel must apply (no fallback).
+and column and the global row length. Every kernel must apply (no fallback). m4v4: the float64
+row statistics agree within 1e-12 relative (the kernels' fixed summation order), the state and
+the parameter within the kernels' stated bound (``native.m4v4_disagreement``), the row max bit
+for bit; GefenMuon's momentum (the m8 kernel): every state tensor bit for bit (compared as integers).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def assert_identical(a: torch.Tensor, b: torch.Tensor, what: str):
     assert torch.equal(a, b), f"{what}: {(a != b).sum().item()} of {a.numel()} elements differ"
 
 
+def assert_close_f64(a: torch.Tensor, b: torch.Tensor, what: str):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    torch.testing.assert_close(a, b, rtol=native.M4V4_F64_RTOL, atol=0.0, msg=what)
+
+
 def _book(gen: torch.Generator, k: int) -> torch.Tensor:
     book = torch.sort(torch.rand(k, generator=gen) * 2 - 1).values
     book[0], book[-1] = -1.0, 1.0
@@ -68,12 +75,13 @@ def test_m4v4_column_shard_matches_the_reference(rows, cols, row_len, col0, thre
     p_ref = (torch.randn(rows, cols, generator=gen) * 0.1).to(dtype)
     s_ref = F.init_m4v4_state(p_ref, (rows + 11, row_len))
     p, s = p_ref.clone(), copy.deepcopy(s_ref)
+    before = p_ref.clone()
     row0 = 5  # a row shard too: the hash uses the global index (row0 + r) * row_len + col0 + c
     for step in range(3):
         g = _grad(gen, (rows, cols), dtype, zero_row=step == 1)
         stats = native.fused_m4v4_row_stats(g, s, cb, HYPER.beta1)
         assert stats is not None, "the row statistics kernel did not apply"
-        assert_identical(stats[0], F.row_square_sums(g), f"step {step}: row sums of g^2")
+        assert_close_f64(stats[0], F.row_square_sums(g), f"step {step}: row sums of g^2")
         assert_identical(stats[1], F.row_abs_max(F.m4v4_momentum(g, s_ref, cb, HYPER.beta1)), f"step {step}: row max")
         # the whole rows' statistics, as the reduction over tp gives them (other columns add to them)
         row_sum = stats[0] * 1.75 + 0.5
@@ -81,21 +89,21 @@ def test_m4v4_column_shard_matches_the_reference(rows, cols, row_len, col0, thre
         phase1 = native.fused_m4v4_partials(g, s, HYPER.beta2, row_sum=row_sum, row_len=row_len)
         assert phase1 is not None, "phase 1 did not apply"
         v_row, parts = F.m4v4_partials(g, s_ref, HYPER.beta2, row_sum=row_sum, row_len=row_len)
-        assert_identical(phase1[0], v_row, f"step {step}: v_row")
-        assert_identical(phase1[1], parts, f"step {step}: partials")
+        torch.testing.assert_close(phase1[0], v_row, rtol=native.M4V4_STAT_RTOL, atol=0.0)
+        assert_close_f64(phase1[1], parts, f"step {step}: partials")
         kw = dict(global_rows=rows + 11, v_row=v_row, partials=parts * 1.5, pidx=4, seed=2, row0=row0, col0=col0,
                   row_len=row_len, row_max=row_max)
         F.m4v4_update_(p_ref, g, s_ref, cb, ratio, HYPER, **kw)
         assert native.fused_m4v4_update_(p, g, s, cb, ratio, HYPER, **kw), "phase 2 did not apply"
-        assert_identical(p, p_ref, f"step {step}: parameter")
-        for key, value in s_ref.items():
-            assert_identical(s[key], value, f"step {step}: {key}")
+        problem = native.m4v4_disagreement(p, s, p_ref, s_ref, before)
+        assert problem is None, f"step {step}: {problem}"
 
 
 @pytest.mark.parametrize("isa", [0, 1, 2], ids=["portable", "avx2", "avx512"])
 def test_row_statistics_kernels_agree(isa):
-    """The portable, AVX2 and AVX-512 row-statistics kernels (capped by the CPU) give the reference's
-    bits, row lengths with and without a vector tail, NaN rows included."""
+    """The portable, AVX2 and AVX-512 row-statistics kernels (capped by the CPU): the reference's
+    row max bit for bit and its float64 row sums within 1e-12, row lengths with and without a
+    vector tail, NaN rows included; and the same bits on every ISA."""
     cal = dataclasses.replace(native._calibrated(), isa=isa)
     gen = torch.Generator().manual_seed(isa)
     cb = _book(gen, 16)
@@ -106,10 +114,13 @@ def test_row_statistics_kernels_agree(isa):
         state["mv_code"].copy_(torch.randint(0, 256, (9, cols), generator=gen, dtype=torch.uint8))
         state["m_row_scale"].copy_(torch.rand(9, generator=gen))
         row_sum, row_max = native.fused_m4v4_row_stats(g, state, cb, HYPER.beta1, cal=cal)
+        portable = native.fused_m4v4_row_stats(g, state, cb, HYPER.beta1, cal=dataclasses.replace(cal, isa=0))
+        assert_identical(row_sum.nan_to_num(), portable[0].nan_to_num(), f"{cols} columns: row sums, this ISA vs portable")
+        assert_identical(row_max.nan_to_num(), portable[1].nan_to_num(), f"{cols} columns: row max, this ISA vs portable")
         want = F.row_square_sums(g)
         assert torch.isnan(row_sum[4]) and torch.isnan(want[4])
         row_sum[4] = want[4] = 0
-        assert_identical(row_sum, want, f"{cols} columns: row sums")
+        assert_close_f64(row_sum, want, f"{cols} columns: row sums")
         want = F.row_abs_max(F.m4v4_momentum(g, state, cb, HYPER.beta1))
         assert torch.isnan(row_max[4]) and torch.isnan(want[4])
         row_max[4] = want[4] = 0
