@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, TensorSource
-from gefen_ckpt.format import checksum, datafile
+from gefen_ckpt.format import bulk, checksum, datafile
 from gefen_ckpt.format import manifest as mf
 from gefen_ckpt.format.dtypes import dtype_name, itemsize
 from gefen_ckpt.format.index import WriterPin, encode_index, index_entries, index_name
@@ -372,8 +372,16 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
     def sync(name: str) -> None:
         syncing.append(store.durable_soon(name))
 
+    plan = None
+    if version[0] >= 2 and world_size is not None and world_size > 1:
+        plan = bulk.layout(state, world_size, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
+                           ordinals=ordinals, version=version)
     try:
-        for rank in range(world_size or 1):
+        if plan is not None:  # every part one piece, every writer one file: all writers in one pass
+            pins, indexes, durable = bulk.write(plan, store, token, memory_budget=memory_budget,
+                                                data_stem=lambda rank: data_stem(token, rank), on_bytes=on_bytes)
+            syncing.append(durable)
+        for rank in range(world_size or 1) if plan is None else ():
             recs, fs = write_pieces(store, data_stem(token, rank), items(state, rank, world_size),
                                     max_file_bytes=max_file_bytes, memory_budget=memory_budget, on_bytes=on_bytes,
                                     durable=False, on_file=sync, version=version)

@@ -120,6 +120,52 @@ def test_resharding_to_many_ranks_keeps_the_data_near_the_state_size(source, tmp
     assert all(torch.equal(s.read(), got[k]) for k, s in state.tensors())
 
 
+def _files(url) -> dict[str, bytes]:
+    """Every data file and index by kind and writer (the token stripped)."""
+    out = {}
+    for name in os.listdir(url):
+        if name.startswith(("data-", "index-")):
+            kind, _, rest = name.split("-", 2)
+            out[kind + rest] = open(os.path.join(url, name), "rb").read()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 7, 300])
+def test_the_many_writer_pass_writes_the_bytes_of_the_writer_by_writer_path(source, tmp_path, monkeypatch,
+                                                                           world_size):
+    from gefen_ckpt.format import bulk
+
+    model, opt = source
+    state = gefen_ckpt.export_canonical(opt, model=model)
+    calls = []
+    real = bulk.write
+    monkeypatch.setattr(bulk, "write", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gefen_ckpt.write(state, str(tmp_path / "one-pass"), world_size=world_size)
+    assert calls, "the regular layout applies to this state"
+    monkeypatch.setattr(bulk, "layout", lambda *a, **k: None)
+    gefen_ckpt.write(state, str(tmp_path / "by-writer"), world_size=world_size)
+    assert len(calls) == 1
+    assert _files(tmp_path / "one-pass") == _files(tmp_path / "by-writer")
+    assert gefen_ckpt.verify(str(tmp_path / "one-pass")).ok
+
+
+def test_the_index_encoder_writes_what_msgpack_writes():
+    import random
+
+    import numpy as np
+
+    from gefen_ckpt.format.bulk import _index_head, _index_records
+    from gefen_ckpt.format.index import encode_index
+
+    rng = random.Random(0)
+    edges = [0, 1, 127, 128, 255, 256, 2**16 - 1, 2**16, 2**32 - 1, 2**32, 2**40]
+    for n in (0, 1, 15, 16, 300, 2**16 + 1):
+        cols = [np.array([rng.choice(edges + [rng.randrange(2**33)]) for _ in range(n)], np.int64) for _ in range(5)]
+        body, _ = _index_records(cols)
+        entries = [(int(o), [[int(a), int(b), 0, int(f), int(c)]]) for o, a, b, f, c in zip(*cols)]
+        assert _index_head(7, n) + body.tobytes() == encode_index(7, entries), n
+
+
 # ----- bad input: refused by name, before any tensor data is read ------------------------------
 @pytest.fixture
 def no_data_reads(monkeypatch):
