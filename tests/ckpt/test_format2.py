@@ -140,6 +140,7 @@ def test_the_many_writer_pass_writes_the_bytes_of_the_writer_by_writer_path(sour
     calls = []
     real = bulk.write
     monkeypatch.setattr(bulk, "write", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(bulk, "MIN_WRITER_BYTES", 0)  # one writer per part, as the writer-by-writer path
     gefen_ckpt.write(state, str(tmp_path / "one-pass"), world_size=world_size)
     assert calls, "the regular layout applies to this state"
     monkeypatch.setattr(bulk, "layout", lambda *a, **k: None)
