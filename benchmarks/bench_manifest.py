@@ -56,7 +56,7 @@ from gefen_ckpt.format.manifest import open_checkpoint
 from gefen_ckpt.storage import Store
 url, rank = sys.argv[1], int(sys.argv[2])
 start = time.perf_counter()
-m = open_checkpoint(Store(url))
+m = open_checkpoint(Store(url), whole=False)  # as a rank's load opens it (sharded_io.load_sharded)
 world, found = m.raw["world_size"], 0
 for t in m.tensors.values():
     a, b = chunk_rows(t.rows, world, rank) if t.shape else (0, 1)
