@@ -74,6 +74,13 @@ class Rule:
                 out.append((a, b, self.writers[i]))
         return out
 
+    def writers_in(self, rows: int, start: int, stop: int) -> set[int]:
+        """The writers of the non-empty parts overlapping rows ``[start, stop)`` (one slice: a
+        whole tensor split over 16,384 parts is not 16,384 part computations)."""
+        size = -(-rows // self.parts) if rows else 1
+        last = min(self.parts, -(-stop // size), -(-rows // size))
+        return set(self.writers[start // size:last])
+
     def parts_of(self, rows: int, writer: int) -> list[tuple[int, int]]:
         out = []
         for i in self._positions.get(writer, ()):
@@ -104,6 +111,9 @@ class Explicit:
 
     def parts_of(self, rows: int, writer: int) -> list[tuple[int, int]]:
         return [(a, b) for a, b, w in self.parts if w == writer]
+
+    def writers_in(self, rows: int, start: int, stop: int) -> set[int]:
+        return {w for _, _, w in self.parts_in(rows, start, stop)}
 
 
 Split = Rule | Explicit
@@ -192,19 +202,19 @@ class SplitTensor:
         return f"global field {self.field!r}" if self.fqn is None else f"{self.fqn}/{self.field}"
 
     def writers_in(self, start: int, stop: int) -> list[int]:
-        return sorted({w for _, _, w in self.split.parts_in(self.rows, start, stop)})
+        return sorted(self.split.writers_in(self.rows, start, stop))
 
     def pieces_in(self, start: int, stop: int) -> tuple:
         """The pieces holding rows ``[start, stop)``, sorted; reads (and validates) only the
-        indexes of the writers holding those rows."""
+        indexes of the writers holding those rows (a validated index holds exactly its writer's
+        parts of the tensor, so its pieces that overlap the rows are the ones wanted)."""
         if self._all is not None:
             return pieces_overlapping(self._all, start, stop)
         found = []
-        for a, b, w in self.split.parts_in(self.rows, start, stop):
-            for p in self._indexes.pieces(w, self.ordinal):
-                if a <= p.rows[0] and p.rows[1] <= b and p.rows[0] < stop and p.rows[1] > start:
-                    found.append(p)
-        return tuple(sorted(set(found), key=lambda p: p.rows))
+        for w in self.split.writers_in(self.rows, start, max(stop, start + 1)):
+            found += pieces_overlapping(self._indexes.pieces(w, self.ordinal), start, stop)
+        found.sort(key=lambda p: p.rows)
+        return tuple(found)
 
     @property
     def pieces(self) -> tuple:
