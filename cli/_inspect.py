@@ -112,10 +112,25 @@ def codebook_summary(key: str, source: Stored) -> dict:
         return {"key": key, "size": math.prod(source.shape), "dtype": source.dtype, "note": f"values not shown: {exc}"}
     out = {"key": key, "size": int(values.size), "dtype": source.dtype}
     if values.size:
-        q = np.quantile(values, QUANTILES)
+        q = _quantiles(values, QUANTILES)
         out.update(min=float(values.min()), max=float(values.max()),
                    quantiles={str(p): float(v) for p, v in zip(QUANTILES, q)},
                    sorted=bool((values[1:] >= values[:-1]).all()))
+    return out
+
+
+def _quantiles(values: np.ndarray, quantiles) -> list[float]:
+    """``np.quantile(values, quantiles)`` (its default, linear method, to the bit), without the
+    ~0.1 s import of ``numpy.ma`` that ``np.quantile`` costs every ``inspect``."""
+    ordered = np.sort(values.astype(np.float64, copy=False).ravel())
+    out = []
+    for p in quantiles:
+        pos = p * (ordered.size - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, ordered.size - 1)
+        a, b, t = ordered[lo], ordered[hi], pos - lo
+        d = b - a
+        out.append(float(b - d * (1 - t)) if t >= 0.5 else float(a + d * t))
     return out
 
 

@@ -166,7 +166,7 @@ def inspect(
             common.refuse_names(path, fmt, param_names, names_from)
             common.check_key(path, fmt, key)
             store = Store(path)
-            parsed = open_checkpoint(store)
+            parsed = open_checkpoint(store, whole=False)  # a summary: `verify` checks every file
             common.check_optimizer(path, parsed.contract.implementation, optimizer)
             manifest, files = parsed.raw, {f.name: f.nbytes for f in parsed.files}
             described = _inspect.describe_manifest(store, parsed)
@@ -425,7 +425,7 @@ def reshard(
 
       gefen-ckpt reshard s3://bucket/run7/step-1000 s3://bucket/run7/step-1000-ws64 -n 64 --memory-budget 1GiB
     """
-    from gefen_ckpt.reshard import Mesh, plan, retarget
+    from gefen_ckpt.reshard import Mesh, plan, plan_manifest, retarget
 
     sizes = {"max_file_bytes": common.parse_size(max_file_bytes), "memory_budget": common.parse_size(memory_budget)}
     with common.handled():
@@ -441,6 +441,17 @@ def reshard(
         else:
             raise typer.BadParameter("give --world-size or --mesh")
         common.check_destination(src, dst, overwrite, create_bucket, writes=not dry_run)
+        if dry_run and common.detect_format(src) == common.PORTABLE:  # from the manifest alone: no torch
+            from gefen_ckpt.format.manifest import open_checkpoint, total_tensor_bytes
+            from gefen_ckpt.storage import Store
+
+            common.refuse_names(src, common.PORTABLE, param_names, names_from)
+            common.check_key(src, common.PORTABLE, key)
+            manifest = open_checkpoint(Store(src), whole=False)
+            with common.optimizer_hint():
+                common.check_optimizer(src, manifest.contract.implementation, optimizer)
+            _print_plan(src, dst, target, plan_manifest(manifest, target.shard), total_tensor_bytes(manifest), as_json)
+            return
         fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from,
                                        key=key)
         ranks = plan(state, target.shard)

@@ -8,9 +8,13 @@ model's size: sources are read piece by piece.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gefen_ckpt.canonical import CanonicalState, nbytes
+if TYPE_CHECKING:  # planning from a manifest needs no torch (``plan_manifest``)
+    from gefen_ckpt.canonical import CanonicalState
 
 
 @dataclass(frozen=True)
@@ -50,23 +54,51 @@ class RankPlan:
 
 
 def plan(state: CanonicalState, shards: int) -> list[RankPlan]:
-    """Bytes each of ``shards`` target ranks will hold (reads no tensor data). Tensors with the
-    same number of rows split alike, so the work is one vector operation per distinct row
-    count, not one per tensor and rank (a 405B-parameter state planned for 12,288 ranks)."""
+    """Bytes each of ``shards`` target ranks will hold (reads no tensor data)."""
+    from gefen_ckpt.canonical import nbytes
+
+    def tensors():
+        for src in state.global_fields.values():
+            yield src.shape, nbytes(src), False
+        for entry in state.params.values():
+            leaf = state.contract.leaf(entry.child)
+            for name, src in entry.fields.items():
+                yield src.shape, nbytes(src), leaf.field(name).row_sharded
+
+    return plan_tensors(tensors(), shards)
+
+
+def plan_manifest(manifest, shards: int) -> list[RankPlan]:
+    """``plan`` of a validated portable manifest (``format.manifest.Manifest``), torch-free: what
+    ``gefen-ckpt reshard --dry-run`` prints without importing torch or opening any tensor."""
+    from gefen_ckpt.format.dtypes import itemsize
+
+    params = manifest.raw["params"]
+
+    def tensors():
+        for (fqn, name), t in manifest.tensors.items():
+            sharded = fqn is not None and manifest.contract.leaf(params[fqn].get("child")).field(name).row_sharded
+            yield t.shape, math.prod(t.shape) * itemsize(t.dtype), sharded
+
+    return plan_tensors(tensors(), shards)
+
+
+def plan_tensors(tensors: Iterable[tuple[tuple[int, ...], int, bool]], shards: int) -> list[RankPlan]:
+    """``(shape, bytes, row-sharded)`` of every tensor -> what each of ``shards`` ranks holds.
+    Tensors with the same number of rows split alike, so the work is one vector operation per
+    distinct row count, not one per tensor and rank (a 405B-parameter state planned for 12,288 ranks)."""
     import numpy as np
 
-    replicated = sum(nbytes(src) for src in state.global_fields.values())
+    replicated = 0
     by_rows: dict[int, list[int]] = {}  # rows -> [bytes per row summed, tensors]
-    for entry in state.params.values():
-        leaf = state.contract.leaf(entry.child)
-        for name, src in entry.fields.items():
-            if not leaf.field(name).row_sharded or not src.shape:
-                replicated += nbytes(src)
-                continue
-            rows = src.shape[0]
-            acc = by_rows.setdefault(rows, [0, 0])
-            acc[0] += nbytes(src) // rows if rows else 0
-            acc[1] += 1
+    for shape, size, row_sharded in tensors:
+        if not row_sharded or not shape:
+            replicated += size
+            continue
+        rows = shape[0]
+        acc = by_rows.setdefault(rows, [0, 0])
+        acc[0] += size // rows if rows else 0
+        acc[1] += 1
     sharded, empty = np.zeros(shards, np.int64), np.zeros(shards, np.int64)
     for rows, (row_bytes, count) in by_rows.items():
         counts = _rows_held(rows, shards)
@@ -90,6 +122,8 @@ def _rows_held(rows: int, shards: int):
 
 def retarget(state: CanonicalState, mesh: Mesh) -> CanonicalState:
     """``state`` with its topology metadata describing the target ``mesh``."""
+    from gefen_ckpt.canonical import CanonicalState
+
     metadata = dict(state.metadata)
     metadata["source_topology"] = {"kind": "sharded", "world_size": mesh.world_size,
                                    "mesh": [mesh.replicate, mesh.shard], "resharded_from": state.metadata.get(

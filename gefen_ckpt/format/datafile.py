@@ -139,9 +139,14 @@ def build_packed(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes,
         pos += -pos % piece_alignment(e)
         relative.append(pos)
         pos += e.nbytes
+    prefix = packed_prefix(pos, metadata)
+    return prefix, [len(prefix) + r for r in relative], len(prefix) + pos
+
+
+def packed_prefix(data_bytes: int, metadata: dict[str, str]) -> bytes:
+    """A 2.0 data file's length prefix and padded JSON header for a data section of ``data_bytes``."""
     parts = ['"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":")),
-             _entry_json(DATA_KEY, "U8", (pos,), 0, pos)]
+             _entry_json(DATA_KEY, "U8", (data_bytes,), 0, data_bytes)]
     text = ("{" + ",".join(parts) + "}").encode()
     text += b" " * (-(8 + len(text)) % ALIGNMENT)
-    start = 8 + len(text)
-    return struct.pack("<Q", len(text)) + text, [start + r for r in relative], start + pos
+    return struct.pack("<Q", len(text)) + text

@@ -60,6 +60,7 @@ class Rule:
         for i, w in enumerate(self.writers):
             positions.setdefault(w, []).append(i)
         object.__setattr__(self, "_positions", positions)
+        object.__setattr__(self, "_parts", {})  # (rows, writer) -> parts_of: tensors share row counts
 
     def to_raw(self) -> dict:
         return {"kind": "chunk", "parts": self.parts, "writers": list(self.writers)}
@@ -74,12 +75,24 @@ class Rule:
                 out.append((a, b, self.writers[i]))
         return out
 
+    def writers_in(self, rows: int, start: int, stop: int) -> set[int]:
+        """The writers of the non-empty parts overlapping rows ``[start, stop)`` (one slice: a
+        whole tensor split over 16,384 parts is not 16,384 part computations)."""
+        size = -(-rows // self.parts) if rows else 1
+        last = min(self.parts, -(-stop // size), -(-rows // size))
+        return set(self.writers[start // size:last])
+
     def parts_of(self, rows: int, writer: int) -> list[tuple[int, int]]:
+        cached = self._parts.get((rows, writer))
+        if cached is not None:
+            return cached
         out = []
         for i in self._positions.get(writer, ()):
             a, b = chunk_rows(rows, self.parts, i)
             if a < b:
                 out.append((a, b))
+        if len(self._parts) < 2**16:
+            self._parts[(rows, writer)] = out
         return out
 
 
@@ -104,6 +117,9 @@ class Explicit:
 
     def parts_of(self, rows: int, writer: int) -> list[tuple[int, int]]:
         return [(a, b) for a, b, w in self.parts if w == writer]
+
+    def writers_in(self, rows: int, start: int, stop: int) -> set[int]:
+        return {w for _, _, w in self.parts_in(rows, start, stop)}
 
 
 Split = Rule | Explicit
@@ -192,19 +208,19 @@ class SplitTensor:
         return f"global field {self.field!r}" if self.fqn is None else f"{self.fqn}/{self.field}"
 
     def writers_in(self, start: int, stop: int) -> list[int]:
-        return sorted({w for _, _, w in self.split.parts_in(self.rows, start, stop)})
+        return sorted(self.split.writers_in(self.rows, start, stop))
 
     def pieces_in(self, start: int, stop: int) -> tuple:
         """The pieces holding rows ``[start, stop)``, sorted; reads (and validates) only the
-        indexes of the writers holding those rows."""
+        indexes of the writers holding those rows (a validated index holds exactly its writer's
+        parts of the tensor, so its pieces that overlap the rows are the ones wanted)."""
         if self._all is not None:
             return pieces_overlapping(self._all, start, stop)
         found = []
-        for a, b, w in self.split.parts_in(self.rows, start, stop):
-            for p in self._indexes.pieces(w, self.ordinal):
-                if a <= p.rows[0] and p.rows[1] <= b and p.rows[0] < stop and p.rows[1] > start:
-                    found.append(p)
-        return tuple(sorted(set(found), key=lambda p: p.rows))
+        for w in self.split.writers_in(self.rows, start, max(stop, start + 1)):
+            found += pieces_overlapping(self._indexes.pieces(w, self.ordinal), start, stop)
+        found.sort(key=lambda p: p.rows)
+        return tuple(found)
 
     @property
     def pieces(self) -> tuple:
@@ -280,6 +296,11 @@ class IndexSet:
         self.reads += 1
         return self.parse(writer, data)
 
+    def _piece_label(self, span: tuple, pieces: dict[int, tuple]) -> str:
+        _, _, _, ordinal, start = span
+        stop = next((p.rows[1] for p in pieces.get(ordinal, ()) if p.rows[0] == start), "?")
+        return f"{self.tensors[ordinal].label} rows [{start}, {stop})"
+
     def parse(self, writer: int, data: bytes) -> dict[int, tuple]:
         """ordinal -> sorted ``PieceRecord`` s of one writer's index, after every check."""
         pin = self.writers[writer]
@@ -305,7 +326,7 @@ class IndexSet:
             bad(f"index version {raw.get('version')!r} is not 2.x")
         files = [(name, self.files[name]) for name, _ in pin.files]
         out: dict[int, tuple] = {}
-        spans: list[tuple[int, int, int, str]] = []
+        spans: list[tuple[int, int, int, int, int]] = []  # (file, begin, end, ordinal, start row)
         for entry in raw["tensors"]:
             if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int
                     and 0 <= entry[0] < len(self.tensors) and isinstance(entry[1], list)):
@@ -314,21 +335,21 @@ class IndexSet:
             if ordinal in out:
                 bad(f"tensor {ordinal} is listed twice")
             t = self.tensors[ordinal]
-            row_bytes, pieces = t.row_bytes, []
+            row_bytes, pieces, rows, nfiles = t.row_bytes, [], t.rows, len(files)
+            key = f"__global__/{t.field}" if t.fqn is None else f"{t.fqn}/{t.field}"
             for p in stored:
                 if type(p) is not list or len(p) != 5:
                     bad(f"{t.label}: malformed piece {p!r}"[:300])
                 start, stop, f, offset, crc = p
                 if not (type(start) is type(stop) is type(f) is type(offset) is type(crc) is int
-                        and 0 <= start < stop <= t.rows and 0 <= f < len(files) and offset >= 0 and 0 <= crc < 2**32):
+                        and 0 <= start < stop <= rows and 0 <= f < nfiles and offset >= 0 and 0 <= crc < 2**32):
                     bad(f"{t.label}: piece {p!r} is malformed or out of range"[:300])
                 name, size = files[f]
                 nbytes = (stop - start) * row_bytes
                 if offset + nbytes > size:
                     bad(f"{t.label} rows [{start}, {stop}): bytes [{offset}, {offset + nbytes}) lie beyond the end "
                         f"of {name} ({size} bytes)")
-                spans.append((f, offset, offset + nbytes, f"{t.label} rows [{start}, {stop})"))
-                key = f"__global__/{t.field}" if t.fqn is None else f"{t.fqn}/{t.field}"
+                spans.append((f, offset, offset + nbytes, ordinal, start))
                 pieces.append(PieceRecord(t.fqn, t.field, (start, stop), name, f"{key}@{start}:{stop}", offset,
                                           nbytes, crc))
             pieces.sort(key=lambda q: q.rows)
@@ -339,9 +360,9 @@ class IndexSet:
                 bad(f"{t.label}: the manifest gives writer {writer} rows {t.split.parts_of(t.rows, writer)[:3]}, "
                     "its index has none of them")
         spans.sort()
-        for (fa, _, end, a), (fb, begin, _, b) in zip(spans, spans[1:]):
-            if fa == fb and begin < end:
-                bad(f"{b} overlaps {a} in {files[fa][0]}")
+        for a, b in zip(spans, spans[1:]):
+            if a[0] == b[0] and b[1] < a[2]:
+                bad(f"{self._piece_label(b, out)} overlaps {self._piece_label(a, out)} in {files[a[0]][0]}")
         return out
 
 

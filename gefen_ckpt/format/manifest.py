@@ -65,6 +65,7 @@ _MAX_INT = 2**62
 _MAX_NDIM = 16
 _MAX_DEPTH = 24
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+_FILE_NAMES = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,254}\n)*[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
 # ----- records ------------------------------------------------------------------------------
@@ -622,8 +623,11 @@ def _writers(x) -> list:
     name a plain file name, listed once."""
     from gefen_ckpt.format.index import WriterPin
 
+    x = _list(x, "writers")
+    if _writers_plain(x):  # every entry well formed: build them without the per-name checks below
+        return [WriterPin(tuple(zip(w[3::2], w[4::2])), w[0], w[1], w[2]) for w in x]
     out, seen = [], set()
-    for i, w in enumerate(_list(x, "writers")):
+    for i, w in enumerate(x):
         if type(w) is not list or len(w) < 3 or len(w) % 2 == 0:
             _fail(f"writers[{i}]", "expected [index, bytes, checksum, file, bytes, ...]")
         crc = w[2]
@@ -642,6 +646,24 @@ def _writers(x) -> list:
     if not out:
         _fail("writers", "no writers")
     return out
+
+
+def _writers_plain(x: list) -> bool:
+    """Are all ``writers`` entries well formed (``_writers``' checks, in a few C-speed passes: 16,384
+    writers are checked in milliseconds)? False sends them through the detailed checks, which
+    name the first bad entry."""
+    if not x or not all(type(w) is list and len(w) >= 3 and len(w) % 2 == 1 for w in x):
+        return False
+    names = [w[0] for w in x] + [n for w in x for n in w[3::2]]
+    sizes = [w[1] for w in x] + [n for w in x for n in w[4::2]]
+    crcs = [w[2] for w in x]
+    if not (all(type(n) is str for n in names) and all(type(n) is int for n in sizes)
+            and all(type(c) is int for c in crcs)):
+        return False
+    if len(set(names)) != len(names) or MANIFEST_NAME in names or any("\n" in n for n in names):
+        return False
+    return (_FILE_NAMES.fullmatch("\n".join(names)) is not None and min(sizes) >= 0 and max(sizes) <= _MAX_INT
+            and min(crcs) >= 0 and max(crcs) < 2**32)
 
 
 def build_v2(state: CanonicalState, splits: dict, writers: Sequence, *, layout: str, world_size: int) -> dict:

@@ -125,12 +125,16 @@ class PieceSource:
             views = [self.mapped.piece(t, piece)[lo - piece.rows[0]:hi - piece.rows[0]] for piece, lo, hi in overlapping]
             return _joined(views, (stop - start, *t.shape[1:]), self.dtype)
         out = torch.empty((stop - start, *t.shape[1:]), dtype=self.dtype)
+        whole: dict[str, Batch] = {}  # whole pieces, by file: one open and one read call per file
         for piece, lo, hi in overlapping:
             dst = out[lo - start:hi - start]
             if (lo, hi) == piece.rows:
-                read_piece(self.store, t, piece, dst)
+                whole.setdefault(piece.file, []).append((piece, t, dst))
             else:
                 dst.copy_(_PARTIAL.get(self.store, t, piece)[lo - piece.rows[0]:hi - piece.rows[0]])
+        for name, batch in whole.items():
+            with _reading(self.store, name) as reader:
+                read_verified(self.store, reader, batch)
         return out
 
     def __repr__(self) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, TensorSource
-from gefen_ckpt.format import checksum, datafile
+from gefen_ckpt.format import bulk, checksum, datafile
 from gefen_ckpt.format import manifest as mf
 from gefen_ckpt.format.dtypes import dtype_name, itemsize
 from gefen_ckpt.format.index import WriterPin, encode_index, index_entries, index_name
@@ -347,12 +347,13 @@ def write_state(state: CanonicalState, store: Store, *, world_size: int | None, 
                              memory_budget=memory_budget, on_bytes=on_bytes)
 
 
-def splits(state: CanonicalState, world_size: int | None) -> dict:
+def splits(state: CanonicalState, world_size: int | None, writers: tuple[int, ...] | None = None) -> dict:
     """Each tensor's 2.0 split when ``items`` writes ``state``: row-sharded fields ``torch.chunk``
-    over ``world_size`` writers in rank order, everything else one part by writer 0."""
+    over ``world_size`` parts, part ``i`` by writer ``writers[i]`` (default ``i``), everything else
+    one part by writer 0."""
     out = {}
     whole = (1, (0,))
-    spread = (world_size, tuple(range(world_size))) if world_size is not None else whole
+    spread = (world_size, writers or tuple(range(world_size))) if world_size is not None else whole
     for key in state.global_fields:
         out[(None, key)] = whole
     for fqn, entry in state.params.items():
@@ -372,8 +373,16 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
     def sync(name: str) -> None:
         syncing.append(store.durable_soon(name))
 
+    plan = None
+    if version[0] >= 2 and world_size is not None and world_size > 1:
+        plan = bulk.layout(state, world_size, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
+                           ordinals=ordinals, version=version)
     try:
-        for rank in range(world_size or 1):
+        if plan is not None:  # every part one piece, every writer one file: all writers in one pass
+            pins, indexes, durable = bulk.write(plan, store, token, memory_budget=memory_budget,
+                                                data_stem=lambda rank: data_stem(token, rank), on_bytes=on_bytes)
+            syncing.append(durable)
+        for rank in range(world_size or 1) if plan is None else ():
             recs, fs = write_pieces(store, data_stem(token, rank), items(state, rank, world_size),
                                     max_file_bytes=max_file_bytes, memory_budget=memory_budget, on_bytes=on_bytes,
                                     durable=False, on_file=sync, version=version)
@@ -386,7 +395,7 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
                 files += fs
         layout = "canonical" if world_size is None else "sharded"
         if version[0] >= 2:
-            manifest = build_v2(state, splits(state, world_size), pins, layout=layout, world_size=world_size or 1)
+            manifest = build_v2(state, splits(state, world_size, plan.writer_of() if plan else None), pins, layout=layout, world_size=world_size or 1)
         else:
             manifest = build(state, records, files, layout=layout, world_size=world_size or 1)
     except BaseException:

@@ -120,6 +120,53 @@ def test_resharding_to_many_ranks_keeps_the_data_near_the_state_size(source, tmp
     assert all(torch.equal(s.read(), got[k]) for k, s in state.tensors())
 
 
+def _files(url) -> dict[str, bytes]:
+    """Every data file and index by kind and writer (the token stripped)."""
+    out = {}
+    for name in os.listdir(url):
+        if name.startswith(("data-", "index-")):
+            kind, _, rest = name.split("-", 2)
+            out[kind + rest] = open(os.path.join(url, name), "rb").read()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 7, 300])
+def test_the_many_writer_pass_writes_the_bytes_of_the_writer_by_writer_path(source, tmp_path, monkeypatch,
+                                                                           world_size):
+    from gefen_ckpt.format import bulk
+
+    model, opt = source
+    state = gefen_ckpt.export_canonical(opt, model=model)
+    calls = []
+    real = bulk.write
+    monkeypatch.setattr(bulk, "write", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(bulk, "MIN_WRITER_BYTES", 0)  # one writer per part, as the writer-by-writer path
+    gefen_ckpt.write(state, str(tmp_path / "one-pass"), world_size=world_size)
+    assert calls, "the regular layout applies to this state"
+    monkeypatch.setattr(bulk, "layout", lambda *a, **k: None)
+    gefen_ckpt.write(state, str(tmp_path / "by-writer"), world_size=world_size)
+    assert len(calls) == 1
+    assert _files(tmp_path / "one-pass") == _files(tmp_path / "by-writer")
+    assert gefen_ckpt.verify(str(tmp_path / "one-pass")).ok
+
+
+def test_the_index_encoder_writes_what_msgpack_writes():
+    import random
+
+    import numpy as np
+
+    from gefen_ckpt.format.bulk import _index_head, _index_records
+    from gefen_ckpt.format.index import encode_index
+
+    rng = random.Random(0)
+    edges = [0, 1, 127, 128, 255, 256, 2**16 - 1, 2**16, 2**32 - 1, 2**32, 2**40]
+    for n in (0, 1, 15, 16, 300, 2**16 + 1):
+        cols = [np.array([rng.choice(edges + [rng.randrange(2**33)]) for _ in range(n)], np.int64) for _ in range(5)]
+        body, _ = _index_records(cols)
+        entries = [(int(o), [[int(a), int(b), 0, int(f), int(c)]]) for o, a, b, f, c in zip(*cols)]
+        assert _index_head(7, n) + body.tobytes() == encode_index(7, entries), n
+
+
 # ----- bad input: refused by name, before any tensor data is read ------------------------------
 @pytest.fixture
 def no_data_reads(monkeypatch):
@@ -250,3 +297,131 @@ def test_a_missing_data_file_is_named(source, sharded, tmp_path):
     name = [n for n in os.listdir(url) if n.startswith("data-") and "-r00002-" in n][0]
     os.remove(os.path.join(url, name))
     refused(source, url, CheckpointCorruptError, name, "writer 2")
+
+
+# ----- explicit parts: a split no rule describes ----------------------------------------------------
+EXPLICIT = ("embed.weight", "mv_code")
+
+
+def _write_explicit(state, url, parts) -> None:
+    """Commit ``state`` with ``EXPLICIT`` split into ``parts`` ``(start, stop, writer)`` (no rule
+    describes them) and everything else whole on writer 0: what a collective save writes when a
+    rank's rows do not follow the even split, through the same building blocks."""
+    from gefen_ckpt.format.manifest import build_v2, tensor_order
+    from gefen_ckpt.format.writer import (
+        RowRange,
+        WriteItem,
+        _source,
+        begin,
+        commit,
+        data_stem,
+        new_token,
+        write_index,
+    )
+    from gefen_ckpt.format.writer import write_pieces as pieces_of
+
+    store = Store(url)
+    token = new_token()
+    lock, previous = begin(store, token)
+    with lock:
+        writers = 1 + max(w for _, _, w in parts)
+        items = {w: [] for w in range(writers)}
+        splits = {}
+        for key, src in [((None, k), s) for k, s in state.global_fields.items()] + [
+                ((fqn, n), s) for fqn, e in state.params.items() for n, s in e.fields.items()]:
+            if key == EXPLICIT:
+                splits[key] = list(parts)
+                for a, b, w in parts:
+                    items[w].append(WriteItem(*key, a, RowRange(_source(src), a, b)))
+            else:
+                splits[key] = (1, (0,))
+                items[0].append(WriteItem(*key, 0, _source(src)))
+        pins, indexes = [], {}
+        for w in range(writers):
+            records, files = pieces_of(store, data_stem(token, w), items[w], max_file_bytes=2**30,
+                                       memory_budget=2**26)
+            pin, indexes[w] = write_index(store, token, w, records, files, tensor_order(state))
+            pins.append(pin)
+        manifest = build_v2(state, splits, pins, layout="sharded", world_size=writers)
+        commit(store, manifest, token, previous=previous, indexes=indexes)
+
+
+@pytest.fixture(scope="module")
+def explicit(source, tmp_path_factory):
+    """The source's state with ``EXPLICIT`` held by writers 2, 0, 1 (in that order of rows) in
+    uneven parts; everything else by writer 0."""
+    model, opt = source
+    state = gefen_ckpt.export_canonical(opt, model=model)
+    rows = state.params[EXPLICIT[0]].fields[EXPLICIT[1]].shape[0]
+    url = str(tmp_path_factory.mktemp("explicit") / "ckpt")
+    _write_explicit(state, url, [(0, 3, 2), (3, rows - 5, 0), (rows - 5, rows, 1)])
+    return url
+
+
+def test_explicit_parts_round_trip_load_verify_inspect_and_reshard(source, explicit, tmp_path):
+    from typer.testing import CliRunner
+
+    from gefen_cli.app import app
+
+    model, opt = source
+    raw = gefen_ckpt.read_manifest(explicit)
+    split = raw["params"][EXPLICIT[0]]["fields"][EXPLICIT[1]]["split"]
+    assert isinstance(split, list) and [w for _, _, w in split] == [2, 0, 1]
+    assert all(isinstance(f["split"], int) for fqn, e in raw["params"].items() for n, f in e["fields"].items()
+               if (fqn, n) != EXPLICIT)
+    want = _tensors(gefen_ckpt.export_canonical(opt, model=model))
+    got = _tensors(gefen_ckpt.read(explicit))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    back_model, back = fresh_like(model, "gefen_factored")
+    gefen_ckpt.load(back, explicit, model=back_model)
+    assert same(snapshot(back, back_model), snapshot(opt, model))
+    report = gefen_ckpt.verify(explicit)
+    assert report.ok, report.problems
+    result = CliRunner().invoke(app, ["inspect", explicit, "--json"])
+    assert result.exit_code == 0, result.output
+    for world_size in (2, 4):  # explicit parts -> the rule
+        out = str(tmp_path / f"ws{world_size}")
+        gefen_ckpt.write(gefen_ckpt.read(explicit), out, world_size=world_size)
+        got = _tensors(gefen_ckpt.read(out))
+        assert all(torch.equal(want[k], got[k]) for k in want) and gefen_ckpt.verify(out).ok
+
+
+def test_a_read_of_explicit_rows_reads_only_their_writers_indexes(explicit):
+    m = open_checkpoint(Store(explicit), whole=False)
+    t = m.tensors[EXPLICIT]
+    assert t.writers_in(0, 3) == [2] and t.writers_in(2, 4) == [0, 2]
+    pieces = t.pieces_in(0, 3)
+    assert m.indexes.reads == 1 and {p.file for p in pieces} == {n for n, _ in m.writers[2].files}
+    full = gefen_ckpt.read(explicit).params[EXPLICIT[0]].fields[EXPLICIT[1]].read()
+    part = gefen_ckpt.read(explicit).params[EXPLICIT[0]].fields[EXPLICIT[1]].read(1, t.rows - 2)
+    assert torch.equal(part, full[1:t.rows - 2])  # across all three writers
+
+
+def test_explicit_parts_that_disagree_with_the_indexes_are_refused_before_data_is_read(
+        source, explicit, tmp_path, no_data_reads):
+    def swapped(m):  # the parts of writers 0 and 1 exchanged: neither index holds what the manifest says
+        parts = m["params"][EXPLICIT[0]]["fields"][EXPLICIT[1]]["split"]
+        parts[1][2], parts[2][2] = parts[2][2], parts[1][2]
+
+    def out_of_range(m):
+        m["params"][EXPLICIT[0]]["fields"][EXPLICIT[1]]["split"][0][2] = 7
+
+    for change, error, words in ((swapped, CheckpointFormatError, ("mv_code", "writer")),
+                                 (out_of_range, CheckpointFormatError, ("mv_code", "writer 7 does not exist"))):
+        url = str(tmp_path / change.__name__)
+        shutil.copytree(explicit, url)
+        _rewrite(url, change)
+        refused(source, url, error, *words, opened=no_data_reads)
+        no_data_reads.clear()
+
+
+def test_explicit_parts_whose_index_is_damaged_are_refused_by_name(source, explicit, tmp_path, no_data_reads):
+    url = str(tmp_path / "damaged")
+    shutil.copytree(explicit, url)
+    index = _index(url, 2)  # the writer of only the explicit tensor's first rows
+    with open(os.path.join(url, index), "r+b") as f:
+        f.seek(5)
+        byte = f.read(1)
+        f.seek(5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    refused(source, url, CheckpointCorruptError, index, "writer 2", opened=no_data_reads)

@@ -36,10 +36,16 @@ def source(tmp_path_factory):
 
 
 def test_dry_run_plans_and_writes_nothing(source, tmp_path):
+    from gefen_ckpt.reshard import plan as plan_state
+
     dst = tmp_path / "out"
     result = invoke("reshard", source, dst, "--world-size", "3", "--dry-run", "--json")
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
+    state = gefen_ckpt.open(str(source))  # the manifest-only plan is the state's plan
+    assert plan["total_bytes"] == state.total_bytes()
+    assert [(r["sharded_bytes"], r["replicated_bytes"], r["empty_fields"]) for r in plan["ranks"]] == [
+        (r.sharded_bytes, r.replicated_bytes, r.empty_fields) for r in plan_state(state, 3)]
     assert plan["world_size"] == 3 and len(plan["ranks"]) == 3
     sharded = sum(r["sharded_bytes"] for r in plan["ranks"])
     replicated = plan["ranks"][0]["replicated_bytes"]
@@ -90,15 +96,26 @@ print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 
 
 def _peak_rss(*cli: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _PEAK, sys.executable, "-m", "gefen_cli", *cli],
-                         check=True, capture_output=True, text=True)
+    return _peak_rss_of("-m", "gefen_cli", *cli)
+
+
+def _peak_rss_of(*argv: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _PEAK, sys.executable, *argv], check=True, capture_output=True,
+                         text=True)
     return int(out.stdout.split()[-1])
+
+
+#: What a reshard imports and opens before it reads any tensor data (a portable `--dry-run` is
+#: planned from the manifest alone and does not import torch).
+_OPENED = ("import sys, gefen_cli.app as app, gefen_ckpt.api, gefen_ckpt.formats, gefen_ckpt.reshard as r; "
+           "s = app.common.open_state(sys.argv[1])[1]; "
+           "app._print_plan(sys.argv[1], sys.argv[1], r.Mesh(1, 3), r.plan(s, 3), s.total_bytes(), False)")
 
 
 def test_peak_memory_stays_within_budget_plus_baseline(tmp_path):
     """A 128 MiB checkpoint resharded with a 16 MiB budget: the CLI's peak RSS stays within the
-    budget (plus one piece in flight and allocator slack) above the same command's `--dry-run`
-    baseline (same interpreter and imports, no tensor data read)."""
+    budget (plus one piece in flight and allocator slack) above the baseline of a process with the
+    same interpreter and imports that opens the checkpoint and reads no tensor data."""
     params = [torch.nn.Parameter(torch.zeros(4096, 2048)) for _ in range(2)]  # 2 x 2 x 32 MiB of moments
     opt = torch.optim.AdamW([(f"w{i}", p) for i, p in enumerate(params)], lr=1e-3)
     for p in params:
@@ -108,7 +125,7 @@ def test_peak_memory_stays_within_budget_plus_baseline(tmp_path):
     gefen_ckpt.save(opt, src)
     del opt, params
     budget = 16 * 2**20
-    baseline = _peak_rss("reshard", src, dst, "-n", "3", "--dry-run")
+    baseline = _peak_rss_of("-c", _OPENED, src)
     peak = _peak_rss("reshard", src, dst, "-n", "3", "--memory-budget", str(budget))
     print(f"baseline {baseline / 2**20:.0f} MiB, reshard peak {peak / 2**20:.0f} MiB, checkpoint 128 MiB")
     # an unbounded reshard holds the whole 128 MiB; measured here: +24..56 MiB for a 16 MiB

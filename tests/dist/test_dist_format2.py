@@ -98,11 +98,12 @@ def _async(rank: int, world_size: int, sync_url: str, async_url: str, broken_url
         def broken(*args, **kwargs):
             raise OSError("disk full (injected on rank 1)")
         sharded_io.write_pieces = broken
-    try:
-        gefen_ckpt.async_save(opt, broken_url).result(timeout=300)
-        out["broken"] = "no error"
-    except Exception as exc:
-        out["broken"] = f"{type(exc).__name__}: {exc}"
+    for key, url in (("broken", broken_url), ("over_committed", sync_url)):  # a fresh URL, a committed one
+        try:
+            gefen_ckpt.async_save(opt, url).result(timeout=300)
+            out[key] = "no error"
+        except Exception as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
     sharded_io.write_pieces = real
     return out
 
@@ -121,7 +122,10 @@ def test_async_save_under_a_process_group(tmp_path):
     results = run(_async, 2, sync, asyn, broken)
     assert all(r["result"] is None for r in results)
     assert _stripped(sync) == _stripped(asyn)
-    assert all(r["broken"] != "no error" for r in results), results
-    assert "disk full" in results[1]["broken"] and "rank(s) [1]" in results[0]["broken"]
+    for key in ("broken", "over_committed"):  # raised from the future on every rank
+        assert all(r[key] != "no error" for r in results), results
+        assert "disk full" in results[1][key] and "rank(s) [1]" in results[0][key]
+    # the failed save over the committed checkpoint left it committed, byte for byte (no stray files)
+    assert _stripped(sync) == _stripped(asyn) and gefen_ckpt.verify(sync).ok
     assert not os.path.exists(os.path.join(broken, "manifest.msgpack"))
     assert not [n for n in os.listdir(broken) if n.startswith(("data-", "index-"))]

@@ -1,0 +1,392 @@
+"""A sharded 2.0 write to many writers in one pass over the state (``writer.write_state``).
+
+Written writer after writer, a save to W writers costs a Python object, a source read and an
+index record check per piece: at 4,096 writers of a 200-tensor state, 2.5M of each (minutes
+for 18 MB). When every writer's part of every tensor is one piece and every writer's data
+fits one file (small parts: exactly the many-writer case) the layout is regular, so here it
+is computed as arrays: the pieces' offsets by a running sum over tensors for all writers at
+once, each source tensor read once per batch of writers and scattered into their files, the
+pieces' CRC-32s in one C call, the indexes encoded from the arrays. The files are byte for
+byte those of the writer-by-writer path (``tests/ckpt/test_format2.py``), and the guarantees
+are the caller's: its writer lock, its commit, its clean-up on failure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
+
+import numpy as np
+import torch
+
+from gefen_ckpt.canonical import CanonicalState, EagerSource
+from gefen_ckpt.format import checksum, datafile
+from gefen_ckpt.format.dtypes import dtype_name, itemsize
+from gefen_ckpt.format.index import WriterPin, index_name
+
+#: Writers x tensors handled per batch (the arrays of one batch: a few tens of MB).
+BATCH_CELLS = 2**20
+#: A writer's part of a tensor smaller than this is scattered with one fancy-indexed copy per
+#: tensor and batch; a larger one is copied as a slice per writer.
+SCATTER_MAX_BYTES = 256
+#: Digits of the largest row index a key can hold (a conservative bound on a key's length).
+_DIGITS = 20
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    fqn: str | None
+    field: str
+    source: object
+    sharded: bool
+    rows: int
+    row_bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _tensors(state: CanonicalState) -> list[_Tensor]:
+    """Every tensor in ``writer.items`` order (globals, then each parameter's fields)."""
+    out = []
+    for key, src in state.global_fields.items():
+        out.append((None, key, src, False))
+    for fqn, entry in state.params.items():
+        leaf = state.contract.leaf(entry.child)
+        for name, src in entry.fields.items():
+            out.append((fqn, name, src, bool(src.shape) and leaf.field(name).row_sharded))
+    tensors = []
+    for fqn, name, src, sharded in out:
+        src = EagerSource(src) if isinstance(src, torch.Tensor) else src
+        shape, dtype = tuple(src.shape), dtype_name(src.dtype)
+        tensors.append(_Tensor(fqn, name, src, sharded, shape[0] if shape else 1,
+                               math.prod(shape[1:]) * itemsize(dtype) if shape else itemsize(dtype), dtype, shape))
+    return tensors
+
+
+class Layout:
+    """Where every writer's part of every tensor lies, when the regular layout applies."""
+
+    def __init__(self, tensors: list[_Tensor], world_size: int, ordinals: dict, version: tuple[int, int]):
+        self.tensors, self.world_size = tensors, world_size
+        self.metadata = {"format": "gefen-ckpt", "version": ".".join(map(str, version))}
+        self.ordinal = np.array([ordinals[(t.fqn, t.field)] for t in tensors], np.int64)
+        self.by_ordinal = np.argsort(self.ordinal, kind="stable")
+        self.rows = np.array([t.rows for t in tensors], np.int64)
+        self.row_bytes = np.array([t.row_bytes for t in tensors], np.int64)
+        self.items = np.array([itemsize(t.dtype) for t in tensors], np.int64)
+        self.sharded = np.array([t.sharded for t in tensors], bool)
+        self.size = -(-self.rows // world_size)
+        self.group = 1  # consecutive parts (ranks) per writer: ``choose_group``
+
+    @property
+    def writers(self) -> int:
+        return -(-self.world_size // self.group)
+
+    def writer_of(self) -> tuple[int, ...]:
+        """The writer of each part of a row-sharded tensor (the manifest's rule)."""
+        return tuple(r // self.group for r in range(self.world_size))
+
+    def parts(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(start, stop) rows of each of ``ranks`` (rows) for each tensor (columns)."""
+        r = ranks[:, None]
+        start = np.where(self.sharded, np.minimum(r * self.size, self.rows), 0)
+        stop = np.where(self.sharded, np.minimum(start + self.size, self.rows), np.where(r == 0, self.rows, 0))
+        return start, stop
+
+    def offsets(self, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(offset in the data section of each piece, data section size) per writer: the pieces in
+        tensor order, each at a multiple of ``datafile.piece_alignment``."""
+        pos = np.zeros(nbytes.shape[0], np.int64)
+        out = np.zeros_like(nbytes)
+        align = np.where(nbytes >= datafile.ALIGN_FROM, datafile.ALIGNMENT, self.items)
+        for t in range(nbytes.shape[1]):
+            n = nbytes[:, t]
+            pos = np.where(n > 0, pos + (-pos % align[:, t]), pos)
+            out[:, t] = pos
+            pos = pos + n
+        return out, pos
+
+
+def layout(state: CanonicalState, world_size: int, *, max_file_bytes: int, memory_budget: int, ordinals: dict,
+           version: tuple[int, int]) -> Layout | None:
+    """The regular layout of ``state`` over ``world_size`` writers, or None when the writer-by-
+    writer path would split a part into several pieces or a writer's data into several files
+    (checked with upper bounds of ``writer._split``'s and ``writer._pack``'s sizes, so a layout
+    returned here is exactly theirs)."""
+    tensors = _tensors(state)
+    if not tensors or any(t.rows == 0 or t.row_bytes == 0 for t in tensors):
+        return None
+    plan = Layout(tensors, world_size, ordinals, version)
+    name_len = np.array([len(encode_basestring_ascii(f"__global__/{t.field}" if t.fqn is None else f"{t.fqn}/{t.field}"))
+                         for t in tensors], np.int64)
+    ndim = np.array([len(t.shape) for t in tensors], np.int64)
+    text = name_len + 2 + 2 * _DIGITS + datafile._ENTRY_FIXED + datafile._DIM_BOUND * ndim  # header text bound
+    bound_extra = text + datafile._PAD_ENTRY_BOUND + 2 * datafile.ALIGNMENT
+    room = max_file_bytes - datafile.FILE_OVERHEAD - bound_extra
+    most_rows = np.maximum(1, np.minimum(room, memory_budget // 4) // plan.row_bytes)
+    biggest = np.where(plan.sharded, plan.size, plan.rows)  # the largest part of each tensor
+    if (plan.row_bytes > room).any() or (biggest > most_rows).any():
+        return None
+    # per writer: FILE_OVERHEAD + sum of its entries' bounds <= max_file_bytes, and the header text bound
+    per_rank_rows = _held_rows(plan)
+    total = datafile.FILE_OVERHEAD + per_rank_rows @ plan.row_bytes + (per_rank_rows > 0) @ bound_extra
+    texts = (per_rank_rows > 0) @ text
+    if total.max() > max_file_bytes or texts.max() > datafile.MAX_HEADER_BYTES // 2:
+        return None
+    plan.group = choose_group(plan, int(total.max()), max_file_bytes)
+    return plan
+
+
+#: A writer of small parts takes consecutive parts until its data reaches about this size ...
+MIN_WRITER_BYTES = 2**20
+#: ... but at most this many (an index entry's pieces stay one msgpack fixarray) ...
+MAX_GROUP = 15
+#: ... and no more than this many pieces in its index (what one rank's load parses) ...
+MAX_INDEX_PIECES = 8192
+#: ... when there are at least this many parts (below, the files are few anyway).
+GROUP_FROM = 128
+
+
+def choose_group(plan: Layout, rank_bound: int, max_file_bytes: int) -> int:
+    """Parts per writer. Every file costs its creation (measured ~1-2 ms on a loaded ext4, where
+    4,096 ranks' data and index files took 8-16 s to create, more than writing their bytes), so
+    small parts are grouped: up to ``MAX_GROUP`` consecutive parts per writer, while the writer's
+    data stays under ``MIN_WRITER_BYTES`` and its index under ``MAX_INDEX_PIECES`` pieces, and its
+    file within ``max_file_bytes``. Large parts keep one writer per part, as a collective save has."""
+    if plan.world_size < GROUP_FROM:
+        return 1
+    per_rank = int((plan.rows * plan.row_bytes).sum()) // plan.world_size + 1
+    pieces = int(plan.sharded.sum()) + 1
+    fits = (max_file_bytes - datafile.FILE_OVERHEAD) // max(1, rank_bound - datafile.FILE_OVERHEAD)
+    return int(max(1, min(MAX_GROUP, MIN_WRITER_BYTES // per_rank, MAX_INDEX_PIECES // pieces, fits,
+                          plan.world_size)))
+
+
+def _held_rows(plan: Layout) -> np.ndarray:
+    """Rows each writer holds of each tensor, for the two kinds of writer rows that occur: the
+    bounds use the largest (a full part), so one row per distinct part suffices."""
+    full = np.where(plan.sharded, plan.size, 0)
+    first = np.where(plan.sharded, plan.size, plan.rows)  # writer 0 also holds the replicated tensors
+    return np.stack([np.minimum(first, plan.rows), np.minimum(full, plan.rows)])
+
+
+def write(plan: Layout, store, token: str, *, memory_budget: int, data_stem: Callable[[int], str],
+          on_bytes: Callable[[int], None] | None) -> tuple[list[WriterPin], dict[int, bytes], Callable[[], None]]:
+    """Write every writer's data file and index; their pins, the indexes of the first, middle and
+    last writers (for the commit to validate as a reader does: the others are checked here as
+    arrays, see ``_check``), and a wait for all the files to be durable (``Store.durable_many``)."""
+    per_rank = max(1, int((plan.rows * plan.row_bytes).sum() // plan.world_size))
+    step = max(1, min(BATCH_CELLS // len(plan.tensors), (memory_budget // 2) // per_rank) // plan.group) * plan.group
+    pins: list[WriterPin] = []
+    sample: dict[int, bytes] = {}
+    covered = np.zeros(len(plan.tensors), np.int64)  # rows of each tensor written so far, in rank order
+    names: list[str] = []
+    for r0 in range(0, plan.world_size, step):
+        ranks = np.arange(r0, min(plan.world_size, r0 + step), dtype=np.int64)
+        pins += _write_batch(plan, store, token, ranks, data_stem, on_bytes, sample, covered, names)
+    if not np.array_equal(covered, plan.rows):
+        raise AssertionError("the many-writer layout does not cover every tensor's rows (a gefen_ckpt bug)")
+    return pins, sample, store.durable_many(names)
+
+
+def _write_batch(plan: Layout, store, token, ranks, data_stem, on_bytes, sample, covered, names) -> list[WriterPin]:
+    """The writers of ``ranks`` (whole groups): each writer's data section is its parts' sections
+    one after another, each part's pieces in tensor order."""
+    start, stop = plan.parts(ranks)
+    nbytes = (stop - start) * plan.row_bytes
+    rel, section = plan.offsets(nbytes)
+    # each part's section starts at a multiple of its pieces' largest alignment (64 or <= 8)
+    align = np.where((nbytes >= datafile.ALIGN_FROM).any(axis=1), datafile.ALIGNMENT, 8)
+    writer = ranks // plan.group
+    first_writer = int(writer[0])
+    local = writer - first_writer
+    count = int(local[-1]) + 1
+    sec_start = np.zeros(len(ranks), np.int64)
+    data_size = np.zeros(count, np.int64)
+    pos = np.zeros(count, np.int64)
+    for k in range(plan.group):  # the k-th part of every writer of the batch
+        idx = np.nonzero(ranks % plan.group == k)[0]
+        w = local[idx]
+        aligned = np.where(section[idx] > 0, pos[w] + (-pos[w] % align[idx]), pos[w])
+        sec_start[idx] = aligned
+        pos[w] = aligned + section[idx]
+    data_size[:] = pos
+    prefixes = [datafile.packed_prefix(int(n), plan.metadata) for n in data_size.tolist()]
+    head = np.array([len(p) for p in prefixes], np.int64)
+    file_size = head + data_size
+    base = np.concatenate([[0], np.cumsum(file_size)[:-1]])
+    buffer = np.zeros(int(file_size.sum()), np.uint8)
+    offset = (head[local] + sec_start)[:, None] + rel  # each piece's offset in its writer's file
+    at = base[local][:, None] + offset
+    for i, prefix in enumerate(prefixes):
+        buffer[base[i]:base[i] + len(prefix)] = np.frombuffer(prefix, np.uint8)
+    for t, tensor in enumerate(plan.tensors):
+        held = np.nonzero(nbytes[:, t])[0]
+        if not len(held):
+            continue
+        a, b = int(start[held[0], t]), int(stop[held[-1], t])
+        data = _bytes(tensor, a, b)
+        src = (start[held, t] - a) * tensor.row_bytes
+        _scatter(buffer, at[held, t], data, src, nbytes[held, t])
+        if on_bytes is not None:
+            on_bytes(int(nbytes[held, t].sum()))
+    present = nbytes > 0
+    _check(start, stop, present, rel, nbytes, section, covered, local, sec_start, data_size)
+    crcs = np.zeros(nbytes.shape, np.int64)
+    crcs[present] = checksum.of_ranges(buffer, at[present].tolist(), nbytes[present].tolist())
+    has_data = np.zeros(count, bool)
+    np.logical_or.at(has_data, local, present.any(axis=1))  # a writer of no rows writes no data file
+    data_names = [f"{data_stem(first_writer + i)}-00000.safetensors" for i in range(count)]
+    store.write_files([(data_names[i], memoryview(buffer)[base[i]:base[i] + file_size[i]])
+                       for i in np.nonzero(has_data)[0].tolist()])
+    names += [data_names[i] for i in np.nonzero(has_data)[0].tolist()]
+    # index pieces by (writer, ordinal, rank): an entry per (writer, tensor), its pieces by rows
+    order = plan.by_ordinal
+    cell_w = np.broadcast_to(local[:, None], nbytes.shape)[:, order]
+    cell_o = np.broadcast_to(plan.ordinal[order], nbytes.shape)
+    cell_r = np.broadcast_to(np.arange(len(ranks))[:, None], nbytes.shape)
+    keep = present[:, order]
+    key = np.lexsort((cell_r[keep], cell_o[keep], cell_w[keep]))
+    pw, po = cell_w[keep][key], cell_o[keep][key]
+    columns = [po, start[:, order][keep][key], stop[:, order][keep][key], offset[:, order][keep][key],
+               crcs[:, order][keep][key]]
+    first = np.ones(len(pw), bool)
+    first[1:] = (pw[1:] != pw[:-1]) | (po[1:] != po[:-1])
+    entry_id = np.cumsum(first) - 1
+    sizes = np.bincount(entry_id, minlength=int(entry_id[-1]) + 1 if len(entry_id) else 0)
+    body, ends = _index_records(columns, first, sizes[entry_id] if len(entry_id) else entry_id)
+    pieces_per_writer = np.bincount(pw, minlength=count)
+    entries_per_writer = np.bincount(pw[first], minlength=count)
+    last = np.cumsum(pieces_per_writer)
+    pins, files = [], []
+    for i in range(count):
+        wid = first_writer + i
+        lo = int(ends[last[i] - pieces_per_writer[i] - 1]) if last[i] - pieces_per_writer[i] else 0
+        hi = int(ends[last[i] - 1]) if last[i] else 0
+        data = _index_head(wid, int(entries_per_writer[i])) + body[lo:hi].tobytes()
+        iname = index_name(token, wid)
+        files.append((iname, memoryview(data)))
+        pins.append(WriterPin(((data_names[i], int(file_size[i])),) if has_data[i] else (), iname, len(data),
+                              checksum.update(0, data)))
+        if wid in (0, plan.writers // 2, plan.writers - 1):
+            sample[wid] = data
+    store.write_files(files)
+    names += [f for f, _ in files]
+    return pins
+
+
+def _index_head(writer: int, entries: int) -> bytes:
+    """``index.encode_index``'s map up to the items of its ``tensors`` array."""
+    import msgpack
+
+    from gefen_ckpt.format.index import INDEX_FORMAT
+
+    array = (bytes([0x90 | entries]) if entries < 16 else b"\xdc" + entries.to_bytes(2, "big") if entries < 2**16
+             else b"\xdd" + entries.to_bytes(4, "big"))
+    return (b"\x84" + msgpack.packb("format") + msgpack.packb(INDEX_FORMAT) + msgpack.packb("version")
+            + msgpack.packb([2, 0]) + msgpack.packb("writer") + msgpack.packb(writer) + msgpack.packb("tensors") + array)
+
+
+#: msgpack's unsigned integer encodings, smallest first: (largest value, marker byte or -1 for a
+#: positive fixint, bytes of the value)
+_UINTS = ((127, -1, 1), (2**8 - 1, 0xCC, 1), (2**16 - 1, 0xCD, 2), (2**32 - 1, 0xCE, 4), (2**64 - 1, 0xCF, 8))
+
+
+def _width(v: np.ndarray) -> np.ndarray:
+    w = np.full(v.shape, 9, np.int64)
+    for top, marker, size in reversed(_UINTS):
+        w[v <= top] = size + (marker >= 0)
+    return w
+
+
+def _index_records(columns: list[np.ndarray], first: np.ndarray | None = None,
+                   entry_sizes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The msgpack bytes of index pieces, laid end to end, exactly as msgpack packs them (each
+    integer in its smallest encoding); and each piece's end. ``columns``: ordinal, start, stop,
+    offset, checksum per piece (file 0). A piece that is ``first`` of its entry opens it:
+    ``[ordinal, [`` with the entry's piece count (``entry_sizes``, at most 15) -- by default every
+    piece is an entry of its own, ``[ordinal, [[start, stop, 0, offset, checksum]]]``."""
+    values = [np.asarray(c, np.int64).astype(np.uint64) for c in columns]
+    n = len(values[0])
+    first = np.ones(n, bool) if first is None else first
+    entry_sizes = np.ones(n, np.int64) if entry_sizes is None else np.asarray(entry_sizes, np.int64)
+    if (entry_sizes > 15).any():
+        raise ValueError("an index entry of the many-writer layout has at most 15 pieces")
+    opened = first.astype(np.int64)
+    # (kind, value, present): "b" one byte, "v" one msgpack unsigned integer
+    items = [("b", np.full(n, 0x92, np.uint64), first), ("v", values[0], first),
+             ("b", (0x90 | entry_sizes).astype(np.uint64), first), ("b", np.full(n, 0x95, np.uint64), None),
+             ("v", values[1], None), ("v", values[2], None), ("b", np.zeros(n, np.uint64), None),
+             ("v", values[3], None), ("v", values[4], None)]
+    widths = []
+    for kind, v, mask in items:
+        w = np.ones(n, np.int64) if kind == "b" else _width(v)
+        widths.append(w * opened if mask is not None else w)
+    length = sum(widths)
+    ends = np.cumsum(length)
+    out = np.zeros(int(ends[-1]) if n else 0, np.uint8)
+    cursor = ends - length
+    for (kind, v, _), w in zip(items, widths):
+        if kind == "b":
+            sel = w > 0
+            out[cursor[sel]] = v[sel].astype(np.uint8)
+        else:
+            for _, marker, size in _UINTS:
+                sel = w == size + (marker >= 0)
+                if not sel.any():
+                    continue
+                at, x = cursor[sel], v[sel]
+                if marker < 0:
+                    out[at] = x.astype(np.uint8)
+                    continue
+                out[at] = marker
+                for k in range(size):  # big-endian
+                    out[at + 1 + k] = ((x >> np.uint64(8 * (size - 1 - k))) & np.uint64(255)).astype(np.uint8)
+        cursor += w
+    return out, ends
+
+
+def _bytes(tensor: _Tensor, a: int, b: int) -> np.ndarray:
+    """Rows ``[a, b)`` of a tensor's source as bytes, after checking it returned what it promised."""
+    got = tensor.source.read(a, b) if tensor.shape else tensor.source.read()
+    want = (b - a, *tensor.shape[1:]) if tensor.shape else ()
+    if tuple(got.shape) != want or dtype_name(got.dtype) != tensor.dtype:
+        label = f"{tensor.fqn or '__global__'}/{tensor.field}"
+        raise ValueError(f"{label}@{a}:{b}: the source returned {tuple(got.shape)} {got.dtype}, "
+                         f"expected {want} {tensor.dtype}")
+    got = got.detach().cpu().contiguous().reshape(-1)
+    return got.view(torch.uint8).numpy() if got.numel() else np.zeros(0, np.uint8)
+
+
+def _scatter(buffer: np.ndarray, at: np.ndarray, data: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
+    """``buffer[at[i]:at[i] + nbytes[i]] = data[src[i]:src[i] + nbytes[i]]`` for every i."""
+    big = nbytes > SCATTER_MAX_BYTES
+    for i in np.nonzero(big)[0].tolist():
+        buffer[at[i]:at[i] + nbytes[i]] = data[src[i]:src[i] + nbytes[i]]
+    small = ~big
+    for n in np.unique(nbytes[small]).tolist():  # a few distinct sizes: full parts and a short last one
+        sel = small & (nbytes == n)
+        lanes = np.arange(n, dtype=np.int64)
+        buffer[at[sel][:, None] + lanes] = data[src[sel][:, None] + lanes]
+
+
+def _check(start, stop, present, rel, nbytes, section, covered, local, sec_start, data_size) -> None:
+    """What a reader checks of each index, as arrays: taken part after part, each tensor's pieces
+    follow one another from row 0 (so, with the end check in ``write``, they tile its rows exactly
+    once); the pieces of a part lie inside its section, the sections of a writer one after another
+    inside its data section: no piece overlaps another."""
+    lengths = np.where(present, stop - start, 0)
+    expected = covered + np.cumsum(lengths, axis=0) - lengths  # where each piece must start
+    ends = rel + nbytes
+    prev_end = np.maximum.accumulate(np.where(present, ends, 0), axis=1)
+    sec_end = sec_start + section
+    same = local[1:] == local[:-1]
+    ok = (np.array_equal(start[present], expected[present]) and bool((ends <= section[:, None]).all())
+          and bool((rel >= 0).all()) and bool(np.where(present[:, 1:], rel[:, 1:] >= prev_end[:, :-1], True).all())
+          and bool((sec_end <= data_size[local]).all())
+          and bool(np.where(same & (section[1:] > 0), sec_start[1:] >= sec_end[:-1], True).all()))
+    if not ok:
+        raise AssertionError("the many-writer layout does not tile the tensors' rows (a gefen_ckpt bug)")
+    covered += lengths.sum(axis=0)
