@@ -241,6 +241,15 @@ def full_plan() -> list[tuple[str, str, int]]:
     return [(t, n, s) for s in (0, 1) for n in CORE for t in TEXTS]
 
 
+def _leaves(t: torch.Tensor):
+    """The plain tensors a tensor subclass holds (torchao's 4-bit state: codes and scales)."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _leaves(getattr(t, name))
+    else:
+        yield t
+
+
 def state_bytes(opt) -> int:
     """Bytes of optimizer state: the prototype's packed size, else every state tensor (each
     storage once) plus codebooks; a composite counts its children."""
@@ -253,7 +262,7 @@ def state_bytes(opt) -> int:
         tensors = [t for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
         books = o.global_books() if hasattr(o, "global_books") else {}
         tensors += [getattr(o, name) for name in books if getattr(o, name) is not None]
-        for t in tensors:
+        for t in (leaf for x in tensors for leaf in _leaves(x)):
             key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             if key not in seen:
                 seen.add(key)
