@@ -528,7 +528,7 @@ def _footer(results: list[dict]) -> str:
     new = [r for r in results if not r.get("reused")]
     return (f"{len(results)} runs ({len(results) - len(new)} reused from benchmarks/out/quality/); "
             f"{sum(r['seconds'] for r in results) / 60:.1f} minutes of training in all, the sum of the runs' "
-            "wall times (one thread each).")
+            "wall times (one thread each, on a shared machine).")
 
 
 def sweep_section(task: Task = SWEEP_TASK, workers: int = 2) -> dict:
@@ -668,7 +668,8 @@ def table_markdown(results: list[dict], task: Task) -> str:
         for text in texts:
             e = table[text].get(name)
             row += (["not run", ""] if e is None else
-                    [f"{e['mean']:.4f} ({' / '.join(f'{x:.4f}' for x in e['losses'])})", f"{e['vs_adamw']:.4f}"])
+                    [f"{e['mean']:.4f} ({' / '.join(f'{x:.4f}' for x in e['losses'])})",
+                     "" if math.isnan(e["vs_adamw"]) else f"{e['vs_adamw']:.4f}"])
         rows.append(row)
     header = ["optimizer", "storage", "state B/param"] + (["B/param, bf16 row/col stats"] if bf16_col else [])
     for text in texts:
