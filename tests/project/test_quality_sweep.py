@@ -43,3 +43,23 @@ def test_summary_best_vs_best_uses_two_seed_means_and_own_rates():
     near = s["near_adamw_best"]["gefen"]  # AdamW's seed 0 within 5% of its best at both rates
     assert set(near) == {1e-3, 2e-3} and near[1e-3]["seeds"] == [0, 1]
     assert abs(near[1e-3]["ratio"] - 4.6 / 4.2) < 1e-12
+
+
+def test_ranking_compares_the_ratio_at_each_rate_on_both_sizes(monkeypatch):
+    from benchmarks import bench_quality as bq
+
+    big, small = bq.Task(), bq.SWEEP_TASK
+    loss = {(big.steps, "adamw"): {2e-3: 2.0, 8e-3: 1.7, 1.6e-2: 1.9}, (big.steps, "gefen"): {2e-3: 1.98, 8e-3: 1.71},
+            (small.steps, "adamw"): {2e-3: 2.7, 8e-3: 2.5, 1.6e-2: 2.46}, (small.steps, "gefen"): {2e-3: 2.7, 8e-3: 2.5}}
+
+    def fake_jobs(jobs, workers):
+        return [{"text": t, "optimizer": n, "seed": s, "task": {"steps": task.steps, "lr": task.lr},
+                 "held_out": loss[(task.steps, n)][task.lr]}
+                for t, n, s, task in jobs if task.lr in loss[(task.steps, n)]]
+
+    monkeypatch.setattr(bq, "run_jobs", fake_jobs)
+    out = bq.ranking_section(big, small)
+    assert set(out["data"]["ratios"]) == {f"{s}-{lr:g}" for s in (big.steps, small.steps) for lr in (2e-3, 8e-3)}
+    assert abs(out["data"]["ratios"][f"{big.steps}-0.002"] - 0.99) < 1e-12  # 1.6e-2 lacks Gefen: left out
+    assert out["data"]["adamw_best"] == {big.steps: 8e-3, small.steps: 8e-3}
+    assert "differ by at most 0.0100" in out["markdown"]
