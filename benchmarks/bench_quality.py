@@ -1,32 +1,34 @@
-"""Training quality on real text: held-out loss of a character LM, AdamW vs Gefen (issue 17).
+"""Training quality on real text: held-out loss of a character LM, AdamW vs Gefen.
 
 Task: a character-level pre-norm transformer LM (d = 192, 3 layers, 4 heads, context 128,
 ~1.4M parameters) trained for 400 steps of batch 32 x 128 with cosine LR 2e-3 (50 warm-up
 steps), weight decay 0.1, gradient clipping 1.0, one thread per run; the held-out loss is the
 mean over 32 fixed batches from the last 10% of the text. Two texts that ship with Python (no
-download): ``stdlib`` (the top-level ``*.py`` of the standard library; the text the variants
-were chosen on) and ``packages`` (the sources of the email, json, http, urllib, xml, html and
-logging packages; not tuned on). Characters outside printable ASCII map to one token.
+download): ``stdlib`` (the top-level ``*.py`` of the standard library; the text the second
+moment's storage was chosen on) and ``packages`` (the sources of the email, json, http, urllib,
+xml, html and logging packages; not tuned on). Characters outside printable ASCII map to one token.
 
 Optimizers: torch AdamW (the baseline, same run), ``gefen.Gefen`` (the production default,
-``moments="m4v4"``, and ``gefen-m8``, the layout before issue 17), ``gefen.GefenMuonHybrid``
-(Gefen backup), torch's own Muon (+ AdamW on the rest, routed as the hybrid routes) and the
-prototype storage variants of ``benchmarks/fidelity_variants.py``.
+``moments="m4v4"``), ``gefen.GefenMuonHybrid`` (Gefen backup), torch's own Muon (+ AdamW on
+the rest, routed as the hybrid routes) and, where installed, torchao's 4-bit AdamW. ``gefen-m8``
+and the ``p-*`` prototype storage variants of ``benchmarks/fidelity_variants.py`` stay runnable
+(``train("stdlib", "p-m4v4-ratio-sr", 0)``): docs/decisions.md records their losses.
 Runs go to ``GEFEN_BENCH_JOBS`` processes (default 2, one thread each). Each finished run is
 also written to ``benchmarks/out/quality/``; ``GEFEN_QUALITY_RESUME=1`` reuses those files
-(the table then says how many runs were reused) so an interrupted full run can be completed.
+(the table then says how many runs were reused) so an interrupted full run can be completed, and
+``GEFEN_QUALITY_CACHED_ONLY=1`` renders the 400-step table from the runs found there.
 
     python -m benchmarks.run_all --only quality --full   # the 400-step plan (make bench FULL=1)
     python -m benchmarks.run_all --only quality           # otherwise the short run, as with --quick
 
 ``--full`` also runs the learning-rate sweep (``sweep_section``: each optimizer at its own best
-rate on the short task, ~60 runs of ~0.3 CPU-minutes); ``python -m benchmarks.bench_quality
---sweep`` runs only that.
+rate on the short task, ~80 runs of ~5 CPU-seconds) and ``ranking_section`` (AdamW and Gefen at
+three rates on both tasks); ``python -m benchmarks.bench_quality --sweep`` runs only the sweep.
 
-Runtime: one run is ~7 CPU-minutes (AdamW, Gefen) to ~10 (the eager prototype); the full plan
-(``full_plan``, 21 runs) is ~3.5 CPU-hours, i.e. ~1.7 hours on two free cores, far over
-run_all's 4-minute guideline, so it runs only with ``--full``: the quality question needs the real task. ``--quick`` (60 steps,
-seed 0, stdlib, 4 optimizers) takes ~2-4 minutes.
+Runtime: a 400-step run is ~6-8 CPU-minutes; the full plan (``full_plan``, 16 runs, plus 4 for
+the ranking) is ~2.5 CPU-hours, far over run_all's 4-minute guideline, so it runs only with
+``--full``: the quality question needs the real task. ``--quick`` (60 steps, seed 0, stdlib, 3
+optimizers) takes ~1-2 minutes.
 """
 
 from __future__ import annotations
@@ -211,11 +213,11 @@ OPTIMIZERS = {
     "adamw": ("torch AdamW (fp32 moments)", _adamw),
     "gefen": ("Gefen (default moments='m4v4': 4-bit m + 4-bit v/factored, stochastic rounding unbiased in v^(1/3))",
               _gefen),
-    "gefen-m8": ("Gefen moments='m8' (before issue 17): 8-bit m, factored v", _gefen_m8),
+    "gefen-m8": ("Gefen moments='m8': 8-bit m, factored v", _gefen_m8),
     "hybrid": ("GefenMuonHybrid (Gefen backup)", _hybrid),
     "muon": ("torch.optim.Muon (hidden matrices) + AdamW (rest)", _muon),
     "torchao-4bit": ("torchao.optim.AdamW4bit (block-wise 4-bit moments)", _torchao_adamw4bit),
-    "p-m8-factored": ("prototype of Gefen today: 8-bit m, factored v", _variant(m_bits=8)),
+    "p-m8-factored": ("prototype: 8-bit m, factored v", _variant(m_bits=8)),
     "p-m4v4-ratio-sr": ("4-bit m + 4-bit log(v/factored), stochastic rounding",
                         _variant(m_bits=4, v="ratio", v_bits=4, rounding="stochastic")),
     "p-m4v4-ratio-near": ("4-bit m + 4-bit log(v/factored), nearest rounding",
@@ -228,19 +230,24 @@ OPTIMIZERS = {
                         _variant(m_bits=6, v="ratio", v_bits=2, rounding="stochastic")),
 }
 BASELINE = "adamw"
-#: quick run: the shipped optimizers and the layout before issue 17, stdlib text, seed 0
-QUICK = ("adamw", "gefen", "gefen-m8", "hybrid")
-CORE = ("adamw", "gefen", "p-m4v4-ratio-sr", "gefen-m8")  # both texts, seeds 0 and 1
-SCREENED = ("p-m4v4-ratio-near", "p-m5v3-ratio-sr", "p-m4v4-rowlog-sr", "p-m6v2-ratio-sr", "p-m8-factored")
+#: quick run: the shipped optimizers, stdlib text, seed 0
+QUICK = ("adamw", "gefen", "hybrid")
+CORE = ("adamw", "gefen", "muon", "hybrid")  # the 400-step table: both texts, seeds 0 and 1
 
 
 def full_plan() -> list[tuple[str, str, int]]:
-    """(text, optimizer, seed) of the full run, most needed first (each run is ~7-10 CPU-minutes):
-    AdamW and the production default on both texts and seeds, then the prototype it came from and
-    the layout before, then Muon and the hybrid, then the screened variants (seed 0 on stdlib)."""
-    plan = [(t, n, s) for n in CORE for s in (0, 1) for t in TEXTS]
-    plan += [(t, n, s) for n in ("muon", "hybrid") for s in (0, 1) for t in TEXTS]
-    return plan + [("stdlib", n, 0) for n in SCREENED]
+    """(text, optimizer, seed) of the 400-step table, most needed first (each run is ~6-8
+    CPU-minutes): seed 0 of every optimizer on both texts, then seed 1."""
+    return [(t, n, s) for s in (0, 1) for n in CORE for t in TEXTS]
+
+
+def _leaves(t: torch.Tensor):
+    """The plain tensors a tensor subclass holds (torchao's 4-bit state: codes and scales)."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _leaves(getattr(t, name))
+    else:
+        yield t
 
 
 def state_bytes(opt) -> int:
@@ -255,7 +262,7 @@ def state_bytes(opt) -> int:
         tensors = [t for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
         books = o.global_books() if hasattr(o, "global_books") else {}
         tensors += [getattr(o, name) for name in books if getattr(o, name) is not None]
-        for t in tensors:
+        for t in (leaf for x in tensors for leaf in _leaves(x)):
             key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             if key not in seen:
                 seen.add(key)
@@ -347,12 +354,14 @@ def run_jobs(jobs: list[tuple], workers: int) -> list[dict]:
 
 
 # ----- learning-rate sweep: each optimizer at its own best learning rate ------------------------
-#: the sweep's task (``tests/optim/test_quality_lm.py``'s short task): ~0.3 CPU-minutes a run, so
-#: the whole sweep (~60 runs) fits in ~30 CPU-minutes; docs/decisions.md compares its ranking
-#: with the 400-step task's at 2e-3
+#: the sweep's task (``tests/optim/test_quality_lm.py``'s short task): ~5 CPU-seconds a run, so the
+#: whole sweep (~80 runs) is a few CPU-minutes; ``ranking_section`` checks its ranking on ``Task()``
 SWEEP_TASK = Task(d=64, layers=2, heads=4, context=64, batch=16, steps=150, warmup=20, eval_batches=8)
 #: five learning rates over 16x, around AdamW's best on this task
 SWEEP_LRS = (4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)
+#: an optimizer whose seed-0 best is the largest (smallest) rate it ran also runs at twice (half)
+#: that rate, up to this many times, so that each one's best is bracketed
+MAX_EXTEND = 3
 #: each compressed optimizer and the optimizer it is compared with at their own best rates
 SWEEP_PAIRS = {"gefen": "adamw", "torchao-4bit": "adamw", "hybrid": "muon"}
 #: a rate counts as "near AdamW's best" when AdamW's seed-0 loss there is within this factor
@@ -369,40 +378,64 @@ def _at(task: Task, lr: float) -> Task:
     return dataclasses.replace(task, lr=lr)
 
 
-def _seed0(results: list[dict]) -> dict:
-    return {(r["text"], r["optimizer"], r["task"]["lr"]): r["held_out"] for r in results if r["seed"] == 0}
+def _seed0(results: list[dict]) -> dict[tuple[str, str], dict[float, float]]:
+    """(text, optimizer) -> {lr: seed-0 held-out loss}."""
+    out: dict[tuple[str, str], dict[float, float]] = {}
+    for r in results:
+        if r["seed"] == 0:
+            out.setdefault((r["text"], r["optimizer"]), {})[r["task"]["lr"]] = r["held_out"]
+    return out
 
 
-def sweep_second_seeds(results: list[dict], lrs=SWEEP_LRS) -> list[tuple[str, str, float]]:
+def sweep_extensions(results: list[dict]) -> list[tuple[str, str, float]]:
+    """(text, optimizer, lr) one factor of 2 past the edge, for each optimizer whose seed-0 best is
+    the largest or the smallest rate it ran (doubling and halving are exact in binary floats)."""
+    todo = []
+    for (text, name), per in _seed0(results).items():
+        best = min(per, key=per.get)
+        if len(per) > 1 and best == max(per):
+            todo.append((text, name, best * 2))
+        elif len(per) > 1 and best == min(per):
+            todo.append((text, name, best / 2))
+    return sorted(todo)
+
+
+def sweep_second_seeds(results: list[dict]) -> list[tuple[str, str, float]]:
     """(text, optimizer, lr) to run with seed 1: each optimizer's two best rates by its seed-0 loss,
     and, for AdamW and the optimizers compared with it, every rate near AdamW's best."""
     seed0, todo = _seed0(results), set()
-    for text, name in {(t, n) for t, n, _ in seed0}:
-        todo.update((text, name, lr) for lr in sorted(lrs, key=lambda lr: seed0[(text, name, lr)])[:2])
-    for text in {t for t, _, _ in seed0}:
-        base = {lr: seed0[(text, "adamw", lr)] for lr in lrs if (text, "adamw", lr) in seed0}
+    for (text, name), per in seed0.items():
+        todo.update((text, name, lr) for lr in sorted(per, key=per.get)[:2])
+    for text in {t for t, _ in seed0}:
+        base = seed0.get((text, "adamw"))
         if not base:
             continue
         near = [lr for lr, loss in base.items() if loss <= NEAR_BEST * min(base.values())]
-        todo.update((text, n, lr) for n in ("adamw", *[k for k, v in SWEEP_PAIRS.items() if v == "adamw"])
-                    for lr in near if (text, n, lr) in seed0)
+        for name in ("adamw", *[k for k, v in SWEEP_PAIRS.items() if v == "adamw"]):
+            todo.update((text, name, lr) for lr in near if lr in seed0.get((text, name), {}))
     return sorted(todo)
 
 
 def run_sweep(task: Task = SWEEP_TASK, lrs=SWEEP_LRS, texts=tuple(TEXTS), names=None, workers: int = 2) -> list[dict]:
-    """Seed 0 at every rate, then seed 1 where ``sweep_second_seeds`` says."""
+    """Seed 0 at every rate (and past the edge where ``sweep_extensions`` says), then seed 1
+    where ``sweep_second_seeds`` says."""
     names = names or sweep_names()
-    first = run_jobs([(t, n, 0, _at(task, lr)) for n in names for lr in lrs for t in texts], workers)
-    second = run_jobs([(t, n, 1, _at(task, lr)) for t, n, lr in sweep_second_seeds(first, lrs)], workers)
-    return first + second
+    results = run_jobs([(t, n, 0, _at(task, lr)) for n in names for lr in lrs for t in texts], workers)
+    for _ in range(MAX_EXTEND):
+        more = sweep_extensions(results)
+        if not more:
+            break
+        results += run_jobs([(t, n, 0, _at(task, lr)) for t, n, lr in more], workers)
+    return results + run_jobs([(t, n, 1, _at(task, lr)) for t, n, lr in sweep_second_seeds(results)], workers)
 
 
 def sweep_summary(results: list[dict]) -> dict:
     """Per text: ``losses[name][lr]`` (by seed), each optimizer's best rate (lowest mean over the
-    rates run with both seeds), best-vs-best ratios of ``SWEEP_PAIRS``, and the per-rate ratio to
-    AdamW at the rates near AdamW's best (mean over the seeds both ran)."""
+    rates run with both seeds) and whether it is bracketed (neither the largest nor the smallest
+    rate run with seed 0), best-vs-best ratios of ``SWEEP_PAIRS``, and the per-rate ratio to AdamW
+    at the rates near AdamW's best (mean over the seeds both ran)."""
     out: dict[str, dict] = {}
-    for r in results:
+    for r in sorted(results, key=lambda r: (r["task"]["lr"], r["seed"])):
         entry = out.setdefault(r["text"], {"losses": {}})
         entry["losses"].setdefault(r["optimizer"], {}).setdefault(r["task"]["lr"], {})[r["seed"]] = r["held_out"]
     for entry in out.values():
@@ -410,9 +443,10 @@ def sweep_summary(results: list[dict]) -> dict:
         best = {}
         for name, by_lr in losses.items():
             two = {lr: sum(s.values()) / len(s) for lr, s in by_lr.items() if len(s) == 2}
+            ran = [lr for lr, s in by_lr.items() if 0 in s]
             if two:
                 lr = min(two, key=two.get)
-                best[name] = {"lr": lr, "mean": two[lr]}
+                best[name] = {"lr": lr, "mean": two[lr], "bracketed": min(ran) < lr < max(ran)}
         entry["best"] = best
         entry["best_vs_best"] = {n: best[n]["mean"] / best[b]["mean"] for n, b in SWEEP_PAIRS.items()
                                  if n in best and b in best}
@@ -431,9 +465,14 @@ def sweep_summary(results: list[dict]) -> dict:
     return out
 
 
-def sweep_markdown(summary: dict, task: Task, lrs=SWEEP_LRS) -> str:
+def _rates(by_name: dict[str, dict]) -> list[float]:
+    return sorted({lr for by_lr in by_name.values() for lr in by_lr})
+
+
+def sweep_markdown(summary: dict) -> str:
     parts = []
     for text, entry in summary.items():
+        lrs = _rates(entry["losses"])
         header = ["optimizer"] + [f"lr {lr:g}" for lr in lrs] + ["best lr (mean of 2 seeds)", "best vs best"]
         rows = []
         for name, by_lr in entry["losses"].items():
@@ -445,7 +484,8 @@ def sweep_markdown(summary: dict, task: Task, lrs=SWEEP_LRS) -> str:
             b = entry["best"].get(name)
             pair = SWEEP_PAIRS.get(name)
             ratio = entry["best_vs_best"].get(name)
-            rows.append([f"`{name}`", *cells, "" if b is None else f"{b['lr']:g}: {b['mean']:.4f}",
+            rows.append([f"`{name}`", *cells,
+                         "" if b is None else f"{b['lr']:g}: {b['mean']:.4f}" + ("" if b["bracketed"] else " (edge)"),
                          "" if ratio is None else f"{ratio:.4f} vs `{pair}`"])
         parts += [f"**{text}** (seed 0 / seed 1 (mean)):", "", md_table(header, rows), ""]
         for name, per in entry["near_adamw_best"].items():
@@ -457,7 +497,7 @@ def sweep_markdown(summary: dict, task: Task, lrs=SWEEP_LRS) -> str:
     return "\n".join(parts)
 
 
-def plot_sweep(summary: dict, lrs=SWEEP_LRS) -> Path:
+def plot_sweep(summary: dict) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -466,9 +506,9 @@ def plot_sweep(summary: dict, lrs=SWEEP_LRS) -> Path:
     fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4), dpi=110, squeeze=False)
     for ax, (text, entry) in zip(axes[0], summary.items()):
         for name, by_lr in entry["losses"].items():
-            xs = [lr for lr in lrs if 0 in by_lr.get(lr, {})]
+            xs = sorted(lr for lr, s in by_lr.items() if 0 in s)
             line, = ax.plot(xs, [by_lr[lr][0] for lr in xs], marker="o", markersize=3, linewidth=1, label=name)
-            two = [lr for lr in lrs if len(by_lr.get(lr, {})) == 2]
+            two = sorted(lr for lr, s in by_lr.items() if len(s) == 2)
             ax.plot(two, [sum(by_lr[lr].values()) / 2 for lr in two], marker="*", markersize=8, linestyle="none",
                     color=line.get_color())
         ax.set_xscale("log")
@@ -484,6 +524,13 @@ def plot_sweep(summary: dict, lrs=SWEEP_LRS) -> Path:
     return path
 
 
+def _footer(results: list[dict]) -> str:
+    new = [r for r in results if not r.get("reused")]
+    return (f"{len(results)} runs ({len(results) - len(new)} reused from benchmarks/out/quality/); "
+            f"{sum(r['seconds'] for r in results) / 60:.1f} minutes of training in all, the sum of the runs' "
+            "wall times (one thread each, on a shared machine).")
+
+
 def sweep_section(task: Task = SWEEP_TASK, workers: int = 2) -> dict:
     results = run_sweep(task, workers=workers)
     summary = sweep_summary(results)
@@ -492,19 +539,57 @@ def sweep_section(task: Task = SWEEP_TASK, workers: int = 2) -> dict:
                                  "runs": [{k: v for k, v in r.items() if k != "curve"} for r in results]})
     params = results[0]["params"]
     markdown = "\n".join([
-        f"Each optimizer at its own best learning rate: the character LM at a small size ({params:,} "
-        f"parameters, d = {task.d}, {task.layers} layers, context {task.context}), {task.steps} steps of batch "
-        f"{task.batch} x {task.context}, cosine schedule ({task.warmup} warm-up steps), weight decay "
-        f"{task.weight_decay}, clipping 1.0; held-out loss over {task.eval_batches} fixed batches. Seed 0 at five "
-        "peak rates over 16x; seed 1 at each optimizer's two best and, for AdamW and the optimizers compared "
-        f"with it, at every rate where AdamW's seed-0 loss is within {NEAR_BEST - 1:.0%} of its best. \"best\" is "
-        "the lowest mean of two seeds. `gefen` and `torchao-4bit` (where installed) are compared with `adamw`, "
+        f"The character LM at a small size ({params:,} parameters, d = {task.d}, {task.layers} layers, context "
+        f"{task.context}), {task.steps} steps of batch {task.batch} x {task.context}, cosine schedule "
+        f"({task.warmup} warm-up steps), weight decay {task.weight_decay}, clipping 1.0; held-out loss over "
+        f"{task.eval_batches} fixed batches. Seed 0 at five peak rates over 16x ({', '.join(f'{lr:g}' for lr in SWEEP_LRS)}); "
+        "an optimizer whose seed-0 best is the largest (smallest) rate it ran also runs at twice (half) that, "
+        f"up to {MAX_EXTEND} times, so that its best is bracketed. Seed 1 at each optimizer's two best rates and, "
+        f"for AdamW and the optimizers compared with it, at every rate where AdamW's seed-0 loss is within "
+        f"{NEAR_BEST - 1:.0%} of its best. \"best\" is the lowest mean of two seeds, \"(edge)\" where it is the "
+        "largest or smallest rate run. `gefen` and `torchao-4bit` (where installed) are compared with `adamw`, "
         "`hybrid` with `muon`.",
-        "", sweep_markdown(summary, task),
-        f"{len(results)} runs ({sum(bool(r.get('reused')) for r in results)} reused), "
-        f"{sum(r['seconds'] for r in results) / 60:.1f} CPU-minutes of training.",
+        "", sweep_markdown(summary), _footer(results),
     ])
     return {"markdown": markdown, "plots": [str(plot_sweep(summary))], "summary": summary}
+
+
+# ----- does the small task rank like the 400-step one? ------------------------------------------
+#: rates at which AdamW and Gefen run at both sizes (seed 0, stdlib); 2e-3 is the table's own run
+RANK_LRS = (2e-3, 8e-3, 1.6e-2)
+RANK_NAMES = ("adamw", "gefen")
+
+
+def ranking_section(task: Task = Task(), small: Task = SWEEP_TASK, workers: int = 2) -> dict:
+    """AdamW and Gefen (seed 0, stdlib) at ``RANK_LRS`` on ``task`` and on the sweep's ``small``
+    task: the Gefen / AdamW ratio at each rate and each size, and AdamW's best of these rates."""
+    jobs = [("stdlib", n, 0, _at(t, lr)) for t in (task, small) for lr in RANK_LRS for n in RANK_NAMES]
+    results = run_jobs(_cached_only(jobs), workers)
+    loss = {(r["task"]["steps"], r["optimizer"], r["task"]["lr"]): r["held_out"] for r in results}
+    lrs = [lr for lr in RANK_LRS if all((t.steps, n, lr) in loss for t in (task, small) for n in RANK_NAMES)]
+    if not lrs:
+        return {"markdown": "", "results": results, "data": {}}
+    rows, ratios = [], {}
+    for lr in lrs:
+        row = [f"{lr:g}"]
+        for t in (task, small):
+            a, g = loss[(t.steps, "adamw", lr)], loss[(t.steps, "gefen", lr)]
+            ratios[(t.steps, lr)] = g / a
+            row += [f"{a:.4f}", f"{g:.4f}", f"{g / a:.4f}"]
+        rows.append(row)
+    best = {t.steps: min(lrs, key=lambda lr: loss[(t.steps, "adamw", lr)]) for t in (task, small)}
+    header = ["lr"] + [f"{t.steps} steps, d = {t.d}: {c}" for t in (task, small) for c in ("AdamW", "Gefen", "Gefen / AdamW")]
+    spread = max(abs(ratios[(task.steps, lr)] - ratios[(small.steps, lr)]) for lr in lrs)
+    markdown = "\n".join([
+        f"Does the small task rank like the {task.steps}-step one? AdamW and Gefen, seed 0, stdlib, at "
+        f"{', '.join(f'{lr:g}' for lr in lrs)} on both tasks (the {task.steps}-step runs at 2e-3 are the table's):",
+        "", md_table(header, rows), "",
+        f"AdamW's best of these rates: {best[task.steps]:g} ({task.steps} steps), {best[small.steps]:g} "
+        f"({small.steps} steps); the Gefen / AdamW ratios of the two sizes differ by at most {spread:.4f} at "
+        "one rate.",
+    ])
+    return {"markdown": markdown, "results": results,
+            "data": {"ratios": {f"{s}-{lr:g}": v for (s, lr), v in ratios.items()}, "adamw_best": best}}
 
 
 # ----- report ---------------------------------------------------------------------------------
@@ -560,64 +645,73 @@ def plot_curves(results: list[dict], names: list[str], texts: list[str]) -> Path
     return path
 
 
+def _cached_only(jobs: list[tuple]) -> list[tuple]:
+    """With ``GEFEN_QUALITY_CACHED_ONLY=1``, only the jobs whose run is in benchmarks/out/quality/."""
+    if os.environ.get("GEFEN_QUALITY_CACHED_ONLY") != "1":
+        return jobs
+    return [j for j in jobs if _record(*j).is_file()]
+
+
+def table_markdown(results: list[dict], task: Task) -> str:
+    """The 400-step table: held-out loss per optimizer and text, mean over the seeds run."""
+    table = summarise(results)
+    names = [n for n in OPTIMIZERS if any(r["optimizer"] == n for r in results)]
+    texts = [t for t in TEXTS if t in table]
+    bf16_col = any(table[t][n]["state_bytes_bf16_stats"] is not None for t in texts for n in table[t])
+    rows = []
+    for name in names:
+        first = next(table[t][name] for t in texts if name in table[t])
+        row = [f"`{name}`", OPTIMIZERS[name][0], f"{first['state_bytes'] / first['params']:.3f}"]
+        if bf16_col:
+            bf16 = first["state_bytes_bf16_stats"]
+            row.append("" if bf16 is None else f"{bf16 / first['params']:.3f}")
+        for text in texts:
+            e = table[text].get(name)
+            row += (["not run", ""] if e is None else
+                    [f"{e['mean']:.4f} ({' / '.join(f'{x:.4f}' for x in e['losses'])})",
+                     "" if math.isnan(e["vs_adamw"]) else f"{e['vs_adamw']:.4f}"])
+        rows.append(row)
+    header = ["optimizer", "storage", "state B/param"] + (["B/param, bf16 row/col stats"] if bf16_col else [])
+    for text in texts:
+        header += [f"{text}: held-out loss, mean (per seed)", f"{text}: vs AdamW"]
+    seeds = sorted({r["seed"] for r in results})
+    params = table[texts[0]][BASELINE]["params"]
+    return "\n".join([
+        f"Character LM on real text ({params:,} parameters, d = {task.d}, {task.layers} layers, context "
+        f"{task.context}), {task.steps} steps of batch {task.batch} x {task.context}, cosine LR {task.lr} "
+        f"({task.warmup} warm-up steps), weight decay {task.weight_decay}, clipping 1.0, one thread per run; "
+        f"held-out loss = mean over {task.eval_batches} fixed batches of the last 10% of the text, seed"
+        f"{'s' if len(seeds) > 1 else ''} {' and '.join(map(str, seeds))}. `stdlib` is the text the second "
+        "moment's storage was chosen on, `packages` one not tuned on. `gefen` is the production default "
+        "(`moments='m4v4'`, state bytes as allocated). One learning rate for all, so this table compares the "
+        "optimizers at 2e-3 only; the sweep below compares each at its own best rate. `muon` is "
+        "torch.optim.Muon on the hidden matrices and AdamW on the rest, routed and scaled as `hybrid` routes "
+        "GefenMuon and its Gefen backup. \"vs AdamW\" divides by AdamW's mean over the same seeds.",
+        "", md_table(header, rows), "", _footer(results),
+    ])
+
+
 def run(quick: bool) -> dict:
     quick = quick or os.environ.get("GEFEN_BENCH_FULL") != "1"  # the 400-step plan only with --full
     task = Task(steps=60, warmup=10, eval_batches=8) if quick else Task()
     plan = [("stdlib", n, 0) for n in QUICK] if quick else full_plan()
-    if os.environ.get("GEFEN_QUALITY_CACHED_ONLY") == "1":  # render what an interrupted run measured
-        plan = [(t, n, s) for t, n, s in plan if _record(t, n, s, task).is_file()]
-    names = [n for n in OPTIMIZERS if any(n == o for _, o, _ in plan)]
-    texts = [t for t in TEXTS if any(t == x for x, _, _ in plan)]
     workers = int(os.environ.get("GEFEN_BENCH_JOBS", "2"))
-    start = time.perf_counter()
-    results = run_jobs([(t, n, s, task) for t, n, s in plan], workers)
-    wall = time.perf_counter() - start
-    table = summarise(results)
-    rows = []
-    for name in names:
-        first = next(table[t][name] for t in texts if name in table[t])
-        bf16 = first["state_bytes_bf16_stats"]
-        row = [f"`{name}`", OPTIMIZERS[name][0], f"{first['state_bytes'] / first['params']:.3f}",
-               "" if bf16 is None else f"{bf16 / first['params']:.3f}"]
-        for text in texts:
-            e = table[text].get(name)
-            row += (["not run", ""] if e is None else
-                    [f"{e['mean']:.4f} ({' / '.join(f'{x:.4f}' for x in e['losses'])})", f"{e['vs_adamw']:.4f}"])
-        rows.append(row)
-    header = ["optimizer", "storage", "state B/param", "B/param, bf16 row/col stats"]
-    for text in texts:
-        header += [f"{text}: held-out loss, mean (per seed)", f"{text}: vs AdamW"]
-    reused = sum(bool(r.get("reused")) for r in results)
-    cpu = sum(r["seconds"] for r in results)
-    params = table[texts[0]][BASELINE]["params"]
-    markdown = "\n".join([
-        f"Character LM on real text ({params:,} parameters, d = {task.d}, {task.layers} layers, context "
-        f"{task.context}), {task.steps} steps of batch {task.batch} x {task.context}, cosine LR {task.lr} "
-        f"({task.warmup} warm-up steps), weight decay {task.weight_decay}, clipping 1.0, one thread per run; "
-        f"held-out loss = mean over {task.eval_batches} fixed batches of the last 10% of the text, seeds "
-        "0 and 1 for the core set (seed 0 only for the screened variants). `stdlib` is the text the variants were "
-        "chosen on, `packages` one not tuned on. `gefen` is the production default (`moments='m4v4'`, state "
-        "bytes as allocated), `gefen-m8` the layout before issue 17; `p-*` rows are the eager prototype "
-        "`benchmarks/fidelity_variants.py` (state bytes as packed codes + fp32 per-row/column statistics); the "
-        "target is <= 1.005 x AdamW at <= 1.05 B/param. One learning rate for all, so this table compares "
-        "fidelity at 2e-3 only; the sweep below compares each optimizer at its own best rate. `muon` is torch.optim.Muon on the hidden "
-        "matrices and AdamW on the rest, routed and scaled as `hybrid` routes GefenMuon and its Gefen backup. "
-        "\"vs AdamW\" divides by AdamW's mean over the same seeds.",
-        "",
-        md_table(header, rows),
-        "",
-        f"{len(results)} runs ({reused} reused from benchmarks/out/quality/), {cpu / 60:.1f} CPU-minutes of "
-        f"training; this rendering took {wall / 60:.1f} minutes wall on {workers} processes.",
-    ])
-    plots = [plot_curves(results, names, texts)]
-    if not quick:  # each optimizer at its own best learning rate
+    results = run_jobs(_cached_only([(t, n, s, task) for t, n, s in plan]), workers)
+    markdown = table_markdown(results, task)
+    plots = [plot_curves(results, [n for n in OPTIMIZERS if any(r["optimizer"] == n for r in results)],
+                         [t for t in TEXTS if any(r["text"] == t for r in results)])]
+    data = {"summary": summarise(results)}
+    if not quick:  # each optimizer at its own best learning rate, and whether the small task ranks alike
         sweep = sweep_section(workers=workers)
-        markdown += "\n\n" + sweep["markdown"]
+        ranking = ranking_section(task, workers=workers)
+        markdown += "\n\n### Each optimizer at its own best learning rate\n\n" + sweep["markdown"]
+        markdown += "\n\n" + ranking["markdown"]
         plots += [Path(p) for p in sweep["plots"]]
-    write_json("quality", {"task": asdict(task), "summary": table, "wall_seconds": round(wall, 1),
+        data |= {"sweep": sweep["summary"], "ranking": ranking["data"]}
+    write_json("quality", {"task": asdict(task), "summary": data["summary"],
                            "runs": [{k: v for k, v in r.items() if k != "curve"} for r in results]})
     return {"title": "Training quality on real text (character LM)", "markdown": markdown,
-            "plots": [str(p) for p in plots], "data": {"summary": table}}
+            "plots": [str(p) for p in plots], "data": data}
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Measured (torch 2.13, CPU): AdamW 2.6892 / 2.7067; Gefen (default, m4v4) seed 0 
 AdamW's seed 0; ``bench_quality``'s sweep has the other rates and seeds); Gefen(moments="m8")
 2.6610 / 2.6667 (0.987x). This short run is early training,
 where m8's factored second moment is no handicap; the 400-step task of ``bench_quality`` is
-where m8's ~1.5% gap shows (docs/benchmarks.md). So this test is a guard against regressions
+where m8's ~1.5% gap shows (docs/decisions.md). So this test is a guard against regressions
 (MARGIN = 1.01: 1.6% above the default's ratio, about three times the seed spread), not a check
 of the quality target (`benchmarks/bench_quality.py` measures that).
 """
