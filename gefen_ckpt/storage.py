@@ -54,18 +54,17 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_in_thread(path: str) -> Callable[[], None]:
-    """fsync ``path`` on a Python thread (without the C library); the returned callable joins it
-    and re-raises its error."""
+def _in_thread(work: Callable[[], None], name: str) -> Callable[[], None]:
+    """Run ``work`` on a daemon thread; the returned callable joins it and re-raises its OSError."""
     errors: list[OSError] = []
 
     def run() -> None:
         try:
-            _fsync(path)
+            work()
         except OSError as exc:
             errors.append(exc)
 
-    thread = threading.Thread(target=run, name="gefen-ckpt-fsync", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
 
     def wait() -> None:
@@ -74,6 +73,11 @@ def _fsync_in_thread(path: str) -> Callable[[], None]:
             raise errors[0]
 
     return wait
+
+
+def _fsync_in_thread(path: str) -> Callable[[], None]:
+    """fsync ``path`` on a Python thread (without the C library)."""
+    return _in_thread(lambda: _fsync(path), "gefen-ckpt-fsync")
 
 
 def _libc():
@@ -557,29 +561,16 @@ class LocalStore(Store):
         libc = _libc()
         if libc is None or not names:
             return super().durable_many(names)
-        errors: list[OSError] = []
-
-        def run() -> None:
+        def syncfs() -> None:
+            fd = os.open(self.root, os.O_RDONLY)
             try:
-                fd = os.open(self.root, os.O_RDONLY)
-                try:
-                    if libc.syncfs(fd) != 0:
-                        err = ctypes.get_errno()
-                        errors.append(OSError(err, os.strerror(err), self.root))
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                errors.append(exc)
+                if libc.syncfs(fd) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, os.strerror(err), self.root)
+            finally:
+                os.close(fd)
 
-        thread = threading.Thread(target=run, name="gefen-ckpt-syncfs", daemon=True)
-        thread.start()
-
-        def wait() -> None:
-            thread.join()
-            if errors:
-                raise errors[0]
-
-        return wait
+        return _in_thread(syncfs, "gefen-ckpt-syncfs")
 
     def publish(self, name: str, data: bytes, temp_name: str) -> None:
         """The directory is synced before the rename too, so the entries of every file written
