@@ -131,7 +131,7 @@ class PieceSource:
             if (lo, hi) == piece.rows:
                 whole.setdefault(piece.file, []).append((piece, t, dst))
             else:
-                dst.copy_(_PARTIAL.get(self.store, t, piece)[lo - piece.rows[0]:hi - piece.rows[0]])
+                _PARTIAL.copy_rows(self.store, t, piece, lo, hi, dst)
         for name, batch in whole.items():
             with _reading(self.store, name) as reader:
                 read_verified(self.store, reader, batch)
@@ -151,22 +151,49 @@ class _PartialPieces:
         self._pieces: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, store: Store, t: TensorRecord, piece: PieceRecord) -> torch.Tensor:
+    def copy_rows(self, store: Store, t: TensorRecord, piece: PieceRecord, lo: int, hi: int, dst: torch.Tensor) -> None:
+        """Rows ``[lo, hi)`` of ``piece`` into ``dst``, the whole piece verified. A piece too large
+        to keep is streamed instead: its rows are copied as it is read and hashed, so a partial read
+        of a large piece holds one chunk, not the piece (what keeps a reshard within its budget)."""
+        if piece.nbytes > self.budget // 4:
+            _stream_rows(store, t, piece, lo, hi, dst)
+            return
         key = (store.url, piece.file, piece.offset, piece.nbytes, piece.checksum)
         with self._lock:
-            hit = self._pieces.get(key)
-            if hit is not None:
+            whole = self._pieces.get(key)
+            if whole is not None:
                 self._pieces.move_to_end(key)
-                return hit
-        tensor = read_piece(store, t, piece)
-        if piece.nbytes <= self.budget // 4:
+        if whole is None:
+            whole = read_piece(store, t, piece)
             with self._lock:
-                self._pieces[key] = tensor
+                self._pieces[key] = whole
                 self.held += piece.nbytes
                 while self.held > self.budget:
                     _, old = self._pieces.popitem(last=False)
                     self.held -= old.numel() * old.element_size()
-        return tensor
+        dst.copy_(whole[lo - piece.rows[0]:hi - piece.rows[0]])
+
+
+def _stream_rows(store: Store, t: TensorRecord, piece: PieceRecord, lo: int, hi: int, dst: torch.Tensor) -> None:
+    """Read ``piece`` in ``READ_CHUNK``s, hashing each and copying the bytes of rows ``[lo, hi)``
+    into ``dst`` (contiguous); the checksum is checked before returning."""
+    row_bytes = piece.nbytes // (piece.rows[1] - piece.rows[0])
+    want_lo, want_hi = (lo - piece.rows[0]) * row_bytes, (hi - piece.rows[0]) * row_bytes
+    out = dst.reshape(-1).view(torch.uint8).numpy()
+    chunk = np.empty(min(READ_CHUNK, piece.nbytes), np.uint8)
+    crc, done = 0, 0
+    with _reading(store, piece.file) as reader:
+        while done < piece.nbytes:
+            size = min(len(chunk), piece.nbytes - done)
+            got = reader.read_into(piece.offset + done, memoryview(chunk)[:size])
+            if got != size:
+                check_length(store, t, piece, done + got)
+            crc = checksum.update(crc, memoryview(chunk)[:size])
+            a, b = max(done, want_lo), min(done + size, want_hi)
+            if a < b:
+                out[a - want_lo:b - want_lo] = chunk[a - done:b - done]
+            done += size
+    check_checksum(store, t, piece, crc)
 
 
 #: 64 MiB: the pieces a reshard of a model's worth of tensors revisits rank after rank

@@ -95,7 +95,7 @@ def test_truncated_data_file(ck, target):
 
 
 @pytest.mark.usefixtures("read_path")
-def test_flipped_byte_names_file_and_fqn(ck, target):
+def test_flipped_byte_names_file_and_fqn(ck, target, monkeypatch):
     path, p = piece(ck)
     with open(path, "r+b") as f:
         f.seek(p["offset"] + p["bytes"] // 2)
@@ -106,6 +106,9 @@ def test_flipped_byte_names_file_and_fqn(ck, target):
     report = gefen_ckpt.verify(ck)
     assert not report.ok and any("up.weight/mv_code" in m and "checksum" in m for m in report.problems)
     with pytest.raises(CheckpointCorruptError, match="up.weight/mv_code"):  # lazy partial reads verify too
+        gefen_ckpt.read(ck).params["up.weight"].fields["mv_code"].read(0, 1)
+    monkeypatch.setattr(reader._PARTIAL, "budget", 0)  # a piece too large to keep is streamed, and verified
+    with pytest.raises(CheckpointCorruptError, match="up.weight/mv_code"):
         gefen_ckpt.read(ck).params["up.weight"].fields["mv_code"].read(0, 1)
 
 

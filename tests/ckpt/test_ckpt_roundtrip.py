@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gefen_ckpt
+from gefen_ckpt.format import reader
 
 from ckpt_util import OPTIMIZERS, canonical_equal, fresh_like, same, snapshot, train, trained
 
@@ -52,7 +53,13 @@ def test_sharded_checkpoint_loads_into_single_process(tmp_path):
     assert same(snapshot(opt, model), snapshot(opt2, resumed))
 
 
-def test_tiny_files_split_pieces_and_partial_reads(tmp_path):
+@pytest.mark.parametrize("streamed", [False, True], ids=["cached", "streamed"])
+def test_tiny_files_split_pieces_and_partial_reads(tmp_path, monkeypatch, streamed):
+    """Partial reads of a piece, kept whole in the cache of small pieces or (a piece too large to
+    keep) streamed in chunks: the same rows either way."""
+    if streamed:
+        monkeypatch.setattr(reader._PARTIAL, "budget", 0)
+        monkeypatch.setattr(reader, "READ_CHUNK", 24)  # several chunks per piece, rows across chunks
     model, opt = trained("adamw")
     state = gefen_ckpt.export_canonical(opt, model=model)
     url = str(tmp_path / "tiny")
