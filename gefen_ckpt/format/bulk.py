@@ -95,6 +95,19 @@ class Layout:
         stop = np.where(self.sharded, np.minimum(start + self.size, self.rows), np.where(r == 0, self.rows, 0))
         return start, stop
 
+    def writer_rows(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(start, stop) rows of each writer of ``ranks`` (whole groups, one row each) for each
+        tensor: a writer's consecutive parts are contiguous rows, stored as one piece."""
+        start, stop = self.parts(ranks)
+        if self.group == 1:
+            return start, stop
+        writer = ranks // self.group
+        firsts = np.concatenate([[0], np.nonzero(writer[1:] != writer[:-1])[0] + 1])
+        held = stop > start
+        a = np.minimum.reduceat(np.where(held, start, np.iinfo(np.int64).max), firsts, axis=0)
+        b = np.maximum.reduceat(np.where(held, stop, 0), firsts, axis=0)
+        return np.where(b > 0, a, 0), b
+
     def offsets(self, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(offset in the data section of each piece, data section size) per writer: the pieces in
         tensor order, each at a multiple of ``datafile.piece_alignment``."""
@@ -135,33 +148,29 @@ def layout(state: CanonicalState, world_size: int, *, max_file_bytes: int, memor
     texts = (per_rank_rows > 0) @ text
     if total.max() > max_file_bytes or texts.max() > datafile.MAX_HEADER_BYTES // 2:
         return None
-    plan.group = choose_group(plan, int(total.max()), max_file_bytes)
+    plan.group = choose_group(plan, int(total.max()), max_file_bytes, most_rows)
     return plan
 
 
 #: A writer of small parts takes consecutive parts until its data reaches about this size ...
 MIN_WRITER_BYTES = 2**20
-#: ... but at most this many (an index entry's pieces stay one msgpack fixarray) ...
-MAX_GROUP = 15
-#: ... and no more than this many pieces in its index (what one rank's load parses) ...
-MAX_INDEX_PIECES = 8192
 #: ... when there are at least this many parts (below, the files are few anyway).
 GROUP_FROM = 128
 
 
-def choose_group(plan: Layout, rank_bound: int, max_file_bytes: int) -> int:
+def choose_group(plan: Layout, rank_bound: int, max_file_bytes: int, most_rows: np.ndarray) -> int:
     """Parts per writer. Every file costs its creation (measured ~1-2 ms on a loaded ext4, where
     4,096 ranks' data and index files took 8-16 s to create, more than writing their bytes), so
-    small parts are grouped: up to ``MAX_GROUP`` consecutive parts per writer, while the writer's
-    data stays under ``MIN_WRITER_BYTES`` and its index under ``MAX_INDEX_PIECES`` pieces, and its
-    file within ``max_file_bytes``. Large parts keep one writer per part, as a collective save has."""
+    small parts are grouped: consecutive parts per writer while its data stays under
+    ``MIN_WRITER_BYTES``, its piece of each tensor within ``most_rows`` (the memory budget's
+    piece) and its file within ``max_file_bytes``. Large parts keep one writer per part, as a
+    collective save has."""
     if plan.world_size < GROUP_FROM:
         return 1
     per_rank = int((plan.rows * plan.row_bytes).sum()) // plan.world_size + 1
-    pieces = int(plan.sharded.sum()) + 1
     fits = (max_file_bytes - datafile.FILE_OVERHEAD) // max(1, rank_bound - datafile.FILE_OVERHEAD)
-    return int(max(1, min(MAX_GROUP, MIN_WRITER_BYTES // per_rank, MAX_INDEX_PIECES // pieces, fits,
-                          plan.world_size)))
+    piece_fits = (most_rows // plan.size)[plan.sharded].min(initial=plan.world_size)
+    return int(max(1, min(MIN_WRITER_BYTES // per_rank, fits, piece_fits, plan.world_size)))
 
 
 def _held_rows(plan: Layout) -> np.ndarray:
@@ -192,34 +201,20 @@ def write(plan: Layout, store, token: str, *, memory_budget: int, data_stem: Cal
 
 
 def _write_batch(plan: Layout, store, token, ranks, data_stem, on_bytes, sample, covered, names) -> list[WriterPin]:
-    """The writers of ``ranks`` (whole groups): each writer's data section is its parts' sections
-    one after another, each part's pieces in tensor order."""
-    start, stop = plan.parts(ranks)
+    """The writers of ``ranks`` (whole groups): each writer's data section is its piece of each
+    tensor (the rows of its consecutive parts), in tensor order."""
+    start, stop = plan.writer_rows(ranks)
     nbytes = (stop - start) * plan.row_bytes
-    rel, section = plan.offsets(nbytes)
-    # each part's section starts at a multiple of its pieces' largest alignment (64 or <= 8)
-    align = np.where((nbytes >= datafile.ALIGN_FROM).any(axis=1), datafile.ALIGNMENT, 8)
-    writer = ranks // plan.group
-    first_writer = int(writer[0])
-    local = writer - first_writer
-    count = int(local[-1]) + 1
-    sec_start = np.zeros(len(ranks), np.int64)
-    data_size = np.zeros(count, np.int64)
-    pos = np.zeros(count, np.int64)
-    for k in range(plan.group):  # the k-th part of every writer of the batch
-        idx = np.nonzero(ranks % plan.group == k)[0]
-        w = local[idx]
-        aligned = np.where(section[idx] > 0, pos[w] + (-pos[w] % align[idx]), pos[w])
-        sec_start[idx] = aligned
-        pos[w] = aligned + section[idx]
-    data_size[:] = pos
+    rel, data_size = plan.offsets(nbytes)
+    first_writer = int(ranks[0]) // plan.group
+    count = nbytes.shape[0]
     prefixes = [datafile.packed_prefix(int(n), plan.metadata) for n in data_size.tolist()]
     head = np.array([len(p) for p in prefixes], np.int64)
     file_size = head + data_size
     base = np.concatenate([[0], np.cumsum(file_size)[:-1]])
     buffer = np.zeros(int(file_size.sum()), np.uint8)
-    offset = (head[local] + sec_start)[:, None] + rel  # each piece's offset in its writer's file
-    at = base[local][:, None] + offset
+    offset = head[:, None] + rel  # each piece's offset in its writer's file
+    at = base[:, None] + offset
     for i, prefix in enumerate(prefixes):
         buffer[base[i]:base[i] + len(prefix)] = np.frombuffer(prefix, np.uint8)
     for t, tensor in enumerate(plan.tensors):
@@ -233,39 +228,26 @@ def _write_batch(plan: Layout, store, token, ranks, data_stem, on_bytes, sample,
         if on_bytes is not None:
             on_bytes(int(nbytes[held, t].sum()))
     present = nbytes > 0
-    _check(start, stop, present, rel, nbytes, section, covered, local, sec_start, data_size)
+    _check(start, stop, present, rel, nbytes, data_size, covered)
     crcs = np.zeros(nbytes.shape, np.int64)
     crcs[present] = checksum.of_ranges(buffer, at[present].tolist(), nbytes[present].tolist())
-    has_data = np.zeros(count, bool)
-    np.logical_or.at(has_data, local, present.any(axis=1))  # a writer of no rows writes no data file
+    has_data = present.any(axis=1)  # a writer of no rows writes no data file
     data_names = [f"{data_stem(first_writer + i)}-00000.safetensors" for i in range(count)]
     store.write_files([(data_names[i], memoryview(buffer)[base[i]:base[i] + file_size[i]])
                        for i in np.nonzero(has_data)[0].tolist()])
     names += [data_names[i] for i in np.nonzero(has_data)[0].tolist()]
-    # index pieces by (writer, ordinal, rank): an entry per (writer, tensor), its pieces by rows
+    # the index: an entry per (writer, tensor), in ordinal order, each of one piece
     order = plan.by_ordinal
-    cell_w = np.broadcast_to(local[:, None], nbytes.shape)[:, order]
-    cell_o = np.broadcast_to(plan.ordinal[order], nbytes.shape)
-    cell_r = np.broadcast_to(np.arange(len(ranks))[:, None], nbytes.shape)
-    keep = present[:, order]
-    key = np.lexsort((cell_r[keep], cell_o[keep], cell_w[keep]))
-    pw, po = cell_w[keep][key], cell_o[keep][key]
-    columns = [po, start[:, order][keep][key], stop[:, order][keep][key], offset[:, order][keep][key],
-               crcs[:, order][keep][key]]
-    first = np.ones(len(pw), bool)
-    first[1:] = (pw[1:] != pw[:-1]) | (po[1:] != po[:-1])
-    entry_id = np.cumsum(first) - 1
-    sizes = np.bincount(entry_id, minlength=int(entry_id[-1]) + 1 if len(entry_id) else 0)
-    body, ends = _index_records(columns, first, sizes[entry_id] if len(entry_id) else entry_id)
-    pieces_per_writer = np.bincount(pw, minlength=count)
-    entries_per_writer = np.bincount(pw[first], minlength=count)
-    last = np.cumsum(pieces_per_writer)
+    keep = present[:, order]  # row-major: writer by writer
+    columns = [np.broadcast_to(plan.ordinal[order], keep.shape)[keep]] + [c[:, order][keep]
+                                                                          for c in (start, stop, offset, crcs)]
+    body, ends = _index_records(columns)
+    entries = keep.sum(axis=1)
+    bounds = np.concatenate([[0], ends])[np.concatenate([[0], np.cumsum(entries)])]  # each writer's bytes
     pins, files = [], []
     for i in range(count):
         wid = first_writer + i
-        lo = int(ends[last[i] - pieces_per_writer[i] - 1]) if last[i] - pieces_per_writer[i] else 0
-        hi = int(ends[last[i] - 1]) if last[i] else 0
-        data = _index_head(wid, int(entries_per_writer[i])) + body[lo:hi].tobytes()
+        data = _index_head(wid, int(entries[i])) + body[bounds[i]:bounds[i + 1]].tobytes()
         iname = index_name(token, wid)
         files.append((iname, memoryview(data)))
         pins.append(WriterPin(((data_names[i], int(file_size[i])),) if has_data[i] else (), iname, len(data),
@@ -301,37 +283,24 @@ def _width(v: np.ndarray) -> np.ndarray:
     return w
 
 
-def _index_records(columns: list[np.ndarray], first: np.ndarray | None = None,
-                   entry_sizes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The msgpack bytes of index pieces, laid end to end, exactly as msgpack packs them (each
-    integer in its smallest encoding); and each piece's end. ``columns``: ordinal, start, stop,
-    offset, checksum per piece (file 0). A piece that is ``first`` of its entry opens it:
-    ``[ordinal, [`` with the entry's piece count (``entry_sizes``, at most 15) -- by default every
-    piece is an entry of its own, ``[ordinal, [[start, stop, 0, offset, checksum]]]``."""
+def _index_records(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The msgpack bytes of index entries of one piece each, ``[ordinal, [[start, stop, 0, offset,
+    checksum]]]``, laid end to end exactly as msgpack packs them (each integer in its smallest
+    encoding); and each entry's end. ``columns``: ordinal, start, stop, offset, checksum."""
     values = [np.asarray(c, np.int64).astype(np.uint64) for c in columns]
     n = len(values[0])
-    first = np.ones(n, bool) if first is None else first
-    entry_sizes = np.ones(n, np.int64) if entry_sizes is None else np.asarray(entry_sizes, np.int64)
-    if (entry_sizes > 15).any():
-        raise ValueError("an index entry of the many-writer layout has at most 15 pieces")
-    opened = first.astype(np.int64)
-    # (kind, value, present): "b" one byte, "v" one msgpack unsigned integer
-    items = [("b", np.full(n, 0x92, np.uint64), first), ("v", values[0], first),
-             ("b", (0x90 | entry_sizes).astype(np.uint64), first), ("b", np.full(n, 0x95, np.uint64), None),
-             ("v", values[1], None), ("v", values[2], None), ("b", np.zeros(n, np.uint64), None),
-             ("v", values[3], None), ("v", values[4], None)]
-    widths = []
-    for kind, v, mask in items:
-        w = np.ones(n, np.int64) if kind == "b" else _width(v)
-        widths.append(w * opened if mask is not None else w)
+    byte = lambda b: ("b", np.full(n, b, np.uint64))  # noqa: E731
+    # "b" one byte, "v" one msgpack unsigned integer
+    items = [byte(0x92), ("v", values[0]), byte(0x91), byte(0x95), ("v", values[1]), ("v", values[2]), byte(0),
+             ("v", values[3]), ("v", values[4])]
+    widths = [np.ones(n, np.int64) if kind == "b" else _width(v) for kind, v in items]
     length = sum(widths)
     ends = np.cumsum(length)
     out = np.zeros(int(ends[-1]) if n else 0, np.uint8)
     cursor = ends - length
-    for (kind, v, _), w in zip(items, widths):
+    for (kind, v), w in zip(items, widths):
         if kind == "b":
-            sel = w > 0
-            out[cursor[sel]] = v[sel].astype(np.uint8)
+            out[cursor] = v.astype(np.uint8)
         else:
             for _, marker, size in _UINTS:
                 sel = w == size + (marker >= 0)
@@ -372,21 +341,16 @@ def _scatter(buffer: np.ndarray, at: np.ndarray, data: np.ndarray, src: np.ndarr
         buffer[at[sel][:, None] + lanes] = data[src[sel][:, None] + lanes]
 
 
-def _check(start, stop, present, rel, nbytes, section, covered, local, sec_start, data_size) -> None:
-    """What a reader checks of each index, as arrays: taken part after part, each tensor's pieces
-    follow one another from row 0 (so, with the end check in ``write``, they tile its rows exactly
-    once); the pieces of a part lie inside its section, the sections of a writer one after another
-    inside its data section: no piece overlaps another."""
+def _check(start, stop, present, rel, nbytes, data_size, covered) -> None:
+    """What a reader checks of each index, as arrays: taken writer after writer, each tensor's
+    pieces follow one another from row 0 (so, with the end check in ``write``, they tile its rows
+    exactly once); a writer's pieces lie one after another inside its data section."""
     lengths = np.where(present, stop - start, 0)
     expected = covered + np.cumsum(lengths, axis=0) - lengths  # where each piece must start
     ends = rel + nbytes
     prev_end = np.maximum.accumulate(np.where(present, ends, 0), axis=1)
-    sec_end = sec_start + section
-    same = local[1:] == local[:-1]
-    ok = (np.array_equal(start[present], expected[present]) and bool((ends <= section[:, None]).all())
-          and bool((rel >= 0).all()) and bool(np.where(present[:, 1:], rel[:, 1:] >= prev_end[:, :-1], True).all())
-          and bool((sec_end <= data_size[local]).all())
-          and bool(np.where(same & (section[1:] > 0), sec_start[1:] >= sec_end[:-1], True).all()))
+    ok = (np.array_equal(start[present], expected[present]) and bool((ends <= data_size[:, None]).all())
+          and bool((rel >= 0).all()) and bool(np.where(present[:, 1:], rel[:, 1:] >= prev_end[:, :-1], True).all()))
     if not ok:
         raise AssertionError("the many-writer layout does not tile the tensors' rows (a gefen_ckpt bug)")
     covered += lengths.sum(axis=0)

@@ -367,15 +367,22 @@ class IndexSet:
 
 
 def _check_tiles(t, parts: list[tuple[int, int]], pieces: list, bad, writer: int) -> None:
-    """The pieces tile exactly the parts the manifest assigns to ``writer`` (no gap, no overlap)."""
-    i = 0
+    """The pieces tile exactly the rows the manifest assigns to ``writer`` (no gap, no overlap);
+    a piece may span consecutive parts of the writer (their rows are contiguous)."""
+    runs: list[list[int]] = []
     for a, b in sorted(parts):
+        if runs and runs[-1][1] == a:
+            runs[-1][1] = b
+        else:
+            runs.append([a, b])
+    i = 0
+    for a, b in runs:
         covered = a
         while i < len(pieces) and pieces[i].rows[0] < b:
             start, stop = pieces[i].rows
             if start != covered or stop > b:
                 what = "overlap" if start < covered else "do not match the manifest's split"
-                bad(f"{t.label}: writer {writer}'s pieces {what} (rows [{start}, {stop}), part [{a}, {b}))")
+                bad(f"{t.label}: writer {writer}'s pieces {what} (rows [{start}, {stop}), its rows [{a}, {b}))")
             covered = stop
             i += 1
         if covered != b:

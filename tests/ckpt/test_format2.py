@@ -116,8 +116,28 @@ def test_resharding_to_many_ranks_keeps_the_data_near_the_state_size(source, tmp
     assert data <= state.total_bytes() + 128 * files + 7 * pieces, (data, state.total_bytes(), files, pieces)
     assert data - state.total_bytes() - 128 * files < 0.15 * state.total_bytes()
     assert os.path.getsize(os.path.join(url, "manifest.msgpack")) < 64 * 1024 + 160 * 512
+    # consecutive small parts share a writer, whose rows of a tensor are one piece (one CRC-32)
+    writers = len(gefen_ckpt.read_manifest(url)["writers"])
+    assert writers < 512 and pieces <= writers * len(list(state.tensors())), (writers, pieces)
     got = _tensors(gefen_ckpt.read(url))
     assert all(torch.equal(s.read(), got[k]) for k, s in state.tensors())
+
+
+def test_a_piece_may_span_a_writers_consecutive_parts_only():
+    from gefen_ckpt.format.index import _check_tiles
+    from gefen_ckpt.format.records import PieceRecord
+
+    def check(parts, *rows):
+        problems = []
+        _check_tiles(type("T", (), {"label": "t"}), parts, [PieceRecord("p", "f", r, "d", "k", 0, 1, 0) for r in rows],
+                     problems.append, 0)
+        return problems
+
+    assert not check([(0, 2), (2, 4)], (0, 4))  # two consecutive parts, one piece
+    assert not check([(0, 2), (2, 4)], (0, 1), (1, 4))
+    assert "do not match" in check([(0, 2), (4, 6)], (0, 6))[0]  # the rows between belong to another writer
+    assert "missing rows [2, 4)" in check([(0, 2), (2, 4)], (0, 2))[0]
+    assert "overlap" in check([(0, 4)], (0, 3), (2, 4))[0]
 
 
 def _files(url) -> dict[str, bytes]:
