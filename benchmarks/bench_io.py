@@ -59,8 +59,8 @@ from safetensors.torch import load_file, save_file
 import gefen_ckpt
 from benchmarks.common import PeakRSS, gefen_state, machine_limits, md_table, plot, write_json
 from gefen import Gefen
-from gefen_ckpt.format.reader import stage_checkpoint
 from gefen_ckpt.storage import Store
+from gefen_ckpt.wire.reader import stage_checkpoint
 
 SIZES = (25, 42)
 FULL_SIZE = 400  # ~400M parameters: a ~400 MB compressed state (--full only)

@@ -58,8 +58,8 @@ print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).
 #: One rank's load planning, in a fresh process: open, validate, find the pieces of its rows.
 _PLAN = """
 import sys, time
-from gefen_ckpt.format.index import chunk_rows
-from gefen_ckpt.format.manifest import open_checkpoint
+from gefen_ckpt.wire.index import chunk_rows
+from gefen_ckpt.wire.manifest import open_checkpoint
 from gefen_ckpt.storage import Store
 url, rank = sys.argv[1], int(sys.argv[2])
 start = time.perf_counter()
@@ -147,10 +147,10 @@ def synthesize(root: Path, shapes: dict[str, tuple[int, ...]], ranks: int, versi
 
 
 def _synthesize_v1(root: Path, shapes, ranks: int, contract) -> dict:
-    from gefen_ckpt.format import manifest as mf
-    from gefen_ckpt.format.datafile import ALIGNMENT
-    from gefen_ckpt.format.dtypes import itemsize
-    from gefen_ckpt.layout import chunk_rows
+    from gefen_ckpt.placement import chunk_rows
+    from gefen_ckpt.wire import manifest as mf
+    from gefen_ckpt.wire.datafile import ALIGNMENT
+    from gefen_ckpt.wire.dtypes import itemsize
 
     ends = [8 + 4096] * ranks  # each rank's file: a header's worth, then aligned pieces
     params, pieces_total, crcs = {}, 0, {}
@@ -203,11 +203,11 @@ def _synthesize_v2(root: Path, shapes, ranks: int, contract) -> dict:
     size for one rank is reported beside it."""
     import numpy as np
 
-    from gefen_ckpt.format import checksum
-    from gefen_ckpt.format import manifest as mf
-    from gefen_ckpt.format.datafile import build_packed
-    from gefen_ckpt.format.dtypes import itemsize
-    from gefen_ckpt.format.index import encode_index, index_name
+    from gefen_ckpt.wire import checksum
+    from gefen_ckpt.wire import manifest as mf
+    from gefen_ckpt.wire.datafile import build_packed
+    from gefen_ckpt.wire.dtypes import itemsize
+    from gefen_ckpt.wire.index import encode_index, index_name
 
     entries = _tensors(shapes, contract)
     header_bytes = len(build_packed([], {"format": mf.FORMAT_NAME, "version": "2.0"})[0]) + 64
@@ -287,7 +287,7 @@ def _index_head(writer: int, entries: int) -> bytes:
     """The index map up to its tensors array's items (``index.encode_index``'s keys, in order)."""
     import msgpack
 
-    from gefen_ckpt.format.index import INDEX_FORMAT
+    from gefen_ckpt.wire.index import INDEX_FORMAT
 
     return (b"\x84" + msgpack.packb("format") + msgpack.packb(INDEX_FORMAT) + msgpack.packb("version")
             + msgpack.packb([2, 0]) + msgpack.packb("writer") + msgpack.packb(writer) + msgpack.packb("tensors")
@@ -299,8 +299,8 @@ def commit_bytes(ranks: int) -> int:
     ``sharded_io.commit_payload`` packed as it is sent, with a structure digest and no
     explicit rows (every tensor follows its rule)."""
     from gefen_ckpt.collective import pack
-    from gefen_ckpt.format.index import WriterPin, index_name
     from gefen_ckpt.sharded_io import commit_payload
+    from gefen_ckpt.wire.index import WriterPin, index_name
 
     class Plan:
         digest, explicit = "0" * 32, {}
@@ -389,9 +389,9 @@ def _bit_exact(a: str, b: str) -> bool:
 def reshard_small(quick: bool) -> dict:
     """The many-rank reshard of a small state (module docstring)."""
     import gefen_ckpt
-    from gefen_ckpt.format import bulk
-    from gefen_ckpt.format.manifest import open_checkpoint
     from gefen_ckpt.storage import Store
+    from gefen_ckpt.wire import bulk
+    from gefen_ckpt.wire.manifest import open_checkpoint
 
     ranks, side = (1024, 128) if quick else (4096, 512)
     src, dst = SCRATCH / "small", SCRATCH / "small-resharded"

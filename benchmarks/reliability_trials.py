@@ -61,7 +61,7 @@ def _loads(url, kind="adamw") -> bool:
 def _rewrite(url, change) -> None:
     import msgpack
 
-    from gefen_ckpt.format import manifest as mf
+    from gefen_ckpt.wire import manifest as mf
 
     path = os.path.join(url, mf.MANIFEST_NAME)
     with open(path, "rb") as f:
@@ -198,7 +198,7 @@ def manifest_flips() -> dict:
     """Every single-bit flip (bits 0 and 7 of each byte) of an AdamW manifest: a trial fails
     when the flipped manifest is accepted (decoded and validated)."""
     import gefen_ckpt
-    from gefen_ckpt.format import manifest as mf
+    from gefen_ckpt.wire import manifest as mf
 
     url = tempfile.mkdtemp()
     model, opt = _trained()
@@ -269,7 +269,7 @@ def _hostile(kind: str, size: int) -> bytes:
 def decoding_bombs(size: int = 4 * 2**20) -> dict:
     """Hostile manifests of ``size`` bytes: a trial fails when decoding and validating it costs
     more than 32x its size in Python objects or more than 10 s."""
-    from gefen_ckpt.format import manifest as mf
+    from gefen_ckpt.wire import manifest as mf
 
     kinds = ["empty maps", "nils", "short strings", "small maps", "pairs"]
     failures, worst = 0, {}
@@ -293,7 +293,7 @@ def shape_check_before_read() -> dict:
     """A manifest whose parameter shape differs from the live model's: a trial fails when any
     tensor data is read before the refusal."""
     import gefen_ckpt
-    import gefen_ckpt.format.reader as reader
+    import gefen_ckpt.wire.reader as reader
 
     url = tempfile.mkdtemp()
     model, opt = _trained()

@@ -14,8 +14,8 @@ from rich.markup import escape
 from rich.progress import Progress
 
 # torch (and the gefen_ckpt modules that import it) is imported inside the commands, so `--help` stays
-# fast; gefen_ckpt.formats imports nothing heavy.
-from gefen_ckpt.formats import DCP, PORTABLE, TORCH, check_key, check_optimizer, detect_format  # noqa: F401
+# fast; gefen_ckpt.checkpoints imports nothing heavy.
+from gefen_ckpt.checkpoints import DCP, PORTABLE, TORCH, check_key, check_optimizer, detect_format  # noqa: F401
 from gefen_ckpt.progress import columns
 
 #: exit codes (documented in docs/cli.md)
@@ -150,7 +150,7 @@ def parse_size(text: str | None) -> int | None:
     return value
 
 
-# ----- opening checkpoints (gefen_ckpt.formats) ---------------------------------------------
+# ----- opening checkpoints (gefen_ckpt.checkpoints) ---------------------------------------------
 def check_destination(src: str, dst: str, overwrite: bool, create_bucket: bool, writes: bool = True) -> None:
     """SRC and DST must differ, and (when the command ``writes``) DST must not be an existing file
     or non-empty directory unless ``--overwrite``: a typo in DST must not replace a checkpoint (an
@@ -195,7 +195,7 @@ _unfreeze_registered = False
 
 def refuse_names(url: str, fmt: str, param_names: str | None, names_from: str | None) -> None:
     """--param-names/--names-from: only for a torch state_dict, and only one of them (a usage error)."""
-    from gefen_ckpt.formats import check_names
+    from gefen_ckpt.checkpoints import check_names
 
     try:
         check_names(url, fmt, param_names, names_from)

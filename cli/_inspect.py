@@ -56,11 +56,11 @@ class Described:
 
 
 def describe_manifest(store, manifest) -> Described:
-    """A validated portable manifest (``gefen_ckpt.format.manifest.Manifest``), torch-free."""
+    """A validated portable manifest (``gefen_ckpt.wire.manifest.Manifest``), torch-free."""
     import functools
 
-    from gefen_ckpt.format import peek
-    from gefen_ckpt.format.dtypes import itemsize
+    from gefen_ckpt.wire import peek
+    from gefen_ckpt.wire.dtypes import itemsize
 
     def stored(key) -> Stored:
         t = manifest.tensors[key]
@@ -80,7 +80,7 @@ def describe_state(state) -> Described:
     """A ``gefen_ckpt.CanonicalState`` (DCP, torch.save files)."""
     import torch
 
-    from gefen_ckpt.format.dtypes import dtype_name
+    from gefen_ckpt.wire.dtypes import dtype_name
 
     def stored(source) -> Stored:
         return Stored(tuple(source.shape), dtype_name(source.dtype), math.prod(source.shape) * source.dtype.itemsize,

@@ -160,8 +160,8 @@ def inspect(
         fmt = common.detect_format(path)
         manifest, files = None, None
         if fmt == common.PORTABLE:  # straight from the manifest: no torch import
-            from gefen_ckpt.format.manifest import open_checkpoint
             from gefen_ckpt.storage import Store
+            from gefen_ckpt.wire.manifest import open_checkpoint
 
             common.refuse_names(path, fmt, param_names, names_from)
             common.check_key(path, fmt, key)
@@ -210,7 +210,7 @@ def verify(
         common.refuse_names(path, fmt, param_names, names_from)
         if fmt != common.PORTABLE:
             common.settle_imports()
-        from gefen_ckpt.formats import verify_any
+        from gefen_ckpt.checkpoints import verify_any
 
         with common.optimizer_hint():
             data = {"path": path, "format": fmt, **verify_any(path, format=fmt, optimizer=optimizer,
@@ -442,8 +442,8 @@ def reshard(
             raise typer.BadParameter("give --world-size or --mesh")
         common.check_destination(src, dst, overwrite, create_bucket, writes=not dry_run)
         if dry_run and common.detect_format(src) == common.PORTABLE:  # from the manifest alone: no torch
-            from gefen_ckpt.format.manifest import open_checkpoint, total_tensor_bytes
             from gefen_ckpt.storage import Store
+            from gefen_ckpt.wire.manifest import open_checkpoint, total_tensor_bytes
 
             common.refuse_names(src, common.PORTABLE, param_names, names_from)
             common.check_key(src, common.PORTABLE, key)
@@ -458,9 +458,9 @@ def reshard(
         if dry_run or as_json:
             _print_plan(src, dst, target, ranks, state.total_bytes(), as_json)
         if not dry_run:
-            from gefen_ckpt import formats
+            from gefen_ckpt import checkpoints
 
-            formats.write(retarget(state, target), dst, to.value, world_size=target.shard,
+            checkpoints.write(retarget(state, target), dst, to.value, world_size=target.shard,
                           progress=common.want_progress(), **sizes)
             if not as_json:
                 common.out().print(f"[green]wrote[/] {dst}: {target.shard} shard(s) x {target.replicate} replica(s), "

@@ -19,10 +19,10 @@ from gefen_ckpt.errors import (
 
 _LAZY = {
     **dict.fromkeys(("load", "read", "read_manifest", "save", "write"), "gefen_ckpt.api"),
-    **dict.fromkeys(("VerifyReport", "verify"), "gefen_ckpt.format.verify"),
+    **dict.fromkeys(("VerifyReport", "verify"), "gefen_ckpt.wire.verify"),
     **dict.fromkeys(("CanonicalState", "EagerSource", "ParamState", "TensorSource"), "gefen_ckpt.canonical"),
-    **dict.fromkeys(("export_canonical", "import_canonical"), "gefen_ckpt.exchange"),
-    **dict.fromkeys(("open", "detect_format", "convert_checkpoint"), "gefen_ckpt.formats"),
+    **dict.fromkeys(("export_canonical", "import_canonical"), "gefen_ckpt.live"),
+    **dict.fromkeys(("open", "detect_format", "convert_checkpoint"), "gefen_ckpt.checkpoints"),
     "convert_state": "gefen_ckpt.convert",
     "async_save": "gefen_ckpt.async_io",
     "name_state_dict": "gefen_ckpt.names",

@@ -12,18 +12,18 @@ import torch
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState
 from gefen_ckpt.errors import CheckpointMismatchError, naming
-from gefen_ckpt.exchange import check_fits, copies_on_load, export_canonical, import_canonical
-from gefen_ckpt.format.manifest import (
+from gefen_ckpt.live import check_fits, copies_on_load, export_canonical, import_canonical
+from gefen_ckpt.progress import progress_bar
+from gefen_ckpt.sharded_io import load_sharded, save_sharded
+from gefen_ckpt.storage import Store
+from gefen_ckpt.wire.manifest import (
     open_checkpoint,
     parse_manifest,
     read_manifest_bytes,
 )
-from gefen_ckpt.format.reader import lazy_state, stage_checkpoint
-from gefen_ckpt.format.verify import VerifyReport, verify
-from gefen_ckpt.format.writer import write_state
-from gefen_ckpt.progress import progress_bar
-from gefen_ckpt.sharded_io import load_sharded, save_sharded
-from gefen_ckpt.storage import Store
+from gefen_ckpt.wire.reader import lazy_state, stage_checkpoint
+from gefen_ckpt.wire.verify import VerifyReport, verify
+from gefen_ckpt.wire.writer import write_state
 
 __all__ = ["save", "load", "read", "write", "read_manifest", "verify", "VerifyReport"]
 

@@ -73,10 +73,10 @@ def async_save(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Mo
     until a previous ``async_save`` has finished); the optimizer may step while the write runs.
     The files are those ``gefen_ckpt.save`` writes for the same state."""
     from gefen_ckpt.api import MAX_FILE_BYTES, MEMORY_BUDGET
-    from gefen_ckpt.exchange import export_canonical
-    from gefen_ckpt.format.writer import write_state
+    from gefen_ckpt.live import export_canonical
     from gefen_ckpt.sharded_io import save_sharded
     from gefen_ckpt.storage import Store
+    from gefen_ckpt.wire.writer import write_state
 
     global _executor, _pending
     sizes = {"max_file_bytes": max_file_bytes or MAX_FILE_BYTES, "memory_budget": memory_budget or MEMORY_BUDGET}

@@ -27,7 +27,7 @@ import msgpack
 import torch
 
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
-from gefen_ckpt.format.dtypes import plain
+from gefen_ckpt.wire.dtypes import plain
 
 #: Seconds a rank waits for the others at each collective step of a save or load (the skew
 #: between ranks, not the length of the save): well under the backends' 30 minutes.

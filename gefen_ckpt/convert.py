@@ -36,8 +36,8 @@ from gefen.quant import dequantise, quantise
 from gefen.stochastic import CODES, LOG_RANGE, TINY, ratio_table, v_grid
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, global_key
 from gefen_ckpt.errors import CheckpointMismatchError
-from gefen_ckpt.format.manifest import names_optimizer
 from gefen_ckpt.torch_format import known_contracts
+from gefen_ckpt.wire.manifest import names_optimizer
 
 __all__ = ["TARGETS", "convert_state", "resolve_target"]
 

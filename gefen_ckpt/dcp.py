@@ -16,7 +16,7 @@ reshard them like AdamW's. This module adds, on that same layout:
   shapes (DTensors on the parameter's mesh), so a fresh optimizer loads without a step and DCP
   never reads into live state.
 * ``read_dcp`` / ``write_dcp``: a DCP checkpoint <-> ``CanonicalState`` offline, no process group,
-  memory bounded by one stored chunk (``gefen_ckpt.stock_dcp`` parses the layout;
+  memory bounded by one stored chunk (``gefen_ckpt.dcp_layout`` parses the layout;
   ``gefen_ckpt.dcp_legacy`` reads the description layout).
 """
 
@@ -60,6 +60,17 @@ from gefen.contract import OptimizerContract, contract_of
 from gefen.distributed import as_field_dtensor, field_placements
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, TensorSource
+from gefen_ckpt.dcp_layout import (
+    FLAT,
+    ReadOnlyPlanner,
+    find_flat_keys,
+    find_stock_keys,
+    raw_values,
+    read_stock,
+    read_values,
+    saved_value,
+    stock_entries,
+)
 from gefen_ckpt.dcp_legacy import find_legacy_keys, read_legacy, unpack
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
@@ -68,7 +79,7 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.exchange import (
+from gefen_ckpt.live import (
     check_contract,
     check_group_members,
     check_param_shape,
@@ -80,20 +91,9 @@ from gefen_ckpt.exchange import (
     names_from_model,
     stage_state_dict,
 )
-from gefen_ckpt.format.dtypes import dtype_name
-from gefen_ckpt.format.manifest import parse_contract
-from gefen_ckpt.layout import chunk_rows, is_dtensor, rows_per_chunk, to_local
-from gefen_ckpt.stock_dcp import (
-    FLAT,
-    ReadOnlyPlanner,
-    find_flat_keys,
-    find_stock_keys,
-    raw_values,
-    read_stock,
-    read_values,
-    saved_value,
-    stock_entries,
-)
+from gefen_ckpt.placement import chunk_rows, is_dtensor, rows_per_chunk, to_local
+from gefen_ckpt.wire.dtypes import dtype_name
+from gefen_ckpt.wire.manifest import parse_contract
 
 __all__ = [
     "GefenDCPState",

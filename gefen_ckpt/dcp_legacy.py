@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gefen_ckpt.canonical import CanonicalState, ParamState
 from gefen_ckpt.errors import CheckpointFormatError
-from gefen_ckpt.format.dtypes import torch_dtype
-from gefen_ckpt.format.manifest import parse_contract
+from gefen_ckpt.wire.dtypes import torch_dtype
+from gefen_ckpt.wire.manifest import parse_contract
 
 __all__ = ["META_KEY", "GLOBAL_PREFIX", "find_legacy_keys", "read_legacy", "unpack"]
 

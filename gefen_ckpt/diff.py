@@ -16,7 +16,7 @@ import torch
 
 from gefen.geometry import rows_and_row_numel
 from gefen_ckpt.canonical import CanonicalState
-from gefen_ckpt.layout import rows_per_chunk
+from gefen_ckpt.placement import rows_per_chunk
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 

@@ -71,7 +71,7 @@ def plan(state: CanonicalState, shards: int) -> list[RankPlan]:
 def plan_manifest(manifest, shards: int) -> list[RankPlan]:
     """``plan`` of a validated portable manifest (``format.manifest.Manifest``), torch-free: what
     ``gefen-ckpt reshard --dry-run`` prints without importing torch or opening any tensor."""
-    from gefen_ckpt.format.dtypes import itemsize
+    from gefen_ckpt.wire.dtypes import itemsize
 
     params = manifest.raw["params"]
 

@@ -30,12 +30,14 @@ from gefen_ckpt.collective import (
     unpack,
 )
 from gefen_ckpt.errors import CheckpointError
-from gefen_ckpt.exchange import check_fits, copies_on_load, export_canonical, import_canonical
-from gefen_ckpt.format import manifest as mf
-from gefen_ckpt.format.index import WriterPin
-from gefen_ckpt.format.manifest import FileRecord, PieceRecord, build, build_v2, open_checkpoint, tensor_order
-from gefen_ckpt.format.reader import lazy_state
-from gefen_ckpt.format.writer import (
+from gefen_ckpt.live import check_fits, copies_on_load, export_canonical, import_canonical
+from gefen_ckpt.placement import chunk_rows
+from gefen_ckpt.storage import Store
+from gefen_ckpt.wire import manifest as mf
+from gefen_ckpt.wire.index import WriterPin
+from gefen_ckpt.wire.manifest import FileRecord, PieceRecord, build, build_v2, open_checkpoint, tensor_order
+from gefen_ckpt.wire.reader import lazy_state
+from gefen_ckpt.wire.writer import (
     WriteItem,
     begin,
     commit,
@@ -45,8 +47,6 @@ from gefen_ckpt.format.writer import (
     write_index,
     write_pieces,
 )
-from gefen_ckpt.layout import chunk_rows
-from gefen_ckpt.storage import Store
 
 
 def _own_items(state: CanonicalState) -> list[WriteItem]:
@@ -198,8 +198,8 @@ class OwnSplit:
 
     def _tensors(self, explicit_parts) -> list:
         """``SplitTensor`` s in ordinal order with ``explicit_parts(ordinal)`` where no rule fits."""
-        from gefen_ckpt.format.dtypes import dtype_name
-        from gefen_ckpt.format.index import Explicit, Rule, SplitTensor
+        from gefen_ckpt.wire.dtypes import dtype_name
+        from gefen_ckpt.wire.index import Explicit, Rule, SplitTensor
 
         out, rules = [], {}
         for key, ordinal in self.ordinals.items():
@@ -215,7 +215,7 @@ class OwnSplit:
 
     def check(self, pin: WriterPin, data: bytes, sizes: dict[str, int], store: Store) -> None:
         """This rank's index, validated exactly as a reader will, against its own parts."""
-        from gefen_ckpt.format.index import IndexSet
+        from gefen_ckpt.wire.index import IndexSet
 
         tensors = self._tensors(lambda o: [(a, b, self.rank) for a, b in self.explicit[o]])
         indexes = IndexSet({self.rank: pin}, tensors, sizes)

@@ -48,8 +48,8 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.format.dtypes import dtype_name, plain, torch_dtype
-from gefen_ckpt.format.manifest import missing_fields, names_optimizer, parse_contract
+from gefen_ckpt.wire.dtypes import dtype_name, plain, torch_dtype
+from gefen_ckpt.wire.manifest import missing_fields, names_optimizer, parse_contract
 
 __all__ = [
     "TORCH_META_KEY",

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 import gefen_ckpt
-from gefen_ckpt.format import writer
+from gefen_ckpt.wire import writer
 
 from ckpt_util import fresh_like, same, snapshot, train, trained
 

@@ -18,8 +18,8 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.format import reader
-from gefen_ckpt.format.manifest import encode
+from gefen_ckpt.wire import reader
+from gefen_ckpt.wire.manifest import encode
 
 from ckpt_util import Tiny, fresh_like, same, snapshot, train, trained
 

@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 
 import gefen_ckpt
 from gefen_ckpt import native
-from gefen_ckpt.format import checksum, datafile
-from gefen_ckpt.format.dtypes import DTYPES, torch_dtype
-from gefen_ckpt.format.manifest import open_checkpoint
-from gefen_ckpt.format.reader import read_piece
 from gefen_ckpt.storage import Store
+from gefen_ckpt.wire import checksum, datafile
+from gefen_ckpt.wire.dtypes import DTYPES, torch_dtype
+from gefen_ckpt.wire.manifest import open_checkpoint
+from gefen_ckpt.wire.reader import read_piece
 
 from ckpt_util import trained
 

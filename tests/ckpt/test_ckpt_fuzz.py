@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import gefen_ckpt
 from gefen_ckpt.errors import CheckpointError, CheckpointFormatError
-from gefen_ckpt.format import manifest as manifest_module
-from gefen_ckpt.format.dtypes import itemsize
+from gefen_ckpt.wire import manifest as manifest_module
+from gefen_ckpt.wire.dtypes import itemsize
 
 from ckpt_util import fresh_like, trained
 

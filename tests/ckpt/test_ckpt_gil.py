@@ -20,9 +20,9 @@ from gefen import Gefen
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen_ckpt import native, storage
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState
-from gefen_ckpt.format.dtypes import DTYPES
-from gefen_ckpt.format.reader import stage_checkpoint
 from gefen_ckpt.storage import Store
+from gefen_ckpt.wire.dtypes import DTYPES
+from gefen_ckpt.wire.reader import stage_checkpoint
 
 from ckpt_util import canonical_equal, synthetic_gefen, transformer_shapes
 from op_count import CountOps

@@ -22,8 +22,8 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
     CheckpointStorageError,
 )
-from gefen_ckpt.format import manifest as mf
-from gefen_ckpt.format import writelock, writer
+from gefen_ckpt.wire import manifest as mf
+from gefen_ckpt.wire import writelock, writer
 
 from ckpt_util import fresh_like, same, snapshot, train, trained
 
@@ -340,7 +340,7 @@ def _reshaped(m) -> None:
 
 
 def test_a_shape_mismatch_is_refused_before_any_data_is_read(tmp_path, monkeypatch):
-    from gefen_ckpt.format import reader
+    from gefen_ckpt.wire import reader
 
     url = tmp_path / "ck"
     model, opt = trained("adamw", steps=1)

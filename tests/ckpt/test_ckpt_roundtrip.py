@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gefen_ckpt
-from gefen_ckpt.format import reader
+from gefen_ckpt.wire import reader
 
 from ckpt_util import OPTIMIZERS, canonical_equal, fresh_like, same, snapshot, train, trained
 

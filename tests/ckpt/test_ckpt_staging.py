@@ -16,9 +16,9 @@ import torch
 import gefen_ckpt
 from gefen_ckpt import storage
 from gefen_ckpt.errors import CheckpointCorruptError
-from gefen_ckpt.format.manifest import open_checkpoint
-from gefen_ckpt.format.reader import lazy_state, stage_checkpoint, stage_state
 from gefen_ckpt.storage import Prefetch, Store
+from gefen_ckpt.wire.manifest import open_checkpoint
+from gefen_ckpt.wire.reader import lazy_state, stage_checkpoint, stage_state
 
 from ckpt_util import bits_equal, canonical_equal, fresh_like, same, snapshot, trained
 

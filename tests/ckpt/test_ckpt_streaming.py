@@ -13,8 +13,8 @@ import gefen_ckpt
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen_ckpt import CanonicalState, EagerSource, ParamState
 from gefen_ckpt.errors import CheckpointCorruptError
-from gefen_ckpt.format.reader import stage_checkpoint
 from gefen_ckpt.storage import Store
+from gefen_ckpt.wire.reader import stage_checkpoint
 
 from ckpt_util import bits_equal, canonical_equal, fresh_like, same, snapshot, trained
 
@@ -64,8 +64,8 @@ def test_large_lazy_state_streams_within_budget(tmp_path):
         thread.join()
     assert source.largest <= budget // 4  # one piece at a time, each within a quarter of the budget
     assert peak[0] - base < budget + 24 * 2**20, f"save grew RSS by {(peak[0] - base) / 2**20:.0f} MiB for 98 MB of state"
-    from gefen_ckpt.format.manifest import open_checkpoint
     from gefen_ckpt.storage import Store
+    from gefen_ckpt.wire.manifest import open_checkpoint
 
     files = open_checkpoint(Store(str(tmp_path / "big"))).files  # any format version
     assert len(files) == 3 and all(f.nbytes <= 40 * 2**20 for f in files)

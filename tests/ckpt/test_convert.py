@@ -21,7 +21,7 @@ from gefen import Gefen, GefenMuon, GefenMuonHybrid, split_params_for_muon
 from gefen.contract import CONTRACT_KEY
 from gefen_ckpt import CheckpointMismatchError
 from gefen_ckpt.convert import convert_state, dense_view
-from gefen_ckpt.exchange import export_canonical, import_canonical
+from gefen_ckpt.live import export_canonical, import_canonical
 from gefen_ckpt.names import name_state_dict, read_model_params
 from gefen_ckpt.torch_format import canonical_from_state_dict, state_dict_from_canonical
 from gefen_cli.app import app

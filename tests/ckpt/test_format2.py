@@ -15,11 +15,11 @@ import torch
 
 import gefen_ckpt
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
-from gefen_ckpt.format import checksum
-from gefen_ckpt.format import manifest as mf
-from gefen_ckpt.format.index import chunk_rows
-from gefen_ckpt.format.manifest import encode, open_checkpoint
 from gefen_ckpt.storage import LocalStore, Store
+from gefen_ckpt.wire import checksum
+from gefen_ckpt.wire import manifest as mf
+from gefen_ckpt.wire.index import chunk_rows
+from gefen_ckpt.wire.manifest import encode, open_checkpoint
 
 from ckpt_util import fresh_like, same, snapshot, trained
 
@@ -124,8 +124,8 @@ def test_resharding_to_many_ranks_keeps_the_data_near_the_state_size(source, tmp
 
 
 def test_a_piece_may_span_a_writers_consecutive_parts_only():
-    from gefen_ckpt.format.index import _check_tiles
-    from gefen_ckpt.format.records import PieceRecord
+    from gefen_ckpt.wire.index import _check_tiles
+    from gefen_ckpt.wire.records import PieceRecord
 
     def check(parts, *rows):
         problems = []
@@ -153,7 +153,7 @@ def _files(url) -> dict[str, bytes]:
 @pytest.mark.parametrize("world_size", [2, 7, 300])
 def test_the_many_writer_pass_writes_the_bytes_of_the_writer_by_writer_path(source, tmp_path, monkeypatch,
                                                                            world_size):
-    from gefen_ckpt.format import bulk
+    from gefen_ckpt.wire import bulk
 
     model, opt = source
     state = gefen_ckpt.export_canonical(opt, model=model)
@@ -175,8 +175,8 @@ def test_the_index_encoder_writes_what_msgpack_writes():
 
     import numpy as np
 
-    from gefen_ckpt.format.bulk import _index_head, _index_records
-    from gefen_ckpt.format.index import encode_index
+    from gefen_ckpt.wire.bulk import _index_head, _index_records
+    from gefen_ckpt.wire.index import encode_index
 
     rng = random.Random(0)
     edges = [0, 1, 127, 128, 255, 256, 2**16 - 1, 2**16, 2**32 - 1, 2**32, 2**40]
@@ -327,8 +327,8 @@ def _write_explicit(state, url, parts) -> None:
     """Commit ``state`` with ``EXPLICIT`` split into ``parts`` ``(start, stop, writer)`` (no rule
     describes them) and everything else whole on writer 0: what a collective save writes when a
     rank's rows do not follow the even split, through the same building blocks."""
-    from gefen_ckpt.format.manifest import build_v2, tensor_order
-    from gefen_ckpt.format.writer import (
+    from gefen_ckpt.wire.manifest import build_v2, tensor_order
+    from gefen_ckpt.wire.writer import (
         RowRange,
         WriteItem,
         _source,
@@ -338,7 +338,7 @@ def _write_explicit(state, url, parts) -> None:
         new_token,
         write_index,
     )
-    from gefen_ckpt.format.writer import write_pieces as pieces_of
+    from gefen_ckpt.wire.writer import write_pieces as pieces_of
 
     store = Store(url)
     token = new_token()

@@ -10,7 +10,7 @@ import torch
 from gefen import Gefen
 from gefen.contract import join_composite, split_composite
 from gefen_ckpt import CanonicalState, CheckpointError, CheckpointFormatError, CheckpointMismatchError
-from gefen_ckpt.exchange import export_canonical, import_canonical
+from gefen_ckpt.live import export_canonical, import_canonical
 from gefen_ckpt.torch_format import (
     TORCH_META_KEY,
     canonical_from_state_dict,

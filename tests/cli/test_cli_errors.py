@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import gefen_ckpt
 from gefen import Gefen
-from gefen_ckpt.format import manifest as mf
+from gefen_ckpt.wire import manifest as mf
 from gefen_cli import _inspect
 from gefen_cli.app import app
 

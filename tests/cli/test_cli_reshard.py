@@ -107,7 +107,7 @@ def _peak_rss_of(*argv: str) -> int:
 
 #: What a reshard imports and opens before it reads any tensor data (a portable `--dry-run` is
 #: planned from the manifest alone and does not import torch).
-_OPENED = ("import sys, gefen_cli.app as app, gefen_ckpt.api, gefen_ckpt.formats, gefen_ckpt.reshard as r; "
+_OPENED = ("import sys, gefen_cli.app as app, gefen_ckpt.api, gefen_ckpt.checkpoints, gefen_ckpt.reshard as r; "
            "s = app.common.open_state(sys.argv[1])[1]; "
            "app._print_plan(sys.argv[1], sys.argv[1], r.Mesh(1, 3), r.plan(s, 3), s.total_bytes(), False)")
 

@@ -25,7 +25,7 @@ from gefen_ckpt import (
 )
 from gefen_ckpt.canonical import LocalPart
 from gefen_ckpt.dcp import GefenDCPState, GefenLoadPlanner, GefenSavePlanner, read_dcp, write_dcp
-from gefen_ckpt.layout import local_rows
+from gefen_ckpt.placement import local_rows
 
 from distributed import row_scaled_grads, run
 
@@ -558,7 +558,7 @@ def write_description_layout(state, path, key: str = "optim") -> None:
 
 @pytest.mark.parametrize("kind", ["gefen", "hybrid"])
 def test_description_layout_is_read_and_converted_to_the_stock_layout(tmp_path, kind):
-    from gefen_ckpt.formats import convert_checkpoint
+    from gefen_ckpt.checkpoints import convert_checkpoint
 
     model, opt = _trained(kind)
     write_description_layout(export_canonical(opt), tmp_path / "old")

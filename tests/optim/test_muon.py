@@ -419,7 +419,7 @@ def test_legacy_torch_file_reads_offline_and_loads(tmp_path):
     """A ``torch.save``d state_dict with the legacy names is recognised by the offline reader
     (its contract is GefenMuon's legacy layout) and its canonical state loads into today's GefenMuon."""
     import gefen_ckpt
-    from gefen_ckpt import formats
+    from gefen_ckpt import checkpoints
 
     p = torch.nn.Parameter(torch.randn(16, 24, generator=torch.Generator().manual_seed(3)))
     opt = GefenMuon([("w", p)], lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
@@ -427,7 +427,7 @@ def test_legacy_torch_file_reads_offline_and_loads(tmp_path):
     sd = opt.state_dict()
     sd["param_groups"] = [_legacy_group(g) for g in sd["param_groups"]]
     torch.save(sd, tmp_path / "old.pt")
-    state = formats.open(str(tmp_path / "old.pt"))
+    state = checkpoints.open(str(tmp_path / "old.pt"))
     assert state.contract.implementation == "gefen.GefenMuon"
     assert "adjust_lr" in state.contract.hyperparameters
     fresh = GefenMuon([("w", torch.nn.Parameter(p.detach().clone()))])

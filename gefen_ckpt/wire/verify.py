@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gefen_ckpt.errors import CheckpointError
-from gefen_ckpt.format import checksum, datafile
-from gefen_ckpt.format.dtypes import safetensors_code
-from gefen_ckpt.format.manifest import (
+from gefen_ckpt.progress import progress_bar
+from gefen_ckpt.storage import Prefetch, RangeReader, Store
+from gefen_ckpt.wire import checksum, datafile
+from gefen_ckpt.wire.dtypes import safetensors_code
+from gefen_ckpt.wire.manifest import (
     MANIFEST_NAME,
     Manifest,
     PieceRecord,
@@ -26,9 +28,7 @@ from gefen_ckpt.format.manifest import (
     read_manifest_bytes,
     total_tensor_bytes,
 )
-from gefen_ckpt.format.writelock import LOCK_NAME
-from gefen_ckpt.progress import progress_bar
-from gefen_ckpt.storage import Prefetch, RangeReader, Store
+from gefen_ckpt.wire.writelock import LOCK_NAME
 
 _CHUNK = 16 * 2**20
 

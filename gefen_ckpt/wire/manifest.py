@@ -26,12 +26,12 @@ from gefen.contract import (
     OptimizerContract,
 )
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError, naming
-from gefen_ckpt.format import checksum
-from gefen_ckpt.format.datafile import ALIGNMENT
-from gefen_ckpt.format.dtypes import DTYPES, dtype_name, itemsize, plain
-from gefen_ckpt.format.records import DECODING as _DECODING
-from gefen_ckpt.format.records import MAX_STR as _MAX_STR
-from gefen_ckpt.format.records import PieceRecord, pieces_overlapping
+from gefen_ckpt.wire import checksum
+from gefen_ckpt.wire.datafile import ALIGNMENT
+from gefen_ckpt.wire.dtypes import DTYPES, dtype_name, itemsize, plain
+from gefen_ckpt.wire.records import DECODING as _DECODING
+from gefen_ckpt.wire.records import MAX_STR as _MAX_STR
+from gefen_ckpt.wire.records import PieceRecord, pieces_overlapping
 
 if TYPE_CHECKING:  # reading a manifest needs no torch
     from gefen_ckpt.canonical import CanonicalState, TensorSource
@@ -587,7 +587,7 @@ def _walk(raw: dict, contract: OptimizerContract, owner: dict[str, str | None], 
 # ----- format 2.0 ---------------------------------------------------------------------------
 def _validate_v2(raw: dict) -> Manifest:
     """A 2.0 manifest: writers (files, pinned index), rules, and each tensor's split."""
-    from gefen_ckpt.format import index as ix
+    from gefen_ckpt.wire import index as ix
 
     contract, owner = _head(raw, "writers")
     writers = _writers(raw["writers"])
@@ -621,7 +621,7 @@ def _validate_v2(raw: dict) -> Manifest:
 def _writers(x) -> list:
     """The 2.0 ``writers``: ``[index, index_bytes, index_checksum, file, bytes, ...]`` each; every
     name a plain file name, listed once."""
-    from gefen_ckpt.format.index import WriterPin
+    from gefen_ckpt.wire.index import WriterPin
 
     x = _list(x, "writers")
     if _writers_plain(x):  # every entry well formed: build them without the per-name checks below

@@ -24,11 +24,13 @@ import numpy as np
 import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, TensorSource
-from gefen_ckpt.format import bulk, checksum, datafile
-from gefen_ckpt.format import manifest as mf
-from gefen_ckpt.format.dtypes import dtype_name, itemsize
-from gefen_ckpt.format.index import WriterPin, encode_index, index_entries, index_name
-from gefen_ckpt.format.manifest import (
+from gefen_ckpt.placement import chunk_rows
+from gefen_ckpt.storage import Store, Writer
+from gefen_ckpt.wire import bulk, checksum, datafile
+from gefen_ckpt.wire import manifest as mf
+from gefen_ckpt.wire.dtypes import dtype_name, itemsize
+from gefen_ckpt.wire.index import WriterPin, encode_index, index_entries, index_name
+from gefen_ckpt.wire.manifest import (
     FORMAT_NAME,
     MANIFEST_NAME,
     FileRecord,
@@ -41,9 +43,7 @@ from gefen_ckpt.format.manifest import (
     tensor_order,
     validate,
 )
-from gefen_ckpt.format.writelock import WriterLock, acquire
-from gefen_ckpt.layout import chunk_rows
-from gefen_ckpt.storage import Store, Writer
+from gefen_ckpt.wire.writelock import WriterLock, acquire
 
 DATA_FILE = re.compile(r"data-[0-9a-f]+-r\d+-\d+\.safetensors")
 INDEX_FILE = re.compile(r"index-[0-9a-f]+-r\d+\.msgpack")

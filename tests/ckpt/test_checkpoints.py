@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import gefen_ckpt
+from gefen_ckpt.checkpoints import write
 from gefen_ckpt.errors import CheckpointFormatError, CheckpointIncompleteError, CheckpointMismatchError
-from gefen_ckpt.formats import write
 
 from ckpt_util import canonical_equal, trained
 

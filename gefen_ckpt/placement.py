@@ -13,7 +13,7 @@ from gefen.distributed import is_dtensor  # noqa: F401  (the DTensor helpers' on
 from gefen.distributed import local_tensor as to_local  # noqa: F401
 from gefen.geometry import rows_and_row_numel
 from gefen_ckpt.errors import UnsupportedLayoutError
-from gefen_ckpt.format.index import chunk_rows  # noqa: F401  (the split rule's one home)
+from gefen_ckpt.wire.index import chunk_rows  # noqa: F401  (the split rule's one home)
 
 
 def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:

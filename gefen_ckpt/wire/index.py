@@ -22,9 +22,9 @@ from typing import NamedTuple
 import msgpack
 
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
-from gefen_ckpt.format import checksum
-from gefen_ckpt.format.dtypes import itemsize
-from gefen_ckpt.format.records import DECODING, PieceRecord, pieces_overlapping
+from gefen_ckpt.wire import checksum
+from gefen_ckpt.wire.dtypes import itemsize
+from gefen_ckpt.wire.records import DECODING, PieceRecord, pieces_overlapping
 
 INDEX_FORMAT = "gefen-ckpt-index"
 #: An index is at most this large (a writer's pieces of every tensor: ~20 bytes per piece).

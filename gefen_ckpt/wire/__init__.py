@@ -6,6 +6,6 @@ One module per job: ``dtypes`` (names), ``checksum``, ``datafile`` (safetensors 
 protocol) and ``verify``.
 """
 
-from gefen_ckpt.format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
+from gefen_ckpt.wire.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME"]

@@ -42,7 +42,7 @@ def check_names(url: str, format: str, param_names: str | None, names_from: str 
 def check_optimizer(url: str, implementation: str, optimizer: str | None) -> None:
     """``optimizer``, when given, must name the one that wrote ``url`` (``names_optimizer``); the
     error's ``held`` names the one that did."""
-    from gefen_ckpt.format.manifest import names_optimizer
+    from gefen_ckpt.wire.manifest import names_optimizer
 
     if optimizer is not None and not names_optimizer(optimizer, implementation):
         from gefen_ckpt.errors import CheckpointMismatchError
@@ -118,9 +118,9 @@ def verify_any(url: str, *, format: str | None = None, optimizer: str | None = N
     if format == PORTABLE:
         import dataclasses
 
-        from gefen_ckpt.format.manifest import open_checkpoint
-        from gefen_ckpt.format.verify import verify
         from gefen_ckpt.storage import Store
+        from gefen_ckpt.wire.manifest import open_checkpoint
+        from gefen_ckpt.wire.verify import verify
 
         check_names(url, format, param_names, names_from)
         check_key(url, format, key)
@@ -135,7 +135,7 @@ def verify_any(url: str, *, format: str | None = None, optimizer: str | None = N
         return {"ok": True, "problems": [], "tensors": tensors, "bytes": state.total_bytes(),
                 "note": "torch.save files carry no checksums: checked loading (weights_only) and the contract"}
     from gefen_ckpt.errors import CheckpointError
-    from gefen_ckpt.layout import rows_per_chunk
+    from gefen_ckpt.placement import rows_per_chunk
 
     problems, checked = [], 0
     for key, source in state.tensors():

@@ -26,10 +26,11 @@ import torch
 from gefen_ckpt import native
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointCorruptError
-from gefen_ckpt.format import checksum
-from gefen_ckpt.format.dtypes import NUMPY, itemsize, torch_dtype
-from gefen_ckpt.format.integrity import check_checksum, check_length
-from gefen_ckpt.format.manifest import (
+from gefen_ckpt.storage import READ_CHUNK, LocalReader, Prefetch, RangeReader, Store
+from gefen_ckpt.wire import checksum
+from gefen_ckpt.wire.dtypes import NUMPY, itemsize, torch_dtype
+from gefen_ckpt.wire.integrity import check_checksum, check_length
+from gefen_ckpt.wire.manifest import (
     Manifest,
     PieceRecord,
     TensorRecord,
@@ -39,7 +40,6 @@ from gefen_ckpt.format.manifest import (
     read_manifest_bytes,
     validated,
 )
-from gefen_ckpt.storage import READ_CHUNK, LocalReader, Prefetch, RangeReader, Store
 
 #: Pieces read per ``read_verified`` call when staging (progress is reported between calls).
 STAGE_GROUP_BYTES = 64 * 2**20

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from gefen.contract import CHILD_KEY, composite_children
 from gefen_ckpt.canonical import CanonicalState
 from gefen_ckpt.errors import CheckpointError, CheckpointFormatError
-from gefen_ckpt.format.dtypes import plain
+from gefen_ckpt.wire.dtypes import plain
 
 __all__ = ["find_stock_keys", "find_flat_keys", "read_stock", "stock_entries", "raw_values", "read_values", "FLAT"]
 

@@ -14,7 +14,7 @@ import struct
 from json.encoder import encode_basestring_ascii
 from typing import NamedTuple
 
-from gefen_ckpt.format.dtypes import DTYPES, safetensors_code
+from gefen_ckpt.wire.dtypes import DTYPES, safetensors_code
 
 #: Every tensor's data starts at a multiple of this many bytes from the file's start.
 ALIGNMENT = 64

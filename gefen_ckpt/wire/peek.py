@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 
 from gefen_ckpt.errors import CheckpointCorruptError
-from gefen_ckpt.format import checksum
-from gefen_ckpt.format.dtypes import NUMPY
-from gefen_ckpt.format.integrity import check_checksum, check_length
-from gefen_ckpt.format.manifest import TensorRecord
 from gefen_ckpt.storage import Store
+from gefen_ckpt.wire import checksum
+from gefen_ckpt.wire.dtypes import NUMPY
+from gefen_ckpt.wire.integrity import check_checksum, check_length
+from gefen_ckpt.wire.manifest import TensorRecord
 
 
 def readable(dtype: str) -> bool:

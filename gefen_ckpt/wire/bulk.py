@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource
-from gefen_ckpt.format import checksum, datafile
-from gefen_ckpt.format.dtypes import dtype_name, itemsize
-from gefen_ckpt.format.index import WriterPin, index_name
+from gefen_ckpt.wire import checksum, datafile
+from gefen_ckpt.wire.dtypes import dtype_name, itemsize
+from gefen_ckpt.wire.index import WriterPin, index_name
 
 #: Writers x tensors handled per batch (the arrays of one batch: a few tens of MB).
 BATCH_CELLS = 2**20
@@ -263,7 +263,7 @@ def _index_head(writer: int, entries: int) -> bytes:
     """``index.encode_index``'s map up to the items of its ``tensors`` array."""
     import msgpack
 
-    from gefen_ckpt.format.index import INDEX_FORMAT
+    from gefen_ckpt.wire.index import INDEX_FORMAT
 
     array = (bytes([0x90 | entries]) if entries < 16 else b"\xdc" + entries.to_bytes(2, "big") if entries < 2**16
              else b"\xdd" + entries.to_bytes(4, "big"))

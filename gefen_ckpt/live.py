@@ -26,12 +26,12 @@ from gefen.contract import (
 from gefen.distributed import as_field_dtensor
 from gefen.geometry import rows_and_row_numel
 from gefen.layouts import version_refusal
-from gefen_ckpt import layout
+from gefen_ckpt import placement
 from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState, global_key
 from gefen_ckpt.collective import agree
 from gefen_ckpt.errors import CheckpointMismatchError
-from gefen_ckpt.format.dtypes import plain
-from gefen_ckpt.format.manifest import missing_fields
+from gefen_ckpt.wire.dtypes import plain
+from gefen_ckpt.wire.manifest import missing_fields
 
 
 # ----- naming -------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
     global tensor (no communication): ``gefen_ckpt.save`` writes the parts in parallel and
     ``gefen_ckpt.transport.gather`` assembles them on one rank.
     """
-    contract, names, rank0 = contract_of(optimizer), names_from_model(model), layout.rank() == 0
+    contract, names, rank0 = contract_of(optimizer), names_from_model(model), placement.rank() == 0
     groups: list[dict] = []
     params: dict[str, ParamState] = {}
     global_fields: dict[str, LocalPart] = {}
@@ -90,8 +90,8 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
                 if fqn in seen:
                     raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
                 seen.add(fqn)
-                if layout.is_dtensor(p):
-                    layout.local_rows(p, fqn)  # whole rows on every rank: refuses a column split (Shard(1))
+                if placement.is_dtensor(p):
+                    placement.local_rows(p, fqn)  # whole rows on every rank: refuses a column split (Shard(1))
                 fields = {k: _local_part(fqn, p, leaf.field(k).row_sharded,
                                          v if isinstance(v, torch.Tensor) else torch.tensor(v))
                           for k, v in (sd["state"].get(index) or {}).items() if v is not None and k not in shared}
@@ -102,13 +102,13 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
 
 def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.Tensor) -> LocalPart:
     """A field of this rank's state as a slice of the global field."""
-    value = layout.to_local(value)  # torch optimizers keep DTensor state for DTensor params
+    value = placement.to_local(value)  # torch optimizers keep DTensor state for DTensor params
     if row_sharded and value.dim():
-        start, _ = layout.local_rows(param, fqn)
+        start, _ = placement.local_rows(param, fqn)
         rows = rows_and_row_numel(param.shape)[0]
-        return LocalPart(value, start, (rows, *value.shape[1:]), layout.writes_rows(param),
-                         layout.row_split(param, True))
-    return LocalPart(value, 0, tuple(value.shape), layout.writes_replicated(param), layout.row_split(param, False))
+        return LocalPart(value, start, (rows, *value.shape[1:]), placement.writes_rows(param),
+                         placement.row_split(param, True))
+    return LocalPart(value, 0, tuple(value.shape), placement.writes_replicated(param), placement.row_split(param, False))
 
 
 # ----- import -------------------------------------------------------------------------------
@@ -226,12 +226,12 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
         for fqn, p in zip(fqns, live["params"]):
             entry = state.params.get(fqn)
             if entry is not None:
-                start, stop = layout.local_rows(p, fqn)
+                start, stop = placement.local_rows(p, fqn)
                 sd_state[index] = {}
                 for name, src in entry.fields.items():
                     if not leaf.field(name).row_sharded or not src.shape:
                         sd_state[index][name] = src.read()
-                    elif leaf.dtensor_state and layout.is_dtensor(p):
+                    elif leaf.dtensor_state and placement.is_dtensor(p):
                         sd_state[index][name] = as_field_dtensor(src.read(start, stop).contiguous(), p,
                                                                  leaf.field(name).geometry, src.shape)
                     else:

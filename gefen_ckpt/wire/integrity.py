@@ -4,8 +4,8 @@ checksum is the manifest's -- with the errors that name the file, the tensor and
 from __future__ import annotations
 
 from gefen_ckpt.errors import CheckpointCorruptError
-from gefen_ckpt.format.manifest import PieceRecord, TensorRecord
 from gefen_ckpt.storage import Store
+from gefen_ckpt.wire.manifest import PieceRecord, TensorRecord
 
 
 def check_length(store: Store, tensor: TensorRecord, piece: PieceRecord, got: int) -> None:
