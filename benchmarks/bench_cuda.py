@@ -245,7 +245,7 @@ def markdown(data: dict) -> str:
 
 def run(quick: bool) -> dict:
     """The ``run_all`` section: measured on a CUDA device when this machine has one (fp32 and bf16,
-    the issue's ~1.75B set; ~0.2B when ``quick``), otherwise a note on how to measure it."""
+    the ~1.75B set; ~0.2B when ``quick``), otherwise a note on how to measure it."""
     title = "Gefen vs AdamW on CUDA"
     measured = _measured(os.environ.get("GEFEN_CUDA_RESULTS"))
     if measured:  # gpu.sh: this run's fresh-process measurements, rendered into the page

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15's GPU checks in one call, for a machine with a CUDA device (e.g. the device tool's H200).
+# The GPU checks in one call, for a machine with a CUDA device (e.g. an H200).
 # 1. a CUDA torch and Triton (installed from the package index when python3 has none),
 # 2. the C extensions built in place, the CUDA tests (tests/optim/test_cuda.py, and tests/optim/test_triton.py,
 #    which compares the Triton kernels with the eager reference on the GPU),
@@ -7,9 +7,9 @@
 #    both second-moment forms, vs torch AdamW fused and foreach, ~1.75B parameters) in fp32 and bf16,
 #    each in a fresh process with an empty Triton cache, so the first step includes compiling,
 # 4. the CUDA section of docs/benchmarks.md (run_all --only cuda from this run's JSON).
-# Everything lands in $OUT (the device tool's folder) or benchmarks/out: build.log, cuda_tests.log,
+# Everything lands in $OUT when set, else benchmarks/out: build.log, cuda_tests.log,
 # cuda.json, cuda_bfloat16.json, cuda*.md, benchmarks.md, benchmarks.json.
-#   device run:  bash benchmarks/gpu.sh          (budget: under 8 minutes on one GPU)
+#   run:  bash benchmarks/gpu.sh                 (under 8 minutes on one GPU)
 #   GEFEN_GPU_MILLIONS=200 bash benchmarks/gpu.sh   a smaller parameter set
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 """Trials of the reliability failure classes, runnable against any checkout of this repository.
 
-Usage (before/after table in docs/decisions.md and the issue's closing note)::
+Usage (one checkout, or another one to compare with)::
 
     python benchmarks/reliability_trials.py                      # this checkout
     git archive main | tar -x -C /tmp/base && cp gefen/*.so /tmp/base/gefen/ && \\
