@@ -621,10 +621,10 @@ def _validate_v2(raw: dict) -> Manifest:
 def _writers(x) -> list:
     """The 2.0 ``writers``: ``[index, index_bytes, index_checksum, file, bytes, ...]`` each; every
     name a plain file name, listed once."""
-    from gefen_ckpt.wire.index import WriterPin
+    from gefen_ckpt.wire.index import MAX_INDEX_BYTES, WriterPin
 
     x = _list(x, "writers")
-    if _writers_plain(x):  # every entry well formed: build them without the per-name checks below
+    if _writers_plain(x) and max(w[1] for w in x) <= MAX_INDEX_BYTES:  # every entry well formed: build them without the per-name checks below
         return [WriterPin(tuple(zip(w[3::2], w[4::2])), w[0], w[1], w[2]) for w in x]
     out, seen = [], set()
     for i, w in enumerate(x):
@@ -642,6 +642,8 @@ def _writers(x) -> list:
             seen.add(name)
         if type(crc) is not int or not 0 <= crc < 2**32:
             _fail(f"writers[{i}]", "the index checksum is not a uint32")
+        if w[1] > MAX_INDEX_BYTES:
+            _fail(f"writers[{i}]", f"index {w[0]!r} is {w[1]:,} bytes, over the limit of {MAX_INDEX_BYTES:,}"[:300])
         out.append(WriterPin(tuple(zip(names[1:], sizes[1:])), w[0], w[1], crc))
     if not out:
         _fail("writers", "no writers")

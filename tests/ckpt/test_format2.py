@@ -257,6 +257,11 @@ def test_index_pin_that_disagrees_with_the_manifest(source, sharded, tmp_path, n
     shutil.copytree(sharded, url2)
     _rewrite(url2, lambda m: m["writers"][0].__setitem__(1, m["writers"][0][1] + 1))
     refused(source, url2, CheckpointCorruptError, _index(url2, 0), "the manifest says", opened=no_data_reads)
+    url3 = str(tmp_path / "huge")  # an index over the decoding limit is refused before it is read
+    shutil.copytree(sharded, url3)
+    index = _index(url3, 0)
+    _rewrite(url3, lambda m: m["writers"][0].__setitem__(1, 2**40))
+    refused(source, url3, CheckpointFormatError, "writers[0]", index, "over the limit")
 
 
 def test_a_rule_that_does_not_tile_the_rows(source, sharded, tmp_path, no_data_reads):
