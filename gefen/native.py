@@ -46,7 +46,8 @@ import warnings
 import torch
 
 from gefen import functional as F
-from gefen.codebook import code_thresholds, load_extension
+from gefen.clib import load
+from gefen.codebook import code_thresholds
 from gefen.geometry import rows_and_row_numel
 from gefen.quant import quantise
 from gefen.stochastic import hash_base, ratio_table, salts
@@ -58,7 +59,7 @@ __all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_mom
 #: Module switch (tests and benchmarks); the environment variable sets its initial value.
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 
-_ABI = 16
+_ABI = 17
 #: ``GEFEN_CPU_ISA`` (read at import): the widest C kernels allowed, capped by the CPU. Every ISA
 #: computes the same bits (docs/design.md, "The m4v4 kernels"), so it only changes speed.
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -119,29 +120,25 @@ class _AdamwArgs(ctypes.Structure):
                         ("salt", ctypes.c_uint32)]
 
 
+#: The C library's functions: (argument types, result type).
+_SIGNATURES = {name: (args, ctypes.c_int) for name, args in (
+    ("gefen_native_abi", []), ("gefen_cpu_isa", []),
+    ("gefen_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _I32, _I32, _P]),
+    ("gefen_m4v4_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _P, _P, _I64]),
+    ("gefen_m4v4_row_stats", [_P, _I32, _P, _P, _P, _DBL, _DBL, _I64, _I64, _I32, _I32, _P, _P, _P]),
+    ("gefen_build_lut", [_P, _I32, _I32, _I32, _P]),
+    ("gefen_step", [ctypes.POINTER(_StepArgs)]),
+    ("gefen_m4v4_step", [ctypes.POINTER(_M4v4Args)]),
+    ("gefen_adamw_step", [ctypes.POINTER(_AdamwArgs)]),
+    ("gefen_block_histogram", [_P, _I32, _I64, _I64, _I64, _P, _P]),
+    ("gefen_round_bf16", [_P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_uint32]))}
+_SIGNATURES["gefen_set_threads"] = ([_I32], None)
+
+
 def _load():
     """The C library, or None (plain source tree, failed build, foreign ABI)."""
-    lib = load_extension("gefen._gefen_step")
-    try:
-        if lib is None or lib.gefen_native_abi() != _ABI:
-            return None
-    except AttributeError:
-        return None
-    for name, args in (("gefen_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _I32, _I32, _I32, _P, _P, _I64]),
-                       ("gefen_m4v4_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _P, _P, _I64]),
-                       ("gefen_m4v4_row_stats", [_P, _I32, _P, _P, _P, _DBL, _DBL, _I64, _I64, _I32, _I32, _P, _P, _P]),
-                       ("gefen_build_lut", [_P, _I32, _I32, _I32, _P]),
-                       ("gefen_step", [ctypes.POINTER(_StepArgs)]),
-                       ("gefen_m4v4_step", [ctypes.POINTER(_M4v4Args)]),
-                       ("gefen_adamw_step", [ctypes.POINTER(_AdamwArgs)]),
-                       ("gefen_block_histogram", [_P, _I32, _I64, _I64, _I64, _P, _P]),
-                       ("gefen_cpu_isa", [])):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, ctypes.c_int
-    lib.gefen_set_threads.argtypes, lib.gefen_set_threads.restype = [_I32], None
-    if (fn := getattr(lib, "gefen_round_bf16", None)) is not None:  # (a build without it: the reference rounds)
-        fn.argtypes, fn.restype = [_P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_uint32], ctypes.c_int
-    return lib
+    lib = load("gefen._gefen_step", _SIGNATURES)
+    return lib if lib is not None and lib.gefen_native_abi() == _ABI else None
 
 
 @functools.cache
@@ -295,9 +292,7 @@ def _partials(grad: torch.Tensor, state: dict, beta2: float, cal: Calibration | 
                                       max(cols if row_len is None else row_len, 1))
         return (v_row, partials) if rc == 0 else None
     rc = _lib.gefen_partials(grad.data_ptr(), gdt, rows, cols, v_row_old.data_ptr(), v_row.data_ptr(),
-                             partials.data_ptr(), beta2, 1 - beta2, cal.width, torch.get_num_threads(), m4v4,
-                             cal.mode, None if row_sum is None else row_sum.data_ptr(),
-                             max(cols if row_len is None else row_len, 1))
+                             partials.data_ptr(), beta2, 1 - beta2, cal.width, torch.get_num_threads(), cal.mode)
     return (v_row, partials) if rc == 0 else None
 
 
@@ -529,8 +524,7 @@ def fused_round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, sa
                        col0: int = 0, row_len: int | None = None) -> bool:
     """``functional.round_param_`` (bf16_stochastic_round's write-back) in one C call; False
     (touching nothing) when it does not apply. Integer arithmetic only: no calibration needed."""
-    if (_lib is None or not enabled or getattr(_lib, "gefen_round_bf16", None) is None
-            or param.dtype != torch.bfloat16 or work.dtype != torch.float32 or work.shape != param.shape
+    if (_lib is None or not enabled or param.dtype != torch.bfloat16 or work.dtype != torch.float32 or work.shape != param.shape
             or not _cpu_contiguous(param, work)):
         return False
     rows, cols, r0, row_len, c0 = F.param_rows(param, row0=row0, col0=col0, row_len=row_len)

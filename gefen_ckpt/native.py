@@ -1,5 +1,5 @@
 """The optional C library ``gefen_ckpt._native`` (``csrc/``: the fast CRC-32, and the I/O loops that
-must run without the GIL), loaded with ctypes: the one module that calls it.
+must run without the GIL), loaded by ``gefen.clib``: the one module that calls it.
 
 ``lib`` is None when the library is not built, the CPU lacks the carry-less multiply, or it does
 not reproduce ``zlib.crc32`` on a self-check; ``crc32`` then uses zlib (same values), and ``io``
@@ -9,16 +9,18 @@ is False, so the callers of the I/O loops take their Python paths.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import zlib
 
 import numpy as np
 
+from gefen.clib import load
+
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {  # name -> (argument types, result type)
     "gefen_crc32": ([ctypes.c_uint32, _P, ctypes.c_size_t], ctypes.c_uint32),
     "gefen_crc32_many": ([_I64, _P, _P, _P], None),
+    "gefen_crc32_accelerated": ([], ctypes.c_int),
 }
 _IO_SIGNATURES = {  # csrc/file_io.c: POSIX only
     "gefen_read_hashed": ([ctypes.c_int, _I64, _P, _P, _P, _I64, _P, _P], ctypes.c_int),
@@ -35,17 +37,9 @@ NATIVE_MIN_BYTES = 4096
 
 
 def _load():
-    try:
-        spec = importlib.util.find_spec("gefen_ckpt._native")
-        if spec is None or not spec.origin:
-            return None
-        lib = ctypes.CDLL(spec.origin)
-        for name, (args, result) in {**_SIGNATURES, **(_IO_SIGNATURES if os.name == "posix" else {})}.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, result
-        if not lib.gefen_crc32_accelerated():
-            return None
-    except (ImportError, OSError, AttributeError):
+    signatures = {**_SIGNATURES, **(_IO_SIGNATURES if os.name == "posix" else {})}
+    lib = load("gefen_ckpt._native", signatures)
+    if lib is None or not lib.gefen_crc32_accelerated():
         return None
     probe = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8)
     for n, start in ((100_003, 0), (4096, 7), (65, 1), (1000, 12345)):

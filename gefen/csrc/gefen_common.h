@@ -210,11 +210,6 @@ static AVX2 inline void update_param8(void *param, int dt, int64_t i, __m256 u, 
 static inline int cpu_isa(void) { return 0; }
 #endif
 
-/* Row r's float64 sum of g^2 of a [rows, cols] fp32/bf16 matrix as torch's
- * (g * g).sum(1, dtype=float64) computes it with T threads and float vector width W (gefen_step.c,
- * which owns torch's summation order). */
-double gefen_row_sq_sum(const void *g, int dt, int64_t r, int64_t rows, int64_t cols, int W, int T);
-
 /* The kernels one call runs: what it allows, capped by the CPU. */
 static inline int call_isa(const gefen_mode *m) {
     const int cpu = cpu_isa();

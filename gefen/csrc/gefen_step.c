@@ -41,7 +41,7 @@
 
 #include "gefen_common.h"
 
-#define GEFEN_ABI 16
+#define GEFEN_ABI 17
 #define GRAIN 32768   /* at::internal::GRAIN_SIZE */
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 #define MAX_T 1024    /* largest torch thread count we emulate */
@@ -379,27 +379,12 @@ static void column_sums(const void *g, int dt, int64_t rows, int64_t cols, int W
     }
 }
 
-/* ----- phase 1: second_moment_partials (m8) and m4v4_partials -----------------------------
+/* ----- phase 1: second_moment_partials (m8) -------------------------------------------------
  * v_row_new = v_row * b2 + mean_cols(g^2) * (1 - b2)          (fp32, two products and a sum)
- * partials  = [sum_rows(g^2) as float64..., sum(v_row_new) as float64 (, m4v4: sum(v_row) too)]
+ * partials  = [sum_rows(g^2) as float64..., sum(v_row_new) as float64]
  */
-/* float64 sum of row r's g^2, as sq.sum(1, dtype=float64) computes it (torch casts sq to float64
- * first); `single` = the matrix has one row (then torch may take its two-pass strategy). */
-static double row_sumd(const void *g, int dt, int64_t r, int64_t cols, int Wd, int T, int single) {
-    if (single) return tsum_sqd((const char *)g + r * cols * (dt == DT_F32 ? 4 : 2), dt, cols, Wd, T);
-    return 0.0 + inner_sqd(g, dt, r * cols, cols, Wd);
-}
-
-/* row r's float64 sum of g^2 (gefen_common.h: m4v4_step.c's row statistics of a column split) */
-double gefen_row_sq_sum(const void *g, int dt, int64_t r, int64_t rows, int64_t cols, int W, int T) {
-    return row_sumd(g, dt, r, cols, W / 2, T, rows == 1);
-}
-
-/* Row r's mean of g^2 as each layout's reference forms it: m8 sq.mean(1) (fp32 sum / cols), m4v4
- * fp32(sq.sum(1, dtype=float64) / cols). */
-static float row_mean_sq(const void *g, int dt, int64_t r, int64_t cols, int W, int T, int single, int m4v4,
-                         int avx2) {
-    if (m4v4) return (float)(row_sumd(g, dt, r, cols, W / 2, T, single) / (double)cols);
+/* Row r's mean of g^2 as the reference forms it: sq.mean(1) (an fp32 sum / cols). */
+static float row_mean_sq(const void *g, int dt, int64_t r, int64_t cols, int W, int T, int single, int avx2) {
     return tsum_sq(g, dt, r * cols, cols, W, T, single, avx2) / (float)cols;
 }
 
@@ -416,7 +401,7 @@ typedef struct {
     const float *v_row_old;
     float *v_row_new;
     float b2, o2;
-    int m4v4, avx2; /* row statistics of the m4v4 layout (see row_mean_sq); AVX2 allowed */
+    int avx2; /* AVX2 allowed */
     double *c2;   /* [nfull][cols]: level-2 chunk sums */
     double *tail; /* [2][cols]: the last, partial chunk's level-1 sum and trailing rows */
 } p1ctx;
@@ -430,7 +415,7 @@ static void phase1_chunks(const p1ctx *x, int64_t k0, int64_t k1, double *acc) {
         memset(acc, 0, (size_t)(2 * cols) * sizeof(double));
         int64_t in_chunk1 = 0;
         for (int64_t r = r0; r < r1; ++r) {
-            float mean = row_mean_sq(x->g, x->dt, r, cols, x->W, x->T, 0, x->m4v4, x->avx2);
+            float mean = row_mean_sq(x->g, x->dt, r, cols, x->W, x->T, 0, x->avx2);
             x->v_row_new[r] = x->v_row_old[r] * x->b2 + mean * x->o2;
             add_sq_row(a0, x->g, x->dt, r * cols, cols);
             if (++in_chunk1 == x->S) {
@@ -468,12 +453,12 @@ static void combine_chunks(const p1ctx *x, int lp, int has_tail, int64_t c0, int
 /* Returns 0, or -1 when it does not apply / is out of memory (then nothing useful was written). */
 static int phase1_one_pass(const void *grad, int dt, int64_t rows, int64_t cols, const float *v_row_old,
                            float *v_row_new, double *partials, float b2, float o2, int W, int T, int nthreads,
-                           int m4v4, int avx2) {
+                           int avx2) {
     const int lp = level_power(rows);
     const int64_t S = (int64_t)1 << lp, S2 = S * S;
     const int64_t nfull = rows / S2, nchunks = divup(rows, S2);
     if (cols < 2 || nchunks < nthreads || (rows == 1 && cols >= GRAIN && T > 1)) return -1;
-    p1ctx x = {grad, dt, W, T, rows, cols, S, S2, nfull, v_row_old, v_row_new, b2, o2, m4v4, avx2, NULL, NULL};
+    p1ctx x = {grad, dt, W, T, rows, cols, S, S2, nfull, v_row_old, v_row_new, b2, o2, avx2, NULL, NULL};
     x.c2 = (double *)malloc((size_t)(nfull * cols + 2 * cols) * sizeof(double));
     double *accs = (double *)malloc((size_t)nthreads * (size_t)(2 * cols) * sizeof(double));
     if (!x.c2 || !accs) {
@@ -503,34 +488,27 @@ static int phase1_one_pass(const void *grad, int dt, int64_t rows, int64_t cols,
     return 0;
 }
 
-/* Phase 1 of either layout (second_moment_partials; m4v4: m4v4_partials, whose row statistics
- * are float64 sums divided by the row length and rounded once, and which adds sum(v_row_old)):
- *   v_row_new = v_row * b2 + fp32(sum_cols(g^2) / cols) * (1 - b2)
- *   partials  = [sum_rows(g^2) as float64..., sum(v_row_new) (, sum(v_row_old))]
- * m4v4 with row_sums (a column split's whole rows' sums, reduced over tensor parallelism): the
- * row statistic is fp32(row_sums[r] / row_len) instead. The mode only chooses the kernels (isa). */
+/* Phase 1 of the m8 layout (second_moment_partials; m4v4_step.c has the m4v4 layout's):
+ *   v_row_new = v_row * b2 + (sum_cols(g^2) / cols) * (1 - b2)
+ *   partials  = [sum_rows(g^2) as float64..., sum(v_row_new)]
+ * The mode only chooses the kernels (isa). */
 GEFEN_EXPORT int gefen_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols, const float *v_row_old,
                                 float *v_row_new, double *partials, double beta2, double omb2, int32_t W, int32_t T,
-                                int32_t m4v4, const gefen_mode *mode, const double *row_sums, int64_t row_len) {
+                                const gefen_mode *mode) {
     if (T < 1 || T > MAX_T || (W != 8 && W != 16) || cols < 1 || rows < 0 || !mode) return -2;
-    if (row_sums && (!m4v4 || row_len < 1)) return -2;
     const float b2 = (float)beta2, o2 = (float)omb2;
     const int single = rows == 1, nthreads = max_threads(), avx2 = call_isa(mode) >= 1;
-    if (row_sums) {
-        for (int64_t r = 0; r < rows; ++r) v_row_new[r] = v_row_old[r] * b2 + (float)(row_sums[r] / (double)row_len) * o2;
-        column_sums(grad, gdt, rows, cols, W / 2, T, partials, nthreads);
-    } else if (rows * cols < PAR_MIN || phase1_one_pass(grad, gdt, rows, cols, v_row_old, v_row_new, partials, b2, o2, W, T,
-                                                 nthreads, m4v4, avx2) != 0) {
+    if (rows * cols < PAR_MIN || phase1_one_pass(grad, gdt, rows, cols, v_row_old, v_row_new, partials, b2, o2, W, T,
+                                                 nthreads, avx2) != 0) {
         int64_t r = 0;
 #pragma omp parallel for schedule(static) if (rows * cols >= PAR_MIN)
         for (r = 0; r < rows; ++r) {
-            float mean = row_mean_sq(grad, gdt, r, cols, W, T, single, m4v4, avx2);
+            float mean = row_mean_sq(grad, gdt, r, cols, W, T, single, avx2);
             v_row_new[r] = v_row_old[r] * b2 + mean * o2;
         }
         column_sums(grad, gdt, rows, cols, W / 2, T, partials, nthreads);
     }
     partials[cols] = tsum_d_f32(v_row_new, rows, W / 2, T);
-    if (m4v4) partials[cols + 1] = tsum_d_f32(v_row_old, rows, W / 2, T);
     return 0;
 }
 
