@@ -34,8 +34,8 @@ if __package__ in (None, ""):  # `python benchmarks/bench_cuda.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import md_table, numel, transformer_shapes
-from gefen import Gefen
-from gefen.triton import dispatch
+from gefen import Gefen, dispatch
+from gefen.triton import dispatch as triton_dispatch
 
 TRITON = "Gefen (Triton)"
 #: Gefen's rows: the keywords each one passes (the eager one runs with the kernels switched off)
@@ -289,7 +289,7 @@ def main(argv=None) -> None:
     if args.smoke:
         device, args.millions, args.d_model, args.vocab, args.reps = torch.device("cpu"), 0.001, 16, 32, 2
         if os.environ.get("TRITON_INTERPRET") == "1":  # the Triton rows run the kernels in the interpreter
-            dispatch.DEVICES = {"cuda", "cpu"}
+            triton_dispatch.DEVICES = {"cuda", "cpu"}
     elif not torch.cuda.is_available():
         sys.exit("bench_cuda: no CUDA device (use --smoke to check the script on CPU)")
     else:

@@ -5,7 +5,7 @@ parameters get gradients with row/column scale structure; for every configuratio
 OpenMP threads x both state layouts, m4v4 (the default) and m8 x fp32 and bf16 parameters and
 gradients) Gefen fused, ``AdamW(foreach=True)`` and ``AdamW(fused=True)`` step the same parameters
 in interleaved rounds (load changes on a shared machine hit all alike); the eager reference
-(``gefen.native.enabled = False``) joins the default configuration (m4v4, fp32, 2 threads) with
+(``gefen.dispatch.enabled = False``) joins the default configuration (m4v4, fp32, 2 threads) with
 fewer rounds. Numbers are medians over the rounds after one warm-up step.
 
 Also reported: the effective bandwidth of each step (the bytes it must move at least: parameters
@@ -44,7 +44,7 @@ from benchmarks.common import (
     transformer_shapes,
     write_json,
 )
-from gefen import Gefen, native
+from gefen import Gefen, dispatch, native
 
 SIZES = (25, 42)
 THREADS = (1, 2)
@@ -72,7 +72,7 @@ def _make(kind, named, layout="m4v4"):
 
 
 def _step(kind, opt) -> float:
-    native.enabled = kind != "Gefen eager"
+    dispatch.enabled = kind != "Gefen eager"
     start = time.perf_counter()
     opt.step()
     return time.perf_counter() - start
@@ -95,7 +95,7 @@ def _bytes_moved(kind, opt) -> int:
 def _measure(named, layout: str, reps: int, eager_reps: int, first_samples: int) -> dict:
     n = sum(p.numel() for _, p in named)
     kinds = [k for k in KINDS if eager_reps or k != "Gefen eager"]
-    native.enabled = True
+    dispatch.enabled = True
     firsts = []
     for _ in range(first_samples):  # first step: codebook + fused step, best of the samples
         saved = [p.detach().clone() for _, p in named]
@@ -116,7 +116,7 @@ def _measure(named, layout: str, reps: int, eager_reps: int, first_samples: int)
             if kind == "Gefen eager" and r >= eager_reps:
                 continue
             times[kind].append(_step(kind, opts[kind]))
-    native.enabled = True
+    dispatch.enabled = True
     med = {kind: statistics.median(t) for kind, t in times.items()}
     moved = {kind: _bytes_moved(kind, opts[kind]) for kind in kinds}
     result = {

@@ -49,7 +49,7 @@ from benchmarks.common import (
     transformer_shapes,
     write_json,
 )
-from gefen import Gefen, native
+from gefen import Gefen, dispatch, native
 
 SIZES = (25, 42)
 THREADS = 2
@@ -93,12 +93,12 @@ def _timed(fn) -> float:
 
 def _step(kind, opt) -> float:
     """Seconds of one step; the torch reference runs with the kernels off (same numbers)."""
-    saved = native.enabled
-    native.enabled = saved and kind != REFERENCE
+    saved = dispatch.enabled
+    dispatch.enabled = saved and kind != REFERENCE
     try:
         return _timed(opt.step)
     finally:
-        native.enabled = saved
+        dispatch.enabled = saved
 
 
 def _measure(size: int, reps: int, first_samples: int, reference_reps: int) -> dict:

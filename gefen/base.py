@@ -17,7 +17,7 @@ import torch
 from gefen.codebook import learn_codebook
 from gefen.compile import eager_step
 from gefen.contract import GLOBAL_STATE_KEY, FieldSpec, OptimizerContract
-from gefen.dispatch import block_histogram
+from gefen.dispatch import batched, block_histogram
 from gefen.distributed import (
     Layout,
     ReductionPlan,
@@ -261,9 +261,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         work = self._grads()
         if work:
             self.reduction_plan()  # refuses a layout the block geometry cannot honour, before any state exists
-            self._initialise_new(work)
-            self._step(work)
-            self.share_books()
+            with batched():  # the step's Triton updates: a few launches for the whole step
+                self._initialise_new(work)
+                self._step(work)
+                self.share_books()
         return loss
 
     # ----- the first step with a gradient ---------------------------------------------------

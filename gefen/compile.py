@@ -1,6 +1,6 @@
 """How the optimizers meet ``torch.compile``: ``step()`` is a graph break, never traced.
 
-The step calls a C kernel through ctypes on CPU, picks kernels per tensor and reads its
+The step calls a C kernel through ctypes on CPU, picks its kernels and reads its
 hyperparameters on the host, none of which Dynamo can trace. So, like torch's own fused
 optimizers, the step runs eagerly between the compiled graphs of a training step
 (README, "torch.compile"); ``torch.compile(opt.step, fullgraph=True)`` is refused with this reason.
@@ -8,26 +8,15 @@ optimizers, the step runs eagerly between the compiled graphs of a training step
 
 from __future__ import annotations
 
-import functools
-
 import torch
-
-from gefen.dispatch import batched
 
 REASON = ("Gefen optimizers' step() runs eagerly (a fused C kernel via ctypes on CPU): compile the model "
           "or the training step without fullgraph=True and the step is a graph break")
 
 
 def eager_step(step):
-    """Mark an optimizer's ``step`` as never traced by Dynamo, with the reason when torch has one;
-    the step's per-tensor kernel calls are batched into a few launches (``gefen.dispatch``)."""
-
-    @functools.wraps(step)
-    def batched_step(*args, **kwargs):
-        with batched():
-            return step(*args, **kwargs)
-
+    """Mark an optimizer's ``step`` as never traced by Dynamo, with the reason when torch has one."""
     try:
-        return torch.compiler.disable(batched_step, reason=REASON)
+        return torch.compiler.disable(step, reason=REASON)
     except TypeError:  # torch < 2.8: no reason argument
-        return torch.compiler.disable(batched_step)
+        return torch.compiler.disable(step)

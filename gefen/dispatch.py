@@ -1,14 +1,19 @@
 """Which implementation runs each step function, as ``torch.optim.adamw`` picks fused/foreach/single.
 
-Every function takes the arguments of the ``gefen.functional`` reference of the same name and
-tries, in order, the Triton kernels (CUDA tensors, ``gefen.triton.dispatch``), the C kernels (CPU,
-``gefen.native``), then the reference; a kernel that does not apply touches nothing. The choice
-lives here so that the reference stays pure torch, the kernels' own checks can call it directly,
-and no gefen module imports one that imports it back. ``batched``, ``m4v4_partials_`` and
-``m8_partials_`` are the Triton whole-group paths (phase 1 and the queued launches of a step).
+Every function takes the arguments of the ``gefen.functional`` reference of the same name. One
+decision, ``kernels``, picks who runs it for the tensors of the call: nobody when the switch
+``enabled`` is off (``GEFEN_DISABLE_NATIVE=1`` at import), else the device's kernel family (CUDA:
+Triton, ``gefen.triton.dispatch``; CPU: C, ``gefen.native``) once its parity check against the
+reference has passed (``gefen.parity``) and the tensors are what every kernel needs (``unfit``).
+The chosen kernel checks only its own layout; when it declines (touching nothing) or none is
+chosen, the reference runs. The reference stays pure torch, and the kernels' parity checks call
+it directly. The ``*_`` functions over a list take a whole group at once (Triton's launches);
+``batched`` queues a step's Triton updates into a few launches.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -17,31 +22,87 @@ from gefen import native
 from gefen.codebook import histogram_normalised_blocks
 from gefen.quant import block_scales
 from gefen.triton import dispatch as triton
-from gefen.triton.dispatch import batched, m4v4_partials_, m8_partials_
+from gefen.triton.dispatch import batched
 
-__all__ = ["adamw_update_", "batched", "block_histogram", "gefen_update_", "m4v4_partials", "m4v4_partials_",
-           "m4v4_row_stats", "m4v4_update_", "m8_partials_", "momenta_", "momentum_scales", "round_param_",
-           "second_moment_partials", "sr_target",
-           "update_momentum_"]
+__all__ = ["adamw_update_", "batched", "block_histogram", "enabled", "gefen_update_", "kernels", "m4v4_partials",
+           "m4v4_partials_", "m4v4_row_stats", "m4v4_update_", "m8_partials_", "momenta_", "momentum_scales",
+           "round_param_", "second_moment_partials", "sr_target", "unfit", "update_momentum_"]
+
+#: The one switch (tests and benchmarks set it): False runs the reference everywhere, the same
+#: numbers on CPU, only slower. ``GEFEN_DISABLE_NATIVE=1`` clears it at import.
+enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def unfit(tensors: list, states: list = ()) -> str | None:
+    """Why no kernel takes these parameters/gradients (``tensors``) with these state tensors and
+    tables, or None: every kernel wants one device, contiguous memory, fp32/bf16 parameters and
+    gradients."""
+    device = tensors[0].device
+    for t in (*tensors, *states):
+        if t.device != device:
+            return f"tensors on different devices ({t.device} and {device})"
+        if not t.is_contiguous():
+            return "a non-contiguous parameter, gradient or state tensor"
+    bad = [t.dtype for t in tensors if t.dtype not in _FLOATS]
+    return f"parameter/gradient dtype {bad[0]} (fp32 and bf16 only)" if bad else None
+
+
+def kernels(family: str, tensors: list, states: list = ()):
+    """The kernels that take a call of ``family`` (``"m8"``, ``"m4v4"``, ``"momentum"``,
+    ``"round"``, ``"histogram"``) on ``tensors`` and ``states``: ``gefen.triton.dispatch``,
+    ``gefen.native``, or None (the reference runs; a state field None: the state has no such
+    field). A CUDA call that falls back logs why, once per reason."""
+    if any(t is None for t in states):
+        return None
+    device = tensors[0].device
+    if device.type in triton.DEVICES:
+        why = ("disabled (GEFEN_DISABLE_NATIVE=1 or gefen.dispatch.enabled = False)" if not enabled
+               else triton.untrusted(device, family) or unfit(tensors, states))
+        if why is None:
+            return triton
+        if device.type == "cuda":
+            triton.fallback(why)
+        return None
+    if device.type == "cpu" and enabled and native.trusted(family) and unfit(tensors, states) is None:
+        return native
+    return None
 
 
 def second_moment_partials(grad, state, beta2):
-    return native.fused_partials(grad, state, beta2) or F.second_moment_partials(grad, state, beta2)
+    if kernels("m8", [grad], [state.get("v_row")]) is native and (out := native.second_moment_partials(grad, state, beta2)):
+        return out
+    return F.second_moment_partials(grad, state, beta2)
+
+
+def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
+    """``second_moment_partials`` of every factored ``(grad, state, beta2)`` in two Triton launches
+    (phase 1 of a whole m8 group), or None: the caller takes them one by one."""
+    if items and kernels("m8", [g for g, _, _ in items], [s["v_row"] for _, s, _ in items]) is triton:
+        return triton.m8_partials_(items)
+    return None
 
 
 def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> None:
     kw = dict(global_rows=global_rows, v_row=v_row, partials=partials)
-    for run in (triton.gefen_update_, native.fused_update_):
-        if run(param, grad, state, codebook, h, **kw):
-            return
-    F.gefen_update_(param, grad, state, codebook, h, **kw)
+    second = [state.get("v_row"), state.get("v_col"), v_row, partials] if "v_row" in state else [state.get("v")]
+    run = kernels("m8", [param, grad], [state.get("m_code"), state.get("m_scale"), codebook, *second])
+    if not (run and run.gefen_update_(param, grad, state, codebook, h, **kw)):
+        F.gefen_update_(param, grad, state, codebook, h, **kw)
+
+
+def _momentum_kernels(items, codebook, scales=()):
+    states = [codebook, *(s for s in scales if s is not None)]
+    for state, _, _ in items:
+        states += [state.get("m_code"), state.get("m_scale")]
+    return kernels("momentum", [g for _, g, _ in items], states)
 
 
 def update_momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor:
     """``scales``: a column split's rows' scales, reduced over tensor parallelism (``momentum_scales``)."""
-    for run in (native.fused_momentum_, triton.momentum_):
-        if (out := run(state, grad, beta, codebook, scales)) is not None:
-            return out
+    run = _momentum_kernels([(state, grad, beta)], codebook, [scales])
+    if run is not None and (out := run.momentum_(state, grad, beta, codebook, scales)) is not None:
+        return out
     if scales is None:
         return F.update_momentum_(state, grad, beta, codebook)
     return F.store_momentum_(state, F.momentum_ema(state, grad, beta, codebook), codebook, scales)
@@ -50,9 +111,9 @@ def update_momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor:
 def momentum_scales(state, grad, beta, codebook) -> torch.Tensor:
     """The block scales ``update_momentum_`` would choose, state untouched: a column-split shard's
     part of its rows' scales, which tensor parallelism reduces (max) before ``update_momentum_``."""
-    for run in (native.fused_momentum_scales, triton.momentum_scales):
-        if (out := run(state, grad, beta, codebook)) is not None:
-            return out
+    run = _momentum_kernels([(state, grad, beta)], codebook)
+    if run is not None and (out := run.momentum_scales(state, grad, beta, codebook)) is not None:
+        return out
     m = F.momentum_ema(state, grad, beta, codebook)
     return block_scales(F.as_blocks(m, F._local_period(state)))
 
@@ -62,23 +123,32 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
     (which reads bf16 gradients as they are; the others take them as fp32)."""
     if not items:
         return []
-    return triton.momenta_(items, codebook) or [update_momentum_(s, g.float(), mu, codebook) for s, g, mu in items]
+    out = triton.momenta_(items, codebook) if _momentum_kernels(items, codebook) is triton else None
+    return out or [update_momentum_(s, g.float(), mu, codebook) for s, g, mu in items]
 
 
 def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
     kw = dict(row_sum=row_sum, row_len=row_len)
-    for run in (triton.m4v4_partials, native.fused_m4v4_partials):
-        if (out := run(grad, state, beta2, **kw)) is not None:
-            return out
+    run = kernels("m4v4", [grad], [state.get("v_row")] + ([] if row_sum is None else [row_sum]))
+    if run is not None and (out := run.m4v4_partials(grad, state, beta2, **kw)) is not None:
+        return out
     return F.m4v4_partials(grad, state, beta2, **kw)
+
+
+def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
+    """``m4v4_partials`` of every ``(grad, state, beta2)`` in two Triton launches (phase 1 of a
+    whole group), or None: the caller takes them one by one."""
+    if items and kernels("m4v4", [g for g, _, _ in items], [s["v_row"] for _, s, _ in items]) is triton:
+        return triton.m4v4_partials_(items)
+    return None
 
 
 def m4v4_row_stats(grad, state, codebook, beta1) -> tuple[torch.Tensor, torch.Tensor]:
     """A coded shard's per-row float64 sums of g^2 and max |m| of the new first moment: what a
     column split reduces over tensor parallelism before ``m4v4_partials`` and ``m4v4_update_``."""
-    for run in (triton.m4v4_row_stats, native.fused_m4v4_row_stats):
-        if (out := run(grad, state, codebook, beta1)) is not None:
-            return out
+    run = kernels("m4v4", [grad], [state.get("mv_code"), state.get("m_row_scale"), codebook])
+    if run is not None and (out := run.m4v4_row_stats(grad, state, codebook, beta1)) is not None:
+        return out
     return F.row_square_sums(grad), F.row_abs_max(F.m4v4_momentum(grad, state, codebook, beta1))
 
 
@@ -86,17 +156,16 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
                  col0=0, row_len=None, row_max=None) -> None:
     kw = dict(global_rows=global_rows, v_row=v_row, partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0,
               row_len=row_len, row_max=row_max)
-    for run in (triton.m4v4_update_, native.fused_m4v4_update_):
-        if run(param, grad, state, codebook, ratio, h, **kw):
-            return
-    F.m4v4_update_(param, grad, state, codebook, ratio, h, **kw)
+    fields = [state.get(k) for k in ("mv_code", "m_row_scale", "v_row", "v_col")]
+    run = kernels("m4v4", [param, grad], [*fields, codebook, ratio, v_row, partials] + ([] if row_max is None else [row_max]))
+    if not (run and run.m4v4_update_(param, grad, state, codebook, ratio, h, **kw)):
+        F.m4v4_update_(param, grad, state, codebook, ratio, h, **kw)
 
 
 def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0) -> None:
-    for run in (triton.adamw_update_, native.fused_adamw_update_):
-        if run(param, grad, state, h, pidx=pidx, seed=seed, row0=row0):
-            return
-    F.adamw_update_(param, grad, state, h, pidx=pidx, seed=seed, row0=row0)
+    run = kernels("m4v4", [param, grad], [state.get("exp_avg"), state.get("exp_avg_sq")])
+    if not (run and run.adamw_update_(param, grad, state, h, pidx=pidx, seed=seed, row0=row0)):
+        F.adamw_update_(param, grad, state, h, pidx=pidx, seed=seed, row0=row0)
 
 
 def sr_target(param: torch.Tensor, enabled: bool) -> torch.Tensor:
@@ -111,20 +180,22 @@ def round_param_(param, work, *, step: int, salt: int, row0: int = 0, col0: int 
     if work is param:
         return
     kw = dict(step=step, salt=salt, row0=row0, col0=col0, row_len=row_len)
-    for run in (triton.round_param_, native.fused_round_param_):
-        if run(param, work, **kw):
+    if param.dtype == torch.bfloat16 and work.dtype == torch.float32 and param.shape == work.shape:
+        run = kernels("round", [param, work])
+        if run and run.round_param_(param, work, **kw):
             return
     triton.drain()  # an update queued in batched() must have written ``work`` first
     F.round_param_(param, work, **kw)
 
 
 def block_histogram(blocks, num_bins: int) -> torch.Tensor:
-    """The first step's histogram: the C pass when it applies, else the torch reference (the same
+    """The first step's histogram: a kernel's when one applies, else the torch reference (the same
     counts). A ``(rows, scale)`` pair is a column-split tensor's local rows with the whole rows'
     max-abs (tensor parallelism)."""
     blocks, scale = blocks if isinstance(blocks, tuple) else (blocks, None)
-    for run in (triton.block_histogram, native.block_histogram):
-        if (counts := run(blocks, num_bins, scale)) is not None:
+    if blocks.dim() >= 1 and blocks.shape[-1] >= 1 and num_bins >= 1:
+        run = kernels("histogram", [blocks], [] if scale is None else [scale])
+        if run is not None and (counts := run.block_histogram(blocks, num_bins, scale)) is not None:
             return counts
     if scale is not None:
         return histogram_normalised_blocks(blocks.unsqueeze(1), num_bins, scale=scale)

@@ -28,6 +28,7 @@ from gefen.contract import (
     join_composite,
     split_composite,
 )
+from gefen.dispatch import batched
 from gefen.muon import GefenMuon
 from gefen.optimizer import Gefen
 from gefen.validation import param_label
@@ -289,8 +290,9 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     @eager_step
     def step(self, closure=None):
         loss = run_closure(closure)
-        for child in self.children.values():
-            child.step()
+        with batched():  # both children's Triton updates launch together
+            for child in self.children.values():
+                child.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,6 +1,6 @@
 """The fused CPU Gefen step: a ctypes binding to ``gefen/csrc/gefen_step.c`` (``gefen._gefen_step``).
 
-``fused_partials`` and ``fused_update_`` take the arguments of ``gefen.functional``'s
+``second_moment_partials`` and ``gefen_update_`` take the arguments of ``gefen.functional``'s
 ``second_moment_partials`` and ``gefen_update_`` and produce bit-identical results (codes, scales,
 second moments and parameters) in one C call per parameter; they return ``None`` / ``False``
 when they do not apply (not CPU, not contiguous, dtype other than fp32/bf16, library missing or
@@ -17,7 +17,7 @@ cached per library build, CPU and torch in the user's cache directory (``calibra
 ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``native.enabled = False`` forces the eager path;
 both paths compute the same numbers, so this only changes speed.
 
-``fused_m4v4_partials``, ``fused_m4v4_update_`` and ``fused_adamw_update_`` do the same for the
+``m4v4_partials``, ``m4v4_update_`` and ``adamw_update_`` do the same for the
 default m4v4 layout (``m4v4_partials``, ``m4v4_update_`` and the 1-D ``adamw_update_`` of
 ``gefen.functional``; C in ``gefen/csrc/m4v4_step.c``), under a different contract for the coded
 (>= 2-D) tensors: the same bits on every ISA (``GEFEN_CPU_ISA``), thread count and run, and within
@@ -52,12 +52,9 @@ from gefen.geometry import rows_and_row_numel
 from gefen.quant import quantise
 from gefen.stochastic import hash_base, ratio_table, salts
 
-__all__ = ["available", "enabled", "fused_partials", "fused_update_", "fused_momentum_", "fused_momentum_scales",
-           "calibrate", "Calibration", "block_histogram", "fused_m4v4_partials", "fused_m4v4_row_stats",
-           "fused_m4v4_update_", "fused_adamw_update_", "fused_round_param_"]
-
-#: Module switch (tests and benchmarks); the environment variable sets its initial value.
-enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
+__all__ = ["available", "trusted", "second_moment_partials", "gefen_update_", "momentum_", "momentum_scales",
+           "calibrate", "Calibration", "block_histogram", "m4v4_partials", "m4v4_row_stats",
+           "m4v4_update_", "adamw_update_", "round_param_"]
 
 _ABI = 17
 #: ``GEFEN_CPU_ISA`` (read at import): the widest C kernels allowed, capped by the CPU. Every ISA
@@ -200,24 +197,27 @@ def _calibrated() -> Calibration:
     return _calibration
 
 
-def available() -> bool:
-    """True when the fused path is built, enabled and verified against torch on this machine."""
-    return _lib is not None and enabled and _calibrated().width > 0
-
-
-def _use(cal: Calibration | None, m4v4: bool = False) -> Calibration | None:
-    """The calibration a fused call runs under: calibration's candidate ``cal`` (then ``enabled`` is
-    not consulted), else the calibrated one when the kernels are built, enabled and verified (for
-    ``m4v4``, the m4v4 kernels too); None: the fused path does not apply."""
+def trusted(family: str) -> bool:
+    """Whether ``gefen.dispatch`` may run the C kernels of ``family`` (``"m8"``, ``"momentum"``,
+    ``"m4v4"``: calibrated against the reference; ``"round"``, ``"histogram"``: integer and
+    counting passes, built is enough)."""
     if _lib is None:
-        return None
-    _lib.gefen_set_threads(torch.get_num_threads())  # the kernels follow torch.set_num_threads
-    if cal is not None:
-        return cal
-    if not enabled:
-        return None
+        return False
+    if family in ("round", "histogram"):
+        return True
     cal = _calibrated()
-    return cal if cal.width and (cal.m4v4 or not m4v4) else None
+    return cal.width > 0 and (cal.m4v4 or family != "m4v4")
+
+
+def available() -> bool:
+    """True when the fused step is built and verified against torch on this machine."""
+    return trusted("m8")
+
+
+def _use(cal: Calibration | None) -> Calibration:
+    """The calibration a fused call runs under: calibration's candidate ``cal``, else the calibrated one."""
+    _lib.gefen_set_threads(torch.get_num_threads())  # the kernels follow torch.set_num_threads
+    return _calibrated() if cal is None else cal
 
 
 class _Quantiser:
@@ -263,26 +263,20 @@ def _quantiser(codebook: torch.Tensor) -> _Quantiser | None:
     return q
 
 
-def _cpu_contiguous(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-
-
 def _partials(grad: torch.Tensor, state: dict, beta2: float, cal: Calibration | None, m4v4: bool,
               row_sum: torch.Tensor | None = None, row_len: int | None = None):
     """Phase 1 of either layout (``gefen_partials``): ``(v_row, partials)``, or None when it does not
     apply.  m8 takes 2-D gradients only, as its reference does; m4v4 may be given the whole rows'
     sums of g^2 (``row_sum``, float64) and length (``row_len``) of a column split."""
-    gdt, v_row_old = _DT.get(grad.dtype), state.get("v_row")
-    if gdt is None or v_row_old is None or grad.dim() < 2 or (grad.dim() > 2 and not m4v4):
+    gdt, v_row_old = _DT[grad.dtype], state["v_row"]
+    if grad.dim() < 2 or (grad.dim() > 2 and not m4v4):
         return None
     rows, cols = rows_and_row_numel(grad.shape)
-    if (cal := _use(cal, m4v4)) is None or cols < 1 or v_row_old.dtype != torch.float32 or v_row_old.shape != (rows,):
+    if cols < 1 or v_row_old.dtype != torch.float32 or v_row_old.shape != (rows,):
         return None
-    if not _cpu_contiguous(grad, v_row_old):
+    if row_sum is not None and (not m4v4 or row_sum.dtype != torch.float64 or row_sum.shape != (rows,)):
         return None
-    if row_sum is not None and (not m4v4 or row_sum.dtype != torch.float64 or row_sum.shape != (rows,)
-                                or not _cpu_contiguous(row_sum)):
-        return None
+    cal = _use(cal)
     v_row = torch.empty(rows, dtype=torch.float32)
     partials = torch.empty(cols + 1 + m4v4, dtype=torch.float64)
     if m4v4:  # fixed-order float64 sums (m4v4_step.c): the same bits on any thread count and ISA
@@ -296,34 +290,33 @@ def _partials(grad: torch.Tensor, state: dict, beta2: float, cal: Calibration | 
     return (v_row, partials) if rc == 0 else None
 
 
-def fused_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
+def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
     """``second_moment_partials`` in one C call, or None when the fused path does not apply.
-    ``cal``: calibration's candidate to try (then ``enabled`` is not consulted); None: the calibrated one."""
+    ``cal``: calibration's candidate to try; None: the calibrated one."""
     return _partials(grad, state, beta2, cal, False)
 
 
-def fused_m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: torch.Tensor | None = None,
+def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: torch.Tensor | None = None,
                         row_len: int | None = None, cal: Calibration | None = None):
     """``functional.m4v4_partials`` (``row_sum``/``row_len`` included) in one C call, its float64
     sums in an order fixed by the shape (so within 1e-12 of the reference's, and the same bits on
-    any thread count and ISA), or None when it does not apply (``cal``: as for ``fused_partials``)."""
+    any thread count and ISA), or None when it does not apply (``cal``: as for ``second_moment_partials``)."""
     return _partials(grad, state, beta2, cal, True, row_sum, row_len)
 
 
-def fused_m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1: float, *,
+def m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1: float, *,
                          cal: Calibration | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(functional.row_square_sums(grad), functional.row_abs_max(functional.m4v4_momentum(...)))``
     of a coded shard (the max bit for bit, the float64 sums in phase 1's fixed order) in one C
     pass, or None when it does not apply: the row
     statistics a column split reduces over tensor parallelism before phases 1 and 2."""
     codes, scale = state.get("mv_code"), state.get("m_row_scale")
-    if grad.dtype not in _DT or codes is None or scale is None or grad.dim() < 2 or (cal := _use(cal, True)) is None:
-        return None
     rows, cols = rows_and_row_numel(grad.shape)
-    if (cols < 1 or codes.dtype != torch.uint8 or codes.numel() != rows * cols or scale.dtype != torch.bfloat16
-            or scale.numel() != rows or codebook.dtype != torch.float32 or codebook.numel() != 16
-            or not _cpu_contiguous(grad, codes, scale, codebook)):
+    if (grad.dim() < 2 or cols < 1 or codes.dtype != torch.uint8 or codes.numel() != rows * cols
+            or scale.dtype != torch.bfloat16 or scale.numel() != rows or codebook.dtype != torch.float32
+            or codebook.numel() != 16):
         return None
+    cal = _use(cal)
     row_sum, row_max = torch.empty(rows, dtype=torch.float64), torch.empty(rows, dtype=torch.float32)
     rc = _lib.gefen_m4v4_row_stats(grad.data_ptr(), _DT[grad.dtype], codes.data_ptr(), scale.data_ptr(),
                                    codebook.data_ptr(), beta1, 1 - beta1, rows, cols, cal.width,
@@ -360,12 +353,12 @@ def _run_step(fn, a, state: dict) -> bool:
     return True
 
 
-def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
+def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
                   global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                   cal: Calibration | None = None) -> bool:
     """``gefen_update_`` in one C call; returns False (touching nothing) when it does not apply
-    (``cal``: as for ``fused_partials``)."""
-    if param.dtype not in _DT or grad.dtype not in _DT or param.shape != grad.shape:
+    (``cal``: as for ``second_moment_partials``)."""
+    if param.shape != grad.shape:
         return False
     codes, scales = state["m_code"], state["m_scale"]
     factored = "v_row" in state
@@ -375,10 +368,9 @@ def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
         extra = (state["v_row"], state["v_col"], v_row, partials)
     else:
         extra = (state["v"],)
-    if not _cpu_contiguous(param, grad, codes, scales, *extra) or codes.dtype != torch.uint8:
+    if codes.dtype != torch.uint8 or any(t.dtype != torch.float32 for t in (scales, *extra[:2])):
         return False
-    if any(t.dtype != torch.float32 for t in (scales, *extra[:2])) or (cal := _use(cal)) is None:
-        return False
+    cal = _use(cal)
     a = _momentum_args(state, grad, codebook, cal)
     if a is None:
         return False
@@ -394,7 +386,7 @@ def fused_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
     return _run_step(_lib.gefen_step, a, state)
 
 
-def fused_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
+def momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
                     scales: torch.Tensor | None = None) -> torch.Tensor | None:
     """``functional.update_momentum_`` in one C call (same codes, scales and returned fp32
     momentum, bit for bit), or None when it does not apply (nothing modified then). ``scales``:
@@ -407,11 +399,11 @@ def fused_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torc
     return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
 
 
-def fused_momentum_scales(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor | None:
+def momentum_scales(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor | None:
     """The block scales ``update_momentum_`` would choose (``quant.block_scales`` of
     ``functional.momentum_ema``, bit for bit), ``[rows, blocks per row]``, without touching the
     state; None when the C kernel does not apply. A column split's rows reduce them over
-    tensor parallelism, then ``fused_momentum_(..., scales=)`` stores the momentum."""
+    tensor parallelism, then ``momentum_(..., scales=)`` stores the momentum."""
     a = _momentum_only_args(state, grad, beta, codebook, None)
     if a is None:
         return None
@@ -423,13 +415,11 @@ def fused_momentum_scales(state: dict, grad: torch.Tensor, beta: float, codebook
 def _momentum_only_args(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
                         scales: torch.Tensor | None) -> _StepArgs | None:
     codes, m_scale = state["m_code"], state["m_scale"]
-    if grad.dtype not in _DT or codes.dtype != torch.uint8 or m_scale.dtype != torch.float32:
+    if codes.dtype != torch.uint8 or m_scale.dtype != torch.float32 or codes.shape != grad.shape:
         return None
-    if not _cpu_contiguous(grad, codes, m_scale) or codes.shape != grad.shape or (cal := _use(None)) is None:
+    if scales is not None and (scales.dtype != torch.float32 or scales.numel() != m_scale.numel()):
         return None
-    if scales is not None and (scales.dtype != torch.float32 or scales.numel() != m_scale.numel()
-                               or not _cpu_contiguous(scales)):
-        return None
+    cal = _use(None)
     a = _momentum_args(state, grad, codebook, cal)
     if a is None:
         return None
@@ -463,16 +453,14 @@ def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal:
 _M4V4_DTYPES = {"mv_code": torch.uint8, "m_row_scale": torch.bfloat16, "v_row": torch.float32, "v_col": torch.float32}
 
 
-def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor,
+def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor,
                        ratio: torch.Tensor, h, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor,
                        pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None,
                        row_max: torch.Tensor | None = None, cal: Calibration | None = None) -> bool:
     """``functional.m4v4_update_`` in one C call (``row_max``, a column split's whole rows' max
     |m|, included), within the bound ``m4v4_disagreement`` checks; returns False (touching nothing)
-    when it does not apply (then the caller runs the reference; ``cal``: as for ``fused_partials``)."""
-    if param.dtype not in _DT or grad.dtype not in _DT or param.shape != grad.shape or grad.dim() < 2:
-        return False
-    if (cal := _use(cal, m4v4=True)) is None:
+    when it does not apply (then the caller runs the reference; ``cal``: as for ``second_moment_partials``)."""
+    if param.shape != grad.shape or grad.dim() < 2:
         return False
     rows, cols = rows_and_row_numel(grad.shape)
     fields = [state.get(k) for k in _M4V4_DTYPES]
@@ -481,15 +469,14 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
     codes, scale, v_row_old, v_col = fields
     tables = (codebook, ratio)
     if (v_row.dtype != torch.float32 or partials.dtype != torch.float64
-            or any(t.dtype != torch.float32 or t.numel() != n for t, n in zip(tables, (16, 32)))
-            or not _cpu_contiguous(param, grad, *fields, v_row, partials, *tables)):
+            or any(t.dtype != torch.float32 or t.numel() != n for t, n in zip(tables, (16, 32)))):
         return False
     if (codes.numel() != rows * cols or scale.numel() != rows or v_row_old.numel() != rows or v_row.numel() != rows
             or v_col.numel() != cols or partials.numel() != cols + 2):
         return False
-    if row_max is not None and (row_max.dtype != torch.float32 or row_max.numel() != rows
-                                or not _cpu_contiguous(row_max)):
+    if row_max is not None and (row_max.dtype != torch.float32 or row_max.numel() != rows):
         return False
+    cal = _use(cal)
     a = _M4v4Args()
     _head(a, param, grad, state, h, cal)
     a.codes, a.m_scale, a.codebook, a.ratios = codes.data_ptr(), scale.data_ptr(), codebook.data_ptr(), ratio.data_ptr()
@@ -501,18 +488,15 @@ def fused_m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, cod
     return _run_step(_lib.gefen_m4v4_step, a, state)
 
 
-def fused_adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h, *, pidx: int, seed: int,
+def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h, *, pidx: int, seed: int,
                         row0: int = 0, cal: Calibration | None = None) -> bool:
     """``functional.adamw_update_`` (m4v4's 1-D/0-D step) in one C call; False (touching
-    nothing) when it does not apply (``cal``: as for ``fused_partials``)."""
-    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
-    if param.dtype not in _DT or grad.dtype not in _DT or m is None or v is None:
-        return False
-    if (cal := _use(cal, m4v4=True)) is None:
-        return False
+    nothing) when it does not apply (``cal``: as for ``second_moment_partials``)."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
     if (param.shape != grad.shape or m.shape != param.shape or v.shape != param.shape
-            or m.dtype != torch.bfloat16 or v.dtype != torch.float32 or not _cpu_contiguous(param, grad, m, v)):
+            or m.dtype != torch.bfloat16 or v.dtype != torch.float32):
         return False
+    cal = _use(cal)
     a = _AdamwArgs()
     _head(a, param, grad, state, h, cal)
     a.exp_avg, a.exp_avg_sq, a.n, a.row_offset = m.data_ptr(), v.data_ptr(), param.numel(), row0
@@ -520,12 +504,11 @@ def fused_adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h,
     return _run_step(_lib.gefen_adamw_step, a, state)
 
 
-def fused_round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: int, row0: int = 0,
+def round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: int, row0: int = 0,
                        col0: int = 0, row_len: int | None = None) -> bool:
     """``functional.round_param_`` (bf16_stochastic_round's write-back) in one C call; False
     (touching nothing) when it does not apply. Integer arithmetic only: no calibration needed."""
-    if (_lib is None or not enabled or param.dtype != torch.bfloat16 or work.dtype != torch.float32 or work.shape != param.shape
-            or not _cpu_contiguous(param, work)):
+    if param.dtype != torch.bfloat16 or work.dtype != torch.float32 or work.shape != param.shape:
         return False
     rows, cols, r0, row_len, c0 = F.param_rows(param, row0=row0, col0=col0, row_len=row_len)
     return _lib.gefen_round_bf16(work.data_ptr(), param.data_ptr(), rows, cols, r0, row_len, c0,
@@ -536,9 +519,7 @@ def fused_round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, sa
 def block_histogram(blocks: torch.Tensor, num_bins: int, scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """``codebook.histogram_normalised_blocks`` (identical counts, ``scale`` included: one fp32
     per block) in one C pass, or None when it does not apply."""
-    dt = _DT.get(blocks.dtype)
-    if dt is None or not enabled or _lib is None or not _cpu_contiguous(blocks):
-        return None
+    dt = _DT[blocks.dtype]
     if blocks.dim() < 1 or blocks.shape[-1] < 1 or num_bins < 1:
         return None
     P = blocks.shape[-1]
@@ -575,9 +556,9 @@ def _step_fns(cal: Calibration | None) -> types.SimpleNamespace:
                 raise _Refused
             return out
         return run
-    return types.SimpleNamespace(partials=strict(fused_partials), update=strict(fused_update_),
-                                 m4v4_partials=strict(fused_m4v4_partials), m4v4_update=strict(fused_m4v4_update_),
-                                 adamw=strict(fused_adamw_update_), row_stats=strict(fused_m4v4_row_stats))
+    return types.SimpleNamespace(partials=strict(second_moment_partials), update=strict(gefen_update_),
+                                 m4v4_partials=strict(m4v4_partials), m4v4_update=strict(m4v4_update_),
+                                 adamw=strict(adamw_update_), row_stats=strict(m4v4_row_stats))
 
 
 def _run_m8(shape, period, factored, fns):

@@ -1,14 +1,14 @@
-"""Whether the Triton kernels take a step (``gefen.dispatch`` asks here first, then the C kernels,
-then runs the eager reference of ``gefen.functional``), and their launch through ``gefen.triton.launch``.
+"""The Triton kernels' side of ``gefen.dispatch``: whether they are trusted on a device, their
+launch through ``gefen.triton.launch``, and the layout each expects.
 
-``m4v4_update_``, ``adamw_update_``, ``gefen_update_`` (m8) and ``momentum_`` take the arguments
-of the functional reference of the same name and return True / the momentum when the kernels did the work, or
-False / None (nothing touched) when the eager reference must run.  CUDA tensors (a DTensor's
-local shard included: the step passes local tensors) use the kernels; a CUDA step that falls back
-logs its reason once.  At a device's first use each kernel family runs small problems against the
-eager reference (``verify``, ``gefen.triton.selfcheck``); on a mismatch or a build failure the
-eager step is kept, with the reason logged.  ``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``enabled = False``
-forces the eager path.  Triton is imported on first use only.
+``gefen.dispatch.kernels`` chooses these for CUDA tensors (a DTensor's local shard included: the
+step passes local tensors) once the switch, ``untrusted`` and the shared input rules allow; each
+function here takes the arguments of the functional reference of the same name and returns True
+/ the result when the kernels did the work, or False / None (nothing touched) when its layout is
+not theirs and the reference must run. A CUDA step that falls back logs its reason once
+(``fallback``). At a device's first use each kernel family runs the parity check against the
+reference (``verify``, ``gefen.triton.selfcheck``); on a mismatch or a build failure the
+reference is kept, with the reason logged. Triton is imported on first use only.
 
 Inside ``batched()`` the m4v4, 1-D and m8 updates (which return nothing) are queued and launched
 together when the block ends: one launch per phase for the whole group instead of a few per tensor.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import threading
 
 import torch
@@ -28,8 +27,6 @@ from gefen.stochastic import salts
 
 log = logging.getLogger("gefen.triton")
 
-#: module switch; the environment variable sets its initial value (shared with gefen.native)
-enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 #: device types the kernels serve; tests add "cpu" to run them in Triton's interpreter
 DEVICES = {"cuda"}
 
@@ -38,7 +35,6 @@ _import_error: str | None = None
 _logged: set[str] = set()
 _verified: dict[tuple[str, str], str | None] = {}  # (device, family) -> None (ok) or why not
 _local = threading.local()
-_FLOATS = (torch.float32, torch.bfloat16)
 
 
 def _kernels():
@@ -55,46 +51,24 @@ def _kernels():
 
 
 def available() -> bool:
-    """True when the kernels can run (Triton imports and the path is enabled)."""
-    return enabled and _kernels() is not None
+    """True when the kernels can run (Triton imports)."""
+    return _kernels() is not None
 
 
-def _fallback(reason: str) -> bool:
+def fallback(reason: str) -> bool:
+    """Log, once per reason, why a CUDA step uses the reference; False (the kernels did nothing)."""
     if reason not in _logged:
         _logged.add(reason)
         log.warning("gefen: a CUDA step uses the eager torch path: %s", reason)
     return False
 
 
-def _why_not(tensors: list[torch.Tensor], states: list[torch.Tensor], family: str) -> str | None:
-    """None when the kernels apply to these tensors, else why not (for CUDA tensors only: on
-    other devices the caller falls back silently)."""
-    device = tensors[0].device
-    if device.type not in DEVICES:
-        return ""
-    if not enabled:
-        return "disabled (GEFEN_DISABLE_NATIVE=1 or gefen.triton.dispatch.enabled = False)"
+def untrusted(device: torch.device, family: str) -> str | None:
+    """None when the ``family`` kernels may run on ``device`` (Triton imports; on CUDA, ``verify``
+    passed), else why not."""
     if _kernels() is None:
         return _import_error
-    if device.type == "cuda" and (why := verify(device, family)) is not None:
-        return why
-    for t in tensors + states:
-        if t.device != device:
-            return f"tensors on different devices ({t.device} and {device})"
-        if not t.is_contiguous():
-            return "a non-contiguous parameter, gradient or state tensor"
-    if any(t.dtype not in _FLOATS for t in tensors):
-        return f"parameter/gradient dtype {[t.dtype for t in tensors if t.dtype not in _FLOATS][0]} (fp32 and bf16 only)"
-    return None
-
-
-def _decide(tensors, states, family: str = "m4v4") -> bool:
-    why = _why_not(tensors, states, family)
-    if why is None:
-        return True
-    if why and tensors[0].device.type == "cuda":
-        _fallback(why)
-    return False
+    return verify(device, family) if device.type == "cuda" else None
 
 
 def verify(device: torch.device, family: str) -> str | None:
@@ -161,19 +135,13 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
     """``functional.m4v4_update_`` through the kernels (a column split's ``col0``, ``row_len`` and
     ``row_max`` included); False when it must run eagerly."""
     cols = math.prod(param.shape[1:])
-    keys = ("mv_code", "m_row_scale", "v_row", "v_col")
-    if any(k not in state for k in keys):
-        return False
-    given = [] if row_max is None else [row_max]
-    if not _decide([param, grad], [state[k] for k in keys] + [codebook, ratio, v_row, partials] + given):
-        return False
     if row_max is not None and (row_max.dtype != torch.float32 or row_max.numel() != param.shape[0]):
-        return _fallback("an unexpected row statistic of a column split")
+        return fallback("an unexpected row statistic of a column split")
     if (param.dim() < 2 or param.shape != grad.shape or codebook.numel() != 16 or ratio.numel() != 32
             or codebook.dtype != torch.float32 or ratio.dtype != torch.float32 or partials.dtype != torch.float64
             or partials.numel() != cols + 2 or v_row.dtype != torch.float32 or v_row.numel() != param.shape[0]
             or state["mv_code"].dtype != torch.uint8 or state["m_row_scale"].dtype != torch.bfloat16):
-        return _fallback("an unexpected m4v4 state or argument layout")
+        return fallback("an unexpected m4v4 state or argument layout")
     item = _launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0,
                             global_rows=global_rows, row_len=row_len, v_row=v_row, partials=partials, col0=col0,
                             row_max=row_max)
@@ -184,8 +152,7 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
 def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
     """``functional.m4v4_partials`` of one coded shard (a column split's given ``row_sum`` and
     ``row_len`` included) through the kernels, or None."""
-    if row_sum is not None and (not _decide([grad], [row_sum]) or row_sum.dtype != torch.float64
-                                or row_sum.numel() != grad.shape[0]):
+    if row_sum is not None and (row_sum.dtype != torch.float64 or row_sum.numel() != grad.shape[0]):
         return None
     out = m4v4_partials_([(grad, state, beta2)], None if row_sum is None else [(row_sum, row_len or grad[0].numel())])
     return None if out is None else out[0]
@@ -194,12 +161,10 @@ def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
 def m4v4_row_stats(grad, state, codebook, beta1):
     """``(row_square_sums(grad), row_abs_max(m4v4_momentum(...)))`` of one coded shard through the
     kernels (phase 0 of a column split), or None."""
-    codes, scale = state.get("mv_code"), state.get("m_row_scale")
-    if codes is None or not _decide([grad], [codes, scale, codebook]):
-        return None
+    codes, scale = state["mv_code"], state["m_row_scale"]
     if (grad.dim() < 2 or codes.shape != grad.shape or scale.dtype != torch.bfloat16 or codebook.numel() != 16
             or codebook.dtype != torch.float32):
-        return _fallback("an unexpected m4v4 state layout") or None
+        return fallback("an unexpected m4v4 state layout") or None
     return _launch_mod.m4v4_row_stats([(grad, state, beta1)], codebook)[0]
 
 
@@ -207,23 +172,16 @@ def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]], rows=None) -> 
     """``functional.m4v4_partials`` of every ``(grad, state, beta2)`` in two launches (phase 1 of a
     whole group), or None when any of them must take the eager path. ``rows``: each item's given
     ``(row_sum, row_len)`` or None (``gefen.triton.launch.m4v4_partials``)."""
-    if not items:
-        return None
-    grads = [g for g, _, _ in items]
-    v_rows = [s["v_row"] for _, s, _ in items]
-    if not _decide(grads, v_rows) or any(g.dim() < 2 or v.shape != g.shape[:1] or v.dtype != torch.float32
-                                         for g, v in zip(grads, v_rows)):
+    if any(g.dim() < 2 or s["v_row"].shape != g.shape[:1] or s["v_row"].dtype != torch.float32 for g, s, _ in items):
         return None
     return _launch_mod.m4v4_partials(items, rows)
 
 
 def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0) -> bool:
     """``functional.adamw_update_`` (1-D/0-D tensors of m4v4) through the kernels."""
-    if "exp_avg" not in state or not _decide([param, grad], [state["exp_avg"], state["exp_avg_sq"]]):
-        return False
     if (param.shape != grad.shape or state["exp_avg"].dtype != torch.bfloat16
             or state["exp_avg_sq"].dtype != torch.float32):
-        return _fallback("an unexpected AdamW state layout")
+        return fallback("an unexpected AdamW state layout")
     _submit(_launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0),
             (None, None))
     return True
@@ -232,12 +190,6 @@ def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0)
 def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> bool:
     """``functional.gefen_update_`` (the m8 layout) through the kernels; False when it must run eagerly."""
     factored = "v_row" in state
-    keys = ("m_code", "m_scale") + (("v_row", "v_col") if factored else ("v",))
-    if any(k not in state for k in keys):
-        return False
-    extra = [v_row, partials] if factored else []
-    if any(t is None for t in extra) or not _decide([param, grad], [state[k] for k in keys] + [codebook] + extra, "m8"):
-        return False
     period = int(state["period"])
     cols = math.prod(param.shape[1:]) if param.dim() else 1
     blocks = param.numel() // max(period, 1)
@@ -249,7 +201,7 @@ def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, p
             or (not factored and state["v"].numel() != blocks)
             or (factored and (param.dim() != 2 or v_row.numel() != param.shape[0] or state["v_col"].numel() != cols
                               or partials.dtype != torch.float64 or partials.numel() != cols + 1))):
-        return _fallback("an unexpected m8 state or argument layout")
+        return fallback("an unexpected m8 state or argument layout")
     item = _launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, global_rows=global_rows, v_row=v_row,
                               partials=partials)
     _submit(item, (codebook,), "m8_update_")
@@ -259,12 +211,7 @@ def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, p
 def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
     """``functional.second_moment_partials`` of every factored ``(grad, state, beta2)`` in two
     launches (phase 1 of a whole m8 group), or None when any of them must take the eager path."""
-    if not items:
-        return None
-    grads = [g for g, _, _ in items]
-    v_rows = [s["v_row"] for _, s, _ in items]
-    if not _decide(grads, v_rows, "m8") or any(g.dim() != 2 or v.shape != g.shape[:1] or v.dtype != torch.float32
-                                               for g, v in zip(grads, v_rows)):
+    if any(g.dim() != 2 or s["v_row"].shape != g.shape[:1] or s["v_row"].dtype != torch.float32 for g, s, _ in items):
         return None
     return _launch_mod.m8_partials(items)
 
@@ -288,19 +235,14 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
     """``functional.update_momentum_`` of every ``(state, grad, beta)`` in one launch per class,
     or None (nothing touched) when any of them must take the eager path (``scales``,
     ``scales_only``: as ``gefen.triton.launch.momentum_``'s)."""
-    if not items:
-        return None
     grads = [g for _, g, _ in items]
     codes, m_scales = [s["m_code"] for s, _, _ in items], [s["m_scale"] for s, _, _ in items]
-    given = [s for s in scales or [] if s is not None]
-    if not _decide(grads, codes + m_scales + [codebook] + given, "momentum"):
-        return None
     if (codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256
             or any(c.dtype != torch.uint8 or s.dtype != torch.float32 or c.shape != g.shape
                    for c, s, g in zip(codes, m_scales, grads))
             or any(s.dtype != torch.float32 or s.numel() != m.numel() for s, m in zip(scales or [], m_scales)
                    if s is not None)):
-        return _fallback("an unexpected compressed-momentum layout") or None
+        return fallback("an unexpected compressed-momentum layout") or None
     if scales_only:
         return _launch_mod.momentum_(items, codebook, scales_only=True)
     return _launch_mod.momentum_(items, codebook, *([scales] if scales else []))
@@ -308,23 +250,15 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
 
 def round_param_(param, work, *, step: int, salt: int, row0: int = 0, col0: int = 0, row_len=None) -> bool:
     """``functional.round_param_`` (bf16_stochastic_round's write-back) through the kernels."""
-    if param.dtype != torch.bfloat16 or work.dtype != torch.float32 or param.shape != work.shape:
-        return False
-    if not _decide([param, work], [], "round"):
-        return False
     _submit((param, work, step, salt, row0, col0, row_len), (), "round_params_")
     return True
-
 
 
 def block_histogram(blocks, num_bins: int, scale=None) -> torch.Tensor | None:
     """``codebook.histogram_normalised_blocks`` (``scale``: one per block, a column split's whole
     rows' max-abs) through the kernel, or None."""
-    if blocks.dim() < 1 or not blocks.numel() or num_bins < 1:
-        return None
-    given = [] if scale is None else [scale]
-    if not _decide([blocks], given, "histogram"):
+    if not blocks.numel():
         return None
     if scale is not None and scale.numel() != blocks.numel() // blocks.shape[-1]:
-        return _fallback("an unexpected histogram scale layout") or None
+        return fallback("an unexpected histogram scale layout") or None
     return _launch_mod.block_histogram(blocks, num_bins, scale)

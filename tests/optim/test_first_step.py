@@ -8,7 +8,7 @@ import torch
 from test_geometry import planted
 
 import gefen.native as native
-from gefen import Gefen
+from gefen import Gefen, dispatch
 from gefen.codebook import histogram_normalised_blocks
 from gefen.geometry import as_blocks
 
@@ -17,10 +17,10 @@ pytestmark = pytest.mark.skipif(native._lib is None, reason="the C library is no
 
 @pytest.fixture(autouse=True)
 def _enabled():
-    saved = native.enabled
-    native.enabled = True
+    saved = dispatch.enabled
+    dispatch.enabled = True
     yield
-    native.enabled = saved
+    dispatch.enabled = saved
 
 
 def _structured(shape, seed, dtype=torch.float32):
@@ -54,12 +54,14 @@ def test_histogram_special_values_are_identical():
 
 def test_histogram_declines_other_inputs_and_the_optimizer_falls_back():
     x = torch.randn(30, 16, dtype=torch.float64)
-    assert native.block_histogram(x, 64) is None  # dtype
+    assert dispatch.kernels("histogram", [x]) is None  # dtype
     t = torch.randn(16, 30).t()
-    assert native.block_histogram(t, 64) is None  # not contiguous
-    assert torch.equal(histogram_normalised_blocks(t, 64), histogram_normalised_blocks(t.contiguous(), 64))
-    native.enabled = False
-    assert native.block_histogram(t.contiguous(), 64) is None
+    assert dispatch.kernels("histogram", [t]) is None  # not contiguous
+    assert dispatch.kernels("histogram", [t.contiguous()]) is native
+    assert torch.equal(dispatch.block_histogram(t, 64), histogram_normalised_blocks(t.contiguous(), 64))
+    assert native.block_histogram(t.contiguous(), 64, torch.ones(3)) is None  # one scale per block
+    dispatch.enabled = False
+    assert dispatch.kernels("histogram", [t.contiguous()]) is None
 
 
 @pytest.mark.parametrize("moments", ["m4v4", "m8"])
@@ -68,7 +70,7 @@ def test_first_step_learns_the_same_codebook(dtype, moments):
     shapes = {"emb": (300, 48), "up": (48, 192), "conv": (16, 8, 3, 3), "odd": (40, 60), "norm": (48,)}
     results = []
     for use_native in (False, True):
-        native.enabled = use_native
+        dispatch.enabled = use_native
         params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes.values()]
         opt = Gefen(params, lr=1e-3, moments=moments)
         for i, p in enumerate(params):

@@ -26,7 +26,7 @@ import math
 import pytest
 import torch
 
-from gefen import Gefen
+from gefen import Gefen, dispatch, native
 from gefen.codebook import learn_codebook
 from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partials, m4v4_update_
 from gefen.geometry import as_blocks, rows_and_row_numel, shape_period
@@ -40,14 +40,9 @@ HYPER = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
 @pytest.fixture(params=["eager", "native"])
 def step_path(request, monkeypatch):
     """Run a test on the eager torch step and on the fused native step (when built and verified)."""
-    try:
-        from gefen import native
-    except ImportError:
-        native = None
     if request.param == "eager":
-        if native is not None:
-            monkeypatch.setattr(native, "enabled", False)
-    elif native is None or not native.available():
+        monkeypatch.setattr(dispatch, "enabled", False)
+    elif not native.available():
         pytest.skip("the native fused step is not available here")
     return request.param
 
@@ -319,9 +314,7 @@ def test_m4v4_optimizer_steps_are_the_reference_functions(seed, monkeypatch):
     position in the flat parameter list and its group's seed, each 1-D tensor ``adamw_update_``
     (on the eager path, bit for bit; the C kernels' bound on the same routing:
     tests/optim/test_native_m4v4.py::test_optimizer_matches_the_reference)."""
-    from gefen import native
-
-    monkeypatch.setattr(native, "enabled", False)
+    monkeypatch.setattr(dispatch, "enabled", False)
     gen = torch.Generator().manual_seed(seed)
     shapes = [(24, 40), (10,), (12, 5, 3), (40, 24)]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import gefen.native as native
-from gefen import Gefen
+from gefen import Gefen, dispatch
 from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partials, m4v4_update_
 from gefen.stochastic import ratio_table, standin_codebook
 
@@ -33,10 +33,10 @@ HYPER = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
 
 @pytest.fixture(autouse=True)
 def _restore():
-    threads, enabled = torch.get_num_threads(), native.enabled
+    threads, enabled = torch.get_num_threads(), dispatch.enabled
     yield
     torch.set_num_threads(threads)
-    native.enabled = enabled
+    dispatch.enabled = enabled
 
 
 def test_m4v4_kernels_are_verified():
@@ -92,23 +92,23 @@ def run(shape, *, use_native, dtype=torch.float32, grad_dtype=None, steps=3, h=H
     codebook, ratio = tables(kind, gen)
     rows = global_rows if global_rows is not None else (shape[0] if shape else 1)
     state = init_m4v4_state(param, (rows,) + tuple(shape[1:]) if shape else ())
-    native.enabled = use_native
+    dispatch.enabled = use_native
     for g in grads:
         if len(shape) < 2:
             if use_native:
-                assert native.fused_adamw_update_(param, g, state, h, pidx=pidx, seed=seed, row0=row0), \
+                assert native.adamw_update_(param, g, state, h, pidx=pidx, seed=seed, row0=row0), \
                     "the fused AdamW step did not apply"
             else:
                 adamw_update_(param, g, state, h, pidx=pidx, seed=seed, row0=row0)
             continue
         if use_native:
-            out = native.fused_m4v4_partials(g, state, h.beta2)
-            assert out is not None, "fused_m4v4_partials did not apply"
+            out = native.m4v4_partials(g, state, h.beta2)
+            assert out is not None, "m4v4_partials did not apply"
         else:
             out = m4v4_partials(g, state, h.beta2)
         kw = dict(global_rows=rows, v_row=out[0], partials=out[1], pidx=pidx, seed=seed, row0=row0)
         if use_native:
-            assert native.fused_m4v4_update_(param, g, state, codebook, ratio, h, **kw), "the fused step did not apply"
+            assert native.m4v4_update_(param, g, state, codebook, ratio, h, **kw), "the fused step did not apply"
         else:
             m4v4_update_(param, g, state, codebook, ratio, h, **kw)
     return param, state
@@ -225,18 +225,18 @@ def test_row_sharded_matches_between_paths():
     codebook, ratio = tables("random", gen)
     results = {}
     for use_native in (False, True):
-        native.enabled = use_native
+        dispatch.enabled = use_native
         shards = [full[:23].clone(), full[23:].clone()]
         states = [init_m4v4_state(s, (50, 64)) for s in shards]
         for g in grads:
             gs = g.split([23, 27])
-            parts = [(native.fused_m4v4_partials if use_native else m4v4_partials)(x, st, HYPER.beta2)
+            parts = [(native.m4v4_partials if use_native else m4v4_partials)(x, st, HYPER.beta2)
                      for x, st in zip(gs, states)]
             total = parts[0][1] + parts[1][1]
             for s, x, st, (v_row, _), row0 in zip(shards, gs, states, parts, (0, 23)):
                 kw = dict(global_rows=50, v_row=v_row, partials=total, pidx=2, seed=0, row0=row0)
                 if use_native:
-                    assert native.fused_m4v4_update_(s, x, st, codebook, ratio, HYPER, **kw)
+                    assert native.m4v4_update_(s, x, st, codebook, ratio, HYPER, **kw)
                 else:
                     m4v4_update_(s, x, st, codebook, ratio, HYPER, **kw)
         results[use_native] = (shards, states)
@@ -244,10 +244,10 @@ def test_row_sharded_matches_between_paths():
         assert_within_bound(results[True][0][i], results[True][1][i], results[False][0][i], results[False][1][i],
                             before, f"shard {i}")
     whole, st = full.clone(), init_m4v4_state(full, (50, 64))
-    native.enabled = True
+    dispatch.enabled = True
     for g in grads:
-        v_row, partials = native.fused_m4v4_partials(g, st, HYPER.beta2)
-        assert native.fused_m4v4_update_(whole, g, st, codebook, ratio, HYPER, global_rows=50, v_row=v_row,
+        v_row, partials = native.m4v4_partials(g, st, HYPER.beta2)
+        assert native.m4v4_update_(whole, g, st, codebook, ratio, HYPER, global_rows=50, v_row=v_row,
                                          partials=partials, pidx=2, seed=0)
     assert_identical(torch.cat(results[True][0]), whole, "sharded vs whole param")
     for key in ("mv_code", "m_row_scale", "v_row"):
@@ -280,14 +280,14 @@ def test_first_step_moments_are_zero_whatever_the_codes():
     g = torch.randn(20, 30, generator=gen)
     out = []
     for use_native in (False, True):
-        native.enabled = use_native
+        dispatch.enabled = use_native
         p = torch.zeros(20, 30)
         st = init_m4v4_state(p, (20, 30))
         st["mv_code"].random_(0, 256, generator=torch.Generator().manual_seed(1))  # garbage codes
-        v_row, partials = (native.fused_m4v4_partials if use_native else m4v4_partials)(g, st, HYPER.beta2)
+        v_row, partials = (native.m4v4_partials if use_native else m4v4_partials)(g, st, HYPER.beta2)
         kw = dict(global_rows=20, v_row=v_row, partials=partials, pidx=0, seed=0)
         if use_native:
-            assert native.fused_m4v4_update_(p, g, st, codebook, ratio, HYPER, **kw)
+            assert native.m4v4_update_(p, g, st, codebook, ratio, HYPER, **kw)
         else:
             m4v4_update_(p, g, st, codebook, ratio, HYPER, **kw)
         out.append((p, st))
@@ -308,7 +308,7 @@ def test_optimizer_matches_the_reference(dtype):
     (codebooks learned at the first step included), over several steps."""
     runs = {}
     for use_native in (False, True):
-        native.enabled = use_native
+        dispatch.enabled = use_native
         params = [(n, torch.nn.Parameter(p.detach().to(dtype))) for n, p in _model_params(0)]
         opt = Gefen(params, lr=1e-2, weight_decay=0.05, seed=5)
         gen = torch.Generator().manual_seed(1)
@@ -332,7 +332,7 @@ def test_per_parameter_overhead_is_a_few_ops():
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(16, 16), (16,), (4, 4, 4)] * 40]
     counts = {}
     for use_native in (False, True):
-        native.enabled = use_native
+        dispatch.enabled = use_native
         opt = Gefen([p.detach().clone().requires_grad_() for p in params], lr=1e-3)
         for q in opt.param_groups[0]["params"]:
             q.grad = torch.randn(q.shape, generator=gen)
@@ -353,15 +353,16 @@ def test_refuses_what_it_cannot_do():
     v_row, partials = m4v4_partials(g, st, HYPER.beta2)
     before = {k: v.clone() for k, v in st.items()}
     kw = dict(global_rows=8, v_row=v_row, partials=partials, pidx=0, seed=0)
-    assert not native.fused_m4v4_update_(p.double(), g.double(), st, codebook, ratio, HYPER, **kw)
-    assert not native.fused_m4v4_update_(p.t(), g.t(), st, codebook, ratio, HYPER, **kw)  # not contiguous
-    assert not native.fused_m4v4_update_(p, g, st, codebook[:8], ratio, HYPER, **kw)  # not 16 entries
-    assert not native.fused_m4v4_update_(p, g, st, codebook, ratio, HYPER, **(kw | {"partials": partials[:-1]}))
-    native.enabled = False
-    assert not native.fused_m4v4_update_(p, g, st, codebook, ratio, HYPER, **kw)
-    assert native.fused_m4v4_partials(g, st, HYPER.beta2) is None
-    assert not native.fused_adamw_update_(torch.zeros(3), torch.ones(3), init_m4v4_state(torch.zeros(3), (3,)), HYPER,
-                                          pidx=0, seed=0)
+    fields = [st[k] for k in ("mv_code", "m_row_scale", "v_row", "v_col")]
+    assert dispatch.kernels("m4v4", [p, g], fields) is native
+    assert dispatch.kernels("m4v4", [p.double(), g.double()], fields) is None
+    assert dispatch.kernels("m4v4", [p.t(), g.t()], fields) is None  # not contiguous
+    assert dispatch.kernels("m4v4", [p, g], fields + [torch.zeros(6, 2).t()]) is None  # a state not contiguous
+    assert dispatch.kernels("m4v4", [p, g], fields[:2] + [None]) is None  # a state field missing
+    assert not native.m4v4_update_(p, g, st, codebook[:8], ratio, HYPER, **kw)  # not 16 entries
+    assert not native.m4v4_update_(p, g, st, codebook, ratio, HYPER, **(kw | {"partials": partials[:-1]}))
+    dispatch.enabled = False
+    assert dispatch.kernels("m4v4", [p, g], fields) is None
     for k, v in st.items():
         assert torch.equal(v, before[k]), k
 
@@ -369,7 +370,7 @@ def test_refuses_what_it_cannot_do():
 # ----- checkpoints: the state layout did not change -----------------------------------------------
 def _continue(params, saved, use_native, steps, seed):
     """Load ``saved`` (a torch-serialised state dict, or None) into a fresh Gefen and train on."""
-    native.enabled = use_native
+    dispatch.enabled = use_native
     opt = Gefen(params, lr=1e-2, weight_decay=0.05, seed=5)
     if saved is not None:
         saved.seek(0)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import gefen.native as native
-from gefen import Gefen
+from gefen import Gefen, dispatch
 from gefen.codebook import code_thresholds, learn_codebook, nearest_code
 from gefen.dispatch import gefen_update_, second_moment_partials
 from gefen.functional import Hyper, init_state
@@ -33,10 +33,10 @@ HYPER = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
 
 @pytest.fixture(autouse=True)
 def _restore():
-    threads, enabled = torch.get_num_threads(), native.enabled
+    threads, enabled = torch.get_num_threads(), dispatch.enabled
     yield
     torch.set_num_threads(threads)
-    native.enabled = enabled
+    dispatch.enabled = enabled
 
 
 def test_native_library_is_built_and_verified():
@@ -90,18 +90,18 @@ def run(shape, period, factored, *, use_native, dtype=torch.float32, grad_dtype=
     codebook = make_codebook(codebook_kind, gen, grads)
     rows = global_rows if global_rows is not None else (shape[0] if shape else 1)
     state = init_state(param, (rows,) + tuple(shape[1:]) if shape else (), period, factored)
-    native.enabled = use_native
+    dispatch.enabled = use_native
     for g in grads:
         v_row = partials = None
         if factored:
             if use_native:
-                out = native.fused_partials(g, state, h.beta2)
-                assert out is not None, "fused_partials did not apply"
+                out = native.second_moment_partials(g, state, h.beta2)
+                assert out is not None, "second_moment_partials did not apply"
                 v_row, partials = out
             else:
                 v_row, partials = second_moment_partials(g, state, h.beta2)
         if use_native:
-            assert native.fused_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
+            assert native.gefen_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
         else:
             gefen_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
     return param, state
@@ -189,7 +189,7 @@ def test_row_sharded_matches_between_paths():
     codebook = make_codebook("learned", gen, grads)
     results = {}
     for use_native in (False, True):
-        native.enabled = use_native
+        dispatch.enabled = use_native
         shards = [full[:23].clone(), full[23:].clone()]
         states = [init_state(s, (50, 64), 16, True) for s in shards]
         for g in grads:
@@ -230,7 +230,7 @@ def test_special_values():
     codebook = make_codebook("small", gen)
     out = {}
     for use_native in (False, True):
-        native.enabled = use_native
+        dispatch.enabled = use_native
         p = torch.randn(shape, generator=torch.Generator().manual_seed(9))
         st = init_state(p, shape, 8, False)
         for g in grads:
@@ -280,7 +280,7 @@ def _model_params(seed):
 def test_optimizer_uses_fused_path_and_matches_eager(factored_v_2d):
     runs = {}
     for use_native in (False, True):
-        native.enabled = use_native
+        dispatch.enabled = use_native
         params = _model_params(0)
         opt = Gefen(params, lr=1e-2, weight_decay=0.05, factored_v_2d=factored_v_2d, moments="m8")
         gen = torch.Generator().manual_seed(1)
@@ -306,7 +306,7 @@ def test_per_parameter_overhead_is_one_call():
         p.grad = torch.randn(p.shape, generator=gen)
     counts = {}
     for use_native in (False, True):
-        native.enabled = use_native
+        dispatch.enabled = use_native
         opt = Gefen([p.detach().clone().requires_grad_() for p in params], lr=1e-3, moments="m8")
         for q, p in zip(opt.param_groups[0]["params"], params):
             q.grad = p.grad.clone()
@@ -319,7 +319,7 @@ def test_per_parameter_overhead_is_one_call():
 
 
 def test_disable_environment_variable():
-    code = "import gefen.native as n; print(n.enabled)"
+    code = "import gefen.dispatch as d; print(d.enabled)"
     env = dict(os.environ, GEFEN_DISABLE_NATIVE="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
@@ -332,8 +332,10 @@ def test_unsupported_inputs_fall_back_without_touching_state():
     st = init_state(p, (16, 8), 8, False)
     before = {k: v.clone() for k, v in st.items()}
     codebook = torch.linspace(-1, 1, 256)
-    assert not native.fused_update_(p, g, st, codebook, HYPER, global_rows=16)
-    assert not native.fused_update_(p.double().contiguous(), g.double(), st, codebook, HYPER, global_rows=16)
+    assert dispatch.kernels("m8", [p, g], [st["m_code"], st["m_scale"], codebook, st["v"]]) is None
+    assert dispatch.kernels("m8", [p.double().contiguous(), g.double()], [st["m_code"]]) is None
+    assert dispatch.kernels("m8", [p.contiguous(), g], [st["m_code"], st["m_scale"], codebook, st["v"]]) is native
+    assert not native.gefen_update_(p.contiguous(), g, st, codebook[:1], HYPER, global_rows=16)  # one code
     for k in st:
         assert torch.equal(st[k], before[k])
     gefen_update_(p, g, st, codebook, HYPER, global_rows=16)  # eager still works
@@ -344,7 +346,7 @@ def test_unsupported_inputs_fall_back_without_touching_state():
 def test_cuda_uses_the_eager_path():
     p = torch.randn(8, 16, device="cuda")
     st = init_state(p, (8, 16), 16, False)
-    assert not native.fused_update_(p, torch.randn_like(p), st, torch.linspace(-1, 1, 256, device="cuda"), HYPER,
+    assert not native.gefen_update_(p, torch.randn_like(p), st, torch.linspace(-1, 1, 256, device="cuda"), HYPER,
                                     global_rows=8)
 
 
@@ -356,12 +358,12 @@ def _momentum_run(shape, period, *, use_native, grad_dtype=torch.float32, beta=0
     grads = grads_for(shape, grad_dtype, gen, steps)
     codebook = make_codebook(codebook_kind, gen, grads)
     state = init_momentum_state(torch.zeros(shape), tuple(shape), period)
-    native.enabled = use_native
+    dispatch.enabled = use_native
     outs = []
     for g in grads:
         if use_native:
-            out = native.fused_momentum_(state, g, beta, codebook)
-            assert out is not None, "fused_momentum_ did not apply"
+            out = native.momentum_(state, g, beta, codebook)
+            assert out is not None, "momentum_ did not apply"
         else:  # the eager lerp needs an fp32 end point; the C path widens bf16 itself
             out = update_momentum_(state, g.float(), beta, codebook)
         outs.append(out.clone())
@@ -405,7 +407,7 @@ def test_gefen_muon_native_matches_eager():
 
     runs = {}
     for use_native in (False, True):
-        native.enabled = use_native
+        dispatch.enabled = use_native
         gen = torch.Generator().manual_seed(3)
         params = [(n, torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1)) for n, s in
                   (("a", (96, 64)), ("b", (64, 160)), ("c", (40, 40)))]

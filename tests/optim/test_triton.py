@@ -23,6 +23,7 @@ from gefen.functional import Hyper
 from gefen.stochastic import ratio_table
 
 triton = pytest.importorskip("triton")
+from gefen import dispatch as step_dispatch  # noqa: E402
 from gefen.triton import dispatch, launch, selfcheck  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -35,8 +36,8 @@ def _kernels_on_this_device(monkeypatch):
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no CUDA device and Triton's interpreter is off (TRITON_INTERPRET=1)")
     monkeypatch.setattr(dispatch, "DEVICES", {"cuda", "cpu"})
-    monkeypatch.setattr(dispatch, "enabled", True)
-    monkeypatch.setattr(native, "enabled", False)  # the reference is the eager torch step
+    assert dispatch.available()  # imports the launch module the kernels' functions below call
+    monkeypatch.setattr(step_dispatch, "enabled", True)  # off: the reference is the eager torch step
     monkeypatch.setattr(launch, "MAX_SINGLE", 64)  # rows longer than 64 take the two-pass kernels
 
 
@@ -161,7 +162,7 @@ def test_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
     monkeypatch.setattr(launch, "m4v4_update_", lambda items, *a, **k: (calls.append(len(items)), real(items, *a, **k)))
 
     def run(use_kernels: bool):
-        dispatch.enabled = use_kernels
+        step_dispatch.enabled = use_kernels
         params = [(n, torch.nn.Parameter(t.clone())) for n, t in init.items()]
         opt = Gefen(params, lr=1e-2, weight_decay=0.1)
         for g in grads:
@@ -204,7 +205,7 @@ def test_bf16_stochastic_round_write_back_launches_after_the_updates(moments, mo
     kernels = run()
     assert calls == [len(shapes)] * len(grads)
     monkeypatch.setattr(dispatch, "round_param_", lambda *a, **k: False)
-    monkeypatch.setattr(native, "fused_round_param_", lambda *a, **k: False)
+    monkeypatch.setattr(native, "round_param_", lambda *a, **k: False)
     eager = run()
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(kernels, eager))
 
@@ -291,7 +292,7 @@ def test_m8_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
         for use_kernels, (params, opt) in zip((False, True), optimizers):
             for n, p in params:
                 p.grad = g[n].clone()
-            dispatch.enabled = use_kernels
+            step_dispatch.enabled = use_kernels
             opt.step()
         (ref_params, ref_opt), (params, opt) = optimizers
         for (name, a), (_, b) in zip(ref_params, params):
@@ -355,7 +356,7 @@ def test_muon_step_uses_one_launch_for_every_momentum(monkeypatch):
     monkeypatch.setattr(launch, "momentum_", lambda items, *a: (calls.append(len(items)), real(items, *a))[1])
 
     def run(use_kernels: bool):
-        dispatch.enabled = use_kernels
+        step_dispatch.enabled = use_kernels
         params = [(n, torch.nn.Parameter(t.clone())) for n, t in init.items()]
         opt = GefenMuon(params, lr=1e-2)
         for g in grads:
@@ -426,12 +427,15 @@ def test_disabled_or_foreign_devices_fall_back(caplog):
     shape = (4, 8)
     s = F.init_momentum_state(torch.zeros(shape), shape, 8)
     cb = torch.linspace(-1, 1, 16)
-    dispatch.enabled = False
-    assert dispatch.momentum_(s, torch.randn(shape, generator=gen).to(DEVICE), 0.9, cb.to(DEVICE)) is None
-    dispatch.enabled = True
+    g = torch.randn(shape, generator=gen).to(DEVICE)
+    states = [s["m_code"].to(DEVICE), s["m_scale"].to(DEVICE), cb.to(DEVICE)]
+    assert step_dispatch.kernels("momentum", [g], states) is dispatch
+    step_dispatch.enabled = False
+    assert step_dispatch.kernels("momentum", [g], states) is None
+    step_dispatch.enabled = True
     dispatch.DEVICES = {"cuda"}
     if DEVICE == "cpu":  # CPU tensors are the C kernel's or the eager step's: silently not ours
-        assert dispatch.momentum_(s, torch.randn(shape, generator=gen), 0.9, cb) is None
+        assert step_dispatch.kernels("momentum", [g], states) is not dispatch
         assert not caplog.records
 
 
@@ -477,7 +481,7 @@ def test_cuda_fallback_logs_its_reason_once(monkeypatch, caplog):
     monkeypatch.setattr(dispatch, "_logged", set())
     with caplog.at_level("WARNING", logger="gefen.triton"):
         for _ in range(3):
-            assert dispatch._fallback("a test reason") is False
+            assert dispatch.fallback("a test reason") is False
     assert [r.getMessage() for r in caplog.records] == ["gefen: a CUDA step uses the eager torch path: a test reason"]
 
 
@@ -496,8 +500,8 @@ def test_without_triton_everything_imports_and_steps():
         "assert 'gefen.triton.launch' not in sys.modules and 'gefen.triton.kernels' not in sys.modules\n"
         "assert dispatch._kernels() is None and 'not importable' in dispatch._import_error\n"
         "assert \"pip install 'gefen[gpu]'\" in dispatch._import_error\n"
-        "from gefen import native\n"
-        "assert not dispatch.enabled and not native.enabled  # GEFEN_DISABLE_NATIVE=1: the eager step\n"
+        "from gefen import dispatch as step_dispatch\n"
+        "assert not step_dispatch.enabled  # GEFEN_DISABLE_NATIVE=1: the eager step\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -513,7 +517,7 @@ def _m8_dtensor_worker(rank: int, world_size: int):
 
     from gefen import Gefen
 
-    dispatch.DEVICES, native.enabled = {"cuda", "cpu"}, False
+    dispatch.DEVICES = {"cuda", "cpu"}
     mesh = init_device_mesh("cpu", (world_size,))
     gen = torch.Generator().manual_seed(2)
     shapes = {"emb": (9, 16), "tiny": (1, 8), "norm": (16,), "conv": (4, 2, 3)}  # "tiny": an empty shard
@@ -524,7 +528,7 @@ def _m8_dtensor_worker(rank: int, world_size: int):
     launch.m8_update_ = lambda items, *a: (calls.append(sorted(tuple(it.param.shape) for it in items)), real(items, *a))
     states = []
     for use_kernels in (False, True):
-        dispatch.enabled = use_kernels
+        step_dispatch.enabled = use_kernels
         params = {n: torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for n, t in init.items()}
         opt = Gefen(list(params.items()), lr=1e-2, moments="m8")
         for g in grads:

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from gefen import functional as F
-from gefen import native
 from gefen.codebook import histogram_normalised_blocks
 from gefen.quant import block_scales
 from gefen.stochastic import ratio_table
 
 triton = pytest.importorskip("triton")
+from gefen import dispatch as step_dispatch  # noqa: E402
 from gefen.triton import dispatch, launch, selfcheck  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -35,8 +35,8 @@ def _kernels_on_this_device(monkeypatch):
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no CUDA device and Triton's interpreter is off (TRITON_INTERPRET=1)")
     monkeypatch.setattr(dispatch, "DEVICES", {"cuda", "cpu"})
-    monkeypatch.setattr(dispatch, "enabled", True)
-    monkeypatch.setattr(native, "enabled", False)  # the reference is the eager torch step
+    assert dispatch.available()  # imports the launch module the kernels' functions below call
+    monkeypatch.setattr(step_dispatch, "enabled", True)  # off: the reference is the eager torch step
     monkeypatch.setattr(launch, "MAX_SINGLE", 64)  # rows longer than 64 take the two-pass kernels
 
 
