@@ -1,32 +1,22 @@
-"""The fused CPU Gefen step: a ctypes binding to ``gefen/csrc/gefen_step.c`` (``gefen._gefen_step``).
+"""The C kernels of the step: a ctypes binding to ``gefen/csrc/`` (``gefen._gefen_step``).
 
-``second_moment_partials`` and ``gefen_update_`` take the arguments of ``gefen.functional``'s
-``second_moment_partials`` and ``gefen_update_`` and produce bit-identical results (codes, scales,
-second moments and parameters) in one C call per parameter; they return ``None`` / ``False``
-when they do not apply (not CPU, not contiguous, dtype other than fp32/bf16, library missing or
-disabled), and the caller then runs the eager reference.  Nothing is modified in that case.
-
-The C code reproduces the rounding order of the eager torch ops, including ATen's cascade
-summation, whose vector width depends on torch's CPU capability, and torch's square root.  At
-first use the kernels, under each candidate ``Calibration`` (square root x vector width, passed
-with every call: the library holds no mode of its own), and the pure reference are run side by side
-on a few small problems (``calibrate``); on any mismatch the native path stays off and a warning
-says so.  The result, an immutable ``Calibration`` that every later call passes to the kernels, is
-cached per library build, CPU and torch in the user's cache directory (``calibrate_cached``;
+Each function takes the arguments of the ``gefen.functional`` reference of the same name and does
+its work in one C call per tensor, or returns None / False, touching nothing, when the tensors'
+layout is not the kernel's; ``gefen.dispatch`` chooses these kernels for CPU tensors that meet
+every kernel's input rules, once ``trusted``.  The m8 kernels (``gefen_step.c``) give the
+reference's bits: they reproduce the rounding order of the eager torch ops, including ATen's
+cascade summation, whose vector width depends on torch's CPU capability, and torch's square root.
+At first use ``calibrate`` runs them under each candidate ``Calibration`` (square root x vector
+width, passed with every call: the library holds no mode of its own) through the parity harness
+(``gefen.parity``); none matching keeps the reference, with a warning. The result is cached per
+library build, CPU and torch in the user's cache directory (``calibrate_cached``;
 ``$GEFEN_CACHE_DIR`` overrides it), so a fresh process does not pay the calibration again.
-``GEFEN_DISABLE_NATIVE=1`` (read at import) or ``native.enabled = False`` forces the eager path;
-both paths compute the same numbers, so this only changes speed.
 
-``m4v4_partials``, ``m4v4_update_`` and ``adamw_update_`` do the same for the
-default m4v4 layout (``m4v4_partials``, ``m4v4_update_`` and the 1-D ``adamw_update_`` of
-``gefen.functional``; C in ``gefen/csrc/m4v4_step.c``), under a different contract for the coded
-(>= 2-D) tensors: the same bits on every ISA (``GEFEN_CPU_ISA``), thread count and run, and within
-a stated bound of the reference rather than equal to it (``m4v4_disagreement``, docs/design.md,
-"The m4v4 kernels"); the 1-D step stays bit-identical. The calibration also runs a few m4v4
-problems and turns off only the m4v4 kernels if they leave the bound.
-
-``block_histogram`` is the first step's one-time pass (``gefen/csrc/first_step.c``): the same
-histogram counts as ``gefen.codebook``.
+The m4v4 kernels (``m4v4_step.c``) compute the same bits on every ISA (``GEFEN_CPU_ISA``), thread
+count and run, within a stated bound of the reference (``parity.m4v4_disagreement``,
+docs/design.md, "The m4v4 kernels"), the 1-D step bit-identical; the calibration also runs m4v4
+problems and trusts the m4v4 kernels only within the bound. ``block_histogram`` is the first
+step's one-time pass (``first_step.c``): the same counts as ``gefen.codebook``.
 """
 
 from __future__ import annotations
@@ -46,6 +36,7 @@ import warnings
 import torch
 
 from gefen import functional as F
+from gefen import parity
 from gefen.clib import load
 from gefen.codebook import code_thresholds
 from gefen.geometry import rows_and_row_numel
@@ -458,7 +449,7 @@ def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook:
                        pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None,
                        row_max: torch.Tensor | None = None, cal: Calibration | None = None) -> bool:
     """``functional.m4v4_update_`` in one C call (``row_max``, a column split's whole rows' max
-    |m|, included), within the bound ``m4v4_disagreement`` checks; returns False (touching nothing)
+    |m|, included), within the bound ``parity.m4v4_disagreement`` checks; returns False (touching nothing)
     when it does not apply (then the caller runs the reference; ``cal``: as for ``second_moment_partials``)."""
     if param.shape != grad.shape or grad.dim() < 2:
         return False
@@ -534,26 +525,21 @@ def block_histogram(blocks: torch.Tensor, num_bins: int, scale: torch.Tensor | N
 
 
 # ----- calibration: the C emulation of torch's rounding order, checked against torch ------------
-class _Refused(Exception):
-    """A kernel did not apply to a calibration problem."""
+#: The step functions a calibration problem runs: the reference's, or (``_kernel_fns``) the kernels'.
+_REFERENCE = types.SimpleNamespace(
+    partials=F.second_moment_partials, update=F.gefen_update_, m4v4_partials=F.m4v4_partials,
+    m4v4_update=F.m4v4_update_, adamw=F.adamw_update_,
+    row_stats=lambda g, state, codebook, beta1: (F.row_square_sums(g),
+                                                 F.row_abs_max(F.m4v4_momentum(g, state, codebook, beta1))))
 
 
-def _step_fns(cal: Calibration | None) -> types.SimpleNamespace:
-    """The step functions a calibration problem runs: the reference (``cal`` None) or the kernels
-    under the candidate ``cal``, raising ``_Refused`` where one does not apply."""
-    if cal is None:
-        def row_stats(g, state, codebook, beta1):
-            return F.row_square_sums(g), F.row_abs_max(F.m4v4_momentum(g, state, codebook, beta1))
-
-        return types.SimpleNamespace(partials=F.second_moment_partials, update=F.gefen_update_,
-                                     m4v4_partials=F.m4v4_partials, m4v4_update=F.m4v4_update_, adamw=F.adamw_update_,
-                                     row_stats=row_stats)
-
+def _kernel_fns(cal: Calibration) -> types.SimpleNamespace:
+    """The kernels under the candidate ``cal``, raising ``parity.Refused`` where one does not apply."""
     def strict(fn):
         def run(*args, **kw):
             out = fn(*args, cal=cal, **kw)
             if out is None or out is False:
-                raise _Refused
+                raise parity.Refused
             return out
         return run
     return types.SimpleNamespace(partials=strict(second_moment_partials), update=strict(gefen_update_),
@@ -636,93 +622,6 @@ _M4V4 = [(_run_m4v4, case) for case in [
     (_run_m4v4_cut, ((37, 45), torch.bfloat16))]
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (fp32/bf16 compared as integers, so -0.0 != +0.0)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype in (torch.float32, torch.bfloat16):
-        ints = torch.int32 if a.dtype == torch.float32 else torch.int16
-        a, b = a.view(ints), b.view(ints)
-    return torch.equal(a, b)
-
-
-def _references(problems) -> list:
-    return [run(*case, _step_fns(None)) for run, case in problems]
-
-
-def _matches(problems, cal: Calibration, reference: list) -> bool:
-    """Whether the kernels under ``cal`` leave the reference's ``(param, state)`` on every problem,
-    bit for bit."""
-    fns = _step_fns(cal)
-    try:
-        runs = (run(*case, fns) for run, case in problems)
-        return all(_same(p, ref_p) and all(_same(st[k], ref_st[k]) for k in ref_st)
-                   for (p, st), (ref_p, ref_st) in zip(runs, reference))
-    except _Refused:
-        return False
-
-
-#: The m4v4 kernels' stated bound against the eager reference (docs/design.md, "The m4v4 kernels"):
-#: at most this fraction of the elements is "off" (a code one codebook step away from the
-#: reference's, or a parameter outside the tolerance below); no code is more than one step away.
-M4V4_OFF_FRACTION = 1e-3
-#: every other parameter's change agrees within this fraction of the reference's change plus one
-#: unit in the last place of the parameter's dtype
-M4V4_PARAM_RTOL = 1e-5
-#: the fp32 second-moment statistics (v_row, v_col) agree within this relative error, float64
-#: statistics (a column split's row sums) within M4V4_F64_RTOL, the bf16 row scales within one bf16 step
-M4V4_STAT_RTOL, M4V4_F64_RTOL = 1e-6, 1e-12
-
-
-def m4v4_disagreement(param: torch.Tensor, state: dict, ref_param: torch.Tensor, ref_state: dict,
-                      before: torch.Tensor) -> str | None:
-    """What breaks the m4v4 kernels' bound (``M4V4_*``) between a kernel run and the reference
-    run from the same parameter ``before``, or None when nothing does. Fields the bound does not
-    name (step counts, the 1-D AdamW moments) must agree bit for bit."""
-    if param.shape != ref_param.shape or param.dtype != ref_param.dtype or state.keys() != ref_state.keys():
-        return "shapes, dtypes or state fields differ"
-    off = torch.zeros(param.numel(), dtype=torch.bool)
-    for key, want in ref_state.items():
-        got = state[key]
-        if not isinstance(want, torch.Tensor):
-            if got != want:
-                return f"{key} differs"
-            continue
-        if key == "mv_code":
-            a, b = got.reshape(-1).int(), want.reshape(-1).int()
-            if bool((((a & 15) - (b & 15)).abs() > 1).any() or (((a >> 4) - (b >> 4)).abs() > 1).any()):
-                return "a code is more than one step away"
-            off |= a != b
-        elif key == "m_row_scale":
-            if not torch.allclose(got.float(), want.float(), rtol=2.0**-7, atol=0.0):
-                return "a row scale is more than one bf16 step away"
-        elif key in ("v_row", "v_col", "row_sum"):
-            rtol = M4V4_F64_RTOL if want.dtype == torch.float64 else M4V4_STAT_RTOL
-            if not torch.allclose(got, want, rtol=rtol, atol=0.0):
-                return f"{key} outside its relative bound"
-        elif not _same(got, want):
-            return f"{key} differs"
-    b0 = before.float().reshape(-1)
-    d_got, d_want = param.float().reshape(-1) - b0, ref_param.float().reshape(-1) - b0
-    ulp = torch.finfo(param.dtype).eps * ref_param.float().reshape(-1).abs()
-    bad = (d_got - d_want).abs() > M4V4_PARAM_RTOL * d_want.abs() + ulp
-    bad &= ~(param.reshape(-1).isnan() & ref_param.reshape(-1).isnan())
-    off |= bad
-    frac = off.float().mean().item() if off.numel() else 0.0
-    return f"{frac:.2e} of the elements off (bound {M4V4_OFF_FRACTION:g})" if frac > M4V4_OFF_FRACTION else None
-
-
-def _agrees(problems, cal: Calibration, reference: list) -> bool:
-    """Whether the m4v4 kernels under ``cal`` stay within their bound of the reference on every problem."""
-    fns = _step_fns(cal)
-    try:
-        runs = (run(*case, fns) for run, case in problems)
-        return all(m4v4_disagreement(p, st, ref_p, ref_st, p0) is None
-                   for (p, st, p0), (ref_p, ref_st, _) in zip(runs, reference))
-    except _Refused:
-        return False
-
-
 def _probe_scale_mode() -> int:
     """0 when gefen.quant's all-zero blocks get torch.maximum(+0, -0)'s sign (-0 in the vectorised
     part), 1 when they get +0 (a max of |m|)."""
@@ -733,19 +632,20 @@ def _probe_scale_mode() -> int:
 def calibrate() -> Calibration:
     """The first candidate (square root, torch's float vector width) under which the C step
     reproduces the eager step bit for bit on the m8 problems with the current thread count, and
-    whether the m4v4 kernels then stay within their bound of their reference (``m4v4_disagreement``);
+    whether the m4v4 kernels then stay within their bound of their reference (``parity.m4v4_disagreement``);
     width 0 (native path off) when none does."""
     if _lib is None:
         return Calibration(0, False, 0, False)
     scale_mode = _probe_scale_mode()
     widths = (16, 8) if "512" in torch.backends.cpu.get_cpu_capability() else (8, 16)
     with torch.no_grad():
-        reference = _references(_M8)
+        reference = parity.outputs(_M8, _REFERENCE)
         for vml in ([True] if _torch_vml_sqrt() else []) + [False]:
             for W in widths:
                 cal = Calibration(W, vml, scale_mode, False)
-                if _matches(_M8, cal, reference):
-                    m4v4 = _agrees(_M4V4, cal, _references(_M4V4))
+                if parity.check(_M8, _kernel_fns(cal), parity.identical, reference) is None:
+                    m4v4 = parity.check(_M4V4, _kernel_fns(cal), parity.within_m4v4_bound,
+                                        parity.outputs(_M4V4, _REFERENCE)) is None
                     if not m4v4:
                         _warn_mismatch("m4v4 ")
                     return dataclasses.replace(cal, m4v4=m4v4)
@@ -759,7 +659,7 @@ def _warn_mismatch(what: str = "") -> None:
                   "using the eager step", RuntimeWarning, stacklevel=3)
 
 
-# ----- the calibration cache: a fresh process skips the 13 problems (docs/decisions.md) --------
+# ----- the calibration cache: a fresh process skips the calibration (docs/decisions.md) --------
 def cache_dir() -> str:
     """``$GEFEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/gefen``, else ``~/.cache/gefen``."""
     explicit = os.environ.get("GEFEN_CACHE_DIR")

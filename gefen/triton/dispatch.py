@@ -75,7 +75,7 @@ def verify(device: torch.device, family: str) -> str | None:
     """Run one kernel family (``"m4v4"``: phases 1 and 2 and the 1-D path; ``"m8"``: both phases,
     both second-moment forms; ``"momentum"``) once on small problems on ``device`` against the
     eager reference, at first use (cached): None when codes, scales and moments match (exactly;
-    m8's fp32 means to ``selfcheck.M8_V_RTOL``), else the reason the eager path is kept (a Triton
+    m8's fp32 means to ``parity.M8_V_RTOL``), else the reason the eager path is kept (a Triton
     or driver that miscompiles or fails to build them). As ``gefen.native`` calibrates its C step."""
     key = (str(device), family)
     if key not in _verified:

@@ -1,10 +1,11 @@
-"""The kernels' first use on a device: small problems against the eager reference.
-
-``gefen.triton.dispatch.verify`` runs this once per device and kernel family; on any mismatch
-(a Triton or driver that builds the kernels differently) the eager step is kept and the reason
-is logged, as ``gefen.native`` does for its C step. The problems reach both row paths (one tile,
-two passes), bf16 and fp32, an all-zero row and, for m4v4 and m8, the 1-D path; for m8 both
-second-moment forms, whose fp32 means agree to ``M8_V_RTOL`` (``state_differences``).
+"""The Triton kernels' parity problems: ``gefen.triton.dispatch.verify`` runs a family's once per
+device, judged by the rules of ``gefen.parity`` as ``gefen.native.calibrate`` judges the C kernels;
+on any disagreement (a Triton or driver that builds the kernels differently) the eager step is
+kept and the reason logged. The problems reach both row paths (one tile, two passes), bf16 and
+fp32, an all-zero row and, for m4v4 and m8, the 1-D path; for m8 both second-moment forms. Each
+family steps the reference and the kernels in lockstep (phase 2 given the reference's phase 1,
+parameters re-synchronised each step) under the harness's rules: states exact (m8's fp32 means
+to ``parity.M8_V_RTOL``), parameters within ``parity.params_close``, the rest bit for bit.
 """
 
 from __future__ import annotations
@@ -14,16 +15,10 @@ import copy
 import torch
 
 from gefen import functional as F
+from gefen.parity import M8_APPROX, M8_V_RTOL, params_close, state_differences
 from gefen.stochastic import ratio_table, salts
 
 _H = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
-#: m8's per-block and per-row second moments are fp32 means of g^2: the eager step sums in torch's
-#: order (ATen's cascade on CPU, a tree on CUDA), the kernels in float64 rounded once, so the two
-#: agree to a few ulps, not bit for bit. A tree sum of n positive fp32 terms is within about
-#: (log2 n + 4) 2^-24 of exact (~1e-6 for the 4236-element blocks here): the bound is 4x that
-#: (docs/decisions.md, "Triton kernels for m8")
-M8_V_RTOL = 4e-6
-M8_APPROX = ("v", "v_row")
 
 
 def run(launch, device: torch.device, family: str) -> str | None:
@@ -46,26 +41,6 @@ def _book(gen, n: int, device) -> torch.Tensor:
     book = torch.sort(torch.rand(n, generator=gen) * 2 - 1).values
     book[0], book[-1] = -1.0, 1.0
     return book.to(device)
-
-
-def state_differences(ref: dict, got: dict, approx: tuple[str, ...] = ()) -> str | None:
-    """None when the state ``got`` is ``ref``: every field identical, those in ``approx`` (m8's
-    ``M8_APPROX``: fp32 means summed in another order) within ``M8_V_RTOL``."""
-    bad = [k for k, v in ref.items()
-           if not (torch.allclose(got[k], v, rtol=M8_V_RTOL, atol=0, equal_nan=True) if k in approx
-                   else torch.equal(v, got[k]))]
-    return f"state {bad} differs from the eager step" if bad else None
-
-
-def params_close(before: torch.Tensor, ref: torch.Tensor, got: torch.Tensor,
-                 update_rtol: float | None = None) -> bool:
-    """Equal up to one rounding of the result and of the update (torch's CPU sqrt is MKL's), or
-    ``update_rtol`` of the update (m8: ``M8_V_RTOL``, the denominators' share of the second
-    moments' difference)."""
-    before, r, g = before.float(), ref.float(), got.float()
-    eps = torch.finfo(ref.dtype).eps
-    tol = eps * r.abs() + (eps if update_rtol is None else update_rtol) * (r - before).abs() + 1e-30
-    return bool(((r - g).abs() <= tol).all())
 
 
 def _m4v4(launch, device, gen) -> str | None:

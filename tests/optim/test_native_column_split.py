@@ -7,7 +7,7 @@ the tensor-parallel ranks (here: a stand-in, the local statistics scaled up as t
 ranks would raise them), then phases 1 and 2 given the reduced statistics, the shard's first row
 and column and the global row length. Every kernel must apply (no fallback). m4v4: the float64
 row statistics agree within 1e-12 relative (the kernels' fixed summation order), the state and
-the parameter within the kernels' stated bound (``native.m4v4_disagreement``), the row max bit
+the parameter within the kernels' stated bound (``parity.m4v4_disagreement``), the row max bit
 for bit; GefenMuon's momentum (the m8 kernel): every state tensor bit for bit (compared as integers).
 """
 
@@ -21,6 +21,7 @@ import torch
 
 import gefen.native as native
 from gefen import functional as F
+from gefen import parity
 from gefen.codebook import histogram_normalised_blocks
 from gefen.quant import block_scales
 from gefen.stochastic import ratio_table
@@ -45,7 +46,7 @@ def assert_identical(a: torch.Tensor, b: torch.Tensor, what: str):
 
 def assert_close_f64(a: torch.Tensor, b: torch.Tensor, what: str):
     assert a.dtype == b.dtype and a.shape == b.shape, what
-    torch.testing.assert_close(a, b, rtol=native.M4V4_F64_RTOL, atol=0.0, msg=what)
+    torch.testing.assert_close(a, b, rtol=parity.M4V4_F64_RTOL, atol=0.0, msg=what)
 
 
 def _book(gen: torch.Generator, k: int) -> torch.Tensor:
@@ -89,13 +90,13 @@ def test_m4v4_column_shard_matches_the_reference(rows, cols, row_len, col0, thre
         phase1 = native.m4v4_partials(g, s, HYPER.beta2, row_sum=row_sum, row_len=row_len)
         assert phase1 is not None, "phase 1 did not apply"
         v_row, parts = F.m4v4_partials(g, s_ref, HYPER.beta2, row_sum=row_sum, row_len=row_len)
-        torch.testing.assert_close(phase1[0], v_row, rtol=native.M4V4_STAT_RTOL, atol=0.0)
+        torch.testing.assert_close(phase1[0], v_row, rtol=parity.M4V4_STAT_RTOL, atol=0.0)
         assert_close_f64(phase1[1], parts, f"step {step}: partials")
         kw = dict(global_rows=rows + 11, v_row=v_row, partials=parts * 1.5, pidx=4, seed=2, row0=row0, col0=col0,
                   row_len=row_len, row_max=row_max)
         F.m4v4_update_(p_ref, g, s_ref, cb, ratio, HYPER, **kw)
         assert native.m4v4_update_(p, g, s, cb, ratio, HYPER, **kw), "phase 2 did not apply"
-        problem = native.m4v4_disagreement(p, s, p_ref, s_ref, before)
+        problem = parity.m4v4_disagreement(p, s, p_ref, s_ref, before)
         assert problem is None, f"step {step}: {problem}"
 
 

@@ -2,7 +2,7 @@
 (gefen.functional.m4v4_partials / m4v4_update_ / adamw_update_), and the kernels against each other.
 
 Both paths run on identical inputs. Coded (>= 2-D) tensors: the kernels stay within their stated
-bound of the reference (``native.m4v4_disagreement``: at most 1e-3 of the elements one code step
+bound of the reference (``parity.m4v4_disagreement``: at most 1e-3 of the elements one code step
 or a rounding tolerance away, the fp32 statistics within 1e-6) after several steps; the 1-D AdamW
 step is bit-for-bit identical (compared as integers, so even the sign of a zero counts). Odd
 shapes, 3-D/4-D tensors, empty row shards, shards that start at row0 != 0, fp32 and bf16, weight
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import gefen.native as native
-from gefen import Gefen, dispatch
+from gefen import Gefen, dispatch, parity
 from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partials, m4v4_update_
 from gefen.stochastic import ratio_table, standin_codebook
 
@@ -127,7 +127,7 @@ def assert_within_bound(p_nat, s_nat, p_ref, s_ref, before, what="param"):
             assert_identical(s_nat[key], s_ref[key], key)
         assert_identical(p_nat, p_ref, what)
         return
-    problem = native.m4v4_disagreement(p_nat, s_nat, p_ref, s_ref, before)
+    problem = parity.m4v4_disagreement(p_nat, s_nat, p_ref, s_ref, before)
     assert problem is None, f"{what}: {problem}"
 
 
@@ -143,14 +143,14 @@ def test_the_bound_is_not_vacuous():
     """A parameter off by more than the tolerance, or a code two steps away, is caught."""
     p_ref, s_ref = run((64, 48), use_native=False)
     before = initial_param((64, 48))
-    assert native.m4v4_disagreement(p_ref.clone(), dict(s_ref), p_ref, s_ref, before) is None
+    assert parity.m4v4_disagreement(p_ref.clone(), dict(s_ref), p_ref, s_ref, before) is None
     worse = p_ref + (p_ref - before) * 1e-3
-    assert native.m4v4_disagreement(worse, dict(s_ref), p_ref, s_ref, before) is not None
+    assert parity.m4v4_disagreement(worse, dict(s_ref), p_ref, s_ref, before) is not None
     codes = s_ref["mv_code"].clone()
     codes.view(-1)[0] = (codes.view(-1)[0] & 0xF0) | (((codes.view(-1)[0] & 15) + 2) % 16)
-    assert native.m4v4_disagreement(p_ref, {**s_ref, "mv_code": codes}, p_ref, s_ref, before) is not None
+    assert parity.m4v4_disagreement(p_ref, {**s_ref, "mv_code": codes}, p_ref, s_ref, before) is not None
     v_col = s_ref["v_col"] * (1 + 1e-5)
-    assert native.m4v4_disagreement(p_ref, {**s_ref, "v_col": v_col}, p_ref, s_ref, before) is not None
+    assert parity.m4v4_disagreement(p_ref, {**s_ref, "v_col": v_col}, p_ref, s_ref, before) is not None
 
 
 # ----- parity ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gefen import functional as F
-from gefen import native
+from gefen import native, parity
 from gefen.functional import Hyper
 from gefen.stochastic import ratio_table
 
@@ -244,14 +244,14 @@ def test_m8_matches_the_reference(shape, period, factored, pdt, gdt, K):
         if factored:
             v_row, parts = F.second_moment_partials(g, s_ref, H.beta2)
             ((v_row_tri, parts_tri),) = dispatch.m8_partials_([(g, s_tri, H.beta2)])
-            torch.testing.assert_close(v_row_tri, v_row, rtol=selfcheck.M8_V_RTOL, atol=0)
+            torch.testing.assert_close(v_row_tri, v_row, rtol=parity.M8_V_RTOL, atol=0)
             torch.testing.assert_close(parts_tri[:-1], parts[:-1], rtol=1e-13, atol=0)  # float64 column sums
-            torch.testing.assert_close(parts_tri[-1:], parts[-1:], rtol=selfcheck.M8_V_RTOL, atol=0)  # sum of v_row
+            torch.testing.assert_close(parts_tri[-1:], parts[-1:], rtol=parity.M8_V_RTOL, atol=0)  # sum of v_row
             kw, kw_tri = dict(v_row=v_row, partials=parts), dict(v_row=v_row_tri, partials=parts_tri)
         F.gefen_update_(p_ref, g, s_ref, cb, H, global_rows=global_rows, **kw)  # the pure reference
         assert dispatch.gefen_update_(p_tri, g, s_tri, cb, H, global_rows=global_rows, **kw_tri)
-        assert (why := selfcheck.state_differences(s_ref, s_tri, selfcheck.M8_APPROX)) is None, f"step {step}: {why}"
-        assert selfcheck.params_close(before, p_ref, p_tri, selfcheck.M8_V_RTOL), \
+        assert (why := parity.state_differences(s_ref, s_tri, parity.M8_APPROX)) is None, f"step {step}: {why}"
+        assert parity.params_close(before, p_ref, p_tri, parity.M8_V_RTOL), \
             f"step {step}: parameters differ beyond the tolerance"
         p_tri.copy_(p_ref)  # every step is compared from the same parameters
 
@@ -266,7 +266,7 @@ def test_m8_tolerance_is_needed_and_holds():
     ((v_row, _),) = launch.m8_partials([(g, state, 0.0)])  # beta2 = 0: v_row is the mean itself
     ref = (g.cpu() * g.cpu()).mean(1)  # torch's CPU mean (its cascade sum) on every device
     rel = ((v_row.cpu() - ref).abs() / ref).max().item()
-    assert 0 < rel <= selfcheck.M8_V_RTOL, rel
+    assert 0 < rel <= parity.M8_V_RTOL, rel
 
 
 def test_m8_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
@@ -296,9 +296,9 @@ def test_m8_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
             opt.step()
         (ref_params, ref_opt), (params, opt) = optimizers
         for (name, a), (_, b) in zip(ref_params, params):
-            why = selfcheck.state_differences(ref_opt.state[a], opt.state[b], selfcheck.M8_APPROX)
+            why = parity.state_differences(ref_opt.state[a], opt.state[b], parity.M8_APPROX)
             assert why is None, f"{name}: {why}"
-            assert selfcheck.params_close(init[name], a.detach(), b.detach(), selfcheck.M8_V_RTOL), name
+            assert parity.params_close(init[name], a.detach(), b.detach(), parity.M8_V_RTOL), name
             b.data.copy_(a.data)
             init[name] = a.detach().clone()
     assert calls == [("m8_partials", 2), ("m8_update_", 4)] * len(grads)
@@ -536,7 +536,7 @@ def _m8_dtensor_worker(rank: int, world_size: int):
                 p.grad = distribute_tensor(g[n], mesh, [Shard(0)])
             opt.step()
         states.append({n: (opt.state[p], p.to_local()) for n, p in params.items()})
-    diffs = [selfcheck.state_differences(states[0][n][0], states[1][n][0], selfcheck.M8_APPROX) for n in shapes]
+    diffs = [parity.state_differences(states[0][n][0], states[1][n][0], parity.M8_APPROX) for n in shapes]
     close = [torch.allclose(states[0][n][1], states[1][n][1], rtol=1e-5, atol=1e-7) for n in shapes]
     return {"calls": calls, "diffs": diffs, "close": close}
 
