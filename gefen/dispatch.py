@@ -1,14 +1,9 @@
 """Which implementation runs each step function, as ``torch.optim.adamw`` picks fused/foreach/single.
 
-Every function takes the arguments of the ``gefen.functional`` reference of the same name. One
-decision, ``kernels``, picks who runs it for the tensors of the call: nobody when the switch
-``enabled`` is off (``GEFEN_DISABLE_NATIVE=1`` at import), else the device's kernel family (CUDA:
-Triton, ``gefen.triton.dispatch``; CPU: C, ``gefen.native``) once its parity check against the
-reference has passed (``gefen.parity``) and the tensors are what every kernel needs (``unfit``).
-The chosen kernel checks only its own layout; when it declines (touching nothing) or none is
-chosen, the reference runs. The reference stays pure torch, and the kernels' parity checks call
-it directly. The ``*_`` functions over a list take a whole group at once (Triton's launches);
-``batched`` queues a step's Triton updates into a few launches.
+Every function takes the arguments of the ``gefen.functional`` reference of the same name and asks
+``kernels``, the one selection, who runs it: the C kernels (``gefen.native``) or the Triton kernels
+(``gefen.triton.dispatch``), which check only their own layout and touch nothing when they decline,
+else the reference. The ``*_`` functions over a list take a whole group in a few Triton launches.
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ import torch
 from gefen import functional as F
 from gefen import native
 from gefen.codebook import histogram_normalised_blocks
+from gefen.geometry import rows_and_row_numel
 from gefen.quant import block_scales
 from gefen.triton import dispatch as triton
 from gefen.triton.dispatch import batched
@@ -28,16 +24,14 @@ __all__ = ["adamw_update_", "batched", "block_histogram", "enabled", "gefen_upda
            "m4v4_partials_", "m4v4_row_stats", "m4v4_update_", "m8_partials_", "momenta_", "momentum_scales",
            "round_param_", "second_moment_partials", "sr_target", "unfit", "update_momentum_"]
 
-#: The one switch (tests and benchmarks set it): False runs the reference everywhere, the same
-#: numbers on CPU, only slower. ``GEFEN_DISABLE_NATIVE=1`` clears it at import.
+#: The one switch: False runs the reference everywhere (on CPU the same numbers, slower).
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
 def unfit(tensors: list, states: list = ()) -> str | None:
-    """Why no kernel takes these parameters/gradients (``tensors``) with these state tensors and
-    tables, or None: every kernel wants one device, contiguous memory, fp32/bf16 parameters and
-    gradients."""
+    """Why no kernel takes these parameters/gradients with these state tensors and tables, or None:
+    every kernel wants one device, contiguous memory, fp32/bf16 parameters and gradients."""
     device = tensors[0].device
     for t in (*tensors, *states):
         if t.device != device:
@@ -48,29 +42,46 @@ def unfit(tensors: list, states: list = ()) -> str | None:
     return f"parameter/gradient dtype {bad[0]} (fp32 and bf16 only)" if bad else None
 
 
-def kernels(family: str, tensors: list, states: list = ()):
-    """The kernels that take a call of ``family`` (``"m8"``, ``"m4v4"``, ``"momentum"``,
-    ``"round"``, ``"histogram"``) on ``tensors`` and ``states``: ``gefen.triton.dispatch``,
-    ``gefen.native``, or None (the reference runs; a state field None: the state has no such
-    field). A CUDA call that falls back logs why, once per reason."""
+def kernels(family: str, tensors: list, states: list = (), layout=None):
+    """The kernels for a call of ``family`` (``"m8"``, ``"m4v4"``, ``"momentum"``, ``"round"``,
+    ``"histogram"``) on ``tensors`` and ``states`` (None: a field the state lacks), or None: the
+    switch, then the device's family (CUDA: Triton, CPU: C), its parity check, ``unfit``, then
+    ``layout()``: why the call's layout is no kernel's, or None. A CUDA call that falls back logs
+    why, once per reason."""
     if any(t is None for t in states):
         return None
     device = tensors[0].device
     if device.type in triton.DEVICES:
         why = ("disabled (GEFEN_DISABLE_NATIVE=1 or gefen.dispatch.enabled = False)" if not enabled
-               else triton.untrusted(device, family) or unfit(tensors, states))
+               else triton.untrusted(device, family) or unfit(tensors, states) or (layout and layout()))
         if why is None:
             return triton
         if device.type == "cuda":
             triton.fallback(why)
         return None
     if device.type == "cpu" and enabled and native.trusted(family) and unfit(tensors, states) is None:
-        return native
+        return None if layout and layout() else native
+    return None
+
+
+def _first(reasons) -> str | None:
+    return next(filter(None, reasons), None)
+
+
+def _phase1_layout(grad, state, max_dim: int, row_sum=None) -> str | None:
+    """Why phase 1's kernels do not take this gradient and state (m8: 2-D only; m4v4: a column
+    split's float64 ``row_sum``), or None."""
+    rows, cols = rows_and_row_numel(grad.shape)
+    if (not 2 <= grad.dim() <= max_dim or cols < 1 or state["v_row"].dtype != torch.float32
+            or state["v_row"].shape != (rows,)
+            or (row_sum is not None and (row_sum.dtype != torch.float64 or row_sum.shape != (rows,)))):
+        return "an unexpected phase-1 gradient or state layout"
     return None
 
 
 def second_moment_partials(grad, state, beta2):
-    if kernels("m8", [grad], [state.get("v_row")]) is native and (out := native.second_moment_partials(grad, state, beta2)):
+    run = kernels("m8", [grad], [state.get("v_row")], lambda: _phase1_layout(grad, state, 2))
+    if run is native and (out := native.second_moment_partials(grad, state, beta2)):
         return out
     return F.second_moment_partials(grad, state, beta2)
 
@@ -78,7 +89,8 @@ def second_moment_partials(grad, state, beta2):
 def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
     """``second_moment_partials`` of every factored ``(grad, state, beta2)`` in two Triton launches
     (phase 1 of a whole m8 group), or None: the caller takes them one by one."""
-    if items and kernels("m8", [g for g, _, _ in items], [s["v_row"] for _, s, _ in items]) is triton:
+    grads, v_rows = [g for g, _, _ in items], [s["v_row"] for _, s, _ in items]
+    if items and kernels("m8", grads, v_rows, lambda: _first(_phase1_layout(g, s, 2) for g, s, _ in items)) is triton:
         return triton.m8_partials_(items)
     return None
 
@@ -129,7 +141,8 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
 
 def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
     kw = dict(row_sum=row_sum, row_len=row_len)
-    run = kernels("m4v4", [grad], [state.get("v_row")] + ([] if row_sum is None else [row_sum]))
+    run = kernels("m4v4", [grad], [state.get("v_row")] + ([] if row_sum is None else [row_sum]),
+                  lambda: _phase1_layout(grad, state, grad.dim(), row_sum))
     if run is not None and (out := run.m4v4_partials(grad, state, beta2, **kw)) is not None:
         return out
     return F.m4v4_partials(grad, state, beta2, **kw)
@@ -138,7 +151,8 @@ def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
 def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
     """``m4v4_partials`` of every ``(grad, state, beta2)`` in two Triton launches (phase 1 of a
     whole group), or None: the caller takes them one by one."""
-    if items and kernels("m4v4", [g for g, _, _ in items], [s["v_row"] for _, s, _ in items]) is triton:
+    grads, v_rows = [g for g, _, _ in items], [s["v_row"] for _, s, _ in items]
+    if items and kernels("m4v4", grads, v_rows, lambda: _first(_phase1_layout(g, s, g.dim()) for g, s, _ in items)) is triton:
         return triton.m4v4_partials_(items)
     return None
 
@@ -146,7 +160,8 @@ def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None
 def m4v4_row_stats(grad, state, codebook, beta1) -> tuple[torch.Tensor, torch.Tensor]:
     """A coded shard's per-row float64 sums of g^2 and max |m| of the new first moment: what a
     column split reduces over tensor parallelism before ``m4v4_partials`` and ``m4v4_update_``."""
-    run = kernels("m4v4", [grad], [state.get("mv_code"), state.get("m_row_scale"), codebook])
+    run = kernels("m4v4", [grad], [state.get("mv_code"), state.get("m_row_scale"), codebook],
+                  lambda: _m4v4_layout(grad, state, codebook))
     if run is not None and (out := run.m4v4_row_stats(grad, state, codebook, beta1)) is not None:
         return out
     return F.row_square_sums(grad), F.row_abs_max(F.m4v4_momentum(grad, state, codebook, beta1))
@@ -157,15 +172,40 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
     kw = dict(global_rows=global_rows, v_row=v_row, partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0,
               row_len=row_len, row_max=row_max)
     fields = [state.get(k) for k in ("mv_code", "m_row_scale", "v_row", "v_col")]
-    run = kernels("m4v4", [param, grad], [*fields, codebook, ratio, v_row, partials] + ([] if row_max is None else [row_max]))
+    run = kernels("m4v4", [param, grad], [*fields, codebook, ratio, v_row, partials] + ([] if row_max is None else [row_max]),
+                  lambda: _m4v4_layout(grad, state, codebook, param, ratio, v_row, partials, row_max))
     if not (run and run.m4v4_update_(param, grad, state, codebook, ratio, h, **kw)):
         F.m4v4_update_(param, grad, state, codebook, ratio, h, **kw)
 
 
 def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0) -> None:
-    run = kernels("m4v4", [param, grad], [state.get("exp_avg"), state.get("exp_avg_sq")])
+    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+    run = kernels("m4v4", [param, grad], [m, v], lambda: (
+        None if param.shape == grad.shape == m.shape == v.shape and m.dtype == torch.bfloat16
+        and v.dtype == torch.float32 else "an unexpected AdamW state layout"))
     if not (run and run.adamw_update_(param, grad, state, h, pidx=pidx, seed=seed, row0=row0)):
         F.adamw_update_(param, grad, state, h, pidx=pidx, seed=seed, row0=row0)
+
+
+def _m4v4_layout(grad, state, codebook, param=None, ratio=None, v_row=None, partials=None, row_max=None) -> str | None:
+    """Why the m4v4 kernels do not take this coded state and these tables (and, for the update,
+    parameter, ratio table, phase 1's ``v_row`` and ``partials`` and a column split's ``row_max``), or None."""
+    rows, cols = rows_and_row_numel(grad.shape)
+    codes, scale = state["mv_code"], state["m_row_scale"]
+    if (grad.dim() < 2 or cols < 1 or codes.dtype != torch.uint8 or codes.numel() != rows * cols
+            or scale.dtype != torch.bfloat16 or scale.numel() != rows or codebook.dtype != torch.float32
+            or codebook.numel() != 16):
+        return "an unexpected m4v4 state layout"
+    if param is None:
+        return None
+    if row_max is not None and (row_max.dtype != torch.float32 or row_max.numel() != rows):
+        return "an unexpected row statistic of a column split"
+    if (param.shape != grad.shape or ratio.dtype != torch.float32 or ratio.numel() != 32
+            or any(t.dtype != torch.float32 or t.numel() != n for t, n in ((state["v_row"], rows), (v_row, rows),
+                                                                            (state["v_col"], cols)))
+            or partials.dtype != torch.float64 or partials.numel() != cols + 2):
+        return "an unexpected m4v4 state or argument layout"
+    return None
 
 
 def sr_target(param: torch.Tensor, enabled: bool) -> torch.Tensor:
@@ -194,7 +234,9 @@ def block_histogram(blocks, num_bins: int) -> torch.Tensor:
     max-abs (tensor parallelism)."""
     blocks, scale = blocks if isinstance(blocks, tuple) else (blocks, None)
     if blocks.dim() >= 1 and blocks.shape[-1] >= 1 and num_bins >= 1:
-        run = kernels("histogram", [blocks], [] if scale is None else [scale])
+        run = kernels("histogram", [blocks], [] if scale is None else [scale], lambda: (
+            None if scale is None or scale.numel() == blocks.numel() // blocks.shape[-1]
+            else "an unexpected histogram scale layout"))
         if run is not None and (counts := run.block_histogram(blocks, num_bins, scale)) is not None:
             return counts
     if scale is not None:

@@ -1,22 +1,16 @@
 """The C kernels of the step: a ctypes binding to ``gefen/csrc/`` (``gefen._gefen_step``).
 
 Each function takes the arguments of the ``gefen.functional`` reference of the same name and does
-its work in one C call per tensor, or returns None / False, touching nothing, when the tensors'
-layout is not the kernel's; ``gefen.dispatch`` chooses these kernels for CPU tensors that meet
-every kernel's input rules, once ``trusted``.  The m8 kernels (``gefen_step.c``) give the
-reference's bits: they reproduce the rounding order of the eager torch ops, including ATen's
-cascade summation, whose vector width depends on torch's CPU capability, and torch's square root.
-At first use ``calibrate`` runs them under each candidate ``Calibration`` (square root x vector
-width, passed with every call: the library holds no mode of its own) through the parity harness
-(``gefen.parity``); none matching keeps the reference, with a warning. The result is cached per
-library build, CPU and torch in the user's cache directory (``calibrate_cached``;
-``$GEFEN_CACHE_DIR`` overrides it), so a fresh process does not pay the calibration again.
-
-The m4v4 kernels (``m4v4_step.c``) compute the same bits on every ISA (``GEFEN_CPU_ISA``), thread
-count and run, within a stated bound of the reference (``parity.m4v4_disagreement``,
-docs/design.md, "The m4v4 kernels"), the 1-D step bit-identical; the calibration also runs m4v4
-problems and trusts the m4v4 kernels only within the bound. ``block_histogram`` is the first
-step's one-time pass (``first_step.c``): the same counts as ``gefen.codebook``.
+its work in one C call per tensor, or returns None / False, touching nothing, for a layout that is
+not the kernel's; ``gefen.dispatch`` chooses these kernels for CPU tensors once ``trusted``.  The
+m8 kernels (``gefen_step.c``) give the reference's bits: they reproduce the rounding order of the
+eager torch ops (ATen's cascade sums, whose vector width depends on torch's CPU capability, and
+torch's square root).  ``calibrate`` finds, through the parity harness (``gefen.parity``), the
+``Calibration`` (square root x vector width, passed with every call) under which they do, and
+whether the m4v4 kernels (``m4v4_step.c``: the same bits on every ISA, ``GEFEN_CPU_ISA``, thread
+count and run) keep their stated bound; the result is cached per library build, CPU and torch in
+the user's cache directory (``$GEFEN_CACHE_DIR`` overrides it). ``block_histogram`` is the first
+step's pass (``first_step.c``): the same counts as ``gefen.codebook``.
 """
 
 from __future__ import annotations
@@ -256,18 +250,10 @@ def _quantiser(codebook: torch.Tensor) -> _Quantiser | None:
 
 def _partials(grad: torch.Tensor, state: dict, beta2: float, cal: Calibration | None, m4v4: bool,
               row_sum: torch.Tensor | None = None, row_len: int | None = None):
-    """Phase 1 of either layout (``gefen_partials``): ``(v_row, partials)``, or None when it does not
-    apply.  m8 takes 2-D gradients only, as its reference does; m4v4 may be given the whole rows'
-    sums of g^2 (``row_sum``, float64) and length (``row_len``) of a column split."""
-    gdt, v_row_old = _DT[grad.dtype], state["v_row"]
-    if grad.dim() < 2 or (grad.dim() > 2 and not m4v4):
-        return None
+    """Phase 1 of either layout: ``(v_row, partials)``, or None when the kernel refuses; m4v4 may be
+    given the whole rows' sums of g^2 (``row_sum``, float64) and length (``row_len``) of a column split."""
+    gdt, v_row_old, cal = _DT[grad.dtype], state["v_row"], _use(cal)
     rows, cols = rows_and_row_numel(grad.shape)
-    if cols < 1 or v_row_old.dtype != torch.float32 or v_row_old.shape != (rows,):
-        return None
-    if row_sum is not None and (not m4v4 or row_sum.dtype != torch.float64 or row_sum.shape != (rows,)):
-        return None
-    cal = _use(cal)
     v_row = torch.empty(rows, dtype=torch.float32)
     partials = torch.empty(cols + 1 + m4v4, dtype=torch.float64)
     if m4v4:  # fixed-order float64 sums (m4v4_step.c): the same bits on any thread count and ISA
@@ -301,13 +287,8 @@ def m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta
     of a coded shard (the max bit for bit, the float64 sums in phase 1's fixed order) in one C
     pass, or None when it does not apply: the row
     statistics a column split reduces over tensor parallelism before phases 1 and 2."""
-    codes, scale = state.get("mv_code"), state.get("m_row_scale")
+    codes, scale, cal = state["mv_code"], state["m_row_scale"], _use(cal)
     rows, cols = rows_and_row_numel(grad.shape)
-    if (grad.dim() < 2 or cols < 1 or codes.dtype != torch.uint8 or codes.numel() != rows * cols
-            or scale.dtype != torch.bfloat16 or scale.numel() != rows or codebook.dtype != torch.float32
-            or codebook.numel() != 16):
-        return None
-    cal = _use(cal)
     row_sum, row_max = torch.empty(rows, dtype=torch.float64), torch.empty(rows, dtype=torch.float32)
     rc = _lib.gefen_m4v4_row_stats(grad.data_ptr(), _DT[grad.dtype], codes.data_ptr(), scale.data_ptr(),
                                    codebook.data_ptr(), beta1, 1 - beta1, rows, cols, cal.width,
@@ -441,9 +422,6 @@ def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal:
 
 
 # ----- the m4v4 layout: gefen/csrc/m4v4_step.c (phase 2, AdamW); phase 1 is _partials ------------
-_M4V4_DTYPES = {"mv_code": torch.uint8, "m_row_scale": torch.bfloat16, "v_row": torch.float32, "v_col": torch.float32}
-
-
 def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor,
                        ratio: torch.Tensor, h, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor,
                        pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None,
@@ -451,22 +429,8 @@ def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook:
     """``functional.m4v4_update_`` in one C call (``row_max``, a column split's whole rows' max
     |m|, included), within the bound ``parity.m4v4_disagreement`` checks; returns False (touching nothing)
     when it does not apply (then the caller runs the reference; ``cal``: as for ``second_moment_partials``)."""
-    if param.shape != grad.shape or grad.dim() < 2:
-        return False
     rows, cols = rows_and_row_numel(grad.shape)
-    fields = [state.get(k) for k in _M4V4_DTYPES]
-    if cols < 1 or any(t is None or t.dtype != dt for t, dt in zip(fields, _M4V4_DTYPES.values())):
-        return False
-    codes, scale, v_row_old, v_col = fields
-    tables = (codebook, ratio)
-    if (v_row.dtype != torch.float32 or partials.dtype != torch.float64
-            or any(t.dtype != torch.float32 or t.numel() != n for t, n in zip(tables, (16, 32)))):
-        return False
-    if (codes.numel() != rows * cols or scale.numel() != rows or v_row_old.numel() != rows or v_row.numel() != rows
-            or v_col.numel() != cols or partials.numel() != cols + 2):
-        return False
-    if row_max is not None and (row_max.dtype != torch.float32 or row_max.numel() != rows):
-        return False
+    codes, scale, v_row_old, v_col = (state[k] for k in ("mv_code", "m_row_scale", "v_row", "v_col"))
     cal = _use(cal)
     a = _M4v4Args()
     _head(a, param, grad, state, h, cal)
@@ -483,11 +447,7 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h, *, pi
                         row0: int = 0, cal: Calibration | None = None) -> bool:
     """``functional.adamw_update_`` (m4v4's 1-D/0-D step) in one C call; False (touching
     nothing) when it does not apply (``cal``: as for ``second_moment_partials``)."""
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    if (param.shape != grad.shape or m.shape != param.shape or v.shape != param.shape
-            or m.dtype != torch.bfloat16 or v.dtype != torch.float32):
-        return False
-    cal = _use(cal)
+    m, v, cal = state["exp_avg"], state["exp_avg_sq"], _use(cal)
     a = _AdamwArgs()
     _head(a, param, grad, state, h, cal)
     a.exp_avg, a.exp_avg_sq, a.n, a.row_offset = m.data_ptr(), v.data_ptr(), param.numel(), row0
@@ -510,14 +470,8 @@ def round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: in
 def block_histogram(blocks: torch.Tensor, num_bins: int, scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """``codebook.histogram_normalised_blocks`` (identical counts, ``scale`` included: one fp32
     per block) in one C pass, or None when it does not apply."""
-    dt = _DT[blocks.dtype]
-    if blocks.dim() < 1 or blocks.shape[-1] < 1 or num_bins < 1:
-        return None
-    P = blocks.shape[-1]
-    if scale is not None:
-        scale = scale.float().contiguous() if scale.device.type == "cpu" else None
-        if scale is None or scale.numel() != blocks.numel() // P:
-            return None
+    dt, P = _DT[blocks.dtype], blocks.shape[-1]
+    scale = None if scale is None else scale.float()
     counts = torch.zeros(num_bins, dtype=torch.int64)
     rc = _lib.gefen_block_histogram(blocks.data_ptr(), dt, blocks.numel() // P, P, num_bins, counts.data_ptr(),
                                     None if scale is None else scale.data_ptr())

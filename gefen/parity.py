@@ -1,14 +1,10 @@
-"""The parity harness: a kernel family is trusted only once it agrees with the reference.
+"""The parity harness: a kernel family runs only once it agrees with the reference.
 
-Both kernel families pass through it before ``gefen.dispatch`` lets them run: the C kernels at
-first use under each candidate calibration (``gefen.native.calibrate``), the Triton kernels at
-a device's first use per family (``gefen.triton.selfcheck``, run by
-``gefen.triton.dispatch.verify``). ``check`` runs a family's small problems with the reference's
-step functions (``gefen.functional``) and with the kernels', from the same inputs, and names the
-first disagreement under the family's rule: ``same_bits`` (C m8 and the 1-D step, Triton's
-momentum, write-back and histogram), ``state_differences`` / ``params_close`` (Triton's m4v4 and
-m8: states exact, m8's fp32 means to ``M8_V_RTOL``) or ``m4v4_disagreement`` (the C m4v4 kernels'
-stated bound, docs/design.md, "The m4v4 kernels").
+``check`` runs small problems with the reference's step functions (``gefen.functional``) and the
+kernels' from the same inputs and names the first disagreement under the family's rule:
+``identical`` (bit for bit), ``within_m4v4_bound`` (the C m4v4 kernels' stated bound,
+docs/design.md, "The m4v4 kernels"), or Triton's ``state_differences`` and ``params_close``.
+``gefen.native.calibrate`` and ``gefen.triton.selfcheck`` hold the problems.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""The Triton kernels' side of ``gefen.dispatch``: whether they are trusted on a device, their
-launch through ``gefen.triton.launch``, and the layout each expects.
+"""The Triton kernels' side of ``gefen.dispatch``: whether they are trusted on a device, the
+layout each expects, and their launch through ``gefen.triton.launch``.
 
-``gefen.dispatch.kernels`` chooses these for CUDA tensors (a DTensor's local shard included: the
-step passes local tensors) once the switch, ``untrusted`` and the shared input rules allow; each
-function here takes the arguments of the functional reference of the same name and returns True
-/ the result when the kernels did the work, or False / None (nothing touched) when its layout is
-not theirs and the reference must run. A CUDA step that falls back logs its reason once
-(``fallback``). At a device's first use each kernel family runs the parity check against the
-reference (``verify``, ``gefen.triton.selfcheck``); on a mismatch or a build failure the
-reference is kept, with the reason logged. Triton is imported on first use only.
-
-Inside ``batched()`` the m4v4, 1-D and m8 updates (which return nothing) are queued and launched
-together when the block ends: one launch per phase for the whole group instead of a few per tensor.
+Each function takes the arguments of the functional reference of the same name and returns True
+/ the result when the kernels did the work, or False / None (nothing touched) for a layout that is
+not theirs, logged once (``fallback``). At a CUDA device's first use each family runs its parity
+problems (``verify``); a mismatch or a build failure keeps the reference. Triton is imported on
+first use only. Inside ``batched()`` the updates (which return nothing) are queued and launched
+together when the block ends: one launch per phase for the whole step instead of a few per tensor.
 """
 
 from __future__ import annotations
@@ -72,11 +67,9 @@ def untrusted(device: torch.device, family: str) -> str | None:
 
 
 def verify(device: torch.device, family: str) -> str | None:
-    """Run one kernel family (``"m4v4"``: phases 1 and 2 and the 1-D path; ``"m8"``: both phases,
-    both second-moment forms; ``"momentum"``) once on small problems on ``device`` against the
-    eager reference, at first use (cached): None when codes, scales and moments match (exactly;
-    m8's fp32 means to ``parity.M8_V_RTOL``), else the reason the eager path is kept (a Triton
-    or driver that miscompiles or fails to build them). As ``gefen.native`` calibrates its C step."""
+    """The ``family``'s parity problems (``gefen.triton.selfcheck``) on ``device``, once (cached):
+    None when the kernels agree with the reference, else why the reference is kept (a Triton or
+    driver that miscompiles the kernels or fails to build them)."""
     key = (str(device), family)
     if key not in _verified:
         from gefen.triton import selfcheck
@@ -133,15 +126,7 @@ def _submit(item, books, run: str = "m4v4_update_") -> None:
 def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, partials, pidx, seed, row0=0,
                  col0=0, row_len=None, row_max=None) -> bool:
     """``functional.m4v4_update_`` through the kernels (a column split's ``col0``, ``row_len`` and
-    ``row_max`` included); False when it must run eagerly."""
-    cols = math.prod(param.shape[1:])
-    if row_max is not None and (row_max.dtype != torch.float32 or row_max.numel() != param.shape[0]):
-        return fallback("an unexpected row statistic of a column split")
-    if (param.dim() < 2 or param.shape != grad.shape or codebook.numel() != 16 or ratio.numel() != 32
-            or codebook.dtype != torch.float32 or ratio.dtype != torch.float32 or partials.dtype != torch.float64
-            or partials.numel() != cols + 2 or v_row.dtype != torch.float32 or v_row.numel() != param.shape[0]
-            or state["mv_code"].dtype != torch.uint8 or state["m_row_scale"].dtype != torch.bfloat16):
-        return fallback("an unexpected m4v4 state or argument layout")
+    ``row_max`` included; ``gefen.dispatch`` checked the layout, as for the m4v4 functions below)."""
     item = _launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0,
                             global_rows=global_rows, row_len=row_len, v_row=v_row, partials=partials, col0=col0,
                             row_max=row_max)
@@ -151,37 +136,25 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
 
 def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
     """``functional.m4v4_partials`` of one coded shard (a column split's given ``row_sum`` and
-    ``row_len`` included) through the kernels, or None."""
-    if row_sum is not None and (row_sum.dtype != torch.float64 or row_sum.numel() != grad.shape[0]):
-        return None
+    ``row_len`` included) through the kernels."""
     out = m4v4_partials_([(grad, state, beta2)], None if row_sum is None else [(row_sum, row_len or grad[0].numel())])
     return None if out is None else out[0]
 
 
 def m4v4_row_stats(grad, state, codebook, beta1):
     """``(row_square_sums(grad), row_abs_max(m4v4_momentum(...)))`` of one coded shard through the
-    kernels (phase 0 of a column split), or None."""
-    codes, scale = state["mv_code"], state["m_row_scale"]
-    if (grad.dim() < 2 or codes.shape != grad.shape or scale.dtype != torch.bfloat16 or codebook.numel() != 16
-            or codebook.dtype != torch.float32):
-        return fallback("an unexpected m4v4 state layout") or None
+    kernels (phase 0 of a column split)."""
     return _launch_mod.m4v4_row_stats([(grad, state, beta1)], codebook)[0]
 
 
 def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]], rows=None) -> list | None:
     """``functional.m4v4_partials`` of every ``(grad, state, beta2)`` in two launches (phase 1 of a
-    whole group), or None when any of them must take the eager path. ``rows``: each item's given
-    ``(row_sum, row_len)`` or None (``gefen.triton.launch.m4v4_partials``)."""
-    if any(g.dim() < 2 or s["v_row"].shape != g.shape[:1] or s["v_row"].dtype != torch.float32 for g, s, _ in items):
-        return None
+    whole group); ``rows``: each item's given ``(row_sum, row_len)`` or None (``launch.m4v4_partials``)."""
     return _launch_mod.m4v4_partials(items, rows)
 
 
 def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0) -> bool:
     """``functional.adamw_update_`` (1-D/0-D tensors of m4v4) through the kernels."""
-    if (param.shape != grad.shape or state["exp_avg"].dtype != torch.bfloat16
-            or state["exp_avg_sq"].dtype != torch.float32):
-        return fallback("an unexpected AdamW state layout")
     _submit(_launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0),
             (None, None))
     return True
@@ -210,9 +183,7 @@ def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, p
 
 def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
     """``functional.second_moment_partials`` of every factored ``(grad, state, beta2)`` in two
-    launches (phase 1 of a whole m8 group), or None when any of them must take the eager path."""
-    if any(g.dim() != 2 or s["v_row"].shape != g.shape[:1] or s["v_row"].dtype != torch.float32 for g, s, _ in items):
-        return None
+    launches (phase 1 of a whole m8 group)."""
     return _launch_mod.m8_partials(items)
 
 
@@ -259,6 +230,4 @@ def block_histogram(blocks, num_bins: int, scale=None) -> torch.Tensor | None:
     rows' max-abs) through the kernel, or None."""
     if not blocks.numel():
         return None
-    if scale is not None and scale.numel() != blocks.numel() // blocks.shape[-1]:
-        return fallback("an unexpected histogram scale layout") or None
     return _launch_mod.block_histogram(blocks, num_bins, scale)

@@ -1,11 +1,7 @@
-"""The Triton kernels' parity problems: ``gefen.triton.dispatch.verify`` runs a family's once per
-device, judged by the rules of ``gefen.parity`` as ``gefen.native.calibrate`` judges the C kernels;
-on any disagreement (a Triton or driver that builds the kernels differently) the eager step is
-kept and the reason logged. The problems reach both row paths (one tile, two passes), bf16 and
-fp32, an all-zero row and, for m4v4 and m8, the 1-D path; for m8 both second-moment forms. Each
-family steps the reference and the kernels in lockstep (phase 2 given the reference's phase 1,
-parameters re-synchronised each step) under the harness's rules: states exact (m8's fp32 means
-to ``parity.M8_V_RTOL``), parameters within ``parity.params_close``, the rest bit for bit.
+"""The Triton kernels' parity problems, which ``gefen.triton.dispatch.verify`` runs once per device
+and family under the rules of ``gefen.parity``: both row paths (one tile, two passes), bf16 and
+fp32, an all-zero row, the 1-D path, m8's two second-moment forms. Reference and kernels step in
+lockstep (phase 2 given the reference's phase 1, parameters re-synchronised each step).
 """
 
 from __future__ import annotations

@@ -351,20 +351,19 @@ def test_refuses_what_it_cannot_do():
     st = init_m4v4_state(p, (8, 6))
     g = torch.randn(8, 6)
     v_row, partials = m4v4_partials(g, st, HYPER.beta2)
-    before = {k: v.clone() for k, v in st.items()}
-    kw = dict(global_rows=8, v_row=v_row, partials=partials, pidx=0, seed=0)
     fields = [st[k] for k in ("mv_code", "m_row_scale", "v_row", "v_col")]
     assert dispatch.kernels("m4v4", [p, g], fields) is native
     assert dispatch.kernels("m4v4", [p.double(), g.double()], fields) is None
     assert dispatch.kernels("m4v4", [p.t(), g.t()], fields) is None  # not contiguous
     assert dispatch.kernels("m4v4", [p, g], fields + [torch.zeros(6, 2).t()]) is None  # a state not contiguous
     assert dispatch.kernels("m4v4", [p, g], fields[:2] + [None]) is None  # a state field missing
-    assert not native.m4v4_update_(p, g, st, codebook[:8], ratio, HYPER, **kw)  # not 16 entries
-    assert not native.m4v4_update_(p, g, st, codebook, ratio, HYPER, **(kw | {"partials": partials[:-1]}))
+    args = (p, ratio, v_row, partials)
+    assert dispatch._m4v4_layout(g, st, codebook, *args) is None
+    assert dispatch._m4v4_layout(g, st, codebook[:8], *args) is not None  # not 16 entries
+    assert dispatch._m4v4_layout(g, st, codebook, p, ratio, v_row, partials[:-1]) is not None
+    assert dispatch._m4v4_layout(g, st, codebook, *args, row_max=torch.zeros(3)) is not None  # one per row
     dispatch.enabled = False
     assert dispatch.kernels("m4v4", [p, g], fields) is None
-    for k, v in st.items():
-        assert torch.equal(v, before[k]), k
 
 
 # ----- checkpoints: the state layout did not change -----------------------------------------------
