@@ -274,7 +274,7 @@ def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal
 
 
 def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: torch.Tensor | None = None,
-                        row_len: int | None = None, cal: Calibration | None = None):
+                  row_len: int | None = None, cal: Calibration | None = None):
     """``functional.m4v4_partials`` (``row_sum``/``row_len`` included) in one C call, its float64
     sums in an order fixed by the shape (so within 1e-12 of the reference's, and the same bits on
     any thread count and ISA), or None when it does not apply (``cal``: as for ``second_moment_partials``)."""
@@ -282,7 +282,7 @@ def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: tor
 
 
 def m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1: float, *,
-                         cal: Calibration | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                   cal: Calibration | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(functional.row_square_sums(grad), functional.row_abs_max(functional.m4v4_momentum(...)))``
     of a coded shard (the max bit for bit, the float64 sums in phase 1's fixed order) in one C
     pass, or None when it does not apply: the row
@@ -359,7 +359,7 @@ def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
 
 
 def momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
-                    scales: torch.Tensor | None = None) -> torch.Tensor | None:
+              scales: torch.Tensor | None = None) -> torch.Tensor | None:
     """``functional.update_momentum_`` in one C call (same codes, scales and returned fp32
     momentum, bit for bit), or None when it does not apply (nothing modified then). ``scales``:
     as ``store_momentum_``'s (a column split's rows' scales, reduced over tensor parallelism)."""
@@ -423,9 +423,9 @@ def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal:
 
 # ----- the m4v4 layout: gefen/csrc/m4v4_step.c (phase 2, AdamW); phase 1 is _partials ------------
 def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor,
-                       ratio: torch.Tensor, h, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor,
-                       pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None,
-                       row_max: torch.Tensor | None = None, cal: Calibration | None = None) -> bool:
+                 ratio: torch.Tensor, h, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor,
+                 pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None,
+                 row_max: torch.Tensor | None = None, cal: Calibration | None = None) -> bool:
     """``functional.m4v4_update_`` in one C call (``row_max``, a column split's whole rows' max
     |m|, included), within the bound ``parity.m4v4_disagreement`` checks; returns False (touching nothing)
     when it does not apply (then the caller runs the reference; ``cal``: as for ``second_moment_partials``)."""
@@ -444,7 +444,7 @@ def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook:
 
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h, *, pidx: int, seed: int,
-                        row0: int = 0, cal: Calibration | None = None) -> bool:
+                  row0: int = 0, cal: Calibration | None = None) -> bool:
     """``functional.adamw_update_`` (m4v4's 1-D/0-D step) in one C call; False (touching
     nothing) when it does not apply (``cal``: as for ``second_moment_partials``)."""
     m, v, cal = state["exp_avg"], state["exp_avg_sq"], _use(cal)
@@ -456,7 +456,7 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h, *, pi
 
 
 def round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: int, row0: int = 0,
-                       col0: int = 0, row_len: int | None = None) -> bool:
+                 col0: int = 0, row_len: int | None = None) -> bool:
     """``functional.round_param_`` (bf16_stochastic_round's write-back) in one C call; False
     (touching nothing) when it does not apply. Integer arithmetic only: no calibration needed."""
     if param.dtype != torch.bfloat16 or work.dtype != torch.float32 or work.shape != param.shape:
