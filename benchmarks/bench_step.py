@@ -59,8 +59,8 @@ REFERENCE_REPS = 3  # rounds that include the torch reference (quick: 1)
 
 
 def _native_state() -> str:
-    if not native.available():
-        return "eager torch ops (native step unavailable)"
+    if not (dispatch.enabled and native.available()):
+        return "eager torch ops (native step off or unavailable)"
     return "native fused C step" if native._calibrated().m4v4 else "eager m4v4 torch ops (m4v4 kernels unavailable)"
 
 
