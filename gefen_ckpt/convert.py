@@ -166,14 +166,12 @@ def _dense_param(impl: str, fqn: str, entry: ParamState, books: dict) -> Dense:
     step = int(round(float(fields["step"])))
     if "exp_avg" in fields:  # AdamW/Adam, and Gefen's 1-D moments
         return Dense(entry.shape, entry.dtype, step, fields["exp_avg"].float(), fields["exp_avg_sq"].float())
-    codebook_src = books.get("codebook")
-    if codebook_src is None:
-        raise CheckpointMismatchError(f"{fqn}: {impl} state without a codebook")
-    codec = M8Codec(codebook_src.read().float())
-    if "mv_code" in fields:
-        if books.get("v_codebook") is None:
-            raise CheckpointMismatchError(f"{fqn}: {impl} state without a v_codebook")
-        codec = M4V4Codec(codec.codebook, ratio_table(books["v_codebook"].read().float()))
+    m4v4 = "mv_code" in fields
+    for book in ("codebook", "v_codebook") if m4v4 else ("codebook",):
+        if books.get(book) is None:
+            raise CheckpointMismatchError(f"{fqn}: {impl} state without a {book}")
+    codebook = books["codebook"].read().float()
+    codec = M4V4Codec(codebook, ratio_table(books["v_codebook"].read().float())) if m4v4 else M8Codec(codebook)
     return Dense(entry.shape, entry.dtype, step, *codec.decode(fields))
 
 
