@@ -3,7 +3,7 @@
 Trains ``bench_quality``'s character LM with ``gefen.Gefen`` while an exact fp32 EMA of g^2
 (AdamW's ``exp_avg_sq``, on the very gradients the optimizer sees, after clipping) runs beside
 it, then compares, over every coded matrix's elements, the second moment the last step's
-denominator used (``gefen.functional.decoded_second_moment``) with the exact one:
+denominator used (``gefen.codecs.M4V4Codec.decode``) with the exact one:
 
 * ``mean_log_ratio``: mean of ``log(v_decoded / v_exact)`` (0 = unbiased in log v);
 * ``step_factor``: mean of ``(sqrt(v_exact / bc2) + eps) / (sqrt(v_decoded / bc2) + eps)``, how
@@ -20,7 +20,7 @@ import json
 import torch
 
 from benchmarks.bench_quality import CharLM, Task, corpus, fit
-from gefen.functional import decoded_second_moment
+from gefen.codecs import M4V4Codec
 from gefen.stochastic import ratio_table
 
 #: the short task of tests/optim/test_quality_lm.py
@@ -45,18 +45,18 @@ def probe(text: str = "stdlib", seed: int = 0, task: Task = SHORT, data=None, **
             exact[p].mul_(b2).add_(g * g, alpha=1 - b2)
 
     fit(model, opt, train_data, task, seed, after_step=track_g2)
-    ratio = ratio_table(opt.v_codebook)
+    codec = M4V4Codec(opt.codebook, ratio_table(opt.v_codebook))
     bc2 = 1 - b2**task.steps
     logs, factors, spread, per_matrix = [], [], [], []
     for name, p in model.named_parameters():
         if p not in exact:
             continue
-        v_dec, v_ex = decoded_second_moment(opt.state[p], ratio), exact[p]
+        v_dec, v_ex = codec.decode(opt.state[p])[1].reshape(exact[p].shape), exact[p]
         live = v_ex > 0  # elements that never had a gradient (unused embedding rows) have no ratio
         lr_ = torch.log(v_dec.clamp_min(1e-38) / v_ex.clamp_min(1e-38))[live].double()
         f = ((v_ex / bc2).sqrt() + eps) / ((v_dec / bc2).sqrt() + eps)
         f = f[live].double()
-        vhat = decoded_second_moment(opt.state[p], torch.ones(16))
+        vhat = codec.vhat(opt.state[p]["v_row"], opt.state[p]["v_col"])
         spread.append(torch.log(v_ex.clamp_min(1e-38) / vhat.clamp_min(1e-38))[live].double())
         logs.append(lr_)
         factors.append(f)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gefen.codecs import M4V4Codec, M8Codec, row_abs_max
 from gefen.contract import DIMENSION_FIELDS
 from gefen.geometry import as_blocks, block_shape, uses_row_period
 from gefen.quant import dequantise, quantise
@@ -111,8 +112,8 @@ def gefen_update_(
         state["v_row"].copy_(v_row)
         col_mean = (partials[:-1] / global_rows).float()
         state["v_col"].mul_(h.beta2).add_(col_mean, alpha=1 - h.beta2)
-        row_mean = (partials[-1] / global_rows).float().clamp_min(torch.finfo(torch.float32).tiny)
-        denom = torch.outer(state["v_row"], state["v_col"]).div_(row_mean)
+        row_mean = (partials[-1] / global_rows).float().clamp_min(TINY)
+        denom = M8Codec.factored(state["v_row"], state["v_col"], row_mean)
         denom = as_blocks(_div(denom.sqrt_(), bias2_sqrt).add_(h.eps), period)
     else:
         block_sq = as_blocks(g, period).square().mean(-1)
@@ -175,10 +176,8 @@ def _local_period(state: dict) -> int:
     return period if local == period * blocks else max(local, 1)
 
 
-# ----- the "m4v4" layout (contract version "2"): one byte per element -------------------------
-#: state of a tensor of >= 2 dims: low nibble of ``mv_code`` = first-moment code, high nibble =
-#: second-moment code (against the factored estimate); 1-D/0-D tensors keep AdamW moments
-M4V4_MATRIX_FIELDS, VECTOR_FIELDS = DIMENSION_FIELDS[("gefen.Gefen", "2")]
+# ----- the "m4v4" layout (contract version "2"): one byte per element (``gefen.codecs.M4V4Codec``)
+M4V4_MATRIX_FIELDS, VECTOR_FIELDS = DIMENSION_FIELDS[("gefen.Gefen", "2")]  # a coded tensor's, the others'
 #: under m4v4 the tensors with row blocks (two or more dims) are coded; the rest keep AdamW moments
 is_coded = uses_row_period
 
@@ -240,37 +239,6 @@ def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: tor
     return v_row, partials
 
 
-def factored_estimates(state: dict, v_row: torch.Tensor, partials: torch.Tensor, beta2: float, *,
-                       global_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(v_col', vhat_old, vhat_new)`` from the state *before* the step and the reduced partials:
-    ``vhat = (v_row / max(mean(v_row), TINY))[i] * v_col[j]`` for the old and the new statistics."""
-    rows = max(global_rows, 1)
-    col_mean = (partials[:-2] / rows).float()
-    v_col = state["v_col"] * beta2 + col_mean * (1 - beta2)
-    mean_new = (partials[-2] / rows).float().clamp_min(TINY)
-    mean_old = (partials[-1] / rows).float().clamp_min(TINY)
-    vhat_new = (v_row / mean_new)[:, None] * v_col[None, :]
-    vhat_old = (state["v_row"] / mean_old)[:, None] * state["v_col"][None, :]
-    return v_col, vhat_old, vhat_new
-
-
-def decoded_second_moment(state: dict, ratio: torch.Tensor) -> torch.Tensor:
-    """A coded tensor's second moment as its last step's denominator used it, fp32 ``[rows,
-    row_numel]``: ``vhat * R[code >> 4]``, ``vhat = (v_row / max(mean(v_row), TINY))[i] * v_col[j]``
-    (``ratio``: ``ratio_table(v_codebook)``). Local rows only: the mean of an unsharded ``v_row``."""
-    v_row, v_col = state["v_row"].float(), state["v_col"].float()
-    mean = (v_row.sum(dtype=torch.float64) / max(v_row.numel(), 1)).float().clamp_min(TINY)
-    codes = rows_view(state["mv_code"]).long() >> 4
-    return (v_row / mean)[:, None] * v_col[None, :] * ratio[:16].to(v_col.device).take(codes)
-
-
-def _second_moment(state: dict, sq: torch.Tensor, ratio: torch.Tensor, beta2: float,
-                   vhat_old: torch.Tensor) -> torch.Tensor:
-    """The new per-element second moment (before re-quantisation): decoded old v, then the EMA."""
-    v = vhat_old * ratio.take((state["mv_code"].reshape(sq.shape) >> 4).long())
-    return v * beta2 + sq * (1 - beta2)
-
-
 def m4v4_update_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -303,7 +271,7 @@ def m4v4_update_(
     g = _rows(grad)
     rows, cols = g.shape
     sq = g * g
-    v_col, vhat_old, vhat_new = factored_estimates(state, v_row, partials, b2, global_rows=global_rows)
+    v_col = state["v_col"] * b2 + (partials[:-2] / max(global_rows, 1)).float() * (1 - b2)
     state["step"].fill_(step)
     if g.numel() == 0:
         state["v_row"].copy_(v_row)
@@ -314,25 +282,25 @@ def m4v4_update_(
     gidx = element_index(rows, cols, row0=row0, row_len=cols if row_len is None else row_len, col0=col0,
                          device=g.device)
     salt_m, salt_v = salts(pidx, seed)
+    codec = M4V4Codec(codebook, ratio)
+    vhat_old = codec.vhat(state["v_row"], state["v_col"], partials[-1], global_rows)
+    vhat_new = codec.vhat(v_row, v_col, partials[-2], global_rows)
 
-    # second moment: per-element code of v / vhat against the ratio table
-    v = _second_moment(state, sq, ratio, b2, vhat_old)
-    r = v / vhat_new.clamp_min(TINY)
-    vcode = encode_v(r, ratio, hash_uniform(gidx, step, salt_v))
-    vq = vhat_new * ratio.take(vcode)
-    denom = _div(vq.sqrt(), math.sqrt(1 - b2**step)) + h.eps
+    # second moment: the decoded old one's EMA, coded as v / vhat against the ratio table
+    v = codec.second_moment(state["mv_code"].reshape(g.shape), vhat_old) * b2 + sq * (1 - b2)
+    vcode = encode_v(v / vhat_new.clamp_min(TINY), ratio, hash_uniform(gidx, step, salt_v))
 
     # first moment: per-row max-abs scale (bf16), 4-bit code
     m = m4v4_momentum(g, state, codebook, b1)
-    s_f = (row_abs_max(m) if row_max is None else row_max).to(torch.bfloat16).float()
-    x = m / torch.where(s_f == 0, 1.0, s_f)[:, None]
-    mcode = encode(x, codebook, hash_uniform(gidx, step, salt_m))
-    mq = codebook.take(mcode) * s_f[:, None]
+    x, scale = codec.normalise(m, row_abs_max(m) if row_max is None else row_max)
+    codes = codec.pack(encode(x, codebook, hash_uniform(gidx, step, salt_m)), vcode)
 
-    # update (the same op order as gefen_update_)
-    decay_and_add_(param, (_div(mq, 1 - b1**step) / denom).view(param.shape), h.lr, h.weight_decay)
-    state["mv_code"].copy_((mcode | (vcode << 4)).view(state["mv_code"].shape))
-    state["m_row_scale"].copy_(s_f)
+    # update with the moments decoded from the new codes (the same op order as gefen_update_)
+    denom = _div(codec.second_moment(codes, vhat_new).sqrt(), math.sqrt(1 - b2**step)) + h.eps
+    decay_and_add_(param, (_div(codec.momentum(codes, scale), 1 - b1**step) / denom).view(param.shape), h.lr,
+                   h.weight_decay)
+    state["mv_code"].copy_(codes.view(state["mv_code"].shape))
+    state["m_row_scale"].copy_(scale)
     state["v_row"].copy_(v_row)
     state["v_col"].copy_(v_col)
 
@@ -341,13 +309,8 @@ def m4v4_momentum(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1
     """The new first moment of a coded tensor, fp32 ``[rows, row_numel]`` (before re-quantisation):
     the decoded old one, then the EMA."""
     g = _rows(grad)
-    m = codebook.take((state["mv_code"].reshape(g.shape) & 15).long()) * state["m_row_scale"].float()[:, None]
+    m = M4V4Codec(codebook).momentum(state["mv_code"].reshape(g.shape), state["m_row_scale"])
     return m * beta1 + g * (1 - beta1)
-
-
-def row_abs_max(m: torch.Tensor) -> torch.Tensor:
-    """max |m| of each row of a ``[rows, cols]`` tensor (0 for rows without columns)."""
-    return m.abs().amax(1) if m.shape[1] else m.new_zeros(m.shape[0])
 
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper, *, pidx: int, seed: int,

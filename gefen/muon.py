@@ -21,8 +21,8 @@ from gefen.contract import FieldSpec, OptimizerContract
 from gefen.dispatch import momenta_, momentum_scales, round_param_, sr_target, update_momentum_
 from gefen.distributed import Layout, RowGather
 from gefen.functional import decay_and_add_, init_momentum_state
-from gefen.layouts import CODEBOOK_FIELD, MOMENTUM_FIELDS
 from gefen.newton_schulz import NORM_EPS, STANDARD, orthogonalise, resolve_schedule
+from gefen.state_layouts import CODEBOOK_FIELD, MOMENTUM_FIELDS
 from gefen.stochastic import param_salt
 from gefen.validation import check_range, param_label
 

@@ -18,7 +18,7 @@ from gefen.functional import (
     is_factored,
 )
 from gefen.geometry import rows_and_row_numel
-from gefen.layouts import CONTRACTS, MOMENTS, V_CODEBOOK, version_refusal
+from gefen.state_layouts import CONTRACTS, MOMENTS, V_CODEBOOK, version_refusal
 from gefen.stochastic import CODES, param_salt, ratio_table, standin_codebook, v_grid
 from gefen.validation import check_adamw_options, check_betas, check_range
 

@@ -4,17 +4,15 @@ Every conversion passes through AdamW's own form, one ``Dense`` record per param
 ``exp_avg``, ``exp_avg_sq``; the latter ``None`` where the source keeps no second moment, as
 Muon does) plus per group the hyperparameters that mean the same in AdamW and the target. A
 target is then built from that form with Gefen's own functions -- ``learn_codebook`` from the
-first moments (exactly as from first gradients), ``quantise`` as the step re-quantises,
-``shape_period`` for the block length, the factored/block second moment as Gefen accumulates
-it -- and read back through the same dense view, so the reported error is exactly what the
+first moments (exactly as from first gradients), ``shape_period`` for the block length, the
+layout's codec (``gefen.codecs``) to encode the moments as the step stores them -- and read back
+through the same dense view (the codec's decode), so the reported error is exactly what the
 target will use against what the source held. Pure functions on ``CanonicalState``: any
 reader and writer of gefen_ckpt works with them.
 
 Gefen targets get the default layout, ``moments="m4v4"`` (contract version "2"), unless
-``moments="m8"`` asks for the 8-bit first-moment layout (version "1"). m4v4 codes are chosen by *nearest* rounding
-(the first moment's in the codebook, the second moment's ``log(v / vhat) / 8`` in the
-``v_codebook``, i.e. nearest in log ratio; a 1-D tensor's ``exp_avg`` to the nearest bf16): a
-one-off quantisation has no bias to average out
+``moments="m8"`` asks for the 8-bit first-moment layout (version "1"). m4v4 codes (and a 1-D
+tensor's bf16 ``exp_avg``) are the *nearest*: a one-off quantisation has no bias to average out
 (stochastic rounding matters for an EMA re-quantised every step), and nearest has the smaller
 error that the report then shows. The first-moment codebook is learned as at the first step, from
 the first moments' rows; the second moment's is the step's fixed ``gefen.stochastic.v_grid``.
@@ -28,12 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from gefen.codebook import learn_codebook, nearest_code
+from gefen.codebook import learn_codebook
+from gefen.codecs import M4V4Codec, M8Codec
 from gefen.contract import OptimizerContract
-from gefen.functional import decoded_second_moment, is_coded, is_factored
+from gefen.functional import is_coded, is_factored
 from gefen.geometry import as_blocks, shape_period
-from gefen.quant import dequantise, quantise
-from gefen.stochastic import CODES, LOG_RANGE, TINY, ratio_table, v_grid
+from gefen.state_layouts import CONTRACTS as GEFEN_LAYOUTS
+from gefen.stochastic import CODES, ratio_table, v_grid
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, global_key
 from gefen_ckpt.errors import CheckpointMismatchError
 from gefen_ckpt.torch_format import known_contracts
@@ -44,8 +43,6 @@ __all__ = ["TARGETS", "convert_state", "resolve_target"]
 GEFEN, MUON, HYBRID, ADAMW, ADAM = ("gefen.Gefen", "gefen.GefenMuon", "gefen.GefenMuonHybrid", "torch.optim.AdamW",
                                     "torch.optim.Adam")
 TARGETS = (GEFEN, MUON, HYBRID, ADAMW)
-#: the AdamW-meaning hyperparameters every conversion carries (beta2/eps may be unknown: None)
-_CARRIED = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
 
 @dataclass
@@ -91,8 +88,8 @@ def convert_state(state: CanonicalState, into: str, *, moments: str = "m4v4", fa
     groups, dense = dense_view(state)
     if backup not in ("gefen", "adamw"):
         raise CheckpointMismatchError(f"backup must be 'gefen' or 'adamw', got {backup!r}")
-    if moments not in _gefen_contracts():
-        raise CheckpointMismatchError(f"moments must be one of {list(_gefen_contracts())}, got {moments!r}")
+    if moments not in GEFEN_LAYOUTS:
+        raise CheckpointMismatchError(f"moments must be one of {list(GEFEN_LAYOUTS)}, got {moments!r}")
     if moments == "m4v4" and not factored_v_2d:
         raise CheckpointMismatchError("m4v4 codes the second moment against the factored estimate; "
                                       "factored_v_2d=False needs moments='m8'")
@@ -169,44 +166,13 @@ def _dense_param(impl: str, fqn: str, entry: ParamState, books: dict) -> Dense:
     step = int(round(float(fields["step"])))
     if "exp_avg" in fields:  # AdamW/Adam, and Gefen's 1-D moments
         return Dense(entry.shape, entry.dtype, step, fields["exp_avg"].float(), fields["exp_avg_sq"].float())
-    codebook_src = books.get("codebook")
-    if codebook_src is None:
-        raise CheckpointMismatchError(f"{fqn}: {impl} state without a codebook")
-    if "mv_code" in fields:
-        if books.get("v_codebook") is None:
-            raise CheckpointMismatchError(f"{fqn}: {impl} state without a v_codebook")
-        return _dense_m4v4(entry, step, fields, codebook_src.read().float(), books["v_codebook"].read().float())
-    period = int(fields["period"])
-    m = dequantise(fields["m_code"], fields["m_scale"], codebook_src.read().float(), period)
-    return Dense(entry.shape, entry.dtype, step, m, _second_moment(fields, entry.shape, period))
-
-
-def _vhat(v_row: torch.Tensor, v_col: torch.Tensor) -> torch.Tensor:
-    """The factored estimate as the m4v4 step forms it: ``(v_row / max(mean(v_row), tiny))[i] * v_col[j]``."""
-    mean = (v_row.sum(dtype=torch.float64) / max(v_row.numel(), 1)).float().clamp_min(TINY)
-    return (v_row / mean)[:, None] * v_col[None, :]
-
-
-def _dense_m4v4(entry: ParamState, step: int, fields: dict, codebook: torch.Tensor, v_codebook: torch.Tensor) -> Dense:
-    """An m4v4 coded tensor's moments as the step decodes them."""
-    rows = entry.shape[0]
-    codes = fields["mv_code"].reshape(rows, -1).long()
-    m = codebook[codes & 15] * fields["m_row_scale"].float()[:, None]
-    v = decoded_second_moment(fields, ratio_table(v_codebook))
-    return Dense(entry.shape, entry.dtype, step, m.reshape(entry.shape), v.reshape(entry.shape))
-
-
-def _second_moment(fields: dict, shape: tuple[int, ...], period: int) -> torch.Tensor | None:
-    """Gefen's per-element second moment: ``v_row_i * v_col_j / mean(v_row)`` (factored, as the
-    step forms its denominator) or each block's ``v`` repeated over the block; None for Muon."""
-    if "v_row" in fields and "v_col" in fields:
-        v_row, v_col = fields["v_row"].float(), fields["v_col"].float()
-        mean = v_row.double().mean().float().clamp_min(torch.finfo(torch.float32).tiny)
-        return torch.outer(v_row, v_col).div_(mean).reshape(shape)
-    if "v" in fields:
-        v = fields["v"].float()
-        return v.unsqueeze(-1).expand(*v.shape, period).reshape(shape).clone()
-    return None
+    m4v4 = "mv_code" in fields
+    for book in ("codebook", "v_codebook") if m4v4 else ("codebook",):
+        if books.get(book) is None:
+            raise CheckpointMismatchError(f"{fqn}: {impl} state without a {book}")
+    codebook = books["codebook"].read().float()
+    codec = M4V4Codec(codebook, ratio_table(books["v_codebook"].read().float())) if m4v4 else M8Codec(codebook)
+    return Dense(entry.shape, entry.dtype, step, *codec.decode(fields))
 
 
 # ----- dense -> target ----------------------------------------------------------------------
@@ -220,7 +186,7 @@ def group_defaults(contract: OptimizerContract) -> dict:
     flattened layout fill a group's missing keys from it: torch rebuilds a flattened state dict
     from the keys of the *live* groups, so a converted group must have them all."""
     if contract.implementation == GEFEN:
-        moments = next((m for m, c in _gefen_contracts().items() if c.version == contract.version), None)
+        moments = next((m for m, c in GEFEN_LAYOUTS.items() if c.version == contract.version), None)
         cls, kwargs = _target_class(GEFEN), ({"moments": moments} if moments else {})
     elif contract.implementation == MUON:
         cls, kwargs = _target_class(MUON), {}
@@ -248,14 +214,8 @@ def _target_group(target: str, g: dict, options: dict) -> dict:
             "adjust_lr_fn": "match_rms_adamw"}
 
 
-def _gefen_contracts() -> dict[str, OptimizerContract]:
-    from gefen.layouts import CONTRACTS
-
-    return CONTRACTS
-
-
 def _contract(target: str, options: dict) -> OptimizerContract:
-    return _gefen_contracts()[options["moments"]] if target == GEFEN else known_contracts()[target]
+    return GEFEN_LAYOUTS[options["moments"]] if target == GEFEN else known_contracts()[target]
 
 
 def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], options: dict,
@@ -283,8 +243,7 @@ def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], option
             params[fqn] = _state(d, child, step=torch.tensor(float(d.step), dtype=torch.float32),
                                  exp_avg=d.exp_avg.to(d.dtype), exp_avg_sq=d.exp_avg_sq.to(d.dtype))
     elif members:
-        cls = _target_class(target)
-        defaults = _defaults(cls)
+        defaults = _defaults(_target_class(target))
         size = options["codebook_size"] or defaults["codebook_size"] or 256  # (Gefen's m8 default)
         bins = options["bins_per_code"] or defaults["bins_per_code"]
         periods = {fqn: shape_period(dense[fqn].shape) for fqn in members}
@@ -293,20 +252,16 @@ def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], option
                                   size, bins)
         global_fields[global_key(child, "codebook")] = EagerSource(codebook)
         for fqn in members:
-            d, period = dense[fqn], periods[fqn]
-            codes, scales = quantise(d.exp_avg.reshape(d.shape), codebook, period)
-            fields = {"step": torch.tensor(d.step, dtype=torch.int64), "period": torch.tensor(period, dtype=torch.int64),
-                      "m_code": codes, "m_scale": scales}
-            if target == GEFEN:
-                fields.update(_gefen_second_moment(d, period, is_factored(d.shape, bool(options["factored_v_2d"]))))
-            params[fqn] = _state(d, child, **fields)
+            d, factored = dense[fqn], is_factored(dense[fqn].shape, bool(options["factored_v_2d"]))
+            v = d.exp_avg_sq.reshape(d.shape) if target == GEFEN else None  # (GefenMuon keeps none)
+            params[fqn] = _state(d, child, step=torch.tensor(d.step, dtype=torch.int64),
+                                 **M8Codec(codebook).encode(d.exp_avg.reshape(d.shape), v, periods[fqn], factored))
     return CanonicalState(_contract(target, options), out_groups, params, global_fields)
 
 
 def _build_m4v4(members: list[str], dense: dict[str, Dense], options: dict, child: str | None):
-    """Gefen's default layout from AdamW's form: 1-D tensors keep their moments (``exp_avg``
-    rounded to the nearest bf16); for the others the codebooks as at the first step, then
-    nearest codes (see the module docstring)."""
+    """Gefen's default layout from AdamW's form: 1-D tensors keep their moments (``exp_avg`` in
+    bf16); for the others the codebooks as at the first step, then nearest codes."""
     params, global_fields = {}, {}
     coded = [fqn for fqn in members if is_coded(dense[fqn].shape)]
     for fqn in members:
@@ -317,28 +272,15 @@ def _build_m4v4(members: list[str], dense: dict[str, Dense], options: dict, chil
                                  exp_avg_sq=d.exp_avg_sq.float().reshape(d.shape))
     if not coded:
         return params, global_fields
-    bins = options["bins_per_code"] or 16
-    rows = {fqn: dense[fqn].exp_avg.reshape(dense[fqn].shape[0], -1) for fqn in coded}
-    codebook = learn_codebook([m.unsqueeze(1) for m in rows.values() if m.shape[1] > 1], CODES, bins)
-    stats = {}
-    for fqn in coded:
-        v = dense[fqn].exp_avg_sq.reshape(rows[fqn].shape)
-        v_row, v_col = v.double().mean(1).float(), v.double().mean(0).float()
-        x = torch.log(v.clamp_min(TINY) / _vhat(v_row, v_col).clamp_min(TINY)).div_(LOG_RANGE).clamp_(-1.0, 1.0)
-        stats[fqn] = (v_row, v_col, x)
-    v_codebook = v_grid()
+    rows = [dense[fqn].exp_avg.flatten(1) for fqn in coded]
+    codebook = learn_codebook([m.unsqueeze(1) for m in rows if m.shape[1] > 1], CODES, options["bins_per_code"] or 16)
+    codec, v_codebook = M4V4Codec(codebook), v_grid()
     global_fields[global_key(child, "codebook")] = EagerSource(codebook)
     global_fields[global_key(child, "v_codebook")] = EagerSource(v_codebook)
     for fqn in coded:
-        d, m = dense[fqn], rows[fqn]
-        v_row, v_col, x = stats[fqn]
-        scale = m.abs().amax(1).to(torch.bfloat16) if m.numel() else torch.zeros(m.shape[0], dtype=torch.bfloat16)
-        s_f = scale.float()
-        mcode = nearest_code(m / torch.where(s_f == 0, 1.0, s_f)[:, None], codebook)
-        vcode = nearest_code(x, v_codebook)
+        d = dense[fqn]
         params[fqn] = _state(d, child, step=torch.tensor(d.step, dtype=torch.int64),
-                             mv_code=(mcode | (vcode << 4)).reshape(d.shape), m_row_scale=scale,
-                             v_row=v_row, v_col=v_col)
+                             **codec.encode_nearest(d.exp_avg.reshape(d.shape), d.exp_avg_sq.reshape(d.shape), v_codebook))
     return params, global_fields
 
 
@@ -350,14 +292,6 @@ def _target_class(target: str):
     from gefen.muon import GefenMuon
 
     return GefenMuon
-
-
-def _gefen_second_moment(d: Dense, period: int, factored: bool) -> dict:
-    """``exp_avg_sq`` as Gefen accumulates it: the EMA of the column (row) means of g^2 is the
-    column (row) mean of the EMA of g^2, and likewise the block mean."""
-    if factored:
-        return {"v_row": d.exp_avg_sq.mean(1), "v_col": d.exp_avg_sq.mean(0)}
-    return {"v": as_blocks(d.exp_avg_sq.reshape(d.shape), period).mean(-1)}
 
 
 def _state(d: Dense, child: str | None, **fields) -> ParamState:

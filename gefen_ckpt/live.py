@@ -25,7 +25,7 @@ from gefen.contract import (
 )
 from gefen.distributed import as_field_dtensor
 from gefen.geometry import rows_and_row_numel
-from gefen.layouts import version_refusal
+from gefen.state_layouts import version_refusal
 from gefen_ckpt import placement
 from gefen_ckpt.canonical import CanonicalState, LocalPart, ParamState, global_key
 from gefen_ckpt.collective import agree
