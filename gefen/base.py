@@ -19,7 +19,7 @@ from gefen.compile import eager_step
 from gefen.contract import GLOBAL_STATE_KEY, FieldSpec, OptimizerContract
 from gefen.dispatch import batched, block_histogram
 from gefen.distributed import (
-    Layout,
+    ParamPlacement,
     ReductionPlan,
     as_field_dtensor,
     is_dtensor,
@@ -209,10 +209,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """The step math for every ``(group, param, grad)`` in ``work`` (their state exists)."""
         raise NotImplementedError
 
-    def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
+    def _check_placement(self, name: str, param: torch.Tensor, placement: ParamPlacement) -> None:
         """Refuse, before any state exists, a layout the step cannot honour: by default one that
         splits columns (tensor parallelism's ``Shard(1)``), whose row statistics it does not reduce."""
-        if layout.col_dim is not None:
+        if placement.col_dim is not None:
             raise refusal(name, param, type(self).__name__,
                           "use Gefen(moments='m4v4'), which reduces row statistics over the tensor-parallel "
                           "dimension")
@@ -247,8 +247,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             named = [(param_label(g, i), p) for g in self.param_groups for i, p in enumerate(g["params"])]
             plan = plan_reduction(named)
             for name, p in named:
-                if (layout := plan.layout(p)) is not None:
-                    self._check_layout(name, p, layout)
+                if (placement := plan.placement(p)) is not None:
+                    self._check_placement(name, p, placement)
             self._plan = (key, plan)
         return self._plan[1]
 

@@ -9,42 +9,24 @@ of the same algorithm, with identical floating-point results, when the library i
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import warnings
 from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 
+from gefen import clib
+
 # Elements per histogram chunk: bounds the fp32/int64 temporaries on huge gradients.
 _HIST_CHUNK = 1 << 22
 
 
-def load_extension(name: str) -> ctypes.CDLL | None:
-    """One of gefen's C libraries (``gefen._kmeans_dp``, ``gefen._gefen_step``, loaded with ctypes),
-    or None when it was not built (plain source tree) or cannot be loaded."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except ImportError:
-        return None
-    if spec is None or not spec.origin:
-        return None
-    try:
-        return ctypes.CDLL(spec.origin)
-    except OSError:
-        return None
-
-
 def _load_native() -> Callable | None:
     """Return the C solver, or None when the extension was not built (plain source tree)."""
-    lib = load_extension("gefen._kmeans_dp")
-    if lib is None:
-        return None
-    fn = lib.gefen_kmeans_dp
     dbl = ctypes.POINTER(ctypes.c_double)
-    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, dbl, dbl, dbl, dbl, dbl, ctypes.POINTER(ctypes.c_int64)]
-    fn.restype = ctypes.c_int
-    return fn
+    args = [ctypes.c_int64, ctypes.c_int64, dbl, dbl, dbl, dbl, dbl, ctypes.POINTER(ctypes.c_int64)]
+    lib = clib.load("gefen._kmeans_dp", {"gefen_kmeans_dp": (args, ctypes.c_int)})
+    return lib.gefen_kmeans_dp if lib is not None else None
 
 
 _native = _load_native()

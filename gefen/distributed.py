@@ -7,7 +7,7 @@ values and must not be counted twice, so only the replica at coordinate 0 contri
 
 Every DTensor parameter is described on the *root* mesh its mesh was sliced from (FSDP2 over
 tensor parallelism puts some parameters on the 2-D ``(dp, tp)`` mesh and others on its ``dp``
-slice): :class:`Layout` says which root dimensions split its rows (``Shard(0)``, and the
+slice): :class:`ParamPlacement` says which root dimensions split its rows (``Shard(0)``, and the
 ``_StridedShard(0)`` FSDP2 puts over a tensor-parallel ``Shard(0)``) and which one splits its
 columns (``Shard(1)``: ``RowwiseParallel``), and where the rank's block starts. One collective
 over the ranks that split anything sums column statistics placed at their *global* positions;
@@ -116,7 +116,7 @@ class ProcessGroupReducer:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParamPlacement:
     """Where this rank's block of one DTensor parameter lies, in terms of the root mesh.
 
     ``row_dims``: root mesh dimensions that split dim 0; ``col_dim``: the one that splits dim 1
@@ -147,8 +147,8 @@ def _root_dims(p: torch.Tensor) -> tuple[object, list[int]]:
     return root, [root_names.index(n) for n in names]
 
 
-def describe_layout(name: str, p: torch.Tensor) -> Layout:
-    """The :class:`Layout` of the DTensor ``p``; refuses what no reduction can repair, naming the
+def describe_placement(name: str, p: torch.Tensor) -> ParamPlacement:
+    """The :class:`ParamPlacement` of the DTensor ``p``; refuses what no reduction can repair, naming the
     parameter, its placements and what works."""
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -186,7 +186,7 @@ def describe_layout(name: str, p: torch.Tensor) -> Layout:
         if not torch.equal(rows.cpu(), torch.arange(row0, row0 + local_shape[0])):
             raise refuse("gives this rank rows that are not one contiguous range")
     coordinate = root.get_coordinate()
-    return Layout(root, tuple(coordinate), frozenset(row_dims), col_dims[0] if col_dims else None,
+    return ParamPlacement(root, tuple(coordinate), frozenset(row_dims), col_dims[0] if col_dims else None,
                   frozenset(replicated), int(row0), int(col0))
 
 
@@ -201,16 +201,16 @@ class ReductionPlan:
 
     reducer: Reducer
     group: object = None  # the process group ``reducer`` sums over (None: one process)
-    layouts: dict[int, Layout] = field(default_factory=dict)  # id(param) -> layout, DTensor params only
+    placements: dict[int, ParamPlacement] = field(default_factory=dict)  # id(param) -> placement, DTensor params only
     dims: frozenset[int] = frozenset()
     columns: ProcessGroupReducer | None = None
     _tables: dict = field(default_factory=dict)  # block_table's cache
 
-    def layout(self, p: torch.Tensor) -> Layout | None:
-        return self.layouts.get(id(p))
+    def placement(self, p: torch.Tensor) -> ParamPlacement | None:
+        return self.placements.get(id(p))
 
     def _first_copy(self, p: torch.Tensor, copies: Iterable[int | None]) -> bool:
-        lay = self.layout(p)
+        lay = self.placement(p)
         if lay is None:  # a plain tensor: every rank of the group holds all of it
             import torch.distributed as dist
 
@@ -219,23 +219,23 @@ class ReductionPlan:
 
     def counts(self, p: torch.Tensor) -> bool:
         """Does this rank count its elements of ``p`` (no other rank of ``group`` holds them)?"""
-        lay = self.layout(p)
+        lay = self.placement(p)
         return self._first_copy(p, lay.replicated if lay else ())
 
     def counts_rows(self, p: torch.Tensor) -> bool:
         """Does this rank count its *rows* of ``p`` (per-row values, which every rank holding
         other columns of those rows has too)?"""
-        lay = self.layout(p)
+        lay = self.placement(p)
         return self._first_copy(p, (*lay.replicated, lay.col_dim) if lay else ())
 
     def offsets(self, p: torch.Tensor) -> tuple[int, int]:
         """The global (row, column) of this rank's first element of ``p`` (0, 0 unless it is split)."""
-        lay = self.layout(p)
+        lay = self.placement(p)
         return (lay.row0, lay.col0) if lay is not None else (0, 0)
 
     def splits(self, p: torch.Tensor) -> bool:
         """Is ``p`` split (rows or columns) over some mesh dimension?"""
-        lay = self.layout(p)
+        lay = self.placement(p)
         return lay is not None and (bool(lay.row_dims) or lay.col_dim is not None)
 
     def block_table(self, params: Sequence[torch.Tensor]) -> list[list[list[int]]]:
@@ -261,7 +261,7 @@ class ReductionPlan:
         return self._tables[key]
 
     def splits_columns(self, p: torch.Tensor) -> bool:
-        lay = self.layout(p)
+        lay = self.placement(p)
         return lay is not None and lay.col_dim is not None
 
     def spread_partials(self, p: torch.Tensor, partials: torch.Tensor, columns: int) -> torch.Tensor:
@@ -269,7 +269,7 @@ class ReductionPlan:
         from its ``partials = [its columns' sums..., per-row sums over its rows...]``: its columns
         at their global positions (zeros elsewhere: other ranks fill them), each part zeroed where
         another rank counts the same values."""
-        lay = self.layout(p)
+        lay = self.placement(p)
         out = partials
         if lay is not None and lay.col_dim is not None:
             n = local_size(p, 1)
@@ -284,7 +284,7 @@ class ReductionPlan:
 
     def take_partials(self, p: torch.Tensor, total: torch.Tensor, columns: int) -> torch.Tensor:
         """This rank's columns (then the per-row sums) of a summed ``spread_partials`` buffer."""
-        lay = self.layout(p)
+        lay = self.placement(p)
         if lay is None or lay.col_dim is None:
             return total
         return torch.cat([total[lay.col0:lay.col0 + local_size(p, 1)], total[columns:]])
@@ -392,23 +392,23 @@ def _group_over(root, dims: list[int]):
 
 
 def plan_reduction(named_params: Iterable[tuple[str, torch.Tensor]]) -> ReductionPlan:
-    layouts, roots = {}, {}
+    placements, roots = {}, {}
     for name, p in named_params:
         if is_dtensor(p):
-            lay = describe_layout(name, p)
-            layouts[id(p)] = lay
+            lay = describe_placement(name, p)
+            placements[id(p)] = lay
             roots.setdefault(lay.root, name)  # equal meshes compare equal
     if len(roots) > 1:
         names = list(roots.values())
         raise ValueError(f"parameters {names[:2]} are on different meshes; one optimizer needs one (root) mesh")
-    dims = frozenset(d for lay in layouts.values() for d in (*lay.row_dims, lay.col_dim) if d is not None)
+    dims = frozenset(d for lay in placements.values() for d in (*lay.row_dims, lay.col_dim) if d is not None)
     if not dims:
-        return ReductionPlan(LocalReducer(), layouts=layouts)
-    col_dims = {lay.col_dim for lay in layouts.values()} - {None}
+        return ReductionPlan(LocalReducer(), placements=placements)
+    col_dims = {lay.col_dim for lay in placements.values()} - {None}
     if len(col_dims) > 1:
         raise ValueError(f"columns are split over several mesh dimensions {sorted(col_dims)}; tensor parallelism "
                          "needs one")
     root = next(iter(roots))
     group = _group_over(root, sorted(dims))
     columns = ProcessGroupReducer(root.get_group(col_dims.pop())) if col_dims else None
-    return ReductionPlan(ProcessGroupReducer(group), group, layouts, dims, columns)
+    return ReductionPlan(ProcessGroupReducer(group), group, placements, dims, columns)

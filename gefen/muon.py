@@ -19,7 +19,7 @@ import torch
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen.dispatch import momenta_, momentum_scales, round_param_, sr_target, update_momentum_
-from gefen.distributed import Layout, RowGather
+from gefen.distributed import ParamPlacement, RowGather
 from gefen.functional import decay_and_add_, init_momentum_state
 from gefen.newton_schulz import NORM_EPS, STANDARD, orthogonalise, resolve_schedule
 from gefen.state_layouts import CODEBOOK_FIELD, MOMENTUM_FIELDS
@@ -185,8 +185,8 @@ class GefenMuon(CompressedOptimizer):
             state["v_row"] = torch.zeros(local.shape[0], dtype=torch.float32, device=local.device)
         return state
 
-    def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
-        """Every layout ``describe_layout`` accepts works: Newton-Schulz gathers whole matrices over
+    def _check_placement(self, name: str, param: torch.Tensor, placement: ParamPlacement) -> None:
+        """Every layout ``describe_placement`` accepts works: Newton-Schulz gathers whole matrices over
         all the mesh dimensions that split them, and a column split's cut of the momentum's one
         block per row is repaired by a max over the tensor-parallel dimension (state with shorter
         blocks is refused when it is loaded onto such a layout)."""

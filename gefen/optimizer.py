@@ -7,7 +7,7 @@ import torch
 from gefen import dispatch
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.contract import OptimizerContract
-from gefen.distributed import Layout
+from gefen.distributed import ParamPlacement
 from gefen.functional import (
     M4V4_MATRIX_FIELDS,
     VECTOR_FIELDS,
@@ -144,9 +144,9 @@ class Gefen(CompressedOptimizer):
         else:
             self._step_m8(work)
 
-    def _check_layout(self, name: str, param: torch.Tensor, layout: Layout) -> None:
+    def _check_placement(self, name: str, param: torch.Tensor, placement: ParamPlacement) -> None:
         if self.moments == "m8":  # its row statistics are fp32 cascade sums no column split reproduces
-            super()._check_layout(name, param, layout)
+            super()._check_placement(name, param, placement)
 
     def _reduced_partials(self, work, fields: str, partials_fn,
                           batched_fn=None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
