@@ -143,27 +143,11 @@ def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[
                 "pieces": [{"file": index[p.file], "key": p.key, "rows": list(p.rows), "offset": p.offset,
                             "bytes": p.nbytes, "checksum": p.checksum} for p in stored]}
 
-    manifest = {
-        "format": FORMAT_NAME,
-        "version": [1, 1],
-        "layout": layout,
-        "world_size": world_size,
-        "alignment": ALIGNMENT,
-        "checksum": checksum.ALGORITHM,
-        "contract": state.contract.to_dict(),
-        "param_groups": plain(state.param_groups, "param_groups"),
-        "files": [{"name": f.name, "bytes": f.nbytes} for f in files],
-        "globals": {k: tensor(None, k, s) for k, s in state.global_fields.items()},
-        "params": {
-            fqn: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "child": e.child,
-                  "fields": {name: tensor(fqn, name, s) for name, s in e.fields.items()}}
-            for fqn, e in state.params.items()
-        },
-        "topology": plain(state.metadata.get("source_topology", {}), "metadata"),
-        "created": _created(),
-        "metadata": plain({k: v for k, v in state.metadata.items() if k not in ("source_topology", "created")},
-                           "metadata"),
-    }
+    manifest = _document(state, [1, 1], layout, world_size,
+                         {"files": [{"name": f.name, "bytes": f.nbytes} for f in files]},
+                         {k: tensor(None, k, s) for k, s in state.global_fields.items()},
+                         {fqn: _param(e, {name: tensor(fqn, name, s) for name, s in e.fields.items()})
+                          for fqn, e in state.params.items()})
     if by_tensor:
         raise ValueError(f"pieces for tensors the state does not have: {sorted(map(str, by_tensor))[:5]}")
     return manifest
@@ -684,20 +668,31 @@ def build_v2(state: CanonicalState, splits: dict, writers: Sequence, *, layout: 
         return {"dtype": dtype_name(source.dtype), "shape": list(source.shape), "split": split(key)}
 
     globals_ = {k: tensor((None, k), state.global_fields[k]) for k in sorted(state.global_fields)}
-    params = {fqn: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "child": e.child,
-                    "fields": {name: tensor((fqn, name), e.fields[name]) for name in sorted(e.fields)}}
+    params = {fqn: _param(e, {name: tensor((fqn, name), e.fields[name]) for name in sorted(e.fields)})
               for fqn, e in _params_in_order(state)}
+    return _document(state, [2, 0], layout, world_size,  # rules: filled in by the tensors above
+                     {"writers": [w.to_raw() for w in writers],
+                      "rules": [{"kind": "chunk", "parts": p, "writers": list(ws)} for (p, ws) in rules]},
+                     globals_, params)
+
+
+def _param(entry, fields: dict) -> dict:
+    return {"shape": list(entry.shape), "dtype": dtype_name(entry.dtype), "child": entry.child, "fields": fields}
+
+
+def _document(state: CanonicalState, version: list, layout: str, world_size: int, storage: dict, globals_: dict,
+              params: dict) -> dict:
+    """The keys every version shares, in their encoded order, around its ``storage`` keys."""
     return {
         "format": FORMAT_NAME,
-        "version": [2, 0],
+        "version": version,
         "layout": layout,
         "world_size": world_size,
         "alignment": ALIGNMENT,
         "checksum": checksum.ALGORITHM,
         "contract": state.contract.to_dict(),
         "param_groups": plain(state.param_groups, "param_groups"),
-        "writers": [w.to_raw() for w in writers],
-        "rules": [{"kind": "chunk", "parts": p, "writers": list(ws)} for (p, ws) in rules],
+        **storage,
         "globals": globals_,
         "params": params,
         "topology": plain(state.metadata.get("source_topology", {}), "metadata"),
