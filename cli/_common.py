@@ -217,6 +217,21 @@ def optimizer_hint() -> Iterator[None]:
                                       "names the one to convert into)") from None
 
 
+def open_manifest(url: str, optimizer: str | None, param_names: str | None, names_from: str | None,
+                  key: str | None):
+    """(Store, validated manifest) of a portable checkpoint, its options checked, without importing
+    torch; no directory listing (a summary: ``verify`` checks every file)."""
+    from gefen_ckpt.storage import Store
+    from gefen_ckpt.wire.manifest import open_checkpoint
+
+    refuse_names(url, PORTABLE, param_names, names_from)
+    check_key(url, PORTABLE, key)
+    store = Store(url)
+    manifest = open_checkpoint(store, whole=False)
+    check_optimizer(url, manifest.contract.implementation, optimizer)
+    return store, manifest
+
+
 def open_state(url: str, fmt: str | None = None, optimizer: str | None = None,
                param_names: str | None = None, names_from: str | None = None, key: str | None = None):
     """(format, CanonicalState) of a checkpoint (``gefen_ckpt.open``; ``key``: which optimizer of

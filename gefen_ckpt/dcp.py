@@ -188,7 +188,7 @@ def _index_keyed(sd: Mapping, optimizer, groups: list[list[str]]) -> dict:
     unknown = sorted(set(sd.get("state") or {}) - set(index))
     if unknown:
         raise CheckpointMismatchError(f"checkpoint has state for {unknown[:3]}, which the optimizer does not hold")
-    state = {index[fqn]: {k: v for k, v in entry.items()} for fqn, entry in (sd.get("state") or {}).items()}
+    state = {index[fqn]: dict(entry) for fqn, entry in (sd.get("state") or {}).items()}
     return {"state": state, "param_groups": out_groups}
 
 
@@ -457,13 +457,6 @@ def _storage_reader(path: str | os.PathLike):
     return SafeReader(path)
 
 
-def _storage_writer(path: str | os.PathLike):
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    cls, path = _storage(path, FileSystemWriter, "FsspecWriter")
-    return cls(path)
-
-
 class _RowsLoadPlanner(ReadOnlyPlanner):
     """Feeds ``StorageReader.read_data`` a destination tensor that holds rows ``[start, ...)``."""
 
@@ -521,8 +514,6 @@ class _DCPReader:
         return dest
 
 
-
-
 class DCPSource:
     """A lazy global tensor inside a DCP checkpoint: ``read(start, stop)`` reads those rows only
     (DCP's reader loads each overlapping stored chunk, i.e. at most one rank's shard, at a time)."""
@@ -537,7 +528,6 @@ class DCPSource:
 
     def __repr__(self) -> str:
         return f"DCPSource({self.key!r}, shape={self.shape}, dtype={self.dtype})"
-
 
 
 class _SourcesSavePlanner(SavePlanner):
@@ -604,24 +594,19 @@ class _SourcesSavePlanner(SavePlanner):
         return src.read(start, start + chunk.sizes[0]).detach().contiguous()
 
 
-
 def write_sources(path: str | os.PathLike, sources: dict[str, TensorSource], values: dict[str, bytes],
                   mappings: dict, *, chunk_bytes: int = 256 << 20, world_size: int | None = None,
                   records: dict[str, bytes] | None = None) -> None:
     """Write tensor sources and ``torch.save``d values as a DCP checkpoint under their full keys,
     offline (no process group), memory bounded by one chunk of ``chunk_bytes``; ``records``: key ->
     record, copied into the planner data as ``GefenSavePlanner`` does."""
-    _save_offline(path, _SourcesSavePlanner(sources, values, mappings, chunk_bytes, world_size, records))
+    from torch.distributed.checkpoint import FileSystemWriter, save
 
-
-def _save_offline(path: str | os.PathLike, planner: SavePlanner) -> None:
-    from torch.distributed.checkpoint import save
-
+    writer, path = _storage(path, FileSystemWriter, "FsspecWriter")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-        save({}, storage_writer=_storage_writer(path), planner=planner, no_dist=True)
-
-
+        save({}, storage_writer=writer(path), no_dist=True,
+             planner=_SourcesSavePlanner(sources, values, mappings, chunk_bytes, world_size, records))
 
 
 def _stored_record(reader: _DCPReader, key: str) -> dict | None:

@@ -75,11 +75,6 @@ def _in_thread(work: Callable[[], None], name: str) -> Callable[[], None]:
     return wait
 
 
-def _fsync_in_thread(path: str) -> Callable[[], None]:
-    """fsync ``path`` on a Python thread (without the C library)."""
-    return _in_thread(lambda: _fsync(path), "gefen-ckpt-fsync")
-
-
 def _libc():
     """The C library when it has ``syncfs`` (Linux), else None."""
     if not hasattr(os, "sched_getaffinity"):  # not Linux
@@ -530,7 +525,7 @@ class LocalStore(Store):
         GIL between its system calls, which the caller holds while it builds the manifest
         (docs/decisions.md)."""
         path = self.path(name)
-        return (native.fsync_start(path) if native.io else None) or _fsync_in_thread(path)
+        return (native.fsync_start(path) if native.io else None) or _in_thread(lambda: _fsync(path), "gefen-ckpt-fsync")
 
     def sync(self) -> None:
         _fsync(self.root)
@@ -561,6 +556,7 @@ class LocalStore(Store):
         libc = _libc()
         if libc is None or not names:
             return super().durable_many(names)
+
         def syncfs() -> None:
             fd = os.open(self.root, os.O_RDONLY)
             try:
@@ -611,7 +607,5 @@ def require_bucket(fs, root: str) -> None:
         return
     bucket = split(root)[0]
     if bucket and not fs.exists(bucket):
-        from gefen_ckpt.errors import CheckpointError
-
         raise CheckpointError(f"bucket {bucket!r} does not exist ({root}): create it first, or set "
                               f"{CREATE_BUCKET_ENV}=1 (gefen-ckpt: --create-bucket) to let the save create it")
