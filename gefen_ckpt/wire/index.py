@@ -185,6 +185,10 @@ class WriterPin(NamedTuple):
     def to_raw(self) -> list:
         return [self.index, self.index_bytes, self.index_checksum, *(v for f in self.files for v in f)]
 
+    @classmethod
+    def from_raw(cls, raw: list) -> WriterPin:
+        return cls(tuple(zip(raw[3::2], raw[4::2])), raw[0], raw[1], raw[2])
+
 
 class SplitTensor:
     """A 2.0 tensor record: like ``manifest.TensorRecord``, with pieces found through indexes."""

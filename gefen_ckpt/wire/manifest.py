@@ -609,7 +609,7 @@ def _writers(x) -> list:
 
     x = _list(x, "writers")
     if _writers_plain(x) and max(w[1] for w in x) <= MAX_INDEX_BYTES:  # every entry well formed: build them without the per-name checks below
-        return [WriterPin(tuple(zip(w[3::2], w[4::2])), w[0], w[1], w[2]) for w in x]
+        return [WriterPin.from_raw(w) for w in x]
     out, seen = [], set()
     for i, w in enumerate(x):
         if type(w) is not list or len(w) < 3 or len(w) % 2 == 0:
@@ -628,7 +628,7 @@ def _writers(x) -> list:
             _fail(f"writers[{i}]", "the index checksum is not a uint32")
         if w[1] > MAX_INDEX_BYTES:
             _fail(f"writers[{i}]", f"index {w[0]!r} is {w[1]:,} bytes, over the limit of {MAX_INDEX_BYTES:,}"[:300])
-        out.append(WriterPin(tuple(zip(names[1:], sizes[1:])), w[0], w[1], crc))
+        out.append(WriterPin.from_raw(w))
     if not out:
         _fail("writers", "no writers")
     return out
