@@ -1,12 +1,9 @@
 """``save``/``load`` under a process group: every rank writes and reads only its own rows.
 
 Save: each rank writes the rows it owns (one replica per row range) into its own data files
-and (format 2.0) its own index, in parallel, and checks that index against the row-split rule
-every rank derives alike; rank 0 gathers O(1) bytes from each rank (file names and sizes, the
-index's pin, a digest of the state's structure) in a constant number of collectives, builds
-the manifest and commits it. Until that commit the previous checkpoint at the
-URL stays the committed one, so a failure anywhere leaves it intact (and this save's data
-files are removed).
+and (2.0) its own index, and checks that index against the row-split rule every rank derives
+alike; rank 0 gathers O(1) bytes per rank, builds the manifest and commits it. Until then the
+previous checkpoint stays committed, so a failure anywhere leaves it intact.
 
 Load: every rank opens the checkpoint lazily and reads only the pieces that overlap its rows
 (checksums verified), whatever layout or world size wrote it: that is the reshard.
@@ -20,11 +17,11 @@ import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
 from gefen_ckpt.collective import (
-    _failure,
     agree,
     broadcast_bytes,
     describe_error,
     exchange,
+    failure,
     gather_bytes,
     pack,
     unpack,
@@ -143,11 +140,8 @@ def _save_v2(state, store, token, previous, rank, world_size, url, max_file_byte
         return error
     try:
         everyone = [unpack(b) for b in gathered]
-        failed = {r: p["error"] for r, p in enumerate(everyone) if p.get("error") is not None}
-        if failed:
-            kinds = "; ".join(f"rank {r}: {e.split(':', 1)[0]}" for r, e in failed.items())
-            raise error or _failure(f"save to {url} failed on rank(s) {list(failed)} ({kinds}); nothing was changed",
-                                    failed)
+        if (failed := failure(f"save to {url}", everyone, "nothing was changed")) is not None:
+            raise error or failed
         manifest = build_v2(state, plan.merged([p["explicit"] for p in everyone], [p["digest"] for p in everyone]),
                             [WriterPin.from_raw(p["writer"]) for p in everyone],
                             layout="sharded", world_size=world_size)
