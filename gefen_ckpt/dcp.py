@@ -2,22 +2,15 @@
 ``docs/dcp.md``).
 
 Gefen's optimizers present DTensor fields with global shapes and the codebooks inside
-``state``, so torch's ``get_state_dict`` / ``set_state_dict`` + ``dcp.save`` / ``dcp.load``
-reshard them like AdamW's. This module adds, on that same layout:
+``state``, so torch's ``get_state_dict`` + ``dcp.save`` reshard them like AdamW's. On that
+layout this module adds:
 
-* ``GefenDCPState(optimizer)``: a ``Stateful`` whose ``state_dict()`` is the optimizer's own,
-  keyed by FQN as ``get_optimizer_state_dict`` keys it (``<key>.state.<fqn>.<field>``,
-  ``<key>.param_groups.<i>.<name>``), plus a record (``<key>.gefen_ckpt``: msgpack bytes with the
-  contract and every parameter's shape and dtype). Its ``load_state_dict`` stages the loaded state
-  with the optimizer's own staging, the ranks agree, and only then does any rank publish.
-* ``GefenSavePlanner`` copies each record into DCP's metadata, so ``GefenLoadPlanner`` checks the
-  contract, schema version, FQNs and shapes against the live optimizer before any tensor is read,
-  checks every stored field against the live contract, and allocates fresh buffers of the stored
-  shapes (DTensors on the parameter's mesh), so a fresh optimizer loads without a step and DCP
-  never reads into live state.
-* ``read_dcp`` / ``write_dcp``: a DCP checkpoint <-> ``CanonicalState`` offline, no process group,
-  memory bounded by one stored chunk (``gefen_ckpt.dcp_layout`` parses the layout;
-  ``gefen_ckpt.dcp_legacy`` reads the description layout).
+* ``GefenDCPState``: a ``Stateful`` of the optimizer's state keyed by FQN as torch keys it, plus
+  a record (contract, shapes, dtypes); its load stages, the ranks agree, then it publishes.
+* ``GefenSavePlanner`` copies each record into DCP's metadata, so ``GefenLoadPlanner`` checks it
+  and every stored field against the live optimizer before any tensor is read, and allocates
+  fresh buffers of the stored shapes: a fresh optimizer loads, and DCP never reads into live state.
+* ``read_dcp`` / ``write_dcp``: DCP <-> ``CanonicalState`` offline, memory bounded by one chunk.
 """
 
 from __future__ import annotations

@@ -88,17 +88,15 @@ def _libc():
 
 
 class Prefetch:
-    """Files read into the page cache, in order, by a daemon thread, for a reader that follows
-    (``wait``): a load's disk reads overlap its manifest validation and its checksumming.
+    """Files read into the page cache, in order, for a reader that follows (``wait``): a load's
+    disk reads overlap its manifest validation and its checksumming.
 
-    ``sendfile`` to ``/dev/null`` moves no bytes to user space and holds no GIL during each
-    ``PREFETCH_CHUNK``: measured 2.6 GB/s cold, against 1.8 GB/s for ``pread``s into a buffer
-    and ~0.8 GB/s for page faults on a mapping (docs/decisions.md). It stays at most ``lead``
-    bytes ahead of what the reader has asked for, so a checkpoint larger than memory does not
-    evict its own first files; call ``stop`` when done reading (it then ends within a chunk).
-    Errors end a file quietly: the reader reports them. With the C library the loop runs on a
-    thread of its own (``gefen_prefetch_start``): the Python thread needed the GIL after every
-    chunk, which the loading thread holds while it validates the manifest (docs/decisions.md)."""
+    ``sendfile`` to ``/dev/null`` moves no bytes to user space (measured 2.6 GB/s cold, against
+    1.8 GB/s for ``pread``s and ~0.8 GB/s for page faults on a mapping: docs/decisions.md). It
+    stays at most ``lead`` bytes ahead of the reader, so a checkpoint larger than memory does not
+    evict its own first files. Errors end a file quietly: the reader reports them. With the C
+    library the loop runs on a C thread: a Python one needs the GIL after every chunk, which the
+    loading thread holds while it validates the manifest."""
 
     def __init__(self, files: list[tuple[str, int]], lead: int = PREFETCH_LEAD):
         self._files, self._lead, self._base, position = files, lead, {}, 0
@@ -353,13 +351,10 @@ class RemoteWriter(Writer):
 class Store:
     """A checkpoint directory: create, read ranges of, list, publish and delete its files.
 
-    This class is the generic way, over fsspec (``memory://``, ``s3://``, ...): whole-object
-    writes, which object stores publish atomically on close, and range reads; ``Store(url)`` of
-    a local path is a ``LocalStore``, which overrides the I/O methods. ``storage_options`` go to
-    the fsspec filesystem (e.g. ``endpoint_url``, ``key``/``secret``, ``config_kwargs=
-    {"connect_timeout": 5, "read_timeout": 30}`` for s3fs). Failures of the storage itself
-    (disk full, unreachable endpoint, missing credentials) are raised as
-    ``CheckpointStorageError`` naming the path; a missing file stays ``FileNotFoundError``.
+    The generic way, over fsspec: whole-object writes, which object stores publish atomically on
+    close, and range reads; ``Store(url)`` of a local path is a ``LocalStore``. Failures of the
+    storage itself (disk full, unreachable endpoint, credentials) are ``CheckpointStorageError``
+    naming the path; a missing file stays ``FileNotFoundError``.
     """
 
     local = False  # files this process can map and lock (reader.py, writelock.py)

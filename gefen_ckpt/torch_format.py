@@ -1,24 +1,14 @@
 """Conversions between ``CanonicalState`` and a ``torch.save``d ``optimizer.state_dict()``.
 
-A torch-format checkpoint is one file holding what ``optimizer.state_dict()`` returns: ``state``
-keyed by parameter index, ``param_groups`` with ``params`` (indices) and ``param_names``
-(FQNs), plus ``global_state`` (optimizer-wide fields, e.g. Gefen's codebook); a composite
-optimizer's groups name their child (the nested ``children`` form of older files is read too),
-as the contract conventions in :mod:`gefen.contract` say.
+The file holds what ``optimizer.state_dict()`` returns (``state`` by index, ``param_groups``
+with ``param_names``, ``global_state``; composite optimizers as :mod:`gefen.contract` says).
+Reading keys it by FQN and validates every field against the contract (given, recorded, or
+inferred from the names). Writing adds, under ``"gefen_ckpt"``, the contract and the
+parameters' dtypes (``weights_only``-safe; optimizers ignore unknown keys), which makes
+``torch -> portable`` exact (Adam vs AdamW, a bf16 model's dtype, a composite's contract).
 
-* :func:`canonical_from_state_dict` keys the state by FQN (from the groups' ``param_names``),
-  takes each parameter's global shape from a field of ``param`` geometry and validates every
-  field against the contract (given, recorded in the file, or inferred from the field and
-  hyperparameter names).
-* :func:`state_dict_from_canonical` builds the dict ``optimizer.load_state_dict`` accepts.
-  Besides torch's own keys it records, under ``"gefen_ckpt"``, the contract and the
-  parameters' dtypes (plain strings and lists: ``weights_only``-safe). Optimizers ignore
-  unknown top-level keys, and the record makes ``torch -> portable`` exact (e.g. Adam vs AdamW,
-  a bf16 model's dtype under Gefen, a composite optimizer's contract).
-
-Files are read only with ``torch.load(..., map_location="cpu", weights_only=True)`` (no pickled
-code runs) through fsspec, so any URL works. The format is not lazy: a torch file is read
-whole, and writing one materialises every tensor (that is what ``torch.save`` needs).
+Files are read only with ``torch.load(..., weights_only=True)`` (no pickled code runs) through
+fsspec. The format is not lazy: a file is read whole, and writing one materialises every tensor.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Reading a committed checkpoint's tensors: lazy sources and eager staging (the manifest is
 read and validated first, by ``manifest.open_checkpoint``).
 
-Nothing a manifest describes is allocated before the manifest is fully validated and every
-data file is found with the size it records, so allocations never exceed the files' bytes.
-A piece is the checksum unit: every read, partial or whole, reads and verifies the entire
-pieces it overlaps (``CheckpointCorruptError`` names the file, the tensor and the rows).
-Reads go into freshly allocated tensors (``pread`` locally, range requests elsewhere), except
-where a caller that copies what it stages asks for views of a private mapping of the files
-(``stage_state(map_files=True)``); either way a later save that replaces the files, or a
-delete, cannot change or invalidate a tensor already read.
+Nothing is allocated before the manifest is validated and the files are found with their
+sizes, so allocations never exceed the files' bytes. A piece is the checksum unit: every read
+verifies the whole pieces it overlaps. Reads go into fresh tensors, or for a caller that copies
+what it stages, views of a private mapping (``map_files``); either way a later save or delete
+cannot change a tensor already read.
 """
 
 from __future__ import annotations
