@@ -25,6 +25,7 @@ from gefen_ckpt.canonical import CanonicalState, EagerSource
 from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import WriterPin, index_name
+from gefen_ckpt.wire.records import tensor_key
 
 #: Writers x tensors handled per batch (the arrays of one batch: a few tens of MB).
 BATCH_CELLS = 2**20
@@ -132,8 +133,7 @@ def layout(state: CanonicalState, world_size: int, *, max_file_bytes: int, memor
     if not tensors or any(t.rows == 0 or t.row_bytes == 0 for t in tensors):
         return None
     plan = Layout(tensors, world_size, ordinals, version)
-    name_len = np.array([len(encode_basestring_ascii(f"__global__/{t.field}" if t.fqn is None else f"{t.fqn}/{t.field}"))
-                         for t in tensors], np.int64)
+    name_len = np.array([len(encode_basestring_ascii(tensor_key(t.fqn, t.field))) for t in tensors], np.int64)
     ndim = np.array([len(t.shape) for t in tensors], np.int64)
     text = name_len + 2 + 2 * _DIGITS + datafile._ENTRY_FIXED + datafile._DIM_BOUND * ndim  # header text bound
     bound_extra = text + datafile._PAD_ENTRY_BOUND + 2 * datafile.ALIGNMENT

@@ -24,16 +24,13 @@ import msgpack
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import itemsize
-from gefen_ckpt.wire.records import DECODING, PieceRecord, pieces_overlapping
+from gefen_ckpt.wire.records import DECODING, PieceRecord, pieces_overlapping, tensor_key
+from gefen_ckpt.wire.records import fail as _fail
 
 INDEX_FORMAT = "gefen-ckpt-index"
 #: An index is at most this large (a writer's pieces of every tensor: ~20 bytes per piece).
 MAX_INDEX_BYTES = 256 * 2**20
 _KINDS = ("chunk",)
-
-
-def _fail(path: str, message: str):
-    raise CheckpointFormatError(f"manifest {path}: {message}")
 
 
 # ----- splits -------------------------------------------------------------------------------
@@ -61,9 +58,6 @@ class Rule:
             positions.setdefault(w, []).append(i)
         object.__setattr__(self, "_positions", positions)
         object.__setattr__(self, "_parts", {})  # (rows, writer) -> parts_of: tensors share row counts
-
-    def to_raw(self) -> dict:
-        return {"kind": "chunk", "parts": self.parts, "writers": list(self.writers)}
 
     def parts_in(self, rows: int, start: int, stop: int) -> list[tuple[int, int, int]]:
         """(start, stop, writer) of the non-empty parts overlapping rows ``[start, stop)``."""
@@ -101,9 +95,6 @@ class Explicit:
     """Parts listed one by one (sorted, tiling the rows): where no rule describes the split."""
 
     parts: tuple[tuple[int, int, int], ...]
-
-    def to_raw(self) -> list:
-        return [list(p) for p in self.parts]
 
     def parts_in(self, rows: int, start: int, stop: int) -> list[tuple[int, int, int]]:
         starts = [p[0] for p in self.parts]
@@ -340,7 +331,7 @@ class IndexSet:
                 bad(f"tensor {ordinal} is listed twice")
             t = self.tensors[ordinal]
             row_bytes, pieces, rows, nfiles = t.row_bytes, [], t.rows, len(files)
-            key = f"__global__/{t.field}" if t.fqn is None else f"{t.fqn}/{t.field}"
+            key = tensor_key(t.fqn, t.field)
             for p in stored:
                 if type(p) is not list or len(p) != 5:
                     bad(f"{t.label}: malformed piece {p!r}"[:300])

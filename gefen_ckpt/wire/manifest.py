@@ -32,6 +32,7 @@ from gefen_ckpt.wire.dtypes import DTYPES, dtype_name, itemsize, plain
 from gefen_ckpt.wire.records import DECODING as _DECODING
 from gefen_ckpt.wire.records import MAX_STR as _MAX_STR
 from gefen_ckpt.wire.records import PieceRecord, pieces_overlapping
+from gefen_ckpt.wire.records import fail as _fail
 
 if TYPE_CHECKING:  # reading a manifest needs no torch
     from gefen_ckpt.canonical import CanonicalState, TensorSource
@@ -202,10 +203,6 @@ def decode(data: bytes) -> dict:
 
 
 # ----- validation helpers -------------------------------------------------------------------
-def _fail(path: str, message: str):
-    raise CheckpointFormatError(f"manifest {path}: {message}")
-
-
 def _map(x, path: str, required: tuple[str, ...] = ()) -> dict:
     if not isinstance(x, dict):
         _fail(path, f"expected a map, got {type(x).__name__}")
