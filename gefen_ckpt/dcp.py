@@ -291,14 +291,11 @@ class GefenSavePlanner(DefaultSavePlanner):
 
 
 class GefenLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that, for every ``GefenDCPState`` in the state dict, checks the
-    checkpoint against the live optimizer (the record: contract, schema version, FQNs, shapes;
-    every stored field: its dtype and shape) before anything is read, and allocates fresh
-    destination buffers of the stored global shapes (this rank's part only), so loading works
-    into a fresh optimizer and never writes into live state. Errors are
-    ``CheckpointMismatchError``/``CheckpointFormatError``; ``dcp.load`` delivers them wrapped in
-    its ``CheckpointException`` (on every rank). Param-group values load with
-    ``torch.load(weights_only=True)``."""
+    """``DefaultLoadPlanner`` that, for every ``GefenDCPState``, checks the checkpoint against the
+    live optimizer (its record, every stored field's dtype and shape) before anything is read and
+    allocates fresh buffers of the stored shapes (this rank's part), so a fresh optimizer loads
+    and live state is never written into. ``dcp.load`` delivers its errors wrapped in its
+    ``CheckpointException``. Param-group values load with ``torch.load(weights_only=True)``."""
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         if metadata is not None:
@@ -613,13 +610,9 @@ def _stored_record(reader: _DCPReader, key: str) -> dict | None:
 
 
 def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
-    """The ``CanonicalState`` of the optimizer state in the DCP checkpoint at ``path``: torch's
-    stock layout (numbered param groups or flattened by FQN, with or without ``GefenDCPState``'s
-    record) or the description layout (``gefen_ckpt.dcp_legacy``).
-
-    ``key`` is the state-dict key it was saved under (e.g. ``"optim"``); by default the only one
-    present. No process group; tensors are lazy ``DCPSource`` objects that read only the rows
-    asked for. DCP's ``.metadata`` pickle is loaded with an allowlist (no code execution)."""
+    """The ``CanonicalState`` of the optimizer state saved under ``key`` (default: the only one) in
+    the DCP checkpoint at ``path``, in torch's stock layout or the description layout
+    (``dcp_legacy``). Tensors are lazy ``DCPSource`` s; ``.metadata`` is unpickled with an allowlist."""
     reader = _DCPReader(path)
     stock = find_stock_keys(reader.metadata) + find_flat_keys(reader.metadata)
     found = stock + [k for k in find_legacy_keys(reader.metadata) if k not in stock]
@@ -645,16 +638,12 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
 
 def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "optim", chunk_bytes: int = 256 << 20,
               world_size: int | None = None, flat: bool | None = None) -> None:
-    """Write ``state`` as a DCP checkpoint in torch's stock layout under ``key``, with its record, so
-    that ``GefenDCPState`` + ``GefenLoadPlanner`` and torch's ``set_state_dict`` resume from it;
-    ``flat`` (default: as the source was) flattens the param groups by FQN, as torch's
-    ``flatten_optimizer_state_dict=True`` and torchtitan's ``CheckpointManager`` expect. When
-    ``state`` was read from a DCP checkpoint, every entry of it outside the optimizer's key (the
-    model, LR schedulers, dataloader and train state) is copied as it was.
-
-    No process group; tensors are written in row chunks of at most ``chunk_bytes``, cut at the
-    ``torch.chunk`` boundaries of ``world_size`` ranks when given (each rank then reads only its
-    own chunks), read lazily from the sources."""
+    """Write ``state`` as a DCP checkpoint in torch's stock layout under ``key``, with its record,
+    for ``GefenDCPState`` or torch's ``set_state_dict`` to resume from; ``flat`` (default: as the
+    source was) flattens the param groups by FQN, as torchtitan expects. Every entry of a DCP
+    source outside the optimizer's key (the model, schedulers, train state) is copied as it was.
+    Row chunks of at most ``chunk_bytes`` are cut at the ``torch.chunk`` boundaries of
+    ``world_size`` ranks when given, so each rank then reads only its own chunks."""
     if "." in key:
         raise ValueError(f"key {key!r}: use a top-level name without dots (DCP flattens nested keys with '.')")
     flat = state.metadata.get("dcp_layout") == FLAT if flat is None else flat

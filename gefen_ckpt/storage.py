@@ -253,12 +253,11 @@ class Writer:
 
 
 class LocalWriter(Writer):
-    """Small writes are coalesced, and every ``WRITEBACK_EVERY`` bytes the kernel is asked to
-    start writing the file out, so the disk works while the rest is produced and the final
-    fsync has little left to wait for (``posix_fadvise(DONTNEED)`` starts writeback of dirty
-    pages; pages already on disk then leave the page cache instead of crowding out the
-    training job's). ``write_hashed`` writes, hashes and starts writeback in one C call when the
-    library is built (``native.io``): no Python, so no GIL, between the system calls.
+    """Small writes are coalesced, and every ``WRITEBACK_EVERY`` bytes the kernel is asked to start
+    writing the file out (``posix_fadvise(DONTNEED)``), so the disk works while the rest is
+    produced, the final fsync has little left to wait for, and written pages leave the page cache
+    instead of crowding out the training job's. With ``native.io``, ``write_hashed`` writes,
+    hashes and starts writeback in one C call: no GIL between the system calls.
     """
 
     def __init__(self, fs, path: str):

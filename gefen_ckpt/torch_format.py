@@ -224,10 +224,8 @@ def _field_tensor(value, spec, fqn: str, name: str) -> torch.Tensor:
 def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None = None) -> CanonicalState:
     """A ``CanonicalState`` from an ``optimizer.state_dict()`` (tensors are not copied).
 
-    ``contract``: an ``OptimizerContract`` or an implementation name; when omitted, the one
-    recorded by :func:`state_dict_from_canonical`, else one inferred from the field names
-    (Gefen's fields -> ``gefen.Gefen``, ``exp_avg``/``exp_avg_sq`` -> ``torch.optim.AdamW``,
-    ``momentum_buffer`` -> ``torch.optim.SGD``).
+    ``contract``: an ``OptimizerContract`` or an implementation name; by default the one recorded
+    by :func:`state_dict_from_canonical`, else one inferred from the field names.
     """
     check_state_dict(sd)
     meta = sd.get(TORCH_META_KEY) if isinstance(sd.get(TORCH_META_KEY), dict) else {}
@@ -363,14 +361,9 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 
 def state_dict_from_canonical(state: CanonicalState) -> dict:
-    """The ``optimizer.state_dict()`` a single process would hold for ``state``.
-
-    Index-keyed ``state``; groups with their hyperparameters, ``params`` (indices, numbered in
-    group order) and ``param_names`` (FQNs); ``global_state`` for optimizers with global fields
-    and, for composite ones, groups that name their child (``gefen.contract.join_composite``);
-    every tensor read into memory. The result loads with
-    ``optimizer.load_state_dict`` into an optimizer built like the original.
-    """
+    """The ``optimizer.state_dict()`` a single process would hold for ``state`` (every tensor read
+    into memory): it loads with ``optimizer.load_state_dict`` into an optimizer built like the
+    original. ``params`` are numbered in group order, ``param_names`` carry the FQNs."""
     contract = state.contract
     leaves = {}
     for child, leaf in contract.leaves():

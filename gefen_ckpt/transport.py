@@ -365,13 +365,10 @@ def _normalise(source):
 
 
 class _Mover:
-    """Runs the rounds of a plan on this rank.
-
-    ``sources[t]``: this rank's readable source of tensor ``t`` (or None); ``outputs[t]``:
-    ``(flat tensor, first global element)`` where received elements of ``t`` land (or None).
-    Failures of this rank's reads are recorded in ``self.error`` and zeros are sent instead,
-    so the protocol stays in lockstep; the caller agrees on ``error`` afterwards.
-    """
+    """Runs the rounds of a plan on this rank: ``sources[t]`` this rank's source of tensor ``t``,
+    ``outputs[t]`` ``(flat tensor, first global element)`` where received elements land (either
+    may be None). A failed read is kept in ``self.error`` and zeros are sent instead, so the
+    protocol stays in lockstep."""
 
     def __init__(self, infos: Sequence[TensorInfo], dtypes: Sequence[torch.dtype], sources, outputs, stats,
                  budget: int, error: BaseException | None = None):

@@ -2,13 +2,11 @@
 
 Written writer after writer, a save to W writers costs a Python object, a source read and an
 index record check per piece: at 4,096 writers of a 200-tensor state, 2.5M of each (minutes
-for 18 MB). When every writer's part of every tensor is one piece and every writer's data
-fits one file (small parts: exactly the many-writer case) the layout is regular, so here it
-is computed as arrays: the pieces' offsets by a running sum over tensors for all writers at
-once, each source tensor read once per batch of writers and scattered into their files, the
-pieces' CRC-32s in one C call, the indexes encoded from the arrays. The files are byte for
-byte those of the writer-by-writer path (``tests/ckpt/test_format2.py``), and the guarantees
-are the caller's: its writer lock, its commit, its clean-up on failure.
+for 18 MB). When every writer's part of every tensor is one piece in one file (exactly the
+many-writer case) the layout is regular and computed here as arrays: offsets by a running sum,
+each source read once per batch of writers, CRC-32s in one C call, indexes encoded from the
+arrays. The files are byte for byte those of the writer-by-writer path
+(``tests/ckpt/test_format2.py``); lock, commit and clean-up stay the caller's.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Format 2.0: row-split rules in the manifest, piece records in per-writer indexes.
 
-The manifest (the commit point) says, for each tensor, how its rows are split among writers:
-a *rule* (``{"kind": "chunk", "parts": P, "writers": [w0, ...]}``: ``torch.chunk`` over P parts,
-part ``i`` held by writer ``writers[i]``; rules are shared by every tensor split alike) or, only
-where no rule applies, explicit ``[start, stop, writer]`` parts. Each writer's piece records
-(offsets, checksums) live in its own index file, pinned in the manifest by size and CRC-32, so
-the manifest grows with tensors + writers, and a reader of some rows reads only the indexes of
-the writers that hold them (docs/format.md 13). ``SplitTensor`` is a 2.0 tensor record:
-``pieces_in(a, b)`` loads just the indexes it needs; ``pieces`` loads every one holding it.
+The manifest says, for each tensor, how its rows are split among writers: a shared *rule*
+(``torch.chunk`` over P parts, part ``i`` held by ``writers[i]``) or, only where none applies,
+explicit ``[start, stop, writer]`` parts. Each writer's piece records live in its own index file,
+pinned in the manifest by size and CRC-32, so the manifest grows with tensors + writers and a
+reader of some rows reads only the indexes of the writers that hold them (docs/format.md 13).
 """
 
 from __future__ import annotations

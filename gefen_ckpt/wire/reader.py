@@ -277,13 +277,11 @@ def _can_map(store: Store) -> bool:
 
 def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None] | None = None, *,
                 map_files: bool = False, warming: Prefetch | None = None) -> CanonicalState:
-    """Every tensor read and verified into memory, file by file in offset order (progress
-    reported every ``STAGE_GROUP_BYTES`` or so).
+    """Every tensor read and verified into memory, file by file in offset order.
 
     ``map_files`` (local stores): a tensor stored in one piece becomes a verified view of a
-    private, copy-on-write mapping of its file instead of a copy in fresh memory. For callers
-    that copy what they stage anyway (a Gefen optimizer's load) it saves a copy and the fresh
-    memory; a caller that keeps the tensors should not ask for it (docs/decisions.md).
+    private mapping of its file: for callers that copy what they stage anyway (a Gefen
+    optimizer's load) it saves a copy; a caller that keeps the tensors must not ask for it.
     ``warming``: a ``Store.prefetch`` of the data files, waited for before each read."""
     by_file: dict[str, list[tuple[PieceRecord, TensorRecord, str]]] = {}
     for key, t in manifest.tensors.items():
