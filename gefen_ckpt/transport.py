@@ -580,11 +580,10 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
            budget_bytes: int = DEFAULT_BUDGET) -> CanonicalState | None:
     """The canonical state assembled on rank ``dst`` (global, owned tensors); None elsewhere.
 
-    ``optimizer_or_state``: a live optimizer (exported here, ``model`` naming its parameters
-    if needed) or a ``CanonicalState`` of ``LocalPart`` s from ``export_canonical``. Every row
-    comes from the rank flagged as its writer (one per row range, whatever the replication),
-    in messages of at most ``budget_bytes``; ranks other than ``dst`` send views of their own
-    tensors, so they hold nothing extra. A collective: all ranks call it with the same ``dst``.
+    ``optimizer_or_state``: a live optimizer (``model`` naming its parameters if needed) or a
+    ``CanonicalState`` of ``LocalPart`` s from ``export_canonical``. Every row comes from its
+    writer rank, in messages of at most ``budget_bytes``, sent as views: senders hold nothing
+    extra. A collective: all ranks call it with the same ``dst``.
     """
     stats = _begin("gather", budget_bytes)
     rank, world = _world()
@@ -644,12 +643,10 @@ def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: tor
             budget_bytes: int = DEFAULT_BUDGET) -> None:
     """Load the ``CanonicalState`` held by rank ``src`` into ``optimizer`` on every rank.
 
-    ``state`` matters on ``src`` only (e.g. ``gefen_ckpt.read(url)`` there: its lazy sources
-    are read chunk by chunk, or a gathered state). Its description (contract, groups, shapes,
-    dtypes) is broadcast first; each rank checks it against its live optimizer and reports the
-    rows its import will read; all ranks agree (one rank's shape mismatch raises everywhere);
-    then each rank receives exactly those rows, in messages of at most ``budget_bytes``, and
-    ``import_canonical`` loads them. Nothing changes unless every rank staged successfully.
+    ``state`` matters on ``src`` only (e.g. ``gefen_ckpt.read(url)`` there, read chunk by chunk).
+    Its description is broadcast first; each rank checks it against its optimizer and reports
+    the rows its import will read; all ranks agree; then each rank receives exactly those rows,
+    in messages of at most ``budget_bytes``. Nothing changes unless every rank staged.
     """
     stats = _begin("scatter", budget_bytes)
     rank, world = _world()
@@ -704,11 +701,9 @@ def redistribute(state: CanonicalState, optimizer: torch.optim.Optimizer, *,
     """Load ``state`` (this rank's ``LocalPart`` s of a state exported on another layout over
     the same ranks) into ``optimizer`` (its own layout), moving only the rows that change rank.
 
-    Each rank reports the rows it holds and, after checking the state against its optimizer,
-    the rows its import will read; rows it already holds are copied locally, the rest come
-    from a holder (replicas share the sending), in messages of at most ``budget_bytes``. No
-    rank materialises a tensor it does not own whole in the target layout. All ranks fail
-    together and nothing changes unless every rank staged successfully.
+    Rows a rank already holds are copied locally, the rest come from a holder (replicas share
+    the sending), in messages of at most ``budget_bytes``; no rank materialises a tensor it does
+    not own whole in the target layout. Nothing changes unless every rank staged.
     """
     stats = _begin("redistribute", budget_bytes)
     error, description, ordered, payload = None, None, [], {}
