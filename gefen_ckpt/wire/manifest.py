@@ -39,13 +39,11 @@ if TYPE_CHECKING:  # reading a manifest needs no torch
     from gefen_ckpt.storage import Store
 
 FORMAT_NAME = "gefen-ckpt"
-#: (major, minor) of the newest format. Readers accept any minor of the majors in
-#: ``READ_MAJORS`` and refuse newer ones. 1.1 added the manifest's own checksum
-#: (``MANIFEST_CHECKSUM``); 2.0 moved piece records into per-writer indexes (``index``).
+#: (major, minor) of the newest format; readers accept any minor of ``READ_MAJORS``. 1.1 added the
+#: manifest's own checksum (``MANIFEST_CHECKSUM``); 2.0 moved piece records into per-writer indexes.
 FORMAT_VERSION = (2, 0)
 READ_MAJORS = (1, 2)
-#: What writers write: 2.0. (1, 1) writes the 1.x layout (piece records in the manifest), which
-#: every reader since 1.1 reads; tests set it to keep 1.x covered.
+#: What writers write; tests set (1, 1), the 1.x layout (piece records in the manifest), to keep it covered.
 WRITE_VERSION = FORMAT_VERSION
 MANIFEST_NAME = "manifest.msgpack"
 LAYOUTS = ("canonical", "sharded")
