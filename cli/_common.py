@@ -185,12 +185,8 @@ def settle_imports() -> None:
     import gefen_ckpt.api  # noqa: F401
 
     gc.freeze()
-    if not _unfreeze_registered:
-        atexit.register(gc.unfreeze)
-        globals()["_unfreeze_registered"] = True
-
-
-_unfreeze_registered = False
+    atexit.unregister(gc.unfreeze)  # registered once, however often a command settles
+    atexit.register(gc.unfreeze)
 
 
 def refuse_names(url: str, fmt: str, param_names: str | None, names_from: str | None) -> None:
