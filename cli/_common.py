@@ -185,12 +185,8 @@ def settle_imports() -> None:
     import gefen_ckpt.api  # noqa: F401
 
     gc.freeze()
-    if not _unfreeze_registered:
-        atexit.register(gc.unfreeze)
-        globals()["_unfreeze_registered"] = True
-
-
-_unfreeze_registered = False
+    atexit.unregister(gc.unfreeze)  # registered once, however often a command settles
+    atexit.register(gc.unfreeze)
 
 
 def refuse_names(url: str, fmt: str, param_names: str | None, names_from: str | None) -> None:
@@ -215,6 +211,21 @@ def optimizer_hint() -> Iterator[None]:
             raise
         raise CheckpointMismatchError(f"{exc}: --optimizer names the optimizer that wrote SRC (convert's --into "
                                       "names the one to convert into)") from None
+
+
+def open_manifest(url: str, optimizer: str | None, param_names: str | None, names_from: str | None,
+                  key: str | None):
+    """(Store, validated manifest) of a portable checkpoint, its options checked, without importing
+    torch; no directory listing (a summary: ``verify`` checks every file)."""
+    from gefen_ckpt.storage import Store
+    from gefen_ckpt.wire.manifest import open_checkpoint
+
+    refuse_names(url, PORTABLE, param_names, names_from)
+    check_key(url, PORTABLE, key)
+    store = Store(url)
+    manifest = open_checkpoint(store, whole=False)
+    check_optimizer(url, manifest.contract.implementation, optimizer)
+    return store, manifest
 
 
 def open_state(url: str, fmt: str | None = None, optimizer: str | None = None,

@@ -159,15 +159,8 @@ def inspect(
     with common.handled():
         fmt = common.detect_format(path)
         manifest, files = None, None
-        if fmt == common.PORTABLE:  # straight from the manifest: no torch import
-            from gefen_ckpt.storage import Store
-            from gefen_ckpt.wire.manifest import open_checkpoint
-
-            common.refuse_names(path, fmt, param_names, names_from)
-            common.check_key(path, fmt, key)
-            store = Store(path)
-            parsed = open_checkpoint(store, whole=False)  # a summary: `verify` checks every file
-            common.check_optimizer(path, parsed.contract.implementation, optimizer)
+        if fmt == common.PORTABLE:
+            store, parsed = common.open_manifest(path, optimizer, param_names, names_from, key)
             manifest, files = parsed.raw, {f.name: f.nbytes for f in parsed.files}
             described = _inspect.describe_manifest(store, parsed)
         else:
@@ -441,15 +434,11 @@ def reshard(
         else:
             raise typer.BadParameter("give --world-size or --mesh")
         common.check_destination(src, dst, overwrite, create_bucket, writes=not dry_run)
-        if dry_run and common.detect_format(src) == common.PORTABLE:  # from the manifest alone: no torch
-            from gefen_ckpt.storage import Store
-            from gefen_ckpt.wire.manifest import open_checkpoint, total_tensor_bytes
+        if dry_run and common.detect_format(src) == common.PORTABLE:
+            from gefen_ckpt.wire.manifest import total_tensor_bytes
 
-            common.refuse_names(src, common.PORTABLE, param_names, names_from)
-            common.check_key(src, common.PORTABLE, key)
-            manifest = open_checkpoint(Store(src), whole=False)
             with common.optimizer_hint():
-                common.check_optimizer(src, manifest.contract.implementation, optimizer)
+                _, manifest = common.open_manifest(src, optimizer, param_names, names_from, key)
             _print_plan(src, dst, target, plan_manifest(manifest, target.shard), total_tensor_bytes(manifest), as_json)
             return
         fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from,

@@ -1,14 +1,11 @@
 """``async_save``: stage the state into reusable host buffers, then write and commit it in a
 background thread while training continues.
 
-The training loop is blocked only for the copy (``export_canonical`` takes no copy: its
-tensors change at the next step). Buffers are kept between saves and reused when a tensor's
-shape and dtype are unchanged, so steady-state saves allocate nothing. The write is the
-synchronous save's own code (``write_state``; ``save_sharded`` under a process group, on a
-gloo group of its own so its collectives never interleave with the training loop's), so it
-writes the same bytes; the commit is the same atomic publish, so a failed or killed write
-leaves the previous checkpoint committed. One save runs at a time: a second ``async_save``
-first waits for the first to finish.
+The training loop is blocked only for the copy (``export_canonical``'s tensors change at the
+next step); buffers are reused while shapes and dtypes stay, so steady-state saves allocate
+nothing. The write is the synchronous save's own code (under a process group on a gloo group
+of its own, so its collectives never interleave with training's): the same bytes, the same
+atomic commit. One save runs at a time.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from gefen_ckpt import collective
-from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState
+from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
@@ -45,10 +42,7 @@ def _stage(state: CanonicalState) -> CanonicalState:
             return LocalPart(_buffer(key, source.tensor), source.row_start, source.shape, source.writer, source.split)
         return EagerSource(_buffer(key, source.read()))
 
-    out = CanonicalState(state.contract, [dict(g, params=list(g["params"])) for g in state.param_groups],
-                         {fqn: ParamState(e.shape, e.dtype, {k: staged(f"{fqn}/{k}", s) for k, s in e.fields.items()},
-                                          e.child) for fqn, e in state.params.items()},
-                         {k: staged(k, s) for k, s in state.global_fields.items()}, dict(state.metadata))
+    out = state.with_sources(staged)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the non-blocking copies are complete before the optimizer steps
     return out

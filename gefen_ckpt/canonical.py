@@ -48,12 +48,9 @@ class EagerSource:
 
 
 class LocalPart:
-    """The rows a rank holds of a global tensor: ``tensor`` is rows ``[row_start, row_start + len)``.
-
-    What ``export_canonical`` produces under a process group: each rank contributes its slices
-    and no rank holds more. ``writer`` marks the one rank that stores these rows when saving
-    (replicas hold the same rows). Reading rows this rank does not hold is an error: move state
-    between ranks with ``gefen_ckpt.transport``.
+    """The rows a rank holds of a global tensor (``export_canonical`` under a process group):
+    ``tensor`` is rows ``[row_start, row_start + len)``; ``writer`` marks the one replica that
+    stores them. Reading other rows is an error: move state with ``gefen_ckpt.transport``.
     """
 
     def __init__(self, tensor: torch.Tensor, row_start: int, shape: tuple[int, ...], writer: bool,
@@ -108,15 +105,10 @@ class ParamState:
 
 @dataclass
 class CanonicalState:
-    """Topology-free optimizer state.
-
-    * ``contract``: the optimizer's contract (implementation, version, fields, children).
-    * ``param_groups``: hyperparameters plus ``"params"``: the member FQNs, in order; groups of
-      a composite optimizer also carry ``"child"``.
-    * ``params``: FQN -> ``ParamState`` for every parameter that has state.
-    * ``global_fields``: optimizer-wide fields (e.g. the codebook), keyed by field name, or by
-      ``"<child>/<field>"`` for a composite optimizer's children.
-    * ``metadata``: informational (source topology, creation time, library versions).
+    """Topology-free optimizer state. ``param_groups``: hyperparameters plus ``"params"``, the
+    member FQNs in order (and ``"child"`` in a composite optimizer); ``params``: FQN ->
+    ``ParamState`` for every parameter with state; ``global_fields``: optimizer-wide fields (the
+    codebook), keyed ``"<child>/<field>"`` for a composite's children; ``metadata``: informational.
     """
 
     contract: OptimizerContract

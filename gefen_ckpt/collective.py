@@ -1,18 +1,13 @@
 """Small collectives that keep ranks in step: agreeing on failure and moving bytes.
 
-Every collective save/load/transport/DCP path stages its work, then calls ``agree`` (or
-``exchange``, which also all-gathers a payload): if any rank failed, every rank raises (the
-failing rank its own error, the others a ``CheckpointError`` naming every failed rank and
-carrying its error) before anything is published, so no rank hangs and no rank's optimizer or checkpoint
-changes alone. This is the one agreement protocol of the package. Bytes move as uint8 tensors
-(msgpack payloads), so no pickle crosses ranks.
+Every collective path stages its work, then calls ``agree`` (or ``exchange``, which also
+all-gathers a payload): if any rank failed, every rank raises before anything is published, so
+no rank hangs and no rank changes alone. This is the package's one agreement protocol. Bytes
+move as uint8 tensors of msgpack, so no pickle crosses ranks.
 
-Every collective first checks in (``checkin``) through the process group's store with a
-timeout (``DEFAULT_TIMEOUT``, or ``deadline(seconds)`` around a call): a rank that stalls or
-dies makes every other rank raise ``CheckpointTimeoutError`` naming it, instead of waiting for
-the backend's own timeout (gloo's and NCCL's default is 30 minutes), and the stalled rank
-raises too when it arrives late. A tensor collective then runs only among ranks known to be
-present.
+Every collective first checks in (``checkin``) through the process group's store with a timeout
+(``DEFAULT_TIMEOUT``, or ``deadline``): a rank that stalls or dies makes the others raise
+``CheckpointTimeoutError`` naming it, instead of waiting for the backend's 30 minutes.
 """
 
 from __future__ import annotations
@@ -129,7 +124,7 @@ def describe_error(exc: BaseException) -> str:
 def exchange(payload: dict, error: BaseException | None, what: str, group=None) -> list[dict]:
     """Every rank's ``payload`` (msgpack-able), in rank order; but first, if any rank of
     ``group`` reports an ``error``, raise on every rank: the failing rank its own error, the
-    others a ``CheckpointError`` naming each failed rank (``_failure``). Without a process
+    others a ``CheckpointError`` naming each failed rank (``failure``). Without a process
     group: ``[payload]``, or ``error`` raised."""
     payload = dict(payload, error=None if error is None else describe_error(error))
     try:
@@ -140,18 +135,21 @@ def exchange(payload: dict, error: BaseException | None, what: str, group=None) 
     everyone = [unpack(b) for b in all_gather_bytes(data, what, group)]
     if error is not None:
         raise error
-    failed = {r: p["error"] for r, p in enumerate(everyone) if p.get("error") is not None}
-    if failed:
-        kinds = "; ".join(f"rank {r}: {e.split(':', 1)[0]}" for r, e in failed.items())
-        raise _failure(f"{what} failed on rank(s) {list(failed)} ({kinds}); nothing was changed on this rank", failed)
+    if (failed := failure(what, everyone)) is not None:
+        raise failed
     return everyone
 
 
-def _failure(message: str, failed: dict[int, str]) -> CheckpointError:
-    """The error the ranks that did not fail raise: the message names each failed rank and its
-    error's type; ``rank_errors`` (and, on Python >= 3.11, the notes a traceback shows) hold each
-    one's full error, which can be long and is that rank's own to print."""
-    error = CheckpointError(message)
+def failure(what: str, everyone: list[dict],
+            changed: str = "nothing was changed on this rank") -> CheckpointError | None:
+    """The error the ranks that did not fail raise when any payload of ``everyone`` carries one: the
+    message names each failed rank and its error's type; ``rank_errors`` (and, on Python >= 3.11,
+    the notes a traceback shows) hold each one's full error, which is that rank's own to print."""
+    failed = {r: p["error"] for r, p in enumerate(everyone) if p.get("error") is not None}
+    if not failed:
+        return None
+    kinds = "; ".join(f"rank {r}: {e.split(':', 1)[0]}" for r, e in failed.items())
+    error = CheckpointError(f"{what} failed on rank(s) {list(failed)} ({kinds}); {changed}")
     error.rank_errors = failed
     for r, e in failed.items():
         getattr(error, "add_note", lambda _: None)(f"rank {r}: {e}")

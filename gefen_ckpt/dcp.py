@@ -2,22 +2,15 @@
 ``docs/dcp.md``).
 
 Gefen's optimizers present DTensor fields with global shapes and the codebooks inside
-``state``, so torch's ``get_state_dict`` / ``set_state_dict`` + ``dcp.save`` / ``dcp.load``
-reshard them like AdamW's. This module adds, on that same layout:
+``state``, so torch's ``get_state_dict`` + ``dcp.save`` reshard them like AdamW's. On that
+layout this module adds:
 
-* ``GefenDCPState(optimizer)``: a ``Stateful`` whose ``state_dict()`` is the optimizer's own,
-  keyed by FQN as ``get_optimizer_state_dict`` keys it (``<key>.state.<fqn>.<field>``,
-  ``<key>.param_groups.<i>.<name>``), plus a record (``<key>.gefen_ckpt``: msgpack bytes with the
-  contract and every parameter's shape and dtype). Its ``load_state_dict`` stages the loaded state
-  with the optimizer's own staging, the ranks agree, and only then does any rank publish.
-* ``GefenSavePlanner`` copies each record into DCP's metadata, so ``GefenLoadPlanner`` checks the
-  contract, schema version, FQNs and shapes against the live optimizer before any tensor is read,
-  checks every stored field against the live contract, and allocates fresh buffers of the stored
-  shapes (DTensors on the parameter's mesh), so a fresh optimizer loads without a step and DCP
-  never reads into live state.
-* ``read_dcp`` / ``write_dcp``: a DCP checkpoint <-> ``CanonicalState`` offline, no process group,
-  memory bounded by one stored chunk (``gefen_ckpt.dcp_layout`` parses the layout;
-  ``gefen_ckpt.dcp_legacy`` reads the description layout).
+* ``GefenDCPState``: a ``Stateful`` of the optimizer's state keyed by FQN as torch keys it, plus
+  a record (contract, shapes, dtypes); its load stages, the ranks agree, then it publishes.
+* ``GefenSavePlanner`` copies each record into DCP's metadata, so ``GefenLoadPlanner`` checks it
+  and every stored field against the live optimizer before any tensor is read, and allocates
+  fresh buffers of the stored shapes: a fresh optimizer loads, and DCP never reads into live state.
+* ``read_dcp`` / ``write_dcp``: DCP <-> ``CanonicalState`` offline, memory bounded by one chunk.
 """
 
 from __future__ import annotations
@@ -188,7 +181,7 @@ def _index_keyed(sd: Mapping, optimizer, groups: list[list[str]]) -> dict:
     unknown = sorted(set(sd.get("state") or {}) - set(index))
     if unknown:
         raise CheckpointMismatchError(f"checkpoint has state for {unknown[:3]}, which the optimizer does not hold")
-    state = {index[fqn]: {k: v for k, v in entry.items()} for fqn, entry in (sd.get("state") or {}).items()}
+    state = {index[fqn]: dict(entry) for fqn, entry in (sd.get("state") or {}).items()}
     return {"state": state, "param_groups": out_groups}
 
 
@@ -298,14 +291,11 @@ class GefenSavePlanner(DefaultSavePlanner):
 
 
 class GefenLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that, for every ``GefenDCPState`` in the state dict, checks the
-    checkpoint against the live optimizer (the record: contract, schema version, FQNs, shapes;
-    every stored field: its dtype and shape) before anything is read, and allocates fresh
-    destination buffers of the stored global shapes (this rank's part only), so loading works
-    into a fresh optimizer and never writes into live state. Errors are
-    ``CheckpointMismatchError``/``CheckpointFormatError``; ``dcp.load`` delivers them wrapped in
-    its ``CheckpointException`` (on every rank). Param-group values load with
-    ``torch.load(weights_only=True)``."""
+    """``DefaultLoadPlanner`` that, for every ``GefenDCPState``, checks the checkpoint against the
+    live optimizer (its record, every stored field's dtype and shape) before anything is read and
+    allocates fresh buffers of the stored shapes (this rank's part), so a fresh optimizer loads
+    and live state is never written into. ``dcp.load`` delivers its errors wrapped in its
+    ``CheckpointException``. Param-group values load with ``torch.load(weights_only=True)``."""
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         if metadata is not None:
@@ -457,13 +447,6 @@ def _storage_reader(path: str | os.PathLike):
     return SafeReader(path)
 
 
-def _storage_writer(path: str | os.PathLike):
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    cls, path = _storage(path, FileSystemWriter, "FsspecWriter")
-    return cls(path)
-
-
 class _RowsLoadPlanner(ReadOnlyPlanner):
     """Feeds ``StorageReader.read_data`` a destination tensor that holds rows ``[start, ...)``."""
 
@@ -521,8 +504,6 @@ class _DCPReader:
         return dest
 
 
-
-
 class DCPSource:
     """A lazy global tensor inside a DCP checkpoint: ``read(start, stop)`` reads those rows only
     (DCP's reader loads each overlapping stored chunk, i.e. at most one rank's shard, at a time)."""
@@ -537,7 +518,6 @@ class DCPSource:
 
     def __repr__(self) -> str:
         return f"DCPSource({self.key!r}, shape={self.shape}, dtype={self.dtype})"
-
 
 
 class _SourcesSavePlanner(SavePlanner):
@@ -604,24 +584,19 @@ class _SourcesSavePlanner(SavePlanner):
         return src.read(start, start + chunk.sizes[0]).detach().contiguous()
 
 
-
 def write_sources(path: str | os.PathLike, sources: dict[str, TensorSource], values: dict[str, bytes],
                   mappings: dict, *, chunk_bytes: int = 256 << 20, world_size: int | None = None,
                   records: dict[str, bytes] | None = None) -> None:
     """Write tensor sources and ``torch.save``d values as a DCP checkpoint under their full keys,
     offline (no process group), memory bounded by one chunk of ``chunk_bytes``; ``records``: key ->
     record, copied into the planner data as ``GefenSavePlanner`` does."""
-    _save_offline(path, _SourcesSavePlanner(sources, values, mappings, chunk_bytes, world_size, records))
+    from torch.distributed.checkpoint import FileSystemWriter, save
 
-
-def _save_offline(path: str | os.PathLike, planner: SavePlanner) -> None:
-    from torch.distributed.checkpoint import save
-
+    writer, path = _storage(path, FileSystemWriter, "FsspecWriter")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-        save({}, storage_writer=_storage_writer(path), planner=planner, no_dist=True)
-
-
+        save({}, storage_writer=writer(path), no_dist=True,
+             planner=_SourcesSavePlanner(sources, values, mappings, chunk_bytes, world_size, records))
 
 
 def _stored_record(reader: _DCPReader, key: str) -> dict | None:
@@ -635,13 +610,9 @@ def _stored_record(reader: _DCPReader, key: str) -> dict | None:
 
 
 def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
-    """The ``CanonicalState`` of the optimizer state in the DCP checkpoint at ``path``: torch's
-    stock layout (numbered param groups or flattened by FQN, with or without ``GefenDCPState``'s
-    record) or the description layout (``gefen_ckpt.dcp_legacy``).
-
-    ``key`` is the state-dict key it was saved under (e.g. ``"optim"``); by default the only one
-    present. No process group; tensors are lazy ``DCPSource`` objects that read only the rows
-    asked for. DCP's ``.metadata`` pickle is loaded with an allowlist (no code execution)."""
+    """The ``CanonicalState`` of the optimizer state saved under ``key`` (default: the only one) in
+    the DCP checkpoint at ``path``, in torch's stock layout or the description layout
+    (``dcp_legacy``). Tensors are lazy ``DCPSource`` s; ``.metadata`` is unpickled with an allowlist."""
     reader = _DCPReader(path)
     stock = find_stock_keys(reader.metadata) + find_flat_keys(reader.metadata)
     found = stock + [k for k in find_legacy_keys(reader.metadata) if k not in stock]
@@ -667,16 +638,12 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
 
 def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "optim", chunk_bytes: int = 256 << 20,
               world_size: int | None = None, flat: bool | None = None) -> None:
-    """Write ``state`` as a DCP checkpoint in torch's stock layout under ``key``, with its record, so
-    that ``GefenDCPState`` + ``GefenLoadPlanner`` and torch's ``set_state_dict`` resume from it;
-    ``flat`` (default: as the source was) flattens the param groups by FQN, as torch's
-    ``flatten_optimizer_state_dict=True`` and torchtitan's ``CheckpointManager`` expect. When
-    ``state`` was read from a DCP checkpoint, every entry of it outside the optimizer's key (the
-    model, LR schedulers, dataloader and train state) is copied as it was.
-
-    No process group; tensors are written in row chunks of at most ``chunk_bytes``, cut at the
-    ``torch.chunk`` boundaries of ``world_size`` ranks when given (each rank then reads only its
-    own chunks), read lazily from the sources."""
+    """Write ``state`` as a DCP checkpoint in torch's stock layout under ``key``, with its record,
+    for ``GefenDCPState`` or torch's ``set_state_dict`` to resume from; ``flat`` (default: as the
+    source was) flattens the param groups by FQN, as torchtitan expects. Every entry of a DCP
+    source outside the optimizer's key (the model, schedulers, train state) is copied as it was.
+    Row chunks of at most ``chunk_bytes`` are cut at the ``torch.chunk`` boundaries of
+    ``world_size`` ranks when given, so each rank then reads only its own chunks."""
     if "." in key:
         raise ValueError(f"key {key!r}: use a top-level name without dots (DCP flattens nested keys with '.')")
     flat = state.metadata.get("dcp_layout") == FLAT if flat is None else flat

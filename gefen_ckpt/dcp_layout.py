@@ -1,20 +1,15 @@
 """Reading (and writing) the DCP layouts that torch's own checkpoint API writes, offline.
 
-``get_state_dict(model, optimizer)`` + ``dcp.save({"model": msd, "optim": osd})`` stores each
-optimizer state field as a tensor entry ``"<key>.state.<fqn>.<field>"`` (global shape: DTensor
-state is resharded by DCP like any tensor) and each param-group value as a small ``torch.save``d
-entry ``"<key>.param_groups.<i>.<name>"``. With ``StateDictOptions(flatten_optimizer_state_dict=
-True)`` (and in torchtitan, whose ``OptimizersContainer`` flattens the same way) the groups are
-flattened per parameter instead: ``"<key>.param_groups.<fqn>.<name>"``, no ``params`` entry; the
-groups are rebuilt from ``param_names`` when it was saved, else from equal hyperparameters.
-``gefen_ckpt.dcp.write_dcp`` writes either layout back, with every other entry of the source checkpoint (the
-model, schedulers, ...) copied as it was. Nothing records which optimizer wrote it, so the
-contract is inferred from the field and hyperparameter names, as for a ``torch.save``d
-state_dict, unless ``GefenDCPState`` stored its record beside the state. Gefen optimizers repeat their codebook in every parameter's state (torch's API
-keeps nothing else); it becomes the one optimizer-wide field here, and copies that disagree are
-refused. Groups that name a ``"child"`` are a composite optimizer's (``gefen.contract``): each
-child's contract is inferred from its own groups and fields, its parameters are marked with
-the child and its optimizer-wide fields are keyed ``"<child>/<field>"``.
+``get_state_dict`` + ``dcp.save`` stores each optimizer state field as a tensor entry
+``"<key>.state.<fqn>.<field>"`` (global shape) and each param-group value as a small
+``torch.save``d entry ``"<key>.param_groups.<i>.<name>"``. With
+``flatten_optimizer_state_dict=True`` (and in torchtitan) the groups are flattened per parameter,
+``"<key>.param_groups.<fqn>.<name>"``, and rebuilt here from ``param_names`` when saved, else from
+equal hyperparameters. Nothing records which optimizer wrote it, so the contract is inferred from
+the names, as for a ``torch.save``d state_dict, unless ``GefenDCPState`` stored its record. Gefen
+optimizers repeat their codebook in every parameter's state; it becomes the one optimizer-wide
+field here, and copies that disagree are refused. Groups that name a ``"child"`` are a composite
+optimizer's (``gefen.contract``).
 
 Param-group entries are read with ``torch.load(weights_only=True)``: no code runs.
 """

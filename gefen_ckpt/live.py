@@ -112,15 +112,11 @@ def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.T
 
 
 # ----- import -------------------------------------------------------------------------------
-def check_schema(version: int) -> None:
-    if version > SCHEMA_VERSION:
-        raise CheckpointMismatchError(f"checkpoint schema version {version} is newer than this gefen_ckpt "
-                                      f"({SCHEMA_VERSION})")
-
-
 def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
     """The checkpoint must come from the same optimizer implementation and a readable schema."""
-    check_schema(saved.schema_version)
+    if saved.schema_version > SCHEMA_VERSION:
+        raise CheckpointMismatchError(f"checkpoint schema version {saved.schema_version} is newer than this "
+                                      f"gefen_ckpt ({SCHEMA_VERSION})")
     if saved.implementation != live.implementation:
         raise CheckpointMismatchError(
             f"checkpoint holds {saved.implementation} state, the live optimizer is {live.implementation}"
@@ -249,7 +245,7 @@ def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
     (``CheckpointMismatchError`` naming the FQN/field, or a read error) the optimizer is
     untouched. Under a process group it is a collective and every rank raises together.
     """
-    load_agreed(lambda: stage_import(optimizer, state, model), "import_canonical")
+    load_agreed(lambda: stage_state_dict(optimizer, local_state_dict(optimizer, state, model)), "import_canonical")
 
 
 def load_agreed(stage: Callable[[], Callable[[], None]], what: str, group=None, alone: bool = False) -> None:
@@ -273,13 +269,6 @@ def copies_on_load(optimizer: torch.optim.Optimizer) -> bool:
     (``prepare_load_state_dict``), so what they load may be views of checkpoint files; a torch
     optimizer keeps the very tensors, so it must get memory of its own."""
     return hasattr(optimizer, "prepare_load_state_dict")
-
-
-def stage_import(optimizer: torch.optim.Optimizer, state: CanonicalState,
-                 model: torch.nn.Module | None = None) -> Callable[[], None]:
-    """Validate ``state`` against ``optimizer`` and stage it without publishing; the returned
-    callable publishes."""
-    return stage_state_dict(optimizer, local_state_dict(optimizer, state, model))
 
 
 def stage_state_dict(optimizer: torch.optim.Optimizer, sd: dict) -> Callable[[], None]:

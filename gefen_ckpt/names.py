@@ -1,14 +1,10 @@
 """Names for optimizer state_dicts saved without them.
 
-``torch.optim.AdamW(model.parameters())`` -- what most frameworks build, e.g. the HuggingFace
-Trainer -- saves a state_dict keyed by position only, which gefen_ckpt cannot key by FQN. The
-names come either from a list (one FQN per position, in the state_dict's order) or from the
-model's own state_dict, whose entries are in ``named_parameters()`` order (with buffers among
-them). Parameters are matched to the model's entries *in order*: each param group's members
-are a subsequence of the model's parameters (HuggingFace puts decayed and undecayed parameters
-in two groups, both in model order), entries that are no parameter of the optimizer (buffers,
-frozen parameters) are skipped, and every saved shape must agree. The match must be unique;
-anything else is an error naming the first position that does not fit.
+``torch.optim.AdamW(model.parameters())`` (e.g. the HuggingFace Trainer's) saves a state_dict
+keyed by position only. The names come from a list (one FQN per position) or from the model's
+state_dict, in ``named_parameters()`` order: each param group's members are a subsequence of the
+model's parameters (HuggingFace's decayed and undecayed groups), other entries (buffers, frozen
+parameters) are skipped, and every saved shape must agree. The match must be unique.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """``save``/``load`` under a process group: every rank writes and reads only its own rows.
 
 Save: each rank writes the rows it owns (one replica per row range) into its own data files
-and (format 2.0) its own index, in parallel, and checks that index against the row-split rule
-every rank derives alike; rank 0 gathers O(1) bytes from each rank (file names and sizes, the
-index's pin, a digest of the state's structure) in a constant number of collectives, builds
-the manifest and commits it. Until that commit the previous checkpoint at the
-URL stays the committed one, so a failure anywhere leaves it intact (and this save's data
-files are removed).
+and (2.0) its own index, and checks that index against the row-split rule every rank derives
+alike; rank 0 gathers O(1) bytes per rank, builds the manifest and commits it. Until then the
+previous checkpoint stays committed, so a failure anywhere leaves it intact.
 
 Load: every rank opens the checkpoint lazily and reads only the pieces that overlap its rows
 (checksums verified), whatever layout or world size wrote it: that is the reshard.
@@ -20,11 +17,11 @@ import torch
 
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
 from gefen_ckpt.collective import (
-    _failure,
     agree,
     broadcast_bytes,
     describe_error,
     exchange,
+    failure,
     gather_bytes,
     pack,
     unpack,
@@ -128,7 +125,7 @@ def _save_v2(state, store, token, previous, rank, world_size, url, max_file_byte
     (``commit_payload``) and commits. Returns this rank's error (None: committed)."""
     error, payload = None, {}
     try:
-        plan = own_split(state, rank)
+        plan = OwnSplit(state, rank)
         pieces, files = write_pieces(store, data_stem(token, rank), _own_items(state),
                                      max_file_bytes=max_file_bytes, memory_budget=memory_budget)
         pin, data = write_index(store, token, rank, pieces, files, plan.ordinals)
@@ -143,23 +140,16 @@ def _save_v2(state, store, token, previous, rank, world_size, url, max_file_byte
         return error
     try:
         everyone = [unpack(b) for b in gathered]
-        failed = {r: p["error"] for r, p in enumerate(everyone) if p.get("error") is not None}
-        if failed:
-            kinds = "; ".join(f"rank {r}: {e.split(':', 1)[0]}" for r, e in failed.items())
-            raise error or _failure(f"save to {url} failed on rank(s) {list(failed)} ({kinds}); nothing was changed",
-                                    failed)
+        if (failed := failure(f"save to {url}", everyone, "nothing was changed")) is not None:
+            raise error or failed
         manifest = build_v2(state, plan.merged([p["explicit"] for p in everyone], [p["digest"] for p in everyone]),
-                            [_pin(p["writer"]) for p in everyone],
+                            [WriterPin.from_raw(p["writer"]) for p in everyone],
                             layout="sharded", world_size=world_size)
         commit(store, manifest, token, previous=previous)  # removes every rank's files if it fails
     except Exception as exc:
         discard(store, token)
         return error or exc
     return error
-
-
-def _pin(raw: list) -> WriterPin:
-    return WriterPin(tuple(zip(raw[3::2], raw[4::2])), raw[0], raw[1], raw[2])
 
 
 def commit_payload(pin: WriterPin, plan: OwnSplit) -> dict:
@@ -173,18 +163,18 @@ class OwnSplit:
     this rank's rows of the tensors no rule describes, and the check of its own index."""
 
     def __init__(self, state: CanonicalState, rank: int):
-        self.state, self.rank = state, rank
+        self.rank = rank
         self.ordinals = tensor_order(state)
-        self.rules: dict[tuple, tuple | None] = {}
+        self.parts = {(fqn, name): state.global_fields[name] if fqn is None else state.params[fqn].fields[name]
+                      for fqn, name in self.ordinals}
+        self.rules: dict[tuple, tuple | None] = {key: getattr(part, "split", None) for key, part in self.parts.items()}
         self.explicit: dict[int, list[list[int]]] = {}  # ordinal -> this rank's [start, stop] rows
         structure = []
         for (fqn, name), ordinal in self.ordinals.items():
-            part = state.global_fields[name] if fqn is None else state.params[fqn].fields[name]
-            rule = getattr(part, "split", None)
-            self.rules[(fqn, name)] = rule
+            part, rule = self.parts[(fqn, name)], self.rules[(fqn, name)]
             structure.append([fqn, name, list(part.shape), str(part.dtype), rule])
             mine = self._own_rows(part)
-            if rule is None or mine != _rule_rows(rule, part.shape, rank):
+            if rule is None or mine != [(a, b) for a, b, w in _all_rule_parts(rule, _rows(part)) if w == rank]:
                 self.explicit[ordinal] = [list(r) for r in mine]
         self.digest = hashlib.blake2b(pack(structure), digest_size=16).hexdigest()
 
@@ -204,8 +194,7 @@ class OwnSplit:
         out, rules = [], {}
         for key, ordinal in self.ordinals.items():
             fqn, name = key
-            part = self.state.global_fields[name] if fqn is None else self.state.params[fqn].fields[name]
-            rule = self.rules[key]
+            part, rule = self.parts[key], self.rules[key]
             if ordinal in self.explicit or rule is None:
                 split = Explicit(tuple(explicit_parts(ordinal)))
             else:  # one Rule object per distinct rule: it indexes its writers once
@@ -240,21 +229,14 @@ class OwnSplit:
                 out[key] = (rule[0], tuple(rule[1]))
                 continue
             by_rank = reported.get(ordinal, {})
-            parts = [(a, b, w) for a, b, w in _all_rule_parts(rule, self._rows(key)) if w not in by_rank]
+            parts = [(a, b, w) for a, b, w in _all_rule_parts(rule, _rows(self.parts[key])) if w not in by_rank]
             parts += [(a, b, r) for r, rows in by_rank.items() for a, b in rows]
             out[key] = sorted(parts)
         return out
 
-    def _rows(self, key) -> int:
-        fqn, name = key
-        part = self.state.global_fields[name] if fqn is None else self.state.params[fqn].fields[name]
-        return part.shape[0] if part.shape else 1
 
-
-def _rule_rows(rule, shape, rank: int) -> list[tuple[int, int]]:
-    parts, writers = rule
-    rows = shape[0] if shape else 1
-    return [(a, b) for a, b, w in _all_rule_parts(rule, rows) if w == rank]
+def _rows(part) -> int:
+    return part.shape[0] if part.shape else 1
 
 
 def _all_rule_parts(rule, rows: int) -> list[tuple[int, int, int]]:
@@ -267,10 +249,6 @@ def _all_rule_parts(rule, rows: int) -> list[tuple[int, int, int]]:
         if a < b:
             out.append((a, b, w))
     return out
-
-
-def own_split(state: CanonicalState, rank: int) -> OwnSplit:
-    return OwnSplit(state, rank)
 
 
 def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_options: dict | None = None) -> None:

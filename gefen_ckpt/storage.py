@@ -75,11 +75,6 @@ def _in_thread(work: Callable[[], None], name: str) -> Callable[[], None]:
     return wait
 
 
-def _fsync_in_thread(path: str) -> Callable[[], None]:
-    """fsync ``path`` on a Python thread (without the C library)."""
-    return _in_thread(lambda: _fsync(path), "gefen-ckpt-fsync")
-
-
 def _libc():
     """The C library when it has ``syncfs`` (Linux), else None."""
     if not hasattr(os, "sched_getaffinity"):  # not Linux
@@ -93,17 +88,15 @@ def _libc():
 
 
 class Prefetch:
-    """Files read into the page cache, in order, by a daemon thread, for a reader that follows
-    (``wait``): a load's disk reads overlap its manifest validation and its checksumming.
+    """Files read into the page cache, in order, for a reader that follows (``wait``): a load's
+    disk reads overlap its manifest validation and its checksumming.
 
-    ``sendfile`` to ``/dev/null`` moves no bytes to user space and holds no GIL during each
-    ``PREFETCH_CHUNK``: measured 2.6 GB/s cold, against 1.8 GB/s for ``pread``s into a buffer
-    and ~0.8 GB/s for page faults on a mapping (docs/decisions.md). It stays at most ``lead``
-    bytes ahead of what the reader has asked for, so a checkpoint larger than memory does not
-    evict its own first files; call ``stop`` when done reading (it then ends within a chunk).
-    Errors end a file quietly: the reader reports them. With the C library the loop runs on a
-    thread of its own (``gefen_prefetch_start``): the Python thread needed the GIL after every
-    chunk, which the loading thread holds while it validates the manifest (docs/decisions.md)."""
+    ``sendfile`` to ``/dev/null`` moves no bytes to user space (measured 2.6 GB/s cold, against
+    1.8 GB/s for ``pread``s and ~0.8 GB/s for page faults on a mapping: docs/decisions.md). It
+    stays at most ``lead`` bytes ahead of the reader, so a checkpoint larger than memory does not
+    evict its own first files. Errors end a file quietly: the reader reports them. With the C
+    library the loop runs on a C thread: a Python one needs the GIL after every chunk, which the
+    loading thread holds while it validates the manifest."""
 
     def __init__(self, files: list[tuple[str, int]], lead: int = PREFETCH_LEAD):
         self._files, self._lead, self._base, position = files, lead, {}, 0
@@ -260,12 +253,11 @@ class Writer:
 
 
 class LocalWriter(Writer):
-    """Small writes are coalesced, and every ``WRITEBACK_EVERY`` bytes the kernel is asked to
-    start writing the file out, so the disk works while the rest is produced and the final
-    fsync has little left to wait for (``posix_fadvise(DONTNEED)`` starts writeback of dirty
-    pages; pages already on disk then leave the page cache instead of crowding out the
-    training job's). ``write_hashed`` writes, hashes and starts writeback in one C call when the
-    library is built (``native.io``): no Python, so no GIL, between the system calls.
+    """Small writes are coalesced, and every ``WRITEBACK_EVERY`` bytes the kernel is asked to start
+    writing the file out (``posix_fadvise(DONTNEED)``), so the disk works while the rest is
+    produced, the final fsync has little left to wait for, and written pages leave the page cache
+    instead of crowding out the training job's. With ``native.io``, ``write_hashed`` writes,
+    hashes and starts writeback in one C call: no GIL between the system calls.
     """
 
     def __init__(self, fs, path: str):
@@ -358,13 +350,10 @@ class RemoteWriter(Writer):
 class Store:
     """A checkpoint directory: create, read ranges of, list, publish and delete its files.
 
-    This class is the generic way, over fsspec (``memory://``, ``s3://``, ...): whole-object
-    writes, which object stores publish atomically on close, and range reads; ``Store(url)`` of
-    a local path is a ``LocalStore``, which overrides the I/O methods. ``storage_options`` go to
-    the fsspec filesystem (e.g. ``endpoint_url``, ``key``/``secret``, ``config_kwargs=
-    {"connect_timeout": 5, "read_timeout": 30}`` for s3fs). Failures of the storage itself
-    (disk full, unreachable endpoint, missing credentials) are raised as
-    ``CheckpointStorageError`` naming the path; a missing file stays ``FileNotFoundError``.
+    The generic way, over fsspec: whole-object writes, which object stores publish atomically on
+    close, and range reads; ``Store(url)`` of a local path is a ``LocalStore``. Failures of the
+    storage itself (disk full, unreachable endpoint, credentials) are ``CheckpointStorageError``
+    naming the path; a missing file stays ``FileNotFoundError``.
     """
 
     local = False  # files this process can map and lock (reader.py, writelock.py)
@@ -530,7 +519,7 @@ class LocalStore(Store):
         GIL between its system calls, which the caller holds while it builds the manifest
         (docs/decisions.md)."""
         path = self.path(name)
-        return (native.fsync_start(path) if native.io else None) or _fsync_in_thread(path)
+        return (native.fsync_start(path) if native.io else None) or _in_thread(lambda: _fsync(path), "gefen-ckpt-fsync")
 
     def sync(self) -> None:
         _fsync(self.root)
@@ -561,6 +550,7 @@ class LocalStore(Store):
         libc = _libc()
         if libc is None or not names:
             return super().durable_many(names)
+
         def syncfs() -> None:
             fd = os.open(self.root, os.O_RDONLY)
             try:
@@ -611,7 +601,5 @@ def require_bucket(fs, root: str) -> None:
         return
     bucket = split(root)[0]
     if bucket and not fs.exists(bucket):
-        from gefen_ckpt.errors import CheckpointError
-
         raise CheckpointError(f"bucket {bucket!r} does not exist ({root}): create it first, or set "
                               f"{CREATE_BUCKET_ENV}=1 (gefen-ckpt: --create-bucket) to let the save create it")

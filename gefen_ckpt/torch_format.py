@@ -1,24 +1,14 @@
 """Conversions between ``CanonicalState`` and a ``torch.save``d ``optimizer.state_dict()``.
 
-A torch-format checkpoint is one file holding what ``optimizer.state_dict()`` returns: ``state``
-keyed by parameter index, ``param_groups`` with ``params`` (indices) and ``param_names``
-(FQNs), plus ``global_state`` (optimizer-wide fields, e.g. Gefen's codebook); a composite
-optimizer's groups name their child (the nested ``children`` form of older files is read too),
-as the contract conventions in :mod:`gefen.contract` say.
+The file holds what ``optimizer.state_dict()`` returns (``state`` by index, ``param_groups``
+with ``param_names``, ``global_state``; composite optimizers as :mod:`gefen.contract` says).
+Reading keys it by FQN and validates every field against the contract (given, recorded, or
+inferred from the names). Writing adds, under ``"gefen_ckpt"``, the contract and the
+parameters' dtypes (``weights_only``-safe; optimizers ignore unknown keys), which makes
+``torch -> portable`` exact (Adam vs AdamW, a bf16 model's dtype, a composite's contract).
 
-* :func:`canonical_from_state_dict` keys the state by FQN (from the groups' ``param_names``),
-  takes each parameter's global shape from a field of ``param`` geometry and validates every
-  field against the contract (given, recorded in the file, or inferred from the field and
-  hyperparameter names).
-* :func:`state_dict_from_canonical` builds the dict ``optimizer.load_state_dict`` accepts.
-  Besides torch's own keys it records, under ``"gefen_ckpt"``, the contract and the
-  parameters' dtypes (plain strings and lists: ``weights_only``-safe). Optimizers ignore
-  unknown top-level keys, and the record makes ``torch -> portable`` exact (e.g. Adam vs AdamW,
-  a bf16 model's dtype under Gefen, a composite optimizer's contract).
-
-Files are read only with ``torch.load(..., map_location="cpu", weights_only=True)`` (no pickled
-code runs) through fsspec, so any URL works. The format is not lazy: a torch file is read
-whole, and writing one materialises every tensor (that is what ``torch.save`` needs).
+Files are read only with ``torch.load(..., weights_only=True)`` (no pickled code runs) through
+fsspec. The format is not lazy: a file is read whole, and writing one materialises every tensor.
 """
 
 from __future__ import annotations
@@ -234,10 +224,8 @@ def _field_tensor(value, spec, fqn: str, name: str) -> torch.Tensor:
 def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None = None) -> CanonicalState:
     """A ``CanonicalState`` from an ``optimizer.state_dict()`` (tensors are not copied).
 
-    ``contract``: an ``OptimizerContract`` or an implementation name; when omitted, the one
-    recorded by :func:`state_dict_from_canonical`, else one inferred from the field names
-    (Gefen's fields -> ``gefen.Gefen``, ``exp_avg``/``exp_avg_sq`` -> ``torch.optim.AdamW``,
-    ``momentum_buffer`` -> ``torch.optim.SGD``).
+    ``contract``: an ``OptimizerContract`` or an implementation name; by default the one recorded
+    by :func:`state_dict_from_canonical`, else one inferred from the field names.
     """
     check_state_dict(sd)
     meta = sd.get(TORCH_META_KEY) if isinstance(sd.get(TORCH_META_KEY), dict) else {}
@@ -373,14 +361,9 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 
 def state_dict_from_canonical(state: CanonicalState) -> dict:
-    """The ``optimizer.state_dict()`` a single process would hold for ``state``.
-
-    Index-keyed ``state``; groups with their hyperparameters, ``params`` (indices, numbered in
-    group order) and ``param_names`` (FQNs); ``global_state`` for optimizers with global fields
-    and, for composite ones, groups that name their child (``gefen.contract.join_composite``);
-    every tensor read into memory. The result loads with
-    ``optimizer.load_state_dict`` into an optimizer built like the original.
-    """
+    """The ``optimizer.state_dict()`` a single process would hold for ``state`` (every tensor read
+    into memory): it loads with ``optimizer.load_state_dict`` into an optimizer built like the
+    original. ``params`` are numbered in group order, ``param_names`` carry the FQNs."""
     contract = state.contract
     leaves = {}
     for child, leaf in contract.leaves():

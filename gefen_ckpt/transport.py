@@ -9,28 +9,18 @@
 
 Why it is shaped like this:
 
-* **Everything is a plan of row ranges.** Block geometry lives inside rows (docs/design.md 1), so every
-  layout gives each rank one contiguous range of global rows of each field. Moving state is
-  therefore "for each tensor and each receiving rank, which rows come from which holder": a
-  pure function of row ranges (``assign_rows``, ``chunk_elements``, ``plan_moves``,
-  ``plan_rounds``), computed identically on every rank from all-gathered descriptions, unit
-  tested without a process group.
-* **Chunks, not tensors.** Each move is cut to at most ``budget_bytes`` (whole rows when a
-  row fits, pieces of one row otherwise) and the moves are grouped into rounds in which no
-  rank sends, receives and copies more than the budget in all. Rows are sent straight from
-  the holder's tensor and received straight into the receiver's final tensor, so the only
-  extra memory is what must be copied (a lazy source's read, a non-contiguous or off-device
-  chunk): at most one round, i.e. the budget (or one row of a lazy source whose rows exceed
-  it, since ``TensorSource.read`` hands out whole rows). ``last_stats()`` reports what a call
-  moved and its peak staging bytes. The descriptions exchanged before the data (shapes,
-  dtypes, row ranges: a few bytes per tensor and rank) are not chunked.
-* **All ranks fail together.** Every call is a collective. Local work that can fail (export,
-  validation against the live optimizer, reads of a source) is caught, and the error travels
-  in the next collective; during the data phase a rank whose read fails sends zeros instead
-  and keeps the protocol in lockstep, so nobody waits for a message that never comes. Every
-  rank then raises (the failing rank its own error, the others a ``CheckpointError`` naming
-  it) before any optimizer is touched; ``import_canonical`` itself also validates and agrees
-  before it loads.
+* **Everything is a plan of row ranges.** Block geometry lives inside rows (docs/design.md 1), so
+  every layout gives each rank one contiguous range of global rows of each field; which rows
+  come from which holder is a pure function of row ranges (``assign_rows`` ... ``plan_rounds``),
+  computed identically on every rank and unit tested without a process group.
+* **Chunks, not tensors.** Moves are cut to at most ``budget_bytes`` and grouped into rounds in
+  which no rank sends, receives and copies more than the budget. Rows go straight from the
+  holder's tensor into the receiver's final tensor, so the only extra memory is what must be
+  copied (a lazy source's read, an off-device chunk): one round, or one row of a lazy source
+  whose rows exceed the budget. ``last_stats()`` reports it.
+* **All ranks fail together.** Local failures travel in the next collective; a rank whose read
+  fails during the data phase sends zeros, so nobody waits for a message that never comes, and
+  every rank raises before any optimizer is touched.
 * **No pickle crosses ranks**: descriptions travel as msgpack, tensors as raw bytes.
 """
 
@@ -79,11 +69,9 @@ def assign_rows(rows: int, have: Sequence[Range | None], want: Sequence[Range | 
                 load: list[int] | None = None, row_bytes: int = 1, label: str = "tensor") -> list[tuple[int, int, int, int]]:
     """Which rows each receiving rank gets from which holder: ``[(src, dst, start, stop)]``.
 
-    ``have[r]`` / ``want[r]`` are the global rows rank ``r`` holds / needs (None: nothing). A
-    receiver takes rows it already holds from itself (no traffic); other rows come from the
-    holder that has been given the fewest bytes so far (``load``, shared across tensors, so
-    replicas share the sending), ties to the lowest rank. Wanted rows that no rank holds are
-    an error: the source state does not cover the tensor.
+    ``have[r]`` / ``want[r]``: the global rows rank ``r`` holds / needs (None: nothing). A
+    receiver takes rows it holds from itself; other rows come from the holder given the fewest
+    bytes so far (``load``, shared across tensors, so replicas share the sending).
     """
     load = [0] * len(have) if load is None else load
     for what, ranges in (("held", have), ("wanted", want)):
@@ -115,11 +103,8 @@ def assign_rows(rows: int, have: Sequence[Range | None], want: Sequence[Range | 
 
 
 def chunk_elements(start: int, stop: int, row_numel: int, itemsize: int, budget: int) -> list[Range]:
-    """Rows ``[start, stop)`` as flat element ranges of at most ``budget`` bytes each.
-
-    Whole rows per chunk when a row fits in the budget (so a lazy source reads each row once);
-    a row larger than the budget is sent as consecutive pieces of itself.
-    """
+    """Rows ``[start, stop)`` as flat element ranges of at most ``budget`` bytes each: whole rows
+    when a row fits (so a lazy source reads each row once), else pieces of one row."""
     if budget < itemsize:
         raise ValueError(f"budget of {budget} bytes cannot hold one {itemsize}-byte element")
     if row_numel == 0 or start >= stop:
@@ -152,10 +137,8 @@ class TensorInfo:
 
 def plan_moves(tensors: Sequence[TensorInfo], have: Sequence[Sequence[Range | None]],
                want: Sequence[Sequence[Range | None]], budget: int) -> list[Move]:
-    """Every chunk to move, in one global order (identical on all ranks).
-
-    ``have[t][r]`` / ``want[t][r]``: rows of tensor ``t`` rank ``r`` holds / needs.
-    """
+    """Every chunk to move, in one global order (identical on all ranks); ``have[t][r]`` /
+    ``want[t][r]``: rows of tensor ``t`` rank ``r`` holds / needs."""
     moves: list[Move] = []
     load = [0] * (len(have[0]) if have else 0)
     for t, info in enumerate(tensors):
@@ -168,11 +151,9 @@ def plan_moves(tensors: Sequence[TensorInfo], have: Sequence[Sequence[Range | No
 
 
 def plan_rounds(moves: Sequence[Move], itemsizes: Sequence[int], budget: int) -> list[list[Move]]:
-    """Consecutive moves grouped so that in each round no rank touches more than ``budget``
-    bytes: what it sends, receives and copies to itself together (a copy of its own rows can
-    need a staged read too). So every buffer a round can stage on a rank fits in the budget.
-    Each round is posted as non-blocking sends/receives and completed before the next, so no
-    order of moves can deadlock."""
+    """Consecutive moves grouped so that in each round no rank sends, receives and copies more
+    than ``budget`` bytes in all. Each round is completed before the next, so no order of moves
+    can deadlock."""
     rounds: list[list[Move]] = []
     current: list[Move] = []
     busy: dict[int, int] = {}
@@ -247,13 +228,9 @@ def _describe(state: CanonicalState) -> dict:
 
 
 class _Skeleton:
-    """A tensor known by shape and dtype only; it records which rows an import reads.
-
-    ``import_canonical``'s own preparation is run against skeletons, so the rows a rank is
-    sent are by construction exactly the rows its import will read, and every structural
-    check (FQNs, groups, shapes, dtypes, contract) runs before any data moves. The returned
-    value is a zero-strided view: no memory.
-    """
+    """A tensor known by shape and dtype only, recording which rows an import reads: running
+    ``import_canonical``'s preparation against skeletons makes the rows a rank is sent exactly
+    those its import reads, and runs every structural check before any data moves."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
         self.shape, self.dtype, self.wanted = tuple(shape), dtype, None
@@ -388,13 +365,10 @@ def _normalise(source):
 
 
 class _Mover:
-    """Runs the rounds of a plan on this rank.
-
-    ``sources[t]``: this rank's readable source of tensor ``t`` (or None); ``outputs[t]``:
-    ``(flat tensor, first global element)`` where received elements of ``t`` land (or None).
-    Failures of this rank's reads are recorded in ``self.error`` and zeros are sent instead,
-    so the protocol stays in lockstep; the caller agrees on ``error`` afterwards.
-    """
+    """Runs the rounds of a plan on this rank: ``sources[t]`` this rank's source of tensor ``t``,
+    ``outputs[t]`` ``(flat tensor, first global element)`` where received elements land (either
+    may be None). A failed read is kept in ``self.error`` and zeros are sent instead, so the
+    protocol stays in lockstep."""
 
     def __init__(self, infos: Sequence[TensorInfo], dtypes: Sequence[torch.dtype], sources, outputs, stats,
                  budget: int, error: BaseException | None = None):
@@ -538,18 +512,9 @@ class _Mover:
             self._release_window()
 
 
-def _allocate(shape: tuple[int, ...], dtype: torch.dtype, rows: Range, device) -> torch.Tensor:
-    if not shape:
-        return torch.empty((), dtype=dtype, device=device)
-    return torch.empty((rows[1] - rows[0], *shape[1:]), dtype=dtype, device=device)
-
-
 def _move(infos, dtypes, sources, have, want, out_device, stats: TransportStats):
-    """Plan (identically everywhere), allocate this rank's outputs, run the rounds.
-
-    Returns (outputs, error): ``outputs[t]`` the tensor of rows ``want[t][rank]`` (None where
-    this rank wants nothing), and this rank's error, if any (the caller agrees on it).
-    """
+    """Plan, allocate this rank's outputs, run the rounds: ``(outputs, error)``, ``outputs[t]``
+    the rows ``want[t][rank]`` (None where it wants nothing), ``error`` for the caller to agree on."""
     budget, (rank, _), error = stats.budget_bytes, _world(), None
     moves = plan_moves(infos, have, want, budget)  # deterministic: raises alike on every rank
     rounds = plan_rounds(moves, [i.itemsize for i in infos], budget)
@@ -560,7 +525,8 @@ def _move(infos, dtypes, sources, have, want, out_device, stats: TransportStats)
         for t, info in enumerate(infos):
             span = want[t][rank]
             if span is not None:
-                outputs[t] = _allocate(info.shape, dtypes[t], span, out_device)
+                shape = (span[1] - span[0], *info.shape[1:]) if info.shape else ()
+                outputs[t] = torch.empty(shape, dtype=dtypes[t], device=out_device)
                 flats[t] = (outputs[t].reshape(-1), span[0] * info.row_numel)
     except Exception as exc:
         error, outputs, flats = exc, [None] * len(infos), [None] * len(infos)
@@ -602,14 +568,11 @@ def _begin(operation: str, budget_bytes) -> TransportStats:
 def _held(source, writers_only: bool) -> Range | None:
     """The rows this rank can send of a tensor (a LocalPart: its rows if it is their writer, or
     any of them for ``redistribute``; any other source: the whole tensor)."""
-    rows = source.shape[0] if source.shape else 1
-    if isinstance(source, LocalPart):
-        if writers_only and not source.writer:
-            return None
-        if not source.shape:
-            return (0, 1)
-        return (source.row_start, source.row_stop)
-    return (0, rows)
+    if not isinstance(source, LocalPart):
+        return (0, source.shape[0] if source.shape else 1)
+    if writers_only and not source.writer:
+        return None
+    return (source.row_start, source.row_stop) if source.shape else (0, 1)
 
 
 @collective.with_timeout
@@ -617,11 +580,10 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
            budget_bytes: int = DEFAULT_BUDGET) -> CanonicalState | None:
     """The canonical state assembled on rank ``dst`` (global, owned tensors); None elsewhere.
 
-    ``optimizer_or_state``: a live optimizer (exported here, ``model`` naming its parameters
-    if needed) or a ``CanonicalState`` of ``LocalPart`` s from ``export_canonical``. Every row
-    comes from the rank flagged as its writer (one per row range, whatever the replication),
-    in messages of at most ``budget_bytes``; ranks other than ``dst`` send views of their own
-    tensors, so they hold nothing extra. A collective: all ranks call it with the same ``dst``.
+    ``optimizer_or_state``: a live optimizer (``model`` naming its parameters if needed) or a
+    ``CanonicalState`` of ``LocalPart`` s from ``export_canonical``. Every row comes from its
+    writer rank, in messages of at most ``budget_bytes``, sent as views: senders hold nothing
+    extra. A collective: all ranks call it with the same ``dst``.
     """
     stats = _begin("gather", budget_bytes)
     rank, world = _world()
@@ -681,12 +643,10 @@ def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: tor
             budget_bytes: int = DEFAULT_BUDGET) -> None:
     """Load the ``CanonicalState`` held by rank ``src`` into ``optimizer`` on every rank.
 
-    ``state`` matters on ``src`` only (e.g. ``gefen_ckpt.read(url)`` there: its lazy sources
-    are read chunk by chunk, or a gathered state). Its description (contract, groups, shapes,
-    dtypes) is broadcast first; each rank checks it against its live optimizer and reports the
-    rows its import will read; all ranks agree (one rank's shape mismatch raises everywhere);
-    then each rank receives exactly those rows, in messages of at most ``budget_bytes``, and
-    ``import_canonical`` loads them. Nothing changes unless every rank staged successfully.
+    ``state`` matters on ``src`` only (e.g. ``gefen_ckpt.read(url)`` there, read chunk by chunk).
+    Its description is broadcast first; each rank checks it against its optimizer and reports
+    the rows its import will read; all ranks agree; then each rank receives exactly those rows,
+    in messages of at most ``budget_bytes``. Nothing changes unless every rank staged.
     """
     stats = _begin("scatter", budget_bytes)
     rank, world = _world()
@@ -741,11 +701,9 @@ def redistribute(state: CanonicalState, optimizer: torch.optim.Optimizer, *,
     """Load ``state`` (this rank's ``LocalPart`` s of a state exported on another layout over
     the same ranks) into ``optimizer`` (its own layout), moving only the rows that change rank.
 
-    Each rank reports the rows it holds and, after checking the state against its optimizer,
-    the rows its import will read; rows it already holds are copied locally, the rest come
-    from a holder (replicas share the sending), in messages of at most ``budget_bytes``. No
-    rank materialises a tensor it does not own whole in the target layout. All ranks fail
-    together and nothing changes unless every rank staged successfully.
+    Rows a rank already holds are copied locally, the rest come from a holder (replicas share
+    the sending), in messages of at most ``budget_bytes``; no rank materialises a tensor it does
+    not own whole in the target layout. Nothing changes unless every rank staged.
     """
     stats = _begin("redistribute", budget_bytes)
     error, description, ordered, payload = None, None, [], {}

@@ -1,10 +1,5 @@
 """The portable wire format (docs/design.md 7, ``docs/format.md``): a directory of aligned safetensors
-data files and one msgpack manifest, published last.
-
-One module per job: ``dtypes`` (names), ``checksum``, ``datafile`` (safetensors headers),
-``manifest`` (schema, validation, msgpack), ``writer`` / ``reader`` (streaming I/O, commit
-protocol) and ``verify``.
-"""
+data files and one msgpack manifest, published last."""
 
 from gefen_ckpt.wire.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
 

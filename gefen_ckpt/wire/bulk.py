@@ -2,13 +2,11 @@
 
 Written writer after writer, a save to W writers costs a Python object, a source read and an
 index record check per piece: at 4,096 writers of a 200-tensor state, 2.5M of each (minutes
-for 18 MB). When every writer's part of every tensor is one piece and every writer's data
-fits one file (small parts: exactly the many-writer case) the layout is regular, so here it
-is computed as arrays: the pieces' offsets by a running sum over tensors for all writers at
-once, each source tensor read once per batch of writers and scattered into their files, the
-pieces' CRC-32s in one C call, the indexes encoded from the arrays. The files are byte for
-byte those of the writer-by-writer path (``tests/ckpt/test_format2.py``), and the guarantees
-are the caller's: its writer lock, its commit, its clean-up on failure.
+for 18 MB). When every writer's part of every tensor is one piece in one file (exactly the
+many-writer case) the layout is regular and computed here as arrays: offsets by a running sum,
+each source read once per batch of writers, CRC-32s in one C call, indexes encoded from the
+arrays. The files are byte for byte those of the writer-by-writer path
+(``tests/ckpt/test_format2.py``); lock, commit and clean-up stay the caller's.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from gefen_ckpt.canonical import CanonicalState, EagerSource
 from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import WriterPin, index_name
+from gefen_ckpt.wire.records import tensor_key
 
 #: Writers x tensors handled per batch (the arrays of one batch: a few tens of MB).
 BATCH_CELLS = 2**20
@@ -132,8 +131,7 @@ def layout(state: CanonicalState, world_size: int, *, max_file_bytes: int, memor
     if not tensors or any(t.rows == 0 or t.row_bytes == 0 for t in tensors):
         return None
     plan = Layout(tensors, world_size, ordinals, version)
-    name_len = np.array([len(encode_basestring_ascii(f"__global__/{t.field}" if t.fqn is None else f"{t.fqn}/{t.field}"))
-                         for t in tensors], np.int64)
+    name_len = np.array([len(encode_basestring_ascii(tensor_key(t.fqn, t.field))) for t in tensors], np.int64)
     ndim = np.array([len(t.shape) for t in tensors], np.int64)
     text = name_len + 2 + 2 * _DIGITS + datafile._ENTRY_FIXED + datafile._DIM_BOUND * ndim  # header text bound
     bound_extra = text + datafile._PAD_ENTRY_BOUND + 2 * datafile.ALIGNMENT

@@ -10,6 +10,7 @@ spaces until the data section starts on a boundary, and a zero-filled ``U8`` ten
 from __future__ import annotations
 
 import json
+import math
 import struct
 from json.encoder import encode_basestring_ascii
 from typing import NamedTuple
@@ -54,8 +55,7 @@ FILE_OVERHEAD = 8 + ALIGNMENT + 256
 
 def build(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes, list[int], int]:
     """(length prefix + padded JSON header, absolute data offset of each entry, file size)."""
-    parts = ['"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"))]
-    keys, relative, pos = {"__metadata__"}, [], 0
+    parts, keys, relative, pos = [], {"__metadata__"}, [], 0
     for i, e in enumerate(entries):
         gap = -pos % ALIGNMENT
         if gap:
@@ -67,10 +67,17 @@ def build(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes, list[i
         parts.append(_entry_json(e.key, safetensors_code(e.dtype), e.shape, pos, pos + e.nbytes))
         relative.append(pos)
         pos += e.nbytes
-    text = ("{" + ",".join(parts) + "}").encode()
+    prefix = _prefix(parts, metadata)
+    return prefix, [len(prefix) + r for r in relative], len(prefix) + pos
+
+
+def _prefix(entries: list[str], metadata: dict[str, str]) -> bytes:
+    """The length prefix and the JSON header of ``entries``, padded with spaces so that the data
+    section starts on an ``ALIGNMENT`` boundary."""
+    meta = '"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"))
+    text = ("{" + ",".join([meta, *entries]) + "}").encode()
     text += b" " * (-(8 + len(text)) % ALIGNMENT)
-    start = 8 + len(text)
-    return struct.pack("<Q", len(text)) + text, [start + r for r in relative], start + pos
+    return struct.pack("<Q", len(text)) + text
 
 
 def parse_header(prefix: bytes, file_size: int) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
@@ -101,10 +108,7 @@ def parse_header(prefix: bytes, file_size: int) -> dict[str, tuple[str, tuple[in
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
                 and 0 <= offsets[0] <= offsets[1]):
             raise ValueError(f"tensor {key!r}: bad data_offsets")
-        numel = 1
-        for s in shape:
-            numel *= s
-        if numel * DTYPES[_CODES[code]][1] != offsets[1] - offsets[0]:
+        if math.prod(shape) * DTYPES[_CODES[code]][1] != offsets[1] - offsets[0]:
             raise ValueError(f"tensor {key!r}: data_offsets do not match its shape and dtype")
         out[key] = (code, tuple(shape), 8 + n + offsets[0], 8 + n + offsets[1])
         spans.append((offsets[0], offsets[1], key))
@@ -145,8 +149,4 @@ def build_packed(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes,
 
 def packed_prefix(data_bytes: int, metadata: dict[str, str]) -> bytes:
     """A 2.0 data file's length prefix and padded JSON header for a data section of ``data_bytes``."""
-    parts = ['"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":")),
-             _entry_json(DATA_KEY, "U8", (data_bytes,), 0, data_bytes)]
-    text = ("{" + ",".join(parts) + "}").encode()
-    text += b" " * (-(8 + len(text)) % ALIGNMENT)
-    return struct.pack("<Q", len(text)) + text
+    return _prefix([_entry_json(DATA_KEY, "U8", (data_bytes,), 0, data_bytes)], metadata)

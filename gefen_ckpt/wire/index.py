@@ -1,13 +1,10 @@
 """Format 2.0: row-split rules in the manifest, piece records in per-writer indexes.
 
-The manifest (the commit point) says, for each tensor, how its rows are split among writers:
-a *rule* (``{"kind": "chunk", "parts": P, "writers": [w0, ...]}``: ``torch.chunk`` over P parts,
-part ``i`` held by writer ``writers[i]``; rules are shared by every tensor split alike) or, only
-where no rule applies, explicit ``[start, stop, writer]`` parts. Each writer's piece records
-(offsets, checksums) live in its own index file, pinned in the manifest by size and CRC-32, so
-the manifest grows with tensors + writers, and a reader of some rows reads only the indexes of
-the writers that hold them (docs/format.md 13). ``SplitTensor`` is a 2.0 tensor record:
-``pieces_in(a, b)`` loads just the indexes it needs; ``pieces`` loads every one holding it.
+The manifest says, for each tensor, how its rows are split among writers: a shared *rule*
+(``torch.chunk`` over P parts, part ``i`` held by ``writers[i]``) or, only where none applies,
+explicit ``[start, stop, writer]`` parts. Each writer's piece records live in its own index file,
+pinned in the manifest by size and CRC-32, so the manifest grows with tensors + writers and a
+reader of some rows reads only the indexes of the writers that hold them (docs/format.md 13).
 """
 
 from __future__ import annotations
@@ -24,16 +21,13 @@ import msgpack
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import itemsize
-from gefen_ckpt.wire.records import DECODING, PieceRecord, pieces_overlapping
+from gefen_ckpt.wire.records import DECODING, PieceRecord, pieces_overlapping, tensor_key
+from gefen_ckpt.wire.records import fail as _fail
 
 INDEX_FORMAT = "gefen-ckpt-index"
 #: An index is at most this large (a writer's pieces of every tensor: ~20 bytes per piece).
 MAX_INDEX_BYTES = 256 * 2**20
 _KINDS = ("chunk",)
-
-
-def _fail(path: str, message: str):
-    raise CheckpointFormatError(f"manifest {path}: {message}")
 
 
 # ----- splits -------------------------------------------------------------------------------
@@ -61,9 +55,6 @@ class Rule:
             positions.setdefault(w, []).append(i)
         object.__setattr__(self, "_positions", positions)
         object.__setattr__(self, "_parts", {})  # (rows, writer) -> parts_of: tensors share row counts
-
-    def to_raw(self) -> dict:
-        return {"kind": "chunk", "parts": self.parts, "writers": list(self.writers)}
 
     def parts_in(self, rows: int, start: int, stop: int) -> list[tuple[int, int, int]]:
         """(start, stop, writer) of the non-empty parts overlapping rows ``[start, stop)``."""
@@ -101,9 +92,6 @@ class Explicit:
     """Parts listed one by one (sorted, tiling the rows): where no rule describes the split."""
 
     parts: tuple[tuple[int, int, int], ...]
-
-    def to_raw(self) -> list:
-        return [list(p) for p in self.parts]
 
     def parts_in(self, rows: int, start: int, stop: int) -> list[tuple[int, int, int]]:
         starts = [p[0] for p in self.parts]
@@ -184,6 +172,10 @@ class WriterPin(NamedTuple):
 
     def to_raw(self) -> list:
         return [self.index, self.index_bytes, self.index_checksum, *(v for f in self.files for v in f)]
+
+    @classmethod
+    def from_raw(cls, raw: list) -> WriterPin:
+        return cls(tuple(zip(raw[3::2], raw[4::2])), raw[0], raw[1], raw[2])
 
 
 class SplitTensor:
@@ -336,7 +328,7 @@ class IndexSet:
                 bad(f"tensor {ordinal} is listed twice")
             t = self.tensors[ordinal]
             row_bytes, pieces, rows, nfiles = t.row_bytes, [], t.rows, len(files)
-            key = f"__global__/{t.field}" if t.fqn is None else f"{t.fqn}/{t.field}"
+            key = tensor_key(t.fqn, t.field)
             for p in stored:
                 if type(p) is not list or len(p) != 5:
                     bad(f"{t.label}: malformed piece {p!r}"[:300])

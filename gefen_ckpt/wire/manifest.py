@@ -32,19 +32,18 @@ from gefen_ckpt.wire.dtypes import DTYPES, dtype_name, itemsize, plain
 from gefen_ckpt.wire.records import DECODING as _DECODING
 from gefen_ckpt.wire.records import MAX_STR as _MAX_STR
 from gefen_ckpt.wire.records import PieceRecord, pieces_overlapping
+from gefen_ckpt.wire.records import fail as _fail
 
 if TYPE_CHECKING:  # reading a manifest needs no torch
     from gefen_ckpt.canonical import CanonicalState, TensorSource
     from gefen_ckpt.storage import Store
 
 FORMAT_NAME = "gefen-ckpt"
-#: (major, minor) of the newest format. Readers accept any minor of the majors in
-#: ``READ_MAJORS`` and refuse newer ones. 1.1 added the manifest's own checksum
-#: (``MANIFEST_CHECKSUM``); 2.0 moved piece records into per-writer indexes (``index``).
+#: (major, minor) of the newest format; readers accept any minor of ``READ_MAJORS``. 1.1 added the
+#: manifest's own checksum (``MANIFEST_CHECKSUM``); 2.0 moved piece records into per-writer indexes.
 FORMAT_VERSION = (2, 0)
 READ_MAJORS = (1, 2)
-#: What writers write: 2.0. (1, 1) writes the 1.x layout (piece records in the manifest), which
-#: every reader since 1.1 reads; tests set it to keep 1.x covered.
+#: What writers write; tests set (1, 1), the 1.x layout (piece records in the manifest), to keep it covered.
 WRITE_VERSION = FORMAT_VERSION
 MANIFEST_NAME = "manifest.msgpack"
 LAYOUTS = ("canonical", "sharded")
@@ -143,27 +142,11 @@ def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[
                 "pieces": [{"file": index[p.file], "key": p.key, "rows": list(p.rows), "offset": p.offset,
                             "bytes": p.nbytes, "checksum": p.checksum} for p in stored]}
 
-    manifest = {
-        "format": FORMAT_NAME,
-        "version": [1, 1],
-        "layout": layout,
-        "world_size": world_size,
-        "alignment": ALIGNMENT,
-        "checksum": checksum.ALGORITHM,
-        "contract": state.contract.to_dict(),
-        "param_groups": plain(state.param_groups, "param_groups"),
-        "files": [{"name": f.name, "bytes": f.nbytes} for f in files],
-        "globals": {k: tensor(None, k, s) for k, s in state.global_fields.items()},
-        "params": {
-            fqn: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "child": e.child,
-                  "fields": {name: tensor(fqn, name, s) for name, s in e.fields.items()}}
-            for fqn, e in state.params.items()
-        },
-        "topology": plain(state.metadata.get("source_topology", {}), "metadata"),
-        "created": _created(),
-        "metadata": plain({k: v for k, v in state.metadata.items() if k not in ("source_topology", "created")},
-                           "metadata"),
-    }
+    manifest = _document(state, [1, 1], layout, world_size,
+                         {"files": [{"name": f.name, "bytes": f.nbytes} for f in files]},
+                         {k: tensor(None, k, s) for k, s in state.global_fields.items()},
+                         {fqn: _param(e, {name: tensor(fqn, name, s) for name, s in e.fields.items()})
+                          for fqn, e in state.params.items()})
     if by_tensor:
         raise ValueError(f"pieces for tensors the state does not have: {sorted(map(str, by_tensor))[:5]}")
     return manifest
@@ -218,10 +201,6 @@ def decode(data: bytes) -> dict:
 
 
 # ----- validation helpers -------------------------------------------------------------------
-def _fail(path: str, message: str):
-    raise CheckpointFormatError(f"manifest {path}: {message}")
-
-
 def _map(x, path: str, required: tuple[str, ...] = ()) -> dict:
     if not isinstance(x, dict):
         _fail(path, f"expected a map, got {type(x).__name__}")
@@ -625,7 +604,7 @@ def _writers(x) -> list:
 
     x = _list(x, "writers")
     if _writers_plain(x) and max(w[1] for w in x) <= MAX_INDEX_BYTES:  # every entry well formed: build them without the per-name checks below
-        return [WriterPin(tuple(zip(w[3::2], w[4::2])), w[0], w[1], w[2]) for w in x]
+        return [WriterPin.from_raw(w) for w in x]
     out, seen = [], set()
     for i, w in enumerate(x):
         if type(w) is not list or len(w) < 3 or len(w) % 2 == 0:
@@ -644,7 +623,7 @@ def _writers(x) -> list:
             _fail(f"writers[{i}]", "the index checksum is not a uint32")
         if w[1] > MAX_INDEX_BYTES:
             _fail(f"writers[{i}]", f"index {w[0]!r} is {w[1]:,} bytes, over the limit of {MAX_INDEX_BYTES:,}"[:300])
-        out.append(WriterPin(tuple(zip(names[1:], sizes[1:])), w[0], w[1], crc))
+        out.append(WriterPin.from_raw(w))
     if not out:
         _fail("writers", "no writers")
     return out
@@ -684,20 +663,31 @@ def build_v2(state: CanonicalState, splits: dict, writers: Sequence, *, layout: 
         return {"dtype": dtype_name(source.dtype), "shape": list(source.shape), "split": split(key)}
 
     globals_ = {k: tensor((None, k), state.global_fields[k]) for k in sorted(state.global_fields)}
-    params = {fqn: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "child": e.child,
-                    "fields": {name: tensor((fqn, name), e.fields[name]) for name in sorted(e.fields)}}
+    params = {fqn: _param(e, {name: tensor((fqn, name), e.fields[name]) for name in sorted(e.fields)})
               for fqn, e in _params_in_order(state)}
+    return _document(state, [2, 0], layout, world_size,  # rules: filled in by the tensors above
+                     {"writers": [w.to_raw() for w in writers],
+                      "rules": [{"kind": "chunk", "parts": p, "writers": list(ws)} for (p, ws) in rules]},
+                     globals_, params)
+
+
+def _param(entry, fields: dict) -> dict:
+    return {"shape": list(entry.shape), "dtype": dtype_name(entry.dtype), "child": entry.child, "fields": fields}
+
+
+def _document(state: CanonicalState, version: list, layout: str, world_size: int, storage: dict, globals_: dict,
+              params: dict) -> dict:
+    """The keys every version shares, in their encoded order, around its ``storage`` keys."""
     return {
         "format": FORMAT_NAME,
-        "version": [2, 0],
+        "version": version,
         "layout": layout,
         "world_size": world_size,
         "alignment": ALIGNMENT,
         "checksum": checksum.ALGORITHM,
         "contract": state.contract.to_dict(),
         "param_groups": plain(state.param_groups, "param_groups"),
-        "writers": [w.to_raw() for w in writers],
-        "rules": [{"kind": "chunk", "parts": p, "writers": list(ws)} for (p, ws) in rules],
+        **storage,
         "globals": globals_,
         "params": params,
         "topology": plain(state.metadata.get("source_topology", {}), "metadata"),

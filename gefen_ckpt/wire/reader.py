@@ -1,14 +1,11 @@
 """Reading a committed checkpoint's tensors: lazy sources and eager staging (the manifest is
 read and validated first, by ``manifest.open_checkpoint``).
 
-Nothing a manifest describes is allocated before the manifest is fully validated and every
-data file is found with the size it records, so allocations never exceed the files' bytes.
-A piece is the checksum unit: every read, partial or whole, reads and verifies the entire
-pieces it overlaps (``CheckpointCorruptError`` names the file, the tensor and the rows).
-Reads go into freshly allocated tensors (``pread`` locally, range requests elsewhere), except
-where a caller that copies what it stages asks for views of a private mapping of the files
-(``stage_state(map_files=True)``); either way a later save that replaces the files, or a
-delete, cannot change or invalidate a tensor already read.
+Nothing is allocated before the manifest is validated and the files are found with their
+sizes, so allocations never exceed the files' bytes. A piece is the checksum unit: every read
+verifies the whole pieces it overlaps. Reads go into fresh tensors, or for a caller that copies
+what it stages, views of a private mapping (``map_files``); either way a later save or delete
+cannot change a tensor already read.
 """
 
 from __future__ import annotations
@@ -280,13 +277,11 @@ def _can_map(store: Store) -> bool:
 
 def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None] | None = None, *,
                 map_files: bool = False, warming: Prefetch | None = None) -> CanonicalState:
-    """Every tensor read and verified into memory, file by file in offset order (progress
-    reported every ``STAGE_GROUP_BYTES`` or so).
+    """Every tensor read and verified into memory, file by file in offset order.
 
     ``map_files`` (local stores): a tensor stored in one piece becomes a verified view of a
-    private, copy-on-write mapping of its file instead of a copy in fresh memory. For callers
-    that copy what they stage anyway (a Gefen optimizer's load) it saves a copy and the fresh
-    memory; a caller that keeps the tensors should not ask for it (docs/decisions.md).
+    private mapping of its file: for callers that copy what they stage anyway (a Gefen
+    optimizer's load) it saves a copy; a caller that keeps the tensors must not ask for it.
     ``warming``: a ``Store.prefetch`` of the data files, waited for before each read."""
     by_file: dict[str, list[tuple[PieceRecord, TensorRecord, str]]] = {}
     for key, t in manifest.tensors.items():

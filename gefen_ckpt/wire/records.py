@@ -8,6 +8,8 @@ import bisect
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from gefen_ckpt.errors import CheckpointFormatError
+
 MAX_LEN = 2**22  # elements of one array or map: params, files, pieces of one tensor
 MAX_STR = 65536
 
@@ -35,6 +37,16 @@ class PieceRecord(NamedTuple):
     @classmethod
     def from_dict(cls, d: dict) -> PieceRecord:
         return cls(d["fqn"], d["field"], tuple(d["rows"]), d["file"], d["key"], d["offset"], d["bytes"], d["checksum"])
+
+
+def tensor_key(fqn: str | None, field: str) -> str:
+    """A tensor's name in data-file keys (``<name>@<start>:<stop>``)."""
+    return f"__global__/{field}" if fqn is None else f"{fqn}/{field}"
+
+
+def fail(path: str, message: str):
+    """Refuse the manifest entry at ``path`` (the manifest's and the indexes' checks)."""
+    raise CheckpointFormatError(f"manifest {path}: {message}")
 
 
 def pieces_overlapping(pieces: Sequence[PieceRecord], start: int, stop: int) -> tuple[PieceRecord, ...]:

@@ -1,9 +1,8 @@
 """The writer lock: at most one save at a time to a checkpoint location (docs/format.md).
 
-Two saves racing to one directory used to delete each other's data files (each one's
-clean-up removed every file its manifest did not name) and both reported success. A save now
-holds this lock from before it writes its first data file until after its clean-up; a second
-save finds it held and is refused with ``CheckpointLockedError``.
+Two saves racing to one directory would delete each other's data files (each one's clean-up
+removes every file its manifest does not name). A save holds this lock from before its first
+data file until after its clean-up; a second save is refused with ``CheckpointLockedError``.
 
 * Local filesystems: an ``fcntl.flock`` on ``.gefen-ckpt.lock``. The kernel drops the lock
   when its holder dies, so a crashed save never blocks the next one. The file stays; it holds

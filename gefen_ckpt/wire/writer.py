@@ -1,14 +1,10 @@
 """Streaming writes and the commit protocol, as building blocks a collective save reuses.
 
-A save is: every writer (one process, or each rank in parallel) calls ``write_pieces`` with
-its rows of each tensor and gets back ``PieceRecord``s and ``FileRecord``s; one process then
-``build``s the manifest from all records and ``commit``s it. Data files get names no earlier
-save used (a fresh token per save), so nothing of the previous checkpoint is touched until
-the new manifest has atomically replaced the old one; only then is the old data deleted.
-
-Memory: a tensor is written one piece at a time (a piece is at most ``memory_budget // 4``
-bytes, read from its source as one row range), so the extra memory of a save is bounded by
-the budget whatever the model's size.
+Every writer (one process, or each rank) calls ``write_pieces`` with its rows and gets back
+the records; one process builds the manifest and ``commit``s it. Data files get names no
+earlier save used, so nothing of the previous checkpoint is touched until the new manifest has
+atomically replaced the old one. A piece is at most ``memory_budget // 4`` bytes, so a save's
+extra memory is bounded by the budget whatever the model's size.
 """
 
 from __future__ import annotations
@@ -43,6 +39,7 @@ from gefen_ckpt.wire.manifest import (
     tensor_order,
     validate,
 )
+from gefen_ckpt.wire.records import tensor_key
 from gefen_ckpt.wire.writelock import WriterLock, acquire
 
 DATA_FILE = re.compile(r"data-[0-9a-f]+-r\d+-\d+\.safetensors")
@@ -121,8 +118,7 @@ class _Piece(NamedTuple):
 
 
 def _key(item: WriteItem, start: int, stop: int) -> str:
-    name = f"__global__/{item.field}" if item.fqn is None else f"{item.fqn}/{item.field}"
-    return f"{name}@{item.row_start + start}:{item.row_start + stop}"
+    return f"{tensor_key(item.fqn, item.field)}@{item.row_start + start}:{item.row_start + stop}"
 
 
 def _split(item: WriteItem, max_file_bytes: int, piece_bytes: int) -> list[_Piece]:
@@ -228,12 +224,10 @@ def write_pieces(store: Store, stem: str, to_write: Iterable[WriteItem], *, max_
                  version: tuple[int, int] | None = None) -> tuple[list[PieceRecord], list[FileRecord]]:
     """Write ``to_write`` into new data files ``<stem>-<n>.safetensors``; the pieces' records.
 
-    Each file is at most ``max_file_bytes``; each piece at most ``memory_budget // 4`` bytes
-    (at least one row). Files are complete when this returns, and durable unless ``durable``
-    is False (then ``store.durable_soon`` them before committing). ``on_file(name)`` is called
-    as each file is completed (to start its fsync while the next one is written). ``version``
-    (default ``manifest.WRITE_VERSION``): 2.x files pack their pieces in one tensor
-    (``datafile.build_packed``), 1.x files give each piece its own.
+    Files are complete when this returns, and durable unless ``durable`` is False (then
+    ``store.durable_soon`` them before committing); ``on_file(name)`` is called as each is
+    completed. 2.x files (``version``, default ``manifest.WRITE_VERSION``) pack their pieces in
+    one tensor, 1.x files give each piece its own.
     """
     version = mf.WRITE_VERSION if version is None else version
     if max_file_bytes < MIN_FILE_BYTES:
@@ -292,16 +286,13 @@ def _of_save(name: str, token: str) -> bool:
 
 def commit(store: Store, manifest: dict, token: str, *, previous: set[str] | None,
            wait: Callable[[], object] | None = None, indexes: dict[int, bytes] | None = None) -> None:
-    """Publish ``manifest`` atomically (the commit point), then delete the files of ``previous``
-    (what the manifest it replaced named) that it does not name: only what this commit made
-    unreferenced, never another save's files.
+    """Publish ``manifest`` atomically, then delete the files of ``previous`` it does not name:
+    only what this commit made unreferenced, never another save's files.
 
-    The manifest is validated against the files first: a checkpoint a reader would refuse is
-    never committed. ``wait`` (e.g. the data files' fsync running in the background) is
-    called after validation and before publishing. If the commit fails, this save's data files
-    are removed -- unless the new manifest did become visible. ``indexes`` (writer -> bytes):
-    2.0 indexes this process wrote, validated against the manifest too (a collective save's
-    ranks each validate their own before agreeing: ``sharded_io``).
+    The manifest (and ``indexes``, writer -> bytes, this process wrote) is validated against the
+    files first: a checkpoint a reader would refuse is never committed. ``wait`` (the data
+    files' fsync) runs before publishing. If the commit fails, this save's files are removed,
+    unless the new manifest did become visible.
     """
     try:
         parsed = validate(manifest)
