@@ -407,15 +407,15 @@ def reshard_small(quick: bool) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     source = gefen_ckpt.read(str(src))
     for name, path in (("one_pass", True), ("writer_by_writer", False)):
-        real = bulk.layout
+        real = bulk.regular_plan
         if not path:
-            bulk.layout = lambda *a, **k: None
+            bulk.regular_plan = lambda *a, **k: None
         try:
             started = time.perf_counter()
             gefen_ckpt.write(source, str(dst), world_size=side)
             out[f"side_{name}_s"] = time.perf_counter() - started
         finally:
-            bulk.layout = real
+            bulk.regular_plan = real
         shutil.rmtree(dst, ignore_errors=True)
     return out
 

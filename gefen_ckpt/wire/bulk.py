@@ -64,7 +64,7 @@ def _tensors(state: CanonicalState) -> list[_Tensor]:
     return tensors
 
 
-class Layout:
+class WritePlan:
     """Where every writer's part of every tensor lies, when the regular layout applies."""
 
     def __init__(self, tensors: list[_Tensor], world_size: int, ordinals: dict, version: tuple[int, int]):
@@ -121,8 +121,8 @@ class Layout:
         return out, pos
 
 
-def layout(state: CanonicalState, world_size: int, *, max_file_bytes: int, memory_budget: int, ordinals: dict,
-           version: tuple[int, int]) -> Layout | None:
+def regular_plan(state: CanonicalState, world_size: int, *, max_file_bytes: int, memory_budget: int, ordinals: dict,
+                 version: tuple[int, int]) -> WritePlan | None:
     """The regular layout of ``state`` over ``world_size`` writers, or None when the writer-by-
     writer path would split a part into several pieces or a writer's data into several files
     (checked with upper bounds of ``writer._split``'s and ``writer._pack``'s sizes, so a layout
@@ -130,7 +130,7 @@ def layout(state: CanonicalState, world_size: int, *, max_file_bytes: int, memor
     tensors = _tensors(state)
     if not tensors or any(t.rows == 0 or t.row_bytes == 0 for t in tensors):
         return None
-    plan = Layout(tensors, world_size, ordinals, version)
+    plan = WritePlan(tensors, world_size, ordinals, version)
     name_len = np.array([len(encode_basestring_ascii(tensor_key(t.fqn, t.field))) for t in tensors], np.int64)
     ndim = np.array([len(t.shape) for t in tensors], np.int64)
     text = name_len + 2 + 2 * _DIGITS + datafile._ENTRY_FIXED + datafile._DIM_BOUND * ndim  # header text bound
@@ -156,7 +156,7 @@ MIN_WRITER_BYTES = 2**20
 GROUP_FROM = 128
 
 
-def choose_group(plan: Layout, rank_bound: int, max_file_bytes: int, most_rows: np.ndarray) -> int:
+def choose_group(plan: WritePlan, rank_bound: int, max_file_bytes: int, most_rows: np.ndarray) -> int:
     """Parts per writer. Every file costs its creation (measured ~1-2 ms on a loaded ext4, where
     4,096 ranks' data and index files took 8-16 s to create, more than writing their bytes), so
     small parts are grouped: consecutive parts per writer while its data stays under
@@ -171,7 +171,7 @@ def choose_group(plan: Layout, rank_bound: int, max_file_bytes: int, most_rows: 
     return int(max(1, min(MIN_WRITER_BYTES // per_rank, fits, piece_fits, plan.world_size)))
 
 
-def _held_rows(plan: Layout) -> np.ndarray:
+def _held_rows(plan: WritePlan) -> np.ndarray:
     """Rows each writer holds of each tensor, for the two kinds of writer rows that occur: the
     bounds use the largest (a full part), so one row per distinct part suffices."""
     full = np.where(plan.sharded, plan.size, 0)
@@ -179,7 +179,7 @@ def _held_rows(plan: Layout) -> np.ndarray:
     return np.stack([np.minimum(first, plan.rows), np.minimum(full, plan.rows)])
 
 
-def write(plan: Layout, store, token: str, *, memory_budget: int, data_stem: Callable[[int], str],
+def write(plan: WritePlan, store, token: str, *, memory_budget: int, data_stem: Callable[[int], str],
           on_bytes: Callable[[int], None] | None) -> tuple[list[WriterPin], dict[int, bytes], Callable[[], None]]:
     """Write every writer's data file and index; their pins, the indexes of the first, middle and
     last writers (for the commit to validate as a reader does: the others are checked here as
@@ -198,7 +198,7 @@ def write(plan: Layout, store, token: str, *, memory_budget: int, data_stem: Cal
     return pins, sample, store.durable_many(names)
 
 
-def _write_batch(plan: Layout, store, token, ranks, data_stem, on_bytes, sample, covered, names) -> list[WriterPin]:
+def _write_batch(plan: WritePlan, store, token, ranks, data_stem, on_bytes, sample, covered, names) -> list[WriterPin]:
     """The writers of ``ranks`` (whole groups): each writer's data section is its piece of each
     tensor (the rows of its consecutive parts), in tensor order."""
     start, stop = plan.writer_rows(ranks)

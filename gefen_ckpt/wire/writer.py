@@ -366,7 +366,7 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
 
     plan = None
     if version[0] >= 2 and world_size is not None and world_size > 1:
-        plan = bulk.layout(state, world_size, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
+        plan = bulk.regular_plan(state, world_size, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
                            ordinals=ordinals, version=version)
     try:
         if plan is not None:  # every part one piece, every writer one file: all writers in one pass

@@ -163,7 +163,7 @@ def test_the_many_writer_pass_writes_the_bytes_of_the_writer_by_writer_path(sour
     monkeypatch.setattr(bulk, "MIN_WRITER_BYTES", 0)  # one writer per part, as the writer-by-writer path
     gefen_ckpt.write(state, str(tmp_path / "one-pass"), world_size=world_size)
     assert calls, "the regular layout applies to this state"
-    monkeypatch.setattr(bulk, "layout", lambda *a, **k: None)
+    monkeypatch.setattr(bulk, "regular_plan", lambda *a, **k: None)
     gefen_ckpt.write(state, str(tmp_path / "by-writer"), world_size=world_size)
     assert len(calls) == 1
     assert _files(tmp_path / "one-pass") == _files(tmp_path / "by-writer")
