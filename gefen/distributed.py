@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gefen.reduce import LocalReducer, Reducer
-
 
 def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "placements") and hasattr(t, "device_mesh")
@@ -86,6 +84,13 @@ def as_field_dtensor(local: torch.Tensor, param: torch.Tensor, geometry: str, sh
         step *= max(size, 1)
     return DTensor.from_local(local, param.device_mesh, field_placements(geometry, param), run_check=False,
                               shape=torch.Size(shape), stride=tuple(reversed(stride)))
+
+
+class LocalReducer:
+    """One process holds every row already: nothing to reduce."""
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
 
 
 class ProcessGroupReducer:
@@ -199,7 +204,7 @@ class ReductionPlan:
     that splits columns (None without tensor parallelism).
     """
 
-    reducer: Reducer
+    reducer: LocalReducer | ProcessGroupReducer
     group: object = None  # the process group ``reducer`` sums over (None: one process)
     placements: dict[int, ParamPlacement] = field(default_factory=dict)  # id(param) -> placement, DTensor params only
     dims: frozenset[int] = frozenset()
@@ -245,14 +250,10 @@ class ReductionPlan:
         a table whose blocks do not tile a matrix is refused."""
         key = tuple(id(p) for p in params)
         if key not in self._tables:
-            import torch.distributed as dist
-
             rows = [[*self.offsets(p)[:1], local_size(p, 0), self.offsets(p)[1], local_size(p, 1), int(self.counts(p))]
                     for p in params]
             mine = torch.tensor(rows, dtype=torch.int64, device=local_tensor(params[0]).device)
-            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(everyone, mine, group=self.group)
-            table = [t.tolist() for t in everyone]
+            table = ProcessGroupReducer(self.group).gather(mine).tolist()
             for i, p in enumerate(params):
                 if sum(rank[i][1] * rank[i][3] for rank in table if rank[i][4]) != p.numel():
                     raise ValueError(f"the ranks' shards of a {tuple(p.shape)} parameter with placements "
@@ -297,7 +298,6 @@ class ReductionPlan:
         flat = torch.cat([r.reshape(-1) for r in rows])
         (self.columns.sum_ if op == "sum" else self.columns.max_)(flat)
         return [part.view_as(r) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
-
 
     def reduce_row_stats_(self, stats: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-row ``(float64 sums, fp32 maxes)`` of column-split parameters summed and maxed over

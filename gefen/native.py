@@ -248,37 +248,29 @@ def _quantiser(codebook: torch.Tensor) -> _Quantiser | None:
     return q
 
 
-def _partials(grad: torch.Tensor, state: dict, beta2: float, cal: Calibration | None, m4v4: bool,
-              row_sum: torch.Tensor | None = None, row_len: int | None = None):
-    """Phase 1 of either layout: ``(v_row, partials)``, or None when the kernel refuses; m4v4 may be
-    given the whole rows' sums of g^2 (``row_sum``, float64) and length (``row_len``) of a column split."""
-    gdt, v_row_old, cal = _DT[grad.dtype], state["v_row"], _use(cal)
-    rows, cols = rows_and_row_numel(grad.shape)
-    v_row = torch.empty(rows, dtype=torch.float32)
-    partials = torch.empty(cols + 1 + m4v4, dtype=torch.float64)
-    if m4v4:  # fixed-order float64 sums (m4v4_step.c): the same bits on any thread count and ISA
-        rc = _lib.gefen_m4v4_partials(grad.data_ptr(), gdt, rows, cols, v_row_old.data_ptr(), v_row.data_ptr(),
-                                      partials.data_ptr(), beta2, 1 - beta2, cal.mode,
-                                      None if row_sum is None else row_sum.data_ptr(),
-                                      max(cols if row_len is None else row_len, 1))
-        return (v_row, partials) if rc == 0 else None
-    rc = _lib.gefen_partials(grad.data_ptr(), gdt, rows, cols, v_row_old.data_ptr(), v_row.data_ptr(),
+def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
+    """``second_moment_partials`` in one C call, or None when the fused path does not apply.
+    ``cal``: calibration's candidate to try; None: the calibrated one."""
+    (rows, cols), cal = rows_and_row_numel(grad.shape), _use(cal)
+    v_row, partials = torch.empty(rows, dtype=torch.float32), torch.empty(cols + 1, dtype=torch.float64)
+    rc = _lib.gefen_partials(grad.data_ptr(), _DT[grad.dtype], rows, cols, state["v_row"].data_ptr(), v_row.data_ptr(),
                              partials.data_ptr(), beta2, 1 - beta2, cal.width, torch.get_num_threads(), cal.mode)
     return (v_row, partials) if rc == 0 else None
 
 
-def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
-    """``second_moment_partials`` in one C call, or None when the fused path does not apply.
-    ``cal``: calibration's candidate to try; None: the calibrated one."""
-    return _partials(grad, state, beta2, cal, False)
-
-
 def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: torch.Tensor | None = None,
                   row_len: int | None = None, cal: Calibration | None = None):
-    """``functional.m4v4_partials`` (``row_sum``/``row_len`` included) in one C call, its float64
-    sums in an order fixed by the shape (so within 1e-12 of the reference's, and the same bits on
-    any thread count and ISA), or None when it does not apply (``cal``: as for ``second_moment_partials``)."""
-    return _partials(grad, state, beta2, cal, True, row_sum, row_len)
+    """``functional.m4v4_partials`` (``row_sum``/``row_len``: a column split's whole rows) in one C
+    call, its float64 sums in an order fixed by the shape (so within 1e-12 of the reference's, and
+    the same bits on any thread count and ISA), or None when it does not apply (``cal``: as for
+    ``second_moment_partials``)."""
+    (rows, cols), cal = rows_and_row_numel(grad.shape), _use(cal)
+    v_row, partials = torch.empty(rows, dtype=torch.float32), torch.empty(cols + 2, dtype=torch.float64)
+    rc = _lib.gefen_m4v4_partials(grad.data_ptr(), _DT[grad.dtype], rows, cols, state["v_row"].data_ptr(),
+                                  v_row.data_ptr(), partials.data_ptr(), beta2, 1 - beta2, cal.mode,
+                                  None if row_sum is None else row_sum.data_ptr(),
+                                  max(cols if row_len is None else row_len, 1))
+    return (v_row, partials) if rc == 0 else None
 
 
 def m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1: float, *,
@@ -363,12 +355,7 @@ def momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tens
     """``functional.update_momentum_`` in one C call (same codes, scales and returned fp32
     momentum, bit for bit), or None when it does not apply (nothing modified then). ``scales``:
     as ``store_momentum_``'s (a column split's rows' scales, reduced over tensor parallelism)."""
-    a = _momentum_only_args(state, grad, beta, codebook, scales)
-    if a is None:
-        return None
-    out = torch.empty(grad.shape, dtype=torch.float32)
-    a.m_out = out.data_ptr()
-    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
+    return _momentum_only(state, grad, beta, codebook, scales, grad.shape, "m_out")
 
 
 def momentum_scales(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor | None:
@@ -376,16 +363,12 @@ def momentum_scales(state: dict, grad: torch.Tensor, beta: float, codebook: torc
     ``functional.momentum_ema``, bit for bit), ``[rows, blocks per row]``, without touching the
     state; None when the C kernel does not apply. A column split's rows reduce them over
     tensor parallelism, then ``momentum_(..., scales=)`` stores the momentum."""
-    a = _momentum_only_args(state, grad, beta, codebook, None)
-    if a is None:
-        return None
-    out = torch.empty(tuple(state["m_scale"].shape), dtype=torch.float32)
-    a.scales_out = out.data_ptr()
-    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
+    return _momentum_only(state, grad, beta, codebook, None, tuple(state["m_scale"].shape), "scales_out")
 
 
-def _momentum_only_args(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
-                        scales: torch.Tensor | None) -> _StepArgs | None:
+def _momentum_only(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
+                   scales: torch.Tensor | None, out_shape, out_field: str) -> torch.Tensor | None:
+    """The momentum pass alone, its result (the momentum or the scales) into a new fp32 tensor."""
     codes, m_scale = state["m_code"], state["m_scale"]
     if codes.dtype != torch.uint8 or m_scale.dtype != torch.float32 or codes.shape != grad.shape:
         return None
@@ -399,7 +382,9 @@ def _momentum_only_args(state: dict, grad: torch.Tensor, beta: float, codebook: 
     a.momentum_only, a.global_rows = 1, a.rows
     a.omb1 = 1 - beta  # the lerp weight exactly as update_momentum_ passes it
     a.given_scales = None if scales is None else scales.data_ptr()
-    return a
+    out = torch.empty(out_shape, dtype=torch.float32)
+    setattr(a, out_field, out.data_ptr())
+    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
 
 
 def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal: Calibration) -> _StepArgs | None:
@@ -520,15 +505,20 @@ def _run_m8(shape, period, factored, fns):
     return p, state
 
 
-def _run_m4v4(shape, dtype, fns):
-    """Two m4v4 steps of one tensor (one for the big ones, which only test the summation paths)."""
-    gen = torch.Generator().manual_seed(4321 + len(shape))
+def _m4v4_problem(seed: int, shape, global_shape, dtype):
+    """A random m4v4 tensor, its fresh state, codebooks and hyperparameters (and the generator)."""
+    gen = torch.Generator().manual_seed(seed)
     p = torch.randn(shape, generator=gen).to(dtype)
-    p0 = p.clone()
-    state = F.init_m4v4_state(p, tuple(shape))
+    state = F.init_m4v4_state(p, global_shape)
     codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
     ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values)
     h = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    return gen, p, p.clone(), state, codebook, ratio, h
+
+
+def _run_m4v4(shape, dtype, fns):
+    """Two m4v4 steps of one tensor (one for the big ones, which only test the summation paths)."""
+    gen, p, p0, state, codebook, ratio, h = _m4v4_problem(4321 + len(shape), shape, tuple(shape), dtype)
     for _ in range(1 if p.numel() >= 32768 else 2):
         g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
         if len(shape) < 2:
@@ -544,13 +534,7 @@ def _run_m4v4_cut(shape, dtype, fns):
     """Two m4v4 steps of a column shard (tensor parallelism): its row statistics, scaled as the
     reduction over the other columns' ranks raises them, then both phases given them, at a column
     offset of a longer row."""
-    gen = torch.Generator().manual_seed(2468)
-    p = torch.randn(shape, generator=gen).to(dtype)
-    p0 = p.clone()
-    state = F.init_m4v4_state(p, (shape[0], 3 * shape[1]))
-    codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
-    ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values)
-    h = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    gen, p, p0, state, codebook, ratio, h = _m4v4_problem(2468, shape, (shape[0], 3 * shape[1]), dtype)
     for _ in range(2):
         g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
         row_sum, row_max = fns.row_stats(g, state, codebook, h.beta1)
