@@ -88,31 +88,27 @@ def _round_bf16(x, bits):
 
 
 @triton.jit
+def _interval(x, table):
+    """``gefen.stochastic._interval`` in the sorted 16-entry ``table``: ``lo`` and the clamped ``p``."""
+    lo = tl.minimum(tl.maximum(_count_below(x, table, 4), 1), 15) - 1
+    p = tl.div_rn(x - tl.load(table + lo), tl.maximum(tl.load(table + lo + 1) - tl.load(table + lo), GUARD))
+    return lo, tl.minimum(tl.maximum(p, 0.0), 1.0)
+
+
+@triton.jit
 def _encode(x, table, u):
     """Stochastic rounding of ``x`` to the sorted 16-entry ``table`` (``gefen.stochastic.encode``)."""
-    hi = _count_below(x, table, 4)
-    hi = tl.minimum(tl.maximum(hi, 1), 15)
-    lo = hi - 1
-    t_lo = tl.load(table + lo)
-    t_hi = tl.load(table + hi)
-    p = tl.div_rn(x - t_lo, tl.maximum(t_hi - t_lo, GUARD))
-    p = tl.minimum(tl.maximum(p, 0.0), 1.0)
-    return tl.where(u < p, hi, lo)
+    lo, p = _interval(x, table)
+    return tl.where(u < p, lo + 1, lo)
 
 
 @triton.jit
 def _encode_v(x, table, u):
     """The second moment's rounding (``gefen.stochastic.encode_v``): ``_encode``'s clamped ``p``
     bent by the interval's curvature ``table[16 + lo]``."""
-    hi = _count_below(x, table, 4)
-    hi = tl.minimum(tl.maximum(hi, 1), 15)
-    lo = hi - 1
-    t_lo = tl.load(table + lo)
-    t_hi = tl.load(table + hi)
-    p = tl.div_rn(x - t_lo, tl.maximum(t_hi - t_lo, GUARD))
-    p = tl.minimum(tl.maximum(p, 0.0), 1.0)
+    lo, p = _interval(x, table)
     p = p + tl.load(table + 16 + lo) * (p * (1.0 - p))
-    return tl.where(u < p, hi, lo)
+    return tl.where(u < p, lo + 1, lo)
 
 
 # ----- the per-parameter tables of the Gefen kernels (m4v4, its 1-D path and m8) -----------------
