@@ -37,16 +37,6 @@ def shard_dim(placement) -> int | None:
     return dim if placement.is_shard() or dim is not None else None
 
 
-def _on_dim(placement, dim: int):
-    """``placement`` moved to tensor dimension ``dim`` (keeping a strided shard's split factor)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if isinstance(placement, _StridedShard):
-        return _StridedShard(dim, split_factor=placement.split_factor)
-    return Shard(dim)
-
-
 def field_placements(geometry: str, param: torch.Tensor) -> tuple:
     """Placements of a state field of ``geometry`` for the DTensor ``param``.
 
@@ -55,7 +45,8 @@ def field_placements(geometry: str, param: torch.Tensor) -> tuple:
     fields follow every split; ``col`` fields (indexed by the flattened row position) split where
     the parameter's dim 1 is split and are ``Replicate`` where its rows are.
     """
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     out = []
     for placement in param.placements:
@@ -66,8 +57,10 @@ def field_placements(geometry: str, param: torch.Tensor) -> tuple:
             out.append(placement)
         elif geometry in ("block", "row"):
             out.append(placement if dim == 0 else Replicate())
-        elif geometry == "col":
-            out.append(_on_dim(placement, 0) if dim == 1 else Replicate())
+        elif geometry == "col":  # moved to dim 0, keeping a strided shard's split factor
+            strided = isinstance(placement, _StridedShard)
+            out.append(Replicate() if dim != 1 else
+                       _StridedShard(0, split_factor=placement.split_factor) if strided else Shard(0))
         else:
             raise ValueError(f"geometry {geometry!r} is replicated, not laid out on a mesh")
     return tuple(out)
