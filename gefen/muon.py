@@ -69,14 +69,9 @@ def upgrade_group(group: dict, defaults: dict) -> dict:
 
 
 class LocalGather:
-    """The seam between row-sharded momentum and Newton-Schulz, which needs whole matrices.
-
-    ``orthogonalise_rows(params, blocks, fn)`` receives each parameter's rank-local block of the
-    update input and must return this rank's rows, whole, of ``fn(full matrices)``. One process
-    holds everything, so it simply applies ``fn``; on a mesh the step uses
-    ``gefen.distributed.RowGather``, which all-gathers every rank's block (rows and, under tensor
-    parallelism, columns) and keeps its own rows.
-    """
+    """The seam between row-sharded momentum and Newton-Schulz, which needs whole matrices:
+    ``orthogonalise_rows(params, blocks, fn)`` returns this rank's rows, whole, of ``fn(full
+    matrices)``. One process holds everything; on a mesh ``gefen.distributed.RowGather`` serves."""
 
     def orthogonalise_rows(self, params: list[torch.Tensor], blocks: list[torch.Tensor],
                            fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
