@@ -175,12 +175,11 @@ class Gefen(CompressedOptimizer):
         for i, (group, p, grad) in enumerate(work):
             h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
             v_row, partials = pending.get(i, (None, None))
-            shape = global_shape(p)
             local = local_tensor(p)
             target = dispatch.sr_target(local, group["bf16_stochastic_round"])
             step = int(self.state[p]["step"]) + 1
             dispatch.gefen_update_(target, local_tensor(grad), self.state[p], codebook, h,
-                                   global_rows=shape[0] if shape else 1, v_row=v_row, partials=partials)
+                                   global_rows=p.shape[0] if p.dim() else 1, v_row=v_row, partials=partials)
             self._round(local, target, group, p, step, position[id(p)], plan.offsets(p))
 
     def _step_m4v4(self, work) -> None:
