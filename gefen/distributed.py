@@ -324,15 +324,10 @@ def refusal(name: str, p: torch.Tensor, who: str, alternative: str) -> ValueErro
 
 
 class RowGather:
-    """Whole matrices for the one computation that needs them (Muon's Newton-Schulz).
-
-    Every rank puts its block of every split matrix (its rows and, under tensor parallelism, its
-    columns; a replica sends nothing) into one flat buffer, one ``all_gather`` over the plan's
-    group moves them all, and every rank places the blocks at their global positions, runs ``fn``
-    on the whole matrices and keeps its own rows *whole*: row statistics (NorMuon's) then need no
-    reduction, and the caller keeps its columns. Where every rank's blocks lie is exchanged once
-    per plan (``ReductionPlan.block_table``).
-    """
+    """Whole matrices for the one computation that needs them (Muon's Newton-Schulz): one
+    ``all_gather`` of every rank's blocks (a replica sends nothing), then ``fn`` on the whole
+    matrices, of which every rank keeps its own rows *whole*: NorMuon's row statistics then need
+    no reduction, and the caller keeps its columns."""
 
     def __init__(self, plan: ReductionPlan):
         self.plan = plan

@@ -146,10 +146,9 @@ class Gefen(CompressedOptimizer):
     def _reduced_partials(self, work, fields: str, partials_fn,
                           batched_fn=None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Phase 1: every factored tensor's (new v_row, globally summed partials), by position in
-        ``work``, after ONE reduction of all of them together (a tensor whose columns tensor
-        parallelism splits puts its column sums at their global positions and gets its own back).
-        ``partials_fn(param, local grad, state, beta2)``; ``batched_fn([(local grad, state, beta2)])``
-        computes them all at once where a kernel applies (else None)."""
+        ``work``, after ONE reduction of all of them together. ``partials_fn(param, local grad,
+        state, beta2)``; ``batched_fn([(local grad, state, beta2)])`` computes them all at once
+        where a kernel applies (else None)."""
         plan = self.reduction_plan()
         factored = []
         todo = [(i, p, local_tensor(grad), group["betas"][1])

@@ -42,15 +42,6 @@ def _to_bf16(x):
 
 
 @triton.jit
-def _store_as(ptr, x, mask, DT: tl.constexpr):
-    """Store fp32 ``x`` as ``DT`` (fp32 or bf16, the latter rounded to nearest even)."""
-    if DT == tl.bfloat16:
-        tl.store(ptr, _to_bf16(x), mask=mask)
-    else:
-        tl.store(ptr, x, mask=mask)
-
-
-@triton.jit
 def _count_below(x, table, LOG2K: tl.constexpr):
     """Number of entries of the sorted, +inf-padded ``table`` (2**LOG2K entries) strictly below
     ``x``, capped at 2**LOG2K - 1 (a branch-free binary search)."""
@@ -158,7 +149,10 @@ def _apply_update(param_p, off, mask, m, den, has_wd, sb, PARAM_T: tl.constexpr)
         p = p * tl.load(sb + S_DECAY)
     upd = tl.div_rn(tl.div_rn(m, tl.load(sb + S_BIAS1)), den)
     p = tl.fma(upd, tl.load(sb + S_NEG_LR), p)  # torch's add_(upd, alpha=-lr)
-    _store_as(param_p + off, p, mask, PARAM_T)
+    if PARAM_T == tl.bfloat16:
+        tl.store(param_p + off, _to_bf16(p), mask=mask)
+    else:
+        tl.store(param_p + off, p, mask=mask)
 
 
 # ----- GefenMuon's compressed momentum (8-bit codes, per-block max-abs, nearest code) ---------------
