@@ -240,6 +240,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     out.append((values, p, -p.grad if group.get("maximize") else p.grad))
         return out
 
+    def _positions(self) -> dict[int, int]:
+        """id(param) -> its index over all groups (what salts its rounding noise)."""
+        return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
     def reduction_plan(self) -> ReductionPlan:
         """Which ranks to sum global statistics over (recomputed when the parameters change)."""
         key = tuple(id(p) for g in self.param_groups for p in g["params"])

@@ -230,14 +230,10 @@ def code_thresholds(codebook: torch.Tensor) -> torch.Tensor:
 
 
 def nearest_code(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """uint8 index of the nearest codebook entry for each x (normalised into [-1, 1]).
-
-    Exactly ``argmin_i |x - c_i|`` for a sorted codebook, with exact ties (x precisely on a
-    midpoint) going to the lower code: the result is the number of thresholds strictly
-    below x, i.e. ``torch.searchsorted(code_thresholds(codebook), x, right=False)``.
-    Fused kernels must compare against the same ``code_thresholds`` to reproduce it.
-    x is compared in fp32 (upcast if needed); NaN maps to the last code.  Only one int32
-    temporary of x's size is allocated besides the uint8 result.
+    """uint8 index of the nearest codebook entry for each x (normalised into [-1, 1]): exactly
+    ``argmin_i |x - c_i|`` for a sorted codebook, exact ties (x on a midpoint) to the lower code, as
+    the number of ``code_thresholds`` strictly below x (what the kernels compare against too).
+    x is compared in fp32; NaN maps to the last code.
     """
     if codebook.numel() > 256:
         raise ValueError(f"uint8 codes hold at most 256 entries, codebook has {codebook.numel()}")

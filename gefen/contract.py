@@ -203,7 +203,6 @@ def contract_of(optimizer: torch.optim.Optimizer) -> OptimizerContract:
     return contract
 
 
-
 # ----- composite state_dicts ----------------------------------------------------------------
 def composite_children(state_dict) -> list[str]:
     """The child names a composite state_dict mentions, in order ([] for any other state_dict)."""

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gefen.reduce import LocalReducer, Reducer
-
 
 def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "placements") and hasattr(t, "device_mesh")
@@ -39,16 +37,6 @@ def shard_dim(placement) -> int | None:
     return dim if placement.is_shard() or dim is not None else None
 
 
-def _on_dim(placement, dim: int):
-    """``placement`` moved to tensor dimension ``dim`` (keeping a strided shard's split factor)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if isinstance(placement, _StridedShard):
-        return _StridedShard(dim, split_factor=placement.split_factor)
-    return Shard(dim)
-
-
 def field_placements(geometry: str, param: torch.Tensor) -> tuple:
     """Placements of a state field of ``geometry`` for the DTensor ``param``.
 
@@ -57,7 +45,8 @@ def field_placements(geometry: str, param: torch.Tensor) -> tuple:
     fields follow every split; ``col`` fields (indexed by the flattened row position) split where
     the parameter's dim 1 is split and are ``Replicate`` where its rows are.
     """
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     out = []
     for placement in param.placements:
@@ -68,8 +57,10 @@ def field_placements(geometry: str, param: torch.Tensor) -> tuple:
             out.append(placement)
         elif geometry in ("block", "row"):
             out.append(placement if dim == 0 else Replicate())
-        elif geometry == "col":
-            out.append(_on_dim(placement, 0) if dim == 1 else Replicate())
+        elif geometry == "col":  # moved to dim 0, keeping a strided shard's split factor
+            strided = isinstance(placement, _StridedShard)
+            out.append(Replicate() if dim != 1 else
+                       _StridedShard(0, split_factor=placement.split_factor) if strided else Shard(0))
         else:
             raise ValueError(f"geometry {geometry!r} is replicated, not laid out on a mesh")
     return tuple(out)
@@ -86,6 +77,13 @@ def as_field_dtensor(local: torch.Tensor, param: torch.Tensor, geometry: str, sh
         step *= max(size, 1)
     return DTensor.from_local(local, param.device_mesh, field_placements(geometry, param), run_check=False,
                               shape=torch.Size(shape), stride=tuple(reversed(stride)))
+
+
+class LocalReducer:
+    """One process holds every row already: nothing to reduce."""
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
 
 
 class ProcessGroupReducer:
@@ -199,7 +197,7 @@ class ReductionPlan:
     that splits columns (None without tensor parallelism).
     """
 
-    reducer: Reducer
+    reducer: LocalReducer | ProcessGroupReducer
     group: object = None  # the process group ``reducer`` sums over (None: one process)
     placements: dict[int, ParamPlacement] = field(default_factory=dict)  # id(param) -> placement, DTensor params only
     dims: frozenset[int] = frozenset()
@@ -245,14 +243,10 @@ class ReductionPlan:
         a table whose blocks do not tile a matrix is refused."""
         key = tuple(id(p) for p in params)
         if key not in self._tables:
-            import torch.distributed as dist
-
             rows = [[*self.offsets(p)[:1], local_size(p, 0), self.offsets(p)[1], local_size(p, 1), int(self.counts(p))]
                     for p in params]
             mine = torch.tensor(rows, dtype=torch.int64, device=local_tensor(params[0]).device)
-            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(everyone, mine, group=self.group)
-            table = [t.tolist() for t in everyone]
+            table = ProcessGroupReducer(self.group).gather(mine).tolist()
             for i, p in enumerate(params):
                 if sum(rank[i][1] * rank[i][3] for rank in table if rank[i][4]) != p.numel():
                     raise ValueError(f"the ranks' shards of a {tuple(p.shape)} parameter with placements "
@@ -298,7 +292,6 @@ class ReductionPlan:
         (self.columns.sum_ if op == "sum" else self.columns.max_)(flat)
         return [part.view_as(r) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
 
-
     def reduce_row_stats_(self, stats: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-row ``(float64 sums, fp32 maxes)`` of column-split parameters summed and maxed over
         the ranks holding the other columns of the same rows: ONE collective (an ``all_gather``:
@@ -331,15 +324,10 @@ def refusal(name: str, p: torch.Tensor, who: str, alternative: str) -> ValueErro
 
 
 class RowGather:
-    """Whole matrices for the one computation that needs them (Muon's Newton-Schulz).
-
-    Every rank puts its block of every split matrix (its rows and, under tensor parallelism, its
-    columns; a replica sends nothing) into one flat buffer, one ``all_gather`` over the plan's
-    group moves them all, and every rank places the blocks at their global positions, runs ``fn``
-    on the whole matrices and keeps its own rows *whole*: row statistics (NorMuon's) then need no
-    reduction, and the caller keeps its columns. Where every rank's blocks lie is exchanged once
-    per plan (``ReductionPlan.block_table``).
-    """
+    """Whole matrices for the one computation that needs them (Muon's Newton-Schulz): one
+    ``all_gather`` of every rank's blocks (a replica sends nothing), then ``fn`` on the whole
+    matrices, of which every rank keeps its own rows *whole*: NorMuon's row statistics then need
+    no reduction, and the caller keeps its columns."""
 
     def __init__(self, plan: ReductionPlan):
         self.plan = plan

@@ -5,15 +5,11 @@ A step is two phases so that distributed runs need one all-reduce per step:
 the caller sums every parameter's partials at once, then ``gefen_update_`` applies the step.
 All functions take the rank-local (row-sharded) tensors plus the *global* row count.
 
-Two layouts: "m8" (contract version "1": 8-bit first-moment codes, factored or per-block second
-moment: ``second_moment_partials`` / ``gefen_update_``) and the default "m4v4" (version "2": a
-4-bit first-moment code and a 4-bit code of the second moment against the factored estimate in
-one byte, both stochastically rounded: ``m4v4_partials`` / ``m4v4_update_``, exact AdamW
-``adamw_update_`` for 1-D tensors). The m4v4 functions are the reference the fused kernels
-reproduce bit for bit (docs/format.md, "The m4v4 step"); the m8 ones the C kernel's (bit for
-bit) and the Triton kernels' (up to the fp32 means' summation order, docs/decisions.md).
-Pure torch, no kernel: ``gefen.dispatch`` picks the kernels or these, and the kernels' checks
-(``gefen.native.calibrate``, ``gefen.triton.selfcheck``) call these directly.
+Two layouts (``gefen.Gefen``'s ``moments``): "m8" (``second_moment_partials`` / ``gefen_update_``)
+and "m4v4" (``m4v4_partials`` / ``m4v4_update_``, ``adamw_update_`` for 1-D tensors). These are
+the references of the kernels: the m4v4 ones within their stated bound (docs/format.md, "The m4v4
+step"), the m8 ones bit for bit in C and up to the fp32 means' summation order in Triton
+(docs/decisions.md). ``gefen.dispatch`` picks the kernels or these.
 """
 
 from __future__ import annotations
@@ -66,7 +62,7 @@ def init_momentum_state(param: torch.Tensor, global_shape: tuple[int, ...], peri
 
 
 def init_state(param: torch.Tensor, global_shape: tuple[int, ...], period: int, factored: bool) -> dict:
-    """Zero state for one parameter; ``param`` is the local (row-sharded) tensor."""
+    """Zero m8 state for the local (row-sharded) ``param``."""
     state = init_momentum_state(param, global_shape, period)
     if not factored:
         state["v"] = torch.zeros_like(state["m_scale"])  # one per block
@@ -85,22 +81,10 @@ def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float) -> tup
     return v_row, partials
 
 
-def gefen_update_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    state: dict,
-    codebook: torch.Tensor,
-    h: Hyper,
-    *,
-    global_rows: int,
-    v_row: torch.Tensor | None = None,
-    partials: torch.Tensor | None = None,
-) -> None:
-    """Apply one Gefen step in place (docs/design.md 3.1, m8).
-
-    ``v_row``/``partials`` are the factored tensor's results of ``second_moment_partials`` after
-    the global sum; block-path tensors pass neither.
-    """
+def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h: Hyper, *,
+                  global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None) -> None:
+    """Apply one Gefen step in place (docs/design.md 3.1, m8). ``v_row``/``partials``: the factored
+    tensor's results of ``second_moment_partials`` after the global sum; block-path tensors pass neither."""
     period = int(state["period"])
     g = grad.float()
     step = int(state["step"]) + 1
@@ -239,32 +223,14 @@ def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: tor
     return v_row, partials
 
 
-def m4v4_update_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    state: dict,
-    codebook: torch.Tensor,
-    ratio: torch.Tensor,
-    h: Hyper,
-    *,
-    global_rows: int,
-    v_row: torch.Tensor,
-    partials: torch.Tensor,
-    pidx: int,
-    seed: int,
-    row0: int = 0,
-    col0: int = 0,
-    row_len: int | None = None,
-    row_max: torch.Tensor | None = None,
-) -> None:
+def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, ratio: torch.Tensor,
+                 h: Hyper, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor, pidx: int, seed: int,
+                 row0: int = 0, col0: int = 0, row_len: int | None = None, row_max: torch.Tensor | None = None) -> None:
     """Phase 2 of an m4v4 step for a coded tensor, in place (docs/format.md, "The m4v4 step").
 
-    ``codebook``: the 16-entry first-moment codebook; ``ratio``: ``ratio_table(v_codebook)``;
-    ``v_row``/``partials``: ``m4v4_partials``' results after the global sum; ``pidx``/``seed``:
-    the rounding noise's salts; ``row0``/``col0``: the global index of this shard's first row and
-    column; ``row_len``: the global row length (default: the local one); ``row_max``: tensor
-    parallelism's max |m| of each whole row (``m4v4_momentum`` reduced over the ranks holding the
-    row's other columns; the fused kernels take it too).
+    ``ratio``: ``ratio_table(v_codebook)``; ``v_row``/``partials``: ``m4v4_partials``' results after
+    the global sum; ``pidx``/``seed``: the noise's salts; ``row0``/``col0``/``row_len``: where the
+    shard lies in the global parameter; ``row_max``: a column split's max |m| of each whole row.
     """
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1

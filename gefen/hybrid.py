@@ -208,7 +208,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     ``(muon_pairs, backup_pairs)`` lists, or param-group dicts as torch's optimizers take them
     (``"params"`` as pairs or with ``"param_names"``; each group is routed by name and shape and
     its other keys reach the child groups made from it, each child the keys it knows). Pass
-    ``model=`` with explicit lists or groups to check that they cover every trainable parameter. ``lr`` and ``weight_decay`` apply to both halves unless
+    ``model=`` with explicit lists or groups to check that they cover every trainable parameter.
+    ``lr`` and ``weight_decay`` apply to both halves unless
     ``muon_lr``/``muon_weight_decay``/``backup_lr``/``backup_weight_decay`` override them. Other
     keywords go to every child whose constructor takes them (``momentum``, ``ns_coefficients``,
     ``normuon`` -> Muon; ``betas``, ``eps``, ``factored_v_2d``, ``foreach`` -> backup;
@@ -218,10 +219,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
     which scales Muon's update to AdamW's RMS so one learning rate serves both halves;
     ``weight_decay=0.0`` for both halves unless given; ``backup="gefen"`` (~1 byte/param everywhere).
 
-    Composite convention (``gefen.contract``): ``children = {"muon": ..., "backup": ...}``; the
-    state_dict is torch's flat form over ``param_groups`` (the children's groups, each naming
-    its ``"child"``, live and saved), so torch's ``get_state_dict`` / ``set_state_dict``, with or
-    without ``flatten_optimizer_state_dict``, see every parameter.
+    Its state_dict follows ``gefen.contract``'s composite convention (``children = {"muon": ...,
+    "backup": ...}``), which torch's ``get_state_dict`` / ``set_state_dict`` see whole.
     """
 
     def __init__(self, model_or_named_params, lr: float = 1e-3, backup: str = "gefen", muon_lr: float | None = None,

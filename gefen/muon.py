@@ -24,7 +24,7 @@ from gefen.functional import decay_and_add_, init_momentum_state
 from gefen.newton_schulz import NORM_EPS, STANDARD, orthogonalise, resolve_schedule
 from gefen.state_layouts import CODEBOOK_FIELD, MOMENTUM_FIELDS
 from gefen.stochastic import param_salt
-from gefen.validation import check_range, param_label
+from gefen.validation import check_flags_and_seed, check_range, param_label
 
 __all__ = ["GefenMuon", "LocalGather", "lr_scale"]
 
@@ -69,14 +69,9 @@ def upgrade_group(group: dict, defaults: dict) -> dict:
 
 
 class LocalGather:
-    """The seam between row-sharded momentum and Newton-Schulz, which needs whole matrices.
-
-    ``orthogonalise_rows(params, blocks, fn)`` receives each parameter's rank-local block of the
-    update input and must return this rank's rows, whole, of ``fn(full matrices)``. One process
-    holds everything, so it simply applies ``fn``; on a mesh the step uses
-    ``gefen.distributed.RowGather``, which all-gathers every rank's block (rows and, under tensor
-    parallelism, columns) and keeps its own rows.
-    """
+    """The seam between row-sharded momentum and Newton-Schulz, which needs whole matrices:
+    ``orthogonalise_rows(params, blocks, fn)`` returns this rank's rows, whole, of ``fn(full
+    matrices)``. One process holds everything; on a mesh ``gefen.distributed.RowGather`` serves."""
 
     def orthogonalise_rows(self, params: list[torch.Tensor], blocks: list[torch.Tensor],
                            fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -150,15 +145,10 @@ class GefenMuon(CompressedOptimizer):
         check_range("beta2", group["beta2"], 0.0, 1.0, high_open=True)
         check_range("eps", group["eps"], 0.0)
         check_range("normuon_eps", group["normuon_eps"], 0.0)
-        for flag in ("nesterov", "normuon", "bf16_stochastic_round"):
-            if not isinstance(group.get(flag, False), bool):
-                raise TypeError(f"{flag} must be a bool, got {group[flag]!r}")
+        check_flags_and_seed(group, ("nesterov", "normuon", "bf16_stochastic_round"))
         if group["adjust_lr_fn"] not in ADJUST_LR:
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR}, got {group['adjust_lr_fn']!r}")
         resolve_schedule(group["ns_coefficients"], group["ns_steps"])
-        seed = group.get("seed", 0)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
 
     def _saved_group(self, group: dict) -> dict:
         return upgrade_group(group, self.defaults)
@@ -230,7 +220,7 @@ class GefenMuon(CompressedOptimizer):
 
         # 4. decoupled weight decay with the plain lr, then the scaled orthogonal step (own columns);
         # bf16_stochastic_round: added in fp32, rounded by the hash of the global index
-        position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        position = self._positions()
         for k, ((group, p, _), o) in enumerate(zip(work, ortho)):
             param = local_tensor(p)
             row0, col0 = plan.offsets(p)

@@ -2,7 +2,8 @@
 
 Each function takes the arguments of the ``gefen.functional`` reference of the same name and does
 its work in one C call per tensor, or returns None / False, touching nothing, for a layout that is
-not the kernel's; ``gefen.dispatch`` chooses these kernels for CPU tensors once ``trusted``.  The
+not the kernel's (``cal``: a calibration candidate to run under; None: the calibrated one);
+``gefen.dispatch`` chooses these kernels for CPU tensors once ``trusted``.  The
 m8 kernels (``gefen_step.c``) give the reference's bits: they reproduce the rounding order of the
 eager torch ops (ATen's cascade sums, whose vector width depends on torch's CPU capability, and
 torch's square root).  ``calibrate`` finds, through the parity harness (``gefen.parity``), the
@@ -248,45 +249,30 @@ def _quantiser(codebook: torch.Tensor) -> _Quantiser | None:
     return q
 
 
-def _partials(grad: torch.Tensor, state: dict, beta2: float, cal: Calibration | None, m4v4: bool,
-              row_sum: torch.Tensor | None = None, row_len: int | None = None):
-    """Phase 1 of either layout: ``(v_row, partials)``, or None when the kernel refuses; m4v4 may be
-    given the whole rows' sums of g^2 (``row_sum``, float64) and length (``row_len``) of a column split."""
-    gdt, v_row_old, cal = _DT[grad.dtype], state["v_row"], _use(cal)
-    rows, cols = rows_and_row_numel(grad.shape)
-    v_row = torch.empty(rows, dtype=torch.float32)
-    partials = torch.empty(cols + 1 + m4v4, dtype=torch.float64)
-    if m4v4:  # fixed-order float64 sums (m4v4_step.c): the same bits on any thread count and ISA
-        rc = _lib.gefen_m4v4_partials(grad.data_ptr(), gdt, rows, cols, v_row_old.data_ptr(), v_row.data_ptr(),
-                                      partials.data_ptr(), beta2, 1 - beta2, cal.mode,
-                                      None if row_sum is None else row_sum.data_ptr(),
-                                      max(cols if row_len is None else row_len, 1))
-        return (v_row, partials) if rc == 0 else None
-    rc = _lib.gefen_partials(grad.data_ptr(), gdt, rows, cols, v_row_old.data_ptr(), v_row.data_ptr(),
+def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
+    (rows, cols), cal = rows_and_row_numel(grad.shape), _use(cal)
+    v_row, partials = torch.empty(rows, dtype=torch.float32), torch.empty(cols + 1, dtype=torch.float64)
+    rc = _lib.gefen_partials(grad.data_ptr(), _DT[grad.dtype], rows, cols, state["v_row"].data_ptr(), v_row.data_ptr(),
                              partials.data_ptr(), beta2, 1 - beta2, cal.width, torch.get_num_threads(), cal.mode)
     return (v_row, partials) if rc == 0 else None
 
 
-def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
-    """``second_moment_partials`` in one C call, or None when the fused path does not apply.
-    ``cal``: calibration's candidate to try; None: the calibrated one."""
-    return _partials(grad, state, beta2, cal, False)
-
-
 def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: torch.Tensor | None = None,
                   row_len: int | None = None, cal: Calibration | None = None):
-    """``functional.m4v4_partials`` (``row_sum``/``row_len`` included) in one C call, its float64
-    sums in an order fixed by the shape (so within 1e-12 of the reference's, and the same bits on
-    any thread count and ISA), or None when it does not apply (``cal``: as for ``second_moment_partials``)."""
-    return _partials(grad, state, beta2, cal, True, row_sum, row_len)
+    """Its float64 sums in an order fixed by the shape: within 1e-12 of the reference's, and the same
+    bits on any thread count and ISA."""
+    (rows, cols), cal = rows_and_row_numel(grad.shape), _use(cal)
+    v_row, partials = torch.empty(rows, dtype=torch.float32), torch.empty(cols + 2, dtype=torch.float64)
+    rc = _lib.gefen_m4v4_partials(grad.data_ptr(), _DT[grad.dtype], rows, cols, state["v_row"].data_ptr(),
+                                  v_row.data_ptr(), partials.data_ptr(), beta2, 1 - beta2, cal.mode,
+                                  None if row_sum is None else row_sum.data_ptr(),
+                                  max(cols if row_len is None else row_len, 1))
+    return (v_row, partials) if rc == 0 else None
 
 
 def m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1: float, *,
                    cal: Calibration | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(functional.row_square_sums(grad), functional.row_abs_max(functional.m4v4_momentum(...)))``
-    of a coded shard (the max bit for bit, the float64 sums in phase 1's fixed order) in one C
-    pass, or None when it does not apply: the row
-    statistics a column split reduces over tensor parallelism before phases 1 and 2."""
+    """``gefen.dispatch.m4v4_row_stats``: the max bit for bit, the float64 sums in phase 1's fixed order."""
     codes, scale, cal = state["mv_code"], state["m_row_scale"], _use(cal)
     rows, cols = rows_and_row_numel(grad.shape)
     row_sum, row_max = torch.empty(rows, dtype=torch.float64), torch.empty(rows, dtype=torch.float32)
@@ -300,19 +286,15 @@ def _head(a, param: torch.Tensor, grad: torch.Tensor, state: dict, h, cal: Calib
     """The fields every step's arguments start with (``GEFEN_ARGS_HEAD``): tensors, dtypes, the new
     step count, the mode, and the step's scalars exactly as the reference forms them (Python
     floats; the C code rounds each to fp32 once, as torch does with a Python scalar operand)."""
-    step = int(state["step"]) + 1
-    a.param, a.grad, a.step_ptr, a.step = param.data_ptr(), grad.data_ptr(), _step_pointer(state["step"]), step
+    step, step_t = int(state["step"]) + 1, state["step"]
+    # where the kernel writes the new step count (an int64 CPU scalar), else None: ``_run_step`` does
+    writable = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
+    a.step_ptr = step_t.data_ptr() if writable else None
+    a.param, a.grad, a.step = param.data_ptr(), grad.data_ptr(), step
     a.param_dtype, a.grad_dtype, a.mode = _DT[param.dtype], _DT[grad.dtype], cal.mode
     a.beta1, a.omb1, a.beta2, a.omb2 = h.beta1, 1 - h.beta1, h.beta2, 1 - h.beta2
     a.bias1, a.bias2_sqrt = 1 - h.beta1**step, math.sqrt(1 - h.beta2**step)
     a.eps, a.neg_lr, a.decay, a.has_wd = h.eps, -h.lr, 1 - h.lr * h.weight_decay, bool(h.weight_decay)
-
-
-def _step_pointer(step_t: torch.Tensor) -> int | None:
-    """Where the kernel may write the new step count (an int64 CPU scalar), else None: the caller
-    fills it after the call."""
-    ok = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
-    return step_t.data_ptr() if ok else None
 
 
 def _run_step(fn, a, state: dict) -> bool:
@@ -328,8 +310,6 @@ def _run_step(fn, a, state: dict) -> bool:
 def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
                   global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                   cal: Calibration | None = None) -> bool:
-    """``gefen_update_`` in one C call; returns False (touching nothing) when it does not apply
-    (``cal``: as for ``second_moment_partials``)."""
     if param.shape != grad.shape:
         return False
     codes, scales = state["m_code"], state["m_scale"]
@@ -360,32 +340,18 @@ def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
 
 def momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
               scales: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``functional.update_momentum_`` in one C call (same codes, scales and returned fp32
-    momentum, bit for bit), or None when it does not apply (nothing modified then). ``scales``:
-    as ``store_momentum_``'s (a column split's rows' scales, reduced over tensor parallelism)."""
-    a = _momentum_only_args(state, grad, beta, codebook, scales)
-    if a is None:
-        return None
-    out = torch.empty(grad.shape, dtype=torch.float32)
-    a.m_out = out.data_ptr()
-    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
+    """``functional.update_momentum_`` bit for bit; ``scales``: as ``store_momentum_``'s."""
+    return _momentum_only(state, grad, beta, codebook, scales, grad.shape, "m_out")
 
 
 def momentum_scales(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor | None:
-    """The block scales ``update_momentum_`` would choose (``quant.block_scales`` of
-    ``functional.momentum_ema``, bit for bit), ``[rows, blocks per row]``, without touching the
-    state; None when the C kernel does not apply. A column split's rows reduce them over
-    tensor parallelism, then ``momentum_(..., scales=)`` stores the momentum."""
-    a = _momentum_only_args(state, grad, beta, codebook, None)
-    if a is None:
-        return None
-    out = torch.empty(tuple(state["m_scale"].shape), dtype=torch.float32)
-    a.scales_out = out.data_ptr()
-    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
+    """``gefen.dispatch.momentum_scales`` bit for bit, ``[rows, blocks per row]``, state untouched."""
+    return _momentum_only(state, grad, beta, codebook, None, tuple(state["m_scale"].shape), "scales_out")
 
 
-def _momentum_only_args(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
-                        scales: torch.Tensor | None) -> _StepArgs | None:
+def _momentum_only(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
+                   scales: torch.Tensor | None, out_shape, out_field: str) -> torch.Tensor | None:
+    """The momentum pass alone, its result (the momentum or the scales) into a new fp32 tensor."""
     codes, m_scale = state["m_code"], state["m_scale"]
     if codes.dtype != torch.uint8 or m_scale.dtype != torch.float32 or codes.shape != grad.shape:
         return None
@@ -399,7 +365,9 @@ def _momentum_only_args(state: dict, grad: torch.Tensor, beta: float, codebook: 
     a.momentum_only, a.global_rows = 1, a.rows
     a.omb1 = 1 - beta  # the lerp weight exactly as update_momentum_ passes it
     a.given_scales = None if scales is None else scales.data_ptr()
-    return a
+    out = torch.empty(out_shape, dtype=torch.float32)
+    setattr(a, out_field, out.data_ptr())
+    return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
 
 
 def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal: Calibration) -> _StepArgs | None:
@@ -426,9 +394,7 @@ def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook:
                  ratio: torch.Tensor, h, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor,
                  pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None,
                  row_max: torch.Tensor | None = None, cal: Calibration | None = None) -> bool:
-    """``functional.m4v4_update_`` in one C call (``row_max``, a column split's whole rows' max
-    |m|, included), within the bound ``parity.m4v4_disagreement`` checks; returns False (touching nothing)
-    when it does not apply (then the caller runs the reference; ``cal``: as for ``second_moment_partials``)."""
+    """Within the bound ``parity.m4v4_disagreement`` checks."""
     rows, cols = rows_and_row_numel(grad.shape)
     codes, scale, v_row_old, v_col = (state[k] for k in ("mv_code", "m_row_scale", "v_row", "v_col"))
     cal = _use(cal)
@@ -445,8 +411,6 @@ def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook:
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h, *, pidx: int, seed: int,
                   row0: int = 0, cal: Calibration | None = None) -> bool:
-    """``functional.adamw_update_`` (m4v4's 1-D/0-D step) in one C call; False (touching
-    nothing) when it does not apply (``cal``: as for ``second_moment_partials``)."""
     m, v, cal = state["exp_avg"], state["exp_avg_sq"], _use(cal)
     a = _AdamwArgs()
     _head(a, param, grad, state, h, cal)
@@ -457,8 +421,7 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h, *, pi
 
 def round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: int, row0: int = 0,
                  col0: int = 0, row_len: int | None = None) -> bool:
-    """``functional.round_param_`` (bf16_stochastic_round's write-back) in one C call; False
-    (touching nothing) when it does not apply. Integer arithmetic only: no calibration needed."""
+    """Integer arithmetic only: no calibration needed."""
     if param.dtype != torch.bfloat16 or work.dtype != torch.float32 or work.shape != param.shape:
         return False
     rows, cols, r0, row_len, c0 = F.param_rows(param, row0=row0, col0=col0, row_len=row_len)
@@ -468,8 +431,7 @@ def round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: in
 
 # ----- the first step: the codebook histogram ---------------------------
 def block_histogram(blocks: torch.Tensor, num_bins: int, scale: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``codebook.histogram_normalised_blocks`` (identical counts, ``scale`` included: one fp32
-    per block) in one C pass, or None when it does not apply."""
+    """``codebook.histogram_normalised_blocks``'s counts (``scale``: one fp32 per block)."""
     dt, P = _DT[blocks.dtype], blocks.shape[-1]
     scale = None if scale is None else scale.float()
     counts = torch.zeros(num_bins, dtype=torch.int64)
@@ -520,15 +482,20 @@ def _run_m8(shape, period, factored, fns):
     return p, state
 
 
-def _run_m4v4(shape, dtype, fns):
-    """Two m4v4 steps of one tensor (one for the big ones, which only test the summation paths)."""
-    gen = torch.Generator().manual_seed(4321 + len(shape))
+def _m4v4_problem(seed: int, shape, global_shape, dtype):
+    """A random m4v4 tensor, its fresh state, codebooks and hyperparameters (and the generator)."""
+    gen = torch.Generator().manual_seed(seed)
     p = torch.randn(shape, generator=gen).to(dtype)
-    p0 = p.clone()
-    state = F.init_m4v4_state(p, tuple(shape))
+    state = F.init_m4v4_state(p, global_shape)
     codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
     ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values)
     h = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    return gen, p, p.clone(), state, codebook, ratio, h
+
+
+def _run_m4v4(shape, dtype, fns):
+    """Two m4v4 steps of one tensor (one for the big ones, which only test the summation paths)."""
+    gen, p, p0, state, codebook, ratio, h = _m4v4_problem(4321 + len(shape), shape, tuple(shape), dtype)
     for _ in range(1 if p.numel() >= 32768 else 2):
         g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
         if len(shape) < 2:
@@ -544,13 +511,7 @@ def _run_m4v4_cut(shape, dtype, fns):
     """Two m4v4 steps of a column shard (tensor parallelism): its row statistics, scaled as the
     reduction over the other columns' ranks raises them, then both phases given them, at a column
     offset of a longer row."""
-    gen = torch.Generator().manual_seed(2468)
-    p = torch.randn(shape, generator=gen).to(dtype)
-    p0 = p.clone()
-    state = F.init_m4v4_state(p, (shape[0], 3 * shape[1]))
-    codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
-    ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values)
-    h = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    gen, p, p0, state, codebook, ratio, h = _m4v4_problem(2468, shape, (shape[0], 3 * shape[1]), dtype)
     for _ in range(2):
         g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
         row_sum, row_max = fns.row_stats(g, state, codebook, h.beta1)
@@ -647,10 +608,6 @@ def cache_key() -> str:
     return digest.hexdigest()[:32]
 
 
-def _cache_file() -> str:
-    return os.path.join(cache_dir(), f"native-calibration-{cache_key()}.json")
-
-
 _CACHED = ("width", "vml", "scale_mode", "m4v4")  # the Calibration fields a cache entry holds
 
 
@@ -678,7 +635,7 @@ def calibrate_cached() -> Calibration:
     if _lib is None:
         return calibrate()
     try:
-        path = _cache_file()
+        path = os.path.join(cache_dir(), f"native-calibration-{cache_key()}.json")
     except OSError:  # the library file vanished: calibrate, cache nothing
         path = None
     cal = _cached(path) if path else None

@@ -20,12 +20,8 @@ STANDARD: Triple = (3.4445, -4.7750, 2.0315)
 #: Fixed-length schedules with per-step coefficients (docs/design.md 3.2); their length is the step count.
 TUNED: dict[str, tuple[Triple, ...]] = {
     "tuned3": ((5.0067, -14.4125, 10.6001), (3.7534, -6.8083, 3.3840), (3.2080, -4.3501, 2.0330)),
-    "tuned4": (
-        (5.4261, -15.5285, 11.2657),
-        (3.0766, -4.9701, 2.1297),
-        (3.0008, -6.4486, 4.3696),
-        (2.8386, -4.1421, 2.5758),
-    ),
+    "tuned4": ((5.4261, -15.5285, 11.2657), (3.0766, -4.9701, 2.1297), (3.0008, -6.4486, 4.3696),
+               (2.8386, -4.1421, 2.5758)),
 }
 #: The floor of the Frobenius norm the input is divided by (``torch.optim.Muon``'s ``eps``), so
 #: that an all-zero update stays zero instead of NaN.

@@ -20,7 +20,7 @@ from gefen.functional import (
 from gefen.geometry import rows_and_row_numel
 from gefen.state_layouts import CONTRACTS, MOMENTS, V_CODEBOOK, version_refusal
 from gefen.stochastic import CODES, param_salt, ratio_table, standin_codebook, v_grid
-from gefen.validation import check_adamw_options, check_betas, check_range
+from gefen.validation import check_adamw_options, check_betas, check_flags_and_seed, check_range
 
 __all__ = ["Gefen", "MOMENTS", "version_refusal"]
 
@@ -99,18 +99,13 @@ class Gefen(CompressedOptimizer):
         check_betas(group["betas"])
         check_range("eps", group["eps"], 0.0)
         check_range("weight_decay", group["weight_decay"], 0.0)
-        for flag in ("factored_v_2d", "maximize", "bf16_stochastic_round"):
-            if not isinstance(group.get(flag, False), bool):
-                raise TypeError(f"{flag} must be a bool, got {group[flag]!r}")
+        check_flags_and_seed(group, ("factored_v_2d", "maximize", "bf16_stochastic_round"))
         if group.get("moments", self.moments) != self.moments:
             raise ValueError(f"moments is optimizer-wide: a param group asks for {group['moments']!r}, the optimizer "
                              f"keeps {self.moments!r}")
         if self.moments == "m4v4" and group.get("factored_v_2d") is False:
             raise ValueError("m4v4 codes the second moment against the factored estimate; factored_v_2d=False "
                              "needs moments='m8'")
-        seed = group.get("seed", 0)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
 
     def _saved_group(self, group: dict) -> dict:
         """Version "1" groups carry no ``moments``: they are m8 state (refused unless this is m8)."""
@@ -151,10 +146,9 @@ class Gefen(CompressedOptimizer):
     def _reduced_partials(self, work, fields: str, partials_fn,
                           batched_fn=None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Phase 1: every factored tensor's (new v_row, globally summed partials), by position in
-        ``work``, after ONE reduction of all of them together (a tensor whose columns tensor
-        parallelism splits puts its column sums at their global positions and gets its own back).
-        ``partials_fn(param, local grad, state, beta2)``; ``batched_fn([(local grad, state, beta2)])``
-        computes them all at once where a kernel applies (else None)."""
+        ``work``, after ONE reduction of all of them together. ``partials_fn(param, local grad,
+        state, beta2)``; ``batched_fn([(local grad, state, beta2)])`` computes them all at once
+        where a kernel applies (else None)."""
         plan = self.reduction_plan()
         factored = []
         todo = [(i, p, local_tensor(grad), group["betas"][1])
@@ -176,16 +170,15 @@ class Gefen(CompressedOptimizer):
                                          batched_fn=dispatch.m8_partials_)
         codebook = self._step_codebook()
         plan = self.reduction_plan()
-        position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        position = self._positions()
         for i, (group, p, grad) in enumerate(work):
             h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
             v_row, partials = pending.get(i, (None, None))
-            shape = global_shape(p)
             local = local_tensor(p)
             target = dispatch.sr_target(local, group["bf16_stochastic_round"])
             step = int(self.state[p]["step"]) + 1
             dispatch.gefen_update_(target, local_tensor(grad), self.state[p], codebook, h,
-                                   global_rows=shape[0] if shape else 1, v_row=v_row, partials=partials)
+                                   global_rows=p.shape[0] if p.dim() else 1, v_row=v_row, partials=partials)
             self._round(local, target, group, p, step, position[id(p)], plan.offsets(p))
 
     def _step_m4v4(self, work) -> None:
@@ -209,7 +202,7 @@ class Gefen(CompressedOptimizer):
             self._learn_m4v4_codebooks(work, pending)
         codebook = self._step_codebook()
         ratios = {}  # device -> ratio table
-        position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        position = self._positions()
         for i, (group, p, grad) in enumerate(work):
             h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
             local, local_grad = local_tensor(p), local_tensor(grad)

@@ -87,14 +87,16 @@ def round_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return torch.where(x.isnan(), x.to(torch.bfloat16), out)
 
 
-def encode(x: torch.Tensor, table: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def encode(x: torch.Tensor, table: torch.Tensor, u: torch.Tensor, kappa: torch.Tensor | None = None) -> torch.Tensor:
     """int64 codes of fp32 ``x`` in the sorted 16-entry ``table``: ``hi`` (the first entry >= x,
     clamped to [1, 15]) with probability ``p = (x - T[lo]) / max(T[hi] - T[lo], GUARD)`` clamped
-    to [0, 1], else ``lo = hi - 1``; decided by ``u < p``. Unbiased inside the table's range;
-    out-of-range values go to the end code. NaN: unspecified."""
+    to [0, 1] (bent by ``kappa``: ``encode_v``), else ``lo = hi - 1``; decided by ``u < p``.
+    Unbiased inside the table's range; out-of-range values go to the end code. NaN: unspecified."""
     lo = torch.searchsorted(table, x.contiguous(), side="left").clamp_(1, table.numel() - 1).sub_(1)
     gaps = torch.clamp_min(table[1:] - table[:-1], GUARD)  # T[hi] - T[lo], per lo
     p = ((x - table.take(lo)) / gaps.take(lo)).clamp_(0.0, 1.0)
+    if kappa is not None:
+        p = p + kappa.take(lo) * (p * (1.0 - p))
     return lo.add_(u < p)
 
 
@@ -104,12 +106,7 @@ def encode_v(x: torch.Tensor, table: torch.Tensor, u: torch.Tensor) -> torch.Ten
     ``p = clamp((x - R[lo]) / max(R[hi] - R[lo], GUARD), 0, 1)`` bent to ``p + K[lo] * (p * (1 - p))``
     (fp32, in that order), so the rounding is unbiased in ``v ** V_POWER`` rather than in ``v``
     (docs/format.md, "The m4v4 step"); decided by ``u < p``."""
-    ratios, kappa = table[:CODES], table[CODES:]
-    lo = torch.searchsorted(ratios, x.contiguous(), side="left").clamp_(1, CODES - 1).sub_(1)
-    gaps = torch.clamp_min(ratios[1:] - ratios[:-1], GUARD)
-    p = ((x - ratios.take(lo)) / gaps.take(lo)).clamp_(0.0, 1.0)
-    p = p + kappa.take(lo) * (p * (1.0 - p))
-    return lo.add_(u < p)
+    return encode(x, table[:CODES], u, table[CODES:])
 
 
 def curvatures(log_ratios: torch.Tensor, power: float) -> torch.Tensor:

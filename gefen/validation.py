@@ -42,6 +42,16 @@ def check_betas(betas) -> None:
         check_range(f"betas[{i}]", b, 0.0, 1.0, high_open=True)
 
 
+def check_flags_and_seed(group: dict, flags: tuple[str, ...]) -> None:
+    """The group's boolean options are bools and its ``seed`` (the rounding noise's) a non-negative int."""
+    for flag in flags:
+        if not isinstance(group.get(flag, False), bool):
+            raise TypeError(f"{flag} must be a bool, got {group[flag]!r}")
+    seed = group.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+
+
 def check_adamw_options(*, foreach, fused, capturable: bool, differentiable: bool, amsgrad: bool) -> None:
     """torch.optim.AdamW's implementation switches, so Gefen is a drop-in: ``foreach`` / ``fused``
     are hints (one implementation serves both: the fused C step on CPU, the eager step elsewhere);

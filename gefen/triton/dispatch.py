@@ -46,7 +46,6 @@ def _kernels():
 
 
 def available() -> bool:
-    """True when the kernels can run (Triton imports)."""
     return _kernels() is not None
 
 
@@ -125,8 +124,7 @@ def _submit(item, books, run: str = "m4v4_update_") -> None:
 
 def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, partials, pidx, seed, row0=0,
                  col0=0, row_len=None, row_max=None) -> bool:
-    """``functional.m4v4_update_`` through the kernels (a column split's ``col0``, ``row_len`` and
-    ``row_max`` included; ``gefen.dispatch`` checked the layout, as for the m4v4 functions below)."""
+    # gefen.dispatch checked the layout, as for the m4v4 functions below
     item = _launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0,
                             global_rows=global_rows, row_len=row_len, v_row=v_row, partials=partials, col0=col0,
                             row_max=row_max)
@@ -135,33 +133,26 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
 
 
 def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
-    """``functional.m4v4_partials`` of one coded shard (a column split's given ``row_sum`` and
-    ``row_len`` included) through the kernels."""
     out = m4v4_partials_([(grad, state, beta2)], None if row_sum is None else [(row_sum, row_len or grad[0].numel())])
     return None if out is None else out[0]
 
 
 def m4v4_row_stats(grad, state, codebook, beta1):
-    """``(row_square_sums(grad), row_abs_max(m4v4_momentum(...)))`` of one coded shard through the
-    kernels (phase 0 of a column split)."""
     return _launch_mod.m4v4_row_stats([(grad, state, beta1)], codebook)[0]
 
 
 def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]], rows=None) -> list | None:
-    """``functional.m4v4_partials`` of every ``(grad, state, beta2)`` in two launches (phase 1 of a
-    whole group); ``rows``: each item's given ``(row_sum, row_len)`` or None (``launch.m4v4_partials``)."""
+    """Every ``(grad, state, beta2)`` in two launches; ``rows``: as ``launch.m4v4_partials``'."""
     return _launch_mod.m4v4_partials(items, rows)
 
 
 def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0) -> bool:
-    """``functional.adamw_update_`` (1-D/0-D tensors of m4v4) through the kernels."""
     _submit(_launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0),
             (None, None))
     return True
 
 
 def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> bool:
-    """``functional.gefen_update_`` (the m8 layout) through the kernels; False when it must run eagerly."""
     factored = "v_row" in state
     period = int(state["period"])
     cols = math.prod(param.shape[1:]) if param.dim() else 1
@@ -182,21 +173,18 @@ def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, p
 
 
 def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
-    """``functional.second_moment_partials`` of every factored ``(grad, state, beta2)`` in two
-    launches (phase 1 of a whole m8 group)."""
+    """``functional.second_moment_partials`` of every factored ``(grad, state, beta2)`` in two launches."""
     return _launch_mod.m8_partials(items)
 
 
 def momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor | None:
-    """``functional.update_momentum_`` (GefenMuon, Gefen m8) through the kernels, or None.
-    ``scales``: the blocks' scales given (``store_momentum_``'s: a column split's, reduced over tp)."""
+    """``functional.update_momentum_``; ``scales``: ``store_momentum_``'s (a column split's)."""
     out = momenta_([(state, grad, beta)], codebook, None if scales is None else [scales])
     return None if out is None else out[0]
 
 
 def momentum_scales(state, grad, beta, codebook) -> torch.Tensor | None:
-    """The block scales ``update_momentum_`` would choose, through the kernels (nothing else
-    written), or None."""
+    """The block scales ``update_momentum_`` would choose (nothing else written)."""
     out = momenta_([(state, grad, beta)], codebook, scales_only=True)
     return None if out is None else out[0]
 
@@ -220,14 +208,12 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
 
 
 def round_param_(param, work, *, step: int, salt: int, row0: int = 0, col0: int = 0, row_len=None) -> bool:
-    """``functional.round_param_`` (bf16_stochastic_round's write-back) through the kernels."""
     _submit((param, work, step, salt, row0, col0, row_len), (), "round_params_")
     return True
 
 
 def block_histogram(blocks, num_bins: int, scale=None) -> torch.Tensor | None:
-    """``codebook.histogram_normalised_blocks`` (``scale``: one per block, a column split's whole
-    rows' max-abs) through the kernel, or None."""
+    """``scale``: one per block, a column split's whole rows' max-abs."""
     if not blocks.numel():
         return None
     return _launch_mod.block_histogram(blocks, num_bins, scale)

@@ -42,15 +42,6 @@ def _to_bf16(x):
 
 
 @triton.jit
-def _store_as(ptr, x, mask, DT: tl.constexpr):
-    """Store fp32 ``x`` as ``DT`` (fp32 or bf16, the latter rounded to nearest even)."""
-    if DT == tl.bfloat16:
-        tl.store(ptr, _to_bf16(x), mask=mask)
-    else:
-        tl.store(ptr, x, mask=mask)
-
-
-@triton.jit
 def _count_below(x, table, LOG2K: tl.constexpr):
     """Number of entries of the sorted, +inf-padded ``table`` (2**LOG2K entries) strictly below
     ``x``, capped at 2**LOG2K - 1 (a branch-free binary search)."""
@@ -88,31 +79,27 @@ def _round_bf16(x, bits):
 
 
 @triton.jit
+def _interval(x, table):
+    """``gefen.stochastic._interval`` in the sorted 16-entry ``table``: ``lo`` and the clamped ``p``."""
+    lo = tl.minimum(tl.maximum(_count_below(x, table, 4), 1), 15) - 1
+    p = tl.div_rn(x - tl.load(table + lo), tl.maximum(tl.load(table + lo + 1) - tl.load(table + lo), GUARD))
+    return lo, tl.minimum(tl.maximum(p, 0.0), 1.0)
+
+
+@triton.jit
 def _encode(x, table, u):
     """Stochastic rounding of ``x`` to the sorted 16-entry ``table`` (``gefen.stochastic.encode``)."""
-    hi = _count_below(x, table, 4)
-    hi = tl.minimum(tl.maximum(hi, 1), 15)
-    lo = hi - 1
-    t_lo = tl.load(table + lo)
-    t_hi = tl.load(table + hi)
-    p = tl.div_rn(x - t_lo, tl.maximum(t_hi - t_lo, GUARD))
-    p = tl.minimum(tl.maximum(p, 0.0), 1.0)
-    return tl.where(u < p, hi, lo)
+    lo, p = _interval(x, table)
+    return tl.where(u < p, lo + 1, lo)
 
 
 @triton.jit
 def _encode_v(x, table, u):
     """The second moment's rounding (``gefen.stochastic.encode_v``): ``_encode``'s clamped ``p``
     bent by the interval's curvature ``table[16 + lo]``."""
-    hi = _count_below(x, table, 4)
-    hi = tl.minimum(tl.maximum(hi, 1), 15)
-    lo = hi - 1
-    t_lo = tl.load(table + lo)
-    t_hi = tl.load(table + hi)
-    p = tl.div_rn(x - t_lo, tl.maximum(t_hi - t_lo, GUARD))
-    p = tl.minimum(tl.maximum(p, 0.0), 1.0)
+    lo, p = _interval(x, table)
     p = p + tl.load(table + 16 + lo) * (p * (1.0 - p))
-    return tl.where(u < p, hi, lo)
+    return tl.where(u < p, lo + 1, lo)
 
 
 # ----- the per-parameter tables of the Gefen kernels (m4v4, its 1-D path and m8) -----------------
@@ -162,7 +149,10 @@ def _apply_update(param_p, off, mask, m, den, has_wd, sb, PARAM_T: tl.constexpr)
         p = p * tl.load(sb + S_DECAY)
     upd = tl.div_rn(tl.div_rn(m, tl.load(sb + S_BIAS1)), den)
     p = tl.fma(upd, tl.load(sb + S_NEG_LR), p)  # torch's add_(upd, alpha=-lr)
-    _store_as(param_p + off, p, mask, PARAM_T)
+    if PARAM_T == tl.bfloat16:
+        tl.store(param_p + off, _to_bf16(p), mask=mask)
+    else:
+        tl.store(param_p + off, p, mask=mask)
 
 
 # ----- GefenMuon's compressed momentum (8-bit codes, per-block max-abs, nearest code) ---------------

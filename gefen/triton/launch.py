@@ -34,7 +34,7 @@ _TRITON_DT = {torch.float32: kernels.tl.float32, torch.bfloat16: kernels.tl.bflo
 
 def _geometry(P: int) -> tuple[int, int, bool]:
     """(rows per program, column tile, single pass) for rows of ``P`` elements."""
-    return _geometry_for(P, MAX_SINGLE, TILE, TWO_PASS_BC)
+    return _geometry_for(P, MAX_SINGLE, TILE, TWO_PASS_BC)  # the sizes are arguments: tests lower them
 
 
 @functools.lru_cache(maxsize=4096)
@@ -123,10 +123,9 @@ def codebook_tables(codebook: torch.Tensor) -> _Codebook:
 
 def momentum_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor,
               scales: list[torch.Tensor | None] | None = None, *, scales_only: bool = False) -> list[torch.Tensor]:
-    """``functional.update_momentum_`` for every ``(state, grad, beta)`` in ``items``: codes and
-    scales updated in place; returns each re-quantised fp32 momentum (one launch per class).
+    """``functional.update_momentum_`` of every ``(state, grad, beta)``, one launch per class.
     ``scales[i]``: item i's block scales given (``store_momentum_``'s); ``scales_only``: return
-    each item's block scales instead, touching nothing (a column split reduces them over tp)."""
+    each item's block scales instead, touching nothing."""
     book = codebook_tables(codebook)
     scales = scales or [None] * len(items)
     if scales_only:
@@ -264,10 +263,8 @@ PARTIALS_BR = 32
 
 def m4v4_partials(items: list[tuple[torch.Tensor, dict, float]],
                   rows: list[tuple[torch.Tensor, int] | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``functional.m4v4_partials`` for every ``(grad, state, beta2)``: the new ``v_row`` and the
-    float64 partials ``[column sums of g^2, sum of the new v_row, sum of the old v_row]`` of each
-    matrix, in two launches per gradient dtype (rows, then the columns' fixed-order sums).
-    ``rows[i]``: item i's ``(row_sum, row_len)`` given (a column split's whole rows)."""
+    """``functional.m4v4_partials`` of every ``(grad, state, beta2)``; ``rows[i]``: item i's
+    ``(row_sum, row_len)`` given (a column split's whole rows)."""
     return _partials(items, m8=False, given=rows)
 
 
@@ -295,8 +292,9 @@ def m4v4_row_stats(items: list[tuple[torch.Tensor, dict, float]],
 
 
 def _partials(items, *, m8: bool, given=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Phase 1 of either layout: ``partials_kernel`` writes each row tile's share of the ``C + 2`` float64
-    partials to a scratch buffer that ``column_sum_kernel`` sums in a fixed order."""
+    """Phase 1 of either layout, two launches per gradient dtype: ``partials_kernel`` writes each row
+    tile's share of the ``C + 2`` float64 partials to a scratch buffer that ``column_sum_kernel`` sums
+    in a fixed order."""
     device = items[0][0].device
     shapes = [(g.shape[0], math.prod(g.shape[1:])) for g, _, _ in items]
     br = PARTIALS_BR
@@ -378,9 +376,7 @@ def m8_update_(items: list[Item], codebook: torch.Tensor) -> None:
 
 
 def m8_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``functional.second_moment_partials`` for every factored ``(grad, state, beta2)``: the new
-    ``v_row`` and the float64 partials ``[column sums of g^2, sum of the new v_row]`` of each matrix,
-    in two launches per gradient dtype (rows, then the columns' fixed-order sums)."""
+    """``functional.second_moment_partials`` of every factored ``(grad, state, beta2)``."""
     return [(v_row, parts[:-1]) for v_row, parts in _partials(items, m8=True)]
 
 
