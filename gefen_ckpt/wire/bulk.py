@@ -5,8 +5,9 @@ index record check per piece: at 4,096 writers of a 200-tensor state, 2.5M of ea
 for 18 MB). When every writer's part of every tensor is one piece in one file (exactly the
 many-writer case) the layout is regular and computed here as arrays: offsets by a running sum,
 each source read once per batch of writers, CRC-32s in one C call, indexes encoded from the
-arrays. The files are byte for byte those of the writer-by-writer path
-(``tests/ckpt/test_format2.py``); lock, commit and clean-up stay the caller's.
+arrays. With one part per writer the files are byte for byte those of the writer-by-writer
+path (``tests/ckpt/test_format2.py``); from ``GROUP_FROM`` parts on, consecutive small parts
+share a writer, its rows of each tensor one piece. Lock, commit and clean-up stay the caller's.
 """
 
 from __future__ import annotations
