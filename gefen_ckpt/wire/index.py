@@ -10,7 +10,6 @@ reader of some rows reads only the indexes of the writers that hold them (docs/f
 from __future__ import annotations
 
 import bisect
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,8 +19,7 @@ import msgpack
 
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
 from gefen_ckpt.wire import checksum
-from gefen_ckpt.wire.dtypes import itemsize
-from gefen_ckpt.wire.records import DECODING, PieceRecord, pieces_overlapping, tensor_key
+from gefen_ckpt.wire.records import DECODING, PieceRecord, TensorShape, pieces_overlapping, tensor_key
 from gefen_ckpt.wire.records import fail as _fail
 
 INDEX_FORMAT = "gefen-ckpt-index"
@@ -178,7 +176,7 @@ class WriterPin(NamedTuple):
         return cls(tuple(zip(raw[3::2], raw[4::2])), raw[0], raw[1], raw[2])
 
 
-class SplitTensor:
+class SplitTensor(TensorShape):
     """A 2.0 tensor record: like ``manifest.TensorRecord``, with pieces found through indexes."""
 
     __slots__ = ("fqn", "field", "dtype", "shape", "split", "ordinal", "_indexes", "_all")
@@ -186,18 +184,6 @@ class SplitTensor:
     def __init__(self, fqn, field, dtype, shape, split: Split, ordinal: int, indexes: IndexSet):
         self.fqn, self.field, self.dtype, self.shape = fqn, field, dtype, shape
         self.split, self.ordinal, self._indexes, self._all = split, ordinal, indexes, None
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def row_bytes(self) -> int:
-        return math.prod(self.shape[1:]) * itemsize(self.dtype)
-
-    @property
-    def label(self) -> str:
-        return f"global field {self.field!r}" if self.fqn is None else f"{self.fqn}/{self.field}"
 
     def writers_in(self, start: int, stop: int) -> list[int]:
         return sorted(self.split.writers_in(self.rows, start, stop))

@@ -31,7 +31,7 @@ from gefen_ckpt.wire.datafile import ALIGNMENT
 from gefen_ckpt.wire.dtypes import DTYPES, dtype_name, itemsize, plain
 from gefen_ckpt.wire.records import DECODING as _DECODING
 from gefen_ckpt.wire.records import MAX_STR as _MAX_STR
-from gefen_ckpt.wire.records import PieceRecord, pieces_overlapping
+from gefen_ckpt.wire.records import PieceRecord, TensorShape, pieces_overlapping
 from gefen_ckpt.wire.records import fail as _fail
 
 if TYPE_CHECKING:  # reading a manifest needs no torch
@@ -74,24 +74,18 @@ class FileRecord:
     nbytes: int
 
 
-class TensorRecord(NamedTuple):
+class _TensorFields(NamedTuple):
     fqn: str | None
     field: str
     dtype: str
     shape: tuple[int, ...]
     pieces: tuple[PieceRecord, ...]  # sorted by rows, covering every row once
 
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
 
-    @property
-    def row_bytes(self) -> int:
-        return math.prod(self.shape[1:]) * itemsize(self.dtype)
+class TensorRecord(_TensorFields, TensorShape):
+    """A 1.x tensor record: its pieces listed in the manifest."""
 
-    @property
-    def label(self) -> str:
-        return f"global field {self.field!r}" if self.fqn is None else f"{self.fqn}/{self.field}"
+    __slots__ = ()
 
     def pieces_in(self, start: int, stop: int) -> tuple[PieceRecord, ...]:
         return pieces_overlapping(self.pieces, start, stop)

@@ -5,10 +5,12 @@ neither imports the other)."""
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from gefen_ckpt.errors import CheckpointFormatError
+from gefen_ckpt.wire.dtypes import itemsize
 
 MAX_LEN = 2**22  # elements of one array or map: params, files, pieces of one tensor
 MAX_STR = 65536
@@ -37,6 +39,25 @@ class PieceRecord(NamedTuple):
     @classmethod
     def from_dict(cls, d: dict) -> PieceRecord:
         return cls(d["fqn"], d["field"], tuple(d["rows"]), d["file"], d["key"], d["offset"], d["bytes"], d["checksum"])
+
+
+class TensorShape:
+    """What a tensor record (1.x ``manifest.TensorRecord``, 2.0 ``index.SplitTensor``) derives from
+    its ``fqn``, ``field``, ``dtype`` and ``shape``: the one home of rows and of its label."""
+
+    __slots__ = ()
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * itemsize(self.dtype)
+
+    @property
+    def label(self) -> str:
+        return f"global field {self.field!r}" if self.fqn is None else f"{self.fqn}/{self.field}"
 
 
 def tensor_key(fqn: str | None, field: str) -> str:
