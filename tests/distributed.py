@@ -61,9 +61,11 @@ def run(fn, world_size: int, *args, timeout: float = 120.0) -> list:
         ctx = mp.start_processes(_entry, args=(world_size, workdir, fn, args), nprocs=world_size, join=False,
                                  start_method="spawn")
         procs, deadline, cache, killed = ctx.processes, time.monotonic() + timeout, {}, set()
+        ended: dict[int, int] = {}  # rank -> the poll at which it was first seen ended
         try:
             while any(p.is_alive() for p in procs):
-                if _failures(fn, workdir, procs, cache, killed):
+                _note_ended(procs, ended)
+                if _failures(fn, workdir, procs, cache, killed, ended):
                     _wait_for_all(procs, time.monotonic() + GRACE_SECONDS)
                     break
                 if time.monotonic() >= deadline:
@@ -75,10 +77,18 @@ def run(fn, world_size: int, *args, timeout: float = 120.0) -> list:
                     p.kill()
                     killed.add(rank)
                 p.join()
-        failures = _failures(fn, workdir, procs, cache, killed)
+        _note_ended(procs, ended)
+        failures = _failures(fn, workdir, procs, cache, killed, ended)
         if failures:
             raise RuntimeError("\n\n".join(failures))
         return [_result(workdir, rank, cache)["ok"] for rank in range(world_size)]
+
+
+def _note_ended(procs, ended: dict[int, int]) -> None:
+    tick = max(ended.values(), default=-1) + 1
+    for rank, p in enumerate(procs):
+        if rank not in ended and not p.is_alive():
+            ended[rank] = tick
 
 
 def _wait_for_all(procs, until: float) -> None:
@@ -88,21 +98,23 @@ def _wait_for_all(procs, until: float) -> None:
         time.sleep(POLL_SECONDS)
 
 
-def _failures(fn, workdir: str, procs, cache: dict, killed: set[int]) -> list[str]:
+def _failures(fn, workdir: str, procs, cache: dict, killed: set[int], ended: dict[int, int]) -> list[str]:
     """Reports for the finished ranks that failed, likeliest root cause first: a rank that died
-    without a result, then one that raised on its own, then one that only lost a peer (ranks
-    the harness killed itself are not reported)."""
+    without a result (the first to end first: a peer that died with it followed), then one that
+    raised on its own, then one that only lost a peer (ranks the harness killed itself are not
+    reported)."""
     found = []
     for rank, p in enumerate(procs):
         if p.is_alive() or rank in killed:
             continue
         res = _result(workdir, rank, cache)
         if res is None:
-            found.append((0, rank, f"rank {rank} of {fn.__name__} died without a result (exit code {p.exitcode})"))
+            found.append((0, ended.get(rank, 0), rank,
+                          f"rank {rank} of {fn.__name__} died without a result (exit code {p.exitcode})"))
         elif "error" in res:
             lost_peer = any(marker in res["error"] for marker in PEER_LOSS_MARKERS)
-            found.append((2 if lost_peer else 1, rank, f"rank {rank} of {fn.__name__} failed:\n{res['error']}"))
-    return [message for _, _, message in sorted(found)]
+            found.append((2 if lost_peer else 1, 0, rank, f"rank {rank} of {fn.__name__} failed:\n{res['error']}"))
+    return [message for *_, message in sorted(found)]
 
 
 def row_scaled_grads(shapes: dict[str, tuple[int, ...]], step: int) -> dict[str, torch.Tensor]:
