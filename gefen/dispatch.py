@@ -89,10 +89,16 @@ def second_moment_partials(grad, state, beta2):
 def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
     """``second_moment_partials`` of every factored ``(grad, state, beta2)`` in two Triton launches
     (phase 1 of a whole m8 group), or None: the caller takes them one by one."""
+    return _phase1_group("m8", items, lambda g: 2, triton.m8_partials_)
+
+
+def _phase1_group(family: str, items: list, max_dim, launch) -> list | None:
+    """Phase 1 of a whole group in ``launch``'s Triton launches when the kernels take every item."""
+    if not items:
+        return None
     grads, v_rows = [g for g, _, _ in items], [s["v_row"] for _, s, _ in items]
-    if items and kernels("m8", grads, v_rows, lambda: _first(_phase1_layout(g, s, 2) for g, s, _ in items)) is triton:
-        return triton.m8_partials_(items)
-    return None
+    why = lambda: _first(_phase1_layout(g, s, max_dim(g)) for g, s, _ in items)  # noqa: E731
+    return launch(items) if kernels(family, grads, v_rows, why) is triton else None
 
 
 def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> None:
@@ -151,10 +157,7 @@ def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
 def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
     """``m4v4_partials`` of every ``(grad, state, beta2)`` in two Triton launches (phase 1 of a
     whole group), or None: the caller takes them one by one."""
-    grads, v_rows = [g for g, _, _ in items], [s["v_row"] for _, s, _ in items]
-    if items and kernels("m4v4", grads, v_rows, lambda: _first(_phase1_layout(g, s, g.dim()) for g, s, _ in items)) is triton:
-        return triton.m4v4_partials_(items)
-    return None
+    return _phase1_group("m4v4", items, lambda g: g.dim(), triton.m4v4_partials_)
 
 
 def m4v4_row_stats(grad, state, codebook, beta1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +175,8 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
     kw = dict(global_rows=global_rows, v_row=v_row, partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0,
               row_len=row_len, row_max=row_max)
     fields = [state.get(k) for k in ("mv_code", "m_row_scale", "v_row", "v_col")]
-    run = kernels("m4v4", [param, grad], [*fields, codebook, ratio, v_row, partials] + ([] if row_max is None else [row_max]),
+    tables = [codebook, ratio, v_row, partials] + ([] if row_max is None else [row_max])
+    run = kernels("m4v4", [param, grad], [*fields, *tables],
                   lambda: _m4v4_layout(grad, state, codebook, param, ratio, v_row, partials, row_max))
     if not (run and run.m4v4_update_(param, grad, state, codebook, ratio, h, **kw)):
         F.m4v4_update_(param, grad, state, codebook, ratio, h, **kw)
