@@ -294,7 +294,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         plan = self.reduction_plan()
         counted = [(p, local_tensor(grad)) for _, p, grad in work if plan.counts(p)]
         # whether any local gradient is non-zero (stops at the first that is: nearly always the first)
-        signal = torch.tensor([int(any(bool(g.any()) for _, g in counted))], dtype=torch.int64)
+        signal = torch.tensor([int(any(_nonzero(g) for _, g in counted))], dtype=torch.int64)
         plan.reducer.sum_(signal)
         if not int(signal):
             return None
@@ -488,3 +488,10 @@ def _add_global_state(optimizer: CompressedOptimizer, state_dict: dict) -> dict:
         entry.update(books)
         state_dict["state"][index] = entry
     return state_dict
+
+
+def _nonzero(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds a non-zero: its first 4,096 elements decide nearly always, so the
+    first step need not scan a whole embedding's gradient (``Tensor.any`` does not stop early)."""
+    flat = t.reshape(-1)
+    return bool(flat[:4096].any()) or (flat.numel() > 4096 and bool(flat[4096:].any()))

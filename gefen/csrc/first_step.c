@@ -43,11 +43,15 @@ static void bin_run_portable(const float *x, int64_t n, float scale, float fbins
         float v = x[j] / scale;
         int32_t i = 0;
         if (v == v) {
-            i = (int32_t)(((v + 1.0f) / 2.0f) * fbins);
+            i = (int32_t)(((v + 1.0f) * 0.5f) * fbins); /* == (v + 1) / 2: halving is exact */
             i = i > last ? last : (i < 0 ? 0 : i);
         }
         idx[j] = i;
     }
+}
+
+static void widen_portable(const void *x, int64_t off, int64_t n, float *conv) {
+    for (int64_t j = 0; j < n; j++) conv[j] = ld_g(x, DT_BF16, off + j);
 }
 
 #if GEFEN_X86
@@ -57,6 +61,7 @@ static AVX2 float block_amax_avx2(const float *x, int64_t n, int *nan) {
     __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
+        PREFETCH(x, 4, j);
         __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j));
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
         m = _mm256_max_ps(a, m); /* a NaN lane keeps m; NaNs are reported through bad */
@@ -69,23 +74,34 @@ static AVX2 float block_amax_avx2(const float *x, int64_t n, int *nan) {
 }
 
 static AVX2 void bin_run_avx2(const float *x, int64_t n, float scale, float fbins, int32_t last, int32_t *idx) {
-    const __m256 s = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f),
+    const __m256 s = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f),
                  b = _mm256_set1_ps(fbins);
     const __m256i hi = _mm256_set1_epi32(last), lo = _mm256_setzero_si256();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
         __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + j), s);
         __m256 ok = _mm256_cmp_ps(v, v, _CMP_ORD_Q);
-        __m256 t = _mm256_mul_ps(_mm256_div_ps(_mm256_add_ps(v, one), two), b);
+        __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(v, one), half), b);
         __m256i i = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvttps_epi32(t), hi), lo);
         _mm256_storeu_si256((__m256i *)(idx + j), _mm256_and_si256(i, _mm256_castps_si256(ok)));
     }
     bin_run_portable(x + j, n - j, scale, fbins, last, idx + j);
 }
 
+/* conv[0 .. n) = bf16 x[off ..] widened (exact) */
+static AVX2 void widen_avx2(const void *x, int64_t off, int64_t n, float *conv) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        PREFETCH(x, 2, off + j);
+        _mm256_storeu_ps(conv + j, ld8_g(x, DT_BF16, off + j));
+    }
+    for (; j < n; j++) conv[j] = ld_g(x, DT_BF16, off + j);
+}
+#define widen(x, off, n, conv) (cpu_isa() ? widen_avx2(x, off, n, conv) : widen_portable(x, off, n, conv))
 #define block_amax(x, n, nan) (cpu_isa() ? block_amax_avx2(x, n, nan) : block_amax_portable(x, n, nan))
 #define bin_run(x, n, s, f, l, i) (cpu_isa() ? bin_run_avx2(x, n, s, f, l, i) : bin_run_portable(x, n, s, f, l, i))
 #else
+#define widen widen_portable
 #define block_amax block_amax_portable
 #define bin_run bin_run_portable
 #endif
@@ -96,7 +112,7 @@ static void hist_blocks(const void *x, int dt, int64_t b0, int64_t b1, int64_t P
     for (int64_t b = b0; b < b1; b++) {
         const float *blk = (const float *)x + b * P;
         if (dt == DT_BF16) { /* widen the block once (exact), then share the fp32 code */
-            for (int64_t j = 0; j < P; j++) conv[j] = ld_g(x, dt, b * P + j);
+            widen(x, b * P, P, conv);
             blk = conv;
         }
         int nan = 0;

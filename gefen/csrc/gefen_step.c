@@ -803,7 +803,10 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, cons
     const __m256 vs_old = _mm256_set1_ps(s_old), w = _mm256_set1_ps(c->lerp_coeff);
     __m256 vmax = _mm256_set1_ps(-INFINITY), vmin = _mm256_set1_ps(INFINITY), vnan = _mm256_setzero_ps();
     int64_t e = 0;
+    const int gsz = DT_SIZE(a->grad_dtype), psz = DT_SIZE(a->param_dtype);
     for (; e < P8; e += 8) {
+        PREFETCH(a->grad, gsz, off + e);
+        PREFETCH(a->codes, 1, off + e);
         __m256 m0 = _mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vs_old);
         __m256 g = ld8_g(a->grad, a->grad_dtype, off + e);
         __m256 m = _mm256_fmadd_ps(w, _mm256_sub_ps(g, m0), c->lerp_small ? m0 : g);
@@ -861,6 +864,7 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, cons
     const __m256 b2s = _mm256_set1_ps(c->s.b2s), eps = _mm256_set1_ps(c->s.eps);
     const __m256 nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
     for (e = 0; e < P8; e += 8) {
+        PREFETCH(a->param, psz, off + e);
         __m256 u = _mm256_div_ps(_mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale), b1);
         u = _mm256_div_ps(u, den_stride ? _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(den + e), b2s), eps) : vden_b);
         update_param8(a->param, a->param_dtype, off + e, u, nlr, decay, a->has_wd);

@@ -260,7 +260,10 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
     const uint32_t g0 = row_gidx(a, r);
     __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
     int64_t j = 0;
+    const int gsz = DT_SIZE(a->grad_dtype);
     for (; j < C8; j += 8) {
+        PREFETCH(a->grad, gsz, off + j);
+        PREFETCH(a->codes, 1, off + j);
         const __m256i code = load_codes8(a->codes + off + j);
         const __m256 g = ld8_g(a->grad, a->grad_dtype, off + j);
         __m256 v = _mm256_mul_ps(_mm256_mul_ps(vaold, _mm256_loadu_ps(c->v_col_old + j)),
@@ -293,7 +296,9 @@ static AVX2 void row_pass2_avx2(const m4ctx *c, const row_tables *rt, int64_t r,
     const __m256 visf = _mm256_set1_ps(isf), nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
     const __m256i key = _mm256_set1_epi32((int)c->key_m);
     const uint32_t g0 = row_gidx(a, r);
+    const int psz = DT_SIZE(a->param_dtype);
     for (int64_t j = 0; j < C8; j += 8) {
+        PREFETCH(a->param, psz, off + j);
         const __m256i q = encode8(&c->M, MT, MI, _mm256_mul_ps(_mm256_loadu_ps(mbuf + j), visf),
                                   uniform8(lane_ids(g0 + (uint32_t)j), key));
         const __m256 u = _mm256_div_ps(perm16(U, q), _mm256_loadu_ps(wbuf + j));
@@ -388,7 +393,10 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, const row_tables *rt, int64
     __m512 vmax = _mm512_setzero_ps();
     __mmask16 bad = 0;
     int64_t j = 0;
+    const int gsz = DT_SIZE(a->grad_dtype);
     for (; j < C16; j += 16) {
+        PREFETCH(a->grad, gsz, off + j);
+        PREFETCH(a->codes, 1, off + j);
         const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(a->codes + off + j)));
         const __m512 g = ld16_g(a->grad, a->grad_dtype, off + j);
         __m512 v = _mm512_mul_ps(_mm512_mul_ps(vaold, _mm512_loadu_ps(c->v_col_old + j)),
@@ -420,7 +428,9 @@ static AVX512 void row_pass2_avx512(const m4ctx *c, const row_tables *rt, int64_
     const __m512 visf = _mm512_set1_ps(isf), nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay);
     const __m512i key = _mm512_set1_epi32((int)c->key_m);
     const uint32_t g0 = row_gidx(a, r);
+    const int psz = DT_SIZE(a->param_dtype);
     for (int64_t j = 0; j < C16; j += 16) {
+        PREFETCH(a->param, psz, off + j);
         const __m512i q = encode16(MT, MI, _mm512_mul_ps(_mm512_loadu_ps(mbuf + j), visf),
                                    uniform16(lane_ids16(g0 + (uint32_t)j), key));
         const __m512 u = _mm512_div_ps(_mm512_permutexvar_ps(q, U), _mm512_loadu_ps(wbuf + j));
@@ -549,7 +559,9 @@ static AVX2 int64_t p1_row_avx2(const void *g, int dt, int64_t off, int64_t C, d
     __m256d l0 = _mm256_loadu_pd(lanes), l1 = _mm256_loadu_pd(lanes + 4), l2 = _mm256_loadu_pd(lanes + 8),
             l3 = _mm256_loadu_pd(lanes + 12);
     int64_t j = 0;
+    const int gsz = DT_SIZE(dt);
     for (; j + 16 <= C; j += 16) {
+        PREFETCH(g, gsz, off + j);
         const __m256 x0 = ld8_g(g, dt, off + j), x1 = ld8_g(g, dt, off + j + 8);
         const __m256 s0 = _mm256_mul_ps(x0, x0), s1 = _mm256_mul_ps(x1, x1);
         const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(s0)), d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(s0, 1));
@@ -574,7 +586,9 @@ static AVX2 int64_t p1_row_avx2(const void *g, int dt, int64_t off, int64_t C, d
 static AVX512 int64_t p1_row_avx512(const void *g, int dt, int64_t off, int64_t C, double *lanes, double *col) {
     __m512d l0 = _mm512_loadu_pd(lanes), l1 = _mm512_loadu_pd(lanes + 8);
     int64_t j = 0;
+    const int gsz = DT_SIZE(dt);
     for (; j + 16 <= C; j += 16) {
+        PREFETCH(g, gsz, off + j);
         const __m512 x = ld16_g(g, dt, off + j);
         const __m512 s = _mm512_mul_ps(x, x);
         const __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(s));
