@@ -52,9 +52,9 @@ def test_ranking_compares_the_ratio_at_each_rate_on_both_sizes(monkeypatch):
     loss = {(big.steps, "adamw"): {2e-3: 2.0, 8e-3: 1.7, 1.6e-2: 1.9}, (big.steps, "gefen"): {2e-3: 1.98, 8e-3: 1.71},
             (small.steps, "adamw"): {2e-3: 2.7, 8e-3: 2.5, 1.6e-2: 2.46}, (small.steps, "gefen"): {2e-3: 2.7, 8e-3: 2.5}}
 
-    def fake_jobs(jobs, workers):
+    def fake_jobs(jobs, workers):  # seed s adds 0.01 s to AdamW's loss and 0.02 s to Gefen's
         return [{"text": t, "optimizer": n, "seed": s, "task": {"steps": task.steps, "lr": task.lr},
-                 "held_out": loss[(task.steps, n)][task.lr]}
+                 "held_out": loss[(task.steps, n)][task.lr] + s * (0.01 if n == "adamw" else 0.02)}
                 for t, n, s, task in jobs if task.lr in loss[(task.steps, n)]]
 
     monkeypatch.setattr(bq, "run_jobs", fake_jobs)
@@ -63,3 +63,10 @@ def test_ranking_compares_the_ratio_at_each_rate_on_both_sizes(monkeypatch):
     assert abs(out["data"]["ratios"][f"{big.steps}-0.002"] - 0.99) < 1e-12  # 1.6e-2 lacks Gefen: left out
     assert out["data"]["adamw_best"] == {big.steps: 8e-3, small.steps: 8e-3}
     assert "differ by at most 0.0100" in out["markdown"]
+    seeds = out["data"]["seeds"]  # six seeds at the big task's AdamW-best rate, paired
+    per_seed = [(1.71 + 0.02 * k) / (1.7 + 0.01 * k) for k in range(6)]
+    assert seeds["lr"] == 8e-3 and seeds["seeds"] == list(range(6))
+    assert abs(seeds["of_means"] - sum(1.71 + 0.02 * k for k in range(6)) / sum(1.7 + 0.01 * k for k in range(6))) < 1e-12
+    assert abs(seeds["mean_ratio"] - sum(per_seed) / 6) < 1e-12
+    assert 0 < seeds["stderr"] < max(per_seed) - min(per_seed)
+    assert "with 6 seeds" in out["markdown"]
