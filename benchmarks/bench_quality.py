@@ -23,7 +23,8 @@ also written to ``benchmarks/out/quality/``; ``GEFEN_QUALITY_RESUME=1`` reuses t
 
 ``--full`` also runs the learning-rate sweep (``sweep_section``: each optimizer at its own best
 rate on the short task, ~80 runs of ~5 CPU-seconds) and ``ranking_section`` (AdamW and Gefen at
-three rates on both tasks, then with six seeds at the 400-step task's AdamW-best rate); ``python -m benchmarks.bench_quality --sweep`` runs only the sweep.
+three rates on both tasks, then with six seeds at the 400-step task's AdamW-best rate);
+``python -m benchmarks.bench_quality --sweep`` runs only the sweep.
 
 Runtime: a 400-step run is ~3.5-8 CPU-minutes; the full plan (``full_plan``, 16 runs, plus 14 for
 the ranking) is ~2-4 CPU-hours, far over run_all's 4-minute guideline, so it runs only with
@@ -38,6 +39,7 @@ import json
 import math
 import multiprocessing
 import os
+import statistics
 import sysconfig
 import time
 from dataclasses import asdict, dataclass
@@ -608,9 +610,8 @@ def seeds_at(task: Task, lr: float, workers: int = 2, n: int = RANK_SEEDS) -> di
     if len(paired) < 2:
         return {"markdown": "", "results": results, "data": {}}
     per_seed = [loss[("gefen", seed)] / loss[("adamw", seed)] for seed in paired]
-    mean = sum(per_seed) / len(per_seed)
-    stderr = (sum((x - mean) ** 2 for x in per_seed) / (len(per_seed) - 1) / len(per_seed)) ** 0.5
-    of_means = (sum(loss[("gefen", seed)] for seed in paired) / sum(loss[("adamw", seed)] for seed in paired))
+    mean, stderr = statistics.fmean(per_seed), statistics.stdev(per_seed) / math.sqrt(len(per_seed))
+    of_means = sum(loss[("gefen", seed)] for seed in paired) / sum(loss[("adamw", seed)] for seed in paired)
     rows = [[str(seed), f"{loss[('adamw', seed)]:.4f}", f"{loss[('gefen', seed)]:.4f}", f"{x:.4f}"]
             for seed, x in zip(paired, per_seed)]
     markdown = "\n".join([

@@ -58,9 +58,7 @@ static inline void st_g(void *dst, int dt, int64_t i, float v) {
  * array.  The streaming loops issue one per vector step: on the virtual machines we measured the
  * hardware prefetcher left the m4v4 step waiting on its gradient loads (4.4 -> 2.3 ns per element
  * with it).  A hint only: it never changes a result, and prefetching past the end is harmless. */
-#ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1024
-#endif
 #if GEFEN_X86
 #define PREFETCH(base, esz, i) _mm_prefetch((const char *)(base) + ((i) + PREFETCH_AHEAD) * (esz), _MM_HINT_T0)
 #else
