@@ -59,9 +59,10 @@ typedef struct {
 /* a sorted 16-entry table, the reciprocals of its spacings inv[lo] = 1 / max(t[lo + 1] - t[lo],
  * GUARD) and curvatures k[lo] (the second moment's; 0 for the first moment's, whose encode ignores
  * them).  The reciprocals are fp32 divisions done once per call, so every kernel multiplies by
- * the same values. */
+ * the same values.  s: the entries lower_code() compares, t[1 .. 14], then +inf twice (what a
+ * 16-lane binary search needs to return lower_code() itself). */
 typedef struct {
-    float t[16], inv[16], k[16];
+    float t[16], inv[16], k[16], s[16];
 } sr_table;
 
 typedef struct {
@@ -91,6 +92,7 @@ static void make_table(sr_table *T, const float *values, const float *kappa) {
         T->inv[k] = 1.0f / (d > GUARD ? d : GUARD);
     }
     T->inv[15] = 1.0f / GUARD;
+    for (int k = 0; k < 16; ++k) T->s[k] = k < 14 ? values[k + 1] : INFINITY;
 }
 
 static inline uint32_t mix(uint32_t x) {
@@ -128,6 +130,16 @@ static inline int encode_v(const sr_table *T, float x, float u) {
     return lo + (u < p);
 }
 
+/* The float of the largest |m| bit pattern of a vector pass (one integer max per vector instead of
+ * a float max and a NaN test): on sign-cleared floats the unsigned order of the bits is the float
+ * order, and every NaN is above +inf (0x7F800000), so a NaN sets *nan (which discards the max). */
+static inline float max_abs_bits(uint32_t bits, int *nan) {
+    float f;
+    if (bits > 0x7F800000u) *nan = 1;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* the first global flat index of row r (rank-local), mod 2^32 */
 static inline uint32_t row_gidx(const m4v4_args *a, int64_t r) {
     return (uint32_t)((uint64_t)(a->row_offset + r) * (uint64_t)a->global_cols + (uint64_t)a->col_offset);
@@ -137,9 +149,10 @@ static inline uint32_t row_gidx(const m4v4_args *a, int64_t r) {
  * Pass 1: both old moments decoded, v re-encoded, the update's denominator
  * w = 1 / (sqrt(vhat_new * R[code]) * (1 / sqrt(1 - b2^t)) + eps) kept in wbuf, m's EMA kept in
  * mbuf with its max |m|.  Pass 2: m * (1 / row scale) re-encoded, p = p * (1 - lr wd) +
- * (-lr) * (unum[code] * w) (one fused multiply-add).  vc: the new second-moment codes. */
+ * (-lr) * (unum[code] * w) (one fused multiply-add).  vc: the new second-moment codes, each
+ * shifted to its nibble (int32, so the vector kernels store and load them without packing). */
 static void row_pass1_portable(const m4ctx *c, const row_tables *rt, int64_t r, int64_t j0, float a_old, float ia,
-                               float sa, float *wbuf, float *mbuf, uint8_t *vc, float *smax, int *nan) {
+                               float sa, float *wbuf, float *mbuf, int32_t *vc, float *smax, int *nan) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C;
     const uint32_t g0 = row_gidx(a, r);
@@ -153,7 +166,7 @@ static void row_pass1_portable(const m4ctx *c, const row_tables *rt, int64_t r, 
         float ivh = ia * c->ivc[j];
         ivh = ivh < IVH_MAX ? ivh : IVH_MAX;
         const int q = encode_v(&c->V, v * ivh, uniform(g0 + (uint32_t)j, c->key_v));
-        vc[j] = (uint8_t)q;
+        vc[j] = q << 4;
         wbuf[j] = (sa * c->svc[j]) * c->sr[q] + c->s.eps;
         float m = rt->mold[code & 15];
         m = m * c->s.b1 + g * c->s.o1;
@@ -167,7 +180,7 @@ static void row_pass1_portable(const m4ctx *c, const row_tables *rt, int64_t r, 
 }
 
 static void row_pass2_portable(const m4ctx *c, const row_tables *rt, int64_t r, int64_t j0, float isf,
-                               const float *wbuf, const float *mbuf, const uint8_t *vc) {
+                               const float *wbuf, const float *mbuf, const int32_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C;
     const uint32_t g0 = row_gidx(a, r);
@@ -177,7 +190,7 @@ static void row_pass2_portable(const m4ctx *c, const row_tables *rt, int64_t r, 
         float p = ld_g(a->param, dt, off + j);
         if (a->has_wd) p = p * c->s.decay;
         st_g(a->param, dt, off + j, fmaf(rt->unum[q] / wbuf[j], c->s.nlr, p));
-        a->codes[off + j] = (uint8_t)(q | (vc[j] << 4));
+        a->codes[off + j] = (uint8_t)(q | vc[j]);
     }
 }
 
@@ -198,8 +211,15 @@ static AVX2 inline __m256 perm16(table8 R, __m256i idx) {
     return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
 
-static AVX2 inline __m256 uniform8(__m256i gidx, __m256i key) {
-    __m256i x = _mm256_add_epi32(_mm256_mullo_epi32(gidx, _mm256_set1_epi32((int)H_IDX)), key);
+/* the hash's first term gidx * H_IDX + key of 8 lanes from global index g: a loop then steps it
+ * by 8 * H_IDX (mod 2^32 the same value), one add instead of a multiply per vector */
+static AVX2 inline __m256i hash_start8(uint32_t g, uint32_t key) {
+    const __m256i gidx = _mm256_add_epi32(_mm256_set1_epi32((int)g), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_add_epi32(_mm256_mullo_epi32(gidx, _mm256_set1_epi32((int)H_IDX)), _mm256_set1_epi32((int)key));
+}
+
+/* uniform() on 8 lanes of the hash's first term x */
+static AVX2 inline __m256 uniform8(__m256i x) {
     x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 16)), _mm256_set1_epi32((int)H_MUL1));
     x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 15)), _mm256_set1_epi32((int)H_MUL2));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
@@ -230,10 +250,6 @@ static AVX2 inline __m256i encode8_v(const sr_table *T, table8 Tt, table8 Ti, ta
     return _mm256_sub_epi32(lo, _mm256_castps_si256(_mm256_cmp_ps(u, p, _CMP_LT_OQ)));
 }
 
-static AVX2 inline __m256i lane_ids(uint32_t g) {
-    return _mm256_add_epi32(_mm256_set1_epi32((int)g), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 /* 8 codes (uint8) -> int32 lanes */
 static AVX2 inline __m256i load_codes8(const uint8_t *p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
@@ -246,7 +262,7 @@ static AVX2 inline void store_bytes8(uint8_t *p, __m256i v) {
 }
 
 static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r, float a_old, float ia, float sa,
-                                 float *wbuf, float *mbuf, uint8_t *vc, int *nan) {
+                                 float *wbuf, float *mbuf, int32_t *vc, int *nan) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
     const table8 VT = table_regs(c->V.t), VI = table_regs(c->V.inv), VK = table_regs(c->V.k);
@@ -256,9 +272,9 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
     const __m256 b1 = _mm256_set1_ps(c->s.b1), o1 = _mm256_set1_ps(c->s.o1), b2 = _mm256_set1_ps(c->s.b2);
     const __m256 o2 = _mm256_set1_ps(c->s.o2), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256 eps = _mm256_set1_ps(c->s.eps);
-    const __m256i key = _mm256_set1_epi32((int)c->key_v), low4 = _mm256_set1_epi32(15);
-    const uint32_t g0 = row_gidx(a, r);
-    __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi32(15), hstep = _mm256_set1_epi32((int)(8u * H_IDX));
+    __m256i hx = hash_start8(row_gidx(a, r), c->key_v);
+    __m256i vmax = _mm256_setzero_si256(); /* max |m| as bits: see max_abs_bits */
     int64_t j = 0;
     const int gsz = DT_SIZE(a->grad_dtype);
     for (; j < C8; j += 8) {
@@ -271,39 +287,41 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
         v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(_mm256_mul_ps(g, g), o2));
         /* min_ps(t, max) is max for a NaN t, as the portable kernel's (t < max ? t : max) */
         const __m256 ivh = _mm256_min_ps(_mm256_mul_ps(via, _mm256_loadu_ps(c->ivc + j)), ivmax);
-        const __m256i q = encode8_v(&c->V, VT, VI, VK, _mm256_mul_ps(v, ivh), uniform8(lane_ids(g0 + (uint32_t)j), key));
-        store_bytes8(vc + j, q);
+        const __m256i q = encode8_v(&c->V, VT, VI, VK, _mm256_mul_ps(v, ivh), uniform8(hx));
+        hx = _mm256_add_epi32(hx, hstep);
+        _mm256_storeu_si256((__m256i *)(vc + j), _mm256_slli_epi32(q, 4));
         _mm256_storeu_ps(wbuf + j, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(vsa, _mm256_loadu_ps(c->svc + j)),
                                                                perm16(SR, q)), eps));
         __m256 m = perm16(MO, _mm256_and_si256(code, low4));
         m = _mm256_add_ps(_mm256_mul_ps(m, b1), _mm256_mul_ps(g, o1));
         _mm256_storeu_ps(mbuf + j, m);
-        const __m256 am = _mm256_and_ps(m, absmask);
-        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(am, am, _CMP_UNORD_Q));
-        vmax = _mm256_max_ps(vmax, am);
+        vmax = _mm256_max_epu32(vmax, _mm256_castps_si256(_mm256_and_ps(m, absmask)));
     }
-    float smax = hmax8(vmax); /* lanes >= +0; a NaN lane sets nan, which discards smax */
-    *nan |= _mm256_movemask_ps(vnan) != 0;
+    uint32_t lanes[8], most = 0;
+    _mm256_storeu_si256((__m256i *)lanes, vmax);
+    for (int l = 0; l < 8; ++l) most = lanes[l] > most ? lanes[l] : most;
+    float smax = max_abs_bits(most, nan);
     row_pass1_portable(c, rt, r, C8, a_old, ia, sa, wbuf, mbuf, vc, &smax, nan);
     return smax;
 }
 
 static AVX2 void row_pass2_avx2(const m4ctx *c, const row_tables *rt, int64_t r, float isf, const float *wbuf,
-                                const float *mbuf, const uint8_t *vc) {
+                                const float *mbuf, const int32_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
     const table8 MT = table_regs(c->M.t), MI = table_regs(c->M.inv), U = table_regs(rt->unum);
     const __m256 visf = _mm256_set1_ps(isf), nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
-    const __m256i key = _mm256_set1_epi32((int)c->key_m);
-    const uint32_t g0 = row_gidx(a, r);
+    const __m256i hstep = _mm256_set1_epi32((int)(8u * H_IDX));
+    __m256i hx = hash_start8(row_gidx(a, r), c->key_m);
     const int psz = DT_SIZE(a->param_dtype);
     for (int64_t j = 0; j < C8; j += 8) {
         PREFETCH(a->param, psz, off + j);
         const __m256i q = encode8(&c->M, MT, MI, _mm256_mul_ps(_mm256_loadu_ps(mbuf + j), visf),
-                                  uniform8(lane_ids(g0 + (uint32_t)j), key));
+                                  uniform8(hx));
+        hx = _mm256_add_epi32(hx, hstep);
         const __m256 u = _mm256_div_ps(perm16(U, q), _mm256_loadu_ps(wbuf + j));
         update_param8(a->param, a->param_dtype, off + j, u, nlr, decay, a->has_wd);
-        store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_slli_epi32(load_codes8(vc + j), 4)));
+        store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_loadu_si256((const __m256i *)(vc + j))));
     }
     row_pass2_portable(c, rt, r, C8, isf, wbuf, mbuf, vc);
 }
@@ -329,17 +347,23 @@ static AVX512 inline void st16_g(void *dst, int dt, int64_t i, __m512 v) {
     _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtepi32_epi16(r));
 }
 
-static AVX512 inline __m512 uniform16(__m512i gidx, __m512i key) {
-    __m512i x = _mm512_add_epi32(_mm512_mullo_epi32(gidx, _mm512_set1_epi32((int)H_IDX)), key);
+static AVX512 inline __m512i hash_start16(uint32_t g, uint32_t key) {
+    const __m512i gidx = _mm512_add_epi32(_mm512_set1_epi32((int)g),
+                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    return _mm512_add_epi32(_mm512_mullo_epi32(gidx, _mm512_set1_epi32((int)H_IDX)), _mm512_set1_epi32((int)key));
+}
+
+static AVX512 inline __m512 uniform16(__m512i x) {
     x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16)), _mm512_set1_epi32((int)H_MUL1));
     x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 15)), _mm512_set1_epi32((int)H_MUL2));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 8)), _mm512_set1_ps(0x1p-24f));
 }
 
-/* lower_code() on 16 lanes: #{t[k] < x} capped at 15 (t is sorted, so t[i + s - 1] < x means all
- * of t[0 .. i + s) are): three independent compares with t[3], t[7], t[11] pick the group of
- * four, a 2-step branchless binary search of permutes the entry in it; then max(that, 1) - 1. */
+/* lower_code() on 16 lanes: #{S[k] < x} for the search table S (sr_table.s: t[1 .. 14], +inf,
+ * +inf; sorted, so S[i + s - 1] < x means all of S[0 .. i + s) are): three independent compares
+ * with S[3], S[7], S[11] pick the group of four, a 2-step branchless binary search of permutes
+ * the entry in it.  A NaN x compares false everywhere: 0. */
 static AVX512 inline __m512i lower16(__m512 T, __m512 x) {
     const __m512i four = _mm512_set1_epi32(4);
     __m512i idx = _mm512_maskz_mov_epi32(
@@ -352,19 +376,18 @@ static AVX512 inline __m512i lower16(__m512 T, __m512 x) {
         __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(s - 1)), T);
         idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(t, x, _CMP_LT_OQ), idx, _mm512_set1_epi32(s));
     }
-    const __m512i one = _mm512_set1_epi32(1);
-    return _mm512_sub_epi32(_mm512_max_epi32(idx, one), one);
+    return idx;
 }
 
-static AVX512 inline __m512i encode16(__m512 T, __m512 I, __m512 x, __m512 u) {
-    const __m512i lo = lower16(T, x);
+static AVX512 inline __m512i encode16(__m512 T, __m512 S, __m512 I, __m512 x, __m512 u) {
+    const __m512i lo = lower16(S, x);
     const __m512 p = _mm512_mul_ps(_mm512_sub_ps(x, _mm512_permutexvar_ps(lo, T)), _mm512_permutexvar_ps(lo, I));
     return _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), lo, _mm512_set1_epi32(1));
 }
 
 /* encode_v() on 16 lanes: the clamp (max_ps(p, 0) is 0 for a NaN p) and the curvature K */
-static AVX512 inline __m512i encode16_v(__m512 T, __m512 I, __m512 K, __m512 x, __m512 u) {
-    const __m512i lo = lower16(T, x);
+static AVX512 inline __m512i encode16_v(__m512 T, __m512 S, __m512 I, __m512 K, __m512 x, __m512 u) {
+    const __m512i lo = lower16(S, x);
     const __m512 fone = _mm512_set1_ps(1.0f);
     __m512 p = _mm512_mul_ps(_mm512_sub_ps(x, _mm512_permutexvar_ps(lo, T)), _mm512_permutexvar_ps(lo, I));
     p = _mm512_min_ps(_mm512_max_ps(p, _mm512_setzero_ps()), fone);
@@ -372,26 +395,21 @@ static AVX512 inline __m512i encode16_v(__m512 T, __m512 I, __m512 K, __m512 x, 
     return _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), lo, _mm512_set1_epi32(1));
 }
 
-static AVX512 inline __m512i lane_ids16(uint32_t g) {
-    return _mm512_add_epi32(_mm512_set1_epi32((int)g),
-                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-}
-
 static AVX512 float row_pass1_avx512(const m4ctx *c, const row_tables *rt, int64_t r, float a_old, float ia,
-                                     float sa, float *wbuf, float *mbuf, uint8_t *vc, int *nan) {
+                                     float sa, float *wbuf, float *mbuf, int32_t *vc, int *nan) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C16 = C & ~(int64_t)15;
-    const __m512 VT = _mm512_loadu_ps(c->V.t), VI = _mm512_loadu_ps(c->V.inv), VK = _mm512_loadu_ps(c->V.k);
+    const __m512 VT = _mm512_loadu_ps(c->V.t), VS = _mm512_loadu_ps(c->V.s), VI = _mm512_loadu_ps(c->V.inv);
+    const __m512 VK = _mm512_loadu_ps(c->V.k);
     const __m512 MO = _mm512_loadu_ps(rt->mold), SR = _mm512_loadu_ps(c->sr);
     const __m512 vaold = _mm512_set1_ps(a_old), via = _mm512_set1_ps(ia), vsa = _mm512_set1_ps(sa);
     const __m512 ivmax = _mm512_set1_ps(IVH_MAX);
     const __m512 b1 = _mm512_set1_ps(c->s.b1), o1 = _mm512_set1_ps(c->s.o1), b2 = _mm512_set1_ps(c->s.b2);
     const __m512 o2 = _mm512_set1_ps(c->s.o2), eps = _mm512_set1_ps(c->s.eps);
-    const __m512i key = _mm512_set1_epi32((int)c->key_v), low4 = _mm512_set1_epi32(15);
+    const __m512i low4 = _mm512_set1_epi32(15), hstep = _mm512_set1_epi32((int)(16u * H_IDX));
     const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
-    const uint32_t g0 = row_gidx(a, r);
-    __m512 vmax = _mm512_setzero_ps();
-    __mmask16 bad = 0;
+    __m512i hx = hash_start16(row_gidx(a, r), c->key_v);
+    __m512i vmax = _mm512_setzero_si512(); /* max |m| as bits: see max_abs_bits */
     int64_t j = 0;
     const int gsz = DT_SIZE(a->grad_dtype);
     for (; j < C16; j += 16) {
@@ -403,42 +421,41 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, const row_tables *rt, int64
                                  _mm512_permutexvar_ps(_mm512_srli_epi32(code, 4), VT));
         v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), o2));
         const __m512 ivh = _mm512_min_ps(_mm512_mul_ps(via, _mm512_loadu_ps(c->ivc + j)), ivmax);
-        const __m512i q = encode16_v(VT, VI, VK, _mm512_mul_ps(v, ivh), uniform16(lane_ids16(g0 + (uint32_t)j), key));
-        _mm_storeu_si128((__m128i *)(vc + j), _mm512_cvtepi32_epi8(q));
+        const __m512i q = encode16_v(VT, VS, VI, VK, _mm512_mul_ps(v, ivh), uniform16(hx));
+        hx = _mm512_add_epi32(hx, hstep);
+        _mm512_storeu_si512(vc + j, _mm512_slli_epi32(q, 4));
         _mm512_storeu_ps(wbuf + j, _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(vsa, _mm512_loadu_ps(c->svc + j)),
                                                                _mm512_permutexvar_ps(q, SR)), eps));
         __m512 m = _mm512_permutexvar_ps(_mm512_and_si512(code, low4), MO);
         m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, o1));
         _mm512_storeu_ps(mbuf + j, m);
-        const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), absmask));
-        bad |= _mm512_cmp_ps_mask(am, am, _CMP_UNORD_Q);
-        vmax = _mm512_max_ps(vmax, am);
+        vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(m), absmask));
     }
-    float smax = _mm512_reduce_max_ps(vmax); /* exact: all lanes >= +0 */
-    *nan |= bad != 0;
+    float smax = max_abs_bits(_mm512_reduce_max_epu32(vmax), nan);
     row_pass1_portable(c, rt, r, C16, a_old, ia, sa, wbuf, mbuf, vc, &smax, nan);
     return smax;
 }
 
 static AVX512 void row_pass2_avx512(const m4ctx *c, const row_tables *rt, int64_t r, float isf, const float *wbuf,
-                                    const float *mbuf, const uint8_t *vc) {
+                                    const float *mbuf, const int32_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C16 = C & ~(int64_t)15;
-    const __m512 MT = _mm512_loadu_ps(c->M.t), MI = _mm512_loadu_ps(c->M.inv), U = _mm512_loadu_ps(rt->unum);
+    const __m512 MT = _mm512_loadu_ps(c->M.t), MS = _mm512_loadu_ps(c->M.s), MI = _mm512_loadu_ps(c->M.inv);
+    const __m512 U = _mm512_loadu_ps(rt->unum);
     const __m512 visf = _mm512_set1_ps(isf), nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay);
-    const __m512i key = _mm512_set1_epi32((int)c->key_m);
-    const uint32_t g0 = row_gidx(a, r);
+    const __m512i hstep = _mm512_set1_epi32((int)(16u * H_IDX));
+    __m512i hx = hash_start16(row_gidx(a, r), c->key_m);
     const int psz = DT_SIZE(a->param_dtype);
     for (int64_t j = 0; j < C16; j += 16) {
         PREFETCH(a->param, psz, off + j);
-        const __m512i q = encode16(MT, MI, _mm512_mul_ps(_mm512_loadu_ps(mbuf + j), visf),
-                                   uniform16(lane_ids16(g0 + (uint32_t)j), key));
+        const __m512i q = encode16(MT, MS, MI, _mm512_mul_ps(_mm512_loadu_ps(mbuf + j), visf),
+                                   uniform16(hx));
+        hx = _mm512_add_epi32(hx, hstep);
         const __m512 u = _mm512_div_ps(_mm512_permutexvar_ps(q, U), _mm512_loadu_ps(wbuf + j));
         __m512 p = ld16_g(a->param, a->param_dtype, off + j);
         if (a->has_wd) p = _mm512_mul_ps(p, decay);
         st16_g(a->param, a->param_dtype, off + j, _mm512_fmadd_ps(u, nlr, p));
-        const __m512i vq = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vc + j)));
-        _mm_storeu_si128((__m128i *)(a->codes + off + j), _mm512_cvtepi32_epi8(_mm512_or_si512(q, _mm512_slli_epi32(vq, 4))));
+        _mm_storeu_si128((__m128i *)(a->codes + off + j), _mm512_cvtepi32_epi8(_mm512_or_si512(q, _mm512_loadu_si512(vc + j))));
     }
     row_pass2_portable(c, rt, r, C16, isf, wbuf, mbuf, vc);
 }
@@ -446,7 +463,7 @@ static AVX512 void row_pass2_avx512(const m4ctx *c, const row_tables *rt, int64_
 
 /* Row r: both passes, the row's new scale and v_row.  isa: the kernels (call_isa: 2 AVX-512,
  * 1 AVX2, 0 portable). */
-static void one_row(const m4ctx *c, int64_t r, float *wbuf, float *mbuf, uint8_t *vc, int isa) {
+static void one_row(const m4ctx *c, int64_t r, float *wbuf, float *mbuf, int32_t *vc, int isa) {
     const m4v4_args *a = c->a;
     const float a_old = a->v_row[r] / c->mean_old, a_new = a->v_row_new[r] / c->mean_new;
     const float ia = 1.0f / a_new, sa = sqrtf(a_new) * c->ib2s;
@@ -521,7 +538,7 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
         int64_t r0, r1;
         thread_range(a->rows, &r0, &r1);
         float *wbuf = bufs + (size_t)thread_id() * (size_t)(3 * stride), *mbuf = wbuf + stride;
-        uint8_t *vc = (uint8_t *)(mbuf + stride);
+        int32_t *vc = (int32_t *)(mbuf + stride);
         for (int64_t r = r0; r < r1; ++r) one_row(&c, r, wbuf, mbuf, vc, isa);
     }
     free(bufs);

@@ -71,7 +71,9 @@ def tables(kind: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]
     return cb, ratio_table(vcb)
 
 
-def grads_for(shape, dtype, gen, steps):
+def grads_for(shape, dtype, gen, steps, special=False):
+    """``special``: a huge and a tiny row (rows 5 and 6 of a >= 8-row shape), so ratios and
+    moments fall outside both tables and below fp32's normal range."""
     out = []
     for _ in range(steps):
         if shape:
@@ -80,15 +82,18 @@ def grads_for(shape, dtype, gen, steps):
             g = torch.randn((), generator=gen)
         if len(shape) >= 1 and shape[0] > 2:
             g[1] = 0.0  # an all-zero row: zero row scale, zero row statistics
+        if special:
+            g[5] *= 1e15
+            g[6] *= 1e-30
         out.append(g.to(dtype))
     return out
 
 
 def run(shape, *, use_native, dtype=torch.float32, grad_dtype=None, steps=3, h=HYPER, kind="random",
-        global_rows=None, row0=0, pidx=0, seed=0, gen_seed=0):
+        global_rows=None, row0=0, pidx=0, seed=0, gen_seed=0, special=False):
     gen = torch.Generator().manual_seed(gen_seed)
     param = torch.randn(shape, generator=gen).to(dtype)
-    grads = grads_for(shape, grad_dtype or dtype, gen, steps)
+    grads = grads_for(shape, grad_dtype or dtype, gen, steps, special)
     codebook, ratio = tables(kind, gen)
     rows = global_rows if global_rows is not None else (shape[0] if shape else 1)
     state = init_m4v4_state(param, (rows,) + tuple(shape[1:]) if shape else ())
@@ -267,6 +272,21 @@ def test_instruction_sets_and_threads_agree(shape, dtype, monkeypatch):
         for cap in range(native._lib.gefen_cpu_isa(), -1, -1):
             monkeypatch.setattr(native, "_calibration", dataclasses.replace(native._calibrated(), isa=cap))
             results.append(run(shape, use_native=True, dtype=dtype, steps=4))
+    for p, st in results[1:]:
+        assert_identical(p, results[0][0], "param")
+        for key in st:
+            assert_identical(st[key], results[0][1][key], key)
+
+
+@pytest.mark.parametrize("kind", ["tied", "standin"])
+def test_instruction_sets_agree_on_edge_inputs(kind, monkeypatch):
+    """Tied table entries (the GUARD divisor), huge and tiny gradient rows, a 37-column tail:
+    every instruction set leaves the portable kernel's bits."""
+    results = []
+    for cap in range(native._lib.gefen_cpu_isa(), -1, -1):
+        monkeypatch.setattr(native, "_calibration", dataclasses.replace(native._calibrated(), isa=cap))
+        results.append(run((40, 37), use_native=True, kind=kind, steps=3, special=True))
+    assert results[0][0].isfinite().all()
     for p, st in results[1:]:
         assert_identical(p, results[0][0], "param")
         for key in st:
