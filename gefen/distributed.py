@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gefen.geometry import first_copy
+
 
 def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "placements") and hasattr(t, "device_mesh")
@@ -213,7 +215,7 @@ class ReductionPlan:
             import torch.distributed as dist
 
             return self.group is None or dist.get_rank(self.group) == 0
-        return all(lay.coordinate[d] == 0 for d in copies if d in self.dims)
+        return first_copy(lay.coordinate, (d for d in copies if d in self.dims))
 
     def counts(self, p: torch.Tensor) -> bool:
         """Does this rank count its elements of ``p`` (no other rank of ``group`` holds them)?"""

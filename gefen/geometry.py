@@ -10,7 +10,7 @@ compressed state reshardable bit-exactly (docs/design.md 1).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -119,3 +119,10 @@ def field_global_shape(geometry: str, shape: Sequence[int], period: int) -> tupl
     if geometry == "col":
         return (rows_and_row_numel(shape)[1],)
     raise ValueError(f"geometry {geometry!r} is not per-parameter")
+
+
+def first_copy(coordinate: Sequence[int], copy_dims: Iterable[int]) -> bool:
+    """Is the block at this mesh ``coordinate`` the copy that acts for all its copies (the one a
+    checkpoint writes, the one a statistic counts)? Index 0 along every mesh dimension in
+    ``copy_dims``, the dimensions that hold copies of it."""
+    return all(coordinate[d] == 0 for d in copy_dims)

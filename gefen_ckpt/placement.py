@@ -11,7 +11,7 @@ import torch
 
 from gefen.distributed import is_dtensor  # noqa: F401  (the DTensor helpers' one home)
 from gefen.distributed import local_tensor as to_local  # noqa: F401
-from gefen.geometry import rows_and_row_numel
+from gefen.geometry import first_copy, rows_and_row_numel
 from gefen_ckpt.errors import UnsupportedLayoutError
 from gefen_ckpt.wire.index import chunk_rows  # noqa: F401  (the split rule's one home)
 
@@ -53,15 +53,14 @@ def writes_rows(param: torch.Tensor) -> bool:
     """Does this rank write its rows of ``param``? Only one replica of each row range does."""
     if not is_dtensor(param):
         return rank() == 0
-    mesh = param.device_mesh
-    return all(mesh.get_local_rank(i) == 0 for i, pl in enumerate(param.placements) if pl.is_replicate())
+    return first_copy(param.device_mesh.get_coordinate(), [i for i, pl in enumerate(param.placements) if pl.is_replicate()])
 
 
 def writes_replicated(param: torch.Tensor) -> bool:
     """Does this rank write ``param``'s replicated fields (scalars, columns)? Exactly one rank does."""
     if not is_dtensor(param):
         return rank() == 0
-    return all(param.device_mesh.get_local_rank(i) == 0 for i in range(param.device_mesh.ndim))
+    return first_copy(param.device_mesh.get_coordinate(), range(param.device_mesh.ndim))
 
 
 def row_split(param: torch.Tensor, row_sharded: bool) -> tuple[int, tuple[int, ...]] | None:
