@@ -2,8 +2,8 @@
 
 Every function takes the arguments of the ``gefen.functional`` reference of the same name and asks
 ``kernels``, the one selection, who runs it: the C kernels (``gefen.native``) or the Triton kernels
-(``gefen.triton.dispatch``), which check only their own layout and touch nothing when they decline,
-else the reference. The ``*_`` functions over a list take a whole group in a few Triton launches.
+(``gefen.triton.dispatch``), on a layout checked here (``_*_layout``; a kernel that still
+declines touches nothing), else the reference. The ``*_`` functions over a list take a whole group in a few Triton launches.
 """
 
 from __future__ import annotations
@@ -104,16 +104,51 @@ def _phase1_group(family: str, items: list, max_dim, launch) -> list | None:
 def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> None:
     kw = dict(global_rows=global_rows, v_row=v_row, partials=partials)
     second = [state.get("v_row"), state.get("v_col"), v_row, partials] if "v_row" in state else [state.get("v")]
-    run = kernels("m8", [param, grad], [state.get("m_code"), state.get("m_scale"), codebook, *second])
+    run = kernels("m8", [param, grad], [state.get("m_code"), state.get("m_scale"), codebook, *second],
+                  lambda: _m8_layout(param, grad, state, codebook, v_row, partials))
     if not (run and run.gefen_update_(param, grad, state, codebook, h, **kw)):
         F.gefen_update_(param, grad, state, codebook, h, **kw)
+
+
+def _momentum_layout(grad, state, codebook, scales=None) -> str | None:
+    """Why the compressed-momentum kernels do not take this codebook and state (and a column
+    split's ``scales``), or None: 2 to 256 fp32 codes, uint8 codes of the gradient's shape, fp32
+    scales of whole blocks (``functional._local_period``)."""
+    codes, m_scale = state["m_code"], state["m_scale"]
+    rows, cols = rows_and_row_numel(grad.shape)
+    period = F._local_period(state)
+    if (codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256 or codes.dtype != torch.uint8
+            or codes.shape != grad.shape or m_scale.dtype != torch.float32 or period < 1 or cols % period
+            or m_scale.numel() != rows * (cols // period)
+            or (scales is not None and (scales.dtype != torch.float32 or scales.numel() != m_scale.numel()))):
+        return "an unexpected compressed-momentum layout"
+    return None
+
+
+def _m8_layout(param, grad, state, codebook, v_row=None, partials=None) -> str | None:
+    """Why the m8 kernels do not take this state and these tables (factored: phase 1's ``v_row``
+    and ``partials``), or None."""
+    rows, cols = rows_and_row_numel(grad.shape)
+    if "v_row" in state:
+        v_col = state["v_col"]
+        fields_ok = (v_row is not None and partials is not None and partials.dtype == torch.float64
+                     and partials.numel() == cols + 1 and v_row.numel() == rows and v_col.numel() == cols
+                     and all(t.dtype == torch.float32 for t in (state["v_row"], v_col, v_row)))
+    else:
+        v = state["v"]
+        fields_ok = v.dtype == torch.float32 and v.numel() == state["m_scale"].numel()
+    if param.shape != grad.shape or not fields_ok or _momentum_layout(grad, state, codebook):
+        return "an unexpected m8 state or argument layout"
+    return None
 
 
 def _momentum_kernels(items, codebook, scales=()):
     states = [codebook, *(s for s in scales if s is not None)]
     for state, _, _ in items:
         states += [state.get("m_code"), state.get("m_scale")]
-    return kernels("momentum", [g for _, g, _ in items], states)
+    paired = zip(items, list(scales) or [None] * len(items))
+    return kernels("momentum", [g for _, g, _ in items], states,
+                   lambda: _first(_momentum_layout(g, s, codebook, sc) for (s, g, _), sc in paired))
 
 
 def update_momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor:
@@ -243,6 +278,4 @@ def block_histogram(blocks, num_bins: int) -> torch.Tensor:
             else "an unexpected histogram scale layout"))
         if run is not None and (counts := run.block_histogram(blocks, num_bins, scale)) is not None:
             return counts
-    if scale is not None:
-        return histogram_normalised_blocks(blocks.unsqueeze(1), num_bins, scale=scale)
-    return histogram_normalised_blocks(blocks, num_bins)
+    return histogram_normalised_blocks(blocks, num_bins, scale)

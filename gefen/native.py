@@ -25,7 +25,6 @@ import math
 import os
 import platform
 import tempfile
-import types
 import warnings
 
 import torch
@@ -36,7 +35,7 @@ from gefen.clib import load
 from gefen.codebook import code_thresholds
 from gefen.geometry import rows_and_row_numel
 from gefen.quant import quantise
-from gefen.stochastic import hash_base, ratio_table, salts
+from gefen.stochastic import hash_base, salts
 
 __all__ = ["available", "trusted", "second_moment_partials", "gefen_update_", "momentum_", "momentum_scales",
            "calibrate", "Calibration", "block_histogram", "m4v4_partials", "m4v4_row_stats",
@@ -310,31 +309,18 @@ def _run_step(fn, a, state: dict) -> bool:
 def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
                   global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                   cal: Calibration | None = None) -> bool:
-    if param.shape != grad.shape:
-        return False
-    codes, scales = state["m_code"], state["m_scale"]
-    factored = "v_row" in state
-    if factored:
-        if v_row is None or partials is None or partials.dtype != torch.float64 or v_row.dtype != torch.float32:
-            return False
-        extra = (state["v_row"], state["v_col"], v_row, partials)
-    else:
-        extra = (state["v"],)
-    if codes.dtype != torch.uint8 or any(t.dtype != torch.float32 for t in (scales, *extra[:2])):
-        return False
+    """On a layout ``gefen.dispatch`` checked (``_m8_layout``), as every function here."""
     cal = _use(cal)
     a = _momentum_args(state, grad, codebook, cal)
     if a is None:
         return False
-    rows, row_numel = a.rows, a.bpr * a.period
-    if factored and (partials.numel() != row_numel + 1 or v_row.numel() != rows or state["v_col"].numel() != row_numel):
-        return False
     _head(a, param, grad, state, h, cal)
-    if factored:
-        a.v_row, a.v_col, a.v_row_new, a.partials = (t.data_ptr() for t in extra)
+    a.global_rows, a.factored = global_rows, "v_row" in state
+    if a.factored:
+        a.v_row, a.v_col, a.v_row_new, a.partials = (t.data_ptr() for t in (state["v_row"], state["v_col"], v_row,
+                                                                            partials))
     else:
-        a.v = extra[0].data_ptr()
-    a.global_rows, a.factored = global_rows, factored
+        a.v = state["v"].data_ptr()
     return _run_step(_lib.gefen_step, a, state)
 
 
@@ -352,11 +338,6 @@ def momentum_scales(state: dict, grad: torch.Tensor, beta: float, codebook: torc
 def _momentum_only(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
                    scales: torch.Tensor | None, out_shape, out_field: str) -> torch.Tensor | None:
     """The momentum pass alone, its result (the momentum or the scales) into a new fp32 tensor."""
-    codes, m_scale = state["m_code"], state["m_scale"]
-    if codes.dtype != torch.uint8 or m_scale.dtype != torch.float32 or codes.shape != grad.shape:
-        return None
-    if scales is not None and (scales.dtype != torch.float32 or scales.numel() != m_scale.numel()):
-        return None
     cal = _use(None)
     a = _momentum_args(state, grad, codebook, cal)
     if a is None:
@@ -372,17 +353,14 @@ def _momentum_only(state: dict, grad: torch.Tensor, beta: float, codebook: torch
 
 def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal: Calibration) -> _StepArgs | None:
     """Kernel arguments shared by the full step and the momentum alone: codes, scales, block
-    geometry, quantiser, threads, vector width; None when the fused path does not apply."""
+    geometry, quantiser, threads, vector width; None without a quantiser for ``codebook``."""
     q = _quantiser(codebook)
     if q is None:
         return None
-    codes, scales = state["m_code"], state["m_scale"]
     period = F._local_period(state)  # a column split's one block per (cut) row: the local row
     rows, row_numel = rows_and_row_numel(grad.shape)
-    if period < 1 or row_numel % period or scales.numel() != rows * (row_numel // period):
-        return None
     a = _StepArgs()
-    a.codes, a.scales = codes.data_ptr(), scales.data_ptr()
+    a.codes, a.scales = state["m_code"].data_ptr(), state["m_scale"].data_ptr()
     a.codebook, a.thr, a.lut, a.lut_M = q.values.data_ptr(), q.thr.data_ptr(), q.lut.data_ptr(), q.M
     a.rows, a.bpr, a.period = rows, row_numel // period, period
     a.K, a.W, a.T, a.scale_mode = q.values.numel(), cal.width, torch.get_num_threads(), cal.scale_mode
@@ -441,100 +419,28 @@ def block_histogram(blocks: torch.Tensor, num_bins: int, scale: torch.Tensor | N
 
 
 # ----- calibration: the C emulation of torch's rounding order, checked against torch ------------
-#: The step functions a calibration problem runs: the reference's, or (``_kernel_fns``) the kernels'.
-_REFERENCE = types.SimpleNamespace(
-    partials=F.second_moment_partials, update=F.gefen_update_, m4v4_partials=F.m4v4_partials,
-    m4v4_update=F.m4v4_update_, adamw=F.adamw_update_,
-    row_stats=lambda g, state, codebook, beta1: (F.row_square_sums(g),
-                                                 F.row_abs_max(F.m4v4_momentum(g, state, codebook, beta1))))
+def _kernel_fns(cal: Calibration):
+    """The kernels under the candidate ``cal``, for ``gefen.parity``'s problems."""
+    fns = dict(partials=second_moment_partials, update=gefen_update_, m4v4_partials=m4v4_partials,
+               m4v4_update=m4v4_update_, adamw=adamw_update_, row_stats=m4v4_row_stats)
+    return parity.kernel_fns(**{name: functools.partial(fn, cal=cal) for name, fn in fns.items()})
 
 
-def _kernel_fns(cal: Calibration) -> types.SimpleNamespace:
-    """The kernels under the candidate ``cal``, raising ``parity.Refused`` where one does not apply."""
-    def strict(fn):
-        def run(*args, **kw):
-            out = fn(*args, cal=cal, **kw)
-            if out is None or out is False:
-                raise parity.Refused
-            return out
-        return run
-    return types.SimpleNamespace(partials=strict(second_moment_partials), update=strict(gefen_update_),
-                                 m4v4_partials=strict(m4v4_partials), m4v4_update=strict(m4v4_update_),
-                                 adamw=strict(adamw_update_), row_stats=strict(m4v4_row_stats))
-
-
-def _run_m8(shape, period, factored, fns):
-    """Two m8 steps of one problem (one for the big ones, which only test the parallel split rules)."""
-    gen = torch.Generator().manual_seed(1234 + len(shape) + period)
-    p = torch.randn(shape, generator=gen)
-    state = F.init_state(p, tuple(shape), period, factored)
-    codebook = torch.cat([torch.tensor([-1.0]), torch.sort(torch.rand(62, generator=gen) * 2 - 1).values,
-                          torch.tensor([1.0])])
-    # beta1 <= 0.5 takes ATen's other lerp formula (|weight| >= 0.5): check both
-    h = F.Hyper(lr=1e-2, beta1=0.9 if period % 2 else 0.4, beta2=0.99, eps=1e-8, weight_decay=0.05)
-    rows = shape[0] if shape else 1
-    for _ in range(1 if p.numel() >= 32768 else 2):
-        g = torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)
-        if len(shape) == 2 and shape[0] > 2:
-            g[1] = 0  # all-zero blocks: zero scales (and their sign)
-        v_row, partials = fns.partials(g, state, h.beta2) if factored else (None, None)
-        fns.update(p, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
-    return p, state
-
-
-def _m4v4_problem(seed: int, shape, global_shape, dtype):
-    """A random m4v4 tensor, its fresh state, codebooks and hyperparameters (and the generator)."""
-    gen = torch.Generator().manual_seed(seed)
-    p = torch.randn(shape, generator=gen).to(dtype)
-    state = F.init_m4v4_state(p, global_shape)
-    codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
-    ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values)
-    h = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
-    return gen, p, p.clone(), state, codebook, ratio, h
-
-
-def _run_m4v4(shape, dtype, fns):
-    """Two m4v4 steps of one tensor (one for the big ones, which only test the summation paths)."""
-    gen, p, p0, state, codebook, ratio, h = _m4v4_problem(4321 + len(shape), shape, tuple(shape), dtype)
-    for _ in range(1 if p.numel() >= 32768 else 2):
-        g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
-        if len(shape) < 2:
-            fns.adamw(p, g, state, h, pidx=3, seed=1, row0=5)
-            continue
-        v_row, partials = fns.m4v4_partials(g, state, h.beta2)
-        fns.m4v4_update(p, g, state, codebook, ratio, h, global_rows=shape[0], v_row=v_row, partials=partials,
-                        pidx=3, seed=1, row0=5)
-    return p, state, p0
-
-
-def _run_m4v4_cut(shape, dtype, fns):
-    """Two m4v4 steps of a column shard (tensor parallelism): its row statistics, scaled as the
-    reduction over the other columns' ranks raises them, then both phases given them, at a column
-    offset of a longer row."""
-    gen, p, p0, state, codebook, ratio, h = _m4v4_problem(2468, shape, (shape[0], 3 * shape[1]), dtype)
-    for _ in range(2):
-        g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(dtype)
-        row_sum, row_max = fns.row_stats(g, state, codebook, h.beta1)
-        state["row_sum"], state["row_max"] = row_sum.clone(), row_max.clone()  # compared too
-        row_sum, row_max = row_sum * 2.5, row_max * 1.5
-        v_row, partials = fns.m4v4_partials(g, state, h.beta2, row_sum=row_sum, row_len=3 * shape[1])
-        fns.m4v4_update(p, g, state, codebook, ratio, h, global_rows=shape[0], v_row=v_row, partials=partials,
-                        pidx=2, seed=1, row0=5, col0=shape[1], row_len=3 * shape[1], row_max=row_max)
-    return p, state, p0
-
-
+_CPU = torch.device("cpu")
 #: Small m8 problems that reach every summation path of the kernel (vectorised and short rows, A/B
-#: column orders, two-pass single outputs, P = 1): (shape, period, factored).
-_M8 = [(_run_m8, case) for case in [
-    ((37, 33), 11, True), ((260, 130), 130, True), ((1, 33000), 33000, True), ((33000, 1), 1, True),
-    ((45, 29), 29, True), ((3, 5, 8), 40, False), ((6, 24, 25), 600, False), ((1, 33000), 33000, False),
-    ((5000,), 1, False), ((), 1, False), ((12, 6), 2, False), ((70, 480), 240, False), ((4400, 8), 8, True)]]
+#: column orders, two-pass single outputs, P = 1): (shape, period, factored); two steps, one for the
+#: big ones (which only test the parallel split rules).
+_M8 = [(parity.run_m8, (shape, period, factored, torch.float32, _CPU, (0, 1 if math.prod(shape) >= 32768 else 2)))
+       for shape, period, factored in [
+           ((37, 33), 11, True), ((260, 130), 130, True), ((1, 33000), 33000, True), ((33000, 1), 1, True),
+           ((45, 29), 29, True), ((3, 5, 8), 40, False), ((6, 24, 25), 600, False), ((1, 33000), 33000, False),
+           ((5000,), 1, False), ((), 1, False), ((12, 6), 2, False), ((70, 480), 240, False), ((4400, 8), 8, True)]]
 #: m4v4 problems: float64 row sums (vectorised, short, single-row two-pass), one-pass phase 1 with a
 #: partial chunk, bf16, the 1-D/0-D step, and a column shard given its rows' statistics: (shape, dtype).
-_M4V4 = [(_run_m4v4, case) for case in [
+_M4V4 = [(parity.run_m4v4, (shape, dtype, _CPU, (0, 1 if math.prod(shape) >= 32768 else 2))) for shape, dtype in [
     ((37, 33), torch.float32), ((300, 130), torch.float32), ((1, 33000), torch.float32),
     ((45, 29), torch.bfloat16), ((3, 5, 8), torch.float32), ((5000,), torch.float32), ((), torch.bfloat16)]] + [
-    (_run_m4v4_cut, ((37, 45), torch.bfloat16))]
+    (parity.run_m4v4_cut, ((37, 45), torch.bfloat16, _CPU))]
 
 
 def _probe_scale_mode() -> int:
@@ -554,13 +460,13 @@ def calibrate() -> Calibration:
     scale_mode = _probe_scale_mode()
     widths = (16, 8) if "512" in torch.backends.cpu.get_cpu_capability() else (8, 16)
     with torch.no_grad():
-        reference = parity.outputs(_M8, _REFERENCE)
+        reference = parity.outputs(_M8, parity.REFERENCE)
         for vml in ([True] if _torch_vml_sqrt() else []) + [False]:
             for W in widths:
                 cal = Calibration(W, vml, scale_mode, False)
                 if parity.check(_M8, _kernel_fns(cal), parity.identical, reference) is None:
                     m4v4 = parity.check(_M4V4, _kernel_fns(cal), parity.within_m4v4_bound,
-                                        parity.outputs(_M4V4, _REFERENCE)) is None
+                                        parity.outputs(_M4V4, parity.REFERENCE)) is None
                     if not m4v4:
                         _warn_mismatch("m4v4 ")
                     return dataclasses.replace(cal, m4v4=m4v4)

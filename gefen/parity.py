@@ -1,19 +1,53 @@
 """The parity harness: a kernel family runs only once it agrees with the reference.
 
-``check`` runs small problems with the reference's step functions (``gefen.functional``) and the
-kernels' from the same inputs and names the first disagreement under the family's rule:
-``identical`` (bit for bit), ``within_m4v4_bound`` (the C m4v4 kernels' stated bound,
-docs/design.md, "The m4v4 kernels"), or Triton's ``state_differences`` and ``params_close``.
-``gefen.native.calibrate`` and ``gefen.triton.selfcheck`` hold the problems.
+One driver, ``check``: each problem ``(run, case)`` runs ``run(*case, fns)`` with the reference's
+step functions (``REFERENCE``) and with a family's (``kernel_fns``: the same names and
+signatures), and the first disagreement under the family's rule is named: ``identical`` (bit for
+bit), ``within_m4v4_bound`` (the C m4v4 kernels' stated bound, docs/design.md, "The m4v4
+kernels"), ``after_rounding`` (the Triton kernels: fp32 means summed in another order, a correctly
+rounded square root) or ``equal`` (counts, codes, the bf16 write-back). The problem runners below
+serve both families; ``gefen.native`` (its calibration) and ``gefen.triton.dispatch`` (its
+first-use check) choose the cases that reach their code paths. A stepping runner takes ``steps``,
+``(by the reference, then by fns)``: the Triton check steps in lockstep, one kernel step from the
+reference's state, since its second moments differ from the reference's by rounding.
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
+
+from gefen import functional as F
+from gefen.codebook import histogram_normalised_blocks
+from gefen.stochastic import ratio_table
 
 
 class Refused(Exception):
     """A kernel declined a problem (its layout checks refused it): a disagreement."""
+
+
+#: The reference's step functions, under the names the problems call.
+REFERENCE = types.SimpleNamespace(
+    partials=F.second_moment_partials, update=F.gefen_update_, m4v4_partials=F.m4v4_partials,
+    m4v4_update=F.m4v4_update_, adamw=F.adamw_update_,
+    row_stats=lambda g, state, codebook, beta1: (F.row_square_sums(g),
+                                                 F.row_abs_max(F.m4v4_momentum(g, state, codebook, beta1))),
+    momentum=lambda state, g, beta, codebook: F.update_momentum_(state, g.float(), beta, codebook),
+    round=F.round_param_, histogram=histogram_normalised_blocks)
+
+
+def kernel_fns(**fns) -> types.SimpleNamespace:
+    """A family's step functions under ``REFERENCE``'s names; one that declines (returns None or
+    False) raises ``Refused``."""
+    def strict(fn):
+        def run(*args, **kw):
+            out = fn(*args, **kw)
+            if out is None or out is False:
+                raise Refused
+            return out
+        return run
+    return types.SimpleNamespace(**{name: strict(fn) for name, fn in fns.items()})
 
 
 def outputs(problems, fns) -> list:
@@ -47,8 +81,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def identical(got, want) -> str | None:
-    """The rule of bit-exact kernels on ``(param, state)``: every bit the same."""
-    (p, state), (ref_p, ref_state) = got, want
+    """The rule of bit-exact kernels on ``(param, state, ...)``: every bit the same."""
+    (p, state, *_), (ref_p, ref_state, *_) = got, want
     if not same_bits(p, ref_p):
         return "parameters differ"
     bad = [k for k in ref_state if not same_bits(state[k], ref_state[k])]
@@ -74,14 +108,152 @@ def state_differences(ref: dict, got: dict, approx: tuple[str, ...] = ()) -> str
 
 
 def params_close(before: torch.Tensor, ref: torch.Tensor, got: torch.Tensor,
-                 update_rtol: float | None = None) -> bool:
-    """Equal up to one rounding of the result and of the update (torch's CPU sqrt is MKL's), or
-    ``update_rtol`` of the update (m8: ``M8_V_RTOL``, the denominators' share of the second
-    moments' difference)."""
+                 update_rtol: float | None = None, steps: int = 1) -> bool:
+    """Equal up to one rounding of each step's result and two of its update (the kernels' square
+    root is correctly rounded, torch's CPU one, MKL's, is not always: its error reaches the update
+    through the denominator, 1.4 ulps of the update measured on AMD EPYC), or ``update_rtol`` of
+    the update (m8: ``M8_V_RTOL``, the denominators' share of the second moments' difference)."""
     before, r, g = before.float(), ref.float(), got.float()
-    eps = torch.finfo(ref.dtype).eps
-    tol = eps * r.abs() + (eps if update_rtol is None else update_rtol) * (r - before).abs() + 1e-30
+    eps = torch.finfo(ref.dtype).eps * steps
+    tol = eps * r.abs() + (2 * eps if update_rtol is None else update_rtol) * (r - before).abs() + 1e-30
     return bool(((r - g).abs() <= tol).all())
+
+
+def after_rounding(approx: tuple[str, ...] = (), update_rtol: float | None = None):
+    """The Triton kernels' rule on ``(param, state, param before)``: ``state_differences`` (``approx``:
+    m8's ``M8_APPROX``), then ``params_close`` (``update_rtol``: m8's ``M8_V_RTOL``)."""
+    def agree(got, want) -> str | None:
+        (p, state, before), (ref_p, ref_state, _) = got, want
+        if (why := state_differences(ref_state, state, approx)) is not None:
+            return why
+        return None if params_close(before, ref_p, p, update_rtol) else "parameters differ from the eager step beyond rounding"
+    return agree
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+def equal(got, want) -> str | None:
+    """The rule of kernels that must give the reference's values: every tensor of the output equal,
+    NaN where the reference has NaN (of any pattern: torch's own bf16 cast picks one of two)."""
+    for g, w in zip(_tensors(got), _tensors(want), strict=True):
+        nan = w.isnan() if w.is_floating_point() else torch.zeros_like(w, dtype=torch.bool)
+        if g.shape != w.shape or not (torch.equal(nan, g.isnan()) and torch.equal(g[~nan], w[~nan])):
+            return "the output differs from the eager step's"
+    return None
+
+
+# ----- the problems ------------------------------------------------------------------------------
+def _before(p: torch.Tensor, i: int, steps, before: torch.Tensor | None) -> torch.Tensor | None:
+    """The parameter before ``fns``' first step (step ``steps[0]``)."""
+    return p.clone() if i == steps[0] else before
+
+
+def _grad(gen, shape, dtype, device) -> torch.Tensor:
+    """A random gradient; a matrix of three or more rows gets an all-zero row (zero scales)."""
+    g = torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)
+    if len(shape) == 2 and shape[0] > 2:
+        g[1] = 0
+    return g.to(device=device, dtype=dtype)
+
+
+def run_m8(shape, period, factored, dtype, device, steps, fns):
+    """m8 steps of one tensor, a row shard of a tensor three rows longer."""
+    gen = torch.Generator().manual_seed(1234 + len(shape) + period)
+    p = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    state = F.init_state(p, tuple(shape), period, factored)
+    codebook = torch.cat([torch.tensor([-1.0]), torch.sort(torch.rand(62, generator=gen) * 2 - 1).values,
+                          torch.tensor([1.0])]).to(device)
+    # beta1 <= 0.5 takes ATen's other lerp formula (|weight| >= 0.5): check both
+    h = F.Hyper(lr=1e-2, beta1=0.9 if period % 2 else 0.4, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    before = None
+    for i, fn in enumerate([REFERENCE] * steps[0] + [fns] * steps[1]):
+        before, g = _before(p, i, steps, before), _grad(gen, shape, dtype, device)
+        v_row, partials = fn.partials(g, state, h.beta2) if factored else (None, None)
+        fn.update(p, g, state, codebook, h, global_rows=(shape[0] if shape else 1) + 3, v_row=v_row,
+                  partials=partials)
+    return p, state, before
+
+
+def _m4v4_problem(seed: int, shape, global_shape, dtype, device):
+    """A random m4v4 tensor, its fresh state, codebooks and hyperparameters (and the generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    state = F.init_m4v4_state(p, global_shape)
+    codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values.to(device)
+    ratio = ratio_table(torch.sort(torch.rand(16, generator=gen) * 2 - 1).values).to(device)
+    h = F.Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    return gen, p, state, codebook, ratio, h
+
+
+def run_m4v4(shape, dtype, device, steps, fns):
+    """m4v4 steps of one tensor (the AdamW step of a 1-D or 0-D one)."""
+    gen, p, state, codebook, ratio, h = _m4v4_problem(4321 + len(shape), shape, tuple(shape), dtype, device)
+    before = None
+    for i, fn in enumerate([REFERENCE] * steps[0] + [fns] * steps[1]):
+        before, g = _before(p, i, steps, before), _grad(gen, shape, dtype, device)
+        if len(shape) < 2:
+            fn.adamw(p, g, state, h, pidx=3, seed=1, row0=5)
+            continue
+        v_row, partials = fn.m4v4_partials(g, state, h.beta2)
+        fn.m4v4_update(p, g, state, codebook, ratio, h, global_rows=shape[0], v_row=v_row, partials=partials,
+                       pidx=3, seed=1, row0=5)
+    return p, state, before
+
+
+def run_m4v4_cut(shape, dtype, device, fns):
+    """Two m4v4 steps of a column shard (tensor parallelism): its row statistics, scaled as the
+    reduction over the other columns' ranks raises them, then both phases given them, at a column
+    offset of a longer row."""
+    gen, p, state, codebook, ratio, h = _m4v4_problem(2468, shape, (shape[0], 3 * shape[1]), dtype, device)
+    before = p.clone()
+    for _ in range(2):
+        g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(device=device, dtype=dtype)
+        row_sum, row_max = fns.row_stats(g, state, codebook, h.beta1)
+        state["row_sum"], state["row_max"] = row_sum.clone(), row_max.clone()  # compared too
+        row_sum, row_max = row_sum * 2.5, row_max * 1.5
+        v_row, partials = fns.m4v4_partials(g, state, h.beta2, row_sum=row_sum, row_len=3 * shape[1])
+        fns.m4v4_update(p, g, state, codebook, ratio, h, global_rows=shape[0], v_row=v_row, partials=partials,
+                        pidx=2, seed=1, row0=5, col0=shape[1], row_len=3 * shape[1], row_max=row_max)
+    return p, state, before
+
+
+def run_momentum(shape, period, dtype, device, fns):
+    """GefenMuon's compressed momentum, twice: torch's lerp takes its two formulas on either side of
+    weight 0.5."""
+    gen = torch.Generator().manual_seed(99 + period)
+    codebook = torch.sort(torch.rand(256, generator=gen) * 2 - 1).values.to(device)
+    state = F.init_momentum_state(torch.zeros(shape, device=device), shape, period)
+    return [fns.momentum(state, _grad(gen, shape, dtype, device), beta, codebook) for beta in (0.9, 0.3)], state
+
+
+def run_round(shape, place, device, fns):
+    """bf16_stochastic_round's write-back at ``place`` (row0, col0, row_len) of values across
+    magnitudes with +-inf and NaN."""
+    gen = torch.Generator().manual_seed(len(shape))
+    work = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen) * 8)
+    if work.numel() > 3:
+        work.view(-1)[:3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    row0, col0, row_len = place
+    fns.round(out, work.to(device), step=7, salt=12345, row0=row0, col0=col0, row_len=row_len)
+    return out
+
+
+def run_histogram(shape, dtype, device, fns):
+    """The first step's histogram of ``shape``'s blocks, then of its rows normalised by given
+    scales (a column split's whole rows')."""
+    x = _grad(torch.Generator().manual_seed(len(shape)), shape, dtype, device)
+    rows = x.reshape(-1, shape[-1])
+    return fns.histogram(x, 4096), fns.histogram(rows, 256, rows.float().abs().amax(1) * 1.5)
 
 
 #: The C m4v4 kernels' stated bound against the eager reference (docs/design.md, "The m4v4 kernels"):

@@ -1,10 +1,10 @@
-"""The Triton kernels' side of ``gefen.dispatch``: whether they are trusted on a device, the
-layout each expects, and their launch through ``gefen.triton.launch``.
+"""The Triton kernels' side of ``gefen.dispatch``: whether they are trusted on a device and their
+launch through ``gefen.triton.launch``.
 
 Each function takes the arguments of the functional reference of the same name and returns True
 / the result when the kernels did the work, or False / None (nothing touched) for a layout that is
 not theirs, logged once (``fallback``). At a CUDA device's first use each family runs its parity
-problems (``verify``); a mismatch or a build failure keeps the reference. Triton is imported on
+problems (``verify``, ``gefen.parity``); a mismatch or a build failure keeps the reference. Triton is imported on
 first use only. Inside ``batched()`` the updates (which return nothing) are queued and launched
 together when the block ends: one launch per phase for the whole step instead of a few per tensor.
 """
@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 
 import torch
 
+from gefen import parity
+from gefen.functional import _local_period
 from gefen.stochastic import salts
 
 log = logging.getLogger("gefen.triton")
@@ -66,18 +67,50 @@ def untrusted(device: torch.device, family: str) -> str | None:
 
 
 def verify(device: torch.device, family: str) -> str | None:
-    """The ``family``'s parity problems (``gefen.triton.selfcheck``) on ``device``, once (cached):
-    None when the kernels agree with the reference, else why the reference is kept (a Triton or
-    driver that miscompiles the kernels or fails to build them)."""
+    """``parity_check`` on ``device``, once (cached): a Triton or driver that miscompiles the
+    kernels, or fails to build them, keeps the reference."""
     key = (str(device), family)
     if key not in _verified:
-        from gefen.triton import selfcheck
-
         try:
-            _verified[key] = selfcheck.run(_launch_mod, device, family)
+            _verified[key] = parity_check(device, family)
         except Exception as exc:  # a kernel that does not build or launch here
             _verified[key] = f"the {family} kernels failed their first run ({type(exc).__name__}: {exc})"
     return _verified[key]
+
+
+def parity_check(device: torch.device, family: str) -> str | None:
+    """None when the ``family`` kernels (``"m4v4"``, ``"m8"``, ``"momentum"``, ``"round"``,
+    ``"histogram"``) agree with the reference on ``device`` (``gefen.parity``), else what differs.
+    The problems reach both row paths (one tile, two passes), bf16 and fp32, an all-zero row, the
+    1-D and 0-D steps, m8's two second-moment forms; each stepping one is checked fresh and from a
+    step of the reference."""
+    long = _launch_mod.MAX_SINGLE + 70  # a row of the two-pass kernels
+    steps = [(0, 1), (1, 1)]
+    problems, rule = {
+        "m4v4": ([(parity.run_m4v4, (shape, dt, device, st)) for st in steps for shape, dt in [
+            ((33, 17), torch.float32), ((3, long), torch.bfloat16), ((9,), torch.float32)]], parity.after_rounding()),
+        "m8": ([(parity.run_m8, (*case, device, st)) for st in steps for case in [
+            ((33, 17), 17, True, torch.float32), ((3, long), long, True, torch.bfloat16),
+            ((6, 40), 8, True, torch.float32), ((4, 3, 10), 30, False, torch.bfloat16),
+            ((2, 2, long), 2 * long, False, torch.float32), ((9,), 1, False, torch.float32),
+            ((), 1, False, torch.bfloat16)]], parity.after_rounding(parity.M8_APPROX, parity.M8_V_RTOL)),
+        "momentum": ([(parity.run_momentum, (*case, device)) for case in [
+            ((33, 17), 17, torch.float32), ((6, 40), 8, torch.bfloat16), ((3, long), long, torch.float32)]],
+            parity.equal),
+        "round": ([(parity.run_round, (shape, place, device)) for shape, place in [
+            ((5, 37), (3, 11, 80)), ((1030,), (17, 0, None)), ((), (0, 0, None))]], parity.equal),
+        "histogram": ([(parity.run_histogram, (shape, dt, device)) for shape, dt in [
+            ((5, 8, 16), torch.float32), ((3, 2500), torch.bfloat16)]], parity.equal),
+    }[family]
+    fns = parity.kernel_fns(partials=lambda g, state, beta2: m8_partials_([(g, state, beta2)])[0],
+                            update=gefen_update_, m4v4_partials=m4v4_partials, m4v4_update=m4v4_update_,
+                            adamw=adamw_update_, momentum=momentum_, round=round_param_, histogram=block_histogram)
+    queue, _local.queue = getattr(_local, "queue", None), None  # run now, not at the end of a batched() step
+    try:
+        with torch.no_grad():
+            return parity.check(problems, fns, rule, parity.outputs(problems, parity.REFERENCE))
+    finally:
+        _local.queue = queue
 
 
 @contextlib.contextmanager
@@ -153,18 +186,8 @@ def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0)
 
 
 def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> bool:
-    factored = "v_row" in state
-    period = int(state["period"])
-    cols = math.prod(param.shape[1:]) if param.dim() else 1
-    blocks = param.numel() // max(period, 1)
-    second = (state["v_row"], state["v_col"], v_row) if factored else (state["v"],)
-    if (param.shape != grad.shape or codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256
-            or period < 1 or cols % period or state["m_code"].dtype != torch.uint8
-            or state["m_code"].shape != param.shape or state["m_scale"].dtype != torch.float32
-            or state["m_scale"].numel() != blocks or any(t.dtype != torch.float32 for t in second)
-            or (not factored and state["v"].numel() != blocks)
-            or (factored and (param.dim() != 2 or v_row.numel() != param.shape[0] or state["v_col"].numel() != cols
-                              or partials.dtype != torch.float64 or partials.numel() != cols + 1))):
+    # gefen.dispatch checked the layout; these kernels also want 2-D factored rows and no column split
+    if ("v_row" in state and param.dim() != 2) or int(state["period"]) != _local_period(state):
         return fallback("an unexpected m8 state or argument layout")
     item = _launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, global_rows=global_rows, v_row=v_row,
                               partials=partials)
@@ -191,17 +214,8 @@ def momentum_scales(state, grad, beta, codebook) -> torch.Tensor | None:
 
 def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor, scales=None, *,
              scales_only: bool = False) -> list | None:
-    """``functional.update_momentum_`` of every ``(state, grad, beta)`` in one launch per class,
-    or None (nothing touched) when any of them must take the eager path (``scales``,
-    ``scales_only``: as ``gefen.triton.launch.momentum_``'s)."""
-    grads = [g for _, g, _ in items]
-    codes, m_scales = [s["m_code"] for s, _, _ in items], [s["m_scale"] for s, _, _ in items]
-    if (codebook.dtype != torch.float32 or not 2 <= codebook.numel() <= 256
-            or any(c.dtype != torch.uint8 or s.dtype != torch.float32 or c.shape != g.shape
-                   for c, s, g in zip(codes, m_scales, grads))
-            or any(s.dtype != torch.float32 or s.numel() != m.numel() for s, m in zip(scales or [], m_scales)
-                   if s is not None)):
-        return fallback("an unexpected compressed-momentum layout") or None
+    """``functional.update_momentum_`` of every ``(state, grad, beta)`` in one launch per class, on a
+    layout ``gefen.dispatch`` checked (``scales``, ``scales_only``: as ``gefen.triton.launch.momentum_``'s)."""
     if scales_only:
         return _launch_mod.momentum_(items, codebook, scales_only=True)
     return _launch_mod.momentum_(items, codebook, *([scales] if scales else []))

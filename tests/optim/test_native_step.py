@@ -342,6 +342,28 @@ def test_unsupported_inputs_fall_back_without_touching_state():
     assert int(st["step"]) == 1
 
 
+def test_the_m8_and_momentum_layout_rules():
+    """The one check both kernel families rely on: each broken field is named, the valid state passes."""
+    p, g, cb = torch.zeros(6, 16), torch.zeros(6, 16), torch.linspace(-1, 1, 16)
+    block, factored = init_state(p, (6, 16), 8, False), init_state(p, (6, 16), 16, True)
+    v_row, partials = torch.zeros(6), torch.zeros(17, dtype=torch.float64)
+    assert dispatch._m8_layout(p, g, block, cb) is None
+    assert dispatch._m8_layout(p, g, factored, cb, v_row, partials) is None
+    assert dispatch._m8_layout(p, g, factored, cb, v_row, partials[:-1]) is not None
+    assert dispatch._m8_layout(p, g, factored, cb, v_row.double(), partials) is not None
+    assert dispatch._m8_layout(p, g, factored, cb) is not None  # phase 1's results missing
+    assert dispatch._m8_layout(p, g, {**block, "v": block["v"][:-1]}, cb) is not None
+    assert dispatch._m8_layout(p, g[:, :8], block, cb) is not None
+    assert dispatch._momentum_layout(g, block, cb) is None
+    assert dispatch._momentum_layout(g, block, cb, torch.zeros(12)) is None  # a column split's reduced scales
+    for bad_cb in (cb[:1], cb.double(), torch.linspace(-1, 1, 257)):
+        assert dispatch._momentum_layout(g, block, bad_cb) is not None
+    for key, bad in (("m_code", block["m_code"].short()), ("m_scale", block["m_scale"].half()),
+                     ("m_scale", block["m_scale"][:3])):
+        assert dispatch._momentum_layout(g, {**block, key: bad}, cb) is not None, key
+    assert dispatch._momentum_layout(g, block, cb, torch.zeros(11)) is not None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_uses_the_eager_path():
     p = torch.randn(8, 16, device="cuda")

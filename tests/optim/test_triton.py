@@ -24,7 +24,7 @@ from gefen.stochastic import ratio_table
 
 triton = pytest.importorskip("triton")
 from gefen import dispatch as step_dispatch  # noqa: E402
-from gefen.triton import dispatch, launch, selfcheck  # noqa: E402
+from gefen.triton import dispatch, launch  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,16 +39,6 @@ def _kernels_on_this_device(monkeypatch):
     assert dispatch.available()  # imports the launch module the kernels' functions below call
     monkeypatch.setattr(step_dispatch, "enabled", True)  # off: the reference is the eager torch step
     monkeypatch.setattr(launch, "MAX_SINGLE", 64)  # rows longer than 64 take the two-pass kernels
-
-
-def _same_step(before: torch.Tensor, ref: torch.Tensor, got: torch.Tensor, steps: int = 1) -> bool:
-    """``got`` equals ``ref`` up to one rounding of each step's result and two of its update: the
-    kernels' square root is correctly rounded, torch's CPU one (MKL) is not always, and its error
-    reaches the update through the denominator (1.4 ulps of the update measured on AMD EPYC)."""
-    eps = torch.finfo(ref.dtype).eps * steps
-    before, ref, got = before.float(), ref.float(), got.float()
-    tol = eps * (ref.abs() + 2 * (ref - before).abs()) + 1e-30
-    return bool(((ref - got).abs() <= tol).all())
 
 
 def _grad(gen, shape, dtype, zero_row: bool):
@@ -101,7 +91,7 @@ def test_m4v4_matches_the_reference(shape, pdt, gdt):
         F.m4v4_update_(p_ref, g, s_ref, cb, R, H, **kw)  # the pure reference
         assert dispatch.m4v4_update_(p_tri, g, s_tri, cb, R, H, **{**kw, "v_row": v_row.clone()})
         _assert_states_equal(s_ref, s_tri, f"step {step}")
-        assert _same_step(before, p_ref, p_tri), f"step {step}: parameters differ beyond rounding"
+        assert parity.params_close(before, p_ref, p_tri), f"step {step}: parameters differ beyond rounding"
         p_tri.copy_(p_ref)  # every step is compared from the same parameters
         before = p_ref.clone()
 
@@ -141,7 +131,7 @@ def test_1d_path_matches_the_reference(shape, pdt):
         F.adamw_update_(p_ref, g, s_ref, H, pidx=3, seed=2, row0=9)
         assert dispatch.adamw_update_(p_tri, g, s_tri, H, pidx=3, seed=2, row0=9)
         _assert_states_equal(s_ref, s_tri, f"step {step}")
-        assert _same_step(before, p_ref, p_tri)
+        assert parity.params_close(before, p_ref, p_tri)
         p_tri.copy_(p_ref)
         before = p_ref.clone()
 
@@ -175,7 +165,7 @@ def test_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
     assert calls == [3, 1] * len(grads)  # the three coded tensors together, the 1-D one
     for (name, a), (_, b) in zip(ref_params, params):
         _assert_states_equal(ref_opt.state[a], opt.state[b], name)
-        assert _same_step(init[name], a.detach(), b.detach(), steps=len(grads)), name
+        assert parity.params_close(init[name], a.detach(), b.detach(), steps=len(grads)), name
 
 
 @pytest.mark.parametrize("moments", ["m4v4", "m8"])
@@ -304,13 +294,31 @@ def test_m8_optimizer_step_uses_the_kernels_in_one_batch(monkeypatch):
     assert calls == [("m8_partials", 2), ("m8_update_", 4)] * len(grads)
 
 
-def test_m8_unexpected_layout_falls_back_untouched(caplog, monkeypatch):
-    """State the kernels do not expect (here an fp64 block second moment) takes the eager path:
-    nothing is modified and the reason is logged once."""
+def test_m8_unexpected_layout_takes_the_reference(caplog, monkeypatch):
+    """State the kernels do not expect (here an fp64 block second moment) is no kernel's: the one
+    layout check names why; the same state in fp32 is the kernels'."""
     shape = (4, 6)
-    p = torch.randn(shape).to(DEVICE)
+    p, g, cb = torch.randn(shape).to(DEVICE), torch.randn(shape).to(DEVICE), torch.linspace(-1, 1, 16).to(DEVICE)
     state = F.init_state(p, shape, 6, False)
     state["v"] = state["v"].double()
+    select = lambda: step_dispatch.kernels("m8", [p, g], [state["m_code"], state["m_scale"], cb, state["v"]],  # noqa: E731
+                                           lambda: step_dispatch._m8_layout(p, g, state, cb))
+    monkeypatch.setattr(dispatch, "_logged", set())
+    with caplog.at_level("WARNING", logger="gefen.triton"):
+        assert select() is None
+    assert "unexpected m8 state" in step_dispatch._m8_layout(p, g, state, cb)
+    if DEVICE == "cuda":
+        assert any("unexpected m8 state" in r.getMessage() for r in caplog.records)
+    state["v"] = state["v"].float()
+    assert select() is dispatch
+
+
+def test_m8_factored_rows_of_more_dims_fall_back_untouched(caplog, monkeypatch):
+    """A factored 3-D parameter passes the shared check but not the Triton kernels' own (2-D rows):
+    nothing is modified and the reason is logged once."""
+    shape = (4, 3, 6)
+    p = torch.randn(shape).to(DEVICE)
+    state = F.init_state(p, shape, 18, True)
     saved = copy.deepcopy(state)
     monkeypatch.setattr(dispatch, "_logged", set())
     with caplog.at_level("WARNING", logger="gefen.triton"):
@@ -441,7 +449,7 @@ def test_disabled_or_foreign_devices_fall_back(caplog):
 
 def test_first_use_check_of_the_write_back_passes_and_catches_a_wrong_kernel(monkeypatch):
     device = torch.device(DEVICE)
-    assert selfcheck.run(launch, device, "round") is None
+    assert dispatch.parity_check(device, "round") is None
     real = launch.round_params_
 
     def broken(items):
@@ -449,15 +457,15 @@ def test_first_use_check_of_the_write_back_passes_and_catches_a_wrong_kernel(mon
         items[0][0].view(-1)[-1] = items[0][0].view(-1)[-1].float() * 2  # one element off
 
     monkeypatch.setattr(launch, "round_params_", broken)
-    assert "differs" in selfcheck.run(launch, device, "round")
+    assert "differs" in dispatch.parity_check(device, "round")
 
 
 @pytest.mark.parametrize("family", ["m4v4", "m8", "momentum"])
 def test_first_use_check_passes_and_catches_a_wrong_kernel(family, monkeypatch):
-    """The check run at a device's first use (gefen.triton.selfcheck) passes with these kernels
+    """The check run at a device's first use (gefen.triton.dispatch.parity_check) passes with these kernels
     and reports a kernel whose output differs (here: an update that forgets the last element)."""
     device = torch.device(DEVICE)
-    assert selfcheck.run(launch, device, family) is None
+    assert dispatch.parity_check(device, family) is None
     name = {"momentum": "momentum_", "m8": "m8_update_"}.get(family, "m4v4_update_")
     real = getattr(launch, name)
 
@@ -473,7 +481,7 @@ def test_first_use_check_passes_and_catches_a_wrong_kernel(family, monkeypatch):
         return out
 
     monkeypatch.setattr(launch, name, broken)
-    assert "differs" in selfcheck.run(launch, device, family)
+    assert "differs" in dispatch.parity_check(device, family)
 
 
 def test_cuda_fallback_logs_its_reason_once(monkeypatch, caplog):

@@ -5,7 +5,7 @@ As for the C kernels (test_native_column_split.py): this shard's per-row statist
 for their reduction over the tensor-parallel ranks, then phases 1 and 2 given the reduced
 statistics, the shard's first row and column and the global row length; the first step's
 histogram with given scales. Codes, scales and moments identical; parameters up to one rounding
-where torch's CPU square root (MKL) is not correctly rounded (test_triton.py's ``_same_step``).
+where torch's CPU square root (MKL) is not correctly rounded (``gefen.parity.params_close``).
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from gefen import functional as F
+from gefen import parity
 from gefen.codebook import histogram_normalised_blocks
 from gefen.quant import block_scales
 from gefen.stochastic import ratio_table
 
 triton = pytest.importorskip("triton")
 from gefen import dispatch as step_dispatch  # noqa: E402
-from gefen.triton import dispatch, launch, selfcheck  # noqa: E402
+from gefen.triton import dispatch, launch  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,14 +39,6 @@ def _kernels_on_this_device(monkeypatch):
     assert dispatch.available()  # imports the launch module the kernels' functions below call
     monkeypatch.setattr(step_dispatch, "enabled", True)  # off: the reference is the eager torch step
     monkeypatch.setattr(launch, "MAX_SINGLE", 64)  # rows longer than 64 take the two-pass kernels
-
-
-def _same_step(before, ref, got) -> bool:
-    """Up to two roundings of the update and one of the result: the denominator's square root may
-    differ by an ulp (torch's CPU one, MKL's, is not correctly rounded), and the quotient rounds again."""
-    eps = 2 * torch.finfo(ref.dtype).eps
-    before, ref, got = before.float(), ref.float(), got.float()
-    return bool(((ref - got).abs() <= eps * (ref.abs() + (ref - before).abs()) + 1e-30).all())
 
 
 def _book(gen, k: int) -> torch.Tensor:
@@ -98,7 +91,7 @@ def test_m4v4_column_shard_matches_the_reference(rows, cols, row_len, col0, pdt,
         F.m4v4_update_(p_ref, g, s_ref, cb, ratio, H, **kw)
         assert dispatch.m4v4_update_(p, g, s, cb, ratio, H, **{**kw, "v_row": v_row.clone()})
         _assert_states_equal(s_ref, s, f"step {step}")
-        assert _same_step(before, p_ref, p), f"step {step}: parameters differ beyond rounding"
+        assert parity.params_close(before, p_ref, p), f"step {step}: parameters differ beyond rounding"
         p.copy_(p_ref)
 
 
@@ -143,7 +136,7 @@ def test_histogram_matches_the_reference(shape, dtype):
 
 
 def test_first_use_check_of_the_histogram():
-    assert selfcheck.run(launch, torch.device(DEVICE), "histogram") is None
+    assert dispatch.parity_check(torch.device(DEVICE), "histogram") is None
 
 
 _AOT = """
