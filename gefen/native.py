@@ -1,10 +1,10 @@
 """The C kernels of the step: a ctypes binding to ``gefen/csrc/`` (``gefen._gefen_step``).
 
-Each function takes the arguments of the ``gefen.functional`` reference of the same name and does
-its work in one C call per tensor, or returns None / False, touching nothing, for a layout that is
-not the kernel's (``cal``: a calibration candidate to run under; None: the calibrated one);
-``gefen.dispatch`` chooses these kernels for CPU tensors once ``trusted``.  The
-m8 kernels (``gefen_step.c``) give the reference's bits: they reproduce the rounding order of the
+Each function takes the arguments of the ``gefen.functional`` reference of the same name, on a
+layout ``gefen.dispatch`` checked, and does its work in one C call per tensor, or returns None /
+False, touching nothing, when the kernel refuses (``cal``: a calibration candidate to run under;
+None: the calibrated one); ``gefen.dispatch`` chooses these kernels for CPU tensors once
+``trusted``. The m8 kernels (``gefen_step.c``) give the reference's bits: they reproduce the rounding order of the
 eager torch ops (ATen's cascade sums, whose vector width depends on torch's CPU capability, and
 torch's square root).  ``calibrate`` finds, through the parity harness (``gefen.parity``), the
 ``Calibration`` (square root x vector width, passed with every call) under which they do, and
@@ -309,7 +309,6 @@ def _run_step(fn, a, state: dict) -> bool:
 def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
                   global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                   cal: Calibration | None = None) -> bool:
-    """On a layout ``gefen.dispatch`` checked (``_m8_layout``), as every function here."""
     cal = _use(cal)
     a = _momentum_args(state, grad, codebook, cal)
     if a is None:
