@@ -64,6 +64,11 @@ class M4V4Codec:
         return m_code | (v_code << 4)
 
     @staticmethod
+    def unpack(mv_code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pack``'s inverse: the first and second moment's codes."""
+        return mv_code & 15, mv_code >> 4
+
+    @staticmethod
     def vhat(v_row: torch.Tensor, v_col: torch.Tensor, total: torch.Tensor | None = None,
              rows: int | None = None) -> torch.Tensor:
         """``(v_row / mean)[i] * v_col[j]``, ``mean = max(total / rows, TINY)`` rounded once from float64
@@ -79,10 +84,10 @@ class M4V4Codec:
         return m / torch.where(scale == 0, 1.0, scale.float())[:, None], scale
 
     def momentum(self, mv_code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return self.codebook.take((mv_code & 15).long()) * scale.float()[:, None]
+        return self.codebook.take(self.unpack(mv_code)[0].long()) * scale.float()[:, None]
 
     def second_moment(self, mv_code: torch.Tensor, vhat: torch.Tensor) -> torch.Tensor:
-        return vhat * self.ratio.take((mv_code >> 4).long())
+        return vhat * self.ratio.take(self.unpack(mv_code)[1].long())
 
     def decode(self, fields: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(m, v)`` shaped like the parameter, as the last step used them (all rows given)."""

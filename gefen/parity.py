@@ -20,6 +20,7 @@ import torch
 
 from gefen import functional as F
 from gefen.codebook import histogram_normalised_blocks
+from gefen.codecs import M4V4Codec
 from gefen.stochastic import ratio_table
 
 
@@ -284,7 +285,7 @@ def m4v4_disagreement(param: torch.Tensor, state: dict, ref_param: torch.Tensor,
             continue
         if key == "mv_code":
             a, b = got.reshape(-1).int(), want.reshape(-1).int()
-            if bool((((a & 15) - (b & 15)).abs() > 1).any() or (((a >> 4) - (b >> 4)).abs() > 1).any()):
+            if any(bool(((x - y).abs() > 1).any()) for x, y in zip(M4V4Codec.unpack(a), M4V4Codec.unpack(b))):
                 return "a code is more than one step away"
             off |= a != b
         elif key == "m_row_scale":
