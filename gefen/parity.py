@@ -143,8 +143,9 @@ def _tensors(x):
 
 
 def equal(got, want) -> str | None:
-    """The rule of kernels that must give the reference's values: every tensor of the output equal,
-    NaN where the reference has NaN (of any pattern: torch's own bf16 cast picks one of two)."""
+    """The rule of kernels that must give the reference's values: every tensor of the output equal
+    (a zero's sign aside: an all-zero row's scale is +0 or -0 by the order of a max), NaN where the
+    reference has NaN (of any pattern: torch's own bf16 cast picks one of two)."""
     for g, w in zip(_tensors(got), _tensors(want), strict=True):
         nan = w.isnan() if w.is_floating_point() else torch.zeros_like(w, dtype=torch.bool)
         if g.shape != w.shape or not (torch.equal(nan, g.isnan()) and torch.equal(g[~nan], w[~nan])):
