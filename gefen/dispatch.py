@@ -3,7 +3,8 @@
 Every function takes the arguments of the ``gefen.functional`` reference of the same name and asks
 ``kernels``, the one selection, who runs it: the C kernels (``gefen.native``) or the Triton kernels
 (``gefen.triton.dispatch``), on a layout checked here (``_*_layout``; a kernel that still
-declines touches nothing), else the reference. The ``*_`` functions over a list take a whole group in a few Triton launches.
+declines touches nothing), else the reference. The ``*_`` functions over a list take a whole
+group in a few Triton launches.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Each function takes the arguments of the ``gefen.functional`` reference of the s
 layout ``gefen.dispatch`` checked, and does its work in one C call per tensor, or returns None /
 False, touching nothing, when the kernel refuses (``cal``: a calibration candidate to run under;
 None: the calibrated one); ``gefen.dispatch`` chooses these kernels for CPU tensors once
-``trusted``. The m8 kernels (``gefen_step.c``) give the reference's bits: they reproduce the rounding order of the
-eager torch ops (ATen's cascade sums, whose vector width depends on torch's CPU capability, and
-torch's square root).  ``calibrate`` finds, through the parity harness (``gefen.parity``), the
+``trusted``. The m8 kernels (``gefen_step.c``) give the reference's bits: they reproduce the
+rounding order of the eager torch ops (ATen's cascade sums, whose vector width depends on
+torch's CPU capability, and torch's square root). ``calibrate`` finds, through the parity harness (``gefen.parity``), the
 ``Calibration`` (square root x vector width, passed with every call) under which they do, and
 whether the m4v4 kernels (``m4v4_step.c``: the same bits on every ISA, ``GEFEN_CPU_ISA``, thread
 count and run) keep their stated bound; the result is cached per library build, CPU and torch in

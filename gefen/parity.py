@@ -154,11 +154,6 @@ def equal(got, want) -> str | None:
 
 
 # ----- the problems ------------------------------------------------------------------------------
-def _before(p: torch.Tensor, i: int, steps, before: torch.Tensor | None) -> torch.Tensor | None:
-    """The parameter before ``fns``' first step (step ``steps[0]``)."""
-    return p.clone() if i == steps[0] else before
-
-
 def _grad(gen, shape, dtype, device) -> torch.Tensor:
     """A random gradient; a matrix of three or more rows gets an all-zero row (zero scales)."""
     g = torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)
@@ -178,7 +173,8 @@ def run_m8(shape, period, factored, dtype, device, steps, fns):
     h = F.Hyper(lr=1e-2, beta1=0.9 if period % 2 else 0.4, beta2=0.99, eps=1e-8, weight_decay=0.05)
     before = None
     for i, fn in enumerate([REFERENCE] * steps[0] + [fns] * steps[1]):
-        before, g = _before(p, i, steps, before), _grad(gen, shape, dtype, device)
+        before = p.clone() if i == steps[0] else before  # the parameter before fns' first step
+        g = _grad(gen, shape, dtype, device)
         v_row, partials = fn.partials(g, state, h.beta2) if factored else (None, None)
         fn.update(p, g, state, codebook, h, global_rows=(shape[0] if shape else 1) + 3, v_row=v_row,
                   partials=partials)
@@ -201,7 +197,8 @@ def run_m4v4(shape, dtype, device, steps, fns):
     gen, p, state, codebook, ratio, h = _m4v4_problem(4321 + len(shape), shape, tuple(shape), dtype, device)
     before = None
     for i, fn in enumerate([REFERENCE] * steps[0] + [fns] * steps[1]):
-        before, g = _before(p, i, steps, before), _grad(gen, shape, dtype, device)
+        before = p.clone() if i == steps[0] else before  # the parameter before fns' first step
+        g = _grad(gen, shape, dtype, device)
         if len(shape) < 2:
             fn.adamw(p, g, state, h, pidx=3, seed=1, row0=5)
             continue
@@ -218,7 +215,7 @@ def run_m4v4_cut(shape, dtype, device, fns):
     gen, p, state, codebook, ratio, h = _m4v4_problem(2468, shape, (shape[0], 3 * shape[1]), dtype, device)
     before = p.clone()
     for _ in range(2):
-        g = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen)).to(device=device, dtype=dtype)
+        g = _grad(gen, shape, dtype, device)
         row_sum, row_max = fns.row_stats(g, state, codebook, h.beta1)
         state["row_sum"], state["row_max"] = row_sum.clone(), row_max.clone()  # compared too
         row_sum, row_max = row_sum * 2.5, row_max * 1.5

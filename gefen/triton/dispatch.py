@@ -4,8 +4,8 @@ launch through ``gefen.triton.launch``.
 Each function takes the arguments of the functional reference of the same name and returns True
 / the result when the kernels did the work, or False / None (nothing touched) for a layout that is
 not theirs, logged once (``fallback``). At a CUDA device's first use each family runs its parity
-problems (``verify``, ``gefen.parity``); a mismatch or a build failure keeps the reference. Triton is imported on
-first use only. Inside ``batched()`` the updates (which return nothing) are queued and launched
+problems (``verify``, ``gefen.parity``); a mismatch or a build failure keeps the reference.
+Triton is imported on first use only. Inside ``batched()`` the updates (which return nothing) are queued and launched
 together when the block ends: one launch per phase for the whole step instead of a few per tensor.
 """
 
