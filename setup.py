@@ -3,8 +3,8 @@
 gefen._kmeans_dp, gefen._gefen_step (the fused step and the first step's statistics) and
 gefen_ckpt._native (the checkpoint checksum and I/O loops) are plain C99 (no Python C-API) loaded with ctypes by
 gefen.codebook, gefen.native and gefen_ckpt.native; setuptools merely compiles them next to the package (in place
-for editable installs).  _gefen_step uses OpenMP when the compiler has it (else it is built
-serial), and is optional: without it gefen runs the eager torch step.
+for editable installs).  _gefen_step and _kmeans_dp use OpenMP when the compiler has it (else they are
+built serial); _gefen_step is optional: without it gefen runs the eager torch step.
 """
 
 from setuptools import Extension, setup
@@ -27,7 +27,8 @@ class BuildExt(build_ext):
 
 setup(
     ext_modules=[
-        Extension("gefen._kmeans_dp", ["gefen/csrc/kmeans_dp.c"], extra_compile_args=["-O3"]),
+        Extension("gefen._kmeans_dp", ["gefen/csrc/kmeans_dp.c"], depends=["gefen/csrc/gefen_common.h"],
+                  extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"], extra_link_args=["-fopenmp"]),
         # -ffp-contract=off: no implicit fused multiply-adds; bit-parity with torch depends on it.
         Extension("gefen._gefen_step", ["gefen/csrc/gefen_step.c", "gefen/csrc/first_step.c",
                                                   "gefen/csrc/m4v4_step.c"], optional=True,

@@ -24,7 +24,7 @@ _HIST_CHUNK = 1 << 22
 def _load_native() -> Callable | None:
     """Return the C solver, or None when the extension was not built (plain source tree)."""
     dbl = ctypes.POINTER(ctypes.c_double)
-    args = [ctypes.c_int64, ctypes.c_int64, dbl, dbl, dbl, dbl, dbl, ctypes.POINTER(ctypes.c_int64)]
+    args = [ctypes.c_int64, ctypes.c_int64, dbl, dbl, dbl, dbl, dbl, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32]
     lib = clib.load("gefen._kmeans_dp", {"gefen_kmeans_dp": (args, ctypes.c_int)})
     return lib.gefen_kmeans_dp if lib is not None else None
 
@@ -128,7 +128,8 @@ def _cuts_native(n: int, m: int, W, S1, S2, L, R) -> np.ndarray:
     cuts = np.empty(m + 1, dtype=np.int64)
     arrays = [np.ascontiguousarray(a, dtype=np.float64) for a in (W, S1, S2, L, R)]
     ptrs = [a.ctypes.data_as(ctypes.POINTER(ctypes.c_double)) for a in arrays]
-    if _native(n, m, *ptrs, cuts.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))) != 0:
+    # the cuts do not depend on the thread count (kmeans_dp.c); torch.set_num_threads bounds it
+    if _native(n, m, *ptrs, cuts.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), torch.get_num_threads()) != 0:
         raise MemoryError("gefen._kmeans_dp: out of memory")
     return cuts
 

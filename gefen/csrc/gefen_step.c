@@ -528,8 +528,8 @@ static inline int32_t bucket_of(float x, float hm, int32_t M) {
  *     lo + (thr[lo] < x) + (thr[lo + 1] < x)
  * (exact with at most 2 thresholds per bucket: thr is sorted, so thr[lo] is the first threshold
  * in bucket b or above, and any threshold in a higher bucket, >= 1, or the +inf padding is > x).
- * With M = 16384 a learned codebook (centres >= 2/4096 apart) has <= 1 threshold per bucket and
- * ~1% of the buckets are mixed.  Returns the largest number of thresholds (< 1) in one bucket
+ * With M = 65536 a learned codebook (centres >= 2/4096 apart) has <= 1 threshold per bucket and
+ * ~0.4% of the buckets are mixed.  Returns the largest number of thresholds (< 1) in one bucket
  * (the LUT is usable when <= 2), or -1 (out of memory). */
 GEFEN_EXPORT int gefen_build_lut(const float *thr, int32_t nthr, int32_t M, int32_t K, uint16_t *lut) {
     const float hm = (float)(M / 2);

@@ -18,7 +18,8 @@
  * recursion tree and evaluates the identical expression, so both return identical cuts.
  *
  * Output: cuts[0..m] with prefix = [0, cuts[0]), free segment t = [cuts[t], cuts[t+1]),
- * suffix = [cuts[m], n).  Requires n >= m >= 0.  Returns 0, or -1 if out of memory.
+ * suffix = [cuts[m], n).  Requires n >= m >= 0.  threads: how many OpenMP threads a layer may
+ * use (the cuts do not depend on it).  Returns 0, or -1 if out of memory.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,25 +43,31 @@ static inline double split_cost(const layer_t *ly, int64_t i, double wj, double 
     return ly->prev[i] + (s2 - s1 * s1 / w);
 }
 
+/* Solve node mid (cur[mid], arg[mid]) knowing its argmin lies in [ilo, ihi]; returns the argmin. */
+static int64_t solve_point(const layer_t *ly, int64_t mid, int64_t ilo, int64_t ihi) {
+    int64_t top = ihi < mid - 1 ? ihi : mid - 1;
+    int64_t start = ilo;
+    if (ly->prev_arg && mid <= ly->prev_end && ly->prev_arg[mid] > start)
+        start = ly->prev_arg[mid] < top ? ly->prev_arg[mid] : top;
+    double wj = ly->W[mid], s1j = ly->S1[mid], s2j = ly->S2[mid];
+    int64_t best = start;
+    double best_cost = split_cost(ly, start, wj, s1j, s2j);
+    for (int64_t i = start + 1; i <= top; ++i) {
+        double c = split_cost(ly, i, wj, s1j, s2j);
+        int better = c < best_cost; /* strict: ties keep the smaller split */
+        best = better ? i : best;
+        best_cost = better ? c : best_cost;
+    }
+    ly->cur[mid] = best_cost;
+    ly->arg[mid] = (int32_t)best;
+    return best;
+}
+
 /* Fill cur[j], arg[j] for j in [jlo, jhi] knowing the argmin lies in [ilo, ihi]. */
 static void solve_range(const layer_t *ly, int64_t jlo, int64_t jhi, int64_t ilo, int64_t ihi) {
     while (jlo <= jhi) {
         int64_t mid = jlo + (jhi - jlo) / 2;
-        int64_t top = ihi < mid - 1 ? ihi : mid - 1;
-        int64_t start = ilo;
-        if (ly->prev_arg && mid <= ly->prev_end && ly->prev_arg[mid] > start)
-            start = ly->prev_arg[mid] < top ? ly->prev_arg[mid] : top;
-        double wj = ly->W[mid], s1j = ly->S1[mid], s2j = ly->S2[mid];
-        int64_t best = start;
-        double best_cost = split_cost(ly, start, wj, s1j, s2j);
-        for (int64_t i = start + 1; i <= top; ++i) {
-            double c = split_cost(ly, i, wj, s1j, s2j);
-            int better = c < best_cost; /* strict: ties keep the smaller split */
-            best = better ? i : best;
-            best_cost = better ? c : best_cost;
-        }
-        ly->cur[mid] = best_cost;
-        ly->arg[mid] = (int32_t)best;
+        int64_t best = solve_point(ly, mid, ilo, ihi);
         /* Recurse into the smaller half, loop on the other: bounded stack depth. */
         if (mid - jlo < jhi - mid) {
             solve_range(ly, jlo, mid - 1, ilo, best);
@@ -74,9 +81,43 @@ static void solve_range(const layer_t *ly, int64_t jlo, int64_t jhi, int64_t ilo
     }
 }
 
+/* Threads: the top PAR_DEPTH levels of a layer's recursion tree are solved first, in order; the
+ * subtrees below them read only those nodes' results and write disjoint j, so they run in any
+ * order on any thread and every node sees the bounds the serial recursion gives it: the same
+ * cuts on every thread count. */
+#define PAR_DEPTH 3     /* up to 8 independent subtrees per layer */
+#define PAR_MIN_BINS 512 /* below this a layer is too small to share */
+typedef struct {
+    int64_t jlo, jhi, ilo, ihi;
+} range_t;
+
+static int split_top(const layer_t *ly, int64_t jlo, int64_t jhi, int64_t ilo, int64_t ihi, int depth,
+                     range_t *out, int k) {
+    if (jlo > jhi) return k;
+    if (depth == 0) {
+        out[k] = (range_t){jlo, jhi, ilo, ihi};
+        return k + 1;
+    }
+    int64_t mid = jlo + (jhi - jlo) / 2;
+    int64_t best = solve_point(ly, mid, ilo, ihi);
+    k = split_top(ly, jlo, mid - 1, ilo, best, depth - 1, out, k);
+    return split_top(ly, mid + 1, jhi, best, ihi, depth - 1, out, k);
+}
+
+static void solve_layer(const layer_t *ly, int64_t jlo, int64_t jhi, int64_t ilo, int64_t ihi, int threads) {
+    if (threads < 2 || jhi - jlo < PAR_MIN_BINS) {
+        solve_range(ly, jlo, jhi, ilo, ihi);
+        return;
+    }
+    range_t r[1 << PAR_DEPTH];
+    int k = split_top(ly, jlo, jhi, ilo, ihi, PAR_DEPTH, r, 0);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int q = 0; q < k; ++q) solve_range(ly, r[q].jlo, r[q].jhi, r[q].ilo, r[q].ihi);
+}
+
 GEFEN_EXPORT int gefen_kmeans_dp(int64_t n, int64_t m, const double *W, const double *S1,
                                  const double *S2, const double *L, const double *R,
-                                 int64_t *cuts) {
+                                 int64_t *cuts, int32_t threads) {
     double *prev = malloc((size_t)(n + 1) * sizeof(double));
     double *cur = malloc((size_t)(n + 1) * sizeof(double));
     int32_t *arg = malloc((size_t)(m + 1) * (size_t)(n + 1) * sizeof(int32_t));
@@ -91,7 +132,7 @@ GEFEN_EXPORT int gefen_kmeans_dp(int64_t n, int64_t m, const double *W, const do
         /* Segment t ends at j; bins [j, n) must still hold the m - t later segments. */
         layer_t ly = {W, S1, S2, prev, cur, arg + t * (n + 1),
                       t > 1 ? arg + (t - 1) * (n + 1) : NULL, n - (m - t + 1)};
-        solve_range(&ly, t, n - (m - t), t - 1, n - (m - t) - 1);
+        solve_layer(&ly, t, n - (m - t), t - 1, n - (m - t) - 1, threads);
         double *tmp = prev;
         prev = cur;
         cur = tmp;

@@ -117,6 +117,31 @@ def test_backends_are_bit_identical(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_native_solver_does_not_depend_on_the_thread_count():
+    """Threads share each DP layer's subtrees; every node keeps the serial bounds, so the same cuts."""
+    assert cb._native is not None, "gefen._kmeans_dp is not built: run `pip install -e .`"
+    rng = np.random.default_rng(2)
+    x = bin_centres(4096)
+    cases = [
+        np.round(1e5 * np.exp(-(x**2) / 0.08)).astype(np.int64) + 1,  # smooth, every bin active
+        rng.integers(0, 50, 4096) * (rng.random(4096) > 0.3),  # gaps
+        rng.integers(0, 3, 4096),  # many exact ties
+        np.ones(4096, dtype=np.int64),  # all costs tie
+    ]
+    before = torch.get_num_threads()
+    try:
+        books = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            books.append([cb.solve_codebook(torch.from_numpy(c), 256) for c in cases])
+    finally:
+        torch.set_num_threads(before)
+    for other in books[1:]:
+        for a, b in zip(books[0], other):
+            assert torch.equal(a, b)
+    assert len({tuple(b.tolist()) for b in books[0]}) == len(cases)  # the cases differ
+
+
 def test_fallback_warns_once(monkeypatch):
     monkeypatch.setattr(cb, "_native", None)
     monkeypatch.setattr(cb, "_warned_fallback", False)
