@@ -40,11 +40,13 @@ if __package__ in (None, ""):  # `python benchmarks/bench_fused.py`
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (
+    gradient_sets,
     machine_limits,
     md_table,
     plot,
     structured_tensor,
     transformer_shapes,
+    use_gradients,
     write_json,
 )
 from gefen import Gefen, dispatch, native
@@ -65,18 +67,6 @@ def _params(shapes, seed=0, dtype=torch.float32):
         p.grad = structured_tensor(shape, gen, 1e-3).to(dtype)
         named.append((name, p))
     return named
-
-
-def _gradient_sets(named, count=3, seed=1) -> list[list[torch.Tensor]]:
-    """The parameters' own gradients and ``count - 1`` more sets of the same shapes and dtype."""
-    gen = torch.Generator().manual_seed(seed)
-    more = [[structured_tensor(tuple(p.shape), gen, 1e-3).to(p.dtype) for _, p in named] for _ in range(count - 1)]
-    return [[p.grad for _, p in named]] + more
-
-
-def _use_gradients(named, grads) -> None:
-    for (_, p), g in zip(named, grads):
-        p.grad = g
 
 
 def _make(kind, named, layout="m4v4"):
@@ -117,14 +107,14 @@ def _measure(named, grads, layout: str, reps: int, eager_reps: int) -> dict:
     n = sum(p.numel() for _, p in named)
     kinds = [k for k in KINDS if eager_reps or k != "Gefen eager"]
     dispatch.enabled = True
-    _use_gradients(named, grads[0])
+    use_gradients(named, grads[0])
     opts = {kind: _make(kind, named, layout) for kind in kinds}
     for kind, opt in opts.items():  # warm-up: AdamW allocates its state, Gefen learns its codebook
         _step(kind, opt)
     times = {kind: [] for kind in kinds}
     firsts = []
     for r in range(reps):
-        _use_gradients(named, grads[(r + 1) % len(grads)])
+        use_gradients(named, grads[(r + 1) % len(grads)])
         order = kinds[r % len(kinds):] + kinds[: r % len(kinds)]
         for kind in order:
             if kind == "Gefen eager" and r >= eager_reps:
@@ -172,7 +162,7 @@ def run(quick: bool = False) -> dict:
         shapes = transformer_shapes(size)
         for dtype in (torch.float32, torch.bfloat16):
             named = _params(shapes, dtype=dtype)
-            grads = _gradient_sets(named)
+            grads = gradient_sets(named)
             for threads in THREADS:
                 torch.set_num_threads(threads)
                 for layout, dt in CONFIGS:

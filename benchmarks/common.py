@@ -60,6 +60,21 @@ def structured_tensor(shape: tuple[int, ...], gen: torch.Generator, scale: float
     return noise.mul_(scale)
 
 
+def gradient_sets(named, count: int = 3, seed: int = 1) -> list[list[torch.Tensor]]:
+    """The parameters' own gradients and ``count - 1`` more sets of the same shapes and dtype.
+
+    Steps timed on one replayed gradient flatter m8: its codes settle on the codebook's centres,
+    where the nearest-code search's branch always predicts (~20% of a step, docs/decisions.md)."""
+    gen = torch.Generator().manual_seed(seed)
+    more = [[structured_tensor(tuple(p.shape), gen, 1e-3).to(p.dtype) for _, p in named] for _ in range(count - 1)]
+    return [[p.grad for _, p in named]] + more
+
+
+def use_gradients(named, grads: list[torch.Tensor]) -> None:
+    for (_, p), g in zip(named, grads):
+        p.grad = g
+
+
 # ----- timing ----------------------------------------------------------------------------------
 
 # ----- a Gefen state to checkpoint -------------------------------------------------------------
