@@ -1,8 +1,9 @@
 """Gefen step time vs torch AdamW (foreach and fused) on transformer-shaped tensors, CPU, 2 threads.
 
 For each shape set (~25M and ~42M parameters, ``common.transformer_shapes``) the parameters get
-random gradients with row/column scale structure, then Gefen (the default m4v4 layout, fused C
-kernels), the same Gefen with the kernels off (its torch reference: identical numbers, measured in
+random gradients with row/column scale structure (a different set each round,
+``common.gradient_sets``), then Gefen (the default m4v4 layout, fused C kernels), the same Gefen
+with the kernels off (its torch reference, within the kernels' stated bound of it, measured in
 only the first ``REFERENCE_REPS`` rounds because one step takes seconds), Gefen with the m8 layout
 (``moments="m8"``), ``AdamW(foreach=True)`` and ``AdamW(fused=True)`` step the same
 parameters in interleaved rounds (so load changes on a shared machine hit all alike); each number
@@ -41,12 +42,14 @@ if __package__ in (None, ""):  # `python benchmarks/bench_step.py`
 from benchmarks.bench_quality import state_bytes
 from benchmarks.common import (
     ROOT,
+    gradient_sets,
     machine_limits,
     md_table,
     numel,
     plot,
     structured_tensor,
     transformer_shapes,
+    use_gradients,
     write_json,
 )
 from gefen import Gefen, dispatch, native
@@ -92,7 +95,7 @@ def _timed(fn) -> float:
 
 
 def _step(kind, opt) -> float:
-    """Seconds of one step; the torch reference runs with the kernels off (same numbers)."""
+    """Seconds of one step; the torch reference runs with the kernels off."""
     saved = dispatch.enabled
     dispatch.enabled = saved and kind != REFERENCE
     try:
@@ -119,7 +122,9 @@ def _measure(size: int, reps: int, first_samples: int, reference_reps: int) -> d
         if kind == "Gefen":
             firsts.append(seconds)
     times = {kind: [] for kind in KINDS}
+    grads = gradient_sets(named)
     for r in range(reps):
+        use_gradients(named, grads[(r + 1) % len(grads)])
         order = KINDS[r % len(KINDS):] + KINDS[: r % len(KINDS)]
         for kind in order:
             if kind != REFERENCE or r < reference_reps:
