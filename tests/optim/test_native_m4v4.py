@@ -427,7 +427,7 @@ def test_checkpoints_cross_between_the_reference_and_the_kernels(first, then):
         assert_within_bound(a.detach(), st, b.detach(), ref_st, before, name)
 
 
-@pytest.mark.parametrize("name,isa", [("scalar", 0), ("avx2", 1), ("avx512", 2), ("bogus", 2)])
+@pytest.mark.parametrize("name,isa", [("scalar", 0), ("avx2", 1), ("avx512", 2), ("avx512vbmi", 3), ("bogus", 3)])
 def test_the_isa_can_be_forced_from_the_environment(name, isa):
     """``GEFEN_CPU_ISA`` (read at import) caps the kernels every call runs; an unknown name warns."""
     code = "from gefen import native\nprint(native._ISA, native._calibrated().isa)\n"
