@@ -46,17 +46,6 @@ TYPER_EXITS = (typer.Exit, typer.Abort,
                next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"))
 
 
-@contextmanager
-def handled() -> Iterator[None]:
-    """Inside a command: any failure becomes ``exit_on_error`` (one line, exit 2)."""
-    try:
-        yield
-    except TYPER_EXITS:
-        raise
-    except Exception as exc:
-        exit_on_error(exc)
-
-
 def exit_on_error(exc: Exception):
     """The CLI's one error policy (docs/cli.md): whatever went wrong -- a bad or unreadable
     checkpoint, storage, a bug -- one red line on stderr and exit 2, never a traceback

@@ -1,10 +1,9 @@
 """``GefenMuonHybrid``: Muon on hidden matrices, a backup optimizer on the rest (docs/design.md 3.2).
 
-Muon only suits hidden 2-D weights: embeddings and output heads (tied or not) see sparse or
-very skewed gradients, and 1-D or conv tensors are not matrices to orthogonalise. The hybrid
-routes parameters with ``split_params_for_muon`` and presents its two child optimizers as one
-torch optimizer (param groups, step, zero_grad, hooks, schedulers, GradScaler, state_dict).
-Checkpoint code sees it through the composite convention of ``gefen.contract``.
+Muon suits hidden 2-D weights only: embeddings and output heads (tied or not) see sparse or skewed
+gradients, and other tensors are not matrices to orthogonalise. The hybrid routes parameters with
+``split_params_for_muon`` and presents its two children as one torch optimizer; checkpoint code
+sees it through ``gefen.contract``'s composite convention.
 """
 
 from __future__ import annotations
@@ -60,13 +59,9 @@ def split_params_for_muon(model_or_named_params) -> tuple[Named, Named]:
     _check_unique(named)
     muon, backup = [], []
     for name, p in named:
-        (muon if _is_hidden_matrix(name, p, embeddings) else backup).append((name, p))
+        hidden = p.dim() == 2 and id(p) not in embeddings and not any(pat in name.lower() for pat in HEAD_PATTERNS)
+        (muon if hidden else backup).append((name, p))
     return muon, backup
-
-
-def _is_hidden_matrix(name: str, p: torch.Tensor, embeddings: set[int]) -> bool:
-    lowered = name.lower()
-    return p.dim() == 2 and id(p) not in embeddings and not any(pat in lowered for pat in HEAD_PATTERNS)
 
 
 def _named(items) -> Named:
@@ -241,12 +236,10 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         muon_kwargs.setdefault("adjust_lr_fn", "match_rms_adamw")
         # one child group per input group and child it has members in; each gets the group's keys
         # the child knows once the children (and so their defaults) exist
-        muon_parts = [(hyper, muon) for hyper, muon, _ in routed if muon]
-        backup_parts = [(hyper, rest) for hyper, _, rest in routed if rest]
         self.children: dict[str, torch.optim.Optimizer] = {
-            "muon": GefenMuon([{"params": part} for _, part in muon_parts], lr=_pick(muon_lr, lr),
+            "muon": GefenMuon([{"params": muon} for _, muon, _ in routed if muon], lr=_pick(muon_lr, lr),
                               weight_decay=_pick(muon_weight_decay, weight_decay), **muon_kwargs),
-            "backup": BACKUPS[backup]([{"params": part} for _, part in backup_parts], lr=_pick(backup_lr, lr),
+            "backup": BACKUPS[backup]([{"params": rest} for _, _, rest in routed if rest], lr=_pick(backup_lr, lr),
                                       weight_decay=_pick(backup_weight_decay, weight_decay), **backup_kwargs),
         }
         groups = {name: iter(child.param_groups) for name, child in self.children.items()}

@@ -1,10 +1,7 @@
-"""``GefenMuon``: Muon whose momentum is stored like Gefen's first moment (docs/design.md 3.2).
-
-The momentum keeps Gefen's compressed form (uint8 codes into the optimizer-wide codebook plus
-one scale per block, blocks inside rows of the global matrix), so it shards and reshards
-exactly like Gefen's state. Everything in a step is rank-local except Newton-Schulz, which
-needs whole matrices (it goes through the ``LocalGather`` seam), and, where tensor parallelism
-splits columns, each row's momentum scale (a max over the tensor-parallel dimension).
+"""``GefenMuon``: Muon whose momentum is stored like Gefen's first moment (docs/design.md 3.2),
+so it shards and reshards exactly like Gefen's state. A step is rank-local except Newton-Schulz,
+which needs whole matrices (``gefen.distributed.row_gather``), and, where tensor parallelism splits
+columns, each row's momentum scale (a max over the tensor-parallel dimension).
 """
 
 from __future__ import annotations
@@ -12,21 +9,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Callable
 
 import torch
 
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen.dispatch import momenta_, momentum_scales, round_param_, sr_target, update_momentum_
-from gefen.distributed import ParamPlacement, RowGather
+from gefen.distributed import ParamPlacement, row_gather
 from gefen.functional import decay_and_add_, init_momentum_state
 from gefen.newton_schulz import NORM_EPS, STANDARD, orthogonalise, resolve_schedule
 from gefen.state_layouts import CODEBOOK_FIELD, MOMENTUM_FIELDS
 from gefen.stochastic import param_salt
 from gefen.validation import check_flags_and_seed, check_range, param_label
 
-__all__ = ["GefenMuon", "LocalGather", "lr_scale"]
+__all__ = ["GefenMuon", "lr_scale"]
 
 #: flipped into the parameter-rounding salt, so a GefenMuonHybrid's two children never share noise
 MUON_SALT = 0x40000000
@@ -66,16 +62,6 @@ def upgrade_group(group: dict, defaults: dict) -> dict:
         "eps": NORM_EPS,
     }
     return group
-
-
-class LocalGather:
-    """The seam between row-sharded momentum and Newton-Schulz, which needs whole matrices:
-    ``orthogonalise_rows(params, blocks, fn)`` returns this rank's rows, whole, of ``fn(full
-    matrices)``. One process holds everything; on a mesh ``gefen.distributed.RowGather`` serves."""
-
-    def orthogonalise_rows(self, params: list[torch.Tensor], blocks: list[torch.Tensor],
-                           fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
-        return fn(blocks)
 
 
 def lr_scale(shape: tuple[int, int], adjust_lr_fn: str | None) -> float:
@@ -132,8 +118,6 @@ class GefenMuon(CompressedOptimizer):
                         bf16_stochastic_round=bf16_stochastic_round)
         self._check_group(defaults)
         super().__init__(params, defaults, codebook_size=codebook_size, bins_per_code=bins_per_code)
-
-    gather = LocalGather()  # stateless; replaced by RowGather on a mesh
 
     def contract(self) -> OptimizerContract:
         return _CONTRACT
@@ -201,9 +185,7 @@ class GefenMuon(CompressedOptimizer):
         # 2. orthogonalise: the one step that needs whole matrices (this rank gets its rows, whole)
         schedules = [(resolve_schedule(group["ns_coefficients"], group["ns_steps"]), group["eps"])
                      for group, _, _ in work]
-        gather = RowGather(plan) if plan.group is not None else self.gather
-        ortho = gather.orthogonalise_rows([p for _, p, _ in work], inputs,
-                                          lambda full: orthogonalise_batched(full, schedules))
+        ortho = row_gather(plan, [p for _, p, _ in work], inputs, lambda full: orthogonalise_batched(full, schedules))
 
         # 3. NorMuon: whole rows normalised locally, Frobenius norms restored with one reduction
         normed = [i for i, (group, _, _) in enumerate(work) if group["normuon"]]
