@@ -1,10 +1,7 @@
-"""``gefen-ckpt inspect``: a summary of a checkpoint built from its manifest and tensor shapes.
-
-Everything comes from the stored tensors' *shapes and dtypes* and the manifest, except two
-tiny reads: the codebook (to summarise its values) and one parameter's ``step`` scalar when
-the manifest does not record the step. A portable checkpoint is summarised straight from its
-validated manifest without importing torch (``describe_manifest``: inspect takes a fraction
-of a second); DCP and torch.save files go through their ``CanonicalState`` (``describe_state``).
+"""``gefen-ckpt inspect``: a summary of a checkpoint from its manifest and tensor shapes (two tiny
+reads: the codebook, and one ``step`` when the manifest records none). A portable checkpoint is
+described from its manifest without importing torch (``describe_manifest``); DCP and torch.save files
+through their ``CanonicalState`` (``describe_state``).
 """
 
 from __future__ import annotations
@@ -50,9 +47,6 @@ class Described:
     params: dict[str, StoredParam]
     global_fields: dict[str, Stored]
     metadata: dict
-
-    def fqns(self) -> list[str]:
-        return [fqn for group in self.param_groups for fqn in group["params"]]
 
 
 def describe_manifest(store, manifest) -> Described:
@@ -157,7 +151,7 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
     manifest = manifest or {}
     contract = state.contract
     params, numel_total, state_bytes_total = [], 0, 0
-    for fqn in state.fqns():
+    for fqn in (fqn for group in state.param_groups for fqn in group["params"]):
         entry = state.params.get(fqn)
         if entry is None:
             params.append({"fqn": fqn, "shape": None, "dtype": None, "child": None, "numel": None,
@@ -217,9 +211,8 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
 
 
 def _ranks(shards: int | None, topology: dict | None) -> dict:
-    """One account of the ranks: ``shards`` (data split, from the layout), ``world_size`` and
-    ``mesh`` (replicate x shard) of the topology written for; an HSDP mesh RxS has R*S ranks
-    and S shards, a plain sharded layout as many ranks as shards."""
+    """``shards`` (from the layout), ``world_size`` and ``mesh`` (replicate x shard) of the topology
+    written for: an HSDP mesh RxS has R*S ranks and S shards."""
     topology = topology or {}
     mesh = topology.get("mesh")
     world = topology.get("world_size") or (mesh[0] * mesh[1] if mesh else shards)

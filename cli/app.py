@@ -1,9 +1,6 @@
 """``gefen-ckpt``: inspect, verify, diff, convert and reshard optimizer checkpoints offline.
 
-Thin by design: parse arguments, call ``gefen_ckpt``, print. Exit codes: 0 success / equal,
-1 problems found (``verify``) or checkpoints differ (``diff``), 2 error (bad path, not a
-checkpoint, unreadable, bad usage). Every path may be a local path or any fsspec URL
-(``file://``, ``memory://``, ``s3://bucket/key``, ...).
+Thin by design: parse arguments, call ``gefen_ckpt``, print (exit codes: the app's help, docs/cli.md).
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from . import _common as common
 
@@ -29,7 +26,7 @@ class _Commands(TyperGroup):
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: typer.Context):
-        common.command_paths[:] = self._paths(ctx)
+        common.command_paths.clear()
         try:
             return super().invoke(ctx)
         except common.TYPER_EXITS:
@@ -37,18 +34,13 @@ class _Commands(TyperGroup):
         except Exception as exc:
             common.exit_on_error(exc)
 
-    def _paths(self, ctx: typer.Context) -> list[str]:
-        """The failed command's checkpoint arguments (its command line parsed again, resiliently)."""
-        args = ctx.meta.get("gefen_ckpt.args", [])
-        at = next((i for i, a in enumerate(args) if a in self.commands), None)
-        if at is None:
-            return []
-        try:
-            params = self.commands[args[at]].make_context(args[at], args[at + 1:], parent=ctx,
-                                                          resilient_parsing=True).params
-        except Exception:
-            return []
-        return [params[k] for k in common.PATH_PARAMS if isinstance(params.get(k), str)]
+
+class _Command(TyperCommand):
+    """A command: its checkpoint arguments (``common.command_paths``) name the path in its errors."""
+
+    def invoke(self, ctx: typer.Context):
+        common.command_paths[:] = [ctx.params[k] for k in common.PATH_PARAMS if isinstance(ctx.params.get(k), str)]
+        return super().invoke(ctx)
 
 
 app = typer.Typer(
@@ -137,7 +129,7 @@ def _echo_json(data) -> None:
 
 
 # ----- inspect ------------------------------------------------------------------------------
-@app.command()
+@app.command(cls=_Command)
 def inspect(
     path: PathArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
@@ -182,7 +174,7 @@ def inspect(
 
 
 # ----- verify -------------------------------------------------------------------------------
-@app.command()
+@app.command(cls=_Command)
 def verify(
     path: PathArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
@@ -232,7 +224,7 @@ def verify(
 
 
 # ----- diff ---------------------------------------------------------------------------------
-@app.command()
+@app.command(cls=_Command)
 def diff(
     a: Annotated[str, typer.Argument(help="First checkpoint (portable directory or torch.save file).")],
     b: Annotated[str, typer.Argument(help="Second checkpoint (portable directory or torch.save file).")],
@@ -293,7 +285,7 @@ def diff(
 
 
 # ----- convert ------------------------------------------------------------------------------
-@app.command()
+@app.command(cls=_Command)
 def convert(
     src: Annotated[str, typer.Argument(
         help="Source checkpoint: portable or DCP directory, or torch.save file (auto-detected).")],
@@ -380,7 +372,7 @@ def conversion_summary(report: dict) -> str:
 
 
 # ----- reshard ------------------------------------------------------------------------------
-@app.command()
+@app.command(cls=_Command)
 def reshard(
     src: Annotated[str, typer.Argument(help="Source checkpoint: portable or DCP directory, or torch.save file.")],
     dst: Annotated[str, typer.Argument(help="Destination directory (written atomically).")],

@@ -29,13 +29,9 @@ def shard_dim(placement) -> int | None:
 
 
 def field_placements(geometry: str, param: torch.Tensor) -> tuple:
-    """Placements of a state field of ``geometry`` for the DTensor ``param``.
-
-    Fields indexed by the parameter's rows (``block``, ``row``) split like its rows and are
-    ``Replicate`` where a split cuts columns (their statistics are reduced over it); ``param``
-    fields follow every split; ``col`` fields (indexed by the flattened row position) split where
-    the parameter's dim 1 is split and are ``Replicate`` where its rows are.
-    """
+    """Placements of a state field of ``geometry`` for the DTensor ``param``: ``param`` fields follow
+    every split, ``block`` and ``row`` fields the row splits (``Replicate`` where columns are split:
+    their statistics are reduced over it), ``col`` fields the column split (moved to dim 0)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -96,13 +92,9 @@ class Reducer:
 
 @dataclass(frozen=True)
 class ParamPlacement:
-    """Where this rank's block of one DTensor parameter lies, in terms of the root mesh.
-
-    ``row_dims``: root mesh dimensions that split dim 0; ``col_dim``: the one that splits dim 1
-    (tensor parallelism's ``Shard(1)``), if any; ``replicated``: dimensions holding copies.
-    ``row0``/``col0``: the global row and column of the block's first element (``col0`` counts
-    the parameter's dim 1; on a 2-D parameter that is the flattened column).
-    """
+    """Where this rank's block of one DTensor parameter lies, in terms of the root mesh:
+    ``row_dims`` split dim 0, ``col_dim`` dim 1 (tensor parallelism's ``Shard(1)``), if any;
+    ``replicated`` hold copies; ``row0``/``col0``: the global row and column of its first element."""
 
     root: object
     coordinate: tuple[int, ...]
@@ -171,12 +163,9 @@ def describe_placement(name: str, p: torch.Tensor) -> ParamPlacement:
 
 @dataclass
 class ReductionPlan:
-    """The reducers for global statistics, and which parameters this rank must count.
-
-    ``reducer`` sums over every rank that holds a different part of some parameter (``group``,
-    spanning the root mesh dimensions ``dims``); ``columns`` reduces over the one mesh dimension
-    that splits columns (None without tensor parallelism).
-    """
+    """The reducers for global statistics, and which parameters this rank must count: ``reducer``
+    sums over ``group``, the ranks (root mesh dimensions ``dims``) that hold different parts of some
+    parameter; ``columns`` over the one mesh dimension that splits columns (None without TP)."""
 
     reducer: Reducer = field(default_factory=Reducer)
     group: object = None  # the process group ``reducer`` sums over (None: one process)
@@ -224,8 +213,10 @@ class ReductionPlan:
         a table whose blocks do not tile a matrix is refused."""
         key = tuple(id(p) for p in params)
         if key not in self._tables:
-            rows = [[*self.offsets(p)[:1], local_size(p, 0), self.offsets(p)[1], local_size(p, 1), int(self.counts(p))]
-                    for p in params]
+            rows = []
+            for p in params:
+                (row0, col0), local = self.offsets(p), local_tensor(p)
+                rows.append([row0, local.shape[0], col0, local.shape[1], int(self.counts(p))])
             mine = torch.tensor(rows, dtype=torch.int64, device=local_tensor(params[0]).device)
             table = self.reducer.gather(mine).tolist()
             for i, p in enumerate(params):
@@ -247,7 +238,7 @@ class ReductionPlan:
         lay = self.placement(p)
         out = partials
         if lay is not None and lay.col_dim is not None:
-            n = local_size(p, 1)
+            n = local_tensor(p).shape[1]
             out = partials.new_zeros(columns + partials.numel() - n)
             out[lay.col0:lay.col0 + n] = partials[:n]
             out[columns:] = partials[n:]
@@ -262,7 +253,7 @@ class ReductionPlan:
         lay = self.placement(p)
         if lay is None or lay.col_dim is None:
             return total
-        return torch.cat([total[lay.col0:lay.col0 + local_size(p, 1)], total[columns:]])
+        return torch.cat([total[lay.col0:lay.col0 + local_tensor(p).shape[1]], total[columns:]])
 
     def reduce_rows_(self, op: str, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per-row values of column-split parameters reduced (``"sum"``/``"max"``) over the ranks
@@ -274,10 +265,9 @@ class ReductionPlan:
         return [part.view_as(r) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
 
     def reduce_row_stats_(self, stats: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-row ``(float64 sums, fp32 maxes)`` of column-split parameters summed and maxed over
-        the ranks holding the other columns of the same rows: ONE collective (an ``all_gather``:
-        a sum and a max need two all-reduces) for all of them, then the sum and the max in rank
-        order, the same on every rank (a NaN max stays NaN)."""
+        """Per-row ``(float64 sums, fp32 maxes)`` of column-split parameters summed and maxed over the
+        ranks holding the other columns of the same rows: ONE ``all_gather`` (not two all-reduces),
+        then the sum and the max in rank order, the same on every rank (a NaN max stays NaN)."""
         if self.columns is None or not stats:
             return list(stats)
         parts = [t.reshape(-1).double() for pair in stats for t in pair]
@@ -292,10 +282,6 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The rank-local part of a (possibly DTensor) parameter or gradient."""
     to_local = getattr(p, "to_local", None)
     return to_local() if to_local is not None else p
-
-
-def local_size(p: torch.Tensor, dim: int) -> int:
-    return local_tensor(p).shape[dim]
 
 
 def refusal(name: str, p: torch.Tensor, who: str, alternative: str) -> ValueError:

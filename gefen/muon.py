@@ -65,11 +65,8 @@ def upgrade_group(group: dict, defaults: dict) -> dict:
 
 
 def lr_scale(shape: tuple[int, int], adjust_lr_fn: str | None) -> float:
-    """Multiplier on the learning rate for a ``rows x cols`` matrix (global shape).
-
-    ``original`` or None (Keller Jordan): ``sqrt(max(1, rows/cols))``. ``match_rms_adamw`` (Moonlight):
-    ``0.2 * sqrt(max(rows, cols))`` gives the update AdamW's typical RMS, so AdamW's LR carries over.
-    """
+    """Multiplier on the learning rate for a ``rows x cols`` matrix (global shape): ``original``
+    (Keller Jordan) or ``match_rms_adamw`` (Moonlight: AdamW's update RMS, so AdamW's LR carries over)."""
     rows, cols = shape
     if adjust_lr_fn in (None, "original"):
         return math.sqrt(max(1.0, rows / cols))
@@ -77,11 +74,8 @@ def lr_scale(shape: tuple[int, int], adjust_lr_fn: str | None) -> float:
 
 
 def normuon_(o: torch.Tensor, state: dict, beta2: float, eps: float) -> torch.Tensor:
-    """Divide each row of ``o`` (fp32, in place) by the bias-corrected RMS of its EMA (NorMuon).
-
-    Returns the float64 local sums ``[|O|^2, |O_normalised|^2]``: their *global* ratio restores the
-    Frobenius norm, so callers reduce them over ranks before ``o *= sqrt(ratio)``.
-    """
+    """Divide each row of ``o`` (fp32, in place) by the bias-corrected RMS of its EMA (NorMuon); the
+    float64 local sums ``[|O|^2, |O_normalised|^2]``, whose *global* ratio restores the Frobenius norm."""
     sq = o.square()
     before = sq.sum(dtype=torch.float64)
     state["v_row"].mul_(beta2).add_(sq.mean(1), alpha=1 - beta2)
@@ -160,10 +154,8 @@ class GefenMuon(CompressedOptimizer):
         return state
 
     def _check_placement(self, name: str, param: torch.Tensor, placement: ParamPlacement) -> None:
-        """Every layout ``describe_placement`` accepts works: Newton-Schulz gathers whole matrices over
-        all the mesh dimensions that split them, and a column split's cut of the momentum's one
-        block per row is repaired by a max over the tensor-parallel dimension (state with shorter
-        blocks is refused when it is loaded onto such a layout)."""
+        """Every layout ``describe_placement`` accepts works: Newton-Schulz gathers whole matrices, and
+        a column split's cut of a row's block is repaired by a max over the tensor-parallel dimension."""
 
     def _step(self, work) -> None:
         plan = self.reduction_plan()
@@ -215,9 +207,8 @@ class GefenMuon(CompressedOptimizer):
                          salt=param_salt(position[id(p)], group["seed"]) ^ MUON_SALT)
 
     def _cut_momenta_(self, items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list:
-        """``update_momentum_`` of shards whose columns tensor parallelism splits: each row's one
-        block is cut, so its max-abs scale is reduced over the ranks holding the row's other columns
-        (one collective for all of them) before the codes are chosen, as one process would."""
+        """``update_momentum_`` of shards whose columns tensor parallelism splits: each row's max-abs
+        scale is reduced over the ranks holding its other columns (one collective) before coding."""
         items = [(state, g.float(), mu) for state, g, mu in items]
         scales = self.reduction_plan().reduce_rows_("max", [momentum_scales(*item, codebook) for item in items])
         return [update_momentum_(*item, codebook, s) for item, s in zip(items, scales)]
