@@ -24,8 +24,7 @@ EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
 def out() -> Console:
     """Console for results (stdout). Wide when not a terminal, so piped tables keep their FQNs."""
-    terminal = sys.stdout.isatty()
-    return Console(soft_wrap=False, width=None if terminal else 200, highlight=False)
+    return Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200, highlight=False)
 
 
 def err() -> Console:

@@ -87,18 +87,6 @@ def describe_state(state) -> Described:
 
 
 # ----- the summary ----------------------------------------------------------------------------
-def period_of(shape: tuple[int, ...], fields: dict[str, Stored], contract: OptimizerContract) -> int | None:
-    """Block length P from the shape of a ``block``-geometry field."""
-    for name, source in sorted(fields.items()):
-        try:
-            spec = contract.field(name)
-        except KeyError:
-            continue
-        if spec.geometry == "block" and len(source.shape) == 2 and source.shape[1] > 0:
-            return period_of_blocks(shape, source.shape[1])
-    return None
-
-
 def codebook_summary(key: str, source: Stored) -> dict:
     try:
         values = source.read()
@@ -150,7 +138,7 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
     """Plain (JSON-able) summary; ``manifest``: the portable manifest, ``files``: name -> bytes."""
     manifest = manifest or {}
     contract = state.contract
-    params, numel_total, state_bytes_total = [], 0, 0
+    params = []
     for fqn in (fqn for group in state.param_groups for fqn in group["params"]):
         entry = state.params.get(fqn)
         if entry is None:
@@ -169,18 +157,19 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
                            "geometry": geometry, "bytes": source.nbytes})
         numel = math.prod(entry.shape)
         nbytes = sum(f["bytes"] for f in fields)
-        numel_total += numel
-        state_bytes_total += nbytes
+        period = next((period_of_blocks(entry.shape, f["shape"][1]) for f in fields  # from a block field's shape
+                       if f["geometry"] == "block" and len(f["shape"]) == 2 and f["shape"][1] > 0), None)
         params.append({"fqn": fqn, "shape": list(entry.shape), "dtype": entry.dtype, "child": entry.child,
-                       "numel": numel, "period": period_of(tuple(entry.shape), entry.fields, leaf),
-                       "fields": fields, "state_bytes": nbytes, "bytes_per_param": nbytes / numel if numel else None})
+                       "numel": numel, "period": period, "fields": fields, "state_bytes": nbytes,
+                       "bytes_per_param": nbytes / numel if numel else None})
     global_bytes = sum(s.nbytes for s in state.global_fields.values())
     codebooks = [codebook_summary(k, s) for k, s in sorted(state.global_fields.items())
                  if k.rsplit("/", 1)[-1] in ("codebook", "v_codebook")]
     groups = [{"index": i, "child": g.get("child"), "params": len(g["params"]),
                "hyperparameters": {k: v for k, v in g.items() if k not in ("params", "child")}}
               for i, g in enumerate(state.param_groups)]
-    total_bytes = state_bytes_total + global_bytes
+    numel_total = sum(p["numel"] or 0 for p in params)
+    total_bytes = sum(p["state_bytes"] for p in params) + global_bytes
     return {
         "path": url,
         "format": manifest.get("format", fmt) if fmt != "torch" else "torch",
@@ -227,7 +216,6 @@ def human_bytes(n: int | None) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return str(n)
 
 
 def _fmt(v) -> str:
