@@ -169,10 +169,8 @@ class GefenMuon(CompressedOptimizer):
         whole = [k for k in range(len(items)) if k not in cut]
         momenta = dict(zip(whole, momenta_([items[k] for k in whole], codebook)))
         momenta.update(zip(cut, self._cut_momenta_([items[k] for k in cut], codebook)))
-        inputs = []
-        for k, (group, _, _) in enumerate(work):  # (an fp32 += bf16 add is exact)
-            _, g, mu = items[k]
-            inputs.append(momenta[k].mul_(mu).add_(g, alpha=1 - mu) if group["nesterov"] else momenta[k])
+        inputs = [momenta[k].mul_(mu).add_(g, alpha=1 - mu) if group["nesterov"] else momenta[k]  # fp32 += bf16: exact
+                  for k, ((group, _, _), (_, g, mu)) in enumerate(zip(work, items))]
 
         # 2. orthogonalise: the one step that needs whole matrices (this rank gets its rows, whole)
         schedules = [(resolve_schedule(group["ns_coefficients"], group["ns_steps"]), group["eps"])
