@@ -140,15 +140,11 @@ def _optimal_cuts(x: np.ndarray, w: np.ndarray, m: int) -> np.ndarray:
 
 
 def solve_codebook(counts: torch.Tensor, codebook_size: int) -> torch.Tensor:
-    """Optimal sorted fp32 codebook for a histogram over [-1, 1], ends pinned to -1 and +1.
-
-    Exact weighted 1-D k-means over the active bins (count > 0, at their bin centres): a
-    possibly empty prefix maps to -1, a possibly empty suffix to +1, and K - 2 non-empty
-    middle segments to their weighted means.  Deterministic: DP ties go to the smaller split.
-    With at most K - 2 active bins every bin is its own centre and the tail is padded with
-    +1 (the last centre).  An all-zero histogram carries no information, so the codebook is
-    uniform, ``linspace(-1, 1, K)``.
-    """
+    """Optimal sorted fp32 codebook for a histogram over [-1, 1], ends pinned to -1 and +1: exact
+    weighted 1-D k-means over the active bins (at their centres), a possibly empty prefix mapped to
+    -1 and suffix to +1, K - 2 middle segments to their means; DP ties go to the smaller split. With
+    at most K - 2 active bins each is its own centre, the tail padded with +1; an all-zero histogram
+    gives ``linspace(-1, 1, K)``."""
     if codebook_size < 2:
         raise ValueError(f"codebook_size must be >= 2 (both ends are pinned), got {codebook_size}")
     num_bins = counts.numel()
