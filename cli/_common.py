@@ -24,46 +24,30 @@ EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
 def out() -> Console:
     """Console for results (stdout). Wide when not a terminal, so piped tables keep their FQNs."""
-    terminal = sys.stdout.isatty()
-    return Console(soft_wrap=False, width=None if terminal else 200, highlight=False)
+    return Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200, highlight=False)
 
 
 def err() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def fail(message: str, code: int = EXIT_ERROR):
-    """Print a one-line red error on stderr and exit with ``code``."""
+def fail(message: str):
+    """Print a one-line red error on stderr and exit 2."""
     line = " ".join(str(message).split()) or "unknown error"
     err().print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
-    raise typer.Exit(code)
+    raise typer.Exit(EXIT_ERROR)
 
 
-#: typer's own exits and usage errors, which must pass through the error policy. click's base
-#: of usage errors is reached through typer (which vendors click from 0.29 on and re-exports it
-#: before): importing click itself would be an undeclared dependency.
+#: typer's own exits and usage errors, which pass through the error policy (click's base of usage
+#: errors is reached through typer: importing click would be an undeclared dependency)
 TYPER_EXITS = (typer.Exit, typer.Abort,
                next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"))
 
 
-@contextmanager
-def handled() -> Iterator[None]:
-    """Inside a command: any failure becomes ``exit_on_error`` (one line, exit 2)."""
-    try:
-        yield
-    except TYPER_EXITS:
-        raise
-    except Exception as exc:
-        exit_on_error(exc)
-
-
 def exit_on_error(exc: Exception):
-    """The CLI's one error policy (docs/cli.md): whatever went wrong -- a bad or unreadable
-    checkpoint, storage, a bug -- one red line on stderr and exit 2, never a traceback
-    (``GEFEN_CKPT_TRACEBACK=1`` re-raises, for debugging). The line names the path: the
-    command's first path argument (``command_paths``) prefixes a message that mentions none.
-    Exit 1 is reserved for problems ``verify`` found and ``diff``'s differences, which the
-    commands report themselves."""
+    """The CLI's one error policy (docs/cli.md): whatever went wrong, one red line on stderr and exit
+    2, never a traceback (``GEFEN_CKPT_TRACEBACK=1`` re-raises). The command's first path argument
+    (``command_paths``) prefixes a message that names no path."""
     if os.environ.get("GEFEN_CKPT_TRACEBACK"):
         raise exc
     from gefen_ckpt.errors import CheckpointError
@@ -80,8 +64,7 @@ def exit_on_error(exc: Exception):
 
 
 def _mentions(message: str, path: str) -> bool:
-    """Does ``message`` name ``path``, as given or as another spelling of the same local file
-    (``/abs/opt.pt`` and ``opt.pt`` from the current directory)?"""
+    """Does ``message`` name ``path``, or another spelling of the same local file (``/abs/opt.pt``)?"""
     if path in message:
         return True
     if "://" in path:
@@ -90,8 +73,7 @@ def _mentions(message: str, path: str) -> bool:
     return any(os.path.realpath(word) == target for word in message.replace(":", " ").split() if os.path.exists(word))
 
 
-#: The commands' parameters that name checkpoints, and their values in the running command
-#: (set by the command group before it runs a command).
+#: the commands' parameters that name checkpoints, and their values in the running command
 PATH_PARAMS = ("path", "src", "a", "b", "dst")
 command_paths: list[str] = []
 
@@ -113,8 +95,8 @@ def parse_storage_options(items: list[str]) -> dict:
 
 
 def set_storage_options(options: dict, args: list[str]) -> None:
-    """Apply ``options`` to the protocol of every URL among ``args`` for this process (fsspec's
-    per-protocol configuration): every way a command opens a URL then uses them."""
+    """Apply ``options`` to the protocol of every URL among ``args`` (fsspec's per-protocol
+    configuration, so every way a command opens a URL uses them)."""
     import fsspec.config
 
     for arg in args:
@@ -153,9 +135,8 @@ def parse_size(text: str | None) -> int | None:
 # ----- opening checkpoints (gefen_ckpt.checkpoints) ---------------------------------------------
 def check_destination(src: str, dst: str, overwrite: bool, create_bucket: bool, writes: bool = True) -> None:
     """SRC and DST must differ, and (when the command ``writes``) DST must not be an existing file
-    or non-empty directory unless ``--overwrite``: a typo in DST must not replace a checkpoint (an
-    empty directory is fine). ``--create-bucket`` lets this process's saves create a missing
-    bucket (gefen_ckpt.storage)."""
+    or non-empty directory unless ``--overwrite``: a typo in DST must not replace a checkpoint.
+    ``--create-bucket`` lets this process's saves create a missing bucket."""
     if src.rstrip("/") == dst.rstrip("/"):
         raise typer.BadParameter("SRC and DST are the same location")
     if not writes:
@@ -173,12 +154,10 @@ def check_destination(src: str, dst: str, overwrite: bool, create_bucket: bool, 
 
 
 def settle_imports() -> None:
-    """Import torch and the rest of gefen_ckpt, then exempt everything imported (torch alone is
-    ~170k objects) from the cyclic garbage collector: in a short-lived CLI process its full
-    collections cost up to a third of a reshard of a 25M-parameter state (measured 0.49 -> 0.31 s
-    of work). They are handed back at exit: objects frozen in reference cycles would outlive the
-    interpreter's last collection, and Triton's nanobind extension (imported by torch._dynamo)
-    then reports every one of its objects among them as leaked (~30 lines of noise)."""
+    """Import torch and the rest of gefen_ckpt, then exempt everything imported (~170k objects) from
+    the cyclic garbage collector: its full collections cost up to a third of a short reshard
+    (measured 0.49 -> 0.31 s). Unfrozen at exit, or Triton's nanobind extension reports every frozen
+    object in a cycle as leaked."""
     import atexit
     import gc
 
@@ -216,7 +195,7 @@ def optimizer_hint() -> Iterator[None]:
 def open_manifest(url: str, optimizer: str | None, param_names: str | None, names_from: str | None,
                   key: str | None):
     """(Store, validated manifest) of a portable checkpoint, its options checked, without importing
-    torch; no directory listing (a summary: ``verify`` checks every file)."""
+    torch or listing the directory."""
     from gefen_ckpt.storage import Store
     from gefen_ckpt.wire.manifest import open_checkpoint
 
@@ -230,8 +209,7 @@ def open_manifest(url: str, optimizer: str | None, param_names: str | None, name
 
 def open_state(url: str, fmt: str | None = None, optimizer: str | None = None,
                param_names: str | None = None, names_from: str | None = None, key: str | None = None):
-    """(format, CanonicalState) of a checkpoint (``gefen_ckpt.open``; ``key``: which optimizer of
-    a DCP checkpoint that holds several)."""
+    """(format, CanonicalState) of a checkpoint (``gefen_ckpt.open``)."""
     import gefen_ckpt
 
     fmt = fmt or detect_format(url)

@@ -1,10 +1,7 @@
-"""``gefen-ckpt inspect``: a summary of a checkpoint built from its manifest and tensor shapes.
-
-Everything comes from the stored tensors' *shapes and dtypes* and the manifest, except two
-tiny reads: the codebook (to summarise its values) and one parameter's ``step`` scalar when
-the manifest does not record the step. A portable checkpoint is summarised straight from its
-validated manifest without importing torch (``describe_manifest``: inspect takes a fraction
-of a second); DCP and torch.save files go through their ``CanonicalState`` (``describe_state``).
+"""``gefen-ckpt inspect``: a summary of a checkpoint from its manifest and tensor shapes (two tiny
+reads: the codebook, and one ``step`` when the manifest records none). A portable checkpoint is
+described from its manifest without importing torch (``describe_manifest``); DCP and torch.save files
+through their ``CanonicalState`` (``describe_state``).
 """
 
 from __future__ import annotations
@@ -51,9 +48,6 @@ class Described:
     global_fields: dict[str, Stored]
     metadata: dict
 
-    def fqns(self) -> list[str]:
-        return [fqn for group in self.param_groups for fqn in group["params"]]
-
 
 def describe_manifest(store, manifest) -> Described:
     """A validated portable manifest (``gefen_ckpt.wire.manifest.Manifest``), torch-free."""
@@ -93,18 +87,6 @@ def describe_state(state) -> Described:
 
 
 # ----- the summary ----------------------------------------------------------------------------
-def period_of(shape: tuple[int, ...], fields: dict[str, Stored], contract: OptimizerContract) -> int | None:
-    """Block length P from the shape of a ``block``-geometry field."""
-    for name, source in sorted(fields.items()):
-        try:
-            spec = contract.field(name)
-        except KeyError:
-            continue
-        if spec.geometry == "block" and len(source.shape) == 2 and source.shape[1] > 0:
-            return period_of_blocks(shape, source.shape[1])
-    return None
-
-
 def codebook_summary(key: str, source: Stored) -> dict:
     try:
         values = source.read()
@@ -156,8 +138,8 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
     """Plain (JSON-able) summary; ``manifest``: the portable manifest, ``files``: name -> bytes."""
     manifest = manifest or {}
     contract = state.contract
-    params, numel_total, state_bytes_total = [], 0, 0
-    for fqn in state.fqns():
+    params = []
+    for fqn in (fqn for group in state.param_groups for fqn in group["params"]):
         entry = state.params.get(fqn)
         if entry is None:
             params.append({"fqn": fqn, "shape": None, "dtype": None, "child": None, "numel": None,
@@ -175,18 +157,19 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
                            "geometry": geometry, "bytes": source.nbytes})
         numel = math.prod(entry.shape)
         nbytes = sum(f["bytes"] for f in fields)
-        numel_total += numel
-        state_bytes_total += nbytes
+        period = next((period_of_blocks(entry.shape, f["shape"][1]) for f in fields  # from a block field's shape
+                       if f["geometry"] == "block" and len(f["shape"]) == 2 and f["shape"][1] > 0), None)
         params.append({"fqn": fqn, "shape": list(entry.shape), "dtype": entry.dtype, "child": entry.child,
-                       "numel": numel, "period": period_of(tuple(entry.shape), entry.fields, leaf),
-                       "fields": fields, "state_bytes": nbytes, "bytes_per_param": nbytes / numel if numel else None})
+                       "numel": numel, "period": period, "fields": fields, "state_bytes": nbytes,
+                       "bytes_per_param": nbytes / numel if numel else None})
     global_bytes = sum(s.nbytes for s in state.global_fields.values())
     codebooks = [codebook_summary(k, s) for k, s in sorted(state.global_fields.items())
                  if k.rsplit("/", 1)[-1] in ("codebook", "v_codebook")]
     groups = [{"index": i, "child": g.get("child"), "params": len(g["params"]),
                "hyperparameters": {k: v for k, v in g.items() if k not in ("params", "child")}}
               for i, g in enumerate(state.param_groups)]
-    total_bytes = state_bytes_total + global_bytes
+    numel_total = sum(p["numel"] or 0 for p in params)
+    total_bytes = sum(p["state_bytes"] for p in params) + global_bytes
     return {
         "path": url,
         "format": manifest.get("format", fmt) if fmt != "torch" else "torch",
@@ -217,9 +200,8 @@ def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None
 
 
 def _ranks(shards: int | None, topology: dict | None) -> dict:
-    """One account of the ranks: ``shards`` (data split, from the layout), ``world_size`` and
-    ``mesh`` (replicate x shard) of the topology written for; an HSDP mesh RxS has R*S ranks
-    and S shards, a plain sharded layout as many ranks as shards."""
+    """``shards`` (from the layout), ``world_size`` and ``mesh`` (replicate x shard) of the topology
+    written for: an HSDP mesh RxS has R*S ranks and S shards."""
     topology = topology or {}
     mesh = topology.get("mesh")
     world = topology.get("world_size") or (mesh[0] * mesh[1] if mesh else shards)
@@ -234,7 +216,6 @@ def human_bytes(n: int | None) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return str(n)
 
 
 def _fmt(v) -> str:

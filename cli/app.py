@@ -1,9 +1,6 @@
 """``gefen-ckpt``: inspect, verify, diff, convert and reshard optimizer checkpoints offline.
 
-Thin by design: parse arguments, call ``gefen_ckpt``, print. Exit codes: 0 success / equal,
-1 problems found (``verify``) or checkpoints differ (``diff``), 2 error (bad path, not a
-checkpoint, unreadable, bad usage). Every path may be a local path or any fsspec URL
-(``file://``, ``memory://``, ``s3://bucket/key``, ...).
+Thin by design: parse arguments, call ``gefen_ckpt``, print (exit codes: the app's help, docs/cli.md).
 """
 
 from __future__ import annotations
@@ -15,36 +12,35 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from . import _common as common
 
 
 class _Commands(TyperGroup):
-    """The command group: any exception that escapes a command (outside its ``handled()``
-    block) goes through the same error policy, ``common.exit_on_error``."""
+    """The command group: any exception a command raises goes through the CLI's one error policy,
+    ``common.exit_on_error`` (typer's exits and usage errors pass through)."""
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         ctx.meta["gefen_ckpt.args"] = list(args)
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: typer.Context):
-        common.command_paths[:] = self._paths(ctx)
-        with common.handled():
-            return super().invoke(ctx)
-
-    def _paths(self, ctx: typer.Context) -> list[str]:
-        """The failed command's checkpoint arguments (its command line parsed again, resiliently)."""
-        args = ctx.meta.get("gefen_ckpt.args", [])
-        at = next((i for i, a in enumerate(args) if a in self.commands), None)
-        if at is None:
-            return []
+        common.command_paths.clear()
         try:
-            params = self.commands[args[at]].make_context(args[at], args[at + 1:], parent=ctx,
-                                                          resilient_parsing=True).params
-        except Exception:
-            return []
-        return [params[k] for k in common.PATH_PARAMS if isinstance(params.get(k), str)]
+            return super().invoke(ctx)
+        except common.TYPER_EXITS:
+            raise
+        except Exception as exc:
+            common.exit_on_error(exc)
+
+
+class _Command(TyperCommand):
+    """A command: its checkpoint arguments (``common.command_paths``) name the path in its errors."""
+
+    def invoke(self, ctx: typer.Context):
+        common.command_paths[:] = [ctx.params[k] for k in common.PATH_PARAMS if isinstance(ctx.params.get(k), str)]
+        return super().invoke(ctx)
 
 
 app = typer.Typer(
@@ -133,7 +129,7 @@ def _echo_json(data) -> None:
 
 
 # ----- inspect ------------------------------------------------------------------------------
-@app.command()
+@app.command(cls=_Command)
 def inspect(
     path: PathArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
@@ -156,22 +152,21 @@ def inspect(
     """
     from . import _inspect
 
-    with common.handled():
-        fmt = common.detect_format(path)
-        manifest, files = None, None
-        if fmt == common.PORTABLE:
-            store, parsed = common.open_manifest(path, optimizer, param_names, names_from, key)
-            manifest, files = parsed.raw, {f.name: f.nbytes for f in parsed.files}
-            described = _inspect.describe_manifest(store, parsed)
-        else:
-            if fmt == common.TORCH:
-                import fsspec
+    fmt = common.detect_format(path)
+    manifest, files = None, None
+    if fmt == common.PORTABLE:
+        store, parsed = common.open_manifest(path, optimizer, param_names, names_from, key)
+        manifest, files = parsed.raw, {f.name: f.nbytes for f in parsed.files}
+        described = _inspect.describe_manifest(store, parsed)
+    else:
+        if fmt == common.TORCH:
+            import fsspec
 
-                fs, p = fsspec.core.url_to_fs(path)
-                files = {p.rsplit("/", 1)[-1]: int(fs.size(p))}
-            described = _inspect.describe_state(common.open_state(path, fmt, optimizer, param_names, names_from,
-                                                                  key)[1])
-        summary = _inspect.summarize(path, fmt, described, manifest, files)
+            fs, p = fsspec.core.url_to_fs(path)
+            files = {p.rsplit("/", 1)[-1]: int(fs.size(p))}
+        described = _inspect.describe_state(common.open_state(path, fmt, optimizer, param_names, names_from,
+                                                              key)[1])
+    summary = _inspect.summarize(path, fmt, described, manifest, files)
     if as_json:
         _echo_json(summary)
     else:
@@ -179,7 +174,7 @@ def inspect(
 
 
 # ----- verify -------------------------------------------------------------------------------
-@app.command()
+@app.command(cls=_Command)
 def verify(
     path: PathArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
@@ -198,17 +193,16 @@ def verify(
 
       gefen-ckpt verify s3://bucket/run7/step-1000 && echo intact
     """
-    with common.handled():
-        fmt = common.detect_format(path)
-        common.refuse_names(path, fmt, param_names, names_from)
-        if fmt != common.PORTABLE:
-            common.settle_imports()
-        from gefen_ckpt.checkpoints import verify_any
+    fmt = common.detect_format(path)
+    common.refuse_names(path, fmt, param_names, names_from)
+    if fmt != common.PORTABLE:
+        common.settle_imports()
+    from gefen_ckpt.checkpoints import verify_any
 
-        with common.optimizer_hint():
-            data = {"path": path, "format": fmt, **verify_any(path, format=fmt, optimizer=optimizer,
-                                                              param_names=param_names, names_from=names_from,
-                                                              progress=common.want_progress(), key=key)}
+    with common.optimizer_hint():
+        data = {"path": path, "format": fmt, **verify_any(path, format=fmt, optimizer=optimizer,
+                                                          param_names=param_names, names_from=names_from,
+                                                          progress=common.want_progress(), key=key)}
     if as_json:
         _echo_json(data)
     else:
@@ -230,7 +224,7 @@ def verify(
 
 
 # ----- diff ---------------------------------------------------------------------------------
-@app.command()
+@app.command(cls=_Command)
 def diff(
     a: Annotated[str, typer.Argument(help="First checkpoint (portable directory or torch.save file).")],
     b: Annotated[str, typer.Argument(help="Second checkpoint (portable directory or torch.save file).")],
@@ -259,19 +253,18 @@ def diff(
     from gefen_ckpt.diff import diff_states
 
     chunk_bytes = common.parse_size(chunk)
-    with common.handled():
-        def side(path: str):  # the names apply to a torch side (a portable or DCP side records its own)
-            fmt = common.detect_format(path)
-            names = (param_names, names_from) if fmt == common.TORCH else (None, None)
-            return common.open_state(path, fmt, optimizer, *names, key if fmt == common.DCP else None)[1]
+    def side(path: str):  # the names apply to a torch side (a portable or DCP side records its own)
+        fmt = common.detect_format(path)
+        names = (param_names, names_from) if fmt == common.TORCH else (None, None)
+        return common.open_state(path, fmt, optimizer, *names, key if fmt == common.DCP else None)[1]
 
-        sa, sb = side(a), side(b)
-        with common.progress() as bar:
-            def start(total):
-                task = bar.add_task("comparing", total=total)
-                return lambda n: bar.advance(task, n)
+    sa, sb = side(a), side(b)
+    with common.progress() as bar:
+        def start(total):
+            task = bar.add_task("comparing", total=total)
+            return lambda n: bar.advance(task, n)
 
-            report = diff_states(sa, sb, atol=atol, chunk_bytes=chunk_bytes, progress=start)
+        report = diff_states(sa, sb, atol=atol, chunk_bytes=chunk_bytes, progress=start)
     report = {"a": a, "b": b, **report}
     if as_json:
         _echo_json(report)
@@ -292,7 +285,7 @@ def diff(
 
 
 # ----- convert ------------------------------------------------------------------------------
-@app.command()
+@app.command(cls=_Command)
 def convert(
     src: Annotated[str, typer.Argument(
         help="Source checkpoint: portable or DCP directory, or torch.save file (auto-detected).")],
@@ -338,19 +331,18 @@ def convert(
       gefen-ckpt convert ckpt/step-1000 adamw.pt --into AdamW --to torch
     """
     sizes = {"max_file_bytes": common.parse_size(max_file_bytes), "memory_budget": common.parse_size(memory_budget)}
-    with common.handled():
-        common.check_destination(src, dst, overwrite, create_bucket)
-        fmt = common.detect_format(src)
-        common.refuse_names(src, fmt, param_names, names_from)
-        target = to.value if to is not None else fmt
-        common.settle_imports()
-        from gefen_ckpt import convert_checkpoint
+    common.check_destination(src, dst, overwrite, create_bucket)
+    fmt = common.detect_format(src)
+    common.refuse_names(src, fmt, param_names, names_from)
+    target = to.value if to is not None else fmt
+    common.settle_imports()
+    from gefen_ckpt import convert_checkpoint
 
-        with common.optimizer_hint(), \
-                common.err().status(f"converting {src}", spinner="dots") if common.want_progress() else nullcontext():
-            state = convert_checkpoint(src, dst, to=target, into=into, moments=moments.value, format=fmt,
-                                       optimizer=optimizer, param_names=param_names, names_from=names_from,
-                                       key=key, progress=common.want_progress(), **sizes)
+    with common.optimizer_hint(), \
+            common.err().status(f"converting {src}", spinner="dots") if common.want_progress() else nullcontext():
+        state = convert_checkpoint(src, dst, to=target, into=into, moments=moments.value, format=fmt,
+                                   optimizer=optimizer, param_names=param_names, names_from=names_from,
+                                   key=key, progress=common.want_progress(), **sizes)
     report = state.metadata.get("conversion") if into is not None else None
     if as_json:
         _echo_json({"src": src, "dst": dst, "from_format": fmt, "to": target,
@@ -380,7 +372,7 @@ def conversion_summary(report: dict) -> str:
 
 
 # ----- reshard ------------------------------------------------------------------------------
-@app.command()
+@app.command(cls=_Command)
 def reshard(
     src: Annotated[str, typer.Argument(help="Source checkpoint: portable or DCP directory, or torch.save file.")],
     dst: Annotated[str, typer.Argument(help="Destination directory (written atomically).")],
@@ -421,39 +413,38 @@ def reshard(
     from gefen_ckpt.reshard import Mesh, plan, plan_manifest, retarget
 
     sizes = {"max_file_bytes": common.parse_size(max_file_bytes), "memory_budget": common.parse_size(memory_budget)}
-    with common.handled():
-        if mesh is not None:
-            try:
-                target = Mesh.parse(mesh)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc)) from None
-            if world_size is not None and world_size != target.world_size:
-                raise typer.BadParameter(f"--world-size {world_size} contradicts --mesh {mesh}")
-        elif world_size is not None:
-            target = Mesh(1, world_size)
-        else:
-            raise typer.BadParameter("give --world-size or --mesh")
-        common.check_destination(src, dst, overwrite, create_bucket, writes=not dry_run)
-        if dry_run and common.detect_format(src) == common.PORTABLE:
-            from gefen_ckpt.wire.manifest import total_tensor_bytes
+    if mesh is not None:
+        try:
+            target = Mesh.parse(mesh)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        if world_size is not None and world_size != target.world_size:
+            raise typer.BadParameter(f"--world-size {world_size} contradicts --mesh {mesh}")
+    elif world_size is not None:
+        target = Mesh(1, world_size)
+    else:
+        raise typer.BadParameter("give --world-size or --mesh")
+    common.check_destination(src, dst, overwrite, create_bucket, writes=not dry_run)
+    if dry_run and common.detect_format(src) == common.PORTABLE:
+        from gefen_ckpt.wire.manifest import total_tensor_bytes
 
-            with common.optimizer_hint():
-                _, manifest = common.open_manifest(src, optimizer, param_names, names_from, key)
-            _print_plan(src, dst, target, plan_manifest(manifest, target.shard), total_tensor_bytes(manifest), as_json)
-            return
-        fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from,
-                                       key=key)
-        ranks = plan(state, target.shard)
-        if dry_run or as_json:
-            _print_plan(src, dst, target, ranks, state.total_bytes(), as_json)
-        if not dry_run:
-            from gefen_ckpt import checkpoints
+        with common.optimizer_hint():
+            _, manifest = common.open_manifest(src, optimizer, param_names, names_from, key)
+        _print_plan(src, dst, target, plan_manifest(manifest, target.shard), total_tensor_bytes(manifest), as_json)
+        return
+    fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from,
+                                   key=key)
+    ranks = plan(state, target.shard)
+    if dry_run or as_json:
+        _print_plan(src, dst, target, ranks, state.total_bytes(), as_json)
+    if not dry_run:
+        from gefen_ckpt import checkpoints
 
-            checkpoints.write(retarget(state, target), dst, to.value, world_size=target.shard,
-                          progress=common.want_progress(), **sizes)
-            if not as_json:
-                common.out().print(f"[green]wrote[/] {dst}: {target.shard} shard(s) x {target.replicate} replica(s), "
-                                   f"{state.total_bytes():,} bytes of state from {src} ({fmt})", soft_wrap=True)
+        checkpoints.write(retarget(state, target), dst, to.value, world_size=target.shard,
+                      progress=common.want_progress(), **sizes)
+        if not as_json:
+            common.out().print(f"[green]wrote[/] {dst}: {target.shard} shard(s) x {target.replicate} replica(s), "
+                               f"{state.total_bytes():,} bytes of state from {src} ({fmt})", soft_wrap=True)
 
 
 def _print_plan(src, dst, target, ranks, total: int, as_json: bool) -> None:

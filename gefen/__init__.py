@@ -1,7 +1,5 @@
-"""Gefen: memory-efficient PyTorch optimizers with ~1 byte of state per parameter.
-
-The optimizers are imported on first use, so that reading a checkpoint's contract (the
-``gefen-ckpt inspect``/``verify`` path) does not pay for importing torch.
+"""Gefen: memory-efficient PyTorch optimizers with ~1 byte of state per parameter. The optimizers
+are imported on first use, so reading a checkpoint's contract does not import torch.
 """
 
 from gefen._lazy import lazy_exports

@@ -1,5 +1,5 @@
-"""Lazy package exports (PEP 562): importing ``gefen``/``gefen_ckpt`` does not import torch
-until a name that needs it is used (``gefen-ckpt inspect``/``verify`` never do)."""
+"""Lazy package exports (PEP 562): importing ``gefen``/``gefen_ckpt`` does not import torch until
+a name that needs it is used."""
 
 from __future__ import annotations
 

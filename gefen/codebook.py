@@ -1,9 +1,6 @@
-"""The optimizer-wide codebook: histogram, exact pinned 1-D k-means, nearest-code lookup.
-
-docs/design.md 3.1 "Learning the codebook".  Pure functions, no optimizer state.  The k-means solver
-runs a native divide-and-conquer DP (``gefen/csrc/kmeans_dp.c``, built as
-``gefen._kmeans_dp`` and loaded with ctypes) and falls back to a vectorised numpy version
-of the same algorithm, with identical floating-point results, when the library is missing.
+"""The optimizer-wide codebook: histogram, exact pinned 1-D k-means, nearest-code lookup
+(docs/design.md 3.1). The k-means runs the C divide-and-conquer DP (``gefen/csrc/kmeans_dp.c``) or,
+when that library is not built, a numpy twin with identical floating-point results.
 """
 
 from __future__ import annotations
@@ -21,15 +18,10 @@ from gefen import clib
 _HIST_CHUNK = 1 << 22
 
 
-def _load_native() -> Callable | None:
-    """Return the C solver, or None when the extension was not built (plain source tree)."""
-    dbl = ctypes.POINTER(ctypes.c_double)
-    args = [ctypes.c_int64, ctypes.c_int64, dbl, dbl, dbl, dbl, dbl, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32]
-    lib = clib.load("gefen._kmeans_dp", {"gefen_kmeans_dp": (args, ctypes.c_int)})
-    return lib.gefen_kmeans_dp if lib is not None else None
-
-
-_native = _load_native()
+_DBL = ctypes.POINTER(ctypes.c_double)
+_ARGS = [ctypes.c_int64, ctypes.c_int64, _DBL, _DBL, _DBL, _DBL, _DBL, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32]
+_lib = clib.load("gefen._kmeans_dp", {"gefen_kmeans_dp": (_ARGS, ctypes.c_int)})
+_native = _lib.gefen_kmeans_dp if _lib is not None else None  # None: not built (a plain source tree)
 _warned_fallback = False
 
 
@@ -37,12 +29,10 @@ def histogram_normalised_blocks(blocks: torch.Tensor, num_bins: int,
                                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """Histogram of block-normalised values over [-1, 1]; int64 counts ``[num_bins]``.
 
-    Each block (last dim) is divided by its max-abs in fp32 (an all-zero block stays 0), and
-    value x goes to bin ``clamp(floor((x + 1) / 2 * num_bins), 0, num_bins - 1)`` evaluated
-    in fp32 in that order.  IEEE fp32 makes the counts identical on every device and rank,
-    so all-reduced histograms (exact integer sums) agree everywhere. ``scale``: each block's
-    max-abs when the block is only part of one (a column split: the whole row's, reduced over
-    the ranks holding its other columns).
+    Each block (last dim) is divided by its max-abs in fp32 (an all-zero block stays 0), and x goes
+    to bin ``clamp(floor((x + 1) / 2 * num_bins), 0, num_bins - 1)`` evaluated in fp32 in that
+    order, so the counts are identical on every device and rank. ``scale``: each block's max-abs
+    when the block is only part of one (a column split: the whole row's).
     """
     counts = torch.zeros(num_bins, dtype=torch.int64, device=blocks.device)
     if blocks.numel() == 0:
@@ -124,16 +114,6 @@ def _cuts_numpy(n: int, m: int, W, S1, S2, L, R) -> np.ndarray:
     return cuts
 
 
-def _cuts_native(n: int, m: int, W, S1, S2, L, R) -> np.ndarray:
-    cuts = np.empty(m + 1, dtype=np.int64)
-    arrays = [np.ascontiguousarray(a, dtype=np.float64) for a in (W, S1, S2, L, R)]
-    ptrs = [a.ctypes.data_as(ctypes.POINTER(ctypes.c_double)) for a in arrays]
-    # the cuts do not depend on the thread count (kmeans_dp.c); torch.set_num_threads bounds it
-    if _native(n, m, *ptrs, cuts.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), torch.get_num_threads()) != 0:
-        raise MemoryError("gefen._kmeans_dp: out of memory")
-    return cuts
-
-
 def _optimal_cuts(x: np.ndarray, w: np.ndarray, m: int) -> np.ndarray:
     """Segment boundaries of the optimal pinned k-means with m free centres (n >= m >= 0)."""
     global _warned_fallback
@@ -141,7 +121,13 @@ def _optimal_cuts(x: np.ndarray, w: np.ndarray, m: int) -> np.ndarray:
     L = _prefix(w * (x + 1.0) ** 2)
     R = _prefix((w * (x - 1.0) ** 2)[::-1])[::-1].copy()
     if _native is not None:
-        return _cuts_native(len(x), m, W, S1, S2, L, R)
+        cuts = np.empty(m + 1, dtype=np.int64)
+        arrays = [np.ascontiguousarray(a, dtype=np.float64) for a in (W, S1, S2, L, R)]
+        # the cuts do not depend on the thread count (kmeans_dp.c); torch.set_num_threads bounds it
+        if _native(len(x), m, *[a.ctypes.data_as(_DBL) for a in arrays],
+                   cuts.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), torch.get_num_threads()) != 0:
+            raise MemoryError("gefen._kmeans_dp: out of memory")
+        return cuts
     if not _warned_fallback:
         _warned_fallback = True
         warnings.warn(
@@ -154,15 +140,11 @@ def _optimal_cuts(x: np.ndarray, w: np.ndarray, m: int) -> np.ndarray:
 
 
 def solve_codebook(counts: torch.Tensor, codebook_size: int) -> torch.Tensor:
-    """Optimal sorted fp32 codebook for a histogram over [-1, 1], ends pinned to -1 and +1.
-
-    Exact weighted 1-D k-means over the active bins (count > 0, at their bin centres): a
-    possibly empty prefix maps to -1, a possibly empty suffix to +1, and K - 2 non-empty
-    middle segments to their weighted means.  Deterministic: DP ties go to the smaller split.
-    With at most K - 2 active bins every bin is its own centre and the tail is padded with
-    +1 (the last centre).  An all-zero histogram carries no information, so the codebook is
-    uniform, ``linspace(-1, 1, K)``.
-    """
+    """Optimal sorted fp32 codebook for a histogram over [-1, 1], ends pinned to -1 and +1: exact
+    weighted 1-D k-means over the active bins (at their centres), a possibly empty prefix mapped to
+    -1 and suffix to +1, K - 2 middle segments to their means; DP ties go to the smaller split. With
+    at most K - 2 active bins each is its own centre, the tail padded with +1; an all-zero histogram
+    gives ``linspace(-1, 1, K)``."""
     if codebook_size < 2:
         raise ValueError(f"codebook_size must be >= 2 (both ends are pinned), got {codebook_size}")
     num_bins = counts.numel()
@@ -193,12 +175,9 @@ def learn_codebook(
     all_reduce: Callable[[torch.Tensor], object] | None = None,
     histogram: Callable[[torch.Tensor, int], torch.Tensor] = histogram_normalised_blocks,
 ) -> torch.Tensor:
-    """Histogram every ``[..., P]`` block tensor, sum (all-reduce under sharding), solve.
-
-    ``all_reduce(counts)`` must sum the int64 counts in place across ranks; integer sums
-    are exact, so every rank solves the same histogram and gets the same codebook.
-    ``histogram`` computes one tensor's counts (``gefen.native.block_histogram``: the same counts).
-    """
+    """Histogram every ``[..., P]`` block tensor, sum, solve. ``all_reduce(counts)`` sums the int64
+    counts in place across ranks (exact: every rank gets the same codebook); ``histogram`` computes
+    one tensor's counts (``gefen.native.block_histogram``: the same counts)."""
     num_bins = bins_per_code * codebook_size
     counts = None
     for blocks in blocks_list:

@@ -1,9 +1,5 @@
-"""How the optimizers meet ``torch.compile``: ``step()`` is a graph break, never traced.
-
-The step calls a C kernel through ctypes on CPU, picks its kernels and reads its
-hyperparameters on the host, none of which Dynamo can trace. So, like torch's own fused
-optimizers, the step runs eagerly between the compiled graphs of a training step
-(README, "torch.compile"); ``torch.compile(opt.step, fullgraph=True)`` is refused with this reason.
+"""How the optimizers meet ``torch.compile``: ``step()`` is a graph break, never traced (README,
+"torch.compile"): it calls C through ctypes and picks kernels and reads hyperparameters on the host.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Contracts: how the checkpoint subsystem sees an optimizer's state (docs/design.md 4).
 
-A contract is a frozen, msgpack-able description of every state field: its name, dtype and
-*geometry*, which says how the field is laid out relative to the parameter and therefore how
-it shards along dim 0. ``gefen_ckpt`` slices, assembles and validates state only through
-these, so supporting a new optimizer means writing its contract, nothing else.
-
-Every optimizer with a contract exposes its state through ``state_dict()`` in torch's usual
-form (``state`` keyed by index, ``param_groups`` with ``params`` and optional
-``param_names``); optimizer-wide fields live under ``state_dict()[GLOBAL_STATE_KEY]``.
-
-A composite optimizer (``GefenMuonHybrid``) exposes ``children: dict[str, Optimizer]`` named
-as in its contract's ``children``, and its ``state_dict()`` is torch's flat form too, so
-torch's own checkpoint API (``get_state_dict``, which keeps only ``state`` and
-``param_groups``) sees every parameter: ``param_groups`` is every child's groups in order,
-each with ``CHILD_KEY`` naming its owner; ``params`` and ``state`` are numbered by the running
-index over those groups; each state entry is the child's own; a child's optimizer-wide field
-``f`` is ``GLOBAL_STATE_KEY["<child>/f"]``. :func:`join_composite` builds that form from the
-children's state_dicts and :func:`split_composite` takes it apart (it also reads the nested
-form: ``{"state": {}, "param_groups": [], CHILDREN_KEY: {name: child_sd}}``).
-``load_state_dict`` validates every child before it changes any.
+A contract is a frozen, msgpack-able description of every state field: name, dtype and *geometry*
+(how it lies relative to the parameter, so how it shards along dim 0). ``gefen_ckpt`` slices,
+assembles and validates state only through contracts. Optimizer-wide fields live under
+``state_dict()[GLOBAL_STATE_KEY]``; a composite optimizer (``GefenMuonHybrid``) exposes ``children``
+named as in its contract and a flat state_dict (``join_composite``).
 """
 
 from __future__ import annotations
@@ -70,8 +56,7 @@ class FieldSpec:
 
     def check(self, shape: tuple[int, ...], value_shape, value_dtype, param_dtype=None) -> str | None:
         """Why a value (global shape, dtype) cannot be this field of a parameter of global ``shape``
-        and ``param_dtype``; None when it can. The one answer for every reader and loader: each
-        only chooses the exception."""
+        and ``param_dtype``; None when it can (each reader and loader chooses the exception)."""
         return self.check_dtype(value_dtype, param_dtype) or self.check_shape(shape, value_shape)
 
     def check_dtype(self, dtype, param_dtype=None) -> str | None:
@@ -126,8 +111,7 @@ class OptimizerContract:
         return self if child is None else self.child(child)
 
     def leaves(self) -> tuple[tuple[str | None, OptimizerContract], ...]:
-        """(child name, contract) of every non-composite optimizer inside (composites are one
-        level deep): the one walk over children, for live optimizers and state_dicts alike."""
+        """(child name, contract) of every non-composite optimizer inside (composites are one level deep)."""
         return self.children or ((None, self),)
 
     def to_dict(self) -> dict:
@@ -217,8 +201,11 @@ def composite_children(state_dict) -> list[str]:
 
 
 def join_composite(children: dict[str, dict]) -> dict:
-    """The flat state_dict of a composite optimizer from its children's (``{name: state_dict}``,
-    in the composite's order); entries and group values are shared, not copied."""
+    """The flat state_dict of a composite optimizer from its children's (``{name: state_dict}``, in
+    the composite's order), which torch's ``get_state_dict`` sees whole: every child's groups in
+    order, each naming its child under ``CHILD_KEY``; ``params`` and ``state`` numbered over those
+    groups; a child's optimizer-wide field ``f`` under ``GLOBAL_STATE_KEY["<child>/f"]``. Entries and
+    group values are shared, not copied."""
     state, groups, shared, index = {}, [], {}, 0
     for name, sd in children.items():
         if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("param_groups"), list):
@@ -243,9 +230,8 @@ def join_composite(children: dict[str, dict]) -> dict:
 
 def split_composite(state_dict: dict, children: list[str]) -> dict[str, dict]:
     """One state_dict per child (``children``: the composite's child names, in order) from a
-    composite state_dict, flat or nested: each child gets the groups that name it (without
-    ``CHILD_KEY``), its ``params`` and ``state`` renumbered from 0 in group order, and its
-    optimizer-wide fields. Pure: nothing is copied or changed; ValueError names what is wrong."""
+    composite state_dict, flat or nested (``{"state": {}, "param_groups": [], CHILDREN_KEY: {name:
+    child_sd}}``), renumbered from 0. Pure: nothing is copied or changed; ValueError names what is wrong."""
     if not isinstance(state_dict, dict):
         raise ValueError(f"a {type(state_dict).__name__}, not a state_dict")
     if CHILDREN_KEY in state_dict:  # the nested form: brought to the flat one, then split like it

@@ -1,24 +1,15 @@
 """How an optimizer sees torch.distributed: which ranks hold *different parts* of its parameters.
 
-Global statistics (codebook histogram, factored second moment) must be summed over exactly the
-ranks that hold different parts of a parameter; replicas (DDP, the replicate dimension of HSDP,
-the tensor-parallel dimension of a parameter that tensor parallelism leaves whole) hold the same
-values and must not be counted twice, so only the replica at coordinate 0 contributes.
-
-Every DTensor parameter is described on the *root* mesh its mesh was sliced from (FSDP2 over
-tensor parallelism puts some parameters on the 2-D ``(dp, tp)`` mesh and others on its ``dp``
-slice): :class:`ParamPlacement` says which root dimensions split its rows (``Shard(0)``, and the
-``_StridedShard(0)`` FSDP2 puts over a tensor-parallel ``Shard(0)``) and which one splits its
-columns (``Shard(1)``: ``RowwiseParallel``), and where the rank's block starts. One collective
-over the ranks that split anything sums column statistics placed at their *global* positions;
-row statistics that a column split cuts (row sums, row max-abs) are reduced over the one mesh
-dimension that splits columns. The one computation that needs whole matrices (Muon's
-Newton-Schulz) gathers every rank's block over the same ranks (:class:`RowGather`).
+Global statistics are summed over exactly those ranks; replicas (DDP, HSDP's replicate dimension,
+a tensor-parallel dimension that leaves a parameter whole) would count the same values twice, so only
+the copy at coordinate 0 contributes. Every DTensor parameter is described on the *root* mesh its mesh
+was sliced from (:class:`ParamPlacement`); row statistics a column split cuts are reduced over the one
+mesh dimension that splits columns, and Muon's Newton-Schulz gathers whole matrices (:func:`row_gather`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,21 +23,15 @@ def is_dtensor(t: torch.Tensor) -> bool:
 
 def shard_dim(placement) -> int | None:
     """The tensor dimension a placement splits (``Shard`` or torch's ``_StridedShard``, whose
-    ``is_shard()`` is False), or None for ``Replicate``."""
-    if placement.is_partial():
-        raise ValueError("Partial placements hold no definite values")
+    ``is_shard()`` is False), or None for ``Replicate`` (callers refuse ``Partial`` first)."""
     dim = getattr(placement, "dim", None)
     return dim if placement.is_shard() or dim is not None else None
 
 
 def field_placements(geometry: str, param: torch.Tensor) -> tuple:
-    """Placements of a state field of ``geometry`` for the DTensor ``param``.
-
-    Fields indexed by the parameter's rows (``block``, ``row``) split like its rows and are
-    ``Replicate`` where a split cuts columns (their statistics are reduced over it); ``param``
-    fields follow every split; ``col`` fields (indexed by the flattened row position) split where
-    the parameter's dim 1 is split and are ``Replicate`` where its rows are.
-    """
+    """Placements of a state field of ``geometry`` for the DTensor ``param``: ``param`` fields follow
+    every split, ``block`` and ``row`` fields the row splits (``Replicate`` where columns are split:
+    their statistics are reduced over it), ``col`` fields the column split (moved to dim 0)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -73,37 +58,27 @@ def as_field_dtensor(local: torch.Tensor, param: torch.Tensor, geometry: str, sh
     (no copy: the DTensor shares ``local``'s storage)."""
     from torch.distributed.tensor import DTensor
 
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
+    stride = torch.empty(shape, device="meta").stride()  # contiguous
     return DTensor.from_local(local, param.device_mesh, field_placements(geometry, param), run_check=False,
-                              shape=torch.Size(shape), stride=tuple(reversed(stride)))
+                              shape=torch.Size(shape), stride=stride)
 
 
-class LocalReducer:
-    """One process holds every row already: nothing to reduce."""
+class Reducer:
+    """Sums and maxes over one process group, in place (``group`` None: one process holds every
+    row already, nothing to reduce)."""
 
-    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-
-class ProcessGroupReducer:
-    """Sum over one process group (float64/int64 tensors, in place)."""
-
-    def __init__(self, group):
+    def __init__(self, group=None):
         self.group = group
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
+        return self.all_reduce_(tensor, "sum")
 
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-        return tensor
+    def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """``op``: ``"sum"`` or ``"max"``."""
+        if self.group is not None:
+            import torch.distributed as dist
 
-    def max_(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=self.group)
         return tensor
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -117,13 +92,9 @@ class ProcessGroupReducer:
 
 @dataclass(frozen=True)
 class ParamPlacement:
-    """Where this rank's block of one DTensor parameter lies, in terms of the root mesh.
-
-    ``row_dims``: root mesh dimensions that split dim 0; ``col_dim``: the one that splits dim 1
-    (tensor parallelism's ``Shard(1)``), if any; ``replicated``: dimensions holding copies.
-    ``row0``/``col0``: the global row and column of the block's first element (``col0`` counts
-    the parameter's dim 1; on a 2-D parameter that is the flattened column).
-    """
+    """Where this rank's block of one DTensor parameter lies, in terms of the root mesh:
+    ``row_dims`` split dim 0, ``col_dim`` dim 1 (tensor parallelism's ``Shard(1)``), if any;
+    ``replicated`` hold copies; ``row0``/``col0``: the global row and column of its first element."""
 
     root: object
     coordinate: tuple[int, ...]
@@ -192,18 +163,15 @@ def describe_placement(name: str, p: torch.Tensor) -> ParamPlacement:
 
 @dataclass
 class ReductionPlan:
-    """The reducers for global statistics, and which parameters this rank must count.
+    """The reducers for global statistics, and which parameters this rank must count: ``reducer``
+    sums over ``group``, the ranks (root mesh dimensions ``dims``) that hold different parts of some
+    parameter; ``columns`` over the one mesh dimension that splits columns (None without TP)."""
 
-    ``reducer`` sums over every rank that holds a different part of some parameter (``group``,
-    spanning the root mesh dimensions ``dims``); ``columns`` reduces over the one mesh dimension
-    that splits columns (None without tensor parallelism).
-    """
-
-    reducer: LocalReducer | ProcessGroupReducer
+    reducer: Reducer = field(default_factory=Reducer)
     group: object = None  # the process group ``reducer`` sums over (None: one process)
     placements: dict[int, ParamPlacement] = field(default_factory=dict)  # id(param) -> placement, DTensor params only
     dims: frozenset[int] = frozenset()
-    columns: ProcessGroupReducer | None = None
+    columns: Reducer | None = None
     _tables: dict = field(default_factory=dict)  # block_table's cache
 
     def placement(self, p: torch.Tensor) -> ParamPlacement | None:
@@ -245,10 +213,12 @@ class ReductionPlan:
         a table whose blocks do not tile a matrix is refused."""
         key = tuple(id(p) for p in params)
         if key not in self._tables:
-            rows = [[*self.offsets(p)[:1], local_size(p, 0), self.offsets(p)[1], local_size(p, 1), int(self.counts(p))]
-                    for p in params]
+            rows = []
+            for p in params:
+                (row0, col0), local = self.offsets(p), local_tensor(p)
+                rows.append([row0, local.shape[0], col0, local.shape[1], int(self.counts(p))])
             mine = torch.tensor(rows, dtype=torch.int64, device=local_tensor(params[0]).device)
-            table = ProcessGroupReducer(self.group).gather(mine).tolist()
+            table = self.reducer.gather(mine).tolist()
             for i, p in enumerate(params):
                 if sum(rank[i][1] * rank[i][3] for rank in table if rank[i][4]) != p.numel():
                     raise ValueError(f"the ranks' shards of a {tuple(p.shape)} parameter with placements "
@@ -268,7 +238,7 @@ class ReductionPlan:
         lay = self.placement(p)
         out = partials
         if lay is not None and lay.col_dim is not None:
-            n = local_size(p, 1)
+            n = local_tensor(p).shape[1]
             out = partials.new_zeros(columns + partials.numel() - n)
             out[lay.col0:lay.col0 + n] = partials[:n]
             out[columns:] = partials[n:]
@@ -283,7 +253,7 @@ class ReductionPlan:
         lay = self.placement(p)
         if lay is None or lay.col_dim is None:
             return total
-        return torch.cat([total[lay.col0:lay.col0 + local_size(p, 1)], total[columns:]])
+        return torch.cat([total[lay.col0:lay.col0 + local_tensor(p).shape[1]], total[columns:]])
 
     def reduce_rows_(self, op: str, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per-row values of column-split parameters reduced (``"sum"``/``"max"``) over the ranks
@@ -291,14 +261,13 @@ class ReductionPlan:
         if self.columns is None or not rows:
             return list(rows)
         flat = torch.cat([r.reshape(-1) for r in rows])
-        (self.columns.sum_ if op == "sum" else self.columns.max_)(flat)
+        self.columns.all_reduce_(flat, op)
         return [part.view_as(r) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
 
     def reduce_row_stats_(self, stats: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-row ``(float64 sums, fp32 maxes)`` of column-split parameters summed and maxed over
-        the ranks holding the other columns of the same rows: ONE collective (an ``all_gather``:
-        a sum and a max need two all-reduces) for all of them, then the sum and the max in rank
-        order, the same on every rank (a NaN max stays NaN)."""
+        """Per-row ``(float64 sums, fp32 maxes)`` of column-split parameters summed and maxed over the
+        ranks holding the other columns of the same rows: ONE ``all_gather`` (not two all-reduces),
+        then the sum and the max in rank order, the same on every rank (a NaN max stays NaN)."""
         if self.columns is None or not stats:
             return list(stats)
         parts = [t.reshape(-1).double() for pair in stats for t in pair]
@@ -315,55 +284,47 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else p
 
 
-def local_size(p: torch.Tensor, dim: int) -> int:
-    return local_tensor(p).shape[dim]
-
-
 def refusal(name: str, p: torch.Tensor, who: str, alternative: str) -> ValueError:
     """The one-line error for a tensor-parallel layout an optimizer cannot honour."""
     return ValueError(f"parameter {name}: {who} does not support the tensor-parallel layout "
                       f"{tuple(p.placements)} (unsupported layout); {alternative}")
 
 
-class RowGather:
-    """Whole matrices for the one computation that needs them (Muon's Newton-Schulz): one
-    ``all_gather`` of every rank's blocks (a replica sends nothing), then ``fn`` on the whole
-    matrices, of which every rank keeps its own rows *whole*: NorMuon's row statistics then need
-    no reduction, and the caller keeps its columns."""
+def row_gather(plan: ReductionPlan, params: list[torch.Tensor], blocks: list[torch.Tensor],
+               fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """This rank's rows, whole, of ``fn(whole matrices)``, for the one computation that needs them
+    (Muon's Newton-Schulz): one ``all_gather`` of every rank's blocks of the split ``params`` (a
+    replica sends nothing). Whole rows: NorMuon's row statistics need no reduction, and the caller
+    keeps its columns."""
+    import torch.distributed as dist
 
-    def __init__(self, plan: ReductionPlan):
-        self.plan = plan
-
-    def orthogonalise_rows(self, params: list[torch.Tensor], blocks: list[torch.Tensor], fn) -> list[torch.Tensor]:
-        import torch.distributed as dist
-
-        split = [i for i, p in enumerate(params) if self.plan.splits(p)]
-        if not split:
-            return fn(list(blocks))
-        table = self.plan.block_table([params[i] for i in split])
-        me, device = dist.get_rank(self.plan.group), blocks[split[0]].device
-        sizes = [sum(r * c for _, r, _, c, sends in rank if sends) for rank in table]
-        mine = torch.zeros(max(sizes), dtype=torch.float32, device=device)
-        sent = [blocks[i].reshape(-1).float() for i, (*_, sends) in zip(split, table[me]) if sends]
-        if sent:
-            flat = torch.cat(sent)
-            mine[:flat.numel()] = flat
-        everyone = [torch.empty_like(mine) for _ in table]
-        dist.all_gather(everyone, mine, group=self.plan.group)
-        full = list(blocks)
-        for i in split:
-            full[i] = torch.empty(tuple(params[i].shape), dtype=torch.float32, device=device)
-        for buffer, rank in zip(everyone, table):
-            at = 0
-            for i, (row0, r, col0, c, sends) in zip(split, rank):
-                if sends:
-                    full[i][row0:row0 + r, col0:col0 + c] = buffer[at:at + r * c].view(r, c)
-                    at += r * c
-        for i in split:
-            full[i] = full[i].to(blocks[i].dtype)
-        out = fn(full)
-        rows = {i: (row0, r) for i, (row0, r, *_) in zip(split, table[me])}
-        return [o[rows[i][0]:rows[i][0] + rows[i][1]] if i in rows else o for i, o in enumerate(out)]
+    split = [i for i, p in enumerate(params) if plan.splits(p)]
+    if not split:
+        return fn(list(blocks))
+    table = plan.block_table([params[i] for i in split])
+    me, device = dist.get_rank(plan.group), blocks[split[0]].device
+    sizes = [sum(r * c for _, r, _, c, sends in rank if sends) for rank in table]
+    mine = torch.zeros(max(sizes), dtype=torch.float32, device=device)
+    sent = [blocks[i].reshape(-1).float() for i, (*_, sends) in zip(split, table[me]) if sends]
+    if sent:
+        flat = torch.cat(sent)
+        mine[:flat.numel()] = flat
+    everyone = [torch.empty_like(mine) for _ in table]
+    dist.all_gather(everyone, mine, group=plan.group)
+    full = list(blocks)
+    for i in split:
+        full[i] = torch.empty(tuple(params[i].shape), dtype=torch.float32, device=device)
+    for buffer, rank in zip(everyone, table):
+        at = 0
+        for i, (row0, r, col0, c, sends) in zip(split, rank):
+            if sends:
+                full[i][row0:row0 + r, col0:col0 + c] = buffer[at:at + r * c].view(r, c)
+                at += r * c
+    for i in split:
+        full[i] = full[i].to(blocks[i].dtype)
+    out = fn(full)
+    rows = {i: (row0, r) for i, (row0, r, *_) in zip(split, table[me])}
+    return [o[rows[i][0]:rows[i][0] + rows[i][1]] if i in rows else o for i, o in enumerate(out)]
 
 
 def _group_over(root, dims: list[int]):
@@ -393,12 +354,12 @@ def plan_reduction(named_params: Iterable[tuple[str, torch.Tensor]]) -> Reductio
         raise ValueError(f"parameters {names[:2]} are on different meshes; one optimizer needs one (root) mesh")
     dims = frozenset(d for lay in placements.values() for d in (*lay.row_dims, lay.col_dim) if d is not None)
     if not dims:
-        return ReductionPlan(LocalReducer(), placements=placements)
+        return ReductionPlan(placements=placements)
     col_dims = {lay.col_dim for lay in placements.values()} - {None}
     if len(col_dims) > 1:
         raise ValueError(f"columns are split over several mesh dimensions {sorted(col_dims)}; tensor parallelism "
                          "needs one")
     root = next(iter(roots))
     group = _group_over(root, sorted(dims))
-    columns = ProcessGroupReducer(root.get_group(col_dims.pop())) if col_dims else None
-    return ReductionPlan(ProcessGroupReducer(group), group, placements, dims, columns)
+    columns = Reducer(root.get_group(col_dims.pop())) if col_dims else None
+    return ReductionPlan(Reducer(group), group, placements, dims, columns)

@@ -1,10 +1,8 @@
-"""Geometry (docs/design.md 4): where a state field lies relative to its parameter. Torch-free,
-so the contracts, the checkpoint subsystem and the CLI share it.
+"""Geometry (docs/design.md 4): where a state field lies relative to its parameter. Torch-free.
 
 Every block is a contiguous run of ``P`` elements inside one row of the *global* parameter
-(``rows = shape[0]``, ``row_numel = prod(shape[1:])``), so ``P`` always divides ``row_numel``.
-Any split along dim 0 therefore hands every rank whole blocks: that is what makes the
-compressed state reshardable bit-exactly (docs/design.md 1).
+(``rows = shape[0]``, ``row_numel = prod(shape[1:])``), so any split along dim 0 hands every rank
+whole blocks: what makes the compressed state reshardable bit-exactly (docs/design.md 1).
 """
 
 from __future__ import annotations
@@ -54,13 +52,10 @@ def uses_row_period(shape: Sequence[int]) -> bool:
 
 
 def shape_period(shape: Sequence[int]) -> int:
-    """The block length of a parameter of global ``shape``: one block per row for tensors of
-    two or more dimensions, one element (P = 1) for 1-D/0-D tensors and empty rows.
-
-    A function of the shape alone, so a fresh optimizer can allocate its state before its first
-    gradient (what torch's ``get_state_dict``/``dcp.load`` flow needs) and every rank and layout
-    agrees without a reduction (docs/decisions.md, "Block length from the shape alone").
-    """
+    """The block length of a parameter of global ``shape``: one block per row for tensors of two or
+    more dimensions, P = 1 for 1-D/0-D tensors and empty rows. The shape alone decides, so state
+    exists before the first gradient and every rank agrees (docs/decisions.md, "Block length from
+    the shape alone")."""
     if not uses_row_period(shape):
         return 1
     return max(rows_and_row_numel(shape)[1], 1)
@@ -94,8 +89,7 @@ def shape_problem(geometry: str, shape: Sequence[int], value_shape: Sequence[int
 
 def field_local_shape(geometry: str, local: Sequence[int], shape: Sequence[int], period: int) -> tuple[int, ...]:
     """Shape of a ``geometry`` field on a rank holding ``local`` of a parameter of global ``shape``:
-    the global shape with this rank's rows where the field follows the parameter's rows, and its
-    columns where it follows the parameter's columns (tensor parallelism's ``Shard(1)``)."""
+    this rank's rows and columns (tensor parallelism's ``Shard(1)``) where the field follows them."""
     if geometry == "param":
         return tuple(local)
     global_shape = field_global_shape(geometry, shape, period)
@@ -108,21 +102,16 @@ def field_local_shape(geometry: str, local: Sequence[int], shape: Sequence[int],
 
 def field_global_shape(geometry: str, shape: Sequence[int], period: int) -> tuple[int, ...]:
     """Global shape of a per-parameter state field of ``geometry`` (see ``gefen.contract``)."""
-    if geometry == "scalar":
-        return ()
-    if geometry == "param":
-        return tuple(shape)
     if geometry == "block":
         return block_shape(shape, period)
-    if geometry == "row":
-        return (rows_and_row_numel(shape)[0],)
-    if geometry == "col":
-        return (rows_and_row_numel(shape)[1],)
-    raise ValueError(f"geometry {geometry!r} is not per-parameter")
+    rows, row_numel = rows_and_row_numel(shape)
+    shapes = {"scalar": (), "param": tuple(shape), "row": (rows,), "col": (row_numel,)}
+    if geometry not in shapes:
+        raise ValueError(f"geometry {geometry!r} is not per-parameter")
+    return shapes[geometry]
 
 
 def first_copy(coordinate: Sequence[int], copy_dims: Iterable[int]) -> bool:
-    """Is the block at this mesh ``coordinate`` the copy that acts for all its copies (the one a
-    checkpoint writes, the one a statistic counts)? Index 0 along every mesh dimension in
-    ``copy_dims``, the dimensions that hold copies of it."""
+    """Is the block at this mesh ``coordinate`` the copy that acts for all (the one a checkpoint
+    writes, a statistic counts)? Index 0 along every mesh dimension ``copy_dims`` that holds copies."""
     return all(coordinate[d] == 0 for d in copy_dims)

@@ -1,10 +1,9 @@
 """``GefenMuonHybrid``: Muon on hidden matrices, a backup optimizer on the rest (docs/design.md 3.2).
 
-Muon only suits hidden 2-D weights: embeddings and output heads (tied or not) see sparse or
-very skewed gradients, and 1-D or conv tensors are not matrices to orthogonalise. The hybrid
-routes parameters with ``split_params_for_muon`` and presents its two child optimizers as one
-torch optimizer (param groups, step, zero_grad, hooks, schedulers, GradScaler, state_dict).
-Checkpoint code sees it through the composite convention of ``gefen.contract``.
+Muon suits hidden 2-D weights only: embeddings and output heads (tied or not) see sparse or skewed
+gradients, and other tensors are not matrices to orthogonalise. The hybrid routes parameters with
+``split_params_for_muon`` and presents its two children as one torch optimizer; checkpoint code
+sees it through ``gefen.contract``'s composite convention.
 """
 
 from __future__ import annotations
@@ -46,10 +45,8 @@ BACKUPS = {"gefen": Gefen, "adamw": torch.optim.AdamW}
 def split_params_for_muon(model_or_named_params) -> tuple[Named, Named]:
     """``(muon, backup)`` lists of ``(name, tensor)``: hidden 2-D matrices go to Muon; embeddings
     (by module type and tensor identity, so a tied LM head is caught under any name), names
-    matching ``HEAD_PATTERNS``, and every tensor that is not 2-D go to the backup.
-
-    Given a model, only trainable parameters (``requires_grad``) are routed. Given named
-    parameters there are no modules to inspect, so embeddings are recognised by name only.
+    matching ``HEAD_PATTERNS``, and every tensor that is not 2-D go to the backup. Given a model,
+    only trainable parameters are routed; given named parameters, embeddings are known by name only.
     """
     if isinstance(model_or_named_params, nn.Module):
         model = model_or_named_params
@@ -60,13 +57,9 @@ def split_params_for_muon(model_or_named_params) -> tuple[Named, Named]:
     _check_unique(named)
     muon, backup = [], []
     for name, p in named:
-        (muon if _is_hidden_matrix(name, p, embeddings) else backup).append((name, p))
+        hidden = p.dim() == 2 and id(p) not in embeddings and not any(pat in name.lower() for pat in HEAD_PATTERNS)
+        (muon if hidden else backup).append((name, p))
     return muon, backup
-
-
-def _is_hidden_matrix(name: str, p: torch.Tensor, embeddings: set[int]) -> bool:
-    lowered = name.lower()
-    return p.dim() == 2 and id(p) not in embeddings and not any(pat in lowered for pat in HEAD_PATTERNS)
 
 
 def _named(items) -> Named:
@@ -110,8 +103,7 @@ def _is_group_list(params) -> bool:
 
 
 def _group_pairs(group: dict) -> tuple[Named, dict]:
-    """A param-group dict's ``(name, tensor)`` pairs (named by ``"param_names"`` or given as
-    pairs, as torch's optimizers take them) and its other keys."""
+    """A param-group dict's ``(name, tensor)`` pairs (given or named by ``"param_names"``) and its other keys."""
     if not isinstance(group, dict):
         raise TypeError(f"param_group must be a dict, got {type(group).__name__}")
     if "params" not in group:
@@ -165,8 +157,7 @@ def _resolve_split(params, model: nn.Module | None) -> Routed:
 
 
 def _apply_hyper(children: dict[str, torch.optim.Optimizer], hyper: dict, groups: dict[str, dict]) -> None:
-    """Give each child's new group the keys of ``hyper`` that child knows, validated as the
-    child validates its groups; a key neither child knows is refused."""
+    """Give each child's new group the keys of ``hyper`` that child knows, validated as the child's."""
     unknown = sorted(set(hyper) - {k for child in children.values() for k in child.defaults})
     if unknown:
         raise ValueError(f"param group keys unknown to both children: {unknown}")
@@ -241,12 +232,10 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         muon_kwargs.setdefault("adjust_lr_fn", "match_rms_adamw")
         # one child group per input group and child it has members in; each gets the group's keys
         # the child knows once the children (and so their defaults) exist
-        muon_parts = [(hyper, muon) for hyper, muon, _ in routed if muon]
-        backup_parts = [(hyper, rest) for hyper, _, rest in routed if rest]
         self.children: dict[str, torch.optim.Optimizer] = {
-            "muon": GefenMuon([{"params": part} for _, part in muon_parts], lr=_pick(muon_lr, lr),
+            "muon": GefenMuon([{"params": muon} for _, muon, _ in routed if muon], lr=_pick(muon_lr, lr),
                               weight_decay=_pick(muon_weight_decay, weight_decay), **muon_kwargs),
-            "backup": BACKUPS[backup]([{"params": part} for _, part in backup_parts], lr=_pick(backup_lr, lr),
+            "backup": BACKUPS[backup]([{"params": rest} for _, _, rest in routed if rest], lr=_pick(backup_lr, lr),
                                       weight_decay=_pick(backup_weight_decay, weight_decay), **backup_kwargs),
         }
         groups = {name: iter(child.param_groups) for name, child in self.children.items()}
@@ -299,8 +288,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
             child.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
-        """Route a new group with the constructor's rules; its parameters must be named
-        (``(name, tensor)`` pairs or ``"param_names"``). Each child gets the keys it knows."""
+        """Route a named group (``(name, tensor)`` pairs or ``"param_names"``) as the constructor does."""
         pairs, hyper = _group_pairs(param_group)
         muon, rest = split_params_for_muon(pairs)
         known = {id(p) for group in self.param_groups for p in group["params"]}
@@ -342,8 +330,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         self.prepare_load_state_dict(state_dict)()
 
     def prepare_load_state_dict(self, state_dict: dict) -> Callable[[], None]:
-        """Validate and stage both children without touching either; the returned callable
-        publishes both (``load_state_dict`` is this followed by the call)."""
+        """Validate and stage both children without touching either; the returned callable publishes both."""
         state_dict = apply_load_pre_hooks(self, state_dict)
         try:
             saved = split_composite(state_dict, list(self.children))
@@ -369,10 +356,8 @@ class GefenMuonHybrid(torch.optim.Optimizer):
 
 
 def _prepare_child_load(child: torch.optim.Optimizer, sd) -> tuple[bool, Callable[[], None]]:
-    """``(may_still_fail, publish)`` for one child, after validating ``sd`` completely.
-
-    A torch optimizer keeps the very tensors it is given; it gets a copy, as Gefen children do.
-    """
+    """``(may_still_fail, publish)`` for one child, after validating ``sd`` completely (a torch
+    optimizer keeps the very tensors it is given: it gets a copy, as Gefen children do)."""
     prepare = getattr(child, "prepare_load_state_dict", None)
     if prepare is not None:
         return False, prepare(sd)

@@ -1,10 +1,7 @@
-"""``GefenMuon``: Muon whose momentum is stored like Gefen's first moment (docs/design.md 3.2).
-
-The momentum keeps Gefen's compressed form (uint8 codes into the optimizer-wide codebook plus
-one scale per block, blocks inside rows of the global matrix), so it shards and reshards
-exactly like Gefen's state. Everything in a step is rank-local except Newton-Schulz, which
-needs whole matrices (it goes through the ``LocalGather`` seam), and, where tensor parallelism
-splits columns, each row's momentum scale (a max over the tensor-parallel dimension).
+"""``GefenMuon``: Muon whose momentum is stored like Gefen's first moment (docs/design.md 3.2),
+so it shards and reshards exactly like Gefen's state. A step is rank-local except Newton-Schulz,
+which needs whole matrices (``gefen.distributed.row_gather``), and, where tensor parallelism splits
+columns, each row's momentum scale (a max over the tensor-parallel dimension).
 """
 
 from __future__ import annotations
@@ -12,21 +9,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Callable
 
 import torch
 
 from gefen.base import CompressedOptimizer, global_shape, local_tensor
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen.dispatch import momenta_, momentum_scales, round_param_, sr_target, update_momentum_
-from gefen.distributed import ParamPlacement, RowGather
+from gefen.distributed import ParamPlacement, row_gather
 from gefen.functional import decay_and_add_, init_momentum_state
 from gefen.newton_schulz import NORM_EPS, STANDARD, orthogonalise, resolve_schedule
 from gefen.state_layouts import CODEBOOK_FIELD, MOMENTUM_FIELDS
 from gefen.stochastic import param_salt
 from gefen.validation import check_flags_and_seed, check_range, param_label
 
-__all__ = ["GefenMuon", "LocalGather", "lr_scale"]
+__all__ = ["GefenMuon", "lr_scale"]
 
 #: flipped into the parameter-rounding salt, so a GefenMuonHybrid's two children never share noise
 MUON_SALT = 0x40000000
@@ -68,22 +64,9 @@ def upgrade_group(group: dict, defaults: dict) -> dict:
     return group
 
 
-class LocalGather:
-    """The seam between row-sharded momentum and Newton-Schulz, which needs whole matrices:
-    ``orthogonalise_rows(params, blocks, fn)`` returns this rank's rows, whole, of ``fn(full
-    matrices)``. One process holds everything; on a mesh ``gefen.distributed.RowGather`` serves."""
-
-    def orthogonalise_rows(self, params: list[torch.Tensor], blocks: list[torch.Tensor],
-                           fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
-        return fn(blocks)
-
-
 def lr_scale(shape: tuple[int, int], adjust_lr_fn: str | None) -> float:
-    """Multiplier on the learning rate for a ``rows x cols`` matrix (global shape).
-
-    ``original`` or None (Keller Jordan): ``sqrt(max(1, rows/cols))``. ``match_rms_adamw`` (Moonlight):
-    ``0.2 * sqrt(max(rows, cols))`` gives the update AdamW's typical RMS, so AdamW's LR carries over.
-    """
+    """Multiplier on the learning rate for a ``rows x cols`` matrix (global shape): ``original``
+    (Keller Jordan) or ``match_rms_adamw`` (Moonlight: AdamW's update RMS, so AdamW's LR carries over)."""
     rows, cols = shape
     if adjust_lr_fn in (None, "original"):
         return math.sqrt(max(1.0, rows / cols))
@@ -91,11 +74,8 @@ def lr_scale(shape: tuple[int, int], adjust_lr_fn: str | None) -> float:
 
 
 def normuon_(o: torch.Tensor, state: dict, beta2: float, eps: float) -> torch.Tensor:
-    """Divide each row of ``o`` (fp32, in place) by the bias-corrected RMS of its EMA (NorMuon).
-
-    Returns the float64 local sums ``[|O|^2, |O_normalised|^2]``: their *global* ratio restores the
-    Frobenius norm, so callers reduce them over ranks before ``o *= sqrt(ratio)``.
-    """
+    """Divide each row of ``o`` (fp32, in place) by the bias-corrected RMS of its EMA (NorMuon); the
+    float64 local sums ``[|O|^2, |O_normalised|^2]``, whose *global* ratio restores the Frobenius norm."""
     sq = o.square()
     before = sq.sum(dtype=torch.float64)
     state["v_row"].mul_(beta2).add_(sq.mean(1), alpha=1 - beta2)
@@ -132,8 +112,6 @@ class GefenMuon(CompressedOptimizer):
                         bf16_stochastic_round=bf16_stochastic_round)
         self._check_group(defaults)
         super().__init__(params, defaults, codebook_size=codebook_size, bins_per_code=bins_per_code)
-
-    gather = LocalGather()  # stateless; replaced by RowGather on a mesh
 
     def contract(self) -> OptimizerContract:
         return _CONTRACT
@@ -176,10 +154,8 @@ class GefenMuon(CompressedOptimizer):
         return state
 
     def _check_placement(self, name: str, param: torch.Tensor, placement: ParamPlacement) -> None:
-        """Every layout ``describe_placement`` accepts works: Newton-Schulz gathers whole matrices over
-        all the mesh dimensions that split them, and a column split's cut of the momentum's one
-        block per row is repaired by a max over the tensor-parallel dimension (state with shorter
-        blocks is refused when it is loaded onto such a layout)."""
+        """Every layout ``describe_placement`` accepts works: Newton-Schulz gathers whole matrices, and
+        a column split's cut of a row's block is repaired by a max over the tensor-parallel dimension."""
 
     def _step(self, work) -> None:
         plan = self.reduction_plan()
@@ -193,17 +169,13 @@ class GefenMuon(CompressedOptimizer):
         whole = [k for k in range(len(items)) if k not in cut]
         momenta = dict(zip(whole, momenta_([items[k] for k in whole], codebook)))
         momenta.update(zip(cut, self._cut_momenta_([items[k] for k in cut], codebook)))
-        inputs = []
-        for k, (group, _, _) in enumerate(work):  # (an fp32 += bf16 add is exact)
-            _, g, mu = items[k]
-            inputs.append(momenta[k].mul_(mu).add_(g, alpha=1 - mu) if group["nesterov"] else momenta[k])
+        inputs = [momenta[k].mul_(mu).add_(g, alpha=1 - mu) if group["nesterov"] else momenta[k]  # fp32 += bf16: exact
+                  for k, ((group, _, _), (_, g, mu)) in enumerate(zip(work, items))]
 
         # 2. orthogonalise: the one step that needs whole matrices (this rank gets its rows, whole)
         schedules = [(resolve_schedule(group["ns_coefficients"], group["ns_steps"]), group["eps"])
                      for group, _, _ in work]
-        gather = RowGather(plan) if plan.group is not None else self.gather
-        ortho = gather.orthogonalise_rows([p for _, p, _ in work], inputs,
-                                          lambda full: orthogonalise_batched(full, schedules))
+        ortho = row_gather(plan, [p for _, p, _ in work], inputs, lambda full: orthogonalise_batched(full, schedules))
 
         # 3. NorMuon: whole rows normalised locally, Frobenius norms restored with one reduction
         normed = [i for i, (group, _, _) in enumerate(work) if group["normuon"]]
@@ -233,9 +205,8 @@ class GefenMuon(CompressedOptimizer):
                          salt=param_salt(position[id(p)], group["seed"]) ^ MUON_SALT)
 
     def _cut_momenta_(self, items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list:
-        """``update_momentum_`` of shards whose columns tensor parallelism splits: each row's one
-        block is cut, so its max-abs scale is reduced over the ranks holding the row's other columns
-        (one collective for all of them) before the codes are chosen, as one process would."""
+        """``update_momentum_`` of shards whose columns tensor parallelism splits: each row's max-abs
+        scale is reduced over the ranks holding its other columns (one collective) before coding."""
         items = [(state, g.float(), mu) for state, g, mu in items]
         scales = self.reduction_plan().reduce_rows_("max", [momentum_scales(*item, codebook) for item in items])
         return [update_momentum_(*item, codebook, s) for item, s in zip(items, scales)]

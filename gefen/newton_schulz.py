@@ -1,9 +1,6 @@
-"""Newton-Schulz orthogonalisation for Muon (docs/design.md 3.2), as pure functions.
-
-Muon replaces an update matrix by (an approximation of) its polar factor ``U V^T``. An odd
-matrix polynomial ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` pushes every singular value
-of the Frobenius-normalised input towards 1 without an SVD; the coefficient schedules trade
-exactness (the singular values land in a band around 1, not on 1) for a handful of bf16 steps.
+"""Newton-Schulz orthogonalisation for Muon (docs/design.md 3.2): the odd matrix polynomial
+``X <- a X + (b A + c A^2) X`` (``A = X X^T``) pushes every singular value of the normalised input
+into a band around 1, an approximate polar factor ``U V^T`` in a handful of bf16 steps.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ NORM_EPS = 1e-7
 
 
 def resolve_schedule(schedule: str | Sequence[float] | Sequence[Sequence[float]], ns_steps: int) -> tuple[Triple, ...]:
-    """The (a, b, c) of every step. One ``(a, b, c)`` (``torch.optim.Muon``'s ``ns_coefficients``)
-    and ``"standard"`` repeat for ``ns_steps`` steps; the tuned and custom (per-step) schedules
-    carry their own length (``ns_steps`` is still validated, so typos surface early)."""
+    """The (a, b, c) of every step: one triple and ``"standard"`` repeat for ``ns_steps`` steps; the
+    tuned and per-step schedules carry their own length (``ns_steps`` is still validated)."""
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
         raise ValueError(f"ns_steps must be a positive int, got {ns_steps!r}")
     if isinstance(schedule, (list, tuple)) and len(schedule) == 3 and not any(
@@ -84,13 +80,9 @@ def orthogonalise(u: torch.Tensor, schedule: str | Sequence[float] | Sequence[Se
 
 def _baddbmm(bias: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor, beta: float = 1.0,
              alpha: float = 1.0) -> torch.Tensor:
-    """``beta * bias + alpha * (x @ y)`` on bf16 batches: fp32 accumulation and one rounding of the
-    result, as a fused bf16 GEMM on tensor cores does.
-
-    On CPU the operands are upcast exactly and multiplied in fp32, then rounded once: the same
-    arithmetic up to summation order, and ~5x faster than torch's CPU bf16 GEMM where the CPU
-    lacks bf16 units (measured on AVX2).
-    """
+    """``beta * bias + alpha * (x @ y)`` on bf16 batches: fp32 accumulation and one rounding, as a
+    fused bf16 GEMM on tensor cores does. On CPU the operands are upcast exactly and multiplied in
+    fp32: the same arithmetic up to summation order, ~5x faster where the CPU lacks bf16 units."""
     if x.device.type == "cpu":
         x, y, bias = x.float(), y.float(), None if bias is None else bias.float()
     out = torch.bmm(x, y) if bias is None else torch.baddbmm(bias, x, y, beta=beta, alpha=alpha)

@@ -1,7 +1,5 @@
 """Gefen's state layouts as contracts, and the refusal when a state of one meets the other.
-
-Torch-free (only ``gefen.contract``), so gefen_ckpt can check a checkpoint's layout without
-importing the optimizer (which pulls in torch.compile's machinery).
+Torch-free, so gefen_ckpt can check a layout without importing the optimizer.
 """
 
 from __future__ import annotations

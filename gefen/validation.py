@@ -9,23 +9,22 @@ import torch
 
 
 def number(value):
-    """A one-element real tensor as a Python float (torch's optimizers take ``lr`` and ``betas``
-    as tensors, e.g. for LR schedules kept on device); anything else unchanged."""
+    """A one-element real tensor (torch's optimizers take ``lr`` and ``betas`` as tensors) as a
+    Python float; anything else unchanged."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
         return float(value.detach())
     return value
 
 
 def plain_hyperparameters(group: dict) -> dict:
-    """``group`` with tensor hyperparameters read as floats (the step's numbers), the same
-    ``params``. Read once per step, so a scheduler that ``fill_``s a tensor ``lr`` is seen."""
+    """``group`` with tensor hyperparameters read as floats, once per step (so a scheduler that
+    ``fill_``s a tensor ``lr`` is seen)."""
     return {k: v if k in ("params", "param_names") else
             (tuple(number(x) for x in v) if isinstance(v, tuple) else number(v)) for k, v in group.items()}
 
 
 def check_range(name: str, value, low: float, high: float = math.inf, *, high_open: bool = False) -> None:
-    """Raise ValueError unless ``value`` is a finite number (or one-element real tensor) in
-    ``[low, high]`` (or ``[low, high)``)."""
+    """Raise ValueError unless ``value`` is a finite number in ``[low, high]`` (or ``[low, high)``)."""
     if isinstance(value, torch.Tensor) and value.numel() != 1:
         raise ValueError(f"{name} must be a number or a one-element tensor, got a tensor of shape {tuple(value.shape)}")
     value = number(value)
@@ -54,8 +53,7 @@ def check_flags_and_seed(group: dict, flags: tuple[str, ...]) -> None:
 
 def check_adamw_options(*, foreach, fused, capturable: bool, differentiable: bool, amsgrad: bool) -> None:
     """torch.optim.AdamW's implementation switches, so Gefen is a drop-in: ``foreach`` / ``fused``
-    are hints (one implementation serves both: the fused C step on CPU, the eager step elsewhere);
-    options whose meaning does not carry over are refused when asked for, with the reason."""
+    are hints (one implementation serves both); the others are refused when asked for, with the reason."""
     for name, value in (("foreach", foreach), ("fused", fused)):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool or None, got {value!r}")
@@ -107,8 +105,7 @@ def check_grad(grad: torch.Tensor, label: str) -> None:
 
 
 def check_not_adam_state(state_dict: dict, implementation: str) -> None:
-    """A torch Adam/AdamW state_dict handed to a Gefen optimizer: say so and how to convert it
-    (otherwise the first complaint would be a missing hyperparameter)."""
+    """A torch Adam/AdamW state_dict handed to a Gefen optimizer: say so and how to convert it."""
     entries = state_dict.get("state")
     if isinstance(entries, dict) and any(_is_adam_entry(e) for e in entries.values()):
         short = implementation.rsplit(".", 1)[-1]
