@@ -19,8 +19,9 @@
  * a code only when the rounding noise lands between the two (a ~1e-7 chance per element).
  * Each row is done by one thread, so any thread split gives the same bits.  Three row kernels
  * give identical results: AVX-512 (16 lanes; a 16-entry table is one register, the encode's
- * search three compares and a 2-step binary search of permutes), AVX2 (8 lanes, a table in two registers) and portable C;
- * the call's mode caps which runs (GEFEN_CPU_ISA, tests compare them).
+ * search a binary search of permutes or, with VBMI, a byte-table lookup and a compare), AVX2
+ * (8 lanes, a table in two registers) and portable C; the call's mode caps which runs
+ * (GEFEN_CPU_ISA, tests compare them).
  */
 #include <float.h>
 #include <math.h>
