@@ -17,14 +17,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 
+import msgpack
 import numpy as np
 import torch
 
-from gefen_ckpt.canonical import CanonicalState, EagerSource
+from gefen_ckpt.canonical import CanonicalState
 from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
-from gefen_ckpt.wire.index import WriterPin, index_name
+from gefen_ckpt.wire.index import WriterPin, encode_index, index_name
 from gefen_ckpt.wire.records import tensor_key
+from gefen_ckpt.wire.writer import checked, tensors
 
 #: Writers x tensors handled per batch (the arrays of one batch: a few tens of MB).
 BATCH_CELLS = 2**20
@@ -48,21 +50,12 @@ class _Tensor:
 
 
 def _tensors(state: CanonicalState) -> list[_Tensor]:
-    """Every tensor in ``writer.items`` order (globals, then each parameter's fields)."""
     out = []
-    for key, src in state.global_fields.items():
-        out.append((None, key, src, False))
-    for fqn, entry in state.params.items():
-        leaf = state.contract.leaf(entry.child)
-        for name, src in entry.fields.items():
-            out.append((fqn, name, src, bool(src.shape) and leaf.field(name).row_sharded))
-    tensors = []
-    for fqn, name, src, sharded in out:
-        src = EagerSource(src) if isinstance(src, torch.Tensor) else src
+    for fqn, name, src, sharded in tensors(state):
         shape, dtype = tuple(src.shape), dtype_name(src.dtype)
-        tensors.append(_Tensor(fqn, name, src, sharded, shape[0] if shape else 1,
-                               math.prod(shape[1:]) * itemsize(dtype) if shape else itemsize(dtype), dtype, shape))
-    return tensors
+        out.append(_Tensor(fqn, name, src, sharded, shape[0] if shape else 1, math.prod(shape[1:]) * itemsize(dtype),
+                           dtype, shape))
+    return out
 
 
 class WritePlan:
@@ -259,15 +252,8 @@ def _write_batch(plan: WritePlan, store, token, ranks, data_stem, on_bytes, samp
 
 
 def _index_head(writer: int, entries: int) -> bytes:
-    """``index.encode_index``'s map up to the items of its ``tensors`` array."""
-    import msgpack
-
-    from gefen_ckpt.wire.index import INDEX_FORMAT
-
-    array = (bytes([0x90 | entries]) if entries < 16 else b"\xdc" + entries.to_bytes(2, "big") if entries < 2**16
-             else b"\xdd" + entries.to_bytes(4, "big"))
-    return (b"\x84" + msgpack.packb("format") + msgpack.packb(INDEX_FORMAT) + msgpack.packb("version")
-            + msgpack.packb([2, 0]) + msgpack.packb("writer") + msgpack.packb(writer) + msgpack.packb("tensors") + array)
+    """``index.encode_index``'s bytes up to the items of its ``tensors`` array (its last key)."""
+    return encode_index(writer, [])[:-1] + msgpack.Packer().pack_array_header(entries)
 
 
 #: msgpack's unsigned integer encodings, smallest first: (largest value, marker byte or -1 for a
@@ -320,11 +306,7 @@ def _bytes(tensor: _Tensor, a: int, b: int) -> np.ndarray:
     """Rows ``[a, b)`` of a tensor's source as bytes, after checking it returned what it promised."""
     got = tensor.source.read(a, b) if tensor.shape else tensor.source.read()
     want = (b - a, *tensor.shape[1:]) if tensor.shape else ()
-    if tuple(got.shape) != want or dtype_name(got.dtype) != tensor.dtype:
-        label = f"{tensor.fqn or '__global__'}/{tensor.field}"
-        raise ValueError(f"{label}@{a}:{b}: the source returned {tuple(got.shape)} {got.dtype}, "
-                         f"expected {want} {tensor.dtype}")
-    got = got.detach().cpu().contiguous().reshape(-1)
+    got = checked(got, f"{tensor_key(tensor.fqn, tensor.field)}@{a}:{b}", want, tensor.dtype).detach().reshape(-1)
     return got.view(torch.uint8).numpy() if got.numel() else np.zeros(0, np.uint8)
 
 

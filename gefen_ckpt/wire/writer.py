@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,7 +22,7 @@ import torch
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, TensorSource
 from gefen_ckpt.placement import chunk_rows
 from gefen_ckpt.storage import Store, Writer
-from gefen_ckpt.wire import bulk, checksum, datafile
+from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import WriterPin, encode_index, index_entries, index_name
@@ -86,21 +86,30 @@ def _source(value) -> TensorSource:
     return EagerSource(value) if isinstance(value, torch.Tensor) else value
 
 
-def items(state: CanonicalState, rank: int = 0, world_size: int | None = None) -> list[WriteItem]:
-    """What ``rank`` writes: whole tensors (``world_size`` None, the canonical layout), or its
-    ``torch.chunk`` rows of row-sharded fields plus, on rank 0, one copy of every replicated one."""
-    out = [WriteItem(None, key, 0, _source(src)) for key, src in state.global_fields.items() if rank == 0]
+def tensors(state: CanonicalState, split: bool = True) -> Iterator[tuple[str | None, str, TensorSource, bool]]:
+    """Every tensor of ``state`` (globals, then each parameter's fields) as a source, and whether
+    a sharded save splits its rows among writers (with ``split``: a row-sharded field with rows)."""
+    for key, src in state.global_fields.items():
+        yield None, key, _source(src), False
     for fqn, entry in state.params.items():
         leaf = state.contract.leaf(entry.child)
         for name, src in entry.fields.items():
             src = _source(src)
-            if world_size is None or not src.shape or not leaf.field(name).row_sharded:
-                if rank == 0:
-                    out.append(WriteItem(fqn, name, 0, src))
-                continue
-            start, stop = chunk_rows(src.shape[0], world_size, rank)
-            if stop > start:
-                out.append(WriteItem(fqn, name, start, RowRange(src, start, stop)))
+            yield fqn, name, src, split and bool(src.shape) and leaf.field(name).row_sharded
+
+
+def items(state: CanonicalState, rank: int = 0, world_size: int | None = None) -> list[WriteItem]:
+    """What ``rank`` writes: whole tensors (``world_size`` None, the canonical layout), or its
+    ``torch.chunk`` rows of row-sharded fields plus, on rank 0, one copy of every replicated one."""
+    out = []
+    for fqn, name, src, sharded in tensors(state, world_size is not None):
+        if not sharded:
+            if rank == 0:
+                out.append(WriteItem(fqn, name, 0, src))
+            continue
+        start, stop = chunk_rows(src.shape[0], world_size, rank)
+        if stop > start:
+            out.append(WriteItem(fqn, name, start, RowRange(src, start, stop)))
     return out
 
 
@@ -124,7 +133,7 @@ def _key(item: WriteItem, start: int, stop: int) -> str:
 def _split(item: WriteItem, max_file_bytes: int, piece_bytes: int) -> list[_Piece]:
     shape, dtype = tuple(item.source.shape), dtype_name(item.source.dtype)
     rows = shape[0] if shape else 1
-    row_bytes = itemsize(dtype) * (math.prod(shape[1:]) if shape else 1)
+    row_bytes = itemsize(dtype) * math.prod(shape[1:])
     probe = datafile.Entry(_key(item, rows, rows), dtype, shape, 0)  # the longest key any piece gets
     room = max_file_bytes - datafile.FILE_OVERHEAD - datafile.entry_bound(probe)
     if row_bytes > room:
@@ -156,18 +165,16 @@ def _pack(pieces: Iterable[_Piece], max_file_bytes: int) -> list[list[_Piece]]:
 
 
 # ----- writing ------------------------------------------------------------------------------
-def _in_memory(tensor: torch.Tensor, piece: _Piece) -> tuple[torch.Tensor, int]:
-    """(a contiguous CPU tensor of the piece's bytes, its address), after checking the source
-    returned what it promised. A live state's tensors already are such, and then this only reads
-    attributes: every torch operation releases the GIL, and while another thread of the process
-    runs Python each release costs a switch interval (5 ms; docs/decisions.md)."""
-    want = piece.entry.shape
-    if tuple(tensor.shape) != tuple(want) or dtype_name(tensor.dtype) != piece.dtype:
-        raise ValueError(f"{piece.entry.key}: the source returned {tuple(tensor.shape)} {tensor.dtype}, "
-                         f"expected {tuple(want)} {piece.dtype}")
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        tensor = tensor.detach().cpu().contiguous()
-    return tensor, tensor.data_ptr()
+def checked(got: torch.Tensor, key: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    """What a source returned for ``key`` as a contiguous CPU tensor, after checking it is the
+    promised ``shape`` and ``dtype``. A live state's tensors already are such, and then this only
+    reads attributes: every torch operation releases the GIL, and while another thread of the
+    process runs Python each release costs a switch interval (5 ms; docs/decisions.md)."""
+    if tuple(got.shape) != tuple(shape) or dtype_name(got.dtype) != dtype:
+        raise ValueError(f"{key}: the source returned {tuple(got.shape)} {got.dtype}, expected {tuple(shape)} {dtype}")
+    if got.device.type != "cpu" or not got.is_contiguous():
+        got = got.detach().cpu().contiguous()
+    return got
 
 
 def _resident(source: TensorSource) -> bool:
@@ -196,10 +203,9 @@ def _write_file(store: Store, name: str, pieces: list[_Piece], durable: bool,
         for p, offset in zip(pieces, offsets):
             if offset > end:
                 spans.append((_ZEROS_AT, offset - end))
-            tensor, address = _in_memory(p.item.source.read(p.start, p.stop), p)
-            owners.append(tensor)
+            owners.append(checked(p.item.source.read(p.start, p.stop), p.entry.key, p.entry.shape, p.dtype))
             placed.append((p, offset, len(spans)))
-            spans.append((address, p.entry.nbytes))
+            spans.append((owners[-1].data_ptr(), p.entry.nbytes))
             end, held = offset + p.entry.nbytes, held + p.entry.nbytes
             if held >= WRITE_BATCH_BYTES or (held >= READ_BATCH_BYTES and not _resident(p.item.source)):
                 records += _put(out, name, spans, placed, on_bytes)
@@ -342,16 +348,9 @@ def splits(state: CanonicalState, world_size: int | None, writers: tuple[int, ..
     """Each tensor's 2.0 split when ``items`` writes ``state``: row-sharded fields ``torch.chunk``
     over ``world_size`` parts, part ``i`` by writer ``writers[i]`` (default ``i``), everything else
     one part by writer 0."""
-    out = {}
     whole = (1, (0,))
     spread = (world_size, writers or tuple(range(world_size))) if world_size is not None else whole
-    for key in state.global_fields:
-        out[(None, key)] = whole
-    for fqn, entry in state.params.items():
-        leaf = state.contract.leaf(entry.child)
-        for name, src in entry.fields.items():
-            out[(fqn, name)] = spread if src.shape and leaf.field(name).row_sharded else whole
-    return out
+    return {(fqn, name): spread if sharded else whole for fqn, name, _, sharded in tensors(state)}
 
 
 def _write_locked(state: CanonicalState, store: Store, token: str, previous: set[str] | None, *,
@@ -363,6 +362,8 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
 
     def sync(name: str) -> None:
         syncing.append(store.durable_soon(name))
+
+    from gefen_ckpt.wire import bulk  # it builds on this module
 
     plan = None
     if version[0] >= 2 and world_size is not None and world_size > 1:
