@@ -53,8 +53,8 @@ def _tensors(state: CanonicalState) -> list[_Tensor]:
     out = []
     for fqn, name, src, sharded in tensors(state):
         shape, dtype = tuple(src.shape), dtype_name(src.dtype)
-        out.append(_Tensor(fqn, name, src, sharded, shape[0] if shape else 1, math.prod(shape[1:]) * itemsize(dtype),
-                           dtype, shape))
+        out.append(_Tensor(fqn, name, src, sharded, shape[0] if shape else 1,
+                           math.prod(shape[1:]) * itemsize(dtype), dtype, shape))
     return out
 
 
@@ -306,7 +306,8 @@ def _bytes(tensor: _Tensor, a: int, b: int) -> np.ndarray:
     """Rows ``[a, b)`` of a tensor's source as bytes, after checking it returned what it promised."""
     got = tensor.source.read(a, b) if tensor.shape else tensor.source.read()
     want = (b - a, *tensor.shape[1:]) if tensor.shape else ()
-    got = checked(got, f"{tensor_key(tensor.fqn, tensor.field)}@{a}:{b}", want, tensor.dtype).detach().reshape(-1)
+    got = checked(got, f"{tensor_key(tensor.fqn, tensor.field)}@{a}:{b}", want, tensor.dtype)
+    got = got.detach().reshape(-1)
     return got.view(torch.uint8).numpy() if got.numel() else np.zeros(0, np.uint8)
 
 

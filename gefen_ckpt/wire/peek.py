@@ -13,8 +13,8 @@ from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.storage import Store
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import NUMPY
-from gefen_ckpt.wire.integrity import check_checksum, check_length
 from gefen_ckpt.wire.manifest import TensorRecord
+from gefen_ckpt.wire.records import check_checksum, check_length
 
 
 def readable(dtype: str) -> bool:

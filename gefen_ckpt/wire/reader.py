@@ -26,7 +26,6 @@ from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.storage import READ_CHUNK, LocalReader, Prefetch, RangeReader, Store
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import NUMPY, itemsize, torch_dtype
-from gefen_ckpt.wire.integrity import check_checksum, check_length, hash_chunks
 from gefen_ckpt.wire.manifest import (
     Manifest,
     PieceRecord,
@@ -37,6 +36,7 @@ from gefen_ckpt.wire.manifest import (
     read_manifest_bytes,
     validated,
 )
+from gefen_ckpt.wire.records import check_checksum, check_length, hash_chunks
 
 #: Pieces read per ``read_verified`` call when staging (progress is reported between calls).
 STAGE_GROUP_BYTES = 64 * 2**20

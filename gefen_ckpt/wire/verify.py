@@ -18,7 +18,6 @@ from gefen_ckpt.progress import progress_bar
 from gefen_ckpt.storage import Prefetch, RangeReader, Store
 from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import safetensors_code
-from gefen_ckpt.wire.integrity import hash_chunks
 from gefen_ckpt.wire.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -29,6 +28,7 @@ from gefen_ckpt.wire.manifest import (
     read_manifest_bytes,
     total_tensor_bytes,
 )
+from gefen_ckpt.wire.records import hash_chunks
 from gefen_ckpt.wire.writelock import LOCK_NAME
 
 _CHUNK = 16 * 2**20

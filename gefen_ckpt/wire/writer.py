@@ -26,19 +26,7 @@ from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import WriterPin, encode_index, index_entries, index_name
-from gefen_ckpt.wire.manifest import (
-    FORMAT_NAME,
-    MANIFEST_NAME,
-    FileRecord,
-    PieceRecord,
-    build,
-    build_v2,
-    check_files,
-    committed_files,
-    encode,
-    tensor_order,
-    validate,
-)
+from gefen_ckpt.wire.manifest import FORMAT_NAME, MANIFEST_NAME, FileRecord, PieceRecord
 from gefen_ckpt.wire.records import tensor_key
 from gefen_ckpt.wire.writelock import WriterLock, acquire
 
@@ -86,7 +74,8 @@ def _source(value) -> TensorSource:
     return EagerSource(value) if isinstance(value, torch.Tensor) else value
 
 
-def tensors(state: CanonicalState, split: bool = True) -> Iterator[tuple[str | None, str, TensorSource, bool]]:
+def tensors(state: CanonicalState,
+            split: bool = True) -> Iterator[tuple[str | None, str, TensorSource, bool]]:
     """Every tensor of ``state`` (globals, then each parameter's fields) as a source, and whether
     a sharded save splits its rows among writers (with ``split``: a row-sharded field with rows)."""
     for key, src in state.global_fields.items():
@@ -171,7 +160,8 @@ def checked(got: torch.Tensor, key: str, shape: tuple[int, ...], dtype: str) -> 
     reads attributes: every torch operation releases the GIL, and while another thread of the
     process runs Python each release costs a switch interval (5 ms; docs/decisions.md)."""
     if tuple(got.shape) != tuple(shape) or dtype_name(got.dtype) != dtype:
-        raise ValueError(f"{key}: the source returned {tuple(got.shape)} {got.dtype}, expected {tuple(shape)} {dtype}")
+        raise ValueError(f"{key}: the source returned {tuple(got.shape)} {got.dtype}, "
+                         f"expected {tuple(shape)} {dtype}")
     if got.device.type != "cpu" or not got.is_contiguous():
         got = got.detach().cpu().contiguous()
     return got
@@ -277,7 +267,7 @@ def begin(store: Store, token: str) -> tuple[WriterLock, set[str] | None]:
     the files the committed manifest names now (None if unreadable: then nothing is deleted)."""
     lock = acquire(store, token)
     try:
-        previous = committed_files(store)
+        previous = mf.committed_files(store)
         if lock.dead_token and previous is not None:
             drop(store, [n for n in store.listing() if n not in previous and _of_save(n, lock.dead_token)])
     except BaseException:
@@ -301,13 +291,13 @@ def commit(store: Store, manifest: dict, token: str, *, previous: set[str] | Non
     unless the new manifest did become visible.
     """
     try:
-        parsed = validate(manifest)
+        parsed = mf.validate(manifest)
         for writer, data in (indexes or {}).items():
             parsed.indexes.preset(writer, data)
-        data = encode(manifest)
+        data = mf.encode(manifest)
         if wait is not None:
             wait()
-        check_files(parsed, store.listing(), store.url)
+        mf.check_files(parsed, store.listing(), store.url)
         store.publish(MANIFEST_NAME, data, temp_name=f"{MANIFEST_NAME}.{token}.tmp")
     except BaseException:
         if not _visible(store, token):
@@ -320,7 +310,7 @@ def commit(store: Store, manifest: dict, token: str, *, previous: set[str] | Non
 def _visible(store: Store, token: str) -> bool:
     """Does the committed manifest name this save's files? (True when it cannot be told.)"""
     try:
-        named = committed_files(store)
+        named = mf.committed_files(store)
     except Exception:
         return True
     return named is None or any(n.startswith((f"data-{token}-", f"index-{token}-")) for n in named)
@@ -357,7 +347,7 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
                   world_size: int | None, max_file_bytes: int, memory_budget: int, on_bytes: OnBytes | None) -> dict:
     records, files, pins, indexes = [], [], [], {}
     version = mf.WRITE_VERSION
-    ordinals = tensor_order(state)
+    ordinals = mf.tensor_order(state)
     syncing: list[Callable[[], None]] = []  # each file's fsync starts as soon as it is written
 
     def sync(name: str) -> None:
@@ -387,9 +377,10 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
                 files += fs
         layout = "canonical" if world_size is None else "sharded"
         if version[0] >= 2:
-            manifest = build_v2(state, splits(state, world_size, plan.writer_of() if plan else None), pins, layout=layout, world_size=world_size or 1)
+            manifest = mf.build_v2(state, splits(state, world_size, plan.writer_of() if plan else None), pins,
+                                   layout=layout, world_size=world_size or 1)
         else:
-            manifest = build(state, records, files, layout=layout, world_size=world_size or 1)
+            manifest = mf.build(state, records, files, layout=layout, world_size=world_size or 1)
     except BaseException:
         _settle(syncing, quiet=True)
         discard(store, token)
