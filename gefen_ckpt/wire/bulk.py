@@ -1,14 +1,10 @@
 """A sharded 2.0 write to many writers in one pass over the state (``writer.write_state``).
 
-Written writer after writer, a save to W writers costs a Python object, a source read and an
-index record check per piece: at 4,096 writers of a 200-tensor state, 2.5M of each (minutes
-for 18 MB). When every writer's part of every tensor is one piece in one file (exactly the
-many-writer case) the layout is regular and computed here as arrays: offsets by a running sum,
-each source read once per batch of writers, CRC-32s in one C call, indexes encoded from the
-arrays. With one part per writer the files are byte for byte those of the writer-by-writer
-path (``tests/ckpt/test_format2.py``); from ``GROUP_FROM`` parts on, consecutive small parts
-share a writer, its rows of each tensor one piece. Lock, commit and clean-up stay the caller's.
-"""
+Writer after writer, 4,096 writers of a 200-tensor state cost 2.5M pieces' Python objects,
+source reads and index checks (minutes for 18 MB). When every writer's part of every tensor is
+one piece in one file the layout is regular and computed here as arrays, byte for byte the
+writer-by-writer path's files with one part per writer; from ``GROUP_FROM`` parts on, consecutive
+small parts share a writer. Lock, commit and clean-up stay the caller's."""
 
 from __future__ import annotations
 

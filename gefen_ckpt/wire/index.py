@@ -1,11 +1,7 @@
-"""Format 2.0: row-split rules in the manifest, piece records in per-writer indexes.
-
-The manifest says, for each tensor, how its rows are split among writers: a shared *rule*
-(``torch.chunk`` over P parts, part ``i`` held by ``writers[i]``) or, only where none applies,
-explicit ``[start, stop, writer]`` parts. Each writer's piece records live in its own index file,
-pinned in the manifest by size and CRC-32, so the manifest grows with tensors + writers and a
-reader of some rows reads only the indexes of the writers that hold them (docs/format.md 13).
-"""
+"""Format 2.0 (docs/format.md 13): the manifest splits each tensor's rows among writers by a
+shared rule (``torch.chunk`` over P parts) or explicit parts; each writer's piece records live in
+its own index file, pinned in the manifest by size and CRC-32, so a reader of some rows reads
+only the indexes of the writers that hold them."""
 
 from __future__ import annotations
 

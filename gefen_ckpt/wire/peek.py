@@ -1,9 +1,6 @@
-"""Torch-free reads of small stored tensors as numpy arrays, verified like every read.
-
-For tools that summarise a checkpoint from its manifest (``gefen-ckpt inspect``) without
-paying for importing torch: the codebook, a step counter. Loading state goes through
-``reader`` (torch tensors).
-"""
+"""Torch-free reads of small stored tensors (a codebook, a step counter) as numpy arrays, verified
+like every read, for tools that summarise a checkpoint without importing torch (``gefen-ckpt
+inspect``). Loading state goes through ``reader``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Full verification: every checksum, full coverage, and each data file's safetensors header.
-
-Unlike a read, verification does not stop at the first problem: it reports all of them.
-Pieces are hashed in bounded chunks, so memory stays small whatever the piece sizes; local
-files are prefetched into the page cache ahead of the hashing (``Store.prefetch``).
-"""
+"""Full verification: every checksum, full coverage, and each data file's safetensors header,
+reporting every problem (a read stops at the first). Pieces are hashed in bounded chunks; local
+files are prefetched into the page cache ahead of the hashing (``Store.prefetch``)."""
 
 from __future__ import annotations
 
