@@ -22,7 +22,7 @@ from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import WriterPin, encode_index, index_name
 from gefen_ckpt.wire.records import tensor_key
-from gefen_ckpt.wire.writer import checked, tensors
+from gefen_ckpt.wire.writer import _in_memory, tensors
 
 #: Writers x tensors handled per batch (the arrays of one batch: a few tens of MB).
 BATCH_CELLS = 2**20
@@ -292,8 +292,7 @@ def _index_records(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
                     out[at] = x.astype(np.uint8)
                     continue
                 out[at] = marker
-                for k in range(size):  # big-endian
-                    out[at + 1 + k] = ((x >> np.uint64(8 * (size - 1 - k))) & np.uint64(255)).astype(np.uint8)
+                out[at[:, None] + 1 + np.arange(size)] = x.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - size:]
         cursor += w
     return out, ends
 
@@ -302,7 +301,7 @@ def _bytes(tensor: _Tensor, a: int, b: int) -> np.ndarray:
     """Rows ``[a, b)`` of a tensor's source as bytes, after checking it returned what it promised."""
     got = tensor.source.read(a, b) if tensor.shape else tensor.source.read()
     want = (b - a, *tensor.shape[1:]) if tensor.shape else ()
-    got = checked(got, f"{tensor_key(tensor.fqn, tensor.field)}@{a}:{b}", want, tensor.dtype)
+    got = _in_memory(got, f"{tensor_key(tensor.fqn, tensor.field)}@{a}:{b}", want, tensor.dtype)
     got = got.detach().reshape(-1)
     return got.view(torch.uint8).numpy() if got.numel() else np.zeros(0, np.uint8)
 

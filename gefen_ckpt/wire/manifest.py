@@ -574,14 +574,16 @@ def _validate_v2(raw: dict) -> Manifest:
 
 def _writers(x) -> list:
     """The 2.0 ``writers``: ``[index, index_bytes, index_checksum, file, bytes, ...]`` each; every
-    name a plain file name, listed once."""
+    name a plain file name, listed once. Entries are checked one by one, to name the first bad
+    one, only when ``_writers_plain`` finds one."""
     from gefen_ckpt.wire.index import MAX_INDEX_BYTES, WriterPin
 
     x = _list(x, "writers")
-    if _writers_plain(x) and max(w[1] for w in x) <= MAX_INDEX_BYTES:  # every entry well formed: build them without the per-name checks below
-        return [WriterPin.from_raw(w) for w in x]
-    out, seen = [], set()
-    for i, w in enumerate(x):
+    if not x:
+        fail("writers", "no writers")
+    well_formed = _writers_plain(x) and max(w[1] for w in x) <= MAX_INDEX_BYTES
+    seen = set()
+    for i, w in enumerate(x if not well_formed else ()):
         if type(w) is not list or len(w) < 3 or len(w) % 2 == 0:
             fail(f"writers[{i}]", "expected [index, bytes, checksum, file, bytes, ...]")
         crc = w[2]
@@ -598,10 +600,7 @@ def _writers(x) -> list:
             fail(f"writers[{i}]", "the index checksum is not a uint32")
         if w[1] > MAX_INDEX_BYTES:
             fail(f"writers[{i}]", f"index {w[0]!r} is {w[1]:,} bytes, over the limit of {MAX_INDEX_BYTES:,}"[:300])
-        out.append(WriterPin.from_raw(w))
-    if not out:
-        fail("writers", "no writers")
-    return out
+    return [WriterPin.from_raw(w) for w in x]
 
 
 def _writers_plain(x: list) -> bool:

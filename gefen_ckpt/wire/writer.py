@@ -154,7 +154,7 @@ def _pack(pieces: Iterable[_Piece], max_file_bytes: int) -> list[list[_Piece]]:
 
 
 # ----- writing ------------------------------------------------------------------------------
-def checked(got: torch.Tensor, key: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+def _in_memory(got: torch.Tensor, key: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
     """What a source returned for ``key`` as a contiguous CPU tensor, after checking it is the
     promised ``shape`` and ``dtype``. A live state's tensors already are such, and then this only
     reads attributes: every torch operation releases the GIL, and while another thread of the
@@ -193,7 +193,7 @@ def _write_file(store: Store, name: str, pieces: list[_Piece], durable: bool,
         for p, offset in zip(pieces, offsets):
             if offset > end:
                 spans.append((_ZEROS_AT, offset - end))
-            owners.append(checked(p.item.source.read(p.start, p.stop), p.entry.key, p.entry.shape, p.dtype))
+            owners.append(_in_memory(p.item.source.read(p.start, p.stop), p.entry.key, p.entry.shape, p.dtype))
             placed.append((p, offset, len(spans)))
             spans.append((owners[-1].data_ptr(), p.entry.nbytes))
             end, held = offset + p.entry.nbytes, held + p.entry.nbytes
@@ -345,6 +345,8 @@ def splits(state: CanonicalState, world_size: int | None, writers: tuple[int, ..
 
 def _write_locked(state: CanonicalState, store: Store, token: str, previous: set[str] | None, *,
                   world_size: int | None, max_file_bytes: int, memory_budget: int, on_bytes: OnBytes | None) -> dict:
+    from gefen_ckpt.wire import bulk  # it builds on this module
+
     records, files, pins, indexes = [], [], [], {}
     version = mf.WRITE_VERSION
     ordinals = mf.tensor_order(state)
@@ -353,12 +355,10 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
     def sync(name: str) -> None:
         syncing.append(store.durable_soon(name))
 
-    from gefen_ckpt.wire import bulk  # it builds on this module
-
     plan = None
     if version[0] >= 2 and world_size is not None and world_size > 1:
         plan = bulk.regular_plan(state, world_size, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
-                           ordinals=ordinals, version=version)
+                                 ordinals=ordinals, version=version)
     try:
         if plan is not None:  # every part one piece, every writer one file: all writers in one pass
             pins, indexes, durable = bulk.write(plan, store, token, memory_budget=memory_budget,
