@@ -9,7 +9,7 @@ small parts share a writer. Lock, commit and clean-up stay the caller's."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 
@@ -17,12 +17,11 @@ import msgpack
 import numpy as np
 import torch
 
-from gefen_ckpt.canonical import CanonicalState
+from gefen_ckpt.canonical import CanonicalState, EagerSource, TensorSource
 from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import WriterPin, encode_index, index_name
 from gefen_ckpt.wire.records import tensor_key
-from gefen_ckpt.wire.writer import _in_memory, tensors
 
 #: Writers x tensors handled per batch (the arrays of one batch: a few tens of MB).
 BATCH_CELLS = 2**20
@@ -31,6 +30,38 @@ BATCH_CELLS = 2**20
 SCATTER_MAX_BYTES = 256
 #: Digits of the largest row index a key can hold (a conservative bound on a key's length).
 _DIGITS = 20
+
+
+# ----- the state's tensors, as both write paths take them -----------------------------------
+def _source(value) -> TensorSource:
+    """A tensor as a source (a cheap check: ``isinstance`` on the Protocol is slow per call)."""
+    return EagerSource(value) if isinstance(value, torch.Tensor) else value
+
+
+def tensors(state: CanonicalState,
+            split: bool = True) -> Iterator[tuple[str | None, str, TensorSource, bool]]:
+    """Every tensor of ``state`` (globals, then each parameter's fields) as a source, and whether
+    a sharded save splits its rows among writers (with ``split``: a row-sharded field with rows)."""
+    for key, src in state.global_fields.items():
+        yield None, key, _source(src), False
+    for fqn, entry in state.params.items():
+        leaf = state.contract.leaf(entry.child)
+        for name, src in entry.fields.items():
+            src = _source(src)
+            yield fqn, name, src, split and bool(src.shape) and leaf.field(name).row_sharded
+
+
+def _in_memory(got: torch.Tensor, key: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    """What a source returned for ``key`` as a contiguous CPU tensor, after checking it is the
+    promised ``shape`` and ``dtype``. A live state's tensors already are such, and then this only
+    reads attributes: every torch operation releases the GIL, and while another thread of the
+    process runs Python each release costs a switch interval (5 ms; docs/decisions.md)."""
+    if tuple(got.shape) != tuple(shape) or dtype_name(got.dtype) != dtype:
+        raise ValueError(f"{key}: the source returned {tuple(got.shape)} {got.dtype}, "
+                         f"expected {tuple(shape)} {dtype}")
+    if got.device.type != "cpu" or not got.is_contiguous():
+        got = got.detach().cpu().contiguous()
+    return got
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 import secrets
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,8 +22,9 @@ import torch
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, TensorSource
 from gefen_ckpt.placement import chunk_rows
 from gefen_ckpt.storage import Store, Writer
-from gefen_ckpt.wire import checksum, datafile
+from gefen_ckpt.wire import bulk, checksum, datafile
 from gefen_ckpt.wire import manifest as mf
+from gefen_ckpt.wire.bulk import _in_memory, tensors
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import WriterPin, encode_index, index_entries, index_name
 from gefen_ckpt.wire.manifest import FORMAT_NAME, MANIFEST_NAME, FileRecord, PieceRecord
@@ -67,24 +68,6 @@ class RowRange:
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         stop = self.stop - self.start if stop is None else stop
         return self.source.read(self.start + start, self.start + stop)
-
-
-def _source(value) -> TensorSource:
-    """A tensor as a source (a cheap check: ``isinstance`` on the Protocol is slow per call)."""
-    return EagerSource(value) if isinstance(value, torch.Tensor) else value
-
-
-def tensors(state: CanonicalState,
-            split: bool = True) -> Iterator[tuple[str | None, str, TensorSource, bool]]:
-    """Every tensor of ``state`` (globals, then each parameter's fields) as a source, and whether
-    a sharded save splits its rows among writers (with ``split``: a row-sharded field with rows)."""
-    for key, src in state.global_fields.items():
-        yield None, key, _source(src), False
-    for fqn, entry in state.params.items():
-        leaf = state.contract.leaf(entry.child)
-        for name, src in entry.fields.items():
-            src = _source(src)
-            yield fqn, name, src, split and bool(src.shape) and leaf.field(name).row_sharded
 
 
 def items(state: CanonicalState, rank: int = 0, world_size: int | None = None) -> list[WriteItem]:
@@ -154,19 +137,6 @@ def _pack(pieces: Iterable[_Piece], max_file_bytes: int) -> list[list[_Piece]]:
 
 
 # ----- writing ------------------------------------------------------------------------------
-def _in_memory(got: torch.Tensor, key: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-    """What a source returned for ``key`` as a contiguous CPU tensor, after checking it is the
-    promised ``shape`` and ``dtype``. A live state's tensors already are such, and then this only
-    reads attributes: every torch operation releases the GIL, and while another thread of the
-    process runs Python each release costs a switch interval (5 ms; docs/decisions.md)."""
-    if tuple(got.shape) != tuple(shape) or dtype_name(got.dtype) != dtype:
-        raise ValueError(f"{key}: the source returned {tuple(got.shape)} {got.dtype}, "
-                         f"expected {tuple(shape)} {dtype}")
-    if got.device.type != "cpu" or not got.is_contiguous():
-        got = got.detach().cpu().contiguous()
-    return got
-
-
 def _resident(source: TensorSource) -> bool:
     """Does reading ``source`` return views of tensors that live in memory anyway (a live
     optimizer's state), rather than fresh allocations (a checkpoint being converted)?"""
@@ -345,8 +315,6 @@ def splits(state: CanonicalState, world_size: int | None, writers: tuple[int, ..
 
 def _write_locked(state: CanonicalState, store: Store, token: str, previous: set[str] | None, *,
                   world_size: int | None, max_file_bytes: int, memory_budget: int, on_bytes: OnBytes | None) -> dict:
-    from gefen_ckpt.wire import bulk  # it builds on this module
-
     records, files, pins, indexes = [], [], [], {}
     version = mf.WRITE_VERSION
     ordinals = mf.tensor_order(state)
