@@ -159,8 +159,7 @@ class Prefetch:
             offset = 0
             while offset < size:
                 with self._cv:
-                    while not self._stopped and base + offset >= self._wanted + self._lead:
-                        self._cv.wait()
+                    self._cv.wait_for(lambda at=base + offset: self._stopped or at < self._wanted + self._lead)
                     if self._stopped:
                         return
                 n = os.sendfile(sink, fd, offset, min(PREFETCH_CHUNK, size - offset))
