@@ -1,10 +1,7 @@
 """The optional C library ``gefen_ckpt._native`` (``csrc/``: the fast CRC-32, and the I/O loops that
-must run without the GIL), loaded by ``gefen.clib``: the one module that calls it.
-
-``lib`` is None when the library is not built, the CPU lacks the carry-less multiply, or it does
-not reproduce ``zlib.crc32`` on a self-check; ``crc32`` then uses zlib (same values), and ``io``
-is False, so the callers of the I/O loops take their Python paths.
-"""
+must run without the GIL), loaded by ``gefen.clib``: the one module that calls it. ``lib`` is None
+when the library is not built, the CPU lacks the carry-less multiply, or it does not reproduce
+``zlib.crc32``; ``crc32`` then uses zlib (same values), and the I/O callers take their Python paths."""
 
 from __future__ import annotations
 

@@ -13,14 +13,10 @@
 #endif
 
 /*
- * Read byte ranges of an open file into their buffers and checksum each chunk right after it
- * arrives, while it is still in cache: one pass over the data instead of a read then a hash,
- * and one call (GIL released) for a whole file instead of Python work per piece.
- *
- * Piece i is sizes[i] bytes at offsets[i], read into dests[i] in chunks of `chunk` bytes (the
- * size that keeps the kernel's asynchronous readahead going).  got[i] receives the bytes read
- * (fewer only at end of file) and crcs[i] their CRC-32.  Returns 0, or -errno of a failed read
- * (the pieces before it are complete).
+ * Read byte ranges of an open file into their buffers (native.read_hashed) and checksum each chunk
+ * right after it arrives, while it is still in cache: one pass over the data instead of a read
+ * then a hash, and one call (GIL released) for a whole file instead of Python work per piece.
+ * Chunks of `chunk` bytes keep the kernel's asynchronous readahead going.  Returns 0, or -errno.
  */
 NATIVE_EXPORT int gefen_read_hashed(int fd, int64_t n, const int64_t *offsets, const int64_t *sizes,
                                  void *const *dests, int64_t chunk, int64_t *got, uint32_t *crcs) {
@@ -47,18 +43,13 @@ NATIVE_EXPORT int gefen_read_hashed(int fd, int64_t n, const int64_t *offsets, c
 }
 
 /*
- * The write side of gefen_read_hashed: append n buffers to an open file and checksum each one
- * in the same pass (a chunk is hashed, then written while it is still in cache), in one call
- * without the GIL.  Python between the writes needs the GIL back after every system call, and
- * waits up to the interpreter's switch interval for it whenever another thread is running
- * Python (docs/decisions.md).
- *
- * Buffer i is sizes[i] bytes at srcs[i], written in chunks of `chunk` bytes; crcs[i] receives
- * its CRC-32.  progress[0] is the file offset written so far and progress[1] the offset up to
- * which writeback was started: every `writeback_every` bytes the kernel is asked to start
- * writing the new bytes out (posix_fadvise DONTNEED), so the disk works while the rest is
- * produced.  Both are updated as the call goes.  Returns 0, or -errno of a failed write (the
- * buffers before it are complete).
+ * The write side (native.write_hashed): append n buffers to an open file, each chunk hashed, then
+ * written while it is still in cache, in one call without the GIL.  Python between the writes
+ * needs the GIL back after every system call, and waits up to the interpreter's switch interval
+ * for it whenever another thread is running Python (docs/decisions.md).  Every `writeback_every`
+ * bytes the kernel is asked to start writing the new bytes out (posix_fadvise DONTNEED), so the
+ * disk works while the rest is produced; progress = {written, handed to writeback} is updated as
+ * the call goes.  Returns 0, or -errno of a failed write (the buffers before it are complete).
  */
 NATIVE_EXPORT int gefen_write_hashed(int fd, int64_t n, const void *const *srcs, const int64_t *sizes, int64_t chunk,
                                   int64_t writeback_every, int64_t *progress, uint32_t *crcs) {

@@ -1,29 +1,26 @@
 """A sharded 2.0 write to many writers in one pass over the state (``writer.write_state``).
 
-Written writer after writer, a save to W writers costs a Python object, a source read and an
-index record check per piece: at 4,096 writers of a 200-tensor state, 2.5M of each (minutes
-for 18 MB). When every writer's part of every tensor is one piece in one file (exactly the
-many-writer case) the layout is regular and computed here as arrays: offsets by a running sum,
-each source read once per batch of writers, CRC-32s in one C call, indexes encoded from the
-arrays. With one part per writer the files are byte for byte those of the writer-by-writer
-path (``tests/ckpt/test_format2.py``); from ``GROUP_FROM`` parts on, consecutive small parts
-share a writer, its rows of each tensor one piece. Lock, commit and clean-up stay the caller's.
-"""
+Writer after writer, 4,096 writers of a 200-tensor state cost 2.5M pieces' Python objects,
+source reads and index checks (minutes for 18 MB). When every writer's part of every tensor is
+one piece in one file the layout is regular and computed here as arrays, byte for byte the
+writer-by-writer path's files with one part per writer; from ``GROUP_FROM`` parts on, consecutive
+small parts share a writer. Lock, commit and clean-up stay the caller's."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 
+import msgpack
 import numpy as np
 import torch
 
-from gefen_ckpt.canonical import CanonicalState, EagerSource
+from gefen_ckpt.canonical import CanonicalState, EagerSource, TensorSource
 from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
-from gefen_ckpt.wire.index import WriterPin, index_name
+from gefen_ckpt.wire.index import WriterPin, encode_index, index_name
 from gefen_ckpt.wire.records import tensor_key
 
 #: Writers x tensors handled per batch (the arrays of one batch: a few tens of MB).
@@ -33,6 +30,38 @@ BATCH_CELLS = 2**20
 SCATTER_MAX_BYTES = 256
 #: Digits of the largest row index a key can hold (a conservative bound on a key's length).
 _DIGITS = 20
+
+
+# ----- the state's tensors, as both write paths take them -----------------------------------
+def _source(value) -> TensorSource:
+    """A tensor as a source (a cheap check: ``isinstance`` on the Protocol is slow per call)."""
+    return EagerSource(value) if isinstance(value, torch.Tensor) else value
+
+
+def tensors(state: CanonicalState,
+            split: bool = True) -> Iterator[tuple[str | None, str, TensorSource, bool]]:
+    """Every tensor of ``state`` (globals, then each parameter's fields) as a source, and whether
+    a sharded save splits its rows among writers (with ``split``: a row-sharded field with rows)."""
+    for key, src in state.global_fields.items():
+        yield None, key, _source(src), False
+    for fqn, entry in state.params.items():
+        leaf = state.contract.leaf(entry.child)
+        for name, src in entry.fields.items():
+            src = _source(src)
+            yield fqn, name, src, split and bool(src.shape) and leaf.field(name).row_sharded
+
+
+def _in_memory(got: torch.Tensor, key: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    """What a source returned for ``key`` as a contiguous CPU tensor, after checking it is the
+    promised ``shape`` and ``dtype``. A live state's tensors already are such, and then this only
+    reads attributes: every torch operation releases the GIL, and while another thread of the
+    process runs Python each release costs a switch interval (5 ms; docs/decisions.md)."""
+    if tuple(got.shape) != tuple(shape) or dtype_name(got.dtype) != dtype:
+        raise ValueError(f"{key}: the source returned {tuple(got.shape)} {got.dtype}, "
+                         f"expected {tuple(shape)} {dtype}")
+    if got.device.type != "cpu" or not got.is_contiguous():
+        got = got.detach().cpu().contiguous()
+    return got
 
 
 @dataclass(frozen=True)
@@ -48,21 +77,12 @@ class _Tensor:
 
 
 def _tensors(state: CanonicalState) -> list[_Tensor]:
-    """Every tensor in ``writer.items`` order (globals, then each parameter's fields)."""
     out = []
-    for key, src in state.global_fields.items():
-        out.append((None, key, src, False))
-    for fqn, entry in state.params.items():
-        leaf = state.contract.leaf(entry.child)
-        for name, src in entry.fields.items():
-            out.append((fqn, name, src, bool(src.shape) and leaf.field(name).row_sharded))
-    tensors = []
-    for fqn, name, src, sharded in out:
-        src = EagerSource(src) if isinstance(src, torch.Tensor) else src
+    for fqn, name, src, sharded in tensors(state):
         shape, dtype = tuple(src.shape), dtype_name(src.dtype)
-        tensors.append(_Tensor(fqn, name, src, sharded, shape[0] if shape else 1,
-                               math.prod(shape[1:]) * itemsize(dtype) if shape else itemsize(dtype), dtype, shape))
-    return tensors
+        out.append(_Tensor(fqn, name, src, sharded, shape[0] if shape else 1,
+                           math.prod(shape[1:]) * itemsize(dtype), dtype, shape))
+    return out
 
 
 class WritePlan:
@@ -259,15 +279,8 @@ def _write_batch(plan: WritePlan, store, token, ranks, data_stem, on_bytes, samp
 
 
 def _index_head(writer: int, entries: int) -> bytes:
-    """``index.encode_index``'s map up to the items of its ``tensors`` array."""
-    import msgpack
-
-    from gefen_ckpt.wire.index import INDEX_FORMAT
-
-    array = (bytes([0x90 | entries]) if entries < 16 else b"\xdc" + entries.to_bytes(2, "big") if entries < 2**16
-             else b"\xdd" + entries.to_bytes(4, "big"))
-    return (b"\x84" + msgpack.packb("format") + msgpack.packb(INDEX_FORMAT) + msgpack.packb("version")
-            + msgpack.packb([2, 0]) + msgpack.packb("writer") + msgpack.packb(writer) + msgpack.packb("tensors") + array)
+    """``index.encode_index``'s bytes up to the items of its ``tensors`` array (its last key)."""
+    return encode_index(writer, [])[:-1] + msgpack.Packer().pack_array_header(entries)
 
 
 #: msgpack's unsigned integer encodings, smallest first: (largest value, marker byte or -1 for a
@@ -310,8 +323,7 @@ def _index_records(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
                     out[at] = x.astype(np.uint8)
                     continue
                 out[at] = marker
-                for k in range(size):  # big-endian
-                    out[at + 1 + k] = ((x >> np.uint64(8 * (size - 1 - k))) & np.uint64(255)).astype(np.uint8)
+                out[at[:, None] + 1 + np.arange(size)] = x.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - size:]
         cursor += w
     return out, ends
 
@@ -320,11 +332,8 @@ def _bytes(tensor: _Tensor, a: int, b: int) -> np.ndarray:
     """Rows ``[a, b)`` of a tensor's source as bytes, after checking it returned what it promised."""
     got = tensor.source.read(a, b) if tensor.shape else tensor.source.read()
     want = (b - a, *tensor.shape[1:]) if tensor.shape else ()
-    if tuple(got.shape) != want or dtype_name(got.dtype) != tensor.dtype:
-        label = f"{tensor.fqn or '__global__'}/{tensor.field}"
-        raise ValueError(f"{label}@{a}:{b}: the source returned {tuple(got.shape)} {got.dtype}, "
-                         f"expected {want} {tensor.dtype}")
-    got = got.detach().cpu().contiguous().reshape(-1)
+    got = _in_memory(got, f"{tensor_key(tensor.fqn, tensor.field)}@{a}:{b}", want, tensor.dtype)
+    got = got.detach().reshape(-1)
     return got.view(torch.uint8).numpy() if got.numel() else np.zeros(0, np.uint8)
 
 

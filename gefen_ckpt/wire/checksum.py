@@ -1,10 +1,6 @@
-"""The per-piece checksum: CRC-32 (ISO-HDLC, the zlib/PNG/gzip one).
-
-CRC-32 is in every standard library, so any reader can verify a checkpoint. ``gefen_ckpt.native``
-computes it (carry-less-multiply folding in C, 2-4x ``zlib.crc32``'s 1.6-3 GB/s measured here,
-when the library is usable; otherwise ``zlib.crc32``). Same values either way; both release the
-GIL, so hashing overlaps I/O in a helper thread (docs/decisions.md).
-"""
+"""The per-piece checksum: CRC-32 (ISO-HDLC, the zlib one: any reader can verify a checkpoint),
+computed by ``gefen_ckpt.native`` (C, 2-4x ``zlib.crc32``'s 1.6-3 GB/s) or zlib, the same values;
+both release the GIL, so hashing overlaps I/O in a helper thread (docs/decisions.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""safetensors data files whose every tensor starts on an ``ALIGNMENT``-byte boundary.
-
-The stock safetensors format demands that tensors tile the data section without gaps, so
-alignment uses only what its validator accepts: the JSON header is padded with trailing
-spaces until the data section starts on a boundary, and a zero-filled ``U8`` tensor named
-``__pad__/<n>`` fills each gap between tensors. ``safetensors.torch.load_file`` and
-``safe_open`` read these files as they are (the padding tensors come along, zero-filled).
-"""
+"""safetensors data files whose every tensor starts on an ``ALIGNMENT``-byte boundary, aligned
+with only what the stock validator accepts (tensors tile the data section without gaps): the
+JSON header is padded with trailing spaces, and a zero-filled ``U8`` tensor ``__pad__/<n>``
+fills each gap between tensors (docs/format.md 3)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """How the format spells values: dtype names (the manifest like torch, ``"float32"``; data files
-like safetensors) and plain data (hyperparameters, metadata, anything msgpack carries).
-
-Torch-free (reading a manifest needs no torch); the functions that take torch objects import it.
-"""
+like safetensors) and plain data (hyperparameters, metadata). Torch-free: reading a manifest
+needs no torch; the functions that take torch objects import it."""
 
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
-"""Format 2.0: row-split rules in the manifest, piece records in per-writer indexes.
-
-The manifest says, for each tensor, how its rows are split among writers: a shared *rule*
-(``torch.chunk`` over P parts, part ``i`` held by ``writers[i]``) or, only where none applies,
-explicit ``[start, stop, writer]`` parts. Each writer's piece records live in its own index file,
-pinned in the manifest by size and CRC-32, so the manifest grows with tensors + writers and a
-reader of some rows reads only the indexes of the writers that hold them (docs/format.md 13).
-"""
+"""Format 2.0 (docs/format.md 13): the manifest splits each tensor's rows among writers by a
+shared rule (``torch.chunk`` over P parts) or explicit parts; each writer's piece records live in
+its own index file, pinned in the manifest by size and CRC-32, so a reader of some rows reads
+only the indexes of the writers that hold them."""
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,16 +51,6 @@ class Rule:
         object.__setattr__(self, "_positions", positions)
         object.__setattr__(self, "_parts", {})  # (rows, writer) -> parts_of: tensors share row counts
 
-    def parts_in(self, rows: int, start: int, stop: int) -> list[tuple[int, int, int]]:
-        """(start, stop, writer) of the non-empty parts overlapping rows ``[start, stop)``."""
-        size = -(-rows // self.parts) if rows else 1
-        out = []
-        for i in range(start // size, min(self.parts, -(-stop // size))):
-            a, b = chunk_rows(rows, self.parts, i)
-            if a < b:
-                out.append((a, b, self.writers[i]))
-        return out
-
     def writers_in(self, rows: int, start: int, stop: int) -> set[int]:
         """The writers of the non-empty parts overlapping rows ``[start, stop)`` (one slice: a
         whole tensor split over 16,384 parts is not 16,384 part computations)."""
@@ -91,21 +78,12 @@ class Explicit:
 
     parts: tuple[tuple[int, int, int], ...]
 
-    def parts_in(self, rows: int, start: int, stop: int) -> list[tuple[int, int, int]]:
-        starts = [p[0] for p in self.parts]
-        out = []
-        for p in self.parts[max(bisect.bisect_right(starts, start) - 1, 0):]:
-            if p[0] >= stop:
-                break
-            if p[1] > start:
-                out.append(p)
-        return out
-
     def parts_of(self, rows: int, writer: int) -> list[tuple[int, int]]:
         return [(a, b) for a, b, w in self.parts if w == writer]
 
     def writers_in(self, rows: int, start: int, stop: int) -> set[int]:
-        return {w for _, _, w in self.parts_in(rows, start, stop)}
+        first = max(bisect.bisect_right([p[0] for p in self.parts], start) - 1, 0)
+        return {w for _, b, w in itertools.takewhile(lambda p: p[0] < stop, self.parts[first:]) if b > start}
 
 
 Split = Rule | Explicit

@@ -19,20 +19,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import msgpack
 
-from gefen.contract import (
-    DIMENSION_FIELDS,
-    LIKE_PARAM,
-    SCHEMA_VERSION,
-    OptimizerContract,
-)
+from gefen.contract import DIMENSION_FIELDS, LIKE_PARAM, SCHEMA_VERSION, OptimizerContract
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError, naming
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.datafile import ALIGNMENT
 from gefen_ckpt.wire.dtypes import DTYPES, dtype_name, itemsize, plain
-from gefen_ckpt.wire.records import DECODING as _DECODING
-from gefen_ckpt.wire.records import MAX_STR as _MAX_STR
-from gefen_ckpt.wire.records import PieceRecord, TensorShape, pieces_overlapping
-from gefen_ckpt.wire.records import fail as _fail
+from gefen_ckpt.wire.records import DECODING, MAX_STR, PieceRecord, TensorShape, fail, pieces_overlapping
 
 if TYPE_CHECKING:  # reading a manifest needs no torch
     from gefen_ckpt.canonical import CanonicalState, TensorSource
@@ -112,15 +104,6 @@ class Manifest:
 
 
 # ----- building -----------------------------------------------------------------------------
-def _created() -> dict:
-    import torch
-
-    from gefen import __version__
-
-    return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "writer": f"gefen {__version__}", "torch": torch.__version__.split("+")[0]}
-
-
 def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[FileRecord], *,
           layout: str, world_size: int) -> dict:
     """The 1.x manifest of ``state`` stored as ``pieces`` in ``files`` (reads no tensor data)."""
@@ -182,7 +165,7 @@ def decode(data: bytes) -> dict:
         return container
 
     try:
-        raw = msgpack.unpackb(data, object_hook=count, list_hook=count, **_DECODING)
+        raw = msgpack.unpackb(data, object_hook=count, list_hook=count, **DECODING)
     except Exception as exc:  # msgpack raises many types (ValueError, StackError, ExtraData, ...)
         raise CheckpointFormatError(f"manifest is not valid msgpack: {type(exc).__name__}: {exc}"[:500]) from None
     if not isinstance(raw, dict):
@@ -197,35 +180,35 @@ def decode(data: bytes) -> dict:
 # ----- validation helpers -------------------------------------------------------------------
 def _map(x, path: str, required: tuple[str, ...] = ()) -> dict:
     if not isinstance(x, dict):
-        _fail(path, f"expected a map, got {type(x).__name__}")
+        fail(path, f"expected a map, got {type(x).__name__}")
     for key in required:
         if key not in x:
-            _fail(path, f"missing key {key!r}")
+            fail(path, f"missing key {key!r}")
     return x
 
 
 def _list(x, path: str) -> list:
     if not isinstance(x, list):
-        _fail(path, f"expected an array, got {type(x).__name__}")
+        fail(path, f"expected an array, got {type(x).__name__}")
     return x
 
 
 def _int(x, path: str, lo: int = 0, hi: int = _MAX_INT) -> int:
     if type(x) is not int or not lo <= x <= hi:
-        _fail(path, f"expected an integer in [{lo}, {hi}], got {x!r}"[:200])
+        fail(path, f"expected an integer in [{lo}, {hi}], got {x!r}"[:200])
     return x
 
 
 def _str(x, path: str) -> str:
-    if not isinstance(x, str) or not x or len(x) > _MAX_STR:
-        _fail(path, f"expected a non-empty string, got {type(x).__name__}")
+    if not isinstance(x, str) or not x or len(x) > MAX_STR:
+        fail(path, f"expected a non-empty string, got {type(x).__name__}")
     return x
 
 
 def _free(x, path: str, depth: int = 0):
     """Free-form plain data (informational fields, hyperparameters), depth-limited."""
     if depth > _MAX_DEPTH:
-        _fail(path, "nested too deeply")
+        fail(path, "nested too deeply")
     if isinstance(x, list):
         for i, v in enumerate(x):
             _free(v, f"{path}[{i}]", depth + 1)
@@ -233,7 +216,7 @@ def _free(x, path: str, depth: int = 0):
         for k, v in x.items():
             _free(v, f"{path}.{k}", depth + 1)
     elif not (x is None or isinstance(x, (bool, int, float, str))):
-        _fail(path, f"unexpected {type(x).__name__} value")
+        fail(path, f"unexpected {type(x).__name__} value")
     return x
 
 
@@ -252,16 +235,16 @@ def _shape(x, path: str) -> tuple[int, ...]:
         return shape
     dims = _list(x, path)
     if len(dims) > _MAX_NDIM:
-        _fail(path, f"{len(dims)} dimensions (at most {_MAX_NDIM})")
+        fail(path, f"{len(dims)} dimensions (at most {_MAX_NDIM})")
     shape = tuple(_int(d, f"{path}[{i}]") for i, d in enumerate(dims))
     if math.prod(shape) > _MAX_INT:
-        _fail(path, "too many elements")
+        fail(path, "too many elements")
     return shape
 
 
 def _dtype(x, path: str) -> str:
     if not isinstance(x, str) or x not in DTYPES:
-        _fail(path, f"unknown dtype {x!r}"[:200])
+        fail(path, f"unknown dtype {x!r}"[:200])
     return x
 
 
@@ -304,8 +287,8 @@ def _contract(x) -> OptimizerContract:
     _free(_map(x, "contract"), "contract")
     contract = parse_contract(x, "manifest contract")
     if contract.schema_version > SCHEMA_VERSION:
-        _fail("contract.schema_version", f"canonical-state schema {contract.schema_version} is newer than this "
-                                         f"gefen_ckpt reads ({SCHEMA_VERSION}): upgrade gefen to load it")
+        fail("contract.schema_version", f"canonical-state schema {contract.schema_version} is newer than this "
+                                        f"gefen_ckpt reads ({SCHEMA_VERSION}): upgrade gefen to load it")
     return contract
 
 
@@ -333,12 +316,12 @@ def _check_required(contract: OptimizerContract, raw: dict) -> None:
         with_state.add(child)
         missing = missing_fields(contract.leaf(child), e["fields"], e["shape"])
         if missing:
-            _fail(f"params[{fqn!r}].fields"[:300], f"required field(s) {missing} are missing")
+            fail(f"params[{fqn!r}].fields"[:300], f"required field(s) {missing} are missing")
     for child in with_state:
         for f in contract.leaf(child).global_fields:
             key = f"{child}/{f.name}" if child else f.name
             if not f.optional and key not in raw["globals"]:
-                _fail("globals", f"required field {key!r} is missing (the optimizer has parameter state)")
+                fail("globals", f"required field {key!r} is missing (the optimizer has parameter state)")
 
 
 def _files(x) -> tuple[FileRecord, ...]:
@@ -348,9 +331,9 @@ def _files(x) -> tuple[FileRecord, ...]:
         _map(f, path, ("name", "bytes"))
         name = _str(f["name"], f"{path}.name")
         if not _FILE_NAME.fullmatch(name) or name == MANIFEST_NAME:
-            _fail(f"{path}.name", f"{name!r} is not a plain data-file name"[:300])
+            fail(f"{path}.name", f"{name!r} is not a plain data-file name"[:300])
         if name in seen:
-            _fail(f"{path}.name", f"{name!r} is listed twice")
+            fail(f"{path}.name", f"{name!r} is listed twice")
         seen.add(name)
         out.append(FileRecord(name, _int(f["bytes"], f"{path}.bytes")))
     return tuple(out)
@@ -368,23 +351,9 @@ def _groups(x) -> dict[str, str | None]:
         for j, fqn in enumerate(_list(g["params"], f"{path}.params")):
             _str(fqn, f"{path}.params[{j}]")
             if fqn in owner:
-                _fail(f"{path}.params[{j}]", f"parameter {fqn!r} is in two groups"[:300])
+                fail(f"{path}.params[{j}]", f"parameter {fqn!r} is in two groups"[:300])
             owner[fqn] = child
     return owner
-
-
-def _tensor(x, where: Callable[[], str], fqn: str | None, field: str, files: tuple[FileRecord, ...],
-            spans: dict[int, list]) -> TensorRecord:
-    """One tensor's record. The common case (a valid record) takes a fast path that builds no
-    error paths (a manifest has thousands of pieces); anything it does not accept is re-checked
-    by ``_checked_tensor``, which raises naming the bad entry (``where()`` is its path)."""
-    fast = _fast_tensor(x, fqn, field, files)
-    if fast is None:
-        return _checked_tensor(x, where(), fqn, field, files, spans)
-    rec, located = fast
-    for i, (file, begin, end) in enumerate(located):
-        spans[file].append((begin, end, (where, i)))
-    return rec
 
 
 def _fast_tensor(x, fqn: str | None, field: str, files: tuple[FileRecord, ...]):
@@ -408,7 +377,7 @@ def _fast_tensor(x, fqn: str | None, field: str, files: tuple[FileRecord, ...]):
         if not (type(start) is int and type(stop) is int and 0 <= start < stop <= rows
                 and type(offset) is int and 0 <= offset <= _MAX_INT and type(nbytes) is int
                 and nbytes == (stop - start) * row_bytes and offset + nbytes <= files[file].nbytes
-                and isinstance(key, str) and 0 < len(key) <= _MAX_STR
+                and isinstance(key, str) and 0 < len(key) <= MAX_STR
                 and type(crc) is int and 0 <= crc < 2**32):
             return None
         pieces.append(PieceRecord(fqn, field, (start, stop), files[file].name, key, offset, nbytes, crc))
@@ -438,15 +407,15 @@ def _checked_tensor(x, path: str, fqn: str | None, field: str, files: tuple[File
         file = _int(p["file"], f"{pp}.file", 0, len(files) - 1)
         r = _list(p["rows"], f"{pp}.rows")
         if len(r) != 2:
-            _fail(f"{pp}.rows", "expected [start, stop]")
+            fail(f"{pp}.rows", "expected [start, stop]")
         start = _int(r[0], f"{pp}.rows[0]", 0, rows)
         stop = _int(r[1], f"{pp}.rows[1]", start + 1, rows)
         offset, nbytes = _int(p["offset"], f"{pp}.offset"), _int(p["bytes"], f"{pp}.bytes")
         if nbytes != (stop - start) * row_bytes:
-            _fail(f"{pp}.bytes", f"{nbytes} bytes for rows [{start}, {stop}) of {dtype} {list(shape)}")
+            fail(f"{pp}.bytes", f"{nbytes} bytes for rows [{start}, {stop}) of {dtype} {list(shape)}")
         if offset + nbytes > files[file].nbytes:
-            _fail(pp, f"bytes [{offset}, {offset + nbytes}) lie beyond the end of {files[file].name} "
-                      f"({files[file].nbytes} bytes)")
+            fail(pp, f"bytes [{offset}, {offset + nbytes}) lie beyond the end of {files[file].name} "
+                     f"({files[file].nbytes} bytes)")
         spans[file].append((offset, offset + nbytes, pp))
         pieces.append(PieceRecord(fqn, field, (start, stop), files[file].name, _str(p["key"], f"{pp}.key"),
                                   offset, nbytes, _int(p["checksum"], f"{pp}.checksum", 0, 2**32 - 1)))
@@ -455,10 +424,10 @@ def _checked_tensor(x, path: str, fqn: str | None, field: str, files: tuple[File
     for q in pieces:
         if q.rows[0] != covered:
             what = "overlap" if q.rows[0] < covered else "are missing"
-            _fail(f"{path}.pieces", f"rows {min(covered, q.rows[0])}..{max(covered, q.rows[0])} {what}")
+            fail(f"{path}.pieces", f"rows {min(covered, q.rows[0])}..{max(covered, q.rows[0])} {what}")
         covered = q.rows[1]
     if covered != rows:
-        _fail(f"{path}.pieces", f"rows [{covered}, {rows}) are missing")
+        fail(f"{path}.pieces", f"rows [{covered}, {rows}) are missing")
     return TensorRecord(fqn, field, dtype, shape, tuple(pieces))
 
 
@@ -466,7 +435,7 @@ def _spec(contract: OptimizerContract, child: str | None, field: str, where: Cal
     try:
         return contract.leaf(child).field(field)
     except KeyError as exc:
-        _fail(where(), str(exc)[:300])
+        fail(where(), str(exc)[:300])
 
 
 def _span_path(label) -> str:
@@ -487,12 +456,24 @@ def validate(raw: dict) -> Manifest:
     contract, owner = _head(raw, "files")
     files = _files(raw["files"])
     spans: dict[int, list] = defaultdict(list)
-    tensors = _walk(raw, contract, owner, lambda t, where, fqn, field: _tensor(t, where, fqn, field, files, spans))
+
+    def make(t, where: Callable[[], str], fqn: str | None, field: str) -> TensorRecord:
+        """The common case (a valid record) takes a fast path that builds no error paths (a manifest
+        has thousands of pieces); anything it does not accept is re-checked by ``_checked_tensor``,
+        which raises naming the bad entry (``where()`` is its path)."""
+        fast = _fast_tensor(t, fqn, field, files)
+        if fast is None:
+            return _checked_tensor(t, where(), fqn, field, files, spans)
+        for i, (file, begin, end) in enumerate(fast[1]):
+            spans[file].append((begin, end, (where, i)))
+        return fast[0]
+
+    tensors = _walk(raw, contract, owner, make)
     for i, found in spans.items():
         found.sort(key=lambda span: span[:2])
         for (_, end, a), (begin, _, b) in zip(found, found[1:]):
             if begin < end:
-                _fail(_span_path(b), f"overlaps {_span_path(a)} in {files[i].name}")
+                fail(_span_path(b), f"overlaps {_span_path(a)} in {files[i].name}")
     return Manifest(raw, contract, files, tensors)
 
 
@@ -501,11 +482,11 @@ def _head(raw: dict, storage_key: str) -> tuple[OptimizerContract, dict[str, str
     contract and the param groups (FQN -> owning child)."""
     _map(raw, "", ("layout", "world_size", "contract", "param_groups", storage_key, "globals", "params"))
     if raw["layout"] not in LAYOUTS:
-        _fail("layout", f"{raw['layout']!r} is not one of {LAYOUTS}"[:300])
+        fail("layout", f"{raw['layout']!r} is not one of {LAYOUTS}"[:300])
     _int(raw["world_size"], "world_size", 1, 2**31)
     _int(raw.get("alignment", ALIGNMENT), "alignment", 1, 2**30)
     if raw.get("checksum", checksum.ALGORITHM) != checksum.ALGORITHM:
-        _fail("checksum", f"unsupported algorithm {raw['checksum']!r}"[:300])
+        fail("checksum", f"unsupported algorithm {raw['checksum']!r}"[:300])
     for key in ("topology", "created", "metadata"):
         _free(_map(raw.get(key, {}), key), key)
     return _contract(raw["contract"]), _groups(raw["param_groups"])
@@ -524,23 +505,23 @@ def _walk(raw: dict, contract: OptimizerContract, owner: dict[str, str | None], 
 
         spec = _spec(contract, child or None, name, gpath)
         if spec.geometry != "global":
-            _fail(gpath(), f"field has geometry {spec.geometry!r}, not 'global'")
+            fail(gpath(), f"field has geometry {spec.geometry!r}, not 'global'")
         rec = make(t, gpath, None, key)
         if spec.dtype != LIKE_PARAM and rec.dtype != spec.dtype:
-            _fail(f"globals[{key!r}].dtype", f"{rec.dtype}, the contract says {spec.dtype}")
+            fail(f"globals[{key!r}].dtype", f"{rec.dtype}, the contract says {spec.dtype}")
         tensors[(None, key)] = rec
 
     for fqn, e in _map(raw["params"], "params").items():
         path = f"params[{_str(fqn, 'params key')!r}]"[:300]
         _map(e, path, ("shape", "dtype", "fields"))
         if fqn not in owner:
-            _fail(path, "parameter is in no param group")
+            fail(path, "parameter is in no param group")
         child = e.get("child")
         if child != owner[fqn]:
-            _fail(f"{path}.child", f"{child!r}, but its param group belongs to {owner[fqn]!r}"[:300])
+            fail(f"{path}.child", f"{child!r}, but its param group belongs to {owner[fqn]!r}"[:300])
         shape, dtype = _shape(e["shape"], f"{path}.shape"), _dtype(e["dtype"], f"{path}.dtype")
         for name, t in _map(e["fields"], f"{path}.fields").items():
-            if not (isinstance(name, str) and 0 < len(name) <= _MAX_STR):
+            if not (isinstance(name, str) and 0 < len(name) <= MAX_STR):
                 _str(name, f"{path}.fields key")
 
             def fpath(path=path, name=name) -> str:
@@ -549,9 +530,9 @@ def _walk(raw: dict, contract: OptimizerContract, owner: dict[str, str | None], 
             spec = _spec(contract, child, name, fpath)
             rec = make(t, fpath, fqn, name)
             if problem := spec.check_dtype(rec.dtype, dtype):
-                _fail(f"{fpath()}.dtype", problem)
+                fail(f"{fpath()}.dtype", problem)
             if problem := ("an optimizer-wide field" if spec.geometry == "global" else spec.check_shape(shape, rec.shape)):
-                _fail(f"{fpath()}.shape", problem)
+                fail(f"{fpath()}.shape", problem)
             tensors[(fqn, name)] = rec
     _check_required(contract, raw)
     return tensors
@@ -593,34 +574,33 @@ def _validate_v2(raw: dict) -> Manifest:
 
 def _writers(x) -> list:
     """The 2.0 ``writers``: ``[index, index_bytes, index_checksum, file, bytes, ...]`` each; every
-    name a plain file name, listed once."""
+    name a plain file name, listed once. Entries are checked one by one, to name the first bad
+    one, only when ``_writers_plain`` finds one."""
     from gefen_ckpt.wire.index import MAX_INDEX_BYTES, WriterPin
 
     x = _list(x, "writers")
-    if _writers_plain(x) and max(w[1] for w in x) <= MAX_INDEX_BYTES:  # every entry well formed: build them without the per-name checks below
-        return [WriterPin.from_raw(w) for w in x]
-    out, seen = [], set()
-    for i, w in enumerate(x):
+    if not x:
+        fail("writers", "no writers")
+    well_formed = _writers_plain(x) and max(w[1] for w in x) <= MAX_INDEX_BYTES
+    seen = set()
+    for i, w in enumerate(x if not well_formed else ()):
         if type(w) is not list or len(w) < 3 or len(w) % 2 == 0:
-            _fail(f"writers[{i}]", "expected [index, bytes, checksum, file, bytes, ...]")
+            fail(f"writers[{i}]", "expected [index, bytes, checksum, file, bytes, ...]")
         crc = w[2]
         sizes = [w[1], *w[4::2]]
         names = [w[0], *w[3::2]]
         for name, size in zip(names, sizes):
             if type(name) is not str or name in seen or name == MANIFEST_NAME or not _FILE_NAME.fullmatch(name):
                 what = "listed twice" if name in seen else "not a plain file name"
-                _fail(f"writers[{i}]", f"{name!r} is {what}"[:300])
+                fail(f"writers[{i}]", f"{name!r} is {what}"[:300])
             if type(size) is not int or not 0 <= size <= _MAX_INT:
-                _fail(f"writers[{i}]", f"size of {name!r} is not a byte count"[:300])
+                fail(f"writers[{i}]", f"size of {name!r} is not a byte count"[:300])
             seen.add(name)
         if type(crc) is not int or not 0 <= crc < 2**32:
-            _fail(f"writers[{i}]", "the index checksum is not a uint32")
+            fail(f"writers[{i}]", "the index checksum is not a uint32")
         if w[1] > MAX_INDEX_BYTES:
-            _fail(f"writers[{i}]", f"index {w[0]!r} is {w[1]:,} bytes, over the limit of {MAX_INDEX_BYTES:,}"[:300])
-        out.append(WriterPin.from_raw(w))
-    if not out:
-        _fail("writers", "no writers")
-    return out
+            fail(f"writers[{i}]", f"index {w[0]!r} is {w[1]:,} bytes, over the limit of {MAX_INDEX_BYTES:,}"[:300])
+    return [WriterPin.from_raw(w) for w in x]
 
 
 def _writers_plain(x: list) -> bool:
@@ -672,6 +652,10 @@ def _param(entry, fields: dict) -> dict:
 def _document(state: CanonicalState, version: list, layout: str, world_size: int, storage: dict, globals_: dict,
               params: dict) -> dict:
     """The keys every version shares, in their encoded order, around its ``storage`` keys."""
+    import torch
+
+    from gefen import __version__
+
     return {
         "format": FORMAT_NAME,
         "version": version,
@@ -685,7 +669,8 @@ def _document(state: CanonicalState, version: list, layout: str, world_size: int
         "globals": globals_,
         "params": params,
         "topology": plain(state.metadata.get("source_topology", {}), "metadata"),
-        "created": _created(),
+        "created": {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "writer": f"gefen {__version__}", "torch": torch.__version__.split("+")[0]},
         "metadata": plain({k: v for k, v in state.metadata.items() if k not in ("source_topology", "created")},
                           "metadata"),
     }
@@ -797,7 +782,7 @@ def committed_files(store: Store) -> set[str] | None:
         return None
     if _checksum_differs(data):
         return None
-    unpacker = msgpack.Unpacker(max_buffer_size=len(data) + 1, **_DECODING)
+    unpacker = msgpack.Unpacker(max_buffer_size=len(data) + 1, **DECODING)
     unpacker.feed(data)
     found = {}
     try:
@@ -820,7 +805,7 @@ def open_checkpoint(store: Store, *, whole: bool = True) -> Manifest:
     ``whole=False`` (a reader of some rows: a rank's load, a lazy ``read``): no directory
     listing, which costs a stat per file of the world's; a 2.0 index is checked against its
     pinned size and CRC when first read, and a short data file is refused when read
-    (``integrity.check_length``). 1.x manifests are always checked whole."""
+    (``records.check_length``). 1.x manifests are always checked whole."""
     if whole:
         listing = store.listing()
         manifest = parse_manifest(store, read_manifest_bytes(store, listing))

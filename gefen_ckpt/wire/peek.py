@@ -1,9 +1,6 @@
-"""Torch-free reads of small stored tensors as numpy arrays, verified like every read.
-
-For tools that summarise a checkpoint from its manifest (``gefen-ckpt inspect``) without
-paying for importing torch: the codebook, a step counter. Loading state goes through
-``reader`` (torch tensors).
-"""
+"""Torch-free reads of small stored tensors (a codebook, a step counter) as numpy arrays, verified
+like every read, for tools that summarise a checkpoint without importing torch (``gefen-ckpt
+inspect``). Loading state goes through ``reader``."""
 
 from __future__ import annotations
 
@@ -13,8 +10,8 @@ from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.storage import Store
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import NUMPY
-from gefen_ckpt.wire.integrity import check_checksum, check_length
 from gefen_ckpt.wire.manifest import TensorRecord
+from gefen_ckpt.wire.records import check_checksum, check_length
 
 
 def readable(dtype: str) -> bool:

@@ -26,7 +26,6 @@ from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.storage import READ_CHUNK, LocalReader, Prefetch, RangeReader, Store
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import NUMPY, itemsize, torch_dtype
-from gefen_ckpt.wire.integrity import check_checksum, check_length
 from gefen_ckpt.wire.manifest import (
     Manifest,
     PieceRecord,
@@ -37,6 +36,7 @@ from gefen_ckpt.wire.manifest import (
     read_manifest_bytes,
     validated,
 )
+from gefen_ckpt.wire.records import check_checksum, check_length, hash_chunks
 
 #: Pieces read per ``read_verified`` call when staging (progress is reported between calls).
 STAGE_GROUP_BYTES = 64 * 2**20
@@ -177,19 +177,16 @@ def _stream_rows(store: Store, t: TensorRecord, piece: PieceRecord, lo: int, hi:
     row_bytes = piece.nbytes // (piece.rows[1] - piece.rows[0])
     want_lo, want_hi = (lo - piece.rows[0]) * row_bytes, (hi - piece.rows[0]) * row_bytes
     out = dst.reshape(-1).view(torch.uint8).numpy()
-    chunk = np.empty(min(READ_CHUNK, piece.nbytes), np.uint8)
-    crc, done = 0, 0
+
+    def copy(done: int, chunk: memoryview) -> None:
+        a, b = max(done, want_lo), min(done + len(chunk), want_hi)
+        if a < b:
+            out[a - want_lo:b - want_lo] = chunk[a - done:b - done]
+
     with _reading(store, piece.file) as reader:
-        while done < piece.nbytes:
-            size = min(len(chunk), piece.nbytes - done)
-            got = reader.read_into(piece.offset + done, memoryview(chunk)[:size])
-            if got != size:
-                check_length(store, t, piece, done + got)
-            crc = checksum.update(crc, memoryview(chunk)[:size])
-            a, b = max(done, want_lo), min(done + size, want_hi)
-            if a < b:
-                out[a - want_lo:b - want_lo] = chunk[a - done:b - done]
-            done += size
+        buffer = memoryview(np.empty(min(READ_CHUNK, piece.nbytes), np.uint8))
+        crc, got = hash_chunks(reader, piece, buffer, each=copy)
+    check_length(store, t, piece, got)
     check_checksum(store, t, piece, crc)
 
 

@@ -1,9 +1,6 @@
-"""Full verification: every checksum, full coverage, and each data file's safetensors header.
-
-Unlike a read, verification does not stop at the first problem: it reports all of them.
-Pieces are hashed in bounded chunks, so memory stays small whatever the piece sizes; local
-files are prefetched into the page cache ahead of the hashing (``Store.prefetch``).
-"""
+"""Full verification: every checksum, full coverage, and each data file's safetensors header,
+reporting every problem (a read stops at the first). Pieces are hashed in bounded chunks; local
+files are prefetched into the page cache ahead of the hashing (``Store.prefetch``)."""
 
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from gefen_ckpt.wire.manifest import (
     read_manifest_bytes,
     total_tensor_bytes,
 )
+from gefen_ckpt.wire.records import hash_chunks
 from gefen_ckpt.wire.writelock import LOCK_NAME
 
 _CHUNK = 16 * 2**20
@@ -97,20 +95,6 @@ def _packed_problems(where: str, header: dict, size: int, pieces: list[tuple[Ten
     return out
 
 
-def _hash_piece(reader: RangeReader, piece: PieceRecord, buffer: memoryview, wait: Callable[[int], None]) -> tuple[int, int]:
-    """(checksum, bytes read) of a piece, read in chunks (``wait(end)`` before each)."""
-    value, done = 0, 0
-    while done < piece.nbytes:
-        view = buffer[:min(len(buffer), piece.nbytes - done)]
-        wait(piece.offset + done + len(view))
-        got = reader.read_into(piece.offset + done, view)
-        value = checksum.update(value, view[:got])
-        done += got
-        if got < len(view):
-            break
-    return value, done
-
-
 def _check_file(store: Store, report: VerifyReport, name: str, expected: int, actual: int | None,
                 pieces: list[tuple[TensorRecord, PieceRecord]], manifest: Manifest,
                 buffer: memoryview, on_bytes, warming: Prefetch | None) -> None:
@@ -158,7 +142,7 @@ def _runs(pieces: list, span: int) -> list[list]:
 def _hash_run(reader: RangeReader, run: list, buffer: memoryview, wait: Callable[[int], None]) -> list[tuple[int, int]]:
     """(checksum, bytes read) of each piece of a run, in one read (a lone large piece in chunks)."""
     if len(run) == 1:
-        return [_hash_piece(reader, run[0][1], buffer, wait)]
+        return [hash_chunks(reader, run[0][1], buffer, wait)]
     start = run[0][1].offset
     end = max(p.offset + p.nbytes for _, p in run)
     wait(end)

@@ -1,17 +1,7 @@
-"""The writer lock: at most one save at a time to a checkpoint location (docs/format.md).
-
-Two saves racing to one directory would delete each other's data files (each one's clean-up
-removes every file its manifest does not name). A save holds this lock from before its first
-data file until after its clean-up; a second save is refused with ``CheckpointLockedError``.
-
-* Local filesystems: an ``fcntl.flock`` on ``.gefen-ckpt.lock``. The kernel drops the lock
-  when its holder dies, so a crashed save never blocks the next one. The file stays; it holds
-  the holder's host, pid and save token while held and is emptied on release, so a non-empty
-  file found unlocked names a save that died (its data files are removed, see ``writer``).
-* Object stores: a lock object created with ``pipe_file(mode="create")`` (a conditional
-  write where the backend implements one, s3fs ``If-None-Match``; else check-then-write) and
-  read back to confirm; deleted on release. A lock whose holder is a dead pid on this host, or
-  older than ``STALE_AFTER``, is broken.
+"""The writer lock: at most one save at a time to a checkpoint location, since two racing saves
+would delete each other's files (docs/format.md 10.1). Local: an ``fcntl.flock``, dropped by the
+kernel when its holder dies; the file, emptied on release, names a save that died when found
+non-empty and unlocked. Object stores: a lock object created with ``pipe_file(mode="create")``.
 """
 
 from __future__ import annotations
@@ -20,6 +10,7 @@ import json
 import os
 import socket
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from gefen_ckpt.errors import CheckpointLockedError
@@ -36,7 +27,7 @@ except ImportError:  # pragma: no cover (Windows)
 
 
 @dataclass
-class WriterLock:
+class WriterLock(AbstractContextManager):
     """A held lock. ``dead_token``: the token of a save that held it and died (or None)."""
 
     store: Store
@@ -58,9 +49,6 @@ class WriterLock:
         held = _holder(self.store)
         if held is not None and held.get("token") == self.token:
             self.store.remove(LOCK_NAME)
-
-    def __enter__(self) -> WriterLock:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.release()

@@ -24,21 +24,10 @@ from gefen_ckpt.placement import chunk_rows
 from gefen_ckpt.storage import Store, Writer
 from gefen_ckpt.wire import bulk, checksum, datafile
 from gefen_ckpt.wire import manifest as mf
+from gefen_ckpt.wire.bulk import _in_memory, tensors
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import WriterPin, encode_index, index_entries, index_name
-from gefen_ckpt.wire.manifest import (
-    FORMAT_NAME,
-    MANIFEST_NAME,
-    FileRecord,
-    PieceRecord,
-    build,
-    build_v2,
-    check_files,
-    committed_files,
-    encode,
-    tensor_order,
-    validate,
-)
+from gefen_ckpt.wire.manifest import FORMAT_NAME, MANIFEST_NAME, FileRecord, PieceRecord
 from gefen_ckpt.wire.records import tensor_key
 from gefen_ckpt.wire.writelock import WriterLock, acquire
 
@@ -81,26 +70,18 @@ class RowRange:
         return self.source.read(self.start + start, self.start + stop)
 
 
-def _source(value) -> TensorSource:
-    """A tensor as a source (a cheap check: ``isinstance`` on the Protocol is slow per call)."""
-    return EagerSource(value) if isinstance(value, torch.Tensor) else value
-
-
 def items(state: CanonicalState, rank: int = 0, world_size: int | None = None) -> list[WriteItem]:
     """What ``rank`` writes: whole tensors (``world_size`` None, the canonical layout), or its
     ``torch.chunk`` rows of row-sharded fields plus, on rank 0, one copy of every replicated one."""
-    out = [WriteItem(None, key, 0, _source(src)) for key, src in state.global_fields.items() if rank == 0]
-    for fqn, entry in state.params.items():
-        leaf = state.contract.leaf(entry.child)
-        for name, src in entry.fields.items():
-            src = _source(src)
-            if world_size is None or not src.shape or not leaf.field(name).row_sharded:
-                if rank == 0:
-                    out.append(WriteItem(fqn, name, 0, src))
-                continue
-            start, stop = chunk_rows(src.shape[0], world_size, rank)
-            if stop > start:
-                out.append(WriteItem(fqn, name, start, RowRange(src, start, stop)))
+    out = []
+    for fqn, name, src, sharded in tensors(state, world_size is not None):
+        if not sharded:
+            if rank == 0:
+                out.append(WriteItem(fqn, name, 0, src))
+            continue
+        start, stop = chunk_rows(src.shape[0], world_size, rank)
+        if stop > start:
+            out.append(WriteItem(fqn, name, start, RowRange(src, start, stop)))
     return out
 
 
@@ -124,7 +105,7 @@ def _key(item: WriteItem, start: int, stop: int) -> str:
 def _split(item: WriteItem, max_file_bytes: int, piece_bytes: int) -> list[_Piece]:
     shape, dtype = tuple(item.source.shape), dtype_name(item.source.dtype)
     rows = shape[0] if shape else 1
-    row_bytes = itemsize(dtype) * (math.prod(shape[1:]) if shape else 1)
+    row_bytes = itemsize(dtype) * math.prod(shape[1:])
     probe = datafile.Entry(_key(item, rows, rows), dtype, shape, 0)  # the longest key any piece gets
     room = max_file_bytes - datafile.FILE_OVERHEAD - datafile.entry_bound(probe)
     if row_bytes > room:
@@ -156,20 +137,6 @@ def _pack(pieces: Iterable[_Piece], max_file_bytes: int) -> list[list[_Piece]]:
 
 
 # ----- writing ------------------------------------------------------------------------------
-def _in_memory(tensor: torch.Tensor, piece: _Piece) -> tuple[torch.Tensor, int]:
-    """(a contiguous CPU tensor of the piece's bytes, its address), after checking the source
-    returned what it promised. A live state's tensors already are such, and then this only reads
-    attributes: every torch operation releases the GIL, and while another thread of the process
-    runs Python each release costs a switch interval (5 ms; docs/decisions.md)."""
-    want = piece.entry.shape
-    if tuple(tensor.shape) != tuple(want) or dtype_name(tensor.dtype) != piece.dtype:
-        raise ValueError(f"{piece.entry.key}: the source returned {tuple(tensor.shape)} {tensor.dtype}, "
-                         f"expected {tuple(want)} {piece.dtype}")
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        tensor = tensor.detach().cpu().contiguous()
-    return tensor, tensor.data_ptr()
-
-
 def _resident(source: TensorSource) -> bool:
     """Does reading ``source`` return views of tensors that live in memory anyway (a live
     optimizer's state), rather than fresh allocations (a checkpoint being converted)?"""
@@ -196,10 +163,9 @@ def _write_file(store: Store, name: str, pieces: list[_Piece], durable: bool,
         for p, offset in zip(pieces, offsets):
             if offset > end:
                 spans.append((_ZEROS_AT, offset - end))
-            tensor, address = _in_memory(p.item.source.read(p.start, p.stop), p)
-            owners.append(tensor)
+            owners.append(_in_memory(p.item.source.read(p.start, p.stop), p.entry.key, p.entry.shape, p.dtype))
             placed.append((p, offset, len(spans)))
-            spans.append((address, p.entry.nbytes))
+            spans.append((owners[-1].data_ptr(), p.entry.nbytes))
             end, held = offset + p.entry.nbytes, held + p.entry.nbytes
             if held >= WRITE_BATCH_BYTES or (held >= READ_BATCH_BYTES and not _resident(p.item.source)):
                 records += _put(out, name, spans, placed, on_bytes)
@@ -271,7 +237,7 @@ def begin(store: Store, token: str) -> tuple[WriterLock, set[str] | None]:
     the files the committed manifest names now (None if unreadable: then nothing is deleted)."""
     lock = acquire(store, token)
     try:
-        previous = committed_files(store)
+        previous = mf.committed_files(store)
         if lock.dead_token and previous is not None:
             drop(store, [n for n in store.listing() if n not in previous and _of_save(n, lock.dead_token)])
     except BaseException:
@@ -295,13 +261,13 @@ def commit(store: Store, manifest: dict, token: str, *, previous: set[str] | Non
     unless the new manifest did become visible.
     """
     try:
-        parsed = validate(manifest)
+        parsed = mf.validate(manifest)
         for writer, data in (indexes or {}).items():
             parsed.indexes.preset(writer, data)
-        data = encode(manifest)
+        data = mf.encode(manifest)
         if wait is not None:
             wait()
-        check_files(parsed, store.listing(), store.url)
+        mf.check_files(parsed, store.listing(), store.url)
         store.publish(MANIFEST_NAME, data, temp_name=f"{MANIFEST_NAME}.{token}.tmp")
     except BaseException:
         if not _visible(store, token):
@@ -314,7 +280,7 @@ def commit(store: Store, manifest: dict, token: str, *, previous: set[str] | Non
 def _visible(store: Store, token: str) -> bool:
     """Does the committed manifest name this save's files? (True when it cannot be told.)"""
     try:
-        named = committed_files(store)
+        named = mf.committed_files(store)
     except Exception:
         return True
     return named is None or any(n.startswith((f"data-{token}-", f"index-{token}-")) for n in named)
@@ -342,23 +308,16 @@ def splits(state: CanonicalState, world_size: int | None, writers: tuple[int, ..
     """Each tensor's 2.0 split when ``items`` writes ``state``: row-sharded fields ``torch.chunk``
     over ``world_size`` parts, part ``i`` by writer ``writers[i]`` (default ``i``), everything else
     one part by writer 0."""
-    out = {}
     whole = (1, (0,))
     spread = (world_size, writers or tuple(range(world_size))) if world_size is not None else whole
-    for key in state.global_fields:
-        out[(None, key)] = whole
-    for fqn, entry in state.params.items():
-        leaf = state.contract.leaf(entry.child)
-        for name, src in entry.fields.items():
-            out[(fqn, name)] = spread if src.shape and leaf.field(name).row_sharded else whole
-    return out
+    return {(fqn, name): spread if sharded else whole for fqn, name, _, sharded in tensors(state)}
 
 
 def _write_locked(state: CanonicalState, store: Store, token: str, previous: set[str] | None, *,
                   world_size: int | None, max_file_bytes: int, memory_budget: int, on_bytes: OnBytes | None) -> dict:
     records, files, pins, indexes = [], [], [], {}
     version = mf.WRITE_VERSION
-    ordinals = tensor_order(state)
+    ordinals = mf.tensor_order(state)
     syncing: list[Callable[[], None]] = []  # each file's fsync starts as soon as it is written
 
     def sync(name: str) -> None:
@@ -367,7 +326,7 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
     plan = None
     if version[0] >= 2 and world_size is not None and world_size > 1:
         plan = bulk.regular_plan(state, world_size, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
-                           ordinals=ordinals, version=version)
+                                 ordinals=ordinals, version=version)
     try:
         if plan is not None:  # every part one piece, every writer one file: all writers in one pass
             pins, indexes, durable = bulk.write(plan, store, token, memory_budget=memory_budget,
@@ -386,9 +345,10 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
                 files += fs
         layout = "canonical" if world_size is None else "sharded"
         if version[0] >= 2:
-            manifest = build_v2(state, splits(state, world_size, plan.writer_of() if plan else None), pins, layout=layout, world_size=world_size or 1)
+            manifest = mf.build_v2(state, splits(state, world_size, plan.writer_of() if plan else None), pins,
+                                   layout=layout, world_size=world_size or 1)
         else:
-            manifest = build(state, records, files, layout=layout, world_size=world_size or 1)
+            manifest = mf.build(state, records, files, layout=layout, world_size=world_size or 1)
     except BaseException:
         _settle(syncing, quiet=True)
         discard(store, token)

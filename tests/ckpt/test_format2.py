@@ -332,11 +332,11 @@ def _write_explicit(state, url, parts) -> None:
     """Commit ``state`` with ``EXPLICIT`` split into ``parts`` ``(start, stop, writer)`` (no rule
     describes them) and everything else whole on writer 0: what a collective save writes when a
     rank's rows do not follow the even split, through the same building blocks."""
+    from gefen_ckpt.wire.bulk import _source
     from gefen_ckpt.wire.manifest import build_v2, tensor_order
     from gefen_ckpt.wire.writer import (
         RowRange,
         WriteItem,
-        _source,
         begin,
         commit,
         data_stem,
