@@ -58,7 +58,7 @@ def test_an_unexpected_failure_is_one_line_exit_2_naming_the_path(saved, monkeyp
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(_inspect, "summarize", boom)  # inside the command's handled block
+    monkeypatch.setattr(_inspect, "summarize", boom)  # inside the command, under the group's error policy
     result = runner.invoke(app, ["inspect", str(saved)])
     assert result.exit_code == 2 and "RuntimeError: boom" in _one_error_line(result, saved)
     monkeypatch.undo()
