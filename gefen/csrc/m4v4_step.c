@@ -317,10 +317,14 @@ static AVX2 inline void store_bytes8(uint8_t *p, __m256i v) {
     _mm_storel_epi64((__m128i *)p, _mm_packus_epi16(w, w));
 }
 
+/* pass 1 and pass 2 as two loops each, as the AVX-512 kernels (see there) */
 static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r, float a_old, float ia, float sa,
                                  float *wbuf, float *mbuf, int32_t *vc, int *nan) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
+    const uint8_t *codes = a->codes + off;
+    const void *grad = a->grad;
+    const int gdt = a->grad_dtype, gsz = DT_SIZE(gdt);
     const table8 VT = table_regs(c->V.t), VI = table_regs(c->V.inv), VK = table_regs(c->V.k);
     const table8 MO = table_regs(rt->mold), SR = table_regs(c->sr);
     const __m256 vaold = _mm256_set1_ps(a_old), via = _mm256_set1_ps(ia), vsa = _mm256_set1_ps(sa);
@@ -329,29 +333,30 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
     const __m256 o2 = _mm256_set1_ps(c->s.o2), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256 eps = _mm256_set1_ps(c->s.eps);
     const __m256i low4 = _mm256_set1_epi32(15), hstep = _mm256_set1_epi32((int)(8u * H_IDX));
-    __m256i hx = hash_start8(row_gidx(a, r), c->key_v);
     __m256i vmax = _mm256_setzero_si256(); /* max |m| as bits: see max_abs_bits */
-    int64_t j = 0;
-    const int gsz = DT_SIZE(a->grad_dtype);
-    for (; j < C8; j += 8) {
-        PREFETCH(a->grad, gsz, off + j);
-        PREFETCH(a->codes, 1, off + j);
-        const __m256i code = load_codes8(a->codes + off + j);
-        const __m256 g = ld8_g(a->grad, a->grad_dtype, off + j);
+    for (int64_t j = 0; j < C8; j += 8) {
+        PREFETCH(grad, gsz, off + j);
+        PREFETCH(codes, 1, j);
+        const __m256i code = load_codes8(codes + j);
+        const __m256 g = ld8_g(grad, gdt, off + j);
         __m256 v = _mm256_mul_ps(_mm256_mul_ps(vaold, _mm256_loadu_ps(c->v_col_old + j)),
                                  perm16(VT, _mm256_srli_epi32(code, 4)));
         v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(_mm256_mul_ps(g, g), o2));
         /* min_ps(t, max) is max for a NaN t, as the portable kernel's (t < max ? t : max) */
         const __m256 ivh = _mm256_min_ps(_mm256_mul_ps(via, _mm256_loadu_ps(c->ivc + j)), ivmax);
-        const __m256i q = encode8_v(&c->V, VT, VI, VK, _mm256_mul_ps(v, ivh), uniform8(hx));
-        hx = _mm256_add_epi32(hx, hstep);
-        _mm256_storeu_si256((__m256i *)(vc + j), _mm256_slli_epi32(q, 4));
-        _mm256_storeu_ps(wbuf + j, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(vsa, _mm256_loadu_ps(c->svc + j)),
-                                                               perm16(SR, q)), eps));
+        _mm256_storeu_ps(wbuf + j, _mm256_mul_ps(v, ivh));
         __m256 m = perm16(MO, _mm256_and_si256(code, low4));
         m = _mm256_add_ps(_mm256_mul_ps(m, b1), _mm256_mul_ps(g, o1));
         _mm256_storeu_ps(mbuf + j, m);
         vmax = _mm256_max_epu32(vmax, _mm256_castps_si256(_mm256_and_ps(m, absmask)));
+    }
+    __m256i hx = hash_start8(row_gidx(a, r), c->key_v);
+    for (int64_t j = 0; j < C8; j += 8) {
+        const __m256i q = encode8_v(&c->V, VT, VI, VK, _mm256_loadu_ps(wbuf + j), uniform8(hx));
+        hx = _mm256_add_epi32(hx, hstep);
+        _mm256_storeu_si256((__m256i *)(vc + j), _mm256_slli_epi32(q, 4));
+        _mm256_storeu_ps(wbuf + j, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(vsa, _mm256_loadu_ps(c->svc + j)),
+                                                               perm16(SR, q)), eps));
     }
     uint32_t lanes[8], most = 0;
     _mm256_storeu_si256((__m256i *)lanes, vmax);
@@ -362,22 +367,27 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
 }
 
 static AVX2 void row_pass2_avx2(const m4ctx *c, const row_tables *rt, int64_t r, float isf, const float *wbuf,
-                                const float *mbuf, const int32_t *vc) {
+                                const float *mbuf, int32_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
+    uint8_t *codes = a->codes + off;
+    void *param = a->param;
+    const int pdt = a->param_dtype, psz = DT_SIZE(pdt), has_wd = a->has_wd;
     const table8 MT = table_regs(c->M.t), MI = table_regs(c->M.inv), U = table_regs(rt->unum);
     const __m256 visf = _mm256_set1_ps(isf), nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
-    const __m256i hstep = _mm256_set1_epi32((int)(8u * H_IDX));
+    const __m256i hstep = _mm256_set1_epi32((int)(8u * H_IDX)), low4 = _mm256_set1_epi32(15);
     __m256i hx = hash_start8(row_gidx(a, r), c->key_m);
-    const int psz = DT_SIZE(a->param_dtype);
     for (int64_t j = 0; j < C8; j += 8) {
-        PREFETCH(a->param, psz, off + j);
-        const __m256i q = encode8(&c->M, MT, MI, _mm256_mul_ps(_mm256_loadu_ps(mbuf + j), visf),
-                                  uniform8(hx));
+        const __m256i q = encode8(&c->M, MT, MI, _mm256_mul_ps(_mm256_loadu_ps(mbuf + j), visf), uniform8(hx));
         hx = _mm256_add_epi32(hx, hstep);
-        const __m256 u = _mm256_div_ps(perm16(U, q), _mm256_loadu_ps(wbuf + j));
-        update_param8(a->param, a->param_dtype, off + j, u, nlr, decay, a->has_wd);
-        store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_loadu_si256((const __m256i *)(vc + j))));
+        _mm256_storeu_si256((__m256i *)(vc + j), _mm256_or_si256(q, _mm256_loadu_si256((const __m256i *)(vc + j))));
+    }
+    for (int64_t j = 0; j < C8; j += 8) {
+        PREFETCH(param, psz, off + j);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(vc + j));
+        const __m256 u = _mm256_div_ps(perm16(U, _mm256_and_si256(q, low4)), _mm256_loadu_ps(wbuf + j));
+        update_param8(param, pdt, off + j, u, nlr, decay, has_wd);
+        store_bytes8(codes + j, q);
     }
     row_pass2_portable(c, rt, r, C8, isf, wbuf, mbuf, vc);
 }
