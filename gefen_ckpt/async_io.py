@@ -1,11 +1,7 @@
-"""``async_save``: stage the state into reusable host buffers, then write and commit it in a
-background thread while training continues.
-
-The training loop is blocked only for the copy (``export_canonical``'s tensors change at the
-next step); buffers are reused while shapes and dtypes stay, so steady-state saves allocate
-nothing. The write is the synchronous save's own code (under a process group on a gloo group
-of its own, so its collectives never interleave with training's): the same bytes, the same
-atomic commit. One save runs at a time.
+"""``async_save``: copy the state into reusable host buffers (training waits only for that),
+then write and commit it in a background thread with the synchronous save's own code (under a
+process group, on a gloo group of its own so its collectives never interleave with training's).
+One save runs at a time.
 """
 
 from __future__ import annotations

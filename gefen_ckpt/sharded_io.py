@@ -1,12 +1,9 @@
 """``save``/``load`` under a process group: every rank writes and reads only its own rows.
 
-Save: each rank writes the rows it owns (one replica per row range) into its own data files
-and (2.0) its own index, and checks that index against the row-split rule every rank derives
-alike; rank 0 gathers O(1) bytes per rank, builds the manifest and commits it. Until then the
-previous checkpoint stays committed, so a failure anywhere leaves it intact.
-
-Load: every rank opens the checkpoint lazily and reads only the pieces that overlap its rows
-(checksums verified), whatever layout or world size wrote it: that is the reshard.
+Each rank writes the rows it owns into its own files (and, 2.0, index, checked against the split
+rule every rank derives alike); rank 0 gathers O(1) bytes per rank and commits the manifest, so
+until then the previous checkpoint stays committed. A load reads only the pieces overlapping a
+rank's rows, whatever layout wrote them: that is the reshard.
 """
 
 from __future__ import annotations
@@ -120,9 +117,8 @@ def _save_v1(state, store, token, previous, rank, world_size, url, max_file_byte
 
 
 def _save_v2(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget, group=None):
-    """2.0, rank-local: each rank writes its data and its index and checks the index against the
-    split every rank derives alike (``layout.row_split``); rank 0 gathers O(1) bytes per rank
-    (``commit_payload``) and commits. Returns this rank's error (None: committed)."""
+    """2.0, rank-local: each rank writes and checks its data and index (``OwnSplit``); rank 0
+    gathers ``commit_payload`` from each and commits. Returns this rank's error (None: committed)."""
     error, payload = None, {}
     try:
         plan = OwnSplit(state, rank)

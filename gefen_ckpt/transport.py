@@ -448,8 +448,7 @@ class _Mover:
                 if target is not None:
                     target.copy_(buf.to(target.device))
             del works, landings
-            if self._window_flat is not None and self._window_flat.numel() * self.infos[self._window[0]].itemsize \
-                    <= self.budget:
+            if self._window_flat is not None and self._window_flat.nbytes <= self.budget:
                 self._release_window()  # keep only a row larger than the budget: its next pieces need it
             self._end_round(staged)
             self.stats.rounds += 1
@@ -457,21 +456,20 @@ class _Mover:
         self._end_round(0)
 
     def _send_buffer(self, m: Move, nbytes: int) -> tuple[torch.Tensor, int]:
+        raw = None
         if self.error is None:
             try:
                 piece = self._piece(m)
                 self._window_pinned = True
                 raw = piece.view(torch.uint8)
-                if raw.device != self.device:
-                    raw = raw.to(self.device)
-                    self.stats.stage(nbytes)
-                    return raw, nbytes
-                return raw, 0
+                if raw.device == self.device:
+                    return raw, 0
+                raw = raw.to(self.device)
             except Exception as exc:  # keep the protocol going; every rank raises after the data phase
-                self.error = exc
+                self.error, raw = exc, None
                 self._release_window()
         self.stats.stage(nbytes)
-        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device), nbytes
+        return (torch.zeros(nbytes, dtype=torch.uint8, device=self.device) if raw is None else raw), nbytes
 
     def _target(self, m: Move) -> torch.Tensor | None:
         out = self.outputs[m.tensor]
@@ -561,8 +559,7 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
 
     ``optimizer_or_state``: a live optimizer (``model`` naming its parameters if needed) or a
     ``CanonicalState`` of ``LocalPart`` s from ``export_canonical``. Every row comes from its
-    writer rank, in messages of at most ``budget_bytes``, sent as views: senders hold nothing
-    extra. A collective: all ranks call it with the same ``dst``.
+    writer rank as views, in messages of at most ``budget_bytes``. All ranks pass the same ``dst``.
     """
     stats = _begin("gather", budget_bytes)
     rank, world = _world()
@@ -599,12 +596,10 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
 @collective.with_timeout
 def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: torch.nn.Module | None = None,
             budget_bytes: int = DEFAULT_BUDGET) -> None:
-    """Load the ``CanonicalState`` held by rank ``src`` into ``optimizer`` on every rank.
-
-    ``state`` matters on ``src`` only (e.g. ``gefen_ckpt.read(url)`` there, read chunk by chunk).
-    Its description is broadcast first; each rank checks it against its optimizer and reports
-    the rows its import will read; all ranks agree; then each rank receives exactly those rows,
-    in messages of at most ``budget_bytes``. Nothing changes unless every rank staged.
+    """Load the ``CanonicalState`` held by rank ``src`` (e.g. ``gefen_ckpt.read(url)`` there, read
+    chunk by chunk; ignored elsewhere) into ``optimizer`` on every rank. Each rank checks its
+    description first and receives exactly the rows its import reads, in messages of at most
+    ``budget_bytes``. Nothing changes unless every rank staged.
     """
     stats = _begin("scatter", budget_bytes)
     rank, world = _world()
@@ -656,11 +651,9 @@ def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: tor
 def redistribute(state: CanonicalState, optimizer: torch.optim.Optimizer, *,
                  model: torch.nn.Module | None = None, budget_bytes: int = DEFAULT_BUDGET) -> None:
     """Load ``state`` (this rank's ``LocalPart`` s of a state exported on another layout over
-    the same ranks) into ``optimizer`` (its own layout), moving only the rows that change rank.
-
-    Rows a rank already holds are copied locally, the rest come from a holder (replicas share
-    the sending), in messages of at most ``budget_bytes``; no rank materialises a tensor it does
-    not own whole in the target layout. Nothing changes unless every rank staged.
+    the same ranks) into ``optimizer`` (its own layout). Rows a rank holds are copied locally, the
+    rest come from a holder (replicas share the sending) in messages of at most ``budget_bytes``;
+    no rank materialises a whole tensor it does not own. Nothing changes unless every rank staged.
     """
     stats = _begin("redistribute", budget_bytes)
     error, description, ordered, payload = None, None, [], {}
