@@ -1,8 +1,9 @@
 """The package's one agreement protocol, and byte collectives (msgpack: no pickle crosses ranks).
 
-Every collective path stages its work, then calls ``agree`` (or ``exchange``): if any rank
-failed, every rank raises before anything is published. Each collective first checks in through
-the store with a timeout (``checkin``), so a stalled or dead rank is named within ``deadline``.
+Every collective path stages its work, then calls ``agree`` (or ``exchange``, which also
+all-gathers a payload): if any rank failed, every rank raises before anything is published.
+Each collective first checks in through the store (``checkin``), so a rank that stalls or dies
+is named within ``DEFAULT_TIMEOUT`` (or ``deadline``), not the backend's 30 minutes.
 """
 
 from __future__ import annotations
