@@ -83,8 +83,7 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
                 if fqn in seen:
                     raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
                 seen.add(fqn)
-                if placement.is_dtensor(p):
-                    placement.local_rows(p, fqn)  # whole rows on every rank: refuses a column split (Shard(1))
+                placement.local_rows(p, fqn)  # whole rows on every rank: refuses a column split (Shard(1))
                 fields = {k: _local_part(fqn, p, leaf.field(k).row_sharded,
                                          v if isinstance(v, torch.Tensor) else torch.tensor(v))
                           for k, v in (sd["state"].get(index) or {}).items() if v is not None and k not in shared}
