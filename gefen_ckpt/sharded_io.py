@@ -12,6 +12,7 @@ import hashlib
 
 import torch
 
+from gefen.geometry import rows_and_row_numel
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
 from gefen_ckpt.collective import (
     agree,
@@ -177,7 +178,7 @@ class OwnSplit:
             structure.append([*key, list(part.shape), str(part.dtype), split])
             mine = [(0, 1)] if not part.shape else [(part.row_start, part.row_stop)]
             mine = [(a, b) for a, b in mine if part.writer and a < b]
-            if rule is None or mine != rule.parts_of(_rows(part), rank):
+            if rule is None or mine != rule.parts_of(rows_and_row_numel(part.shape)[0], rank):
                 self.explicit[ordinal] = [list(r) for r in mine]
         self.digest = hashlib.blake2b(pack(structure), digest_size=16).hexdigest()
 
@@ -210,15 +211,11 @@ class OwnSplit:
             if ordinal not in reported and rule is not None:
                 out[key] = (rule.parts, rule.writers)
                 continue
-            by_rank, rows = reported.get(ordinal, {}), _rows(self.parts[key])
+            by_rank, rows = reported.get(ordinal, {}), rows_and_row_numel(self.parts[key].shape)[0]
             parts = [(a, b, w) for a, b, w in (rule.parts_in(rows, 0, rows) if rule else []) if w not in by_rank]
             parts += [(a, b, r) for r, spans in by_rank.items() for a, b in spans]
             out[key] = sorted(parts)
         return out
-
-
-def _rows(part) -> int:
-    return part.shape[0] if part.shape else 1
 
 
 def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_options: dict | None = None) -> None:

@@ -13,13 +13,13 @@ raises before any optimizer is touched. Descriptions travel as msgpack, tensors 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from gefen.contract import OptimizerContract
+from gefen.geometry import rows_and_row_numel
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
@@ -114,11 +114,11 @@ class TensorInfo:
 
     @property
     def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
+        return rows_and_row_numel(self.shape)[0]
 
     @property
     def row_numel(self) -> int:
-        return math.prod(self.shape[1:]) if self.shape else 1
+        return rows_and_row_numel(self.shape)[1]
 
 
 def plan_moves(tensors: Sequence[TensorInfo], have: Sequence[Sequence[Range | None]],
@@ -222,8 +222,7 @@ class _Skeleton:
         self.shape, self.dtype, self.wanted = tuple(shape), dtype, None
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        rows = self.shape[0] if self.shape else 1
-        stop = rows if stop is None else stop
+        stop = rows_and_row_numel(self.shape)[0] if stop is None else stop
         if self.wanted is not None:
             start, stop = min(start, self.wanted[0]), max(stop, self.wanted[1])
         self.wanted = (start, stop)
@@ -357,10 +356,9 @@ class _Mover:
     protocol stays in lockstep."""
 
     def __init__(self, infos: Sequence[TensorInfo], dtypes: Sequence[torch.dtype], sources, outputs, stats,
-                 budget: int, error: BaseException | None = None):
+                 error: BaseException | None = None):
         self.infos, self.dtypes, self.sources, self.outputs, self.stats = infos, dtypes, sources, outputs, stats
-        self.budget = budget
-        self.error = error
+        self.budget, self.error = stats.budget_bytes, error
         self.rank, _ = _world()
         self.device = collective.device()
         self._window: tuple[int, int, int] | None = None
@@ -516,7 +514,7 @@ def _move(infos, dtypes, sources, have, want, out_device, stats: TransportStats)
                 flats[t] = (outputs[t].reshape(-1), span[0] * info.row_numel)
     except Exception as exc:
         error, outputs, flats = exc, [None] * len(infos), [None] * len(infos)
-    mover = _Mover(infos, dtypes, sources, flats, stats, budget, error)
+    mover = _Mover(infos, dtypes, sources, flats, stats, error)
     mover.run(rounds)
     return outputs, mover.error
 
@@ -546,7 +544,7 @@ def _held(source, writers_only: bool) -> Range | None:
     """The rows this rank can send of a tensor (of a LocalPart: none unless it is their writer,
     for ``gather``)."""
     if not isinstance(source, LocalPart):
-        return (0, source.shape[0] if source.shape else 1)
+        return (0, rows_and_row_numel(source.shape)[0])
     if writers_only and not source.writer:
         return None
     return (source.row_start, source.row_stop) if source.shape else (0, 1)
