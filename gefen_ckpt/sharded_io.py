@@ -212,7 +212,8 @@ class OwnSplit:
                 out[key] = (rule.parts, rule.writers)
                 continue
             by_rank, rows = reported.get(ordinal, {}), rows_and_row_numel(self.parts[key].shape)[0]
-            parts = [(a, b, w) for a, b, w in (rule.parts_in(rows, 0, rows) if rule else []) if w not in by_rank]
+            writers = [] if rule is None else [w for w in dict.fromkeys(rule.writers) if w not in by_rank]
+            parts = [(a, b, w) for w in writers for a, b in rule.parts_of(rows, w)]
             parts += [(a, b, r) for r, spans in by_rank.items() for a, b in spans]
             out[key] = sorted(parts)
         return out
