@@ -1,11 +1,7 @@
-"""``async_save``: stage the state into reusable host buffers, then write and commit it in a
-background thread while training continues.
-
-The training loop is blocked only for the copy (``export_canonical``'s tensors change at the
-next step); buffers are reused while shapes and dtypes stay, so steady-state saves allocate
-nothing. The write is the synchronous save's own code (under a process group on a gloo group
-of its own, so its collectives never interleave with training's): the same bytes, the same
-atomic commit. One save runs at a time.
+"""``async_save``: copy the state into reusable host buffers (training waits only for that),
+then write and commit it in a background thread with the synchronous save's own code (under a
+process group, on a gloo group of its own so its collectives never interleave with training's).
+One save runs at a time.
 """
 
 from __future__ import annotations
@@ -48,16 +44,6 @@ def _stage(state: CanonicalState) -> CanonicalState:
     return out
 
 
-def _checkpoint_group():
-    """A gloo group over every rank for background saves (created once, collectively)."""
-    global _group
-    if _group is None:
-        import torch.distributed as dist
-
-        _group = dist.new_group(backend="gloo")
-    return _group
-
-
 def async_save(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Module | None = None,
                max_file_bytes: int | None = None, memory_budget: int | None = None,
                storage_options: dict | None = None, timeout: float | None = None) -> Future:
@@ -72,13 +58,16 @@ def async_save(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Mo
     from gefen_ckpt.storage import Store
     from gefen_ckpt.wire.writer import write_state
 
-    global _executor, _pending
+    global _executor, _pending, _group
     sizes = {"max_file_bytes": max_file_bytes or MAX_FILE_BYTES, "memory_budget": memory_budget or MEMORY_BUDGET}
     with _lock:
         if _pending is not None:
             wait([_pending])  # its error, if any, is its own future's to raise
         sharded = collective.active()
-        group = _checkpoint_group() if sharded else None
+        if sharded and _group is None:  # a gloo group over every rank, created once, collectively
+            import torch.distributed as dist
+
+            _group = dist.new_group(backend="gloo")
         staged = _stage(export_canonical(optimizer, model=model))
         if _executor is None:
             _executor = ThreadPoolExecutor(1, thread_name_prefix="gefen-ckpt-async-save")
@@ -86,7 +75,7 @@ def async_save(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Mo
         def run() -> None:
             with collective.deadline(timeout):
                 if sharded:
-                    save_sharded(None, url, model=model, storage_options=storage_options, state=staged, group=group,
+                    save_sharded(None, url, model=model, storage_options=storage_options, state=staged, group=_group,
                                  **sizes)
                 else:
                     write_state(staged, Store(url, storage_options), world_size=None, **sizes)

@@ -1,9 +1,8 @@
 """The canonical state: an optimizer's state with no topology left in it (docs/design.md 5).
 
-Every per-parameter field is a *global logical tensor* (what a single process would hold),
-keyed by the parameter's FQN. Tensors are ``TensorSource`` objects, so a field can be a live
-tensor, a region of a memory-mapped file or a remote range read: offline tools read only the
-rows they need and never hold a whole model.
+Every per-parameter field is a global logical tensor keyed by the parameter's FQN, held as a
+``TensorSource`` (a live tensor, a memory-mapped region, a remote range read), so offline tools
+read only the rows they need.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from gefen.contract import OptimizerContract
+from gefen_ckpt.errors import CheckpointError
 
 
 @runtime_checkable
@@ -57,9 +57,7 @@ class LocalPart:
                  split: tuple[int, tuple[int, ...]] | None = None):
         self.tensor, self.row_start, self.shape, self.writer = tensor, row_start, tuple(shape), writer
         self.dtype = tensor.dtype
-        #: ``(parts, writer ranks)``: the rows are ``torch.chunk``-split over ``parts``, part ``i``
-        #: stored by rank ``writers[i]`` (``layout.row_split``); None when no such rule describes it.
-        self.split = split
+        self.split = split  # how a sharded save splits the rows (``placement.ownership``); None: no rule
 
     @property
     def row_stop(self) -> int:
@@ -70,8 +68,6 @@ class LocalPart:
             return self.tensor
         stop = self.shape[0] if stop is None else stop
         if start < self.row_start or stop > self.row_stop:
-            from gefen_ckpt.errors import CheckpointError
-
             raise CheckpointError(
                 f"rows [{start}, {stop}) are not held by this rank (it holds [{self.row_start}, {self.row_stop})); "
                 "use gefen_ckpt.transport.gather to collect them"

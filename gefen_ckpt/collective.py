@@ -1,13 +1,9 @@
-"""Small collectives that keep ranks in step: agreeing on failure and moving bytes.
+"""The package's one agreement protocol, and byte collectives (msgpack: no pickle crosses ranks).
 
 Every collective path stages its work, then calls ``agree`` (or ``exchange``, which also
-all-gathers a payload): if any rank failed, every rank raises before anything is published, so
-no rank hangs and no rank changes alone. This is the package's one agreement protocol. Bytes
-move as uint8 tensors of msgpack, so no pickle crosses ranks.
-
-Every collective first checks in (``checkin``) through the process group's store with a timeout
-(``DEFAULT_TIMEOUT``, or ``deadline``): a rank that stalls or dies makes the others raise
-``CheckpointTimeoutError`` naming it, instead of waiting for the backend's 30 minutes.
+all-gathers a payload): if any rank failed, every rank raises before anything is published.
+Each collective first checks in through the store (``checkin``), so a rank that stalls or dies
+is named within ``DEFAULT_TIMEOUT`` (or ``deadline``), not the backend's 30 minutes.
 """
 
 from __future__ import annotations
@@ -161,23 +157,39 @@ def agree(error: BaseException | None, what: str, group=None) -> None:
     exchange({}, error, what, group)
 
 
+def _as_tensor(payload: bytes, size: int, dev: torch.device) -> torch.Tensor:
+    """``payload`` as a uint8 tensor on ``dev``, zero-padded to ``size`` bytes."""
+    out = torch.zeros(size, dtype=torch.uint8, device=dev)
+    if payload:
+        out[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return out
+
+
+def _framed(payload: bytes, what: str, group) -> torch.Tensor:
+    """Check in, then ``payload`` after its 8-byte length, padded to the longest of ``group``'s."""
+    import torch.distributed as dist
+
+    checkin(what, group)
+    longest = torch.tensor([len(payload)], dtype=torch.int64, device=device(group))
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    return _as_tensor(len(payload).to_bytes(8, "little") + payload, int(longest) + 8, device(group))
+
+
+def _unframed(framed: torch.Tensor) -> bytes:
+    data = bytes(framed.cpu().numpy())
+    return data[8:8 + int.from_bytes(data[:8], "little")]
+
+
 def all_gather_bytes(payload: bytes, what: str, group=None) -> list[bytes]:
     """Every rank's ``payload``, in rank order, on every rank of ``group``."""
     if not active(group):
         return [payload]
     import torch.distributed as dist
 
-    checkin(what, group)
-    dev, ws = device(group), dist.get_world_size(group)
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(ws)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
-    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
-    out = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(ws)]
+    mine = _framed(payload, what, group)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)
-    return [bytes(t[: int(s)].cpu().numpy()) for t, s in zip(out, sizes)]
+    return [_unframed(t) for t in out]
 
 
 def gather_bytes(payload: bytes, what: str, dst: int = 0, group=None) -> list[bytes] | None:
@@ -187,22 +199,11 @@ def gather_bytes(payload: bytes, what: str, dst: int = 0, group=None) -> list[by
         return [payload]
     import torch.distributed as dist
 
-    checkin(what, group)
-    dev, ws = device(group), dist.get_world_size(group)
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
-    longest = size.clone()
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-    mine = torch.zeros(int(longest) + 8, dtype=torch.uint8, device=dev)  # 8 bytes: the length
-    mine[:8] = torch.frombuffer(bytearray(len(payload).to_bytes(8, "little")), dtype=torch.uint8)
-    if payload:
-        mine[8:8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    mine = _framed(payload, what, group)
     here = dist.get_rank() == dst
-    out = [torch.empty_like(mine) for _ in range(ws)] if here else None
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))] if here else None
     dist.gather(mine, out, dst=dst, group=group)
-    if not here:
-        return None
-    blobs = [bytes(t.cpu().numpy()) for t in out]
-    return [b[8:8 + int.from_bytes(b[:8], "little")] for b in blobs]
+    return [_unframed(t) for t in out] if here else None
 
 
 def broadcast_bytes(payload: bytes | None, src: int = 0, group=None) -> bytes:
@@ -212,11 +213,9 @@ def broadcast_bytes(payload: bytes | None, src: int = 0, group=None) -> bytes:
     import torch.distributed as dist
 
     checkin("sharing checkpoint metadata", group)
-    dev = device(group)
-    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=dev)
+    dev, mine = device(group), (payload or b"") if dist.get_rank() == src else b""
+    size = torch.tensor([len(mine)], dtype=torch.int64, device=dev)
     dist.broadcast(size, src, group=group)
-    buf = torch.zeros(int(size), dtype=torch.uint8, device=dev)
-    if dist.get_rank() == src and payload:
-        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    buf = _as_tensor(mine, int(size), dev)
     dist.broadcast(buf, src, group=group)
     return bytes(buf.cpu().numpy())

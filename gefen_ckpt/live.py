@@ -1,11 +1,7 @@
-"""``export_canonical`` / ``import_canonical``: between a live optimizer and ``CanonicalState``.
-
-Both work only through the optimizer's contract (docs/design.md 4) and its ``state_dict()`` /
-``load_state_dict()``, so Gefen, GefenMuon, the hybrid and torch's AdamW/Adam/SGD share one
-path. Import validates everything against the live optimizer (FQNs, global shapes, dtypes,
-contract and schema version, hyperparameters, group membership) and builds the complete local
-state_dict before the optimizer sees any of it; the optimizer's own ``load_state_dict`` then
-stages and publishes atomically.
+"""``export_canonical`` / ``import_canonical``: between a live optimizer and ``CanonicalState``,
+only through its contract (docs/design.md 4) and ``state_dict()`` / ``load_state_dict()``, so
+every optimizer shares one path. Import validates everything and builds the whole local
+state_dict before the optimizer sees any of it.
 """
 
 from __future__ import annotations
@@ -63,13 +59,10 @@ def leaves(optimizer, contract: OptimizerContract):
 
 # ----- export -------------------------------------------------------------------------------
 def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None) -> CanonicalState:
-    """The optimizer's state as a topology-free ``CanonicalState``.
-
-    Tensors are *not* copied: the result is valid until the optimizer's next step (call
-    ``.materialize()`` for an owned snapshot). ``model`` supplies FQNs for optimizers built
-    from bare tensors. Under a process group each field is this rank's ``LocalPart`` of the
-    global tensor (no communication): ``gefen_ckpt.save`` writes the parts in parallel and
-    ``gefen_ckpt.transport.gather`` assembles them on one rank.
+    """The optimizer's state as a topology-free ``CanonicalState``, valid until its next step
+    (tensors are not copied: ``.materialize()`` for a snapshot). ``model`` supplies FQNs for
+    optimizers built from bare tensors. Under a process group each field is this rank's
+    ``LocalPart`` of the global tensor (no communication; ``transport.gather`` assembles them).
     """
     contract, names, rank0 = contract_of(optimizer), names_from_model(model), placement.rank() == 0
     groups: list[dict] = []
@@ -90,8 +83,7 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
                 if fqn in seen:
                     raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
                 seen.add(fqn)
-                if placement.is_dtensor(p):
-                    placement.local_rows(p, fqn)  # whole rows on every rank: refuses a column split (Shard(1))
+                placement.local_rows(p, fqn)  # whole rows on every rank: refuses a column split (Shard(1))
                 fields = {k: _local_part(fqn, p, leaf.field(k).row_sharded,
                                          v if isinstance(v, torch.Tensor) else torch.tensor(v))
                           for k, v in (sd["state"].get(index) or {}).items() if v is not None and k not in shared}
@@ -106,9 +98,8 @@ def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.T
     if row_sharded and value.dim():
         start, _ = placement.local_rows(param, fqn)
         rows = rows_and_row_numel(param.shape)[0]
-        return LocalPart(value, start, (rows, *value.shape[1:]), placement.writes_rows(param),
-                         placement.row_split(param, True))
-    return LocalPart(value, 0, tuple(value.shape), placement.writes_replicated(param), placement.row_split(param, False))
+        return LocalPart(value, start, (rows, *value.shape[1:]), *placement.ownership(param, True))
+    return LocalPart(value, 0, tuple(value.shape), *placement.ownership(param, False))
 
 
 # ----- import -------------------------------------------------------------------------------
@@ -162,17 +153,6 @@ def check_param_shape(fqn: str, shape, param: torch.Tensor) -> None:
             f"{fqn}: checkpoint shape {tuple(shape)} differs from the live parameter's {tuple(param.shape)}")
 
 
-def _check_param(fqn: str, entry: ParamState, param: torch.Tensor, contract: OptimizerContract) -> None:
-    missing = missing_fields(contract, entry.fields, entry.shape) if entry.fields else []
-    if missing:
-        raise CheckpointMismatchError(f"{fqn}: the checkpoint lacks {contract.implementation}'s required "
-                                      f"field(s) {missing}")
-    check_param_shape(fqn, entry.shape, param)
-    for name, source in entry.fields.items():
-        if problem := field_spec(contract, fqn, name).check(entry.shape, source.shape, source.dtype, param.dtype):
-            raise CheckpointMismatchError(f"{fqn}/{name}: {problem}")
-
-
 def check_group_members(saved: list[list[str]], live: list[list[str]], child: str | None = None) -> None:
     """The checkpoint's param groups (FQN lists) must be the optimizer's, in number and members."""
     if len(saved) != len(live):
@@ -187,23 +167,6 @@ def _saved_leaf(contract: OptimizerContract, child: str | None) -> OptimizerCont
     """The checkpoint's own contract of ``child``: its hyperparameter names are the ones saved
     (the optimizer's load maps names it has since renamed, e.g. ``gefen.muon.upgrade_group``)."""
     return contract if child is None else dict(contract.children)[child]
-
-
-def _check_groups(opt, leaf: OptimizerContract, child: str | None, state: CanonicalState,
-                  names: dict[int, str]) -> None:
-    """Groups, members, hyperparameters, and every parameter's shape and fields: from the
-    checkpoint's description alone, so a mismatch is reported before any data is read."""
-    saved_groups = [g for g in state.param_groups if g.get("child") == child]
-    live_fqns = [group_fqns(live, names, leaf.implementation) for live in opt.param_groups]
-    check_group_members([g["params"] for g in saved_groups], live_fqns, child)
-    for gi, (live, saved, fqns) in enumerate(zip(opt.param_groups, saved_groups, live_fqns)):
-        missing = [h for h in _saved_leaf(state.contract, child).hyperparameters if h not in saved]
-        if missing:
-            raise CheckpointMismatchError(f"param group {gi} of the checkpoint lacks hyperparameters {missing}")
-        for fqn, p in zip(fqns, live["params"]):
-            entry = state.params.get(fqn)
-            if entry is not None:
-                _check_param(fqn, entry, p, leaf)
 
 
 def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: CanonicalState,
@@ -239,11 +202,9 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
 
 def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
                      model: torch.nn.Module | None = None) -> None:
-    """Load ``state`` into ``optimizer``, each rank taking the slices it owns.
-
-    Fails before mutation: everything is read and validated first; on any error
-    (``CheckpointMismatchError`` naming the FQN/field, or a read error) the optimizer is
-    untouched. Under a process group it is a collective and every rank raises together.
+    """Load ``state`` into ``optimizer``, each rank taking the slices it owns. Everything is read
+    and validated first: on any error (``CheckpointMismatchError`` naming the FQN/field, or a read
+    error) the optimizer is untouched; under a process group every rank raises together.
     """
     load_agreed(lambda: stage_state_dict(optimizer, local_state_dict(optimizer, state, model)), "import_canonical")
 
@@ -265,16 +226,14 @@ def load_agreed(stage: Callable[[], Callable[[], None]], what: str, group=None, 
 
 
 def copies_on_load(optimizer: torch.optim.Optimizer) -> bool:
-    """Does loading copy the tensors it is given? Gefen optimizers stage copies
-    (``prepare_load_state_dict``), so what they load may be views of checkpoint files; a torch
-    optimizer keeps the very tensors, so it must get memory of its own."""
+    """Does loading copy the tensors it is given (so they may be views of checkpoint files)? Gefen
+    optimizers do; a torch optimizer keeps the very tensors, so it must get memory of its own."""
     return hasattr(optimizer, "prepare_load_state_dict")
 
 
 def stage_state_dict(optimizer: torch.optim.Optimizer, sd: dict) -> Callable[[], None]:
-    """Stage the optimizer's own ``sd`` without publishing; the returned callable publishes. Gefen
-    optimizers stage (validate + copy) in ``prepare_load_state_dict``, so a refusal on any rank is
-    known before any rank publishes; torch optimizers load what gefen_ckpt checked."""
+    """Stage the optimizer's own ``sd``; the returned callable publishes it. Gefen optimizers
+    validate and copy in ``prepare_load_state_dict``; torch optimizers load what gefen_ckpt checked."""
     prepare = getattr(optimizer, "prepare_load_state_dict", None)
     if prepare is None:
         return functools.partial(optimizer.load_state_dict, sd)
@@ -296,9 +255,8 @@ def local_state_dict(optimizer: torch.optim.Optimizer, state: CanonicalState, mo
 
 
 def check_fits(optimizer: torch.optim.Optimizer, state: CanonicalState, model=None) -> None:
-    """Does ``state`` fit ``optimizer``? Contract, FQNs, groups, hyperparameters, every
-    parameter's shape and its fields' dtypes, shapes and required set -- all from the state's
-    description (a lazy state reads nothing), so a load refuses before reading any data."""
+    """Does ``state`` fit ``optimizer`` (contract, FQNs, groups, hyperparameters, shapes, dtypes,
+    required fields)? From the description alone, so a load refuses before reading any data."""
     contract = contract_of(optimizer)
     check_contract(contract, state.contract)
     names = names_from_model(model)
@@ -309,4 +267,20 @@ def check_fits(optimizer: torch.optim.Optimizer, state: CanonicalState, model=No
     if unowned:
         raise CheckpointMismatchError(f"checkpoint has state for parameters in no group: {sorted(unowned)[:5]}")
     for child, opt, leaf in leaves(optimizer, contract):
-        _check_groups(opt, leaf, child, state, names)
+        saved_groups = [g for g in state.param_groups if g.get("child") == child]
+        members = [group_fqns(live, names, leaf.implementation) for live in opt.param_groups]
+        check_group_members([g["params"] for g in saved_groups], members, child)
+        for gi, (live, saved, fqns) in enumerate(zip(opt.param_groups, saved_groups, members)):
+            missing = [h for h in _saved_leaf(state.contract, child).hyperparameters if h not in saved]
+            if missing:
+                raise CheckpointMismatchError(f"param group {gi} of the checkpoint lacks hyperparameters {missing}")
+            for fqn, p in zip(fqns, live["params"]):
+                if (entry := state.params.get(fqn)) is None:
+                    continue
+                if entry.fields and (missing := missing_fields(leaf, entry.fields, entry.shape)):
+                    raise CheckpointMismatchError(f"{fqn}: the checkpoint lacks {leaf.implementation}'s required "
+                                                  f"field(s) {missing}")
+                check_param_shape(fqn, entry.shape, p)
+                for name, source in entry.fields.items():
+                    if problem := field_spec(leaf, fqn, name).check(entry.shape, source.shape, source.dtype, p.dtype):
+                        raise CheckpointMismatchError(f"{fqn}/{name}: {problem}")

@@ -49,38 +49,22 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def writes_rows(param: torch.Tensor) -> bool:
-    """Does this rank write its rows of ``param``? Only one replica of each row range does."""
+def ownership(param: torch.Tensor, row_sharded: bool) -> tuple[bool, tuple[int, tuple[int, ...]] | None]:
+    """``(writer, split)`` of a field of ``param``: does this rank write its rows (one replica of
+    each row range; of a replicated field, one rank), and how a sharded save stores them, a rule
+    every rank derives alike from the mesh: ``(parts, writers)``, rows ``torch.chunk``-split over
+    ``parts``, part ``i`` written by global rank ``writers[i]`` (None: rows sharded over several
+    mesh dimensions, no single chunk rule)."""
     if not is_dtensor(param):
-        return rank() == 0
-    return first_copy(param.device_mesh.get_coordinate(), [i for i, pl in enumerate(param.placements) if pl.is_replicate()])
-
-
-def writes_replicated(param: torch.Tensor) -> bool:
-    """Does this rank write ``param``'s replicated fields (scalars, columns)? Exactly one rank does."""
-    if not is_dtensor(param):
-        return rank() == 0
-    return first_copy(param.device_mesh.get_coordinate(), range(param.device_mesh.ndim))
-
-
-def row_split(param: torch.Tensor, row_sharded: bool) -> tuple[int, tuple[int, ...]] | None:
-    """How the rows of a field of ``param`` are stored by a sharded save, as a rule every rank
-    derives alike from the mesh (no communication): ``(parts, writers)``, rows ``torch.chunk``-split
-    over ``parts`` with part ``i`` written by global rank ``writers[i]``. Replicated fields are one
-    part. None when no single chunk rule applies (rows sharded over several mesh dimensions)."""
-    if not is_dtensor(param):
-        return 1, (0,)
+        return rank() == 0, (1, (0,))
     mesh, placements = param.device_mesh, param.placements
-    ranks = mesh.mesh
+    copies = [i for i, pl in enumerate(placements) if pl.is_replicate()] if row_sharded else range(mesh.ndim)
+    writer = first_copy(mesh.get_coordinate(), copies)
     sharded = [i for i, pl in enumerate(placements) if pl.is_shard() and pl.dim == 0]
     if not row_sharded or param.dim() == 0 or not sharded:
-        return 1, (int(ranks.reshape(-1)[0]),)
+        return writer, (1, (int(mesh.mesh.reshape(-1)[0]),))
     if len(sharded) > 1:
-        return None
-    dim = sharded[0]
-    index = [0] * ranks.dim()
-    writers = []
-    for i in range(ranks.shape[dim]):
-        index[dim] = i
-        writers.append(int(ranks[tuple(index)]))
-    return len(writers), tuple(writers)
+        return writer, None
+    # the writers along the sharded dimension, index 0 along every other one
+    writers = mesh.mesh.movedim(sharded[0], 0).reshape(mesh.mesh.shape[sharded[0]], -1)[:, 0].tolist()
+    return writer, (len(writers), tuple(writers))

@@ -1,12 +1,9 @@
 """``save``/``load`` under a process group: every rank writes and reads only its own rows.
 
-Save: each rank writes the rows it owns (one replica per row range) into its own data files
-and (2.0) its own index, and checks that index against the row-split rule every rank derives
-alike; rank 0 gathers O(1) bytes per rank, builds the manifest and commits it. Until then the
-previous checkpoint stays committed, so a failure anywhere leaves it intact.
-
-Load: every rank opens the checkpoint lazily and reads only the pieces that overlap its rows
-(checksums verified), whatever layout or world size wrote it: that is the reshard.
+Each rank writes the rows it owns into its own files (and, 2.0, index, checked against the split
+rule every rank derives alike); rank 0 gathers O(1) bytes per rank and commits the manifest, so
+until then the previous checkpoint stays committed. A load reads only the pieces overlapping a
+rank's rows, whatever layout wrote them: that is the reshard.
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ import hashlib
 
 import torch
 
+from gefen.geometry import rows_and_row_numel
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
 from gefen_ckpt.collective import (
     agree,
@@ -28,10 +26,10 @@ from gefen_ckpt.collective import (
 )
 from gefen_ckpt.errors import CheckpointError
 from gefen_ckpt.live import check_fits, copies_on_load, export_canonical, import_canonical
-from gefen_ckpt.placement import chunk_rows
 from gefen_ckpt.storage import Store
 from gefen_ckpt.wire import manifest as mf
-from gefen_ckpt.wire.index import WriterPin
+from gefen_ckpt.wire.dtypes import dtype_name
+from gefen_ckpt.wire.index import Explicit, IndexSet, Rule, SplitTensor, WriterPin
 from gefen_ckpt.wire.manifest import FileRecord, PieceRecord, build, build_v2, open_checkpoint, tensor_order
 from gefen_ckpt.wire.reader import lazy_state
 from gefen_ckpt.wire.writer import (
@@ -120,9 +118,8 @@ def _save_v1(state, store, token, previous, rank, world_size, url, max_file_byte
 
 
 def _save_v2(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget, group=None):
-    """2.0, rank-local: each rank writes its data and its index and checks the index against the
-    split every rank derives alike (``layout.row_split``); rank 0 gathers O(1) bytes per rank
-    (``commit_payload``) and commits. Returns this rank's error (None: committed)."""
+    """2.0, rank-local: each rank writes and checks its data and index (``OwnSplit``); rank 0
+    gathers ``commit_payload`` from each and commits. Returns this rank's error (None: committed)."""
     error, payload = None, {}
     try:
         plan = OwnSplit(state, rank)
@@ -167,46 +164,32 @@ class OwnSplit:
         self.ordinals = tensor_order(state)
         self.parts = {(fqn, name): state.global_fields[name] if fqn is None else state.params[fqn].fields[name]
                       for fqn, name in self.ordinals}
-        self.rules: dict[tuple, tuple | None] = {key: getattr(part, "split", None) for key, part in self.parts.items()}
+        self.rules: dict[tuple, Rule | None] = {}
         self.explicit: dict[int, list[list[int]]] = {}  # ordinal -> this rank's [start, stop] rows
+        by_split: dict[tuple, Rule] = {}  # one Rule object per distinct rule: it indexes its writers once
         structure = []
-        for (fqn, name), ordinal in self.ordinals.items():
-            part, rule = self.parts[(fqn, name)], self.rules[(fqn, name)]
-            structure.append([fqn, name, list(part.shape), str(part.dtype), rule])
-            mine = self._own_rows(part)
-            if rule is None or mine != [(a, b) for a, b, w in _all_rule_parts(rule, _rows(part)) if w == rank]:
+        for key, ordinal in self.ordinals.items():
+            part, split = self.parts[key], getattr(self.parts[key], "split", None)
+            if split is not None:
+                split = (split[0], tuple(split[1]))
+                if split not in by_split:
+                    by_split[split] = Rule(*split)
+            rule = self.rules[key] = None if split is None else by_split[split]
+            structure.append([*key, list(part.shape), str(part.dtype), split])
+            mine = [(0, 1)] if not part.shape else [(part.row_start, part.row_stop)]
+            mine = [(a, b) for a, b in mine if part.writer and a < b]
+            if rule is None or mine != rule.parts_of(rows_and_row_numel(part.shape)[0], rank):
                 self.explicit[ordinal] = [list(r) for r in mine]
         self.digest = hashlib.blake2b(pack(structure), digest_size=16).hexdigest()
 
-    @staticmethod
-    def _own_rows(part) -> list[tuple[int, int]]:
-        if not part.writer:
-            return []
-        if not part.shape:
-            return [(0, 1)]
-        return [(part.row_start, part.row_stop)] if part.row_stop > part.row_start else []
-
-    def _tensors(self, explicit_parts) -> list:
-        """``SplitTensor`` s in ordinal order with ``explicit_parts(ordinal)`` where no rule fits."""
-        from gefen_ckpt.wire.dtypes import dtype_name
-        from gefen_ckpt.wire.index import Explicit, Rule, SplitTensor
-
-        out, rules = [], {}
-        for key, ordinal in self.ordinals.items():
-            fqn, name = key
-            part, rule = self.parts[key], self.rules[key]
-            if ordinal in self.explicit or rule is None:
-                split = Explicit(tuple(explicit_parts(ordinal)))
-            else:  # one Rule object per distinct rule: it indexes its writers once
-                split = rules.get(rule) or rules.setdefault(rule, Rule(rule[0], tuple(rule[1])))
-            out.append(SplitTensor(fqn, name, dtype_name(part.dtype), tuple(part.shape), split, ordinal, None))
-        return out
-
     def check(self, pin: WriterPin, data: bytes, sizes: dict[str, int], store: Store) -> None:
         """This rank's index, validated exactly as a reader will, against its own parts."""
-        from gefen_ckpt.wire.index import IndexSet
-
-        tensors = self._tensors(lambda o: [(a, b, self.rank) for a, b in self.explicit[o]])
+        tensors = []
+        for (fqn, name), ordinal in self.ordinals.items():
+            part, split = self.parts[fqn, name], self.rules[fqn, name]
+            if ordinal in self.explicit:  # so is every tensor without a rule
+                split = Explicit(tuple((a, b, self.rank) for a, b in self.explicit[ordinal]))
+            tensors.append(SplitTensor(fqn, name, dtype_name(part.dtype), tuple(part.shape), split, ordinal, None))
         indexes = IndexSet({self.rank: pin}, tensors, sizes)
         indexes.store = store
         indexes.parse(self.rank, data)
@@ -226,29 +209,14 @@ class OwnSplit:
         for key, ordinal in self.ordinals.items():
             rule = self.rules[key]
             if ordinal not in reported and rule is not None:
-                out[key] = (rule[0], tuple(rule[1]))
+                out[key] = (rule.parts, rule.writers)
                 continue
-            by_rank = reported.get(ordinal, {})
-            parts = [(a, b, w) for a, b, w in _all_rule_parts(rule, _rows(self.parts[key])) if w not in by_rank]
-            parts += [(a, b, r) for r, rows in by_rank.items() for a, b in rows]
+            by_rank, rows = reported.get(ordinal, {}), rows_and_row_numel(self.parts[key].shape)[0]
+            writers = [] if rule is None else [w for w in dict.fromkeys(rule.writers) if w not in by_rank]
+            parts = [(a, b, w) for w in writers for a, b in rule.parts_of(rows, w)]
+            parts += [(a, b, r) for r, spans in by_rank.items() for a, b in spans]
             out[key] = sorted(parts)
         return out
-
-
-def _rows(part) -> int:
-    return part.shape[0] if part.shape else 1
-
-
-def _all_rule_parts(rule, rows: int) -> list[tuple[int, int, int]]:
-    if rule is None:
-        return []
-    parts, writers = rule
-    out = []
-    for i, w in enumerate(writers):
-        a, b = chunk_rows(rows, parts, i)
-        if a < b:
-            out.append((a, b, w))
-    return out
 
 
 def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_options: dict | None = None) -> None:

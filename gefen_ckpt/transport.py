@@ -1,39 +1,25 @@
-"""Moving optimizer state between ranks, in chunks under a byte budget (docs/design.md 9).
+"""Moving optimizer state between ranks in chunks under a byte budget (docs/design.md 9):
+``gather`` (onto one rank), ``scatter`` (from one rank into a sharded optimizer) and
+``redistribute`` (from one layout to another over the same ranks, without a file or a whole copy).
 
-* ``gather``: the canonical state assembled on one rank (e.g. to write a canonical checkpoint
-  or inspect it), every row coming from the one rank that writes it;
-* ``scatter``: a canonical state held by one rank (read from a file, or gathered) into a
-  sharded optimizer, each rank receiving only the rows it owns;
-* ``redistribute``: state exported on one layout (mesh/sharding) loaded into an optimizer on
-  another layout over the same ranks, without a file and without a whole copy anywhere.
-
-Why it is shaped like this:
-
-* **Everything is a plan of row ranges.** Block geometry lives inside rows (docs/design.md 1), so
-  every layout gives each rank one contiguous range of global rows of each field; which rows
-  come from which holder is a pure function of row ranges (``assign_rows`` ... ``plan_rounds``),
-  computed identically on every rank and unit tested without a process group.
-* **Chunks, not tensors.** Moves are cut to at most ``budget_bytes`` and grouped into rounds in
-  which no rank sends, receives and copies more than the budget. Rows go straight from the
-  holder's tensor into the receiver's final tensor, so the only extra memory is what must be
-  copied (a lazy source's read, an off-device chunk): one round, or one row of a lazy source
-  whose rows exceed the budget. ``last_stats()`` reports it.
-* **All ranks fail together.** Local failures travel in the next collective; a rank whose read
-  fails during the data phase sends zeros, so nobody waits for a message that never comes, and
-  every rank raises before any optimizer is touched.
-* **No pickle crosses ranks**: descriptions travel as msgpack, tensors as raw bytes.
+Every layout gives each rank one contiguous range of global rows of each field, so what moves
+where is a pure plan of row ranges (``assign_rows`` ... ``plan_rounds``), identical on every rank.
+Moves are cut to ``budget_bytes`` and grouped into rounds in which no rank sends, receives and
+copies more; rows go straight from the holder's tensor into the receiver's (``last_stats()``
+reports the copies). A rank whose read fails sends zeros, so every rank finishes the round and
+raises before any optimizer is touched. Descriptions travel as msgpack, tensors as raw bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from gefen.contract import OptimizerContract
+from gefen.geometry import rows_and_row_numel
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
@@ -128,11 +114,11 @@ class TensorInfo:
 
     @property
     def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
+        return rows_and_row_numel(self.shape)[0]
 
     @property
     def row_numel(self) -> int:
-        return math.prod(self.shape[1:]) if self.shape else 1
+        return rows_and_row_numel(self.shape)[1]
 
 
 def plan_moves(tensors: Sequence[TensorInfo], have: Sequence[Sequence[Range | None]],
@@ -236,8 +222,7 @@ class _Skeleton:
         self.shape, self.dtype, self.wanted = tuple(shape), dtype, None
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        rows = self.shape[0] if self.shape else 1
-        stop = rows if stop is None else stop
+        stop = rows_and_row_numel(self.shape)[0] if stop is None else stop
         if self.wanted is not None:
             start, stop = min(start, self.wanted[0]), max(stop, self.wanted[1])
         self.wanted = (start, stop)
@@ -256,24 +241,19 @@ class _Absent:
         raise CheckpointError(f"{self.label} was not transported to this rank")
 
 
-def _rebuild(description: dict, make) -> tuple[CanonicalState, list[tuple[str, object]]]:
-    """A CanonicalState from a description, each tensor ``make(label, shape, dtype)``; also the
-    (label, source) list in the order of ``CanonicalState.tensors()``."""
+def _rebuild(description: dict, make) -> CanonicalState:
+    """A CanonicalState from a description, each tensor ``make(label, shape, dtype)``, called in
+    the order of ``CanonicalState.tensors()``."""
     contract = OptimizerContract.from_dict(description["contract"])
-    ordered: list[tuple[str, object]] = []
-    global_fields = {}
-    for key, shape, dtype in description["globals"]:
-        global_fields[key] = make(key, tuple(shape), torch_dtype(dtype, _DESCRIPTION))
-        ordered.append((key, global_fields[key]))
-    params = {}
-    for fqn, shape, dtype, child, fields in description["params"]:
-        sources = {}
-        for name, fshape, fdtype in fields:
-            sources[name] = make(f"{fqn}/{name}", tuple(fshape), torch_dtype(fdtype, _DESCRIPTION))
-            ordered.append((f"{fqn}/{name}", sources[name]))
-        params[fqn] = ParamState(tuple(shape), torch_dtype(dtype, _DESCRIPTION), sources, child)
-    groups = [dict(g) for g in description["groups"]]
-    return CanonicalState(contract, groups, params, global_fields), ordered
+
+    def tensor(label: str, shape, dtype: str):
+        return make(label, tuple(shape), torch_dtype(dtype, _DESCRIPTION))
+
+    global_fields = {key: tensor(key, shape, dtype) for key, shape, dtype in description["globals"]}
+    params = {fqn: ParamState(tuple(shape), torch_dtype(dtype, _DESCRIPTION),
+                              {name: tensor(f"{fqn}/{name}", s, d) for name, s, d in fields}, child)
+              for fqn, shape, dtype, child, fields in description["params"]}
+    return CanonicalState(contract, [dict(g) for g in description["groups"]], params, global_fields)
 
 
 def _infos(ordered: Sequence[tuple[str, object]]) -> list[TensorInfo]:
@@ -282,12 +262,12 @@ def _infos(ordered: Sequence[tuple[str, object]]) -> list[TensorInfo]:
 
 def _wanted_rows(optimizer, description: dict, model) -> tuple[list[tuple[str, _Skeleton]], list[Range | None]]:
     """The described tensors (as skeletons, in order) and the rows of each that this rank's
-    ``import_canonical`` will read, after running all of its validation against the live
-    optimizer."""
+    ``import_canonical`` will read, after all of its validation against the live optimizer."""
     from gefen_ckpt.live import local_state_dict
 
-    skeleton, ordered = _rebuild(description, lambda label, shape, dtype: _Skeleton(shape, dtype))
+    skeleton = _rebuild(description, lambda label, shape, dtype: _Skeleton(shape, dtype))
     local_state_dict(optimizer, skeleton, model)
+    ordered = list(skeleton.tensors())
     return ordered, [src.wanted for _, src in ordered]
 
 
@@ -302,12 +282,12 @@ def _world() -> tuple[int, int]:
 
 def _agreed(payload: dict, error: BaseException | None, what: str, stats: TransportStats,
             **same: str) -> list[dict]:
-    """The first exchange of every call: all ranks' payloads (raising everywhere if any rank
-    failed), checked to carry the same value under each key of ``same`` (its name for the error),
-    and the call's budget: the smallest any rank passed."""
+    """The first exchange of every call: all ranks' payloads, checked to carry the same value
+    under each key of ``same`` (its name for the error); the budget is the smallest passed."""
     everyone = collective.exchange(payload, error, what)
     for key, name in same.items():
-        _check_same([p[key] for p in everyone], what, name)
+        if any(p[key] != everyone[0][key] for p in everyone):
+            raise CheckpointError(f"{what}: ranks passed different {name}: {[p[key] for p in everyone]}")
     stats.budget_bytes = min(p["budget"] for p in everyone)
     return everyone
 
@@ -331,22 +311,27 @@ def _offer(state: CanonicalState, budget_bytes, writers_only: bool) -> tuple[dic
 
 def _import(what: str, received: tuple[list, BaseException | None], optimizer, description: dict,
             metadata: dict, want, model) -> None:
-    """Agree on the data phase (``_move``'s outputs and error), then load this rank's rows
-    through ``import_canonical``, which validates again and agrees before it loads."""
+    """Agree on the data phase (``_move``'s outputs and error), then load this rank's rows as
+    LocalParts through ``import_canonical``, which validates again and agrees before it loads."""
     from gefen_ckpt.live import import_canonical
 
     outputs, error = received
     collective.agree(error, what)
     rank, _ = _world()
-    import_canonical(optimizer, _local_state(description, metadata, outputs, [w[rank] for w in want]), model=model)
+    it = iter(zip(outputs, [w[rank] for w in want]))
+
+    def make(label, shape, dtype):
+        tensor, span = next(it)
+        if tensor is None:
+            return _Absent(shape, dtype, label)
+        return LocalPart(tensor, span[0] if shape else 0, shape, False)
+
+    state = _rebuild(description, make)
+    state.metadata = dict(metadata)
+    import_canonical(optimizer, state, model=model)
 
 
 _DIFFERENT_STATES = "states (contract, param groups, FQNs, shapes or dtypes differ)"
-
-
-def _check_same(values: Sequence, what: str, name: str) -> None:
-    if any(v != values[0] for v in values):
-        raise CheckpointError(f"{what}: ranks passed different {name}: {list(values)}")
 
 
 def _check_budget(budget_bytes) -> int:
@@ -371,10 +356,9 @@ class _Mover:
     protocol stays in lockstep."""
 
     def __init__(self, infos: Sequence[TensorInfo], dtypes: Sequence[torch.dtype], sources, outputs, stats,
-                 budget: int, error: BaseException | None = None):
+                 error: BaseException | None = None):
         self.infos, self.dtypes, self.sources, self.outputs, self.stats = infos, dtypes, sources, outputs, stats
-        self.budget = budget
-        self.error = error
+        self.budget, self.error = stats.budget_bytes, error
         self.rank, _ = _world()
         self.device = collective.device()
         self._window: tuple[int, int, int] | None = None
@@ -431,37 +415,38 @@ class _Mover:
         import torch.distributed as dist
 
         for moves in rounds:
-            works, keep, landings, staged = [], [], [], 0
+            works, landings, staged = [], [], 0
             for tag, m in enumerate(moves):
                 nbytes = (m.stop - m.start) * self.infos[m.tensor].itemsize
                 if m.src == self.rank and m.dst == self.rank:
                     self._copy_local(m)
-                elif m.src == self.rank:
+                    continue
+                if m.src == self.rank:
                     buf, extra = self._send_buffer(m, nbytes)
-                    staged += extra
-                    keep.append(buf)
-                    what = f"sending to rank {m.dst}"
-                    works.append((_start(dist.isend, what, buf, m.dst, tag=tag), what))
+                    post, peer, what = dist.isend, m.dst, f"sending to rank {m.dst}"
                     self.stats.messages_sent += 1
                     self.stats.bytes_sent += nbytes
-                    self.stats.largest_message = max(self.stats.largest_message, nbytes)
                 elif m.dst == self.rank:
                     buf, target, extra = self._recv_buffer(m, nbytes)
-                    staged += extra
-                    what = f"receiving from rank {m.src}"
-                    works.append((_start(dist.irecv, what, buf, m.src, tag=tag), what))
+                    post, peer, what = dist.irecv, m.src, f"receiving from rank {m.src}"
                     landings.append((buf, target))
                     self.stats.messages_received += 1
                     self.stats.bytes_received += nbytes
-                    self.stats.largest_message = max(self.stats.largest_message, nbytes)
-            for work, what in works:
+                else:
+                    continue
+                staged += extra
+                self.stats.largest_message = max(self.stats.largest_message, nbytes)
+                try:  # a peer that is gone is a CheckpointError naming it
+                    works.append((post(buf, peer, tag=tag), what, buf))  # buf: alive until the wait
+                except RuntimeError as exc:
+                    raise CheckpointError(f"transport: {what} failed: {exc}") from None
+            for work, what, _ in works:
                 _wait(work, what)
             for buf, target in landings:
                 if target is not None:
                     target.copy_(buf.to(target.device))
-            del keep, landings
-            if self._window_flat is not None and self._window_flat.numel() * self.infos[self._window[0]].itemsize \
-                    <= self.budget:
+            del works, landings
+            if self._window_flat is not None and self._window_flat.nbytes <= self.budget:
                 self._release_window()  # keep only a row larger than the budget: its next pieces need it
             self._end_round(staged)
             self.stats.rounds += 1
@@ -469,21 +454,20 @@ class _Mover:
         self._end_round(0)
 
     def _send_buffer(self, m: Move, nbytes: int) -> tuple[torch.Tensor, int]:
+        raw = None
         if self.error is None:
             try:
                 piece = self._piece(m)
                 self._window_pinned = True
                 raw = piece.view(torch.uint8)
-                if raw.device != self.device:
-                    raw = raw.to(self.device)
-                    self.stats.stage(nbytes)
-                    return raw, nbytes
-                return raw, 0
+                if raw.device == self.device:
+                    return raw, 0
+                raw = raw.to(self.device)
             except Exception as exc:  # keep the protocol going; every rank raises after the data phase
-                self.error = exc
+                self.error, raw = exc, None
                 self._release_window()
         self.stats.stage(nbytes)
-        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device), nbytes
+        return (torch.zeros(nbytes, dtype=torch.uint8, device=self.device) if raw is None else raw), nbytes
 
     def _target(self, m: Move) -> torch.Tensor | None:
         out = self.outputs[m.tensor]
@@ -530,23 +514,14 @@ def _move(infos, dtypes, sources, have, want, out_device, stats: TransportStats)
                 flats[t] = (outputs[t].reshape(-1), span[0] * info.row_numel)
     except Exception as exc:
         error, outputs, flats = exc, [None] * len(infos), [None] * len(infos)
-    mover = _Mover(infos, dtypes, sources, flats, stats, budget, error)
+    mover = _Mover(infos, dtypes, sources, flats, stats, error)
     mover.run(rounds)
     return outputs, mover.error
 
 
-def _start(post, what: str, *args, **kwargs):
-    """Post one message of a data round (``dist.isend`` / ``dist.irecv``); a peer that is gone
-    is a ``CheckpointError`` naming it."""
-    try:
-        return post(*args, **kwargs)
-    except RuntimeError as exc:
-        raise CheckpointError(f"transport: {what} failed: {exc}") from None
-
-
 def _wait(work, what: str) -> None:
-    """Wait for one message of a data round, at most the collective timeout: a peer that stalls
-    mid-transfer makes this rank raise naming it instead of waiting for the backend's timeout."""
+    """Wait for one message, at most the collective timeout: a peer that stalls mid-transfer is
+    named, instead of waiting for the backend's timeout."""
     import datetime
 
     seconds = collective.current_timeout()
@@ -566,10 +541,10 @@ def _begin(operation: str, budget_bytes) -> TransportStats:
 
 # ===== gather =================================================================================
 def _held(source, writers_only: bool) -> Range | None:
-    """The rows this rank can send of a tensor (a LocalPart: its rows if it is their writer, or
-    any of them for ``redistribute``; any other source: the whole tensor)."""
+    """The rows this rank can send of a tensor (of a LocalPart: none unless it is their writer,
+    for ``gather``)."""
     if not isinstance(source, LocalPart):
-        return (0, source.shape[0] if source.shape else 1)
+        return (0, rows_and_row_numel(source.shape)[0])
     if writers_only and not source.writer:
         return None
     return (source.row_start, source.row_stop) if source.shape else (0, 1)
@@ -582,8 +557,7 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
 
     ``optimizer_or_state``: a live optimizer (``model`` naming its parameters if needed) or a
     ``CanonicalState`` of ``LocalPart`` s from ``export_canonical``. Every row comes from its
-    writer rank, in messages of at most ``budget_bytes``, sent as views: senders hold nothing
-    extra. A collective: all ranks call it with the same ``dst``.
+    writer rank as views, in messages of at most ``budget_bytes``. All ranks pass the same ``dst``.
     """
     stats = _begin("gather", budget_bytes)
     rank, world = _world()
@@ -608,45 +582,22 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
     result = None
     if rank == dst and error is None:
         try:
-            result = _assembled(state, outputs)
+            gathered = {key: EagerSource(t) for (key, _), t in zip(state.tensors(), outputs)}
+            result = state.with_sources(lambda key, _: gathered[key])
         except Exception as exc:
             error = exc
     collective.agree(error, "gather")
     return result
 
 
-def _assembled(state: CanonicalState, outputs: list[torch.Tensor]) -> CanonicalState:
-    """``state`` over the gathered tensors (``outputs``, in ``state.tensors()`` order)."""
-    gathered = {key: EagerSource(t) for (key, _), t in zip(state.tensors(), outputs)}
-    return state.with_sources(lambda key, _: gathered[key])
-
-
 # ===== scatter ================================================================================
-def _local_state(description: dict, metadata: dict, outputs: list[torch.Tensor | None],
-                 want: list[Range | None]) -> CanonicalState:
-    """This rank's received rows as a CanonicalState of LocalParts (what import_canonical reads)."""
-    it = iter(zip(outputs, want))
-
-    def make(label, shape, dtype):
-        tensor, span = next(it)
-        if tensor is None:
-            return _Absent(shape, dtype, label)
-        return LocalPart(tensor, span[0] if shape else 0, shape, False)
-
-    state, _ = _rebuild(description, make)
-    state.metadata = dict(metadata)
-    return state
-
-
 @collective.with_timeout
 def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: torch.nn.Module | None = None,
             budget_bytes: int = DEFAULT_BUDGET) -> None:
-    """Load the ``CanonicalState`` held by rank ``src`` into ``optimizer`` on every rank.
-
-    ``state`` matters on ``src`` only (e.g. ``gefen_ckpt.read(url)`` there, read chunk by chunk).
-    Its description is broadcast first; each rank checks it against its optimizer and reports
-    the rows its import will read; all ranks agree; then each rank receives exactly those rows,
-    in messages of at most ``budget_bytes``. Nothing changes unless every rank staged.
+    """Load the ``CanonicalState`` held by rank ``src`` (e.g. ``gefen_ckpt.read(url)`` there, read
+    chunk by chunk; ignored elsewhere) into ``optimizer`` on every rank. Each rank checks its
+    description first and receives exactly the rows its import reads, in messages of at most
+    ``budget_bytes``. Nothing changes unless every rank staged.
     """
     stats = _begin("scatter", budget_bytes)
     rank, world = _world()
@@ -660,12 +611,11 @@ def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: tor
     _agreed({"budget": budget, "root": src}, error, "scatter", stats, root="src ranks")
 
     # 1. the description, from src
-    header, ordered = None, []
+    ordered = []
     if rank == src:
         try:
-            header = {"description": _describe(state), "metadata": dict(state.metadata)}
+            data = collective.pack({"description": _describe(state), "metadata": dict(state.metadata)})
             ordered = [(label, _normalise(s)) for label, s in state.tensors()]
-            data = collective.pack(header)
         except Exception as exc:
             error = exc
             data = collective.pack({"error": collective.describe_error(exc)})
@@ -699,11 +649,9 @@ def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: tor
 def redistribute(state: CanonicalState, optimizer: torch.optim.Optimizer, *,
                  model: torch.nn.Module | None = None, budget_bytes: int = DEFAULT_BUDGET) -> None:
     """Load ``state`` (this rank's ``LocalPart`` s of a state exported on another layout over
-    the same ranks) into ``optimizer`` (its own layout), moving only the rows that change rank.
-
-    Rows a rank already holds are copied locally, the rest come from a holder (replicas share
-    the sending), in messages of at most ``budget_bytes``; no rank materialises a tensor it does
-    not own whole in the target layout. Nothing changes unless every rank staged.
+    the same ranks) into ``optimizer`` (its own layout). Rows a rank holds are copied locally, the
+    rest come from a holder (replicas share the sending) in messages of at most ``budget_bytes``;
+    no rank materialises a whole tensor it does not own. Nothing changes unless every rank staged.
     """
     stats = _begin("redistribute", budget_bytes)
     error, description, ordered, payload = None, None, [], {}
