@@ -1,12 +1,10 @@
-"""The Triton kernels' side of ``gefen.dispatch``: whether they are trusted on a device and their
-launch through ``gefen.triton.launch``.
+"""The Triton kernels' side of ``gefen.dispatch``: whether they are trusted on a device, and
+their launch through ``gefen.triton.launch`` (imported, with Triton, on first use).
 
 Each function takes the arguments of the functional reference of the same name and returns True
-/ the result when the kernels did the work, or False / None (nothing touched) for a layout that is
-not theirs, logged once (``fallback``). At a CUDA device's first use each family runs its parity
-problems (``verify``, ``gefen.parity``); a mismatch or a build failure keeps the reference.
-Triton is imported on first use only. Inside ``batched()`` the updates (which return nothing) are queued and launched
-together when the block ends: one launch per phase for the whole step instead of a few per tensor.
+/ the result, or False / None (nothing touched) for a layout that is not theirs, logged once
+(``fallback``). Each family runs its parity problems at a CUDA device's first use (``verify``).
+Inside ``batched()`` the updates are queued and launched together when the block ends.
 """
 
 from __future__ import annotations
@@ -166,8 +164,7 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
 
 
 def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
-    out = m4v4_partials_([(grad, state, beta2)], None if row_sum is None else [(row_sum, row_len or grad[0].numel())])
-    return None if out is None else out[0]
+    return m4v4_partials_([(grad, state, beta2)], None if row_sum is None else [(row_sum, row_len or grad[0].numel())])[0]
 
 
 def m4v4_row_stats(grad, state, codebook, beta1):
@@ -200,24 +197,19 @@ def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
     return _launch_mod.m8_partials(items)
 
 
-def momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor | None:
+def momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor:
     """``functional.update_momentum_``; ``scales``: ``store_momentum_``'s (a column split's)."""
-    out = momenta_([(state, grad, beta)], codebook, None if scales is None else [scales])
-    return None if out is None else out[0]
+    return momenta_([(state, grad, beta)], codebook, None if scales is None else [scales])[0]
 
 
-def momentum_scales(state, grad, beta, codebook) -> torch.Tensor | None:
+def momentum_scales(state, grad, beta, codebook) -> torch.Tensor:
     """The block scales ``update_momentum_`` would choose (nothing else written)."""
-    out = momenta_([(state, grad, beta)], codebook, scales_only=True)
-    return None if out is None else out[0]
+    return _launch_mod.momentum_([(state, grad, beta)], codebook, scales_only=True)[0]
 
 
-def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor, scales=None, *,
-             scales_only: bool = False) -> list | None:
-    """``functional.update_momentum_`` of every ``(state, grad, beta)`` in one launch per class, on a
-    layout ``gefen.dispatch`` checked (``scales``, ``scales_only``: as ``gefen.triton.launch.momentum_``'s)."""
-    if scales_only:
-        return _launch_mod.momentum_(items, codebook, scales_only=True)
+def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor, scales=None) -> list:
+    """``functional.update_momentum_`` of every ``(state, grad, beta)`` in one launch per class
+    (``scales``: as ``gefen.triton.launch.momentum_``'s)."""
     return _launch_mod.momentum_(items, codebook, *([scales] if scales else []))
 
 
