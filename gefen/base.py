@@ -1,10 +1,11 @@
 """What every compressed Gefen optimizer shares: parameter checks, state allocated from the
-global shape alone (block lengths: ``gefen.geometry.shape_period``), the codebook learned at the
-first step with a nonzero gradient, and a state_dict round trip that never casts the
-uint8 codes and fails before it mutates anything.
+global shape alone (``gefen.geometry.shape_period``), the codebook learned at the first step
+with a nonzero gradient, and a state_dict round trip that never casts the uint8 codes and fails
+before it mutates anything.
 
-Subclasses supply ``contract()``, ``_state_fields(group, shape)``, ``_check_group(group)``,
-``_init_param_state(...)`` and the step math, ``_step(work)``.
+Subclasses supply ``contract()``, ``_check_group(group)``, ``_state_fields(group, shape)`` (the
+fields a parameter of global ``shape`` must have), ``_init_param_state(group, param, period)``
+and the step math for every ``(group, param, grad)`` whose state exists, ``_step(work)``.
 """
 
 from __future__ import annotations
@@ -191,24 +192,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Does this (staged) parameter state hold moments that need the codebooks to decode?"""
         return bool(entry["m_scale"].any())
 
-    # ----- hooks for subclasses -------------------------------------------------------------
-    def contract(self) -> OptimizerContract:
-        raise NotImplementedError
-
-    def _check_group(self, group: dict) -> None:
-        raise NotImplementedError
-
-    def _state_fields(self, group: dict, shape: tuple[int, ...]) -> tuple[str, ...]:
-        """The fields a parameter of global ``shape`` in ``group`` must have."""
-        raise NotImplementedError
-
-    def _init_param_state(self, group: dict, param: torch.Tensor, period: int) -> dict:
-        raise NotImplementedError
-
-    def _step(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
-        """The step math for every ``(group, param, grad)`` in ``work`` (their state exists)."""
-        raise NotImplementedError
-
+    # ----- hooks for subclasses (with those the module docstring lists) ----------------------
     def _check_placement(self, name: str, param: torch.Tensor, placement: ParamPlacement) -> None:
         """Refuse, before any state exists, a layout the step cannot honour: by default one that
         splits columns (tensor parallelism's ``Shard(1)``), whose row statistics it does not reduce."""

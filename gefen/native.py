@@ -459,14 +459,6 @@ def _warn_mismatch(what: str = "") -> None:
 
 
 # ----- the calibration cache: a fresh process skips the calibration (docs/decisions.md) --------
-def cache_dir() -> str:
-    """``$GEFEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/gefen``, else ``~/.cache/gefen``."""
-    explicit = os.environ.get("GEFEN_CACHE_DIR")
-    if explicit:
-        return explicit
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "gefen")
-
-
 def _cpu_identity() -> str:
     """The CPU model and its feature flags (what decides torch's kernels and ours)."""
     try:
@@ -515,11 +507,14 @@ def _cached(path: str) -> Calibration | None:
 
 def calibrate_cached() -> Calibration:
     """``calibrate()``, or its result from an earlier process with the same library build, CPU and
-    torch. An unreadable, corrupt or unwritable cache only costs the calibration."""
+    torch, in ``$GEFEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/gefen``, else ``~/.cache/gefen``. An
+    unreadable, corrupt or unwritable cache only costs the calibration."""
     if _lib is None:
         return calibrate()
+    cache = os.environ.get("GEFEN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gefen")
     try:
-        path = os.path.join(cache_dir(), f"native-calibration-{cache_key()}.json")
+        path = os.path.join(cache, f"native-calibration-{cache_key()}.json")
     except OSError:  # the library file vanished: calibrate, cache nothing
         path = None
     cal = _cached(path) if path else None

@@ -28,9 +28,7 @@ class Refused(Exception):
 #: The reference's step functions, under the names the problems call.
 REFERENCE = types.SimpleNamespace(
     partials=F.second_moment_partials, update=F.gefen_update_, m4v4_partials=F.m4v4_partials,
-    m4v4_update=F.m4v4_update_, adamw=F.adamw_update_,
-    row_stats=lambda g, state, codebook, beta1: (F.row_square_sums(g),
-                                                 F.row_abs_max(F.m4v4_momentum(g, state, codebook, beta1))),
+    m4v4_update=F.m4v4_update_, adamw=F.adamw_update_, row_stats=F.m4v4_row_stats,
     momentum=lambda state, g, beta, codebook: F.update_momentum_(state, g.float(), beta, codebook),
     round=F.round_param_, histogram=histogram_normalised_blocks)
 

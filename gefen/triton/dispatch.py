@@ -3,7 +3,7 @@ their launch through ``gefen.triton.launch`` (imported, with Triton, on first us
 
 Each function takes the arguments of the functional reference of the same name and returns True
 / the result, or False / None (nothing touched) for a layout that is not theirs, logged once
-(``fallback``). Each family runs its parity problems at a CUDA device's first use (``verify``).
+(``fallback``). Each family runs its parity problems at a CUDA device's first use (``untrusted``).
 Inside ``batched()`` the updates are queued and launched together when the block ends.
 """
 
@@ -57,23 +57,18 @@ def fallback(reason: str) -> bool:
 
 
 def untrusted(device: torch.device, family: str) -> str | None:
-    """None when the ``family`` kernels may run on ``device`` (Triton imports; on CUDA, ``verify``
-    passed), else why not."""
+    """None when the ``family`` kernels may run on ``device``, else why not: Triton does not
+    import, or, on CUDA, ``parity_check`` (run once, cached) failed: a Triton or driver that
+    miscompiles the kernels, or fails to build them, keeps the reference."""
     if _kernels() is None:
         return _import_error
-    return verify(device, family) if device.type == "cuda" else None
-
-
-def verify(device: torch.device, family: str) -> str | None:
-    """``parity_check`` on ``device``, once (cached): a Triton or driver that miscompiles the
-    kernels, or fails to build them, keeps the reference."""
     key = (str(device), family)
-    if key not in _verified:
+    if device.type == "cuda" and key not in _verified:
         try:
             _verified[key] = parity_check(device, family)
         except Exception as exc:  # a kernel that does not build or launch here
             _verified[key] = f"the {family} kernels failed their first run ({type(exc).__name__}: {exc})"
-    return _verified[key]
+    return _verified.get(key)
 
 
 def parity_check(device: torch.device, family: str) -> str | None:
