@@ -1,10 +1,11 @@
 """What every compressed Gefen optimizer shares: parameter checks, state allocated from the
-global shape alone (block lengths: ``gefen.geometry.shape_period``), the codebook learned at the
-first step with a nonzero gradient, and a state_dict round trip that never casts the
-uint8 codes and fails before it mutates anything.
+global shape alone (``gefen.geometry.shape_period``), the codebook learned at the first step
+with a nonzero gradient, and a state_dict round trip that never casts the uint8 codes and fails
+before it mutates anything.
 
-Subclasses supply ``contract()``, ``_state_fields(group, shape)``, ``_check_group(group)``,
-``_init_param_state(...)`` and the step math, ``_step(work)``.
+Subclasses supply ``contract()``, ``_check_group(group)``, ``_state_fields(group, shape)`` (the
+fields a parameter of global ``shape`` must have), ``_init_param_state(group, param, period)``
+and the step math for every ``(group, param, grad)`` whose state exists, ``_step(work)``.
 """
 
 from __future__ import annotations
@@ -191,24 +192,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Does this (staged) parameter state hold moments that need the codebooks to decode?"""
         return bool(entry["m_scale"].any())
 
-    # ----- hooks for subclasses -------------------------------------------------------------
-    def contract(self) -> OptimizerContract:
-        raise NotImplementedError
-
-    def _check_group(self, group: dict) -> None:
-        raise NotImplementedError
-
-    def _state_fields(self, group: dict, shape: tuple[int, ...]) -> tuple[str, ...]:
-        """The fields a parameter of global ``shape`` in ``group`` must have."""
-        raise NotImplementedError
-
-    def _init_param_state(self, group: dict, param: torch.Tensor, period: int) -> dict:
-        raise NotImplementedError
-
-    def _step(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
-        """The step math for every ``(group, param, grad)`` in ``work`` (their state exists)."""
-        raise NotImplementedError
-
+    # ----- hooks for subclasses (with those the module docstring lists) ----------------------
     def _check_placement(self, name: str, param: torch.Tensor, placement: ParamPlacement) -> None:
         """Refuse, before any state exists, a layout the step cannot honour: by default one that
         splits columns (tensor parallelism's ``Shard(1)``), whose row statistics it does not reduce."""
@@ -273,15 +257,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     # ----- the first step with a gradient ---------------------------------------------------
     def _initialise_new(self, work: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
-        """Allocate state for parameters seen for the first time and, once, learn the codebook.
-
-        Block lengths come from the global shape alone (``shape_period``), so state can be
-        allocated before any gradient carries information: torch's ``get_state_dict`` fills an
-        empty optimizer by a step with all-zero gradients and lr 0, and must get state of the
-        checkpoint's shapes. The codebook is learned at the first step whose gradients are not
-        all zero on every rank (one reduction decides, so all ranks agree); until then it stays
-        unlearned and the moments stay exactly zero, as AdamW's do.
-        """
+        """Allocate state for parameters seen for the first time (from the global shape alone:
+        torch's ``get_state_dict`` fills an empty optimizer by a zero-gradient step and must get the
+        checkpoint's shapes) and learn the codebook at the first step whose gradients are not all
+        zero on every rank (until then the moments stay exactly zero, as AdamW's do)."""
         new = [(g, p) for g, p, _ in work if p not in self.state]
         staged = {p: self._init_param_state(g, p, shape_period(global_shape(p))) for g, p in new}
         self.state.update(staged)
@@ -320,10 +299,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     # ----- state_dict -----------------------------------------------------------------------
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load state saved by ``state_dict()``: validate and stage everything, then publish.
-
-        On any error the optimizer is left bit-for-bit untouched. uint8 codes are never cast.
-        """
+        """Validate and stage everything, then publish: on any error the optimizer is untouched."""
         self.prepare_load_state_dict(state_dict)()
 
     def prepare_load_state_dict(self, state_dict: dict) -> Callable[[], None]:
@@ -430,11 +406,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return staged
 
     def _stage_codebook(self, name: str, size: int, copies: list[tuple[str, object]]) -> torch.Tensor | None:
-        """The one codebook ``name`` every copy in the state_dict agrees on (None: not learned yet).
-
-        torch's checkpoint API keeps only ``state`` and ``param_groups``, so each parameter's
-        state carries the codebooks; an all-zero copy stands for "not learned yet".
-        """
+        """The one codebook ``name`` every copy in the state_dict agrees on (None: not learned yet,
+        which an all-zero copy stands for)."""
         first = None
         for where, book in copies:
             if not isinstance(book, torch.Tensor) or book.dtype != torch.float32:

@@ -17,7 +17,6 @@ from gefen import functional as F
 from gefen import native
 from gefen.codebook import histogram_normalised_blocks
 from gefen.geometry import rows_and_row_numel
-from gefen.quant import block_scales
 from gefen.triton import dispatch as triton
 from gefen.triton.dispatch import batched
 
@@ -65,6 +64,14 @@ def kernels(family: str, tensors: list, states: list = (), layout=None):
     return None
 
 
+def _either(run, name: str, reference, *args, **kw):
+    """``run.<name>(*args, **kw)`` when ``kernels`` chose kernels that have it and they do not
+    decline (None / False: nothing touched), else ``reference(*args, **kw)``."""
+    fn = getattr(run, name, None)
+    out = None if fn is None else fn(*args, **kw)
+    return reference(*args, **kw) if out is None or out is False else out
+
+
 def _first(reasons) -> str | None:
     return next(filter(None, reasons), None)
 
@@ -82,9 +89,7 @@ def _phase1_layout(grad, state, max_dim: int, row_sum=None) -> str | None:
 
 def second_moment_partials(grad, state, beta2):
     run = kernels("m8", [grad], [state.get("v_row")], lambda: _phase1_layout(grad, state, 2))
-    if run is native and (out := native.second_moment_partials(grad, state, beta2)):
-        return out
-    return F.second_moment_partials(grad, state, beta2)
+    return _either(run, "second_moment_partials", F.second_moment_partials, grad, state, beta2)
 
 
 def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
@@ -103,12 +108,11 @@ def _phase1_group(family: str, items: list, max_dim, launch) -> list | None:
 
 
 def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> None:
-    kw = dict(global_rows=global_rows, v_row=v_row, partials=partials)
     second = [state.get("v_row"), state.get("v_col"), v_row, partials] if "v_row" in state else [state.get("v")]
     run = kernels("m8", [param, grad], [state.get("m_code"), state.get("m_scale"), codebook, *second],
                   lambda: _m8_layout(param, grad, state, codebook, v_row, partials))
-    if not (run and run.gefen_update_(param, grad, state, codebook, h, **kw)):
-        F.gefen_update_(param, grad, state, codebook, h, **kw)
+    _either(run, "gefen_update_", F.gefen_update_, param, grad, state, codebook, h, global_rows=global_rows,
+            v_row=v_row, partials=partials)
 
 
 def _momentum_layout(grad, state, codebook, scales=None) -> str | None:
@@ -163,13 +167,8 @@ def update_momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor:
 
 
 def momentum_scales(state, grad, beta, codebook) -> torch.Tensor:
-    """The block scales ``update_momentum_`` would choose, state untouched: a column-split shard's
-    part of its rows' scales, which tensor parallelism reduces (max) before ``update_momentum_``."""
-    run = _momentum_kernels([(state, grad, beta)], codebook)
-    if run is not None and (out := run.momentum_scales(state, grad, beta, codebook)) is not None:
-        return out
-    m = F.momentum_ema(state, grad, beta, codebook)
-    return block_scales(F.as_blocks(m, F._local_period(state)))
+    return _either(_momentum_kernels([(state, grad, beta)], codebook), "momentum_scales", F.momentum_scales, state,
+                   grad, beta, codebook)
 
 
 def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list[torch.Tensor]:
@@ -182,12 +181,9 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
 
 
 def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
-    kw = dict(row_sum=row_sum, row_len=row_len)
     run = kernels("m4v4", [grad], [state.get("v_row")] + ([] if row_sum is None else [row_sum]),
                   lambda: _phase1_layout(grad, state, grad.dim(), row_sum))
-    if run is not None and (out := run.m4v4_partials(grad, state, beta2, **kw)) is not None:
-        return out
-    return F.m4v4_partials(grad, state, beta2, **kw)
+    return _either(run, "m4v4_partials", F.m4v4_partials, grad, state, beta2, row_sum=row_sum, row_len=row_len)
 
 
 def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
@@ -197,25 +193,20 @@ def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None
 
 
 def m4v4_row_stats(grad, state, codebook, beta1) -> tuple[torch.Tensor, torch.Tensor]:
-    """A coded shard's per-row float64 sums of g^2 and max |m| of the new first moment: what a
-    column split reduces over tensor parallelism before ``m4v4_partials`` and ``m4v4_update_``."""
     run = kernels("m4v4", [grad], [state.get("mv_code"), state.get("m_row_scale"), codebook],
                   lambda: _m4v4_layout(grad, state, codebook))
-    if run is not None and (out := run.m4v4_row_stats(grad, state, codebook, beta1)) is not None:
-        return out
-    return F.row_square_sums(grad), F.row_abs_max(F.m4v4_momentum(grad, state, codebook, beta1))
+    return _either(run, "m4v4_row_stats", F.m4v4_row_stats, grad, state, codebook, beta1)
 
 
 def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, partials, pidx, seed, row0=0,
                  col0=0, row_len=None, row_max=None) -> None:
-    kw = dict(global_rows=global_rows, v_row=v_row, partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0,
-              row_len=row_len, row_max=row_max)
     fields = [state.get(k) for k in ("mv_code", "m_row_scale", "v_row", "v_col")]
     tables = [codebook, ratio, v_row, partials] + ([] if row_max is None else [row_max])
     run = kernels("m4v4", [param, grad], [*fields, *tables],
                   lambda: _m4v4_layout(grad, state, codebook, param, ratio, v_row, partials, row_max))
-    if not (run and run.m4v4_update_(param, grad, state, codebook, ratio, h, **kw)):
-        F.m4v4_update_(param, grad, state, codebook, ratio, h, **kw)
+    _either(run, "m4v4_update_", F.m4v4_update_, param, grad, state, codebook, ratio, h, global_rows=global_rows,
+            v_row=v_row, partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0, row_len=row_len,
+            row_max=row_max)
 
 
 def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0) -> None:
@@ -223,8 +214,7 @@ def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0)
     run = kernels("m4v4", [param, grad], [m, v], lambda: (
         None if param.shape == grad.shape == m.shape == v.shape and m.dtype == torch.bfloat16
         and v.dtype == torch.float32 else "an unexpected AdamW state layout"))
-    if not (run and run.adamw_update_(param, grad, state, h, pidx=pidx, seed=seed, row0=row0)):
-        F.adamw_update_(param, grad, state, h, pidx=pidx, seed=seed, row0=row0)
+    _either(run, "adamw_update_", F.adamw_update_, param, grad, state, h, pidx=pidx, seed=seed, row0=row0)
 
 
 def _m4v4_layout(grad, state, codebook, param=None, ratio=None, v_row=None, partials=None, row_max=None) -> str | None:

@@ -1,15 +1,10 @@
-"""Gefen's per-parameter math (docs/design.md 3.1), free of optimizer bookkeeping.
+"""Gefen's per-parameter math (docs/design.md 3.1), free of optimizer bookkeeping: the pure torch
+references of the kernels (``gefen.dispatch`` picks the kernels or these).
 
-A step is two phases so that distributed runs need one all-reduce per step:
-``second_moment_partials`` computes what must be summed over ranks (factored tensors only),
-the caller sums every parameter's partials at once, then ``gefen_update_`` applies the step.
-All functions take the rank-local (row-sharded) tensors plus the *global* row count.
-
-Two layouts (``gefen.Gefen``'s ``moments``): "m8" (``second_moment_partials`` / ``gefen_update_``)
-and "m4v4" (``m4v4_partials`` / ``m4v4_update_``, ``adamw_update_`` for 1-D tensors). These are
-the references of the kernels: the m4v4 ones within their stated bound (docs/format.md, "The m4v4
-step"), the m8 ones bit for bit in C and up to the fp32 means' summation order in Triton
-(docs/decisions.md). ``gefen.dispatch`` picks the kernels or these.
+A step is two phases so that distributed runs need one all-reduce per step: phase 1
+(``second_moment_partials``, m8; ``m4v4_partials``) computes what is summed over ranks, then
+phase 2 (``gefen_update_``; ``m4v4_update_``, ``adamw_update_`` for 1-D tensors) applies the
+step. Every function takes the rank-local (row-sharded) tensors plus the *global* row count.
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ import torch
 from gefen.codecs import M4V4Codec, M8Codec, row_abs_max
 from gefen.contract import DIMENSION_FIELDS
 from gefen.geometry import as_blocks, block_shape, uses_row_period
-from gefen.quant import dequantise, quantise
+from gefen.quant import block_scales, dequantise, quantise
 from gefen.stochastic import (
     TINY,
     element_index,
@@ -152,6 +147,12 @@ def store_momentum_(state: dict, m: torch.Tensor, codebook: torch.Tensor,
     return dequantise(codes, scales, codebook, period)
 
 
+def momentum_scales(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor:
+    """The block scales ``update_momentum_`` would choose, state untouched: a column-split shard's
+    part of its rows' scales, which tensor parallelism reduces (max) before ``update_momentum_``."""
+    return block_scales(as_blocks(momentum_ema(state, grad, beta, codebook), _local_period(state)))
+
+
 def _local_period(state: dict) -> int:
     """The block length on this rank: the state's ``period``, or, on a shard whose columns tensor
     parallelism splits (one block per whole row, its scale the whole row's), the local row length."""
@@ -183,11 +184,6 @@ def init_m4v4_state(param: torch.Tensor, global_shape: tuple[int, ...]) -> dict:
     return state
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A >= 2-D tensor as fp32 ``[rows, row_numel]``."""
-    return rows_view(t.float())
-
-
 def rows_view(t: torch.Tensor) -> torch.Tensor:
     """A >= 2-D tensor as ``[rows, row_numel]`` (its own dtype)."""
     return t.reshape(t.shape[0], math.prod(t.shape[1:]))
@@ -202,7 +198,7 @@ def _div(x: torch.Tensor, s: float) -> torch.Tensor:
 def row_square_sums(grad: torch.Tensor) -> torch.Tensor:
     """float64 sums of g^2 along each (local) row: the statistic a column split cuts, so tensor
     parallelism sums it over the ranks holding the row's other columns before ``m4v4_partials``."""
-    g = _rows(grad)
+    g = rows_view(grad.float())
     return (g * g).sum(1, dtype=torch.float64)
 
 
@@ -214,7 +210,7 @@ def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: tor
 
     Tensor parallelism (columns split) passes ``row_sum``, the whole rows' ``row_square_sums``,
     and ``row_len``, the global row length; the column sums stay those of the local columns."""
-    g = _rows(grad)
+    g = rows_view(grad.float())
     sq = g * g
     row_sum = sq.sum(1, dtype=torch.float64) if row_sum is None else row_sum
     v_row = state["v_row"] * beta2 + (row_sum / max(g.shape[1] if row_len is None else row_len, 1)).float() * (1 - beta2)
@@ -234,7 +230,7 @@ def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook:
     """
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1
-    g = _rows(grad)
+    g = rows_view(grad.float())
     rows, cols = g.shape
     sq = g * g
     v_col = state["v_col"] * b2 + (partials[:-2] / max(global_rows, 1)).float() * (1 - b2)
@@ -271,10 +267,17 @@ def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook:
     state["v_col"].copy_(v_col)
 
 
+def m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor,
+                   beta1: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A coded shard's per-row float64 sums of g^2 and max |m| of the new first moment: what a
+    column split reduces over tensor parallelism before ``m4v4_partials`` and ``m4v4_update_``."""
+    return row_square_sums(grad), row_abs_max(m4v4_momentum(grad, state, codebook, beta1))
+
+
 def m4v4_momentum(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1: float) -> torch.Tensor:
     """The new first moment of a coded tensor, fp32 ``[rows, row_numel]`` (before re-quantisation):
     the decoded old one, then the EMA."""
-    g = _rows(grad)
+    g = rows_view(grad.float())
     m = M4V4Codec(codebook).momentum(state["mv_code"].reshape(g.shape), state["m_row_scale"])
     return m * beta1 + g * (1 - beta1)
 

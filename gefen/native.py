@@ -1,17 +1,12 @@
 """The C kernels of the step: a ctypes binding to ``gefen/csrc/`` (``gefen._gefen_step``).
 
 Each function takes the arguments of the ``gefen.functional`` reference of the same name, on a
-layout ``gefen.dispatch`` checked, and does its work in one C call per tensor, or returns None /
-False, touching nothing, when the kernel refuses (``cal``: a calibration candidate to run under;
-None: the calibrated one); ``gefen.dispatch`` chooses these kernels for CPU tensors once
-``trusted``. The m8 kernels (``gefen_step.c``) give the reference's bits: they reproduce the
-rounding order of the eager torch ops (ATen's cascade sums, whose vector width depends on
-torch's CPU capability, and torch's square root). ``calibrate`` finds, through the parity harness (``gefen.parity``), the
-``Calibration`` (square root x vector width, passed with every call) under which they do, and
-whether the m4v4 kernels (``m4v4_step.c``: the same bits on every ISA, ``GEFEN_CPU_ISA``, thread
-count and run) keep their stated bound; the result is cached per library build, CPU and torch in
-the user's cache directory (``$GEFEN_CACHE_DIR`` overrides it). ``block_histogram`` is the first
-step's pass (``first_step.c``): the same counts as ``gefen.codebook``.
+layout ``gefen.dispatch`` checked, and returns None / False, touching nothing, when the kernel
+refuses (``cal``: a calibration candidate to run under; None: the calibrated one). The m8
+kernels reproduce the eager ops' rounding order (ATen's cascade sums, whose vector width
+depends on torch's CPU capability, and torch's square root); ``calibrate`` finds, through
+``gefen.parity``, the ``Calibration`` under which they do and whether the m4v4 kernels keep
+their bound, cached per library build, CPU and torch (``$GEFEN_CACHE_DIR``).
 """
 
 from __future__ import annotations
@@ -284,46 +279,54 @@ def m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta
     return (row_sum, row_max) if rc == 0 else None
 
 
-def _head(a, param: torch.Tensor, grad: torch.Tensor, state: dict, h, cal: Calibration) -> None:
-    """The fields every step's arguments start with (``GEFEN_ARGS_HEAD``): tensors, dtypes, the new
-    step count, the mode, and the step's scalars exactly as the reference forms them (Python
-    floats; the C code rounds each to fp32 once, as torch does with a Python scalar operand)."""
+def _args(struct, **fields):
+    """A kernel's argument struct: a tensor passes its data pointer, None NULL."""
+    return struct(**{k: v.data_ptr() if isinstance(v, torch.Tensor) else v for k, v in fields.items()})
+
+
+def _run_step(fn, struct, param: torch.Tensor, grad: torch.Tensor, state: dict, h, cal: Calibration,
+              **fields) -> bool:
+    """Run a fused step: ``GEFEN_ARGS_HEAD`` (tensors, dtypes, the new step count, the mode, the
+    step's scalars exactly as the reference forms them: Python floats the C code rounds to fp32
+    once, as torch does with a Python scalar operand), then the family's ``fields``. The kernel
+    writes the step count when it can reach it (an int64 CPU scalar), else it is written here.
+    False when the kernel refused (nothing touched)."""
     step, step_t = int(state["step"]) + 1, state["step"]
-    # where the kernel writes the new step count (an int64 CPU scalar), else None: ``_run_step`` does
     writable = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
-    a.step_ptr = step_t.data_ptr() if writable else None
-    a.param, a.grad, a.step = param.data_ptr(), grad.data_ptr(), step
-    a.param_dtype, a.grad_dtype, a.mode = _DT[param.dtype], _DT[grad.dtype], cal.mode
-    a.beta1, a.omb1, a.beta2, a.omb2 = h.beta1, 1 - h.beta1, h.beta2, 1 - h.beta2
-    a.bias1, a.bias2_sqrt = 1 - h.beta1**step, math.sqrt(1 - h.beta2**step)
-    a.eps, a.neg_lr, a.decay, a.has_wd = h.eps, -h.lr, 1 - h.lr * h.weight_decay, bool(h.weight_decay)
-
-
-def _run_step(fn, a, state: dict) -> bool:
-    """Run a fused step; the kernel writes the step count itself when it can reach it
-    (``a.step_ptr``), else it is written here. False when the kernel refused (nothing touched)."""
+    a = _args(struct, param=param, grad=grad, step_ptr=step_t if writable else None, step=step,
+              param_dtype=_DT[param.dtype], grad_dtype=_DT[grad.dtype], mode=cal.mode, beta1=h.beta1,
+              omb1=1 - h.beta1, beta2=h.beta2, omb2=1 - h.beta2, bias1=1 - h.beta1**step,
+              bias2_sqrt=math.sqrt(1 - h.beta2**step), eps=h.eps, neg_lr=-h.lr, decay=1 - h.lr * h.weight_decay,
+              has_wd=bool(h.weight_decay), **fields)
     if fn(ctypes.byref(a)) != 0:
         return False
-    if a.step_ptr is None:
-        state["step"].fill_(a.step)
+    if not writable:
+        step_t.fill_(step)
     return True
+
+
+def _momentum_fields(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal: Calibration) -> dict | None:
+    """What the full m8 step and the momentum alone share: codes, scales, block geometry,
+    quantiser, threads, vector width; None without a quantiser for ``codebook``."""
+    q = _quantiser(codebook)
+    if q is None:
+        return None
+    period = F._local_period(state)  # a column split's one block per (cut) row: the local row
+    rows, row_numel = rows_and_row_numel(grad.shape)
+    return dict(codes=state["m_code"], scales=state["m_scale"], codebook=q.values, thr=q.thr, lut=q.lut, lut_M=q.M,
+                rows=rows, bpr=row_numel // period, period=period, K=q.values.numel(), W=cal.width,
+                T=torch.get_num_threads(), scale_mode=cal.scale_mode)
 
 
 def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
                   global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                   cal: Calibration | None = None) -> bool:
     cal = _use(cal)
-    a = _momentum_args(state, grad, codebook, cal)
-    if a is None:
-        return False
-    _head(a, param, grad, state, h, cal)
-    a.global_rows, a.factored = global_rows, "v_row" in state
-    if a.factored:
-        a.v_row, a.v_col, a.v_row_new, a.partials = (t.data_ptr() for t in (state["v_row"], state["v_col"], v_row,
-                                                                            partials))
-    else:
-        a.v = state["v"].data_ptr()
-    return _run_step(_lib.gefen_step, a, state)
+    fields = _momentum_fields(state, grad, codebook, cal)
+    second = (dict(factored=1, v_row=state["v_row"], v_col=state["v_col"], v_row_new=v_row, partials=partials)
+              if "v_row" in state else dict(v=state["v"]))
+    return fields is not None and _run_step(_lib.gefen_step, _StepArgs, param, grad, state, h, cal, **fields,
+                                            **second, global_rows=global_rows)
 
 
 def momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
@@ -339,34 +342,16 @@ def momentum_scales(state: dict, grad: torch.Tensor, beta: float, codebook: torc
 
 def _momentum_only(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
                    scales: torch.Tensor | None, out_shape, out_field: str) -> torch.Tensor | None:
-    """The momentum pass alone, its result (the momentum or the scales) into a new fp32 tensor."""
+    """The momentum pass alone, its result (the momentum or the scales) into a new fp32 tensor;
+    ``omb1``: the lerp weight exactly as update_momentum_ passes it."""
     cal = _use(None)
-    a = _momentum_args(state, grad, codebook, cal)
-    if a is None:
+    fields = _momentum_fields(state, grad, codebook, cal)
+    if fields is None:
         return None
-    a.grad, a.grad_dtype, a.mode = grad.data_ptr(), _DT[grad.dtype], cal.mode  # the full step sets these in _head
-    a.momentum_only, a.global_rows = 1, a.rows
-    a.omb1 = 1 - beta  # the lerp weight exactly as update_momentum_ passes it
-    a.given_scales = None if scales is None else scales.data_ptr()
     out = torch.empty(out_shape, dtype=torch.float32)
-    setattr(a, out_field, out.data_ptr())
+    a = _args(_StepArgs, **fields, grad=grad, grad_dtype=_DT[grad.dtype], mode=cal.mode, momentum_only=1,
+              global_rows=fields["rows"], omb1=1 - beta, given_scales=scales, **{out_field: out})
     return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
-
-
-def _momentum_args(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal: Calibration) -> _StepArgs | None:
-    """Kernel arguments shared by the full step and the momentum alone: codes, scales, block
-    geometry, quantiser, threads, vector width; None without a quantiser for ``codebook``."""
-    q = _quantiser(codebook)
-    if q is None:
-        return None
-    period = F._local_period(state)  # a column split's one block per (cut) row: the local row
-    rows, row_numel = rows_and_row_numel(grad.shape)
-    a = _StepArgs()
-    a.codes, a.scales = state["m_code"].data_ptr(), state["m_scale"].data_ptr()
-    a.codebook, a.thr, a.lut, a.lut_M = q.values.data_ptr(), q.thr.data_ptr(), q.lut.data_ptr(), q.M
-    a.rows, a.bpr, a.period = rows, row_numel // period, period
-    a.K, a.W, a.T, a.scale_mode = q.values.numel(), cal.width, torch.get_num_threads(), cal.scale_mode
-    return a
 
 
 # ----- the m4v4 layout: gefen/csrc/m4v4_step.c (phase 2, AdamW); phase 1 is _partials ------------
@@ -376,27 +361,18 @@ def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook:
                  row_max: torch.Tensor | None = None, cal: Calibration | None = None) -> bool:
     """Within the bound ``parity.m4v4_disagreement`` checks."""
     rows, cols = rows_and_row_numel(grad.shape)
-    codes, scale, v_row_old, v_col = (state[k] for k in ("mv_code", "m_row_scale", "v_row", "v_col"))
-    cal = _use(cal)
-    a = _M4v4Args()
-    _head(a, param, grad, state, h, cal)
-    a.codes, a.m_scale, a.codebook, a.ratios = codes.data_ptr(), scale.data_ptr(), codebook.data_ptr(), ratio.data_ptr()
-    a.v_row, a.v_row_new, a.v_col, a.partials = v_row_old.data_ptr(), v_row.data_ptr(), v_col.data_ptr(), partials.data_ptr()
-    a.rows, a.cols, a.global_rows, a.global_cols = rows, cols, global_rows, cols if row_len is None else row_len
-    a.row_offset, a.col_offset = row0, col0
-    a.salt_m, a.salt_v = salts(pidx, seed)
-    a.row_max = None if row_max is None else row_max.data_ptr()
-    return _run_step(_lib.gefen_m4v4_step, a, state)
+    salt_m, salt_v = salts(pidx, seed)
+    return _run_step(_lib.gefen_m4v4_step, _M4v4Args, param, grad, state, h, _use(cal), codes=state["mv_code"],
+                     m_scale=state["m_row_scale"], codebook=codebook, ratios=ratio, v_row=state["v_row"],
+                     v_row_new=v_row, v_col=state["v_col"], partials=partials, rows=rows, cols=cols,
+                     global_rows=global_rows, global_cols=cols if row_len is None else row_len, row_offset=row0,
+                     col_offset=col0, salt_m=salt_m, salt_v=salt_v, row_max=row_max)
 
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h, *, pidx: int, seed: int,
                   row0: int = 0, cal: Calibration | None = None) -> bool:
-    m, v, cal = state["exp_avg"], state["exp_avg_sq"], _use(cal)
-    a = _AdamwArgs()
-    _head(a, param, grad, state, h, cal)
-    a.exp_avg, a.exp_avg_sq, a.n, a.row_offset = m.data_ptr(), v.data_ptr(), param.numel(), row0
-    a.salt = salts(pidx, seed)[0]
-    return _run_step(_lib.gefen_adamw_step, a, state)
+    return _run_step(_lib.gefen_adamw_step, _AdamwArgs, param, grad, state, h, _use(cal), exp_avg=state["exp_avg"],
+                     exp_avg_sq=state["exp_avg_sq"], n=param.numel(), row_offset=row0, salt=salts(pidx, seed)[0])
 
 
 def round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: int, row0: int = 0,
@@ -483,14 +459,6 @@ def _warn_mismatch(what: str = "") -> None:
 
 
 # ----- the calibration cache: a fresh process skips the calibration (docs/decisions.md) --------
-def cache_dir() -> str:
-    """``$GEFEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/gefen``, else ``~/.cache/gefen``."""
-    explicit = os.environ.get("GEFEN_CACHE_DIR")
-    if explicit:
-        return explicit
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "gefen")
-
-
 def _cpu_identity() -> str:
     """The CPU model and its feature flags (what decides torch's kernels and ours)."""
     try:
@@ -539,11 +507,14 @@ def _cached(path: str) -> Calibration | None:
 
 def calibrate_cached() -> Calibration:
     """``calibrate()``, or its result from an earlier process with the same library build, CPU and
-    torch. An unreadable, corrupt or unwritable cache only costs the calibration."""
+    torch, in ``$GEFEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/gefen``, else ``~/.cache/gefen``. An
+    unreadable, corrupt or unwritable cache only costs the calibration."""
     if _lib is None:
         return calibrate()
+    cache = os.environ.get("GEFEN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gefen")
     try:
-        path = os.path.join(cache_dir(), f"native-calibration-{cache_key()}.json")
+        path = os.path.join(cache, f"native-calibration-{cache_key()}.json")
     except OSError:  # the library file vanished: calibrate, cache nothing
         path = None
     cal = _cached(path) if path else None

@@ -169,17 +169,10 @@ class Gefen(CompressedOptimizer):
         pending = self._reduced_partials(work, "v_row", lambda p, *args: dispatch.second_moment_partials(*args),
                                          batched_fn=dispatch.m8_partials_)
         codebook = self._step_codebook()
-        plan = self.reduction_plan()
-        position = self._positions()
-        for i, (group, p, grad) in enumerate(work):
-            h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+        for i, _, p, target, grad, h, _, _ in self._updates(work):
             v_row, partials = pending.get(i, (None, None))
-            local = local_tensor(p)
-            target = dispatch.sr_target(local, group["bf16_stochastic_round"])
-            step = int(self.state[p]["step"]) + 1
-            dispatch.gefen_update_(target, local_tensor(grad), self.state[p], codebook, h,
-                                   global_rows=p.shape[0] if p.dim() else 1, v_row=v_row, partials=partials)
-            self._round(local, target, group, p, step, position[id(p)], plan.offsets(p))
+            dispatch.gefen_update_(target, grad, self.state[p], codebook, h, global_rows=p.shape[0] if p.dim() else 1,
+                                   v_row=v_row, partials=partials)
 
     def _step_m4v4(self, work) -> None:
         plan = self.reduction_plan()
@@ -198,48 +191,39 @@ class Gefen(CompressedOptimizer):
             work, "mv_code", lambda p, g, state, beta2: dispatch.m4v4_partials(
                 g, state, beta2, row_sum=row_sums.get(id(p)), row_len=_row_len(p)),
             batched_fn=None if split else dispatch.m4v4_partials_)
-        if self.codebook is None:
-            self._learn_m4v4_codebooks(work, pending)
+        # both codebooks at the first step whose gradients are not all zero: the second moment's is
+        # the fixed v_grid (no histogram of the first step's g^2 / vhat, far wider than the EMA's ratio)
+        if self.codebook is None and (learned := self._learn_codebook(work)) is not None:
+            self.v_codebook, self.codebook = v_grid(learned.device), learned
         codebook = self._step_codebook()
         ratios = {}  # device -> ratio table
-        position = self._positions()
-        for i, (group, p, grad) in enumerate(work):
-            h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
-            local, local_grad = local_tensor(p), local_tensor(grad)
-            row0, col0 = plan.offsets(p)
-            target = dispatch.sr_target(local, group["bf16_stochastic_round"])
-            step = int(self.state[p]["step"]) + 1  # (a queued Triton update writes the count at its launch)
+        for i, group, p, target, grad, h, pidx, (row0, col0) in self._updates(work):
+            seed = group["seed"]
             if i not in pending:
-                dispatch.adamw_update_(target, local_grad, self.state[p], h, pidx=position[id(p)], seed=group["seed"],
-                                       row0=row0)
-                self._round(local, target, group, p, step, position[id(p)], (row0, col0))
+                dispatch.adamw_update_(target, grad, self.state[p], h, pidx=pidx, seed=seed, row0=row0)
                 continue
-            if local.device not in ratios:
-                v_book = standin_codebook(local.device) if self.v_codebook is None else self.v_codebook.to(local.device)
-                ratios[local.device] = ratio_table(v_book)
+            if target.device not in ratios:
+                v_book = standin_codebook(target.device) if self.v_codebook is None else self.v_codebook.to(target.device)
+                ratios[target.device] = ratio_table(v_book)
             v_row, partials = pending[i]
-            dispatch.m4v4_update_(target, local_grad, self.state[p], codebook.to(local.device), ratios[local.device],
-                                  h, global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=position[id(p)],
-                                  seed=group["seed"], row0=row0, col0=col0, row_len=_row_len(p),
-                                  row_max=row_max.get(id(p)))
-            self._round(local, target, group, p, step, position[id(p)], (row0, col0))
+            dispatch.m4v4_update_(target, grad, self.state[p], codebook.to(target.device), ratios[target.device], h,
+                                  global_rows=p.shape[0], v_row=v_row, partials=partials, pidx=pidx, seed=seed,
+                                  row0=row0, col0=col0, row_len=_row_len(p), row_max=row_max.get(id(p)))
 
-    @staticmethod
-    def _round(local: torch.Tensor, target: torch.Tensor, group: dict, p: torch.Tensor, step: int, pidx: int,
-               offsets: tuple[int, int]) -> None:
-        """bf16_stochastic_round: the fp32 ``target`` the update wrote, rounded into ``local``."""
-        dispatch.round_param_(local, target, step=step, salt=param_salt(pidx, group["seed"]), row0=offsets[0],
-                              col0=offsets[1], row_len=_row_len(p))
-
-    def _learn_m4v4_codebooks(self, work, pending) -> None:
-        """Both codebooks at the first step whose gradients are not all zero: the first moment's
-        learned as for m8, the second moment's the fixed ``v_grid`` (no histogram of the first
-        step's ``g^2 / vhat``, which is far wider than the EMA's ratio)."""
-        codebook = self._learn_codebook(work)
-        if codebook is None:
-            return
-        self.v_codebook = v_grid(codebook.device)
-        self.codebook = codebook
+    def _updates(self, work):
+        """Each parameter of ``work`` as ``(index, group, param, what its update writes
+        (dispatch.sr_target), local grad, Hyper, position, (row0, col0))``; once its update is done,
+        the bf16_stochastic_round write-back (a queued Triton update writes the step count at its
+        launch: read it first)."""
+        plan, position = self.reduction_plan(), self._positions()
+        for i, (group, p, grad) in enumerate(work):
+            local, offsets = local_tensor(p), plan.offsets(p)
+            target = dispatch.sr_target(local, group["bf16_stochastic_round"])
+            step = int(self.state[p]["step"]) + 1
+            h = Hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+            yield i, group, p, target, local_tensor(grad), h, position[id(p)], offsets
+            dispatch.round_param_(local, target, step=step, salt=param_salt(position[id(p)], group["seed"]),
+                                  row0=offsets[0], col0=offsets[1], row_len=_row_len(p))
 
 
 def _row_len(p: torch.Tensor) -> int:

@@ -1,15 +1,11 @@
 """The parity harness: a kernel family runs only once it agrees with the reference.
 
-One driver, ``check``: each problem ``(run, case)`` runs ``run(*case, fns)`` with the reference's
-step functions (``REFERENCE``) and with a family's (``kernel_fns``: the same names and
-signatures), and the first disagreement under the family's rule is named: ``identical`` (bit for
-bit), ``within_m4v4_bound`` (the C m4v4 kernels' stated bound, docs/design.md, "The m4v4
-kernels"), ``after_rounding`` (the Triton kernels: fp32 means summed in another order, a correctly
-rounded square root) or ``equal`` (counts, codes, the bf16 write-back). The problem runners below
-serve both families; ``gefen.native`` (its calibration) and ``gefen.triton.dispatch`` (its
-first-use check) choose the cases that reach their code paths. A stepping runner takes ``steps``,
-``(by the reference, then by fns)``: the Triton check steps in lockstep, one kernel step from the
-reference's state, since its second moments differ from the reference's by rounding.
+``check`` runs each problem ``(run, case)`` as ``run(*case, fns)`` with the reference's step
+functions (``REFERENCE``) and with a family's (``kernel_fns``: the same names and signatures), and
+names the first disagreement under the family's rule: ``identical`` (bit for bit),
+``within_m4v4_bound`` (the C m4v4 kernels' bound), ``after_rounding`` (Triton) or ``equal``.
+A stepping runner takes ``steps``, ``(by the reference, then by fns)``: Triton's check steps in
+lockstep, one kernel step from the reference's state.
 """
 
 from __future__ import annotations
@@ -17,6 +13,7 @@ from __future__ import annotations
 import types
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from gefen import functional as F
 from gefen.codebook import histogram_normalised_blocks
@@ -31,9 +28,7 @@ class Refused(Exception):
 #: The reference's step functions, under the names the problems call.
 REFERENCE = types.SimpleNamespace(
     partials=F.second_moment_partials, update=F.gefen_update_, m4v4_partials=F.m4v4_partials,
-    m4v4_update=F.m4v4_update_, adamw=F.adamw_update_,
-    row_stats=lambda g, state, codebook, beta1: (F.row_square_sums(g),
-                                                 F.row_abs_max(F.m4v4_momentum(g, state, codebook, beta1))),
+    m4v4_update=F.m4v4_update_, adamw=F.adamw_update_, row_stats=F.m4v4_row_stats,
     momentum=lambda state, g, beta, codebook: F.update_momentum_(state, g.float(), beta, codebook),
     round=F.round_param_, histogram=histogram_normalised_blocks)
 
@@ -131,22 +126,11 @@ def after_rounding(approx: tuple[str, ...] = (), update_rtol: float | None = Non
     return agree
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensors(v)
-
-
 def equal(got, want) -> str | None:
     """The rule of kernels that must give the reference's values: every tensor of the output equal
     (a zero's sign aside: an all-zero row's scale is +0 or -0 by the order of a max), NaN where the
     reference has NaN (of any pattern: torch's own bf16 cast picks one of two)."""
-    for g, w in zip(_tensors(got), _tensors(want), strict=True):
+    for g, w in zip(tree_leaves(got), tree_leaves(want), strict=True):
         nan = w.isnan() if w.is_floating_point() else torch.zeros_like(w, dtype=torch.bool)
         if g.shape != w.shape or not (torch.equal(nan, g.isnan()) and torch.equal(g[~nan], w[~nan])):
             return "the output differs from the eager step's"

@@ -1,14 +1,10 @@
 """Deterministic stochastic rounding for the "m4v4" state (4-bit first- and second-moment codes).
 
-A 4-bit EMA re-quantised to the nearest code freezes (each step moves ``v`` by ~0.1% with
-``beta2 = 0.999``, far below a code step), so both codes are re-quantised by *unbiased*
-stochastic rounding between the two neighbouring table entries (the second moment's unbiased in
-``v ** V_POWER``, see ``encode_v``). The noise is a counter hash
-of (the element's index in the *global* parameter, the step, a per-parameter salt): the same
-bits on every world size, mesh and device, and nothing to store or to seed per rank.
-
-Every function here is part of the arithmetic that the C and Triton kernels reproduce bit for
-bit (docs/format.md, "The m4v4 step"); change them only together.
+A 4-bit EMA re-quantised to the nearest code freezes, so both codes are re-quantised by
+*unbiased* stochastic rounding (the second moment's in ``v ** V_POWER``, see ``encode_v``), its
+noise a counter hash of (the element's index in the *global* parameter, the step, a salt): the
+same bits on every world size, mesh and device. The C and Triton kernels reproduce every
+function here bit for bit; change them only together.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""The Triton kernels' side of ``gefen.dispatch``: whether they are trusted on a device and their
-launch through ``gefen.triton.launch``.
+"""The Triton kernels' side of ``gefen.dispatch``: whether they are trusted on a device, and
+their launch through ``gefen.triton.launch`` (imported, with Triton, on first use).
 
 Each function takes the arguments of the functional reference of the same name and returns True
-/ the result when the kernels did the work, or False / None (nothing touched) for a layout that is
-not theirs, logged once (``fallback``). At a CUDA device's first use each family runs its parity
-problems (``verify``, ``gefen.parity``); a mismatch or a build failure keeps the reference.
-Triton is imported on first use only. Inside ``batched()`` the updates (which return nothing) are queued and launched
-together when the block ends: one launch per phase for the whole step instead of a few per tensor.
+/ the result, or False / None (nothing touched) for a layout that is not theirs, logged once
+(``fallback``). Each family runs its parity problems at a CUDA device's first use (``untrusted``).
+Inside ``batched()`` the updates are queued and launched together when the block ends.
 """
 
 from __future__ import annotations
@@ -59,23 +57,18 @@ def fallback(reason: str) -> bool:
 
 
 def untrusted(device: torch.device, family: str) -> str | None:
-    """None when the ``family`` kernels may run on ``device`` (Triton imports; on CUDA, ``verify``
-    passed), else why not."""
+    """None when the ``family`` kernels may run on ``device``, else why not: Triton does not
+    import, or, on CUDA, ``parity_check`` (run once, cached) failed: a Triton or driver that
+    miscompiles the kernels, or fails to build them, keeps the reference."""
     if _kernels() is None:
         return _import_error
-    return verify(device, family) if device.type == "cuda" else None
-
-
-def verify(device: torch.device, family: str) -> str | None:
-    """``parity_check`` on ``device``, once (cached): a Triton or driver that miscompiles the
-    kernels, or fails to build them, keeps the reference."""
     key = (str(device), family)
-    if key not in _verified:
+    if device.type == "cuda" and key not in _verified:
         try:
             _verified[key] = parity_check(device, family)
         except Exception as exc:  # a kernel that does not build or launch here
             _verified[key] = f"the {family} kernels failed their first run ({type(exc).__name__}: {exc})"
-    return _verified[key]
+    return _verified.get(key)
 
 
 def parity_check(device: torch.device, family: str) -> str | None:
@@ -166,8 +159,7 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
 
 
 def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
-    out = m4v4_partials_([(grad, state, beta2)], None if row_sum is None else [(row_sum, row_len or grad[0].numel())])
-    return None if out is None else out[0]
+    return m4v4_partials_([(grad, state, beta2)], None if row_sum is None else [(row_sum, row_len or grad[0].numel())])[0]
 
 
 def m4v4_row_stats(grad, state, codebook, beta1):
@@ -200,24 +192,19 @@ def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
     return _launch_mod.m8_partials(items)
 
 
-def momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor | None:
+def momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor:
     """``functional.update_momentum_``; ``scales``: ``store_momentum_``'s (a column split's)."""
-    out = momenta_([(state, grad, beta)], codebook, None if scales is None else [scales])
-    return None if out is None else out[0]
+    return momenta_([(state, grad, beta)], codebook, None if scales is None else [scales])[0]
 
 
-def momentum_scales(state, grad, beta, codebook) -> torch.Tensor | None:
+def momentum_scales(state, grad, beta, codebook) -> torch.Tensor:
     """The block scales ``update_momentum_`` would choose (nothing else written)."""
-    out = momenta_([(state, grad, beta)], codebook, scales_only=True)
-    return None if out is None else out[0]
+    return _launch_mod.momentum_([(state, grad, beta)], codebook, scales_only=True)[0]
 
 
-def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor, scales=None, *,
-             scales_only: bool = False) -> list | None:
-    """``functional.update_momentum_`` of every ``(state, grad, beta)`` in one launch per class, on a
-    layout ``gefen.dispatch`` checked (``scales``, ``scales_only``: as ``gefen.triton.launch.momentum_``'s)."""
-    if scales_only:
-        return _launch_mod.momentum_(items, codebook, scales_only=True)
+def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor, scales=None) -> list:
+    """``functional.update_momentum_`` of every ``(state, grad, beta)`` in one launch per class
+    (``scales``: as ``gefen.triton.launch.momentum_``'s)."""
     return _launch_mod.momentum_(items, codebook, *([scales] if scales else []))
 
 

@@ -2,17 +2,14 @@
 
 Every kernel walks a *table* of parameters so that one launch serves a whole group of them:
 ``progs`` is int64 ``[n_programs, 2]`` (parameter index, first row of the program's tile),
-``ptrs`` is int64 ``[n_params, N]`` (data pointers of the parameter's tensors, cast to typed
-pointers in the kernel) and ``meta`` holds each parameter's sizes and per-step scalars.  A
-program owns ``BR`` whole rows; a row is processed in one tile when ``SINGLE`` (it fits in
-``BC`` columns, kept in registers) and otherwise in two passes over column tiles (the first
-finds the row's max-abs, the second recomputes the same values and writes).
+``ptrs`` is int64 ``[n_params, N]`` (data pointers, cast to typed pointers in the kernel). A
+program owns ``BR`` whole rows, in one tile when ``SINGLE`` (a row fits in ``BC`` columns) and
+otherwise in two passes over column tiles (the row's max-abs first, then the writes).
 
-Arithmetic follows the eager references op for op (one IEEE op each; launch with
-``enable_fp_fusion=False`` so a GPU build does not contract them into FMAs); ``tl.fma`` appears
-only where the eager op itself is an FMA (torch's ``lerp`` and ``add(alpha=)``). fp32 divisions
-are ``tl.div_rn`` and square roots ``tl.sqrt_rn``: Triton's ``/`` and ``tl.sqrt`` compile to
-approximate instructions on NVIDIA (``div.full.f32``, ``sqrt.approx``).
+Arithmetic follows the eager references op for op (launched with ``enable_fp_fusion=False``);
+``tl.fma`` appears only where the eager op is an FMA (torch's ``lerp`` and ``add(alpha=)``).
+Divisions are ``tl.div_rn`` and square roots ``tl.sqrt_rn``: Triton's ``/`` and ``tl.sqrt``
+compile to approximate instructions on NVIDIA.
 """
 
 from __future__ import annotations
@@ -65,7 +62,6 @@ def _hash_bits(gidx, base):
 
 @triton.jit
 def _hash_uniform(gidx, base):
-    """Uniform fp32 in [0, 1): the hash's top 24 bits."""
     return (_hash_bits(gidx, base) >> 8).to(tl.float32) * INV_2_24
 
 
@@ -88,7 +84,7 @@ def _interval(x, table):
 
 @triton.jit
 def _encode(x, table, u):
-    """Stochastic rounding of ``x`` to the sorted 16-entry ``table`` (``gefen.stochastic.encode``)."""
+    """``gefen.stochastic.encode`` in the sorted 16-entry ``table``."""
     lo, p = _interval(x, table)
     return tl.where(u < p, lo + 1, lo)
 
@@ -118,20 +114,17 @@ N_INTS = tl.constexpr(12)
 
 @triton.jit
 def _program(progs):
-    """This program's row of the launch table: (parameter index, its first row or column)."""
     pid = tl.program_id(0)
     return tl.load(progs + 2 * pid), tl.load(progs + 2 * pid + 1)
 
 
 @triton.jit
 def _tile(rows, rmask, c, P):
-    """Offsets and mask of the tile ``rows x c`` of a row-major ``[.., P]`` view."""
     return rows[:, None] * P + c[None, :], rmask[:, None] & (c < P)[None, :]
 
 
 @triton.jit
 def _abs_max(m, mask):
-    """Each row's max-abs over the tile's valid elements."""
     return tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1)
 
 

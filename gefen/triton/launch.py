@@ -1,14 +1,12 @@
 """Host side of the Triton kernels: parameter tables, launch classes, per-step scalars.
 
-Imported only through ``gefen.triton`` once Triton is known to import.  A launch serves every
-parameter of one *class* (dtypes and tile shape), so a step costs a few launches per phase
-whatever the number of tensors.  The scalars a kernel multiplies by are rounded to fp32 here
-exactly as torch rounds a Python float scalar (``float32(python float)``).
+A launch serves every parameter of one *class* (dtypes and tile shape), so a step costs a few
+launches per phase whatever the number of tensors. The scalars a kernel multiplies by are
+rounded to fp32 here exactly as torch rounds a Python float scalar.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -34,15 +32,10 @@ _TRITON_DT = {torch.float32: kernels.tl.float32, torch.bfloat16: kernels.tl.bflo
 
 def _geometry(P: int) -> tuple[int, int, bool]:
     """(rows per program, column tile, single pass) for rows of ``P`` elements."""
-    return _geometry_for(P, MAX_SINGLE, TILE, TWO_PASS_BC)  # the sizes are arguments: tests lower them
-
-
-@functools.lru_cache(maxsize=4096)
-def _geometry_for(P: int, max_single: int, tile: int, two_pass_bc: int) -> tuple[int, int, bool]:
-    if P <= max_single:
+    if P <= MAX_SINGLE:
         bc = max(16, triton.next_power_of_2(P))
-        return max(1, tile // bc), bc, True
-    return 1, min(two_pass_bc, triton.next_power_of_2(max_single)), False
+        return max(1, TILE // bc), bc, True
+    return 1, min(TWO_PASS_BC, triton.next_power_of_2(MAX_SINGLE)), False
 
 
 _program_tables: dict[tuple, torch.Tensor] = {}
