@@ -1,16 +1,9 @@
 """``torch.distributed.checkpoint`` (DCP) on torch's stock state_dict route (docs/design.md 8,
-``docs/dcp.md``).
-
-Gefen's optimizers present DTensor fields with global shapes and the codebooks inside
-``state``, so torch's ``get_state_dict`` + ``dcp.save`` reshard them like AdamW's. On that
-layout this module adds:
-
-* ``GefenDCPState``: a ``Stateful`` of the optimizer's state keyed by FQN as torch keys it, plus
-  a record (contract, shapes, dtypes); its load stages, the ranks agree, then it publishes.
-* ``GefenSavePlanner`` copies each record into DCP's metadata, so ``GefenLoadPlanner`` checks it
-  and every stored field against the live optimizer before any tensor is read, and allocates
-  fresh buffers of the stored shapes: a fresh optimizer loads, and DCP never reads into live state.
-* ``read_dcp`` / ``write_dcp``: DCP <-> ``CanonicalState`` offline, memory bounded by one chunk.
+``docs/dcp.md``): ``GefenDCPState`` (the optimizer's state keyed by FQN, plus a record of its
+contract, shapes and dtypes; its load stages, the ranks agree, then it publishes), the planners
+that carry the record into DCP's metadata and check it (and allocate fresh buffers) before any
+tensor is read, and ``read_dcp`` / ``write_dcp``: DCP <-> ``CanonicalState`` offline, memory
+bounded by one chunk.
 """
 
 from __future__ import annotations
@@ -56,12 +49,13 @@ from gefen_ckpt.canonical import CanonicalState, TensorSource
 from gefen_ckpt.dcp_layout import (
     FLAT,
     ReadOnlyPlanner,
-    find_flat_keys,
-    find_stock_keys,
+    group_names,
+    optimizer_keys,
     raw_values,
     read_stock,
     read_values,
     saved_value,
+    state_fields,
     stock_entries,
 )
 from gefen_ckpt.dcp_legacy import find_legacy_keys, read_legacy, unpack
@@ -92,7 +86,6 @@ __all__ = [
     "GefenDCPState",
     "GefenSavePlanner",
     "GefenLoadPlanner",
-    "fqn_state_dict",
     "read_dcp",
     "write_dcp",
     "write_sources",
@@ -106,7 +99,6 @@ __all__ = [
 RECORD_KEY = "gefen_ckpt"
 #: key under ``Metadata.planner_data`` where ``GefenSavePlanner`` copies each record
 PLANNER_DATA_KEY = "gefen_ckpt.dcp"
-_STATE, _GROUPS = "state.", "param_groups."
 
 
 # ----- the record ------------------------------------------------------------------------------
@@ -160,18 +152,8 @@ def _live(optimizer, model) -> tuple[list[list[str]], dict[str, tuple]]:
     return groups, live
 
 
-def fqn_state_dict(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> dict:
-    """``optimizer.state_dict()`` keyed by FQN, as torch's ``get_optimizer_state_dict`` keys it:
-    ``{"state": {fqn: fields}, "param_groups": [{..., "params": [fqn, ...]}]}`` (no copy)."""
-    groups, _ = _live(optimizer, model)
-    fqns = [fqn for group in groups for fqn in group]
-    sd = optimizer.state_dict()
-    return {"state": {fqns[i]: dict(entry) for i, entry in sd["state"].items()},
-            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in sd["param_groups"]]}
-
-
 def _index_keyed(sd: Mapping, optimizer, groups: list[list[str]]) -> dict:
-    """The inverse of :func:`fqn_state_dict`, checked against the live groups (fail before mutation:
+    """The inverse of ``GefenDCPState.state_dict``'s keying by FQN, checked against the live groups (fail before mutation:
     a torch optimizer's ``load_state_dict`` would change the optimizer before it refuses)."""
     saved = [g if isinstance(g, Mapping) else {} for g in sd.get("param_groups") or ()]
     check_group_members([g.get("params") or () for g in saved], groups)
@@ -237,9 +219,12 @@ class GefenDCPState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state_dict keyed by FQN (live views, no copy) and the record."""
-        out = _GefenStateDict(self)
-        out.update(fqn_state_dict(self.optimizer, self.model))
-        _, live = _live(self.optimizer, self.model)
+        groups, live = _live(self.optimizer, self.model)
+        fqns = [fqn for group in groups for fqn in group]
+        sd = self.optimizer.state_dict()
+        out = _GefenStateDict(self)  # keyed by FQN, as torch's get_optimizer_state_dict keys it
+        out["state"] = {fqns[i]: dict(entry) for i, entry in sd["state"].items()}
+        out["param_groups"] = [{**g, "params": [fqns[i] for i in g["params"]]} for g in sd["param_groups"]]
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         out[RECORD_KEY] = _record(contract_of(self.optimizer), list(live),
                                   {f: (p.shape, p.dtype) for f, (p, _) in live.items()}, world)
@@ -316,41 +301,36 @@ class GefenLoadPlanner(DefaultLoadPlanner):
 def _allocate(name: str, target: _GefenStateDict, metadata: Metadata) -> None:
     """Check the checkpoint's entries under ``name`` against ``target``'s optimizer and replace
     ``target``'s contents by fresh buffers for them."""
-    prefix = name + "."
-    entries = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-    if not any(k.startswith(_GROUPS) for k in entries):
-        found = find_stock_keys(metadata) + find_flat_keys(metadata)
+    smd = metadata.state_dict_metadata
+    layouts = optimizer_keys(metadata)
+    if name not in layouts:
+        found = sorted(layouts)
         legacy = find_legacy_keys(metadata)
         raise CheckpointMismatchError(
             f"the checkpoint has no optimizer state under {name!r}"
             + (f" (it has some under {found})" if found else "")
             + (f" (it holds {legacy} in the description layout: rewrite it with `gefen-ckpt convert SRC DST --to dcp`)"
                if legacy else ""))
+    if not layouts[name]:
+        raise CheckpointMismatchError(
+            f"{name}.param_groups: param groups flattened by FQN: load them with torch's set_optimizer_state_dict "
+            "(flatten_optimizer_state_dict=True)")
     owner = target.owner
     _, live = _live(owner.optimizer, owner.model)
     if (record := _planner_record(metadata, name)) is not None:
         _check_record(record, owner.optimizer, live)
-    fields = [(*key[len(_STATE):].rpartition(".")[::2], md) for key, md in entries.items() if key.startswith(_STATE)]
-    for fqn, name, _ in fields:  # field names hold no dots; FQNs may
+    fields = state_fields(metadata, name)
+    for fqn, names in fields.items():
         if fqn not in live:
             raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
-        field_spec(live[fqn][1], fqn, name)  # a foreign field is named before any dtype or shape
-    state, groups = {}, {}
-    for fqn, name, md in fields:
-        state.setdefault(fqn, {})[name] = _buffer(fqn, name, md, live)
-    for key in entries:
-        if key.startswith(_GROUPS):
-            index, _, hyper = key[len(_GROUPS):].partition(".")
-            if not index.isdigit() or not hyper:
-                raise CheckpointMismatchError(
-                    f"{prefix}{key}: param groups flattened by FQN: load them with torch's set_optimizer_state_dict "
-                    "(flatten_optimizer_state_dict=True)")
-            groups.setdefault(int(index), {})[hyper] = None
-    if sorted(groups) != list(range(len(groups))):
-        raise CheckpointFormatError(f"the param groups under {name!r} are not numbered 0..{len(groups) - 1}")
+        for field in names:
+            field_spec(live[fqn][1], fqn, field)  # a foreign field is named before any dtype or shape
+    groups = group_names(metadata, name, "")
     target.clear()
-    target.update(state=state, param_groups=[groups[i] for i in sorted(groups)])
-    if RECORD_KEY in entries:
+    target.update(state={fqn: {field: _buffer(fqn, field, smd[full], live) for field, full in names.items()}
+                         for fqn, names in fields.items()},
+                  param_groups=[dict.fromkeys(groups[i]) for i in sorted(groups)])
+    if f"{name}.{RECORD_KEY}" in smd:
         target[RECORD_KEY] = None
     target.planned = True
 
@@ -447,21 +427,6 @@ def _storage_reader(path: str | os.PathLike):
     return SafeReader(path)
 
 
-class _RowsLoadPlanner(ReadOnlyPlanner):
-    """Feeds ``StorageReader.read_data`` a destination tensor that holds rows ``[start, ...)``."""
-
-    def __init__(self, dest: torch.Tensor):
-        self.dest = dest
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a pickled entry where a tensor was expected")
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
-        return narrow_tensor_by_index(self.dest, read_item.dest_offsets, read_item.lengths)
-
-
 class _DCPReader:
     """One DCP checkpoint opened for reading: metadata once, then row-range reads."""
 
@@ -494,7 +459,7 @@ class _DCPReader:
                 f"{self.path}: stored chunks of {key!r} cover {covered} of the {dest.numel()} elements requested"
             )
         try:
-            self.reader.read_data(LoadPlan(items), _RowsLoadPlanner(dest)).wait()
+            self.reader.read_data(LoadPlan(items), ReadOnlyPlanner(dest)).wait()
         except CheckpointError:
             raise
         except FileNotFoundError as exc:
@@ -614,7 +579,7 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
     the DCP checkpoint at ``path``, in torch's stock layout or the description layout
     (``dcp_legacy``). Tensors are lazy ``DCPSource`` s; ``.metadata`` is unpickled with an allowlist."""
     reader = _DCPReader(path)
-    stock = find_stock_keys(reader.metadata) + find_flat_keys(reader.metadata)
+    stock = sorted(optimizer_keys(reader.metadata))
     found = stock + [k for k in find_legacy_keys(reader.metadata) if k not in stock]
     if key is None:
         if len(found) != 1:

@@ -1,17 +1,11 @@
-"""Reading (and writing) the DCP layouts that torch's own checkpoint API writes, offline.
+"""The DCP layouts that torch's own checkpoint API writes, read and written offline.
 
-``get_state_dict`` + ``dcp.save`` stores each optimizer state field as a tensor entry
-``"<key>.state.<fqn>.<field>"`` (global shape) and each param-group value as a small
-``torch.save``d entry ``"<key>.param_groups.<i>.<name>"``. With
-``flatten_optimizer_state_dict=True`` (and in torchtitan) the groups are flattened per parameter,
-``"<key>.param_groups.<fqn>.<name>"``, and rebuilt here from ``param_names`` when saved, else from
-equal hyperparameters. Nothing records which optimizer wrote it, so the contract is inferred from
-the names, as for a ``torch.save``d state_dict, unless ``GefenDCPState`` stored its record. Gefen
-optimizers repeat their codebook in every parameter's state; it becomes the one optimizer-wide
-field here, and copies that disagree are refused. Groups that name a ``"child"`` are a composite
-optimizer's (``gefen.contract``).
-
-Param-group entries are read with ``torch.load(weights_only=True)``: no code runs.
+``get_state_dict`` + ``dcp.save`` stores each field as a tensor ``"<key>.state.<fqn>.<field>"``
+(global shape) and each param-group value as a ``torch.save``d entry
+``"<key>.param_groups.<i>.<name>"``; flattened (``flatten_optimizer_state_dict=True``, torchtitan)
+the groups are ``"<key>.param_groups.<fqn>.<name>"``, rebuilt from ``param_names`` when saved,
+else from equal hyperparameters. Both become a state_dict for ``torch_format``'s one converter.
+Values are read with ``torch.load(weights_only=True)``: no code runs.
 """
 
 from __future__ import annotations
@@ -25,44 +19,35 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from gefen.contract import CHILD_KEY, composite_children
 from gefen_ckpt.canonical import CanonicalState
 from gefen_ckpt.errors import CheckpointError, CheckpointFormatError
-from gefen_ckpt.wire.dtypes import plain
 
-__all__ = ["find_stock_keys", "find_flat_keys", "read_stock", "stock_entries", "raw_values", "read_values", "FLAT"]
+__all__ = ["optimizer_keys", "state_fields", "group_names", "read_stock", "stock_entries", "raw_values", "read_values",
+           "FLAT"]
 
 _STATE, _GROUPS = ".state.", ".param_groups."
 #: ``CanonicalState.metadata["dcp_layout"]`` of a state read from (and to be written as) the flat layout
 FLAT = "flat"
 
 
-def _optimizer_keys(metadata) -> dict[str, bool]:
+def optimizer_keys(metadata) -> dict[str, bool]:
     """Every state-dict key under which torch's layout holds param groups -> whether they are
     numbered (``get_state_dict``'s ``<key>.param_groups.<i>.params``) rather than flattened."""
-    smd = metadata.state_dict_metadata
     found: dict[str, bool] = {}
-    for full, md in smd.items():
+    for full, md in metadata.state_dict_metadata.items():
         if _GROUPS in full and isinstance(md, BytesStorageMetadata):
             key, rest = full.split(_GROUPS, 1)
             index, _, name = rest.partition(".")
-            numbered = name == "params" and index.isdigit()
-            found[key] = found.get(key, False) or numbered
+            found[key] = found.get(key, False) or (name == "params" and index.isdigit())
     return found
-
-
-def find_stock_keys(metadata) -> list[str]:
-    """State-dict keys (e.g. ``"optim"``) under which torch's ``get_state_dict`` layout was saved."""
-    return sorted(k for k, numbered in _optimizer_keys(metadata).items() if numbered)
-
-
-def find_flat_keys(metadata) -> list[str]:
-    """State-dict keys (e.g. torchtitan's ``"optimizer"``) under which an optimizer state_dict
-    flattened by FQN (``flatten_optimizer_state_dict=True``) was saved."""
-    return sorted(k for k, numbered in _optimizer_keys(metadata).items() if not numbered)
 
 
 class ReadOnlyPlanner(LoadPlanner):
     """The part of a ``LoadPlanner`` that ``StorageReader.read_data`` calls when gefen-ckpt reads
-    a checkpoint offline, without a state dict or a plan of DCP's own: subclasses say where each
-    read item goes."""
+    a checkpoint offline, without a state dict or a plan of DCP's own: tensor reads go into
+    ``dest`` (a tensor holding rows ``[start, ...)``), else the raw bytes of ``torch.save``d
+    entries are collected in ``values``."""
+
+    def __init__(self, dest: torch.Tensor | None = None):
+        self.dest, self.values = dest, {}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):  # pragma: no cover - unused
         pass
@@ -79,18 +64,17 @@ class ReadOnlyPlanner(LoadPlanner):
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass
 
-
-class _BytesPlanner(ReadOnlyPlanner):
-    """Collects the raw bytes of ``torch.save``d entries."""
-
-    def __init__(self):
-        self.values: dict[str, bytes] = {}
-
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        if self.dest is not None:
+            raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a pickled entry where a tensor was expected")
         self.values[read_item.dest_index.fqn] = value.read()
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a tensor where a param-group value was expected")
+        if self.dest is None:
+            raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a tensor where a param-group value was expected")
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        return narrow_tensor_by_index(self.dest, read_item.dest_offsets, read_item.lengths)
 
 
 def read_values(reader, keys: list[str]) -> dict[str, object]:
@@ -104,23 +88,38 @@ def read_values(reader, keys: list[str]) -> dict[str, object]:
     return out
 
 
-def _groups(reader, key: str) -> list[dict]:
-    prefix = key + _GROUPS
-    names: dict[int, list[str]] = {}
-    for full, md in reader.metadata.state_dict_metadata.items():
+def state_fields(metadata, key: str) -> dict[str, dict[str, str]]:
+    """fqn -> field -> full key, of every ``<key>.state.<fqn>.<field>`` entry."""
+    prefix, out = key + _STATE, {}
+    for full in metadata.state_dict_metadata:
+        if full.startswith(prefix):
+            fqn, _, name = full[len(prefix):].rpartition(".")  # field names hold no dots; FQNs may
+            out.setdefault(fqn, {})[name] = full
+    return out
+
+
+def group_names(metadata, key: str, where: str) -> dict[int, list[str]]:
+    """Group index -> value names of numbered param groups (``<key>.param_groups.<i>.<name>``)."""
+    prefix, names = key + _GROUPS, {}
+    for full, md in metadata.state_dict_metadata.items():
         if full.startswith(prefix) and isinstance(md, BytesStorageMetadata):
             index, _, name = full[len(prefix):].partition(".")
             if index.isdigit() and name:
                 names.setdefault(int(index), []).append(name)
     if sorted(names) != list(range(len(names))):
-        raise CheckpointFormatError(f"{reader.path}: param groups of {key!r} are not numbered 0..{len(names) - 1}")
+        raise CheckpointFormatError(f"{where}param groups of {key!r} are not numbered 0..{len(names) - 1}")
+    return names
+
+
+def _groups(reader, key: str) -> list[dict]:
+    prefix = key + _GROUPS
+    names = group_names(reader.metadata, key, f"{reader.path}: ")
     values = read_values(reader, [f"{prefix}{i}.{n}" for i in sorted(names) for n in names[i]])
     groups = [{n: values[f"{prefix}{i}.{n}"] for n in names[i]} for i in sorted(names)]
     for i, group in enumerate(groups):
         fqns = group.get("params")
         if not isinstance(fqns, list) or not all(isinstance(f, str) for f in fqns):
             raise CheckpointFormatError(f"{reader.path}: param group {i} of {key!r} does not list parameter FQNs")
-        group.pop("param_names", None)  # the same FQNs again, when the optimizer was built with names
     return groups
 
 
@@ -175,42 +174,31 @@ def read_stock(reader, key: str, source_factory, contract=None) -> CanonicalStat
     ``reader`` is an opened DCP checkpoint (``gefen_ckpt.dcp._DCPReader``); ``source_factory(full
     key)`` makes the lazy tensor source of one entry; ``contract``: the recorded one (default:
     inferred from the names)."""
-    from gefen_ckpt.torch_format import infer_composite_contract, infer_contract, param_states
+    from gefen_ckpt.torch_format import canonical_from_state_dict, infer_composite_contract
 
-    flat = not _optimizer_keys(reader.metadata).get(key, True)
+    flat = not optimizer_keys(reader.metadata).get(key, True)
     groups, named = _flat_groups(reader, key) if flat else (_groups(reader, key), False)
-    fqns = [f for g in groups for f in g["params"]]
+    fqns = {f for g in groups for f in g["params"]}
     smd = reader.metadata.state_dict_metadata
-    prefix = key + _STATE
-    fields: dict[str, dict[str, str]] = {}
-    for full, md in smd.items():
-        if full.startswith(prefix):
-            fqn, _, name = full[len(prefix):].rpartition(".")  # field names hold no dots; FQNs may
-            if fqn not in fqns or not isinstance(md, TensorStorageMetadata):
-                raise CheckpointFormatError(f"{reader.path}: {full!r} is not a tensor field of a listed parameter")
-            fields.setdefault(fqn, {})[name] = full
-
-    sketch = {"state": {fqn: dict.fromkeys(f, True) for fqn, f in fields.items()}, "param_groups": groups}
-    children = composite_children(sketch)
-    if contract is None:
-        contract = infer_composite_contract(sketch) if children else infer_contract(sketch)
-    global_fields, params = {}, {}
-    for child, leaf in contract.leaves():
-        members = [fqn for g in groups if g.get(CHILD_KEY) == child for fqn in g["params"] if fqn in fields]
-        entries = {fqn: {name: source_factory(full) for name, full in fields[fqn].items()} for fqn in members}
-        dtypes = {fqn: md.properties.dtype for fqn in members
-                  if isinstance(md := smd.get(f"model.{fqn}", smd.get(fqn)), TensorStorageMetadata)}
-        try:
-            params.update(param_states(leaf, child, entries, global_fields, dtypes))
-        except CheckpointError as exc:
-            raise type(exc)(f"{reader.path}: {exc}") from None
-    plain_groups = [{**{h: plain(g[h], f"hyperparameter {h!r}") for h in contract.leaf(g.get(CHILD_KEY)).hyperparameters
-                        if h in g}, **{k: g[k] for k in ("params", CHILD_KEY) if k in g}} for g in groups]
-    metadata = {"source_topology": {"kind": "dcp (torch get_state_dict)"}}
+    fields = state_fields(reader.metadata, key)
+    for fqn, full in ((fqn, full) for fqn, names in fields.items() for full in names.values()):
+        if fqn not in fqns or not isinstance(smd[full], TensorStorageMetadata):
+            raise CheckpointFormatError(f"{reader.path}: {full!r} is not a tensor field of a listed parameter")
+    state = {fqn: {name: source_factory(full) for name, full in names.items()} for fqn, names in fields.items()}
+    sd = {"state": state, "param_groups": [{**g, "param_names": g["params"]} for g in groups]}
+    dtypes = {fqn: md.properties.dtype for fqn in state
+              if isinstance(md := smd.get(f"model.{fqn}", smd.get(fqn)), TensorStorageMetadata)}
+    try:
+        if contract is None and composite_children(sd):
+            contract = infer_composite_contract(sd)
+        out = canonical_from_state_dict(sd, contract, dtypes=dtypes)
+    except CheckpointError as exc:
+        raise type(exc)(f"{reader.path}: {exc}") from None
+    out.metadata = {"source_topology": {"kind": "dcp (torch get_state_dict)"}}
     if flat:
-        metadata.update(source_topology={"kind": "dcp (torch flattened optimizer state_dict)"}, dcp_layout=FLAT,
-                        dcp_param_names=named)
-    return CanonicalState(contract, plain_groups, params, global_fields, metadata=metadata)
+        out.metadata.update(source_topology={"kind": "dcp (torch flattened optimizer state_dict)"}, dcp_layout=FLAT,
+                            dcp_param_names=named)
+    return out
 
 
 # ----- writing the flat layout ----------------------------------------------------------------
@@ -225,7 +213,7 @@ def raw_values(reader, keys: list[str]) -> dict[str, bytes]:
     items = [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k), dest_offsets=torch.Size((0,)),
                       storage_index=MetadataIndex(k), storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
              for k in keys]
-    planner = _BytesPlanner()
+    planner = ReadOnlyPlanner()
     if items:
         reader.reader.read_data(LoadPlan(items), planner).wait()
     return planner.values
