@@ -589,14 +589,13 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
         key = found[0]
     elif key not in found:
         raise CheckpointMismatchError(f"{path}: no optimizer state under {key!r} (found: {found})")
-    source = lambda full: DCPSource(reader, full)  # noqa: E731
     if key in stock:
         record = _stored_record(reader, key)
-        state = read_stock(reader, key, source, record and record["contract"])
+        state = read_stock(reader, key, record and record["contract"])
         if record and isinstance(record.get("world_size"), int):
             state.metadata["source_topology"] = {"world_size": record["world_size"]}
     else:
-        state = read_legacy(reader, key, source)
+        state = read_legacy(reader, key)
     state.metadata.update({"source_format": "dcp", "path": str(path), "key": key})
     return state
 

@@ -168,12 +168,11 @@ def _flat_groups(reader, key: str) -> tuple[list[dict], bool]:
     return groups, named
 
 
-def read_stock(reader, key: str, source_factory, contract=None) -> CanonicalState:
-    """The ``CanonicalState`` of the optimizer saved under ``key`` by torch's API (either layout).
-
-    ``reader`` is an opened DCP checkpoint (``gefen_ckpt.dcp._DCPReader``); ``source_factory(full
-    key)`` makes the lazy tensor source of one entry; ``contract``: the recorded one (default:
-    inferred from the names)."""
+def read_stock(reader, key: str, contract=None) -> CanonicalState:
+    """The ``CanonicalState`` of the optimizer saved under ``key`` by torch's API (either layout),
+    its tensors lazy; ``reader`` is an opened DCP checkpoint (``gefen_ckpt.dcp._DCPReader``),
+    ``contract`` the recorded one (default: inferred from the names)."""
+    from gefen_ckpt.dcp import DCPSource
     from gefen_ckpt.torch_format import canonical_from_state_dict, infer_composite_contract
 
     flat = not optimizer_keys(reader.metadata).get(key, True)
@@ -184,7 +183,7 @@ def read_stock(reader, key: str, source_factory, contract=None) -> CanonicalStat
     for fqn, full in ((fqn, full) for fqn, names in fields.items() for full in names.values()):
         if fqn not in fqns or not isinstance(smd[full], TensorStorageMetadata):
             raise CheckpointFormatError(f"{reader.path}: {full!r} is not a tensor field of a listed parameter")
-    state = {fqn: {name: source_factory(full) for name, full in names.items()} for fqn, names in fields.items()}
+    state = {fqn: {name: DCPSource(reader, full) for name, full in names.items()} for fqn, names in fields.items()}
     sd = {"state": state, "param_groups": [{**g, "param_names": g["params"]} for g in groups]}
     dtypes = {fqn: md.properties.dtype for fqn in state
               if isinstance(md := smd.get(f"model.{fqn}", smd.get(fqn)), TensorStorageMetadata)}
