@@ -173,7 +173,7 @@ def read_stock(reader, key: str, contract=None) -> CanonicalState:
     its tensors lazy; ``reader`` is an opened DCP checkpoint (``gefen_ckpt.dcp._DCPReader``),
     ``contract`` the recorded one (default: inferred from the names)."""
     from gefen_ckpt.dcp import DCPSource
-    from gefen_ckpt.torch_format import canonical_from_state_dict, infer_composite_contract
+    from gefen_ckpt.torch_format import canonical_from_state_dict, composite_contract
 
     flat = not optimizer_keys(reader.metadata).get(key, True)
     groups, named = _flat_groups(reader, key) if flat else (_groups(reader, key), False)
@@ -189,7 +189,7 @@ def read_stock(reader, key: str, contract=None) -> CanonicalState:
               if isinstance(md := smd.get(f"model.{fqn}", smd.get(fqn)), TensorStorageMetadata)}
     try:
         if contract is None and composite_children(sd):
-            contract = infer_composite_contract(sd)
+            contract = composite_contract(None, sd)
         out = canonical_from_state_dict(sd, contract, dtypes=dtypes)
     except CheckpointError as exc:
         raise type(exc)(f"{reader.path}: {exc}") from None

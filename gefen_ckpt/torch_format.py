@@ -46,7 +46,6 @@ __all__ = [
     "resolve_contract",
     "infer_contract",
     "composite_contract",
-    "infer_composite_contract",
     "load_torch_state_dict",
     "save_torch_state_dict",
     "read_torch",
@@ -146,13 +145,23 @@ def infer_contract(state_dict: dict) -> OptimizerContract:
     return fits[0]
 
 
-def composite_contract(name: str, sd: dict) -> OptimizerContract:
-    """The contract of a composite optimizer called ``name`` whose children's contracts are
-    inferred from their state_dicts (in their stored order). Its ``version`` is
-    ``"unrecorded"``: only the file written by :func:`state_dict_from_canonical` knows it."""
+#: composite optimizers by their children's names, for state that records no contract (torch's
+#: ``get_state_dict`` keeps only ``state`` and ``param_groups``)
+_COMPOSITES = {("muon", "backup"): "gefen.GefenMuonHybrid"}
+
+
+def composite_contract(name: str | None, sd: dict) -> OptimizerContract:
+    """The contract of a composite optimizer called ``name`` (default: the one ``_COMPOSITES``
+    names for the children) whose children's contracts are inferred from their state_dicts (in
+    their stored order). Its ``version`` is ``"unrecorded"``: only the file written by
+    :func:`state_dict_from_canonical` knows it."""
     import gefen
 
     names = composite_children(sd)
+    if name is None and tuple(names) not in _COMPOSITES:
+        raise CheckpointMismatchError(f"no composite optimizer has the children {list(names)} "
+                                      f"(known: {', '.join(f'{v} {list(k)}' for k, v in _COMPOSITES.items())})")
+    name = name or _COMPOSITES[tuple(names)]
     try:
         leaf = resolve_contract(name)
     except CheckpointMismatchError:
@@ -160,11 +169,8 @@ def composite_contract(name: str, sd: dict) -> OptimizerContract:
     else:
         raise CheckpointMismatchError(f"{leaf.implementation} is not a composite optimizer, but the state_dict "
                                       f"has child optimizers {sorted(names)}")
-    lowered = name.lower().removeprefix("gefen.")
-    for attr in getattr(gefen, "__all__", ()):
-        if attr.lower() == lowered and isinstance(getattr(gefen, attr, None), type):
-            name = f"gefen.{attr}"
-            break
+    name = next((f"gefen.{attr}" for attr in gefen.__all__
+                 if names_optimizer(name, f"gefen.{attr}") and isinstance(getattr(gefen, attr, None), type)), name)
     children = []
     for child, child_sd in _split(sd, names, name).items():
         try:
@@ -172,21 +178,6 @@ def composite_contract(name: str, sd: dict) -> OptimizerContract:
         except CheckpointError as exc:
             raise type(exc)(f"child {child!r}: {exc}") from None
     return OptimizerContract(name, "unrecorded", (), (), children=tuple(children))
-
-
-#: composite optimizers by their children's names, for state that records no contract (torch's
-#: ``get_state_dict`` keeps only ``state`` and ``param_groups``)
-_COMPOSITES = {("muon", "backup"): "gefen.GefenMuonHybrid"}
-
-
-def infer_composite_contract(sd: dict) -> OptimizerContract:
-    """The contract of a composite state_dict that records none: the optimizer from its children's
-    names, each child's contract inferred as :func:`composite_contract` does."""
-    names = tuple(composite_children(sd))
-    if names not in _COMPOSITES:
-        raise CheckpointMismatchError(f"no composite optimizer has the children {list(names)} "
-                                      f"(known: {', '.join(f'{v} {list(k)}' for k, v in _COMPOSITES.items())})")
-    return composite_contract(_COMPOSITES[names], sd)
 
 
 # ----- state_dict -> canonical --------------------------------------------------------------
