@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import os
-import pickle
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -31,7 +29,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadPlan,
     ReadItem,
     SavePlan,
     SavePlanner,
@@ -39,7 +36,6 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.stateful import Stateful
 
 from gefen.contract import OptimizerContract, contract_of
@@ -48,22 +44,20 @@ from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, TensorSource
 from gefen_ckpt.dcp_layout import (
     FLAT,
-    ReadOnlyPlanner,
+    DCPReader,
+    DCPSource,
     group_names,
     optimizer_keys,
-    raw_values,
     read_stock,
-    read_values,
+    safe_load_dcp_metadata,
     saved_value,
     state_fields,
     stock_entries,
+    storage_for,
 )
 from gefen_ckpt.dcp_legacy import find_legacy_keys, read_legacy, unpack
 from gefen_ckpt.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
     CheckpointFormatError,
-    CheckpointIncompleteError,
     CheckpointMismatchError,
 )
 from gefen_ckpt.live import (
@@ -353,138 +347,7 @@ def _buffer(fqn: str, name: str, md, live: Mapping[str, tuple]) -> torch.Tensor 
     return as_field_dtensor(torch.empty(local, dtype=dtype, device=device), param, spec.geometry, shape)
 
 
-# ----- offline: reading and writing without a process group ----------------------------------
-_SAFE_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},  # maps a layout's name to the layout
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "tuple", "list", "dict", "bytes", "bytearray", "complex", "slice"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle; this refuses every global except DCP's metadata
-    dataclasses, ``torch.Size``, dtypes, layouts and memory formats (no code execution)."""
-
-    def find_class(self, module: str, name: str):
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                        torch.memory_format)):
-            return getattr(torch, name)
-        if name in _SAFE_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        raise CheckpointFormatError(f"DCP metadata references {module}.{name}, which a safe reader refuses")
-
-
-def safe_load_dcp_metadata(stream) -> Metadata:
-    """Unpickle a DCP ``.metadata`` stream with an allowlist (``CheckpointFormatError`` otherwise)."""
-    try:
-        metadata = _MetadataUnpickler(stream).load()
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointFormatError(f"unreadable DCP metadata: {exc}") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise CheckpointFormatError("DCP metadata does not hold a Metadata object")
-    return metadata
-
-
-def _storage(path: str | os.PathLike, local: type, remote: str) -> tuple[type, str | os.PathLike]:
-    """(DCP's storage class, path): ``local`` for a path or ``file://`` URL, else the fsspec one."""
-    if "://" not in str(path):
-        return local, path
-    if str(path).startswith("file://"):
-        return local, str(path)[len("file://"):]
-    from torch.distributed.checkpoint import _fsspec_filesystem
-
-    return getattr(_fsspec_filesystem, remote), path
-
-
-def _storage_reader(path: str | os.PathLike):
-    """A DCP storage reader (local or fsspec) whose metadata load is the allowlisted unpickler."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    base, path = _storage(path, FileSystemReader, "FsspecReader")
-
-    class SafeReader(base):
-        def read_metadata(self, *args, **kwargs) -> Metadata:
-            mpath = self._get_metadata_path(kwargs.get("rank"))
-            try:
-                with self.fs.create_stream(mpath, "rb") as f:
-                    metadata = safe_load_dcp_metadata(f)
-            except FileNotFoundError:
-                raise CheckpointIncompleteError(f"{path}: no DCP .metadata (not a committed DCP checkpoint)") from None
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(path)
-
-
-class _DCPReader:
-    """One DCP checkpoint opened for reading: metadata once, then row-range reads."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = str(path)
-        self.reader = _storage_reader(path)
-        self.metadata = self.reader.read_metadata()
-        if self.metadata.storage_data is None:
-            raise CheckpointFormatError(f"{self.path}: DCP metadata has no storage index")
-        self.reader.set_up_storage_reader(self.metadata, True)
-
-    def read(self, key: str, start: int, stop: int | None) -> torch.Tensor:
-        md = self.metadata.state_dict_metadata[key]
-        shape, dtype = tuple(md.size), md.properties.dtype
-        if not shape:
-            dest = torch.empty((), dtype=dtype)
-            chunk = ChunkStorageMetadata(offsets=torch.Size(()), sizes=torch.Size(()))
-        else:
-            stop = shape[0] if stop is None else min(stop, shape[0])
-            start = max(0, min(start, stop))
-            dest = torch.empty((stop - start,) + shape[1:], dtype=dtype)
-            if dest.numel() == 0:
-                return dest
-            chunk = ChunkStorageMetadata(offsets=torch.Size((start,) + (0,) * (len(shape) - 1)),
-                                         sizes=dest.shape)
-        items = create_read_items_for_chunk_list(key, md, [chunk])
-        covered = sum(math.prod(it.lengths) for it in items)
-        if covered != dest.numel():
-            raise CheckpointCorruptError(
-                f"{self.path}: stored chunks of {key!r} cover {covered} of the {dest.numel()} elements requested"
-            )
-        try:
-            self.reader.read_data(LoadPlan(items), ReadOnlyPlanner(dest)).wait()
-        except CheckpointError:
-            raise
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptError(f"{self.path}: a data file of {key!r} is missing: {exc}") from None
-        except Exception as exc:
-            raise CheckpointCorruptError(f"{self.path}: reading {key!r} failed: {exc}") from None
-        return dest
-
-
-class DCPSource:
-    """A lazy global tensor inside a DCP checkpoint: ``read(start, stop)`` reads those rows only
-    (DCP's reader loads each overlapping stored chunk, i.e. at most one rank's shard, at a time)."""
-
-    def __init__(self, reader: _DCPReader, key: str):
-        self._reader, self.key = reader, key
-        md = reader.metadata.state_dict_metadata[key]
-        self.shape, self.dtype = tuple(md.size), md.properties.dtype
-
-    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        return self._reader.read(self.key, start, stop)
-
-    def __repr__(self) -> str:
-        return f"DCPSource({self.key!r}, shape={self.shape}, dtype={self.dtype})"
-
-
+# ----- offline: writing without a process group -----------------------------------------------
 class _SourcesSavePlanner(SavePlanner):
     """Writes tensor sources (in bounded row chunks) and ``torch.save``d values under their full
     keys, with ``planner_data`` = ``mappings`` (DCP's flatten mapping) plus ``record``."""
@@ -557,28 +420,28 @@ def write_sources(path: str | os.PathLike, sources: dict[str, TensorSource], val
     record, copied into the planner data as ``GefenSavePlanner`` does."""
     from torch.distributed.checkpoint import FileSystemWriter, save
 
-    writer, path = _storage(path, FileSystemWriter, "FsspecWriter")
+    writer, path = storage_for(path, FileSystemWriter, "FsspecWriter")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*")
         save({}, storage_writer=writer(path), no_dist=True,
              planner=_SourcesSavePlanner(sources, values, mappings, chunk_bytes, world_size, records))
 
 
-def _stored_record(reader: _DCPReader, key: str) -> dict | None:
+def _stored_record(reader: DCPReader, key: str) -> dict | None:
     """The record of the optimizer saved under ``key``: the planner's copy, else the stored entry."""
     if (record := _planner_record(reader.metadata, key)) is not None:
         return record
     full = f"{key}.{RECORD_KEY}"
     if not isinstance(reader.metadata.state_dict_metadata.get(full), BytesStorageMetadata):
         return None
-    return _decode_record(read_values(reader, [full])[full], f"{reader.path}: {full!r}")
+    return _decode_record(reader.values([full])[full], f"{reader.path}: {full!r}")
 
 
 def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
     """The ``CanonicalState`` of the optimizer state saved under ``key`` (default: the only one) in
     the DCP checkpoint at ``path``, in torch's stock layout or the description layout
     (``dcp_legacy``). Tensors are lazy ``DCPSource`` s; ``.metadata`` is unpickled with an allowlist."""
-    reader = _DCPReader(path)
+    reader = DCPReader(path)
     stock = sorted(optimizer_keys(reader.metadata))
     found = stock + [k for k in find_legacy_keys(reader.metadata) if k not in stock]
     if key is None:
@@ -618,11 +481,11 @@ def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "opt
     mappings[f"{key}.{RECORD_KEY}"] = (key, RECORD_KEY)
     source, source_key = state.metadata.get("path"), state.metadata.get("key")
     if state.metadata.get("source_format") == "dcp" and source is not None and source_key:
-        reader = _DCPReader(source)
+        reader = DCPReader(source)
         smd, stored = reader.metadata.state_dict_metadata, reader.metadata.planner_data
         others = [k for k in smd if not k.startswith(f"{source_key}.")]
         tensors.update({k: DCPSource(reader, k) for k in others if isinstance(smd[k], TensorStorageMetadata)})
-        values.update(raw_values(reader, [k for k in others if isinstance(smd[k], BytesStorageMetadata)]))
+        values.update(reader.raw_values([k for k in others if isinstance(smd[k], BytesStorageMetadata)]))
         if isinstance(stored, dict):
             mappings.update({k: tuple(stored[k]) for k in others if isinstance(stored.get(k), (tuple, list))})
     write_sources(path, tensors, values, mappings, chunk_bytes=chunk_bytes, world_size=world_size,

@@ -1,4 +1,5 @@
-"""The DCP layouts that torch's own checkpoint API writes, read and written offline.
+"""Offline DCP (no process group): a checkpoint opened for lazy reading (``DCPReader``, its
+``.metadata`` unpickled with an allowlist), and the layouts torch's own checkpoint API writes.
 
 ``get_state_dict`` + ``dcp.save`` stores each field as a tensor ``"<key>.state.<fqn>.<field>"``
 (global shape) and each param-group value as a ``torch.save``d entry
@@ -11,17 +12,33 @@ Values are read with ``torch.load(weights_only=True)``: no code runs.
 from __future__ import annotations
 
 import io
+import math
+import os
+import pickle
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from gefen.contract import CHILD_KEY, composite_children
 from gefen_ckpt.canonical import CanonicalState
-from gefen_ckpt.errors import CheckpointError, CheckpointFormatError
+from gefen_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIncompleteError,
+)
 
-__all__ = ["optimizer_keys", "state_fields", "group_names", "read_stock", "stock_entries", "raw_values", "read_values",
-           "FLAT"]
+__all__ = ["DCPReader", "DCPSource", "safe_load_dcp_metadata", "storage_for", "optimizer_keys", "state_fields",
+           "group_names", "read_stock", "stock_entries", "FLAT"]
 
 _STATE, _GROUPS = ".state.", ".param_groups."
 #: ``CanonicalState.metadata["dcp_layout"]`` of a state read from (and to be written as) the flat layout
@@ -42,9 +59,8 @@ def optimizer_keys(metadata) -> dict[str, bool]:
 
 class ReadOnlyPlanner(LoadPlanner):
     """The part of a ``LoadPlanner`` that ``StorageReader.read_data`` calls when gefen-ckpt reads
-    a checkpoint offline, without a state dict or a plan of DCP's own: tensor reads go into
-    ``dest`` (a tensor holding rows ``[start, ...)``), else the raw bytes of ``torch.save``d
-    entries are collected in ``values``."""
+    offline: tensor reads go into ``dest`` (rows ``[start, ...)``), else the raw bytes of
+    ``torch.save``d entries are collected in ``values``."""
 
     def __init__(self, dest: torch.Tensor | None = None):
         self.dest, self.values = dest, {}
@@ -77,15 +93,151 @@ class ReadOnlyPlanner(LoadPlanner):
         return narrow_tensor_by_index(self.dest, read_item.dest_offsets, read_item.lengths)
 
 
-def read_values(reader, keys: list[str]) -> dict[str, object]:
-    """``torch.load(weights_only=True)`` of each bytes entry: plain numbers, strings, lists only."""
-    out = {}
-    for key, raw in raw_values(reader, keys).items():
+_SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # maps a layout's name to the layout
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict", "bytes", "bytearray", "complex", "slice"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle; this refuses every global except DCP's metadata
+    dataclasses, ``torch.Size``, dtypes, layouts and memory formats (no code execution)."""
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                        torch.memory_format)):
+            return getattr(torch, name)
+        if name in _SAFE_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise CheckpointFormatError(f"DCP metadata references {module}.{name}, which a safe reader refuses")
+
+
+def safe_load_dcp_metadata(stream) -> Metadata:
+    """Unpickle a DCP ``.metadata`` stream with an allowlist (``CheckpointFormatError`` otherwise)."""
+    try:
+        metadata = _MetadataUnpickler(stream).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointFormatError(f"unreadable DCP metadata: {exc}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointFormatError("DCP metadata does not hold a Metadata object")
+    return metadata
+
+
+def storage_for(path: str | os.PathLike, local: type, remote: str) -> tuple[type, str | os.PathLike]:
+    """(DCP's storage class, path): ``local`` for a path or ``file://`` URL, else the fsspec one."""
+    if "://" not in str(path):
+        return local, path
+    if str(path).startswith("file://"):
+        return local, str(path)[len("file://"):]
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    return getattr(_fsspec_filesystem, remote), path
+
+
+class DCPReader:
+    """One DCP checkpoint opened for reading: metadata once, then row-range reads."""
+
+    def __init__(self, path: str | os.PathLike):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path = str(path)
+        base, path = storage_for(path, FileSystemReader, "FsspecReader")
+
+        class SafeReader(base):  # its metadata load is the allowlisted unpickler
+            def read_metadata(self, *args, **kwargs) -> Metadata:
+                mpath = self._get_metadata_path(kwargs.get("rank"))
+                try:
+                    with self.fs.create_stream(mpath, "rb") as f:
+                        metadata = safe_load_dcp_metadata(f)
+                except FileNotFoundError:
+                    raise CheckpointIncompleteError(
+                        f"{path}: no DCP .metadata (not a committed DCP checkpoint)") from None
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+                return metadata
+
+        self.reader = SafeReader(path)
+        self.metadata = self.reader.read_metadata()
+        if self.metadata.storage_data is None:
+            raise CheckpointFormatError(f"{self.path}: DCP metadata has no storage index")
+        self.reader.set_up_storage_reader(self.metadata, True)
+
+    def read(self, key: str, start: int, stop: int | None) -> torch.Tensor:
+        md = self.metadata.state_dict_metadata[key]
+        shape, dtype = tuple(md.size), md.properties.dtype
+        if not shape:
+            dest = torch.empty((), dtype=dtype)
+            chunk = ChunkStorageMetadata(offsets=torch.Size(()), sizes=torch.Size(()))
+        else:
+            stop = shape[0] if stop is None else min(stop, shape[0])
+            start = max(0, min(start, stop))
+            dest = torch.empty((stop - start,) + shape[1:], dtype=dtype)
+            if dest.numel() == 0:
+                return dest
+            chunk = ChunkStorageMetadata(offsets=torch.Size((start,) + (0,) * (len(shape) - 1)),
+                                         sizes=dest.shape)
+        items = create_read_items_for_chunk_list(key, md, [chunk])
+        covered = sum(math.prod(it.lengths) for it in items)
+        if covered != dest.numel():
+            raise CheckpointCorruptError(
+                f"{self.path}: stored chunks of {key!r} cover {covered} of the {dest.numel()} elements requested"
+            )
         try:
-            out[key] = torch.load(io.BytesIO(raw), weights_only=True)
+            self.reader.read_data(LoadPlan(items), ReadOnlyPlanner(dest)).wait()
+        except CheckpointError:
+            raise
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"{self.path}: a data file of {key!r} is missing: {exc}") from None
         except Exception as exc:
-            raise CheckpointFormatError(f"{reader.path}: {key!r} is not a plain param-group value: {exc}") from None
-    return out
+            raise CheckpointCorruptError(f"{self.path}: reading {key!r} failed: {exc}") from None
+        return dest
+
+    def raw_values(self, keys: list[str]) -> dict[str, bytes]:
+        """The stored bytes of each ``torch.save``d entry, unparsed (copied as they are)."""
+        items = [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k), dest_offsets=torch.Size((0,)),
+                          storage_index=MetadataIndex(k), storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
+                 for k in keys]
+        planner = ReadOnlyPlanner()
+        if items:
+            self.reader.read_data(LoadPlan(items), planner).wait()
+        return planner.values
+
+    def values(self, keys: list[str]) -> dict[str, object]:
+        """``torch.load(weights_only=True)`` of each bytes entry: plain numbers, strings, lists only."""
+        out = {}
+        for key, raw in self.raw_values(keys).items():
+            try:
+                out[key] = torch.load(io.BytesIO(raw), weights_only=True)
+            except Exception as exc:
+                raise CheckpointFormatError(f"{self.path}: {key!r} is not a plain param-group value: {exc}") from None
+        return out
+
+
+class DCPSource:
+    """A lazy global tensor inside a DCP checkpoint: ``read(start, stop)`` reads those rows only
+    (DCP's reader loads each overlapping stored chunk, i.e. at most one rank's shard, at a time)."""
+
+    def __init__(self, reader: DCPReader, key: str):
+        self._reader, self.key = reader, key
+        md = reader.metadata.state_dict_metadata[key]
+        self.shape, self.dtype = tuple(md.size), md.properties.dtype
+
+    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return self._reader.read(self.key, start, stop)
+
+    def __repr__(self) -> str:
+        return f"DCPSource({self.key!r}, shape={self.shape}, dtype={self.dtype})"
 
 
 def state_fields(metadata, key: str) -> dict[str, dict[str, str]]:
@@ -114,7 +266,7 @@ def group_names(metadata, key: str, where: str) -> dict[int, list[str]]:
 def _groups(reader, key: str) -> list[dict]:
     prefix = key + _GROUPS
     names = group_names(reader.metadata, key, f"{reader.path}: ")
-    values = read_values(reader, [f"{prefix}{i}.{n}" for i in sorted(names) for n in names[i]])
+    values = reader.values([f"{prefix}{i}.{n}" for i in sorted(names) for n in names[i]])
     groups = [{n: values[f"{prefix}{i}.{n}"] for n in names[i]} for i in sorted(names)]
     for i, group in enumerate(groups):
         fqns = group.get("params")
@@ -134,7 +286,7 @@ def _flat_groups(reader, key: str) -> tuple[list[dict], bool]:
     for k in keys:
         if not isinstance(smd[k], BytesStorageMetadata):
             raise CheckpointFormatError(f"{reader.path}: {k!r} is a tensor where a param-group value was expected")
-    values = read_values(reader, keys)
+    values = reader.values(keys)
     order = {k: i for i, k in enumerate(smd)}
     per_fqn: dict[str, dict] = {}
     position: dict[str, tuple[int, int]] = {}
@@ -170,9 +322,8 @@ def _flat_groups(reader, key: str) -> tuple[list[dict], bool]:
 
 def read_stock(reader, key: str, contract=None) -> CanonicalState:
     """The ``CanonicalState`` of the optimizer saved under ``key`` by torch's API (either layout),
-    its tensors lazy; ``reader`` is an opened DCP checkpoint (``gefen_ckpt.dcp._DCPReader``),
+    its tensors lazy; ``reader`` is an opened DCP checkpoint (``DCPReader``),
     ``contract`` the recorded one (default: inferred from the names)."""
-    from gefen_ckpt.dcp import DCPSource
     from gefen_ckpt.torch_format import canonical_from_state_dict, composite_contract
 
     flat = not optimizer_keys(reader.metadata).get(key, True)
@@ -207,25 +358,11 @@ def saved_value(value) -> bytes:
     return buffer.getvalue()
 
 
-def raw_values(reader, keys: list[str]) -> dict[str, bytes]:
-    """The stored bytes of each ``torch.save``d entry, unparsed (copied as they are)."""
-    items = [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k), dest_offsets=torch.Size((0,)),
-                      storage_index=MetadataIndex(k), storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
-             for k in keys]
-    planner = ReadOnlyPlanner()
-    if items:
-        reader.reader.read_data(LoadPlan(items), planner).wait()
-    return planner.values
-
-
 def stock_entries(state: CanonicalState, key: str, flat: bool) -> tuple[dict, dict[str, bytes], dict]:
     """(tensor sources, ``torch.save``d values, DCP's flatten mapping) of ``state`` in torch's layout
-    under ``key``: ``<key>.state.<fqn>.<field>`` for every field, each parameter's entry repeating
-    its optimizer's optimizer-wide fields (as ``optimizer.state[p]`` holds them), and the groups,
-    numbered (``<key>.param_groups.<i>.<name>``, ``params`` and ``param_names`` the FQNs) or
-    ``flat`` (``<key>.param_groups.<fqn>.<name>``, ``param_names`` when the source saved them).
-    Every key the optimizer's groups hold is written, at its default where ``state`` lacks it (a
-    converted state carries only its contract's): torch reads every key the live group has."""
+    under ``key``, its groups numbered or ``flat``; each parameter's entry repeats the optimizer-wide
+    fields, as ``optimizer.state[p]`` holds them. Every key the optimizer's groups hold is written,
+    at its default where ``state`` lacks it: torch reads every key the live group has."""
     from gefen_ckpt.convert import group_defaults
 
     contract = state.contract

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gefen_ckpt.canonical import CanonicalState, ParamState
+from gefen_ckpt.dcp_layout import DCPSource
 from gefen_ckpt.errors import CheckpointFormatError
 from gefen_ckpt.wire.dtypes import torch_dtype
 from gefen_ckpt.wire.manifest import parse_contract
@@ -85,9 +86,7 @@ def _description(tensor: torch.Tensor) -> dict:
 
 def read_legacy(reader, key: str) -> CanonicalState:
     """The ``CanonicalState`` saved under ``key`` in the description layout, its tensors lazy;
-    ``reader`` is an opened DCP checkpoint (``gefen_ckpt.dcp._DCPReader``)."""
-    from gefen_ckpt.dcp import DCPSource
-
+    ``reader`` is an opened DCP checkpoint (``DCPReader``)."""
     prefix = f"{key}." if key else ""
     smd = reader.metadata.state_dict_metadata
     md = smd[prefix + META_KEY]
