@@ -147,8 +147,9 @@ def _live(optimizer, model) -> tuple[list[list[str]], dict[str, tuple]]:
 
 
 def _index_keyed(sd: Mapping, optimizer, groups: list[list[str]]) -> dict:
-    """The inverse of ``GefenDCPState.state_dict``'s keying by FQN, checked against the live groups (fail before mutation:
-    a torch optimizer's ``load_state_dict`` would change the optimizer before it refuses)."""
+    """The inverse of ``GefenDCPState.state_dict``'s keying by FQN, checked against the live groups
+    (fail before mutation: a torch optimizer's ``load_state_dict`` would change the optimizer before
+    it refuses)."""
     saved = [g if isinstance(g, Mapping) else {} for g in sd.get("param_groups") or ()]
     check_group_members([g.get("params") or () for g in saved], groups)
     index = {fqn: i for i, fqn in enumerate(f for g in groups for f in g)}
@@ -307,8 +308,8 @@ def _allocate(name: str, target: _GefenStateDict, metadata: Metadata) -> None:
                if legacy else ""))
     if not layouts[name]:
         raise CheckpointMismatchError(
-            f"{name}.param_groups: param groups flattened by FQN: load them with torch's set_optimizer_state_dict "
-            "(flatten_optimizer_state_dict=True)")
+            f"{name}.param_groups: param groups flattened by FQN: load them with torch's "
+            "set_optimizer_state_dict (flatten_optimizer_state_dict=True)")
     owner = target.owner
     _, live = _live(owner.optimizer, owner.model)
     if (record := _planner_record(metadata, name)) is not None:
@@ -372,18 +373,15 @@ class _SourcesSavePlanner(SavePlanner):
         items = [WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO) for key in self.values]
         for key, src in self.sources.items():
             shape = tuple(src.shape)
-            props = TensorProperties(dtype=src.dtype)
-            size = torch.Size(shape)
-            if not shape:
-                items.append(WriteItem(MetadataIndex(key, ()), WriteItemType.TENSOR, tensor_data=TensorWriteData(
-                    ChunkStorageMetadata(torch.Size(()), torch.Size(())), props, size)))
-                continue
-            starts = self._starts(shape[0], rows_per_chunk(shape, src.dtype.itemsize, self.chunk_bytes))
+            props, size = TensorProperties(dtype=src.dtype), torch.Size(shape)
+            step = rows_per_chunk(shape, src.dtype.itemsize, self.chunk_bytes)
+            starts = self._starts(shape[0], step) if shape else [0]  # a 0-d tensor: one chunk, no offsets
             kind = WriteItemType.TENSOR if len(starts) == 1 else WriteItemType.SHARD
-            for start, stop in zip(starts, starts[1:] + [shape[0]]):
-                offsets = torch.Size((start,) + (0,) * (len(shape) - 1))
+            for start, stop in zip(starts, starts[1:] + [shape[0] if shape else 1]):
+                offsets = torch.Size((start,) + (0,) * (len(shape) - 1) if shape else ())
+                sizes = torch.Size((max(stop - start, 0),) + shape[1:] if shape else ())
                 items.append(WriteItem(MetadataIndex(key, offsets), kind, tensor_data=TensorWriteData(
-                    ChunkStorageMetadata(offsets, torch.Size((max(stop - start, 0),) + shape[1:])), props, size)))
+                    ChunkStorageMetadata(offsets, sizes), props, size)))
         self.plan = SavePlan(items, planner_data=self.mappings)
         return self.plan
 

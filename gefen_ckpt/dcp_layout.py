@@ -37,8 +37,8 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
 )
 
-__all__ = ["DCPReader", "DCPSource", "safe_load_dcp_metadata", "storage_for", "optimizer_keys", "state_fields",
-           "group_names", "read_stock", "stock_entries", "FLAT"]
+__all__ = ["DCPReader", "DCPSource", "safe_load_dcp_metadata", "storage_for", "optimizer_keys",
+           "state_fields", "group_names", "read_stock", "stock_entries", "FLAT"]
 
 _STATE, _GROUPS = ".state.", ".param_groups."
 #: ``CanonicalState.metadata["dcp_layout"]`` of a state read from (and to be written as) the flat layout
@@ -82,12 +82,14 @@ class ReadOnlyPlanner(LoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         if self.dest is not None:
-            raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a pickled entry where a tensor was expected")
+            raise CheckpointFormatError(
+                f"{read_item.dest_index.fqn}: a pickled entry where a tensor was expected")
         self.values[read_item.dest_index.fqn] = value.read()
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         if self.dest is None:
-            raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a tensor where a param-group value was expected")
+            raise CheckpointFormatError(
+                f"{read_item.dest_index.fqn}: a tensor where a param-group value was expected")
         from torch.distributed._shard._utils import narrow_tensor_by_index
 
         return narrow_tensor_by_index(self.dest, read_item.dest_offsets, read_item.lengths)
@@ -176,23 +178,19 @@ class DCPReader:
     def read(self, key: str, start: int, stop: int | None) -> torch.Tensor:
         md = self.metadata.state_dict_metadata[key]
         shape, dtype = tuple(md.size), md.properties.dtype
-        if not shape:
-            dest = torch.empty((), dtype=dtype)
-            chunk = ChunkStorageMetadata(offsets=torch.Size(()), sizes=torch.Size(()))
-        else:
-            stop = shape[0] if stop is None else min(stop, shape[0])
-            start = max(0, min(start, stop))
-            dest = torch.empty((stop - start,) + shape[1:], dtype=dtype)
-            if dest.numel() == 0:
-                return dest
-            chunk = ChunkStorageMetadata(offsets=torch.Size((start,) + (0,) * (len(shape) - 1)),
-                                         sizes=dest.shape)
+        rows = shape[0] if shape else 1  # a 0-d tensor: one "row", no offsets
+        stop = rows if stop is None else min(stop, rows)
+        start = max(0, min(start, stop))
+        dest = torch.empty((stop - start,) + shape[1:] if shape else (), dtype=dtype)
+        if dest.numel() == 0:
+            return dest
+        offsets = (start,) + (0,) * (len(shape) - 1) if shape else ()
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.shape)
         items = create_read_items_for_chunk_list(key, md, [chunk])
         covered = sum(math.prod(it.lengths) for it in items)
         if covered != dest.numel():
-            raise CheckpointCorruptError(
-                f"{self.path}: stored chunks of {key!r} cover {covered} of the {dest.numel()} elements requested"
-            )
+            raise CheckpointCorruptError(f"{self.path}: stored chunks of {key!r} cover {covered} of the "
+                                         f"{dest.numel()} elements requested")
         try:
             self.reader.read_data(LoadPlan(items), ReadOnlyPlanner(dest)).wait()
         except CheckpointError:
@@ -205,9 +203,9 @@ class DCPReader:
 
     def raw_values(self, keys: list[str]) -> dict[str, bytes]:
         """The stored bytes of each ``torch.save``d entry, unparsed (copied as they are)."""
-        items = [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k), dest_offsets=torch.Size((0,)),
-                          storage_index=MetadataIndex(k), storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
-                 for k in keys]
+        none = torch.Size((0,))
+        items = [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k), dest_offsets=none,
+                          storage_index=MetadataIndex(k), storage_offsets=none, lengths=none) for k in keys]
         planner = ReadOnlyPlanner()
         if items:
             self.reader.read_data(LoadPlan(items), planner).wait()
@@ -220,7 +218,8 @@ class DCPReader:
             try:
                 out[key] = torch.load(io.BytesIO(raw), weights_only=True)
             except Exception as exc:
-                raise CheckpointFormatError(f"{self.path}: {key!r} is not a plain param-group value: {exc}") from None
+                raise CheckpointFormatError(
+                    f"{self.path}: {key!r} is not a plain param-group value: {exc}") from None
         return out
 
 
@@ -333,8 +332,10 @@ def read_stock(reader, key: str, contract=None) -> CanonicalState:
     fields = state_fields(reader.metadata, key)
     for fqn, full in ((fqn, full) for fqn, names in fields.items() for full in names.values()):
         if fqn not in fqns or not isinstance(smd[full], TensorStorageMetadata):
-            raise CheckpointFormatError(f"{reader.path}: {full!r} is not a tensor field of a listed parameter")
-    state = {fqn: {name: DCPSource(reader, full) for name, full in names.items()} for fqn, names in fields.items()}
+            raise CheckpointFormatError(
+                f"{reader.path}: {full!r} is not a tensor field of a listed parameter")
+    state = {fqn: {name: DCPSource(reader, full) for name, full in names.items()}
+             for fqn, names in fields.items()}
     sd = {"state": state, "param_groups": [{**g, "param_names": g["params"]} for g in groups]}
     dtypes = {fqn: md.properties.dtype for fqn in state
               if isinstance(md := smd.get(f"model.{fqn}", smd.get(fqn)), TensorStorageMetadata)}
@@ -346,8 +347,8 @@ def read_stock(reader, key: str, contract=None) -> CanonicalState:
         raise type(exc)(f"{reader.path}: {exc}") from None
     out.metadata = {"source_topology": {"kind": "dcp (torch get_state_dict)"}}
     if flat:
-        out.metadata.update(source_topology={"kind": "dcp (torch flattened optimizer state_dict)"}, dcp_layout=FLAT,
-                            dcp_param_names=named)
+        out.metadata.update(source_topology={"kind": "dcp (torch flattened optimizer state_dict)"},
+                            dcp_layout=FLAT, dcp_param_names=named)
     return out
 
 

@@ -159,8 +159,9 @@ def composite_contract(name: str | None, sd: dict) -> OptimizerContract:
 
     names = composite_children(sd)
     if name is None and tuple(names) not in _COMPOSITES:
+        known = ", ".join(f"{v} {list(k)}" for k, v in _COMPOSITES.items())
         raise CheckpointMismatchError(f"no composite optimizer has the children {list(names)} "
-                                      f"(known: {', '.join(f'{v} {list(k)}' for k, v in _COMPOSITES.items())})")
+                                      f"(known: {known})")
     name = name or _COMPOSITES[tuple(names)]
     try:
         leaf = resolve_contract(name)
@@ -169,8 +170,8 @@ def composite_contract(name: str | None, sd: dict) -> OptimizerContract:
     else:
         raise CheckpointMismatchError(f"{leaf.implementation} is not a composite optimizer, but the state_dict "
                                       f"has child optimizers {sorted(names)}")
-    name = next((f"gefen.{attr}" for attr in gefen.__all__
-                 if names_optimizer(name, f"gefen.{attr}") and isinstance(getattr(gefen, attr, None), type)), name)
+    name = next((f"gefen.{attr}" for attr in gefen.__all__ if names_optimizer(name, f"gefen.{attr}")
+                 and isinstance(getattr(gefen, attr, None), type)), name)
     children = []
     for child, child_sd in _split(sd, names, name).items():
         try:
@@ -288,8 +289,8 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             fqn = owner[index]
             if not isinstance(entry, dict):
                 raise CheckpointFormatError(f"{fqn}: state is a {type(entry).__name__}, not a dict")
-            entries[fqn] = {name: _source(v, _spec(leaf, fqn, name), fqn, name)
-                            for name, v in entry.items() if v is not None}  # SGD without momentum: None buffers
+            entries[fqn] = {name: _source(v, _spec(leaf, fqn, name), fqn, name)  # (SGD: None buffers)
+                            for name, v in entry.items() if v is not None}
         params.update(param_states(leaf, child, entries, global_fields, dtypes))
     order = [g.get(CHILD_KEY) for g in sd["param_groups"]]  # the groups in their saved order (if flat)
     if len(order) != sum(map(len, groups.values())):
