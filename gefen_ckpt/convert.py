@@ -206,12 +206,8 @@ def _target_group(target: str, g: dict, options: dict) -> dict:
 
 def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], options: dict,
                 child: str | None = None) -> CanonicalState:
-    out_groups = []
-    for g in groups:
-        group = {**_target_group(target, g, options), "params": list(g["params"])}
-        if child is not None:
-            group["child"] = child
-        out_groups.append(group)
+    extra = {} if child is None else {"child": child}
+    out_groups = [{**_target_group(target, g, options), "params": list(g["params"]), **extra} for g in groups]
     if target == MUON:
         flat = [f for g in groups for f in g["params"] if f in dense and len(dense[f].shape) != 2]
         if flat:

@@ -170,9 +170,9 @@ class _GefenStateDict(dict):
 
     __slots__ = ("owner", "planned")
 
-    def __init__(self, owner: GefenDCPState, planned: bool = False):
+    def __init__(self, owner: GefenDCPState):
         super().__init__()
-        self.owner, self.planned = owner, planned
+        self.owner, self.planned = owner, False
 
     def __reduce__(self):
         return (dict, (dict(self),))
