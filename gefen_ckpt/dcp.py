@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
-    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
@@ -349,14 +348,17 @@ def _buffer(fqn: str, name: str, md, live: Mapping[str, tuple]) -> torch.Tensor 
 
 
 # ----- offline: writing without a process group -----------------------------------------------
-class _SourcesSavePlanner(SavePlanner):
+class _SourcesSavePlanner(GefenSavePlanner):
     """Writes tensor sources (in bounded row chunks) and ``torch.save``d values under their full
-    keys, with ``planner_data`` = ``mappings`` (DCP's flatten mapping) plus ``record``."""
+    keys; the global plan is ``GefenSavePlanner``'s, with ``mappings`` (DCP's flatten mapping) and
+    ``records`` as its planner data."""
 
     def __init__(self, sources: dict[str, TensorSource], values: dict[str, bytes], mappings: dict,
-                 chunk_bytes: int, world_size: int | None = None, record: dict | None = None):
+                 chunk_bytes: int, world_size: int | None = None, records: dict | None = None):
+        super().__init__()
         self.sources, self.values, self.mappings = sources, values, mappings
-        self.chunk_bytes, self.world_size, self.record = max(1, int(chunk_bytes)), world_size, record
+        self.chunk_bytes, self.world_size = max(1, int(chunk_bytes)), world_size
+        self._records = records or {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         self.is_coordinator = is_coordinator
@@ -384,20 +386,6 @@ class _SourcesSavePlanner(SavePlanner):
                     ChunkStorageMetadata(offsets, sizes), props, size)))
         self.plan = SavePlan(items, planner_data=self.mappings)
         return self.plan
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-
-        plans, metadata = create_default_global_save_plan(all_plans)
-        planner_data = dict(self.mappings)
-        if self.record is not None:
-            planner_data[PLANNER_DATA_KEY] = self.record
-        self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
-        return plans, self.metadata
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        self.plan = new_plan
-        return new_plan
 
     def resolve_data(self, write_item: WriteItem):
         if write_item.type == WriteItemType.BYTE_IO:

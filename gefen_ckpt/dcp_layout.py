@@ -17,6 +17,7 @@ import os
 import pickle
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from gefen.contract import CHILD_KEY, composite_children
@@ -57,28 +58,14 @@ def optimizer_keys(metadata) -> dict[str, bool]:
     return found
 
 
-class ReadOnlyPlanner(LoadPlanner):
-    """The part of a ``LoadPlanner`` that ``StorageReader.read_data`` calls when gefen-ckpt reads
-    offline: tensor reads go into ``dest`` (rows ``[start, ...)``), else the raw bytes of
-    ``torch.save``d entries are collected in ``values``."""
+class ReadOnlyPlanner(DefaultLoadPlanner):
+    """What ``StorageReader.read_data`` calls when gefen-ckpt reads offline, without a state dict
+    or a plan of DCP's own: tensor reads go into ``dest`` (rows ``[start, ...)``), else the raw
+    bytes of ``torch.save``d entries are collected in ``values``."""
 
     def __init__(self, dest: torch.Tensor | None = None):
+        super().__init__()
         self.dest, self.values = dest, {}
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):  # pragma: no cover - unused
-        pass
-
-    def create_local_plan(self) -> LoadPlan:  # pragma: no cover - unused
-        return LoadPlan([])
-
-    def create_global_plan(self, global_plan):  # pragma: no cover - unused
-        return global_plan
-
-    def finish_plan(self, central_plan):  # pragma: no cover - unused
-        return central_plan
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         if self.dest is not None:
