@@ -1,21 +1,11 @@
 """Moving state between torch's AdamW/Adam and Gefen's optimizers: warm start and dense export.
 
-Every conversion passes through AdamW's own form, one ``Dense`` record per parameter (step,
-``exp_avg``, ``exp_avg_sq``; the latter ``None`` where the source keeps no second moment, as
-Muon does) plus per group the hyperparameters that mean the same in AdamW and the target. A
-target is then built from that form with Gefen's own functions -- ``learn_codebook`` from the
-first moments (exactly as from first gradients), ``shape_period`` for the block length, the
-layout's codec (``gefen.codecs``) to encode the moments as the step stores them -- and read back
-through the same dense view (the codec's decode), so the reported error is exactly what the
-target will use against what the source held. Pure functions on ``CanonicalState``: any
-reader and writer of gefen_ckpt works with them.
-
-Gefen targets get the default layout, ``moments="m4v4"`` (contract version "2"), unless
-``moments="m8"`` asks for the 8-bit first-moment layout (version "1"). m4v4 codes (and a 1-D
-tensor's bf16 ``exp_avg``) are the *nearest*: a one-off quantisation has no bias to average out
-(stochastic rounding matters for an EMA re-quantised every step), and nearest has the smaller
-error that the report then shows. The first-moment codebook is learned as at the first step, from
-the first moments' rows; the second moment's is the step's fixed ``gefen.stochastic.v_grid``.
+Every conversion passes through AdamW's form (one ``Dense`` per parameter: step, ``exp_avg``,
+``exp_avg_sq``, the latter ``None`` where the source keeps none, as Muon does), then builds the
+target with Gefen's own functions (``learn_codebook`` as at the first step, ``shape_period``,
+the layout's codec) and reads it back through the codec's decode, so the reported error is what
+the target will use against what the source held. Codes are the *nearest*: a one-off
+quantisation has no bias to average out, and nearest has the smaller error.
 """
 
 from __future__ import annotations
@@ -214,18 +204,10 @@ def _target_group(target: str, g: dict, options: dict) -> dict:
             "adjust_lr_fn": "match_rms_adamw"}
 
 
-def _contract(target: str, options: dict) -> OptimizerContract:
-    return GEFEN_LAYOUTS[options["moments"]] if target == GEFEN else known_contracts()[target]
-
-
 def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], options: dict,
                 child: str | None = None) -> CanonicalState:
-    out_groups = []
-    for g in groups:
-        group = {**_target_group(target, g, options), "params": list(g["params"])}
-        if child is not None:
-            group["child"] = child
-        out_groups.append(group)
+    extra = {} if child is None else {"child": child}
+    out_groups = [{**_target_group(target, g, options), "params": list(g["params"]), **extra} for g in groups]
     if target == MUON:
         flat = [f for g in groups for f in g["params"] if f in dense and len(dense[f].shape) != 2]
         if flat:
@@ -256,7 +238,8 @@ def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], option
             v = d.exp_avg_sq.reshape(d.shape) if target == GEFEN else None  # (GefenMuon keeps none)
             params[fqn] = _state(d, child, step=torch.tensor(d.step, dtype=torch.int64),
                                  **M8Codec(codebook).encode(d.exp_avg.reshape(d.shape), v, periods[fqn], factored))
-    return CanonicalState(_contract(target, options), out_groups, params, global_fields)
+    contract = GEFEN_LAYOUTS[options["moments"]] if target == GEFEN else known_contracts()[target]
+    return CanonicalState(contract, out_groups, params, global_fields)
 
 
 def _build_m4v4(members: list[str], dense: dict[str, Dense], options: dict, child: str | None):

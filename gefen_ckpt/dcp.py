@@ -1,25 +1,16 @@
 """``torch.distributed.checkpoint`` (DCP) on torch's stock state_dict route (docs/design.md 8,
-``docs/dcp.md``).
-
-Gefen's optimizers present DTensor fields with global shapes and the codebooks inside
-``state``, so torch's ``get_state_dict`` + ``dcp.save`` reshard them like AdamW's. On that
-layout this module adds:
-
-* ``GefenDCPState``: a ``Stateful`` of the optimizer's state keyed by FQN as torch keys it, plus
-  a record (contract, shapes, dtypes); its load stages, the ranks agree, then it publishes.
-* ``GefenSavePlanner`` copies each record into DCP's metadata, so ``GefenLoadPlanner`` checks it
-  and every stored field against the live optimizer before any tensor is read, and allocates
-  fresh buffers of the stored shapes: a fresh optimizer loads, and DCP never reads into live state.
-* ``read_dcp`` / ``write_dcp``: DCP <-> ``CanonicalState`` offline, memory bounded by one chunk.
+``docs/dcp.md``): ``GefenDCPState`` (the optimizer's state keyed by FQN, plus a record of its
+contract, shapes and dtypes; its load stages, the ranks agree, then it publishes), the planners
+that carry the record into DCP's metadata and check it (and allocate fresh buffers) before any
+tensor is read, and ``read_dcp`` / ``write_dcp``: DCP <-> ``CanonicalState`` offline, memory
+bounded by one chunk.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import os
-import pickle
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -38,15 +29,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadPlan,
     ReadItem,
     SavePlan,
-    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.stateful import Stateful
 
 from gefen.contract import OptimizerContract, contract_of
@@ -55,21 +43,20 @@ from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, TensorSource
 from gefen_ckpt.dcp_layout import (
     FLAT,
-    ReadOnlyPlanner,
-    find_flat_keys,
-    find_stock_keys,
-    raw_values,
+    DCPReader,
+    DCPSource,
+    group_names,
+    optimizer_keys,
     read_stock,
-    read_values,
+    safe_load_dcp_metadata,
     saved_value,
+    state_fields,
     stock_entries,
+    storage_for,
 )
 from gefen_ckpt.dcp_legacy import find_legacy_keys, read_legacy, unpack
 from gefen_ckpt.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
     CheckpointFormatError,
-    CheckpointIncompleteError,
     CheckpointMismatchError,
 )
 from gefen_ckpt.live import (
@@ -92,7 +79,6 @@ __all__ = [
     "GefenDCPState",
     "GefenSavePlanner",
     "GefenLoadPlanner",
-    "fqn_state_dict",
     "read_dcp",
     "write_dcp",
     "write_sources",
@@ -106,7 +92,6 @@ __all__ = [
 RECORD_KEY = "gefen_ckpt"
 #: key under ``Metadata.planner_data`` where ``GefenSavePlanner`` copies each record
 PLANNER_DATA_KEY = "gefen_ckpt.dcp"
-_STATE, _GROUPS = "state.", "param_groups."
 
 
 # ----- the record ------------------------------------------------------------------------------
@@ -160,19 +145,10 @@ def _live(optimizer, model) -> tuple[list[list[str]], dict[str, tuple]]:
     return groups, live
 
 
-def fqn_state_dict(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> dict:
-    """``optimizer.state_dict()`` keyed by FQN, as torch's ``get_optimizer_state_dict`` keys it:
-    ``{"state": {fqn: fields}, "param_groups": [{..., "params": [fqn, ...]}]}`` (no copy)."""
-    groups, _ = _live(optimizer, model)
-    fqns = [fqn for group in groups for fqn in group]
-    sd = optimizer.state_dict()
-    return {"state": {fqns[i]: dict(entry) for i, entry in sd["state"].items()},
-            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in sd["param_groups"]]}
-
-
 def _index_keyed(sd: Mapping, optimizer, groups: list[list[str]]) -> dict:
-    """The inverse of :func:`fqn_state_dict`, checked against the live groups (fail before mutation:
-    a torch optimizer's ``load_state_dict`` would change the optimizer before it refuses)."""
+    """The inverse of ``GefenDCPState.state_dict``'s keying by FQN, checked against the live groups
+    (fail before mutation: a torch optimizer's ``load_state_dict`` would change the optimizer before
+    it refuses)."""
     saved = [g if isinstance(g, Mapping) else {} for g in sd.get("param_groups") or ()]
     check_group_members([g.get("params") or () for g in saved], groups)
     index = {fqn: i for i, fqn in enumerate(f for g in groups for f in g)}
@@ -193,9 +169,9 @@ class _GefenStateDict(dict):
 
     __slots__ = ("owner", "planned")
 
-    def __init__(self, owner: GefenDCPState, planned: bool = False):
+    def __init__(self, owner: GefenDCPState):
         super().__init__()
-        self.owner, self.planned = owner, planned
+        self.owner, self.planned = owner, False
 
     def __reduce__(self):
         return (dict, (dict(self),))
@@ -237,9 +213,12 @@ class GefenDCPState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state_dict keyed by FQN (live views, no copy) and the record."""
-        out = _GefenStateDict(self)
-        out.update(fqn_state_dict(self.optimizer, self.model))
-        _, live = _live(self.optimizer, self.model)
+        groups, live = _live(self.optimizer, self.model)
+        fqns = [fqn for group in groups for fqn in group]
+        sd = self.optimizer.state_dict()
+        out = _GefenStateDict(self)  # keyed by FQN, as torch's get_optimizer_state_dict keys it
+        out["state"] = {fqns[i]: dict(entry) for i, entry in sd["state"].items()}
+        out["param_groups"] = [{**g, "params": [fqns[i] for i in g["params"]]} for g in sd["param_groups"]]
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         out[RECORD_KEY] = _record(contract_of(self.optimizer), list(live),
                                   {f: (p.shape, p.dtype) for f, (p, _) in live.items()}, world)
@@ -316,41 +295,36 @@ class GefenLoadPlanner(DefaultLoadPlanner):
 def _allocate(name: str, target: _GefenStateDict, metadata: Metadata) -> None:
     """Check the checkpoint's entries under ``name`` against ``target``'s optimizer and replace
     ``target``'s contents by fresh buffers for them."""
-    prefix = name + "."
-    entries = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-    if not any(k.startswith(_GROUPS) for k in entries):
-        found = find_stock_keys(metadata) + find_flat_keys(metadata)
+    smd = metadata.state_dict_metadata
+    layouts = optimizer_keys(metadata)
+    if name not in layouts:
+        found = sorted(layouts)
         legacy = find_legacy_keys(metadata)
         raise CheckpointMismatchError(
             f"the checkpoint has no optimizer state under {name!r}"
             + (f" (it has some under {found})" if found else "")
             + (f" (it holds {legacy} in the description layout: rewrite it with `gefen-ckpt convert SRC DST --to dcp`)"
                if legacy else ""))
+    if not layouts[name]:
+        raise CheckpointMismatchError(
+            f"{name}.param_groups: param groups flattened by FQN: load them with torch's "
+            "set_optimizer_state_dict (flatten_optimizer_state_dict=True)")
     owner = target.owner
     _, live = _live(owner.optimizer, owner.model)
     if (record := _planner_record(metadata, name)) is not None:
         _check_record(record, owner.optimizer, live)
-    fields = [(*key[len(_STATE):].rpartition(".")[::2], md) for key, md in entries.items() if key.startswith(_STATE)]
-    for fqn, name, _ in fields:  # field names hold no dots; FQNs may
+    fields = state_fields(metadata, name)
+    for fqn, names in fields.items():
         if fqn not in live:
             raise CheckpointMismatchError(f"checkpoint has state for {fqn!r}, which the optimizer does not hold")
-        field_spec(live[fqn][1], fqn, name)  # a foreign field is named before any dtype or shape
-    state, groups = {}, {}
-    for fqn, name, md in fields:
-        state.setdefault(fqn, {})[name] = _buffer(fqn, name, md, live)
-    for key in entries:
-        if key.startswith(_GROUPS):
-            index, _, hyper = key[len(_GROUPS):].partition(".")
-            if not index.isdigit() or not hyper:
-                raise CheckpointMismatchError(
-                    f"{prefix}{key}: param groups flattened by FQN: load them with torch's set_optimizer_state_dict "
-                    "(flatten_optimizer_state_dict=True)")
-            groups.setdefault(int(index), {})[hyper] = None
-    if sorted(groups) != list(range(len(groups))):
-        raise CheckpointFormatError(f"the param groups under {name!r} are not numbered 0..{len(groups) - 1}")
+        for field in names:
+            field_spec(live[fqn][1], fqn, field)  # a foreign field is named before any dtype or shape
+    groups = group_names(metadata, name, "")
     target.clear()
-    target.update(state=state, param_groups=[groups[i] for i in sorted(groups)])
-    if RECORD_KEY in entries:
+    target.update(state={fqn: {field: _buffer(fqn, field, smd[full], live) for field, full in names.items()}
+                         for fqn, names in fields.items()},
+                  param_groups=[dict.fromkeys(groups[i]) for i in sorted(groups)])
+    if f"{name}.{RECORD_KEY}" in smd:
         target[RECORD_KEY] = None
     target.planned = True
 
@@ -373,161 +347,18 @@ def _buffer(fqn: str, name: str, md, live: Mapping[str, tuple]) -> torch.Tensor 
     return as_field_dtensor(torch.empty(local, dtype=dtype, device=device), param, spec.geometry, shape)
 
 
-# ----- offline: reading and writing without a process group ----------------------------------
-_SAFE_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},  # maps a layout's name to the layout
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "tuple", "list", "dict", "bytes", "bytearray", "complex", "slice"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle; this refuses every global except DCP's metadata
-    dataclasses, ``torch.Size``, dtypes, layouts and memory formats (no code execution)."""
-
-    def find_class(self, module: str, name: str):
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                        torch.memory_format)):
-            return getattr(torch, name)
-        if name in _SAFE_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        raise CheckpointFormatError(f"DCP metadata references {module}.{name}, which a safe reader refuses")
-
-
-def safe_load_dcp_metadata(stream) -> Metadata:
-    """Unpickle a DCP ``.metadata`` stream with an allowlist (``CheckpointFormatError`` otherwise)."""
-    try:
-        metadata = _MetadataUnpickler(stream).load()
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointFormatError(f"unreadable DCP metadata: {exc}") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise CheckpointFormatError("DCP metadata does not hold a Metadata object")
-    return metadata
-
-
-def _storage(path: str | os.PathLike, local: type, remote: str) -> tuple[type, str | os.PathLike]:
-    """(DCP's storage class, path): ``local`` for a path or ``file://`` URL, else the fsspec one."""
-    if "://" not in str(path):
-        return local, path
-    if str(path).startswith("file://"):
-        return local, str(path)[len("file://"):]
-    from torch.distributed.checkpoint import _fsspec_filesystem
-
-    return getattr(_fsspec_filesystem, remote), path
-
-
-def _storage_reader(path: str | os.PathLike):
-    """A DCP storage reader (local or fsspec) whose metadata load is the allowlisted unpickler."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    base, path = _storage(path, FileSystemReader, "FsspecReader")
-
-    class SafeReader(base):
-        def read_metadata(self, *args, **kwargs) -> Metadata:
-            mpath = self._get_metadata_path(kwargs.get("rank"))
-            try:
-                with self.fs.create_stream(mpath, "rb") as f:
-                    metadata = safe_load_dcp_metadata(f)
-            except FileNotFoundError:
-                raise CheckpointIncompleteError(f"{path}: no DCP .metadata (not a committed DCP checkpoint)") from None
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(path)
-
-
-class _RowsLoadPlanner(ReadOnlyPlanner):
-    """Feeds ``StorageReader.read_data`` a destination tensor that holds rows ``[start, ...)``."""
-
-    def __init__(self, dest: torch.Tensor):
-        self.dest = dest
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a pickled entry where a tensor was expected")
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
-        return narrow_tensor_by_index(self.dest, read_item.dest_offsets, read_item.lengths)
-
-
-class _DCPReader:
-    """One DCP checkpoint opened for reading: metadata once, then row-range reads."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = str(path)
-        self.reader = _storage_reader(path)
-        self.metadata = self.reader.read_metadata()
-        if self.metadata.storage_data is None:
-            raise CheckpointFormatError(f"{self.path}: DCP metadata has no storage index")
-        self.reader.set_up_storage_reader(self.metadata, True)
-
-    def read(self, key: str, start: int, stop: int | None) -> torch.Tensor:
-        md = self.metadata.state_dict_metadata[key]
-        shape, dtype = tuple(md.size), md.properties.dtype
-        if not shape:
-            dest = torch.empty((), dtype=dtype)
-            chunk = ChunkStorageMetadata(offsets=torch.Size(()), sizes=torch.Size(()))
-        else:
-            stop = shape[0] if stop is None else min(stop, shape[0])
-            start = max(0, min(start, stop))
-            dest = torch.empty((stop - start,) + shape[1:], dtype=dtype)
-            if dest.numel() == 0:
-                return dest
-            chunk = ChunkStorageMetadata(offsets=torch.Size((start,) + (0,) * (len(shape) - 1)),
-                                         sizes=dest.shape)
-        items = create_read_items_for_chunk_list(key, md, [chunk])
-        covered = sum(math.prod(it.lengths) for it in items)
-        if covered != dest.numel():
-            raise CheckpointCorruptError(
-                f"{self.path}: stored chunks of {key!r} cover {covered} of the {dest.numel()} elements requested"
-            )
-        try:
-            self.reader.read_data(LoadPlan(items), _RowsLoadPlanner(dest)).wait()
-        except CheckpointError:
-            raise
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptError(f"{self.path}: a data file of {key!r} is missing: {exc}") from None
-        except Exception as exc:
-            raise CheckpointCorruptError(f"{self.path}: reading {key!r} failed: {exc}") from None
-        return dest
-
-
-class DCPSource:
-    """A lazy global tensor inside a DCP checkpoint: ``read(start, stop)`` reads those rows only
-    (DCP's reader loads each overlapping stored chunk, i.e. at most one rank's shard, at a time)."""
-
-    def __init__(self, reader: _DCPReader, key: str):
-        self._reader, self.key = reader, key
-        md = reader.metadata.state_dict_metadata[key]
-        self.shape, self.dtype = tuple(md.size), md.properties.dtype
-
-    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        return self._reader.read(self.key, start, stop)
-
-    def __repr__(self) -> str:
-        return f"DCPSource({self.key!r}, shape={self.shape}, dtype={self.dtype})"
-
-
-class _SourcesSavePlanner(SavePlanner):
+# ----- offline: writing without a process group -----------------------------------------------
+class _SourcesSavePlanner(GefenSavePlanner):
     """Writes tensor sources (in bounded row chunks) and ``torch.save``d values under their full
-    keys, with ``planner_data`` = ``mappings`` (DCP's flatten mapping) plus ``record``."""
+    keys; the global plan is ``GefenSavePlanner``'s, with ``mappings`` (DCP's flatten mapping) and
+    ``records`` as its planner data."""
 
     def __init__(self, sources: dict[str, TensorSource], values: dict[str, bytes], mappings: dict,
-                 chunk_bytes: int, world_size: int | None = None, record: dict | None = None):
+                 chunk_bytes: int, world_size: int | None = None, records: dict | None = None):
+        super().__init__()
         self.sources, self.values, self.mappings = sources, values, mappings
-        self.chunk_bytes, self.world_size, self.record = max(1, int(chunk_bytes)), world_size, record
+        self.chunk_bytes, self.world_size = max(1, int(chunk_bytes)), world_size
+        self._records = records or {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         self.is_coordinator = is_coordinator
@@ -544,34 +375,17 @@ class _SourcesSavePlanner(SavePlanner):
         items = [WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO) for key in self.values]
         for key, src in self.sources.items():
             shape = tuple(src.shape)
-            props = TensorProperties(dtype=src.dtype)
-            size = torch.Size(shape)
-            if not shape:
-                items.append(WriteItem(MetadataIndex(key, ()), WriteItemType.TENSOR, tensor_data=TensorWriteData(
-                    ChunkStorageMetadata(torch.Size(()), torch.Size(())), props, size)))
-                continue
-            starts = self._starts(shape[0], rows_per_chunk(shape, src.dtype.itemsize, self.chunk_bytes))
+            props, size = TensorProperties(dtype=src.dtype), torch.Size(shape)
+            step = rows_per_chunk(shape, src.dtype.itemsize, self.chunk_bytes)
+            starts = self._starts(shape[0], step) if shape else [0]  # a 0-d tensor: one chunk, no offsets
             kind = WriteItemType.TENSOR if len(starts) == 1 else WriteItemType.SHARD
-            for start, stop in zip(starts, starts[1:] + [shape[0]]):
-                offsets = torch.Size((start,) + (0,) * (len(shape) - 1))
+            for start, stop in zip(starts, starts[1:] + [shape[0] if shape else 1]):
+                offsets = torch.Size((start,) + (0,) * (len(shape) - 1) if shape else ())
+                sizes = torch.Size((max(stop - start, 0),) + shape[1:] if shape else ())
                 items.append(WriteItem(MetadataIndex(key, offsets), kind, tensor_data=TensorWriteData(
-                    ChunkStorageMetadata(offsets, torch.Size((max(stop - start, 0),) + shape[1:])), props, size)))
+                    ChunkStorageMetadata(offsets, sizes), props, size)))
         self.plan = SavePlan(items, planner_data=self.mappings)
         return self.plan
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-
-        plans, metadata = create_default_global_save_plan(all_plans)
-        planner_data = dict(self.mappings)
-        if self.record is not None:
-            planner_data[PLANNER_DATA_KEY] = self.record
-        self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
-        return plans, self.metadata
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        self.plan = new_plan
-        return new_plan
 
     def resolve_data(self, write_item: WriteItem):
         if write_item.type == WriteItemType.BYTE_IO:
@@ -592,29 +406,29 @@ def write_sources(path: str | os.PathLike, sources: dict[str, TensorSource], val
     record, copied into the planner data as ``GefenSavePlanner`` does."""
     from torch.distributed.checkpoint import FileSystemWriter, save
 
-    writer, path = _storage(path, FileSystemWriter, "FsspecWriter")
+    writer, path = storage_for(path, FileSystemWriter, "FsspecWriter")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*")
         save({}, storage_writer=writer(path), no_dist=True,
              planner=_SourcesSavePlanner(sources, values, mappings, chunk_bytes, world_size, records))
 
 
-def _stored_record(reader: _DCPReader, key: str) -> dict | None:
+def _stored_record(reader: DCPReader, key: str) -> dict | None:
     """The record of the optimizer saved under ``key``: the planner's copy, else the stored entry."""
     if (record := _planner_record(reader.metadata, key)) is not None:
         return record
     full = f"{key}.{RECORD_KEY}"
     if not isinstance(reader.metadata.state_dict_metadata.get(full), BytesStorageMetadata):
         return None
-    return _decode_record(read_values(reader, [full])[full], f"{reader.path}: {full!r}")
+    return _decode_record(reader.values([full])[full], f"{reader.path}: {full!r}")
 
 
 def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
     """The ``CanonicalState`` of the optimizer state saved under ``key`` (default: the only one) in
     the DCP checkpoint at ``path``, in torch's stock layout or the description layout
     (``dcp_legacy``). Tensors are lazy ``DCPSource`` s; ``.metadata`` is unpickled with an allowlist."""
-    reader = _DCPReader(path)
-    stock = find_stock_keys(reader.metadata) + find_flat_keys(reader.metadata)
+    reader = DCPReader(path)
+    stock = sorted(optimizer_keys(reader.metadata))
     found = stock + [k for k in find_legacy_keys(reader.metadata) if k not in stock]
     if key is None:
         if len(found) != 1:
@@ -624,14 +438,13 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
         key = found[0]
     elif key not in found:
         raise CheckpointMismatchError(f"{path}: no optimizer state under {key!r} (found: {found})")
-    source = lambda full: DCPSource(reader, full)  # noqa: E731
     if key in stock:
         record = _stored_record(reader, key)
-        state = read_stock(reader, key, source, record and record["contract"])
+        state = read_stock(reader, key, record and record["contract"])
         if record and isinstance(record.get("world_size"), int):
             state.metadata["source_topology"] = {"world_size": record["world_size"]}
     else:
-        state = read_legacy(reader, key, source)
+        state = read_legacy(reader, key)
     state.metadata.update({"source_format": "dcp", "path": str(path), "key": key})
     return state
 
@@ -654,11 +467,11 @@ def write_dcp(state: CanonicalState, path: str | os.PathLike, *, key: str = "opt
     mappings[f"{key}.{RECORD_KEY}"] = (key, RECORD_KEY)
     source, source_key = state.metadata.get("path"), state.metadata.get("key")
     if state.metadata.get("source_format") == "dcp" and source is not None and source_key:
-        reader = _DCPReader(source)
+        reader = DCPReader(source)
         smd, stored = reader.metadata.state_dict_metadata, reader.metadata.planner_data
         others = [k for k in smd if not k.startswith(f"{source_key}.")]
         tensors.update({k: DCPSource(reader, k) for k in others if isinstance(smd[k], TensorStorageMetadata)})
-        values.update(raw_values(reader, [k for k in others if isinstance(smd[k], BytesStorageMetadata)]))
+        values.update(reader.raw_values([k for k in others if isinstance(smd[k], BytesStorageMetadata)]))
         if isinstance(stored, dict):
             mappings.update({k: tuple(stored[k]) for k in others if isinstance(stored.get(k), (tuple, list))})
     write_sources(path, tensors, values, mappings, chunk_bytes=chunk_bytes, world_size=world_size,

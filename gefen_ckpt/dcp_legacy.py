@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gefen_ckpt.canonical import CanonicalState, ParamState
+from gefen_ckpt.dcp_layout import DCPSource
 from gefen_ckpt.errors import CheckpointFormatError
 from gefen_ckpt.wire.dtypes import torch_dtype
 from gefen_ckpt.wire.manifest import parse_contract
@@ -83,9 +84,9 @@ def _description(tensor: torch.Tensor) -> dict:
     return meta
 
 
-def read_legacy(reader, key: str, source_factory) -> CanonicalState:
-    """The ``CanonicalState`` saved under ``key`` in the description layout; ``reader`` is an opened
-    DCP checkpoint (``gefen_ckpt.dcp``), ``source_factory(full key)`` makes a lazy source."""
+def read_legacy(reader, key: str) -> CanonicalState:
+    """The ``CanonicalState`` saved under ``key`` in the description layout, its tensors lazy;
+    ``reader`` is an opened DCP checkpoint (``DCPReader``)."""
     prefix = f"{key}." if key else ""
     smd = reader.metadata.state_dict_metadata
     md = smd[prefix + META_KEY]
@@ -100,7 +101,7 @@ def read_legacy(reader, key: str, source_factory) -> CanonicalState:
         if not full.startswith(prefix) or sub == META_KEY:
             continue
         if sub.startswith(GLOBAL_PREFIX):
-            global_fields[sub[len(GLOBAL_PREFIX):]] = source_factory(full)
+            global_fields[sub[len(GLOBAL_PREFIX):]] = DCPSource(reader, full)
             continue
         fqn, _, name = sub.rpartition("/")
         if fqn not in meta["params"]:
@@ -111,7 +112,7 @@ def read_legacy(reader, key: str, source_factory) -> CanonicalState:
             raise CheckpointFormatError(f"{reader.path}: {full!r} is not a tensor entry")
         shape, dtype, child = meta["params"][fqn]
         entry = params.setdefault(fqn, ParamState(shape, dtype, {}, child))
-        src = entry.fields[name] = source_factory(full)
+        src = entry.fields[name] = DCPSource(reader, full)
         try:
             spec = meta["contract"].leaf(child).field(name)
         except KeyError:

@@ -116,11 +116,9 @@ def diff_states(a: CanonicalState, b: CanonicalState, *, atol: float | None = No
                 differences.append(_diff("hyperparameter", f"param_groups[{i}].{k}",
                                          f"param group {i}: {k} = {ga.get(k)!r} vs {gb.get(k)!r}"))
 
-    pairs = []
-    for key in sorted(set(a.global_fields) | set(b.global_fields)):
-        pairs.append((key, a.global_fields.get(key), b.global_fields.get(key)))
-    fqns = list(dict.fromkeys([*a.params, *b.params]))
-    for fqn in fqns:
+    pairs = [(key, a.global_fields.get(key), b.global_fields.get(key))
+             for key in sorted(set(a.global_fields) | set(b.global_fields))]
+    for fqn in dict.fromkeys([*a.params, *b.params]):
         ea, eb = a.params.get(fqn), b.params.get(fqn)
         if ea is None or eb is None:
             differences.append(_diff("missing", fqn, f"{fqn}: state only in {'A' if eb is None else 'B'}"))

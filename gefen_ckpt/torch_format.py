@@ -1,14 +1,11 @@
-"""Conversions between ``CanonicalState`` and a ``torch.save``d ``optimizer.state_dict()``.
+"""``CanonicalState`` <-> a ``torch.save``d ``optimizer.state_dict()`` (the one converter between a
+torch state_dict and the canonical state; DCP's stock layout is read through it too).
 
-The file holds what ``optimizer.state_dict()`` returns (``state`` by index, ``param_groups``
-with ``param_names``, ``global_state``; composite optimizers as :mod:`gefen.contract` says).
-Reading keys it by FQN and validates every field against the contract (given, recorded, or
-inferred from the names). Writing adds, under ``"gefen_ckpt"``, the contract and the
+Reading keys the state by FQN and checks every field against the contract (given, recorded or
+inferred from the names). Writing records, under ``"gefen_ckpt"``, the contract and the
 parameters' dtypes (``weights_only``-safe; optimizers ignore unknown keys), which makes
-``torch -> portable`` exact (Adam vs AdamW, a bf16 model's dtype, a composite's contract).
-
-Files are read only with ``torch.load(..., weights_only=True)`` (no pickled code runs) through
-fsspec. The format is not lazy: a file is read whole, and writing one materialises every tensor.
+``torch -> portable`` exact. Files are read with ``torch.load(..., weights_only=True)`` through
+fsspec, whole: the format is not lazy.
 """
 
 from __future__ import annotations
@@ -49,7 +46,6 @@ __all__ = [
     "resolve_contract",
     "infer_contract",
     "composite_contract",
-    "infer_composite_contract",
     "load_torch_state_dict",
     "save_torch_state_dict",
     "read_torch",
@@ -149,13 +145,24 @@ def infer_contract(state_dict: dict) -> OptimizerContract:
     return fits[0]
 
 
-def composite_contract(name: str, sd: dict) -> OptimizerContract:
-    """The contract of a composite optimizer called ``name`` whose children's contracts are
-    inferred from their state_dicts (in their stored order). Its ``version`` is
-    ``"unrecorded"``: only the file written by :func:`state_dict_from_canonical` knows it."""
+#: composite optimizers by their children's names, for state that records no contract (torch's
+#: ``get_state_dict`` keeps only ``state`` and ``param_groups``)
+_COMPOSITES = {("muon", "backup"): "gefen.GefenMuonHybrid"}
+
+
+def composite_contract(name: str | None, sd: dict) -> OptimizerContract:
+    """The contract of a composite optimizer called ``name`` (default: the one ``_COMPOSITES``
+    names for the children) whose children's contracts are inferred from their state_dicts (in
+    their stored order). Its ``version`` is ``"unrecorded"``: only the file written by
+    :func:`state_dict_from_canonical` knows it."""
     import gefen
 
     names = composite_children(sd)
+    if name is None and tuple(names) not in _COMPOSITES:
+        known = ", ".join(f"{v} {list(k)}" for k, v in _COMPOSITES.items())
+        raise CheckpointMismatchError(f"no composite optimizer has the children {list(names)} "
+                                      f"(known: {known})")
+    name = name or _COMPOSITES[tuple(names)]
     try:
         leaf = resolve_contract(name)
     except CheckpointMismatchError:
@@ -163,11 +170,8 @@ def composite_contract(name: str, sd: dict) -> OptimizerContract:
     else:
         raise CheckpointMismatchError(f"{leaf.implementation} is not a composite optimizer, but the state_dict "
                                       f"has child optimizers {sorted(names)}")
-    lowered = name.lower().removeprefix("gefen.")
-    for attr in getattr(gefen, "__all__", ()):
-        if attr.lower() == lowered and isinstance(getattr(gefen, attr, None), type):
-            name = f"gefen.{attr}"
-            break
+    name = next((f"gefen.{attr}" for attr in gefen.__all__ if names_optimizer(name, f"gefen.{attr}")
+                 and isinstance(getattr(gefen, attr, None), type)), name)
     children = []
     for child, child_sd in _split(sd, names, name).items():
         try:
@@ -175,21 +179,6 @@ def composite_contract(name: str, sd: dict) -> OptimizerContract:
         except CheckpointError as exc:
             raise type(exc)(f"child {child!r}: {exc}") from None
     return OptimizerContract(name, "unrecorded", (), (), children=tuple(children))
-
-
-#: composite optimizers by their children's names, for state that records no contract (torch's
-#: ``get_state_dict`` keeps only ``state`` and ``param_groups``)
-_COMPOSITES = {("muon", "backup"): "gefen.GefenMuonHybrid"}
-
-
-def infer_composite_contract(sd: dict) -> OptimizerContract:
-    """The contract of a composite state_dict that records none: the optimizer from its children's
-    names, each child's contract inferred as :func:`composite_contract` does."""
-    names = tuple(composite_children(sd))
-    if names not in _COMPOSITES:
-        raise CheckpointMismatchError(f"no composite optimizer has the children {list(names)} "
-                                      f"(known: {', '.join(f'{v} {list(k)}' for k, v in _COMPOSITES.items())})")
-    return composite_contract(_COMPOSITES[names], sd)
 
 
 # ----- state_dict -> canonical --------------------------------------------------------------
@@ -204,28 +193,34 @@ def check_state_dict(sd, where: str = "state_dict") -> None:
             raise CheckpointFormatError(f"{where}: param group {gi} has no 'params' list")
 
 
-def _split(sd: dict, children: list[str], implementation: str, where: str = "state_dict") -> dict[str, dict]:
+def _split(sd: dict, children: list[str], implementation: str) -> dict[str, dict]:
     """``gefen.contract.split_composite`` with its refusal as a checkpoint error."""
     try:
         return split_composite(sd, children)
     except ValueError as exc:
-        raise CheckpointMismatchError(f"{where}: not a state_dict of {implementation}: {exc}") from None
+        raise CheckpointMismatchError(f"state_dict: not a state_dict of {implementation}: {exc}") from None
 
 
-def _field_tensor(value, spec, fqn: str, name: str) -> torch.Tensor:
+def _source(value, spec, fqn: str, name: str) -> TensorSource:
     if isinstance(value, torch.Tensor):
+        return EagerSource(value)
+    if hasattr(value, "read") and hasattr(value, "shape"):  # already a lazy source (a DCP entry)
         return value
     if isinstance(value, (bool, int, float)) and spec.geometry == "scalar":  # old torch: step as a number
         dtype = torch.float32 if spec.dtype == LIKE_PARAM else torch_dtype(spec.dtype, f"{fqn}/{name}")
-        return torch.tensor(value, dtype=dtype)
+        return EagerSource(torch.tensor(value, dtype=dtype))
     raise CheckpointFormatError(f"{fqn}/{name}: a {type(value).__name__}, not a tensor")
 
 
-def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None = None) -> CanonicalState:
-    """A ``CanonicalState`` from an ``optimizer.state_dict()`` (tensors are not copied).
+def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None = None, *,
+                              dtypes: dict | None = None) -> CanonicalState:
+    """A ``CanonicalState`` from an ``optimizer.state_dict()`` (tensors are not copied): the one
+    conversion of a torch state_dict, from a file or read lazily from a DCP checkpoint (values
+    may be tensor sources, ``params`` may be the FQNs themselves).
 
     ``contract``: an ``OptimizerContract`` or an implementation name; by default the one recorded
-    by :func:`state_dict_from_canonical`, else one inferred from the field names.
+    by :func:`state_dict_from_canonical`, else one inferred from the field names. ``dtypes``:
+    fqn -> the parameter's dtype (default: the recorded ones).
     """
     check_state_dict(sd)
     meta = sd.get(TORCH_META_KEY) if isinstance(sd.get(TORCH_META_KEY), dict) else {}
@@ -247,9 +242,10 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
     if composite and not contract.children:
         raise CheckpointMismatchError(f"{contract.implementation} is not a composite optimizer, but the state_dict "
                                       f"has child optimizers {sorted(composite)}")
-    dtypes = meta.get("param_dtypes") if isinstance(meta.get("param_dtypes"), dict) else {}
+    if dtypes is None:
+        dtypes = meta.get("param_dtypes") if isinstance(meta.get("param_dtypes"), dict) else {}
 
-    groups: list[dict] = []
+    groups: dict[str | None, list[dict]] = {}
     seen: set[str] = set()
     params: dict[str, ParamState] = {}
     global_fields: dict[str, TensorSource] = {}
@@ -257,14 +253,13 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
     for child, leaf in contract.leaves():
         leaf_sd = split[child]
         where = f"child {child!r}" if child else "state_dict"
-        check_state_dict(leaf_sd, where)
         for key, value in (leaf_sd.get(GLOBAL_STATE_KEY) or {}).items():
             try:
                 spec = leaf.field(key)
             except KeyError:
                 raise CheckpointMismatchError(
                     f"{where}: optimizer-wide field {key!r} is unknown to {leaf.implementation}") from None
-            global_fields[global_key(child, key)] = EagerSource(_field_tensor(value, spec, "global", key))
+            global_fields[global_key(child, key)] = _source(value, spec, "global", key)
         owner, entries = {}, {}
         for gi, saved in enumerate(leaf_sd["param_groups"]):
             names = saved.get("param_names")
@@ -281,7 +276,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             group["params"] = [str(n) for n in names]
             if child is not None:
                 group[CHILD_KEY] = child
-            groups.append(group)
+            groups.setdefault(child, []).append(group)
             for index, fqn in zip(saved["params"], group["params"]):
                 if fqn in seen:
                     raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the state_dict")
@@ -293,11 +288,13 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             fqn = owner[index]
             if not isinstance(entry, dict):
                 raise CheckpointFormatError(f"{fqn}: state is a {type(entry).__name__}, not a dict")
-            entry = {k: v for k, v in entry.items() if v is not None}  # SGD without momentum: None buffers
-            entries[fqn] = {name: EagerSource(_field_tensor(v, _spec(leaf, fqn, name), fqn, name))
-                            for name, v in entry.items()}
+            entries[fqn] = {name: _source(v, _spec(leaf, fqn, name), fqn, name)  # (SGD: None buffers)
+                            for name, v in entry.items() if v is not None}
         params.update(param_states(leaf, child, entries, global_fields, dtypes))
-    return CanonicalState(contract, groups, params, global_fields,
+    order = [g.get(CHILD_KEY) for g in sd["param_groups"]]  # the groups in their saved order (if flat)
+    if len(order) != sum(map(len, groups.values())):
+        order = [c for c, gs in groups.items() for _ in gs]
+    return CanonicalState(contract, [groups[c].pop(0) for c in order], params, global_fields,
                           metadata={"source_topology": {"kind": "single"}, "source_format": "torch"})
 
 
@@ -311,9 +308,8 @@ def _spec(leaf: OptimizerContract, fqn: str, name: str):
 
 
 def param_states(leaf: OptimizerContract, child: str | None, entries: dict[str, dict[str, TensorSource]],
-                 global_fields: dict[str, TensorSource], dtypes: dict | None = None) -> dict[str, ParamState]:
-    """The one conversion of FQN-keyed optimizer state (a torch state_dict's entries, a DCP
-    checkpoint's) into ``ParamState``s: the optimizer-wide fields each entry repeats for torch's
+                 global_fields: dict[str, TensorSource], dtypes: dict) -> dict[str, ParamState]:
+    """FQN-keyed state as ``ParamState``s: the optimizer-wide fields each entry repeats for torch's
     checkpoint API (the codebook) go to ``global_fields`` once (copies that disagree are refused),
     the shape comes from a field of ``param`` geometry, the dtype from ``dtypes`` (recorded), else
     a field stored like the parameter, else fp32; every field is checked against ``leaf``."""
@@ -337,7 +333,7 @@ def param_states(leaf: OptimizerContract, child: str | None, entries: dict[str, 
         shape = tuple(fields[like[0]].shape)
         if missing := missing_fields(leaf, fields, shape):
             raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {missing} (shape {shape})")
-        stored = (dtypes or {}).get(fqn)
+        stored = dtypes.get(fqn)
         if stored is not None:
             dtype = stored if isinstance(stored, torch.dtype) else torch_dtype(stored, fqn)
         else:
