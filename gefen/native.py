@@ -39,14 +39,14 @@ __all__ = ["available", "trusted", "second_moment_partials", "gefen_update_", "m
 _ABI = 17
 #: ``GEFEN_CPU_ISA`` (read at import): the widest C kernels allowed, capped by the CPU. Every ISA
 #: computes the same bits (docs/design.md, "The m4v4 kernels"), so it only changes speed.
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vbmi": 3}
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 
 
 def _isa_from_env() -> int:
     name = os.environ.get("GEFEN_CPU_ISA", "").strip().lower()
     if name and name not in ISAS:
         warnings.warn(f"GEFEN_CPU_ISA={name!r} is not one of {sorted(ISAS)}; ignored", RuntimeWarning, stacklevel=2)
-    return ISAS.get(name, max(ISAS.values()))
+    return ISAS.get(name, 2)
 
 
 _ISA = _isa_from_env()
@@ -147,7 +147,7 @@ class Calibration:
     ``width``: torch's ``Vectorized<float>::size()`` (0: the native path is off); ``vml``: the
     kernels call MKL's square root, as torch does; ``scale_mode``: how gefen.quant signs the scale of
     an all-zero block (``_probe_scale_mode``); ``m4v4``: the m4v4 kernels reproduce their reference;
-    ``isa``: the widest kernels allowed (3 AVX-512 with VBMI, 2 AVX-512, 1 AVX2, 0 portable; the CPU caps it, tests
+    ``isa``: the widest kernels allowed (2 AVX-512, 1 AVX2, 0 portable; the CPU caps it, tests
     lower it to compare the kernels, which give the same bits)."""
 
     width: int

@@ -169,18 +169,16 @@ static inline void thread_range(int64_t n, int64_t *b0, int64_t *b1) {
 #if GEFEN_X86
 #define AVX2 __attribute__((target("avx2,fma")))
 
-/* The widest kernels this CPU runs: 3 AVX-512 with VBMI (byte permutes: the m4v4 search's
- * shortcut), 2 AVX-512, 1 AVX2 + FMA, 0 portable. */
+/* The widest kernels this CPU runs: 2 AVX-512, 1 AVX2 + FMA, 0 portable. */
 static inline int cpu_isa(void) {
     static int isa = -1;
     if (isa < 0) {
         __builtin_cpu_init();
         int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-        isa = avx2 ? (__builtin_cpu_supports("avx512f") ? 2 + !!__builtin_cpu_supports("avx512vbmi") : 1) : 0;
+        isa = avx2 ? (__builtin_cpu_supports("avx512f") ? 2 : 1) : 0;
     }
     return isa;
 }
-
 
 /* 8 elements of an fp32 or bf16 array from i, as fp32 (exact) */
 static AVX2 inline __m256 ld8_g(const void *g, int dt, int64_t i) {

@@ -988,5 +988,5 @@ GEFEN_EXPORT void gefen_set_threads(int32_t n) {
     (void)n;
 #endif
 }
-/* the widest kernels this CPU runs (gefen_mode.isa: 0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512 + VBMI) */
+/* the widest kernels this CPU runs (gefen_mode.isa: 0 portable, 1 AVX2, 2 AVX-512) */
 GEFEN_EXPORT int gefen_cpu_isa(void) { return cpu_isa(); }

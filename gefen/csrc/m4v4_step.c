@@ -19,9 +19,8 @@
  * a code only when the rounding noise lands between the two (a ~1e-7 chance per element).
  * Each row is done by one thread, so any thread split gives the same bits.  Three row kernels
  * give identical results: AVX-512 (16 lanes; a 16-entry table is one register, the encode's
- * search a binary search of permutes or, with VBMI, a byte-table lookup and a compare), AVX2
- * (8 lanes, a table in two registers) and portable C; the call's mode caps which runs
- * (GEFEN_CPU_ISA, tests compare them).
+ * search three compares and a 2-step binary search of permutes), AVX2 (8 lanes, a table in two registers) and portable C;
+ * the call's mode caps which runs (GEFEN_CPU_ISA, tests compare them).
  */
 #include <float.h>
 #include <math.h>
@@ -66,25 +65,9 @@ typedef struct {
     float t[16], inv[16], k[16], s[16];
 } sr_table;
 
-/* A shortcut to lower_code() (AVX-512 VBMI): a monotone bucket() maps x onto 0..127, lut[b] counts
- * the searched entries whose own bucket is below b (so it never overshoots), and at most `fix` steps
- * of "S[lo] < x" add the entries that share x's bucket: the same codes as the search, in fewer
- * instructions.  bucket() clamps x to [lo, hi] (NaN to lo), then takes fl(c * scale + scale) for the
- * first moment's codes in [-1, 1] (log == 0) or, for the positive ratios, the float's top bits
- * (bits(c) >> shift) - base, ~4 buckets an octave.  fix < 0: no shortcut (a table it cannot serve). */
-typedef struct {
-    uint8_t lut[128];
-    int fix, log, shift, base;
-    float lo, hi, scale;
-} search_lut;
-
-#define LUT_MAX_FIX 3 /* more steps than this and the binary search is as quick */
-
 typedef struct {
     const m4v4_args *a;
     sr_table M, V;
-    search_lut ML, VL;      /* the searches' shortcuts; used when lut_ok */
-    int lut_ok;
     const float *v_col_old;
     const float *svc, *ivc; /* sqrt(v_col') and 1 / v_col' per column */
     float sr[16];           /* sqrt(R[k]) */
@@ -110,45 +93,6 @@ static void make_table(sr_table *T, const float *values, const float *kappa) {
     }
     T->inv[15] = 1.0f / GUARD;
     for (int k = 0; k < 16; ++k) T->s[k] = k < 14 ? values[k + 1] : INFINITY;
-}
-
-static inline int lut_bucket(const search_lut *L, float x) {
-    float c = x > L->lo ? x : L->lo;
-    c = c < L->hi ? c : L->hi;
-    if (!L->log) return (int)fmaf(c, L->scale, L->scale);
-    uint32_t b;
-    memcpy(&b, &c, sizeof b);
-    return (int)(b >> L->shift) - L->base;
-}
-
-static void make_lut(search_lut *L, const float *t, int log) {
-    L->fix = -1;
-    L->log = log;
-    for (int k = 0; k < 16; ++k)
-        if (!(t[k] >= t[k ? k - 1 : 0]) || isinf(t[k])) return; /* unsorted, NaN or infinite */
-    if (log) {
-        if (!(t[0] > 0.0f)) return;
-        uint32_t b0, b1;
-        L->lo = t[0];
-        L->hi = t[15];
-        memcpy(&b0, &L->lo, sizeof b0);
-        memcpy(&b1, &L->hi, sizeof b1);
-        L->shift = 21; /* 4 buckets an octave, wider where the range needs it */
-        while ((b1 >> L->shift) - (b0 >> L->shift) > 127) ++L->shift;
-        L->base = (int)(b0 >> L->shift);
-    } else {
-        L->lo = -1.0f;
-        L->hi = 1.0f;
-        L->scale = 63.5f;
-    }
-    int count[128] = {0}, below = 0, fix = 0;
-    for (int k = 1; k < 15; ++k) count[lut_bucket(L, t[k])]++;
-    for (int b = 0; b < 128; ++b) {
-        L->lut[b] = (uint8_t)below;
-        below += count[b];
-        fix = count[b] > fix ? count[b] : fix;
-    }
-    if (fix <= LUT_MAX_FIX) L->fix = fix;
 }
 
 static inline uint32_t mix(uint32_t x) {
@@ -317,14 +261,10 @@ static AVX2 inline void store_bytes8(uint8_t *p, __m256i v) {
     _mm_storel_epi64((__m128i *)p, _mm_packus_epi16(w, w));
 }
 
-/* pass 1 and pass 2 as two loops each, as the AVX-512 kernels (see there) */
 static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r, float a_old, float ia, float sa,
                                  float *wbuf, float *mbuf, int32_t *vc, int *nan) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
-    const uint8_t *codes = a->codes + off;
-    const void *grad = a->grad;
-    const int gdt = a->grad_dtype, gsz = DT_SIZE(gdt);
     const table8 VT = table_regs(c->V.t), VI = table_regs(c->V.inv), VK = table_regs(c->V.k);
     const table8 MO = table_regs(rt->mold), SR = table_regs(c->sr);
     const __m256 vaold = _mm256_set1_ps(a_old), via = _mm256_set1_ps(ia), vsa = _mm256_set1_ps(sa);
@@ -333,30 +273,29 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
     const __m256 o2 = _mm256_set1_ps(c->s.o2), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256 eps = _mm256_set1_ps(c->s.eps);
     const __m256i low4 = _mm256_set1_epi32(15), hstep = _mm256_set1_epi32((int)(8u * H_IDX));
+    __m256i hx = hash_start8(row_gidx(a, r), c->key_v);
     __m256i vmax = _mm256_setzero_si256(); /* max |m| as bits: see max_abs_bits */
-    for (int64_t j = 0; j < C8; j += 8) {
-        PREFETCH(grad, gsz, off + j);
-        PREFETCH(codes, 1, j);
-        const __m256i code = load_codes8(codes + j);
-        const __m256 g = ld8_g(grad, gdt, off + j);
+    int64_t j = 0;
+    const int gsz = DT_SIZE(a->grad_dtype);
+    for (; j < C8; j += 8) {
+        PREFETCH(a->grad, gsz, off + j);
+        PREFETCH(a->codes, 1, off + j);
+        const __m256i code = load_codes8(a->codes + off + j);
+        const __m256 g = ld8_g(a->grad, a->grad_dtype, off + j);
         __m256 v = _mm256_mul_ps(_mm256_mul_ps(vaold, _mm256_loadu_ps(c->v_col_old + j)),
                                  perm16(VT, _mm256_srli_epi32(code, 4)));
         v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(_mm256_mul_ps(g, g), o2));
         /* min_ps(t, max) is max for a NaN t, as the portable kernel's (t < max ? t : max) */
         const __m256 ivh = _mm256_min_ps(_mm256_mul_ps(via, _mm256_loadu_ps(c->ivc + j)), ivmax);
-        _mm256_storeu_ps(wbuf + j, _mm256_mul_ps(v, ivh));
-        __m256 m = perm16(MO, _mm256_and_si256(code, low4));
-        m = _mm256_add_ps(_mm256_mul_ps(m, b1), _mm256_mul_ps(g, o1));
-        _mm256_storeu_ps(mbuf + j, m);
-        vmax = _mm256_max_epu32(vmax, _mm256_castps_si256(_mm256_and_ps(m, absmask)));
-    }
-    __m256i hx = hash_start8(row_gidx(a, r), c->key_v);
-    for (int64_t j = 0; j < C8; j += 8) {
-        const __m256i q = encode8_v(&c->V, VT, VI, VK, _mm256_loadu_ps(wbuf + j), uniform8(hx));
+        const __m256i q = encode8_v(&c->V, VT, VI, VK, _mm256_mul_ps(v, ivh), uniform8(hx));
         hx = _mm256_add_epi32(hx, hstep);
         _mm256_storeu_si256((__m256i *)(vc + j), _mm256_slli_epi32(q, 4));
         _mm256_storeu_ps(wbuf + j, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(vsa, _mm256_loadu_ps(c->svc + j)),
                                                                perm16(SR, q)), eps));
+        __m256 m = perm16(MO, _mm256_and_si256(code, low4));
+        m = _mm256_add_ps(_mm256_mul_ps(m, b1), _mm256_mul_ps(g, o1));
+        _mm256_storeu_ps(mbuf + j, m);
+        vmax = _mm256_max_epu32(vmax, _mm256_castps_si256(_mm256_and_ps(m, absmask)));
     }
     uint32_t lanes[8], most = 0;
     _mm256_storeu_si256((__m256i *)lanes, vmax);
@@ -367,27 +306,22 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
 }
 
 static AVX2 void row_pass2_avx2(const m4ctx *c, const row_tables *rt, int64_t r, float isf, const float *wbuf,
-                                const float *mbuf, int32_t *vc) {
+                                const float *mbuf, const int32_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
-    uint8_t *codes = a->codes + off;
-    void *param = a->param;
-    const int pdt = a->param_dtype, psz = DT_SIZE(pdt), has_wd = a->has_wd;
     const table8 MT = table_regs(c->M.t), MI = table_regs(c->M.inv), U = table_regs(rt->unum);
     const __m256 visf = _mm256_set1_ps(isf), nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
-    const __m256i hstep = _mm256_set1_epi32((int)(8u * H_IDX)), low4 = _mm256_set1_epi32(15);
+    const __m256i hstep = _mm256_set1_epi32((int)(8u * H_IDX));
     __m256i hx = hash_start8(row_gidx(a, r), c->key_m);
+    const int psz = DT_SIZE(a->param_dtype);
     for (int64_t j = 0; j < C8; j += 8) {
-        const __m256i q = encode8(&c->M, MT, MI, _mm256_mul_ps(_mm256_loadu_ps(mbuf + j), visf), uniform8(hx));
+        PREFETCH(a->param, psz, off + j);
+        const __m256i q = encode8(&c->M, MT, MI, _mm256_mul_ps(_mm256_loadu_ps(mbuf + j), visf),
+                                  uniform8(hx));
         hx = _mm256_add_epi32(hx, hstep);
-        _mm256_storeu_si256((__m256i *)(vc + j), _mm256_or_si256(q, _mm256_loadu_si256((const __m256i *)(vc + j))));
-    }
-    for (int64_t j = 0; j < C8; j += 8) {
-        PREFETCH(param, psz, off + j);
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(vc + j));
-        const __m256 u = _mm256_div_ps(perm16(U, _mm256_and_si256(q, low4)), _mm256_loadu_ps(wbuf + j));
-        update_param8(param, pdt, off + j, u, nlr, decay, has_wd);
-        store_bytes8(codes + j, q);
+        const __m256 u = _mm256_div_ps(perm16(U, q), _mm256_loadu_ps(wbuf + j));
+        update_param8(a->param, a->param_dtype, off + j, u, nlr, decay, a->has_wd);
+        store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_loadu_si256((const __m256i *)(vc + j))));
     }
     row_pass2_portable(c, rt, r, C8, isf, wbuf, mbuf, vc);
 }
@@ -445,50 +379,15 @@ static AVX512 inline __m512i lower16(__m512 T, __m512 x) {
     return idx;
 }
 
-/* the table registers of a search_lut: its 128 bytes, the clamp, the bucket's scale */
-typedef struct {
-    __m512i lut_lo, lut_hi;
-    __m512 lo, hi, scale;
-    __m128i shift;
-    __m512i base;
-    int fix, log;
-} lut16;
-
-static AVX512 inline lut16 lut_regs(const search_lut *L) {
-    lut16 R = {_mm512_loadu_si512(L->lut), _mm512_loadu_si512(L->lut + 64), _mm512_set1_ps(L->lo),
-               _mm512_set1_ps(L->hi), _mm512_set1_ps(L->scale), _mm_cvtsi32_si128(L->shift),
-               _mm512_set1_epi32(L->base), L->fix, L->log};
-    return R;
-}
-
-/* lower16() through the shortcut.  vpermi2b (AVX-512 VBMI) is written as assembly so that these
- * functions keep the AVX-512 target every AVX-512 CPU has; it only runs where cpu_isa() says 3.
- * The index lanes' upper bytes are 0 and pick lut[0] = 0, so each int32 lane is its lut byte. */
-static AVX512 inline __m512i lower16_lut(const lut16 *L, __m512 S, __m512 x) {
-    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, L->lo), L->hi); /* max_ps(NaN, lo) is lo */
-    __m512i lo = L->log ? _mm512_sub_epi32(_mm512_srl_epi32(_mm512_castps_si512(c), L->shift), L->base)
-                        : _mm512_cvttps_epi32(_mm512_fmadd_ps(c, L->scale, L->scale));
-    __asm__("vpermi2b %2, %1, %0" : "+v"(lo) : "v"(L->lut_lo), "v"(L->lut_hi));
-    for (int i = 0; i < L->fix; ++i)
-        lo = _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(lo, S), x, _CMP_LT_OQ), lo,
-                                   _mm512_set1_epi32(1));
-    return lo;
-}
-
-/* lower_code() on 16 lanes: the shortcut where the CPU and the table allow it (a constant once
- * inlined into the row passes' two variants), else the binary search */
-#define LOWER16(L, S, x) ((L) ? lower16_lut((L), (S), (x)) : lower16((S), (x)))
-
-static AVX512 inline __m512i encode16(__m512 T, __m512 S, __m512 I, __m512 x, __m512 u, const lut16 *L) {
-    const __m512i lo = LOWER16(L, S, x);
+static AVX512 inline __m512i encode16(__m512 T, __m512 S, __m512 I, __m512 x, __m512 u) {
+    const __m512i lo = lower16(S, x);
     const __m512 p = _mm512_mul_ps(_mm512_sub_ps(x, _mm512_permutexvar_ps(lo, T)), _mm512_permutexvar_ps(lo, I));
     return _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), lo, _mm512_set1_epi32(1));
 }
 
 /* encode_v() on 16 lanes: the clamp (max_ps(p, 0) is 0 for a NaN p) and the curvature K */
-static AVX512 inline __m512i encode16_v(__m512 T, __m512 S, __m512 I, __m512 K, __m512 x, __m512 u,
-                                       const lut16 *L) {
-    const __m512i lo = LOWER16(L, S, x);
+static AVX512 inline __m512i encode16_v(__m512 T, __m512 S, __m512 I, __m512 K, __m512 x, __m512 u) {
+    const __m512i lo = lower16(S, x);
     const __m512 fone = _mm512_set1_ps(1.0f);
     __m512 p = _mm512_mul_ps(_mm512_sub_ps(x, _mm512_permutexvar_ps(lo, T)), _mm512_permutexvar_ps(lo, I));
     p = _mm512_min_ps(_mm512_max_ps(p, _mm512_setzero_ps()), fone);
@@ -496,23 +395,12 @@ static AVX512 inline __m512i encode16_v(__m512 T, __m512 S, __m512 I, __m512 K, 
     return _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), lo, _mm512_set1_epi32(1));
 }
 
-/* Each pass is two loops over the row, each with a short dependency chain, rather than one loop
- * with a long one: the core overlaps more vectors (~10% faster, same bits).  Pass 1: A) both old
- * moments decoded and their EMAs: v / vhat' into wbuf, m into mbuf, max |m|; B) v's code (vc) and
- * the update's denominator (over v / vhat' in wbuf).  Pass 2: A) m's code (vc |= code); B) the
- * parameter update and the codes' store. */
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-static AVX512 ALWAYS_INLINE float row_pass1_avx512_body(const m4ctx *c, const row_tables *rt, int64_t r, float a_old,
-                                                        float ia, float sa, float *wbuf, float *mbuf, int32_t *vc,
-                                                        int *nan, const int lut) {
+static AVX512 float row_pass1_avx512(const m4ctx *c, const row_tables *rt, int64_t r, float a_old, float ia,
+                                     float sa, float *wbuf, float *mbuf, int32_t *vc, int *nan) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C16 = C & ~(int64_t)15;
-    const uint8_t *codes = a->codes + off;
-    const void *grad = a->grad;
-    const int gdt = a->grad_dtype, gsz = DT_SIZE(gdt);
     const __m512 VT = _mm512_loadu_ps(c->V.t), VS = _mm512_loadu_ps(c->V.s), VI = _mm512_loadu_ps(c->V.inv);
     const __m512 VK = _mm512_loadu_ps(c->V.k);
-    const lut16 VL = lut_regs(&c->VL), *L = lut ? &VL : NULL;
     const __m512 MO = _mm512_loadu_ps(rt->mold), SR = _mm512_loadu_ps(c->sr);
     const __m512 vaold = _mm512_set1_ps(a_old), via = _mm512_set1_ps(ia), vsa = _mm512_set1_ps(sa);
     const __m512 ivmax = _mm512_set1_ps(IVH_MAX);
@@ -520,80 +408,60 @@ static AVX512 ALWAYS_INLINE float row_pass1_avx512_body(const m4ctx *c, const ro
     const __m512 o2 = _mm512_set1_ps(c->s.o2), eps = _mm512_set1_ps(c->s.eps);
     const __m512i low4 = _mm512_set1_epi32(15), hstep = _mm512_set1_epi32((int)(16u * H_IDX));
     const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i hx = hash_start16(row_gidx(a, r), c->key_v);
     __m512i vmax = _mm512_setzero_si512(); /* max |m| as bits: see max_abs_bits */
-    for (int64_t j = 0; j < C16; j += 16) {
-        PREFETCH(grad, gsz, off + j);
-        PREFETCH(codes, 1, j);
-        const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + j)));
-        const __m512 g = ld16_g(grad, gdt, off + j);
+    int64_t j = 0;
+    const int gsz = DT_SIZE(a->grad_dtype);
+    for (; j < C16; j += 16) {
+        PREFETCH(a->grad, gsz, off + j);
+        PREFETCH(a->codes, 1, off + j);
+        const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(a->codes + off + j)));
+        const __m512 g = ld16_g(a->grad, a->grad_dtype, off + j);
         __m512 v = _mm512_mul_ps(_mm512_mul_ps(vaold, _mm512_loadu_ps(c->v_col_old + j)),
                                  _mm512_permutexvar_ps(_mm512_srli_epi32(code, 4), VT));
         v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), o2));
         const __m512 ivh = _mm512_min_ps(_mm512_mul_ps(via, _mm512_loadu_ps(c->ivc + j)), ivmax);
-        _mm512_storeu_ps(wbuf + j, _mm512_mul_ps(v, ivh));
-        __m512 m = _mm512_permutexvar_ps(_mm512_and_si512(code, low4), MO);
-        m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, o1));
-        _mm512_storeu_ps(mbuf + j, m);
-        vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(m), absmask));
-    }
-    __m512i hx = hash_start16(row_gidx(a, r), c->key_v);
-    for (int64_t j = 0; j < C16; j += 16) {
-        const __m512i q = encode16_v(VT, VS, VI, VK, _mm512_loadu_ps(wbuf + j), uniform16(hx), L);
+        const __m512i q = encode16_v(VT, VS, VI, VK, _mm512_mul_ps(v, ivh), uniform16(hx));
         hx = _mm512_add_epi32(hx, hstep);
         _mm512_storeu_si512(vc + j, _mm512_slli_epi32(q, 4));
         _mm512_storeu_ps(wbuf + j, _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(vsa, _mm512_loadu_ps(c->svc + j)),
                                                                _mm512_permutexvar_ps(q, SR)), eps));
+        __m512 m = _mm512_permutexvar_ps(_mm512_and_si512(code, low4), MO);
+        m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, o1));
+        _mm512_storeu_ps(mbuf + j, m);
+        vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(m), absmask));
     }
     float smax = max_abs_bits(_mm512_reduce_max_epu32(vmax), nan);
     row_pass1_portable(c, rt, r, C16, a_old, ia, sa, wbuf, mbuf, vc, &smax, nan);
     return smax;
 }
 
-static AVX512 ALWAYS_INLINE void row_pass2_avx512_body(const m4ctx *c, const row_tables *rt, int64_t r, float isf,
-                                                       const float *wbuf, const float *mbuf, int32_t *vc,
-                                                       const int lut) {
+static AVX512 void row_pass2_avx512(const m4ctx *c, const row_tables *rt, int64_t r, float isf, const float *wbuf,
+                                    const float *mbuf, const int32_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C16 = C & ~(int64_t)15;
-    uint8_t *codes = a->codes + off;
-    void *param = a->param;
-    const int pdt = a->param_dtype, psz = DT_SIZE(pdt), has_wd = a->has_wd;
     const __m512 MT = _mm512_loadu_ps(c->M.t), MS = _mm512_loadu_ps(c->M.s), MI = _mm512_loadu_ps(c->M.inv);
     const __m512 U = _mm512_loadu_ps(rt->unum);
-    const lut16 ML = lut_regs(&c->ML), *L = lut ? &ML : NULL;
     const __m512 visf = _mm512_set1_ps(isf), nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay);
-    const __m512i hstep = _mm512_set1_epi32((int)(16u * H_IDX)), low4 = _mm512_set1_epi32(15);
+    const __m512i hstep = _mm512_set1_epi32((int)(16u * H_IDX));
     __m512i hx = hash_start16(row_gidx(a, r), c->key_m);
+    const int psz = DT_SIZE(a->param_dtype);
     for (int64_t j = 0; j < C16; j += 16) {
-        const __m512i q = encode16(MT, MS, MI, _mm512_mul_ps(_mm512_loadu_ps(mbuf + j), visf), uniform16(hx), L);
+        PREFETCH(a->param, psz, off + j);
+        const __m512i q = encode16(MT, MS, MI, _mm512_mul_ps(_mm512_loadu_ps(mbuf + j), visf),
+                                   uniform16(hx));
         hx = _mm512_add_epi32(hx, hstep);
-        _mm512_storeu_si512(vc + j, _mm512_or_si512(q, _mm512_loadu_si512(vc + j)));
-    }
-    for (int64_t j = 0; j < C16; j += 16) {
-        PREFETCH(param, psz, off + j);
-        const __m512i q = _mm512_loadu_si512(vc + j);
-        const __m512 u = _mm512_div_ps(_mm512_permutexvar_ps(_mm512_and_si512(q, low4), U), _mm512_loadu_ps(wbuf + j));
-        __m512 p = ld16_g(param, pdt, off + j);
-        if (has_wd) p = _mm512_mul_ps(p, decay);
-        st16_g(param, pdt, off + j, _mm512_fmadd_ps(u, nlr, p));
-        _mm_storeu_si128((__m128i *)(codes + j), _mm512_cvtepi32_epi8(q));
+        const __m512 u = _mm512_div_ps(_mm512_permutexvar_ps(q, U), _mm512_loadu_ps(wbuf + j));
+        __m512 p = ld16_g(a->param, a->param_dtype, off + j);
+        if (a->has_wd) p = _mm512_mul_ps(p, decay);
+        st16_g(a->param, a->param_dtype, off + j, _mm512_fmadd_ps(u, nlr, p));
+        _mm_storeu_si128((__m128i *)(a->codes + off + j), _mm512_cvtepi32_epi8(_mm512_or_si512(q, _mm512_loadu_si512(vc + j))));
     }
     row_pass2_portable(c, rt, r, C16, isf, wbuf, mbuf, vc);
 }
-
-static AVX512 float row_pass1_avx512(const m4ctx *c, const row_tables *rt, int64_t r, float a_old, float ia,
-                                     float sa, float *wbuf, float *mbuf, int32_t *vc, int *nan) {
-    return c->lut_ok ? row_pass1_avx512_body(c, rt, r, a_old, ia, sa, wbuf, mbuf, vc, nan, 1)
-                     : row_pass1_avx512_body(c, rt, r, a_old, ia, sa, wbuf, mbuf, vc, nan, 0);
-}
-
-static AVX512 void row_pass2_avx512(const m4ctx *c, const row_tables *rt, int64_t r, float isf, const float *wbuf,
-                                    const float *mbuf, int32_t *vc) {
-    if (c->lut_ok) row_pass2_avx512_body(c, rt, r, isf, wbuf, mbuf, vc, 1);
-    else row_pass2_avx512_body(c, rt, r, isf, wbuf, mbuf, vc, 0);
-}
 #endif
 
-/* Row r: both passes, the row's new scale and v_row.  isa: the kernels (call_isa: 3 or 2 AVX-512,
+/* Row r: both passes, the row's new scale and v_row.  isa: the kernels (call_isa: 2 AVX-512,
  * 1 AVX2, 0 portable). */
 static void one_row(const m4ctx *c, int64_t r, float *wbuf, float *mbuf, int32_t *vc, int isa) {
     const m4v4_args *a = c->a;
@@ -605,7 +473,7 @@ static void one_row(const m4ctx *c, int64_t r, float *wbuf, float *mbuf, int32_t
     int nan = 0;
     float smax = 0.0f;
 #if GEFEN_X86
-    if (isa >= 2) smax = row_pass1_avx512(c, &rt, r, a_old, ia, sa, wbuf, mbuf, vc, &nan);
+    if (isa == 2) smax = row_pass1_avx512(c, &rt, r, a_old, ia, sa, wbuf, mbuf, vc, &nan);
     else if (isa == 1) smax = row_pass1_avx2(c, &rt, r, a_old, ia, sa, wbuf, mbuf, vc, &nan);
     else
 #endif
@@ -614,7 +482,7 @@ static void one_row(const m4ctx *c, int64_t r, float *wbuf, float *mbuf, int32_t
     const float sf = bf16_to_f32(sb), isf = 1.0f / (sf == 0.0f ? 1.0f : sf);
     for (int k = 0; k < 16; ++k) rt.unum[k] = (c->M.t[k] * sf) * c->ibc1;
 #if GEFEN_X86
-    if (isa >= 2) row_pass2_avx512(c, &rt, r, isf, wbuf, mbuf, vc);
+    if (isa == 2) row_pass2_avx512(c, &rt, r, isf, wbuf, mbuf, vc);
     else if (isa == 1) row_pass2_avx2(c, &rt, r, isf, wbuf, mbuf, vc);
     else
 #endif
@@ -665,9 +533,6 @@ GEFEN_EXPORT int gefen_m4v4_step(const m4v4_args *a) {
     c.key_v = t * H_STEP + a->salt_v * H_SALT;
     if (a->step_ptr) *a->step_ptr = a->step;
     const int isa = call_isa(a->mode);
-    make_lut(&c.ML, a->codebook, 0);
-    make_lut(&c.VL, a->ratios, 1);
-    c.lut_ok = isa == 3 && c.ML.fix >= 0 && c.VL.fix >= 0;
 #pragma omp parallel num_threads(nthreads) if (par)
     {
         int64_t r0, r1;
@@ -763,7 +628,7 @@ static double p1_row(const void *g, int dt, int64_t r, int64_t C, double *col, i
     const int64_t off = r * C;
     int64_t j = 0;
 #if GEFEN_X86
-    if (isa >= 2) j = p1_row_avx512(g, dt, off, C, lanes, col);
+    if (isa == 2) j = p1_row_avx512(g, dt, off, C, lanes, col);
     else if (isa == 1) j = p1_row_avx2(g, dt, off, C, lanes, col);
 #endif
     (void)isa;
@@ -889,7 +754,7 @@ GEFEN_EXPORT int gefen_m4v4_row_stats(const void *grad, int32_t gdt, const uint8
         int bad = 0;
         int64_t j = 0;
 #if GEFEN_X86
-        if (isa >= 2) j = row_max_avx512(grad, gdt, codes, codebook, off, cols, s_old, b1, o1, &most, &bad);
+        if (isa == 2) j = row_max_avx512(grad, gdt, codes, codebook, off, cols, s_old, b1, o1, &most, &bad);
         else if (isa == 1) j = row_max_avx2(grad, gdt, codes, codebook, off, cols, s_old, b1, o1, &most, &bad);
 #endif
         (void)isa;
