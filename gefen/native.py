@@ -281,7 +281,13 @@ def m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta
 
 def _args(struct, **fields):
     """A kernel's argument struct: a tensor passes its data pointer, None NULL."""
-    return struct(**{k: v.data_ptr() if isinstance(v, torch.Tensor) else v for k, v in fields.items()})
+    return _fill(struct(), fields)
+
+
+def _fill(a, fields: dict):
+    for name, value in fields.items():  # attribute by attribute: twice as quick as struct(**fields)
+        setattr(a, name, value.data_ptr() if isinstance(value, torch.Tensor) else value)
+    return a
 
 
 def _run_step(fn, struct, param: torch.Tensor, grad: torch.Tensor, state: dict, h, cal: Calibration,
@@ -293,11 +299,12 @@ def _run_step(fn, struct, param: torch.Tensor, grad: torch.Tensor, state: dict, 
     False when the kernel refused (nothing touched)."""
     step, step_t = int(state["step"]) + 1, state["step"]
     writable = step_t.dtype == torch.int64 and step_t.device.type == "cpu" and step_t.numel() == 1
-    a = _args(struct, param=param, grad=grad, step_ptr=step_t if writable else None, step=step,
-              param_dtype=_DT[param.dtype], grad_dtype=_DT[grad.dtype], mode=cal.mode, beta1=h.beta1,
-              omb1=1 - h.beta1, beta2=h.beta2, omb2=1 - h.beta2, bias1=1 - h.beta1**step,
-              bias2_sqrt=math.sqrt(1 - h.beta2**step), eps=h.eps, neg_lr=-h.lr, decay=1 - h.lr * h.weight_decay,
-              has_wd=bool(h.weight_decay), **fields)
+    a = _fill(struct(), fields)  # the header's fields set directly: this runs for every tensor of every step
+    a.param, a.grad, a.step_ptr, a.step = param.data_ptr(), grad.data_ptr(), step_t.data_ptr() if writable else None, step
+    a.param_dtype, a.grad_dtype, a.mode = _DT[param.dtype], _DT[grad.dtype], cal.mode
+    a.beta1, a.omb1, a.beta2, a.omb2 = h.beta1, 1 - h.beta1, h.beta2, 1 - h.beta2
+    a.bias1, a.bias2_sqrt = 1 - h.beta1**step, math.sqrt(1 - h.beta2**step)
+    a.eps, a.neg_lr, a.decay, a.has_wd = h.eps, -h.lr, 1 - h.lr * h.weight_decay, bool(h.weight_decay)
     if fn(ctypes.byref(a)) != 0:
         return False
     if not writable:
