@@ -279,13 +279,10 @@ def m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta
     return (row_sum, row_max) if rc == 0 else None
 
 
-def _args(struct, **fields):
-    """A kernel's argument struct: a tensor passes its data pointer, None NULL."""
-    return _fill(struct(), fields)
-
-
 def _fill(a, fields: dict):
-    for name, value in fields.items():  # attribute by attribute: twice as quick as struct(**fields)
+    """A kernel's argument struct ``a`` with ``fields`` set: a tensor passes its data pointer, None
+    NULL (attribute by attribute: twice as quick as ``struct(**fields)``)."""
+    for name, value in fields.items():
         setattr(a, name, value.data_ptr() if isinstance(value, torch.Tensor) else value)
     return a
 
@@ -356,8 +353,8 @@ def _momentum_only(state: dict, grad: torch.Tensor, beta: float, codebook: torch
     if fields is None:
         return None
     out = torch.empty(out_shape, dtype=torch.float32)
-    a = _args(_StepArgs, **fields, grad=grad, grad_dtype=_DT[grad.dtype], mode=cal.mode, momentum_only=1,
-              global_rows=fields["rows"], omb1=1 - beta, given_scales=scales, **{out_field: out})
+    a = _fill(_StepArgs(), dict(fields, grad=grad, grad_dtype=_DT[grad.dtype], mode=cal.mode, momentum_only=1,
+                                global_rows=fields["rows"], omb1=1 - beta, given_scales=scales, **{out_field: out}))
     return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
 
 
