@@ -2,11 +2,11 @@
 
 Each function takes the arguments of the ``gefen.functional`` reference of the same name, on a
 layout ``gefen.dispatch`` checked, and returns None / False, touching nothing, when the kernel
-refuses (``cal``: a calibration candidate to run under; None: the calibrated one). The m8
-kernels reproduce the eager ops' rounding order (ATen's cascade sums, whose vector width
-depends on torch's CPU capability, and torch's square root); ``calibrate`` finds, through
-``gefen.parity``, the ``Calibration`` under which they do and whether the m4v4 kernels keep
-their bound, cached per library build, CPU and torch (``$GEFEN_CACHE_DIR``).
+refuses (``cal``: a calibration candidate to run under; None: the calibrated one). The m8 and
+m4v4 kernels compute their references' arithmetic for speed, within the bounds ``gefen.parity``
+states; the 1-D AdamW step replays torch's square root. ``calibrate`` checks them, through
+``gefen.parity``, and finds the square root, cached per library build, CPU and torch
+(``$GEFEN_CACHE_DIR``).
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ from gefen import parity
 from gefen.clib import load
 from gefen.codebook import code_thresholds
 from gefen.geometry import rows_and_row_numel
-from gefen.quant import quantise
 from gefen.stochastic import hash_base, salts
 
 __all__ = ["available", "trusted", "second_moment_partials", "gefen_update_", "momentum_", "momentum_scales",
            "calibrate", "Calibration", "block_histogram", "m4v4_partials", "m4v4_row_stats",
            "m4v4_update_", "adamw_update_", "round_param_"]
 
-_ABI = 17
+_ABI = 18
 #: ``GEFEN_CPU_ISA`` (read at import): the widest C kernels allowed, capped by the CPU. Every ISA
 #: computes the same bits (docs/design.md, "The m4v4 kernels"), so it only changes speed.
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -74,8 +73,7 @@ class _StepArgs(ctypes.Structure):
         ("codes", _P), ("scales", _P), ("v", _P), ("v_row_new", _P), ("v_row", _P), ("v_col", _P), ("partials", _P),
         ("codebook", _P), ("thr", _P), ("lut", _P),
         ("rows", _I64), ("bpr", _I64), ("period", _I64), ("global_rows", _I64),
-        ("K", _I32), ("lut_M", _I32), ("W", _I32), ("T", _I32), ("factored", _I32),
-        ("scale_mode", _I32), ("momentum_only", _I32), ("m_out", _P), ("given_scales", _P), ("scales_out", _P),
+        ("K", _I32), ("lut_M", _I32), ("factored", _I32), ("momentum_only", _I32), ("m_out", _P), ("given_scales", _P), ("scales_out", _P),
     ]
 
 
@@ -100,9 +98,8 @@ class _AdamwArgs(ctypes.Structure):
 #: The C library's functions: (argument types, result type).
 _SIGNATURES = {name: (args, ctypes.c_int) for name, args in (
     ("gefen_native_abi", []), ("gefen_cpu_isa", []),
-    ("gefen_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _I32, _I32, _P]),
     ("gefen_m4v4_partials", [_P, _I32, _I64, _I64, _P, _P, _P, _DBL, _DBL, _P, _P, _I64]),
-    ("gefen_m4v4_row_stats", [_P, _I32, _P, _P, _P, _DBL, _DBL, _I64, _I64, _I32, _I32, _P, _P, _P]),
+    ("gefen_m4v4_row_stats", [_P, _I32, _P, _P, _P, _DBL, _DBL, _I64, _I64, _P, _P, _P]),
     ("gefen_build_lut", [_P, _I32, _I32, _I32, _P]),
     ("gefen_step", [ctypes.POINTER(_StepArgs)]),
     ("gefen_m4v4_step", [ctypes.POINTER(_M4v4Args)]),
@@ -144,15 +141,13 @@ class Calibration:
     """What ``calibrate`` settled on: every fused call passes it to the kernels, and it is replaced
     whole, never modified, so trying a candidate cannot change what a concurrent step computes.
 
-    ``width``: torch's ``Vectorized<float>::size()`` (0: the native path is off); ``vml``: the
-    kernels call MKL's square root, as torch does; ``scale_mode``: how gefen.quant signs the scale of
-    an all-zero block (``_probe_scale_mode``); ``m4v4``: the m4v4 kernels reproduce their reference;
-    ``isa``: the widest kernels allowed (2 AVX-512, 1 AVX2, 0 portable; the CPU caps it, tests
-    lower it to compare the kernels, which give the same bits)."""
+    ``m8``, ``m4v4``: those kernels (m8's with GefenMuon's momentum) keep their bound of their
+    reference; ``vml``: the 1-D AdamW step calls MKL's square root, as torch does; ``isa``: the
+    widest kernels allowed (2 AVX-512, 1 AVX2, 0 portable; the CPU caps it, tests lower it to
+    compare the kernels, which give the same bits)."""
 
-    width: int
+    m8: bool
     vml: bool
-    scale_mode: int
     m4v4: bool
     isa: int = _ISA
 
@@ -186,11 +181,11 @@ def trusted(family: str) -> bool:
     if family in ("round", "histogram"):
         return True
     cal = _calibrated()
-    return cal.width > 0 and (cal.m4v4 or family != "m4v4")
+    return cal.m4v4 if family == "m4v4" else cal.m8
 
 
 def available() -> bool:
-    """True when the fused step is built and verified against torch on this machine."""
+    """True when the fused m8 step is built and verified against its reference on this machine."""
     return trusted("m8")
 
 
@@ -247,11 +242,9 @@ def _quantiser(codebook: torch.Tensor) -> _Quantiser | None:
 
 
 def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
-    (rows, cols), cal = rows_and_row_numel(grad.shape), _use(cal)
-    v_row, partials = torch.empty(rows, dtype=torch.float32), torch.empty(cols + 1, dtype=torch.float64)
-    rc = _lib.gefen_partials(grad.data_ptr(), _DT[grad.dtype], rows, cols, state["v_row"].data_ptr(), v_row.data_ptr(),
-                             partials.data_ptr(), beta2, 1 - beta2, cal.width, torch.get_num_threads(), cal.mode)
-    return (v_row, partials) if rc == 0 else None
+    """m4v4's phase 1 (the same sums), less its last entry (the old ``v_row``'s sum)."""
+    out = m4v4_partials(grad, state, beta2, cal=cal)
+    return None if out is None else (out[0], out[1][:-1])
 
 
 def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: torch.Tensor | None = None,
@@ -274,8 +267,8 @@ def m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta
     rows, cols = rows_and_row_numel(grad.shape)
     row_sum, row_max = torch.empty(rows, dtype=torch.float64), torch.empty(rows, dtype=torch.float32)
     rc = _lib.gefen_m4v4_row_stats(grad.data_ptr(), _DT[grad.dtype], codes.data_ptr(), scale.data_ptr(),
-                                   codebook.data_ptr(), beta1, 1 - beta1, rows, cols, cal.width,
-                                   torch.get_num_threads(), row_sum.data_ptr(), row_max.data_ptr(), cal.mode)
+                                   codebook.data_ptr(), beta1, 1 - beta1, rows, cols, row_sum.data_ptr(),
+                                   row_max.data_ptr(), cal.mode)
     return (row_sum, row_max) if rc == 0 else None
 
 
@@ -309,24 +302,23 @@ def _run_step(fn, struct, param: torch.Tensor, grad: torch.Tensor, state: dict, 
     return True
 
 
-def _momentum_fields(state: dict, grad: torch.Tensor, codebook: torch.Tensor, cal: Calibration) -> dict | None:
+def _momentum_fields(state: dict, grad: torch.Tensor, codebook: torch.Tensor) -> dict | None:
     """What the full m8 step and the momentum alone share: codes, scales, block geometry,
-    quantiser, threads, vector width; None without a quantiser for ``codebook``."""
+    quantiser; None without a quantiser for ``codebook``."""
     q = _quantiser(codebook)
     if q is None:
         return None
     period = F._local_period(state)  # a column split's one block per (cut) row: the local row
     rows, row_numel = rows_and_row_numel(grad.shape)
     return dict(codes=state["m_code"], scales=state["m_scale"], codebook=q.values, thr=q.thr, lut=q.lut, lut_M=q.M,
-                rows=rows, bpr=row_numel // period, period=period, K=q.values.numel(), W=cal.width,
-                T=torch.get_num_threads(), scale_mode=cal.scale_mode)
+                rows=rows, bpr=row_numel // period, period=period, K=q.values.numel())
 
 
 def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
                   global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                   cal: Calibration | None = None) -> bool:
     cal = _use(cal)
-    fields = _momentum_fields(state, grad, codebook, cal)
+    fields = _momentum_fields(state, grad, codebook)
     second = (dict(factored=1, v_row=state["v_row"], v_col=state["v_col"], v_row_new=v_row, partials=partials)
               if "v_row" in state else dict(v=state["v"]))
     return fields is not None and _run_step(_lib.gefen_step, _StepArgs, param, grad, state, h, cal, **fields,
@@ -335,12 +327,13 @@ def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
 
 def momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor,
               scales: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``functional.update_momentum_`` bit for bit; ``scales``: as ``store_momentum_``'s."""
+    """``functional.update_momentum_``'s values (a zero scale's sign aside); ``scales``: as
+    ``store_momentum_``'s."""
     return _momentum_only(state, grad, beta, codebook, scales, grad.shape, "m_out")
 
 
 def momentum_scales(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor | None:
-    """``gefen.dispatch.momentum_scales`` bit for bit, ``[rows, blocks per row]``, state untouched."""
+    """``gefen.dispatch.momentum_scales``'s values, ``[rows, blocks per row]``, state untouched."""
     return _momentum_only(state, grad, beta, codebook, None, tuple(state["m_scale"].shape), "scales_out")
 
 
@@ -349,7 +342,7 @@ def _momentum_only(state: dict, grad: torch.Tensor, beta: float, codebook: torch
     """The momentum pass alone, its result (the momentum or the scales) into a new fp32 tensor;
     ``omb1``: the lerp weight exactly as update_momentum_ passes it."""
     cal = _use(None)
-    fields = _momentum_fields(state, grad, codebook, cal)
+    fields = _momentum_fields(state, grad, codebook)
     if fields is None:
         return None
     out = torch.empty(out_shape, dtype=torch.float32)
@@ -400,7 +393,7 @@ def block_histogram(blocks: torch.Tensor, num_bins: int, scale: torch.Tensor | N
     return counts if rc == 0 else None
 
 
-# ----- calibration: the C emulation of torch's rounding order, checked against torch ------------
+# ----- calibration: the kernels checked against their references ------------------------------
 def _kernel_fns(cal: Calibration):
     """The kernels under the candidate ``cal``, for ``gefen.parity``'s problems."""
     fns = dict(partials=second_moment_partials, update=gefen_update_, m4v4_partials=m4v4_partials,
@@ -409,57 +402,47 @@ def _kernel_fns(cal: Calibration):
 
 
 _CPU = torch.device("cpu")
-#: Small m8 problems that reach every summation path of the kernel (vectorised and short rows, A/B
-#: column orders, two-pass single outputs, P = 1): (shape, period, factored); two steps, one for the
-#: big ones (which only test the parallel split rules).
-_M8 = [(parity.run_m8, (shape, period, factored, torch.float32, _CPU, (0, 1 if math.prod(shape) >= 32768 else 2)))
-       for shape, period, factored in [
-           ((37, 33), 11, True), ((260, 130), 130, True), ((1, 33000), 33000, True), ((33000, 1), 1, True),
-           ((45, 29), 29, True), ((3, 5, 8), 40, False), ((6, 24, 25), 600, False), ((1, 33000), 33000, False),
-           ((5000,), 1, False), ((), 1, False), ((12, 6), 2, False), ((70, 480), 240, False), ((4400, 8), 8, True)]]
+#: m8 problems: the factored and per-block forms, P = 1 and 0-D, blocks of one and of several rows,
+#: both lerp formulas (beta1 by the period's parity), a split over threads: (shape, period,
+#: factored); in lockstep (a kernel step from the reference's state), fresh and after one step.
+_M8 = [(parity.run_m8, (shape, period, factored, torch.float32, _CPU, steps))
+       for steps in [(0, 1), (1, 1)] for shape, period, factored in [
+           ((37, 33), 11, True), ((260, 130), 130, True), ((45, 29), 29, True), ((3, 5, 8), 40, False),
+           ((6, 24, 25), 600, False), ((5000,), 1, False), ((), 1, False), ((12, 6), 2, False),
+           ((70, 480), 240, False), ((4400, 8), 8, True)]]
 #: m4v4 problems: float64 row sums (vectorised, short, single-row two-pass), one-pass phase 1 with a
 #: partial chunk, bf16, the 1-D/0-D step, and a column shard given its rows' statistics: (shape, dtype).
 _M4V4 = [(parity.run_m4v4, (shape, dtype, _CPU, (0, 1 if math.prod(shape) >= 32768 else 2))) for shape, dtype in [
     ((37, 33), torch.float32), ((300, 130), torch.float32), ((1, 33000), torch.float32),
     ((45, 29), torch.bfloat16), ((3, 5, 8), torch.float32), ((5000,), torch.float32), ((), torch.bfloat16)]] + [
     (parity.run_m4v4_cut, ((37, 45), torch.bfloat16, _CPU))]
-
-
-def _probe_scale_mode() -> int:
-    """0 when gefen.quant's all-zero blocks get torch.maximum(+0, -0)'s sign (-0 in the vectorised
-    part), 1 when they get +0 (a max of |m|)."""
-    scales = quantise(torch.zeros(1, 40 * 8), torch.linspace(-1.0, 1.0, 16), 8)[1]
-    return 0 if torch.signbit(scales).any() else 1
+_ADAMW = [problem for problem in _M4V4 if problem[0] is parity.run_m4v4 and len(problem[1][0]) < 2]
 
 
 def calibrate() -> Calibration:
-    """The first candidate (square root, torch's float vector width) under which the C step
-    reproduces the eager step bit for bit on the m8 problems with the current thread count, and
-    whether the m4v4 kernels then stay within their bound of their reference (``parity.m4v4_disagreement``);
-    width 0 (native path off) when none does."""
+    """The square root under which the 1-D AdamW step reproduces the eager one bit for bit (MKL's
+    when torch exports it and that holds, else IEEE's), and whether the m8 and m4v4 kernels then
+    keep their bounds of their references (``parity.M8_RULE``, ``parity.within_m4v4_bound``)."""
     if _lib is None:
-        return Calibration(0, False, 0, False)
-    scale_mode = _probe_scale_mode()
-    widths = (16, 8) if "512" in torch.backends.cpu.get_cpu_capability() else (8, 16)
+        return Calibration(False, False, False)
     with torch.no_grad():
-        reference = parity.outputs(_M8, parity.REFERENCE)
-        for vml in ([True] if _torch_vml_sqrt() else []) + [False]:
-            for W in widths:
-                cal = Calibration(W, vml, scale_mode, False)
-                if parity.check(_M8, _kernel_fns(cal), parity.identical, reference) is None:
-                    m4v4 = parity.check(_M4V4, _kernel_fns(cal), parity.within_m4v4_bound,
-                                        parity.outputs(_M4V4, parity.REFERENCE)) is None
-                    if not m4v4:
-                        _warn_mismatch("m4v4 ")
-                    return dataclasses.replace(cal, m4v4=m4v4)
-    _warn_mismatch()
-    return Calibration(0, False, scale_mode, False)
+        wants = parity.outputs(_ADAMW, parity.REFERENCE)
+        vml = bool(_torch_vml_sqrt()) and parity.check(
+            _ADAMW, _kernel_fns(Calibration(False, True, False)), parity.identical, wants) is None
+        cal = Calibration(False, vml, False)
+        m8 = parity.check(_M8, _kernel_fns(cal), parity.M8_RULE, parity.outputs(_M8, parity.REFERENCE)) is None
+        m4v4 = parity.check(_M4V4, _kernel_fns(cal), parity.within_m4v4_bound,
+                            parity.outputs(_M4V4, parity.REFERENCE)) is None
+    _warn_mismatch(m8, m4v4)
+    return dataclasses.replace(cal, m8=m8, m4v4=m4v4)
 
 
-def _warn_mismatch(what: str = "") -> None:
-    warnings.warn(f"gefen._gefen_step does not reproduce torch's eager {what}Gefen step on this machine "
-                  f"(torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}); "
-                  "using the eager step", RuntimeWarning, stacklevel=3)
+def _warn_mismatch(m8: bool, m4v4: bool) -> None:
+    what = " and ".join(name for name, ok in (("m8", m8), ("m4v4", m4v4)) if not ok)
+    if what:
+        warnings.warn(f"gefen._gefen_step's {what} kernels are outside their bound of the eager Gefen step on "
+                      f"this machine (torch {torch.__version__}, CPU capability "
+                      f"{torch.backends.cpu.get_cpu_capability()}); using the eager step", RuntimeWarning, stacklevel=3)
 
 
 # ----- the calibration cache: a fresh process skips the calibration (docs/decisions.md) --------
@@ -488,7 +471,7 @@ def cache_key() -> str:
     return digest.hexdigest()[:32]
 
 
-_CACHED = ("width", "vml", "scale_mode", "m4v4")  # the Calibration fields a cache entry holds
+_CACHED = ("m8", "vml", "m4v4")  # the Calibration fields a cache entry holds
 
 
 def _cached(path: str) -> Calibration | None:
@@ -500,13 +483,11 @@ def _cached(path: str) -> Calibration | None:
         return None
     if not isinstance(entry, dict):
         return None
-    width, vml, mode, m4v4 = (entry.get(k) for k in _CACHED)
-    if (width not in (0, 8, 16) or not isinstance(vml, bool) or mode not in (0, 1) or (vml and not _torch_vml_sqrt())
-            or not isinstance(m4v4, bool)):
+    m8, vml, m4v4 = (entry.get(k) for k in _CACHED)
+    if not all(isinstance(x, bool) for x in (m8, vml, m4v4)) or (vml and not _torch_vml_sqrt()):
         return None
-    if width == 0 or not m4v4:
-        _warn_mismatch("" if width == 0 else "m4v4 ")
-    return Calibration(width, vml, mode, m4v4)
+    _warn_mismatch(m8, m4v4)
+    return Calibration(m8, vml, m4v4)
 
 
 def calibrate_cached() -> Calibration:

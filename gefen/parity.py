@@ -3,7 +3,8 @@
 ``check`` runs each problem ``(run, case)`` as ``run(*case, fns)`` with the reference's step
 functions (``REFERENCE``) and with a family's (``kernel_fns``: the same names and signatures), and
 names the first disagreement under the family's rule: ``identical`` (bit for bit),
-``within_m4v4_bound`` (the C m4v4 kernels' bound), ``after_rounding`` (Triton) or ``equal``.
+``within_m4v4_bound`` (the C m4v4 kernels' bound), ``after_rounding`` (Triton; ``M8_RULE``: the
+m8 kernels of both families) or ``equal``.
 A stepping runner takes ``steps``, ``(by the reference, then by fns)``: Triton's check steps in
 lockstep, one kernel step from the reference's state.
 """
@@ -86,8 +87,8 @@ def identical(got, want) -> str | None:
 
 
 #: m8's per-block and per-row second moments are fp32 means of g^2: the eager step sums in torch's
-#: order (ATen's cascade on CPU, a tree on CUDA), the Triton kernels in float64 rounded once, so the
-#: two agree to a few ulps, not bit for bit. A tree sum of n positive fp32 terms is within about
+#: order (ATen's cascade on CPU, a tree on CUDA), the C and Triton kernels in float64 rounded once, so
+#: they agree to a few ulps, not bit for bit. A tree sum of n positive fp32 terms is within about
 #: (log2 n + 4) 2^-24 of exact (~1e-6 for the 4236-element blocks of the check): the bound is 4x that
 #: (docs/decisions.md, "Triton kernels for m8")
 M8_V_RTOL = 4e-6
@@ -124,6 +125,11 @@ def after_rounding(approx: tuple[str, ...] = (), update_rtol: float | None = Non
             return why
         return None if params_close(before, ref_p, p, update_rtol) else "parameters differ from the eager step beyond rounding"
     return agree
+
+
+#: The m8 kernels' rule (C and Triton): codes, scales, ``v_col`` and step counts the reference's,
+#: ``M8_APPROX`` within ``M8_V_RTOL``, parameters within ``params_close(update_rtol=M8_V_RTOL)``.
+M8_RULE = after_rounding(M8_APPROX, M8_V_RTOL)
 
 
 def equal(got, want) -> str | None:

@@ -622,8 +622,9 @@ static AVX512 int64_t p1_row_avx512(const void *g, int dt, int64_t off, int64_t 
 }
 #endif
 
-/* row r's float64 sum of g^2; each square is also added into col[j] unless col is NULL */
-static double p1_row(const void *g, int dt, int64_t r, int64_t C, double *col, int isa) {
+/* row r's float64 sum of g^2; each square is also added into col[j] unless col is NULL (gefen_step.c's
+ * block sums too: the block bi of length P is row bi of [blocks, P]) */
+double p1_row(const void *g, int dt, int64_t r, int64_t C, double *col, int isa) {
     double lanes[16] = {0}, tail = 0.0;
     const int64_t off = r * C;
     int64_t j = 0;
@@ -741,8 +742,8 @@ static AVX512 int64_t row_max_avx512(const void *g, int dt, const uint8_t *codes
 
 GEFEN_EXPORT int gefen_m4v4_row_stats(const void *grad, int32_t gdt, const uint8_t *codes, const uint16_t *m_scale,
                                       const float *codebook, double beta1, double omb1, int64_t rows, int64_t cols,
-                                      int32_t W, int32_t T, double *row_sum, float *row_max, const gefen_mode *mode) {
-    if (rows < 0 || cols < 1 || (W != 8 && W != 16) || T < 1 || !mode) return -2;
+                                      double *row_sum, float *row_max, const gefen_mode *mode) {
+    if (rows < 0 || cols < 1 || !mode) return -2;
     const float b1 = (float)beta1, o1 = (float)omb1;
     const int isa = call_isa(mode);
     int64_t r = 0;

@@ -8,7 +8,8 @@ The reference dequantises with ``codebook[codes.long()] * scale``, lerps, takes 
 max-abs, picks codes by ``argmin |x - c|`` (float64, exact for fp32 inputs; ties to the lower
 code), builds the factored ``V = outer(v_row, v_col) / mean(v_row)``, bias-corrects and applies
 decoupled weight decay. Codes, scales and second moments must be bit-for-bit equal after every
-step, parameters within 1 ulp. One exception, on purpose: the implementation stores the scale of
+step, parameters within 1 ulp; the fused C step's (``native``) second-moment means within
+``parity.M8_V_RTOL`` and parameters within the drift of several steps' rounding. One exception, on purpose: the implementation stores the scale of
 an all-zero block as -0.0 (``max(amax, -amin)`` of zeros), the obvious ``|m|.amax()`` gives +0.0;
 both dequantise to 0, so scales are compared with the sign of zero ignored.
 
@@ -26,7 +27,7 @@ import math
 import pytest
 import torch
 
-from gefen import Gefen, dispatch, native
+from gefen import Gefen, dispatch, native, parity
 from gefen.codebook import learn_codebook
 from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partials, m4v4_update_
 from gefen.geometry import as_blocks, rows_and_row_numel, shape_period
@@ -133,6 +134,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def assert_matches(opt, param, ref_param, ref_state, label):
     st = opt.state[param]
+    fused = dispatch.enabled and native.available() and param.dtype != torch.float64  # summed in another order
     assert int(st["step"]) == ref_state["step"] and int(st["period"]) == ref_state["period"]
     assert st["m_code"].dtype == torch.uint8
     for name in ("m_code", "m_scale", "v", "v_row", "v_col"):
@@ -140,12 +142,19 @@ def assert_matches(opt, param, ref_param, ref_state, label):
             got, want = st[name], ref_state[name]
             if name == "m_scale":  # all-zero blocks store -0.0 (max(amax, -amin)); |m|.amax gives +0.0
                 got, want = got + 0.0, want + 0.0
+            if fused and name in parity.M8_APPROX:
+                assert torch.allclose(got, want, rtol=parity.M8_V_RTOL, atol=0), f"{label}: {name} outside its bound"
+                continue
             assert same_bits(got, want), f"{label}: {name} differs from the reference"
     books = {"codebook", "v_codebook"} & set(st)  # the optimizer-wide books, shared into each entry
     for name in books:
         assert getattr(opt, name) is None or st[name] is getattr(opt, name), f"{label}: {name} is a copy"
     assert set(st) - books == {"step", "period"} | {k for k in ref_state if k not in ("step", "period")}
-    assert ulps(param.detach(), ref_param) <= 1, f"{label}: parameter more than 1 ulp off"
+    if fused:
+        assert torch.allclose(param.detach().float(), ref_param.float(), rtol=torch.finfo(param.dtype).eps, atol=1e-6), \
+            f"{label}: parameter off by more than rounding"
+    else:
+        assert ulps(param.detach(), ref_param) <= 1, f"{label}: parameter more than 1 ulp off"
 
 
 def run_against_reference(specs, steps=4, **opt_kwargs):

@@ -30,12 +30,11 @@ def _files(cache):
 
 
 def test_first_use_calibrates_and_caches(fresh):
-    width = native._calibrated().width
-    assert width > 0
+    assert native._calibrated().m8
     (name,) = _files(fresh)
     assert name == f"native-calibration-{native.cache_key()}.json"
     entry = json.loads((fresh / name).read_text())
-    assert entry["width"] == width and entry["scale_mode"] == native._calibrated().scale_mode
+    assert entry["m8"] is True and entry["vml"] is native._calibrated().vml
     assert entry["m4v4"] is native._calibrated().m4v4 is True
 
 
@@ -46,20 +45,20 @@ def test_a_cached_result_skips_calibration(fresh, monkeypatch):
     assert native._calibrated() == calibration
 
 
-@pytest.mark.parametrize("content", ["not json", "[]", '{"width": 12, "vml": false, "scale_mode": 0}', ""])
+@pytest.mark.parametrize("content", ["not json", "[]", '{"m8": 1, "vml": false, "m4v4": true}', ""])
 def test_a_corrupt_entry_is_recalibrated_and_replaced(fresh, content):
     fresh.mkdir()
     path = fresh / f"native-calibration-{native.cache_key()}.json"
     path.write_text(content)
-    assert native._calibrated().width > 0
-    assert json.loads(path.read_text())["width"] == native._calibrated().width
+    assert native._calibrated().m8
+    assert json.loads(path.read_text())["m8"] is True
 
 
 def test_an_unwritable_cache_falls_back_to_calibrating(fresh, monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("GEFEN_CACHE_DIR", str(blocker / "cache"))  # a directory can never be made there
-    assert native._calibrated().width > 0
+    assert native._calibrated().m8
 
 
 def test_the_key_follows_the_library_build(monkeypatch, tmp_path):
@@ -89,7 +88,7 @@ for _ in range(3):
     m(torch.randn(16, 64)).square().mean().backward()
     opt.step()
     opt.zero_grad()
-print(json.dumps({"width": native._calibrated().width, "native": native.available(),
+print(json.dumps({"m8": native._calibrated().m8, "native": native.available(),
                   "sum": [float(p.double().sum()) for p in m.parameters()]}))
 """
 

@@ -1,10 +1,12 @@
 """The fused C step of the m8 layout (gefen/native.py, gefen/csrc/gefen_step.c) against the eager
 reference (the m4v4 layout's kernels: tests/optim/test_native_m4v4.py).
 
-Both paths run on identical inputs; codes, scales, second moments, step counts AND parameters
-must be bit-for-bit identical (fp32 compared as integers, so even the sign of a zero counts)
-after several steps, on the block and factored paths, for 0-D/1-D/2-D/3-D and empty shards,
-odd sizes, fp32 and bf16, with and without weight decay, at several thread counts.
+Both paths run on identical inputs; after several steps, on the block and factored paths, for
+0-D/1-D/2-D/3-D and empty shards, odd sizes, fp32 and bf16, with and without weight decay, at
+several thread counts, the kernels meet their bound (``parity.M8_RULE``: codes, scales, v_col and
+step counts the reference's, the second-moment means within ``M8_V_RTOL``, parameters within
+rounding), GefenMuon's momentum the reference's values; and every ISA, at 1 and 2 threads,
+leaves identical bits (fp32 compared as integers, so even the sign of a zero counts).
 These test the "m8" layout's kernel (``moments="m8"``); the m4v4 step's fused path has its own tests.
 CUDA has no fused path yet; its tests would skip without a GPU (there are none here).
 """
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 import gefen.native as native
-from gefen import Gefen, dispatch
+from gefen import Gefen, dispatch, parity
 from gefen.codebook import code_thresholds, learn_codebook, nearest_code
 from gefen.dispatch import gefen_update_, second_moment_partials
 from gefen.functional import Hyper, init_state
@@ -82,8 +84,25 @@ def grads_for(shape, dtype, gen, steps):
     return out
 
 
+def one_step(param, g, state, codebook, h, rows, factored, use_native):
+    v_row = partials = None
+    if factored:
+        if use_native:
+            out = native.second_moment_partials(g, state, h.beta2)
+            assert out is not None, "second_moment_partials did not apply"
+            v_row, partials = out
+        else:
+            v_row, partials = second_moment_partials(g, state, h.beta2)
+    if use_native:
+        assert native.gefen_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
+    else:
+        gefen_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
+
+
 def run(shape, period, factored, *, use_native, dtype=torch.float32, grad_dtype=None, steps=3, h=HYPER,
-        codebook_kind="learned", global_rows=None, seed=0):
+        codebook_kind="learned", global_rows=None, seed=0, lockstep=False):
+    """``steps`` steps of one tensor; ``lockstep``: the reference's, each also taken by the kernels
+    from the reference's parameter and state and checked against it (``parity.M8_RULE``)."""
     gen = torch.Generator().manual_seed(seed)
     param = (torch.randn(shape, generator=gen)).to(dtype)
     grads = grads_for(shape, grad_dtype or dtype, gen, steps)
@@ -91,30 +110,28 @@ def run(shape, period, factored, *, use_native, dtype=torch.float32, grad_dtype=
     rows = global_rows if global_rows is not None else (shape[0] if shape else 1)
     state = init_state(param, (rows,) + tuple(shape[1:]) if shape else (), period, factored)
     dispatch.enabled = use_native
-    for g in grads:
-        v_row = partials = None
-        if factored:
-            if use_native:
-                out = native.second_moment_partials(g, state, h.beta2)
-                assert out is not None, "second_moment_partials did not apply"
-                v_row, partials = out
-            else:
-                v_row, partials = second_moment_partials(g, state, h.beta2)
-        if use_native:
-            assert native.gefen_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
-        else:
-            gefen_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
+    for i, g in enumerate(grads):
+        before, p_nat, s_nat = param.clone(), param.clone(), {k: v.clone() for k, v in state.items()}
+        if lockstep:
+            one_step(p_nat, g, s_nat, codebook, h, rows, factored, True)
+        one_step(param, g, state, codebook, h, rows, factored, use_native)
+        if lockstep:
+            assert_within_bound(p_nat, s_nat, param, state, before, what=f"step {i + 1}")
     return param, state
 
 
+def assert_within_bound(p_nat, s_nat, p_ref, s_ref, before, what=""):
+    """``parity.M8_RULE`` for one step from the same parameter ``before`` and state."""
+    assert parity.M8_RULE((p_nat, s_nat, before), (p_ref, s_ref, before)) is None, what
+
+
+#: Several steps, each path from its own state: the parameters drift apart by each step's rounding
+#: (the steps' updates, ~lr, within M8_V_RTOL, and a unit of the parameter's last place)
+MULTI_STEP_ATOL = 1e-6
+
+
 def check_parity(*args, **kwargs):
-    p_ref, s_ref = run(*args, use_native=False, **kwargs)
-    p_nat, s_nat = run(*args, use_native=True, **kwargs)
-    assert set(s_ref) == set(s_nat)
-    for key in s_ref:
-        assert_identical(s_nat[key], s_ref[key], key)
-    assert_identical(p_nat, p_ref, "param")
-    return p_nat, s_nat
+    return run(*args, use_native=False, lockstep=True, **kwargs)
 
 
 # ----- parity ------------------------------------------------------------------------------------
@@ -144,7 +161,6 @@ def test_block_parity(shape, period, threads):
 @pytest.mark.parametrize("shape,period,factored", [((64, 48), 48, True), ((300, 130), 130, True),
                                                    ((4, 6, 10), 60, False), ((777,), 1, False)])
 def test_three_threads(shape, period, factored):
-    """torch splits reductions by its thread count; the C emulation must follow any count."""
     torch.set_num_threads(3)
     check_parity(shape, period, factored)
 
@@ -198,10 +214,9 @@ def test_row_sharded_matches_between_paths():
             for s, gs, st, (v_row, _) in zip(shards, g.split([23, 27]), states, parts):
                 gefen_update_(s, gs, st, codebook, HYPER, global_rows=50, v_row=v_row, partials=total)
         results[use_native] = (shards, states)
-    for i in range(2):
-        assert_identical(results[True][0][i], results[False][0][i], f"shard {i} param")
-        for key in results[False][1][i]:
-            assert_identical(results[True][1][i][key], results[False][1][i][key], f"shard {i} {key}")
+    for i in range(2):  # codes and scales exact, the rest within the rounding of three steps
+        assert parity.state_differences(results[False][1][i], results[True][1][i], parity.M8_APPROX) is None
+        assert torch.allclose(results[True][0][i], results[False][0][i], rtol=0, atol=MULTI_STEP_ATOL)
 
 
 def portable(monkeypatch):
@@ -209,15 +224,24 @@ def portable(monkeypatch):
     monkeypatch.setattr(native, "_calibration", dataclasses.replace(native._calibrated(), isa=0))
 
 
-def test_avx2_and_portable_kernels_agree(monkeypatch):
-    for shape, period, factored in [((64, 48), 48, True), ((70, 1000), 500, False), ((9, 16), 16, False)]:
-        p1, s1 = run(shape, period, factored, use_native=True, dtype=torch.bfloat16)
-        with monkeypatch.context() as m:
-            portable(m)
-            p2, s2 = run(shape, period, factored, use_native=True, dtype=torch.bfloat16)
-        assert_identical(p1, p2, "param")
-        for key in s1:
-            assert_identical(s1[key], s2[key], key)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_isa_and_thread_count_agree(monkeypatch, dtype):
+    """The kernels' own contract: AVX-512, AVX2 and portable, at 1 and 2 threads, the same bits
+    ((300, 130) and (70, 1000) are split over threads; odd periods have vector tails)."""
+    cases = [((64, 48), 48, True), ((300, 130), 13, True), ((33, 40), 8, True), ((70, 1000), 500, False),
+             ((9, 16), 16, False), ((8, 3, 5), 5, False), ((777,), 1, False), ((), 1, False)]
+    for shape, period, factored in cases:
+        results = []
+        for isa in native.ISAS.values():
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                with monkeypatch.context() as m:
+                    m.setattr(native, "_calibration", dataclasses.replace(native._calibrated(), isa=isa))
+                    results.append(run(shape, period, factored, use_native=True, dtype=dtype))
+        for p, st in results[1:]:
+            assert_identical(p, results[0][0], f"{shape}: param")
+            for key in st:
+                assert_identical(st[key], results[0][1][key], f"{shape}: {key}")
 
 
 def test_special_values():
@@ -238,10 +262,11 @@ def test_special_values():
         out[use_native] = (p, st)
     (p0, s0), (p1, s1) = out[False], out[True]
     assert torch.equal(s0["m_code"], s1["m_code"])
-    assert torch.equal(s0["v"].isnan(), s1["v"].isnan()) and torch.equal(s0["v"].nan_to_num(), s1["v"].nan_to_num())
+    assert torch.allclose(s1["v"], s0["v"], rtol=parity.M8_V_RTOL, atol=0, equal_nan=True)
     assert torch.equal(s0["m_scale"].isnan(), s1["m_scale"].isnan())
     assert torch.equal(s0["m_scale"].nan_to_num(), s1["m_scale"].nan_to_num())
-    assert torch.equal(p0.isnan(), p1.isnan()) and torch.equal(p0.nan_to_num(), p1.nan_to_num())
+    assert torch.equal(p0.isnan(), p1.isnan())
+    assert torch.allclose(p0.nan_to_num(), p1.nan_to_num(), rtol=0, atol=MULTI_STEP_ATOL)
 
 
 # ----- the quantiser LUT -------------------------------------------------------------------------
@@ -290,11 +315,9 @@ def test_optimizer_uses_fused_path_and_matches_eager(factored_v_2d):
             opt.step()
         runs[use_native] = (params, opt.state_dict())
     (pa, sa), (pb, sb) = runs[False], runs[True]
-    for (name, a), (_, b) in zip(pa, pb):
-        assert_identical(b.detach(), a.detach(), name)
-    for key, entry in sa["state"].items():
-        for field, value in entry.items():
-            assert_identical(sb["state"][key][field], value, f"{key}.{field}")
+    for (name, a), (_, b), key in zip(pa, pb, sa["state"]):  # codes and scales exact, the rest within rounding
+        assert parity.state_differences(sa["state"][key], sb["state"][key], parity.M8_APPROX) is None, name
+        assert torch.allclose(b.detach(), a.detach(), rtol=0, atol=MULTI_STEP_ATOL), name
 
 
 
@@ -401,10 +424,7 @@ MOMENTUM = [((64, 48), 48), ((33, 40), 8), ((300, 130), 13), ((1, 40000), 40000)
 def test_momentum_parity(shape, period, threads):
     torch.set_num_threads(threads)
     (ref, s_ref), (nat, s_nat) = (_momentum_run(shape, period, use_native=u) for u in (False, True))
-    for i, (a, b) in enumerate(zip(nat, ref)):
-        assert_identical(a, b, f"momentum after step {i}")
-    for key in ("m_code", "m_scale"):
-        assert_identical(s_nat[key], s_ref[key], key)
+    assert parity.equal((nat, s_nat["m_code"], s_nat["m_scale"]), (ref, s_ref["m_code"], s_ref["m_scale"])) is None
 
 
 @pytest.mark.parametrize("kind", ["uniform", "crowded", "padded"])
@@ -412,16 +432,14 @@ def test_momentum_parity(shape, period, threads):
 def test_momentum_parity_codebooks_and_bf16(kind, grad_dtype):
     (ref, s_ref), (nat, s_nat) = (_momentum_run((50, 96), 32, use_native=u, grad_dtype=grad_dtype, codebook_kind=kind)
                                   for u in (False, True))
-    for a, b in zip(nat, ref):
-        assert_identical(a, b, "momentum")
+    assert parity.equal(nat, ref) is None
     assert_identical(s_nat["m_code"], s_ref["m_code"], "m_code")
 
 
 def test_momentum_portable_kernel_agrees(monkeypatch):
     portable(monkeypatch)
     (ref, _), (nat, _) = (_momentum_run((40, 64), 16, use_native=u) for u in (False, True))
-    for a, b in zip(nat, ref):
-        assert_identical(a, b, "momentum (portable kernel)")
+    assert parity.equal(nat, ref) is None, "momentum (portable kernel)"
 
 
 def test_gefen_muon_native_matches_eager():
