@@ -275,9 +275,10 @@ def _markdown(data: dict) -> str:
         "thread count (docs/design.md, \"The m4v4 kernels\"): one pass over the gradient for the float64 "
         "statistics, one fused pass for the step (16-lane AVX-512 with each 16-entry table in one register), "
         "no per-element square root, a software prefetch per vector step (docs/decisions.md, \"The CPU kernels "
-        "prefetch the tensors they stream\"). The m8 kernel (`gefen/csrc/gefen_step.c`) still reproduces the eager "
-        "op chain bit for bit (ATen's cascade sums, MKL's square root, scalar lookups into its 256-entry "
-        "codebook). The first step adds the one-time codebook histogram (one C pass) and the codebook DP "
+        "prefetch the tensors they stream\"). The m8 kernel (`gefen/csrc/gefen_step.c`) keeps the same contract "
+        "with an exact first moment (docs/design.md, \"The m8 kernel\"): m4v4's phase 1, no per-element square "
+        "root, one division per element, 8-lane AVX2 with scalar lookups into its 256-entry codebook. "
+        "The first step adds the one-time codebook histogram (one C pass) and the codebook DP "
         "to a fused step."
     )
     return f"{intro}\n\n{table}\n\n{target_table}\n\n{note}\n"

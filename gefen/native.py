@@ -73,7 +73,8 @@ class _StepArgs(ctypes.Structure):
         ("codes", _P), ("scales", _P), ("v", _P), ("v_row_new", _P), ("v_row", _P), ("v_col", _P), ("partials", _P),
         ("codebook", _P), ("thr", _P), ("lut", _P),
         ("rows", _I64), ("bpr", _I64), ("period", _I64), ("global_rows", _I64),
-        ("K", _I32), ("lut_M", _I32), ("factored", _I32), ("momentum_only", _I32), ("m_out", _P), ("given_scales", _P), ("scales_out", _P),
+        ("K", _I32), ("lut_M", _I32), ("factored", _I32), ("momentum_only", _I32),
+        ("m_out", _P), ("given_scales", _P), ("scales_out", _P),
     ]
 
 

@@ -140,7 +140,7 @@ class Gefen(CompressedOptimizer):
             self._step_m8(work)
 
     def _check_placement(self, name: str, param: torch.Tensor, placement: ParamPlacement) -> None:
-        if self.moments == "m8":  # its row statistics are fp32 cascade sums no column split reproduces
+        if self.moments == "m8":  # m8 has no tensor-parallel reduction of its row statistics (m4v4 has)
             super()._check_placement(name, param, placement)
 
     def _reduced_partials(self, work, fields: str, partials_fn,

@@ -72,9 +72,9 @@ static inline void st_g(void *dst, int dt, int64_t i, float v) {
  * torch.sqrt on CPU is MKL's vmsSqrt (VML_HA) when torch is built with MKL, which is not always
  * correctly rounded (about 0.75 ulp here); gefen.native hands us the very function torch calls
  * (exported by libtorch_cpu) so the 1-D AdamW step (m4v4_step.c) rounds as torch's does, else
- * NULL: IEEE sqrtf, what torch's own vectorised sqrt computes.  The other kernels use sqrtf.  MKL_Set_Num_Threads_Local (C ABI: the lowercase symbol is the
- * Fortran one) keeps MKL from threading each per-row call of our OpenMP threads (2 threads ran at
- * 1.4x instead of 2x without it). */
+ * NULL: IEEE sqrtf, what torch's own vectorised sqrt computes.  The other kernels use sqrtf.
+ * MKL_Set_Num_Threads_Local (C ABI: the lowercase symbol is the Fortran one) keeps MKL from
+ * threading each call made from our OpenMP threads. */
 typedef void (*vms_sqrt_fn)(int n, const float *a, float *r, long long mode);
 typedef int (*mkl_threads_fn)(int n);
 typedef struct {

@@ -9,9 +9,10 @@ max-abs, picks codes by ``argmin |x - c|`` (float64, exact for fp32 inputs; ties
 code), builds the factored ``V = outer(v_row, v_col) / mean(v_row)``, bias-corrects and applies
 decoupled weight decay. Codes, scales and second moments must be bit-for-bit equal after every
 step, parameters within 1 ulp; the fused C step's (``native``) second-moment means within
-``parity.M8_V_RTOL`` and parameters within the drift of several steps' rounding. One exception, on purpose: the implementation stores the scale of
-an all-zero block as -0.0 (``max(amax, -amin)`` of zeros), the obvious ``|m|.amax()`` gives +0.0;
-both dequantise to 0, so scales are compared with the sign of zero ignored.
+``parity.M8_V_RTOL`` and parameters within the drift of several steps' rounding. One exception,
+on purpose: the implementation stores the scale of an all-zero block as -0.0 (``max(amax, -amin)``
+of zeros), the obvious ``|m|.amax()`` gives +0.0; both dequantise to 0, so scales are compared
+with the sign of zero ignored.
 
 Floating-point results depend on the order of roundings, so the reference rounds where the
 formula of docs/design.md section 3 does: reductions over rows are float64 rounded once (they
