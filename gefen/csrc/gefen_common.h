@@ -1,6 +1,6 @@
 /* What the C sources of gefen._gefen_step (and kmeans_dp.c) share: the export attribute, the
  * dtype codes that gefen.native passes (gefen.native._DT), exact bf16 widening and rounding,
- * 1- and 8-lane loads and stores, the per-call mode and the fields every step's arguments start
+ * 1-, 8- and 16-lane loads and stores, the per-call mode and the fields every step's arguments start
  * with, the parameter update, the thread split and the CPU's instruction sets. */
 #ifndef GEFEN_COMMON_H
 #define GEFEN_COMMON_H
@@ -217,6 +217,28 @@ static AVX2 inline void update_param8(void *param, int dt, int64_t i, __m256 u, 
     __m256 p = ld8_g(param, dt, i);
     if (has_wd) p = _mm256_mul_ps(p, decay);
     st8_g(param, dt, i, _mm256_fmadd_ps(u, nlr, p));
+}
+/* ----- 16 lanes (AVX-512: m4v4_step.c's row kernels, gefen_step.c's block kernel) ---------- */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+
+/* 16 elements of an fp32 or bf16 array from i, as fp32 (exact) */
+static AVX512 inline __m512 ld16_g(const void *g, int dt, int64_t i) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)g + i);
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* store 16 fp32 values at i of an fp32 or bf16 array (bf16: f32_to_bf16 in every lane) */
+static AVX512 inline void st16_g(void *dst, int dt, int64_t i, __m512 v) {
+    if (dt == DT_F32) {
+        _mm512_storeu_ps((float *)dst + i, v);
+        return;
+    }
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtepi32_epi16(r));
 }
 #else
 static inline int cpu_isa(void) { return 0; }

@@ -16,14 +16,16 @@
  *     monotone, see gefen_build_lut), or a binary search when no LUT fits.  So codes, scales and
  *     GefenMuon's momentum are the reference's (up to a zero scale's sign).
  *   - The second moment differs by rounding (parity.M8_V_RTOL): a block's mean of g^2 is the
- *     float64 sum of the fp32 squares in m4v4's fixed order (p1_row), rounded once; the factored
+ *     float64 sum of the fp32 squares in m4v4's fixed order (p1_row's, accumulated in the block's
+ *     own first pass), rounded once; the factored
  *     estimate's square root is sqrt(v_row / mean(v_row)) * sqrt(v_col) (no per-element root);
  *     the update multiplies by 1 / (1 - b1^t) and 1 / sqrt(1 - b2^t) and divides once by the
  *     denominator.  The second moment's EMA keeps torch's add(alpha) fmaf, the parameter update
  *     its one fmaf (p + (-lr) u); no other contraction (-ffp-contract=off).
- * Each block belongs to one thread, so any thread split gives the same bits.  Two block kernels
- * give identical results: AVX2 (also what AVX-512 CPUs run) and portable C; table lookups stay
- * scalar (AVX2 gathers measured slower).
+ * Each block belongs to one thread, so any thread split gives the same bits.  Three block kernels
+ * give identical results: AVX-512 (16 lanes), AVX2 (8 lanes) and portable C, the same operations
+ * lane by lane (the call's mode caps which runs: GEFEN_CPU_ISA, tests compare them); table lookups
+ * stay scalar (AVX2 gathers measured slower).
  */
 #include <float.h>
 #include <math.h>
@@ -104,7 +106,8 @@ typedef struct {
     float rm, hm, ibc1, ib2s; /* mean(v_row), the LUT's bucket scale, 1 / (1 - b1^t), 1 / sqrt(1 - b2^t) */
     float lerp_coeff; /* lerp weight, or weight - 1 when |weight| >= 0.5 (ATen's lerp) */
     int lerp_small;   /* |weight| < 0.5: lerp = fma(w, end - self, self), else fma(w - 1, end - self, end) */
-    int isa;          /* call_isa: 0 portable, else AVX2 */
+    int isa;          /* call_isa: 0 portable, 1 AVX2, 2 AVX-512 */
+    int want_v;       /* the per-block path: each block's pass 1 also sums g^2 (block_den) */
     const float *svc; /* factored: sqrt(v_col') per column */
 } kctx;
 
@@ -139,7 +142,9 @@ static inline int32_t bucket_or_nan(const kctx *c, float x) {
 }
 
 /* ----- one block ------------------------------------------------------------------------------
- * Pass 1: m = lerp(codebook[code] * scale, g) for the block, its max-abs -> the new scale.
+ * Pass 1: m = lerp(codebook[code] * scale, g) for the block, its max-abs -> the new scale; on the
+ *         per-block path (want_v) also the block's float64 sum of g^2 in p1_row's order, so the
+ *         gradient is read once (block_den then gives the second moment and the denominator).
  * Pass 2: code = nearest(m / scale), u = ((codebook[code] * scale) * (1 / (1 - b1^t))) / den,
  *         p = p * (1 - lr wd) + (-lr) u  (one fused multiply-add, as torch's add(alpha)).
  * den: the block's denominator, or (svc != NULL, factored) sa * svc[e] + eps per element, where
@@ -154,28 +159,47 @@ static inline float denominator(const kctx *c, float den, const float *svc, int6
     return svc ? den * svc[e] + c->s.eps : den;
 }
 
+/* The per-block path's v and denominator from the block's sum of g^2, accumulated as p1_row does
+ * (lane l: elements e = l mod 16 below the last multiple of 16; the lanes added 0..15, then the
+ * tail, the rest in order): its mean rounded once, the EMA as torch's add(alpha) (one fmaf). */
+static inline float block_den(const kctx *c, int64_t bi, const double *lanes, double tail) {
+    double s = lanes[0];
+    for (int l = 1; l < 16; ++l) s += lanes[l];
+    const float bs = (float)((s + tail) / (double)c->P);
+    const float v = fmaf(bs, c->s.o2, c->a->v[bi] * c->s.b2);
+    c->a->v[bi] = v;
+    return sqrtf(v) * c->ib2s + c->s.eps;
+}
+
 static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, float den, const float *svc) {
     const gefen_step_args *a = c->a;
-    const int64_t P = c->P, off = bi * P;
+    const int64_t P = c->P, off = bi * P, P16 = P & ~(int64_t)15;
     const float *cb = a->codebook;
     float *mbuf = B->mbuf;
     uint8_t *code = a->codes + off;
     const float s_old = a->scales[bi];
     float amax = -INFINITY, amin = INFINITY;
+    double lanes[16] = {0}, tail = 0.0;
     int nan = 0;
     for (int64_t e = 0; e < P; ++e) {
-        float m0 = cb[code[e]] * s_old;
-        float m = lerp_m(c, m0, ld_g(a->grad, a->grad_dtype, off + e));
+        const float g = ld_g(a->grad, a->grad_dtype, off + e);
+        float m = lerp_m(c, cb[code[e]] * s_old, g);
         mbuf[e] = m;
         nan |= m != m;
         amax = m > amax ? m : amax;
         amin = m < amin ? m : amin;
+        if (c->want_v) {
+            const double s = (double)(g * g);
+            if (e < P16) lanes[e & 15] += s;
+            else tail += s;
+        }
     }
     const float scale = a->given_scales ? a->given_scales[bi] : block_scale(amax, amin, nan);
     if (a->scales_out) {
         a->scales_out[bi] = scale;
         return;
     }
+    if (c->want_v) den = block_den(c, bi, lanes, tail);
     const int zero = scale == 0.0f;
     for (int64_t e = 0; e < P; ++e) {
         int32_t q = 0;
@@ -196,7 +220,6 @@ static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, float
     }
     a->scales[bi] = scale;
 }
-
 
 /* Table lookups stay scalar: AVX2 gathers are several times slower than plain loads on the
  * CPUs we measured, and these loops are load-port bound (2-5 loads per element). */
@@ -235,6 +258,37 @@ static NOVEC void lookup_codes(const kctx *c, const float *x, const int32_t *b, 
     }
 }
 
+/* The scalar end of a vector kernel's pass 1 (elements e0 .. P): m, its range and, with want_v,
+ * the tail of the sum of g^2. */
+static inline void pass1_tail(const kctx *c, int64_t off, int64_t e0, const float *cbuf, float s_old, float *mbuf,
+                              float *amax, float *amin, int *nan, double *tail) {
+    const gefen_step_args *a = c->a;
+    for (int64_t e = e0; e < c->P; ++e) {
+        const float g = ld_g(a->grad, a->grad_dtype, off + e);
+        const float m = lerp_m(c, cbuf[e] * s_old, g);
+        mbuf[e] = m;
+        *nan |= m != m;
+        *amax = m > *amax ? m : *amax;
+        *amin = m < *amin ? m : *amin;
+        if (c->want_v) *tail += (double)(g * g);
+    }
+}
+
+/* The scalar end of a vector kernel's pass 2 (elements e0 .. P, codes already in cbuf). */
+static inline void pass2_tail(const kctx *c, int64_t off, int64_t e0, const float *cbuf, float scale, float den,
+                              const float *svc) {
+    const gefen_step_args *a = c->a;
+    for (int64_t e = e0; e < c->P; ++e) {
+        if (a->momentum_only) {
+            a->m_out[off + e] = cbuf[e] * scale;
+            continue;
+        }
+        const float u = ((cbuf[e] * scale) * c->ibc1) / denominator(c, den, svc, e);
+        float p = ld_g(a->param, a->param_dtype, off + e);
+        if (a->has_wd) p = p * c->s.decay;
+        st_g(a->param, a->param_dtype, off + e, fmaf(u, c->s.nlr, p));
+    }
+}
 
 #if GEFEN_X86
 static AVX2 float hmin8(__m256 v) {
@@ -248,7 +302,7 @@ static AVX2 float hmin8(__m256 v) {
 static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, float den, const float *svc) {
     const gefen_step_args *a = c->a;
     const int64_t P = c->P, off = bi * P;
-    const int64_t P8 = P & ~(int64_t)7;
+    const int64_t P8 = P & ~(int64_t)7, P16 = P & ~(int64_t)15;
     const float *cb = a->codebook;
     float *mbuf = B->mbuf, *cbuf = B->cbuf;
     int32_t *bbuf = B->bbuf;
@@ -259,6 +313,8 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, floa
     lookup_values(code, cb, cbuf, P);
     const __m256 vs_old = _mm256_set1_ps(s_old), w = _mm256_set1_ps(c->lerp_coeff);
     __m256 vmax = _mm256_set1_ps(-INFINITY), vmin = _mm256_set1_ps(INFINITY), vnan = _mm256_setzero_ps();
+    __m256d l0 = _mm256_setzero_pd(), l1 = l0, l2 = l0, l3 = l0; /* the sum's lanes 0-3, 4-7, 8-11, 12-15 */
+    double tail = 0.0;
     int64_t e = 0;
     const int gsz = DT_SIZE(a->grad_dtype), psz = DT_SIZE(a->param_dtype);
     for (; e < P8; e += 8) {
@@ -271,20 +327,39 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, floa
         vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(m, m, _CMP_UNORD_Q));
         vmax = _mm256_max_ps(vmax, m);
         vmin = _mm256_min_ps(vmin, m);
+        if (!c->want_v) continue;
+        const __m256 sq = _mm256_mul_ps(g, g);
+        if (e < P16) {
+            const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(sq));
+            const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1));
+            if (e & 8) {
+                l2 = _mm256_add_pd(l2, d0);
+                l3 = _mm256_add_pd(l3, d1);
+            } else {
+                l0 = _mm256_add_pd(l0, d0);
+                l1 = _mm256_add_pd(l1, d1);
+            }
+        } else {
+            float t[8];
+            _mm256_storeu_ps(t, sq);
+            for (int k = 0; k < 8; ++k) tail += (double)t[k];
+        }
     }
     float amax = hmax8(vmax), amin = hmin8(vmin);
     int nan = _mm256_movemask_ps(vnan) != 0;
-    for (; e < P; ++e) {
-        float m = lerp_m(c, cbuf[e] * s_old, ld_g(a->grad, a->grad_dtype, off + e));
-        mbuf[e] = m;
-        nan |= m != m;
-        amax = m > amax ? m : amax;
-        amin = m < amin ? m : amin;
-    }
+    pass1_tail(c, off, e, cbuf, s_old, mbuf, &amax, &amin, &nan, &tail);
     const float scale = a->given_scales ? a->given_scales[bi] : block_scale(amax, amin, nan);
     if (a->scales_out) {
         a->scales_out[bi] = scale;
         return;
+    }
+    if (c->want_v) {
+        double lanes[16];
+        _mm256_storeu_pd(lanes, l0);
+        _mm256_storeu_pd(lanes + 4, l1);
+        _mm256_storeu_pd(lanes + 8, l2);
+        _mm256_storeu_pd(lanes + 12, l3);
+        den = block_den(c, bi, lanes, tail);
     }
     const __m256 vscale = _mm256_set1_ps(scale);
 
@@ -313,7 +388,7 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, floa
     }
     if (a->momentum_only) { /* the dequantised new momentum: codebook[code] * scale */
         for (e = 0; e < P8; e += 8) _mm256_storeu_ps(a->m_out + off + e, _mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale));
-        for (; e < P; ++e) a->m_out[off + e] = cbuf[e] * scale;
+        pass2_tail(c, off, e, cbuf, scale, den, svc);
         a->scales[bi] = scale;
         return;
     }
@@ -325,18 +400,111 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, floa
         const __m256 u = _mm256_div_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale), ibc1), d);
         update_param8(a->param, a->param_dtype, off + e, u, nlr, decay, a->has_wd);
     }
-    for (; e < P; ++e) {
-        const float u = ((cbuf[e] * scale) * c->ibc1) / denominator(c, den, svc, e);
-        float p = ld_g(a->param, a->param_dtype, off + e);
-        if (a->has_wd) p = p * c->s.decay;
-        st_g(a->param, a->param_dtype, off + e, fmaf(u, c->s.nlr, p));
+    pass2_tail(c, off, e, cbuf, scale, den, svc);
+    a->scales[bi] = scale;
+}
+
+/* The AVX2 kernel on 16 lanes: the same operations lane by lane (the range's max and min are
+ * exact in any order; block_scale makes a zero scale +0 whatever the order gave its sign). */
+static AVX512 void block_avx512(const kctx *c, int64_t bi, const block_bufs *B, float den, const float *svc) {
+    const gefen_step_args *a = c->a;
+    const int64_t P = c->P, off = bi * P, P16 = P & ~(int64_t)15;
+    const float *cb = a->codebook;
+    float *mbuf = B->mbuf, *cbuf = B->cbuf;
+    int32_t *bbuf = B->bbuf;
+    uint8_t *code = a->codes + off;
+    const float s_old = a->scales[bi];
+
+    /* pass 1 */
+    lookup_values(code, cb, cbuf, P);
+    const __m512 vs_old = _mm512_set1_ps(s_old), w = _mm512_set1_ps(c->lerp_coeff);
+    __m512 vmax = _mm512_set1_ps(-INFINITY), vmin = _mm512_set1_ps(INFINITY);
+    __m512d l0 = _mm512_setzero_pd(), l1 = l0; /* the sum's lanes 0-7, 8-15 */
+    __mmask16 vnan = 0;
+    double tail = 0.0;
+    int64_t e = 0;
+    const int gsz = DT_SIZE(a->grad_dtype), psz = DT_SIZE(a->param_dtype);
+    for (; e < P16; e += 16) {
+        PREFETCH(a->grad, gsz, off + e);
+        PREFETCH(a->codes, 1, off + e);
+        const __m512 m0 = _mm512_mul_ps(_mm512_loadu_ps(cbuf + e), vs_old);
+        const __m512 g = ld16_g(a->grad, a->grad_dtype, off + e);
+        const __m512 m = _mm512_fmadd_ps(w, _mm512_sub_ps(g, m0), c->lerp_small ? m0 : g);
+        _mm512_storeu_ps(mbuf + e, m);
+        vnan |= _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
+        vmax = _mm512_max_ps(vmax, m);
+        vmin = _mm512_min_ps(vmin, m);
+        if (!c->want_v) continue;
+        const __m512 sq = _mm512_mul_ps(g, g);
+        l0 = _mm512_add_pd(l0, _mm512_cvtps_pd(_mm512_castps512_ps256(sq)));
+        l1 = _mm512_add_pd(l1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq), 1))));
     }
+    float amax = _mm512_reduce_max_ps(vmax), amin = _mm512_reduce_min_ps(vmin);
+    int nan = vnan != 0;
+    pass1_tail(c, off, e, cbuf, s_old, mbuf, &amax, &amin, &nan, &tail);
+    const float scale = a->given_scales ? a->given_scales[bi] : block_scale(amax, amin, nan);
+    if (a->scales_out) {
+        a->scales_out[bi] = scale;
+        return;
+    }
+    if (c->want_v) {
+        double lanes[16];
+        _mm512_storeu_pd(lanes, l0);
+        _mm512_storeu_pd(lanes + 8, l1);
+        den = block_den(c, bi, lanes, tail);
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+
+    /* pass 2: normalise and bucket (vector), look up codes (scalar), update (vector) */
+    if (scale == 0.0f) {
+        memset(code, 0, (size_t)P);
+        for (e = 0; e < P; ++e) cbuf[e] = cb[0];
+    } else {
+        const int32_t M = a->lut_M;
+        const __m512 one = _mm512_set1_ps(1.0f), hm = _mm512_set1_ps(c->hm);
+        const __m512i top = _mm512_set1_epi32(M - 1), nanb = _mm512_set1_epi32(M), zero = _mm512_setzero_si512();
+        for (e = 0; e < P16; e += 16) {
+            const __m512 x = _mm512_div_ps(_mm512_loadu_ps(mbuf + e), vscale);
+            _mm512_storeu_ps(mbuf + e, x);
+            const __mmask16 isnan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+            __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(_mm512_maskz_mov_ps(~isnan, x), one), hm));
+            b = _mm512_max_epi32(_mm512_min_epi32(b, top), zero);
+            _mm512_storeu_si512(bbuf + e, _mm512_mask_mov_epi32(b, isnan, nanb));
+        }
+        for (; e < P; ++e) {
+            float x = mbuf[e] / scale;
+            mbuf[e] = x;
+            bbuf[e] = M ? bucket_or_nan(c, x) : 0;
+        }
+        lookup_codes(c, mbuf, bbuf, code, cbuf, P);
+    }
+    if (a->momentum_only) {
+        for (e = 0; e < P16; e += 16) _mm512_storeu_ps(a->m_out + off + e, _mm512_mul_ps(_mm512_loadu_ps(cbuf + e), vscale));
+        pass2_tail(c, off, e, cbuf, scale, den, svc);
+        a->scales[bi] = scale;
+        return;
+    }
+    const __m512 ibc1 = _mm512_set1_ps(c->ibc1), vden = _mm512_set1_ps(den), eps = _mm512_set1_ps(c->s.eps);
+    const __m512 nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay);
+    for (e = 0; e < P16; e += 16) {
+        PREFETCH(a->param, psz, off + e);
+        const __m512 d = svc ? _mm512_add_ps(_mm512_mul_ps(vden, _mm512_loadu_ps(svc + e)), eps) : vden;
+        const __m512 u = _mm512_div_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(cbuf + e), vscale), ibc1), d);
+        __m512 p = ld16_g(a->param, a->param_dtype, off + e);
+        if (a->has_wd) p = _mm512_mul_ps(p, decay);
+        st16_g(a->param, a->param_dtype, off + e, _mm512_fmadd_ps(u, nlr, p));
+    }
+    pass2_tail(c, off, e, cbuf, scale, den, svc);
     a->scales[bi] = scale;
 }
 #endif
 
 static void one_block(const kctx *c, int64_t bi, const block_bufs *B, float den, const float *svc) {
 #if GEFEN_X86
+    if (c->isa == 2 && c->P >= 16) {
+        block_avx512(c, bi, B, den, svc);
+        return;
+    }
     if (c->isa && c->P >= 8) {
         block_avx2(c, bi, B, den, svc);
         return;
@@ -345,22 +513,18 @@ static void one_block(const kctx *c, int64_t bi, const block_bufs *B, float den,
     block_portable(c, bi, B, den, svc);
 }
 
-/* Blocks [b0, b1) of one thread: each block's denominator, then the block. */
+/* Blocks [b0, b1) of one thread: each block's denominator (the per-block path's comes from its
+ * own pass 1), then the block. */
 static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *B) {
     const gefen_step_args *a = c->a;
     const int64_t P = c->P;
     for (int64_t bi = b0; bi < b1; ++bi) {
-        if (a->momentum_only) {
-            one_block(c, bi, B, 0.0f, NULL);
-        } else if (a->factored) { /* sqrt(v_row / mean(v_row)) / sqrt(1 - b2^t), the block's columns */
+        if (a->factored) { /* sqrt(v_row / mean(v_row)) / sqrt(1 - b2^t), the block's columns */
             const int64_t r = bi / a->bpr;
             const float sa = sqrtf(a->v_row[r] / c->rm) * c->ib2s;
             one_block(c, bi, B, sa, c->svc + (bi - r * a->bpr) * P);
-        } else { /* the block's mean of g^2 (float64 sum, rounded once), its EMA (torch's add(alpha)) */
-            const float bs = (float)(p1_row(a->grad, a->grad_dtype, bi, P, NULL, c->isa) / (double)P);
-            const float v = fmaf(bs, c->s.o2, a->v[bi] * c->s.b2);
-            a->v[bi] = v;
-            one_block(c, bi, B, sqrtf(v) * c->ib2s + c->s.eps, NULL);
+        } else {
+            one_block(c, bi, B, 0.0f, NULL);
         }
     }
 }
@@ -388,6 +552,7 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
     c.rm = 0.0f;
     c.isa = call_isa(a->mode);
     c.svc = NULL;
+    c.want_v = !a->factored && !a->momentum_only;
     const int64_t numel = c.NB * c.P;
     const int nthreads = max_threads();
     const int par = numel >= PAR_MIN && nthreads > 1;

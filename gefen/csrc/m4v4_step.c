@@ -327,26 +327,6 @@ static AVX2 void row_pass2_avx2(const m4ctx *c, const row_tables *rt, int64_t r,
 }
 
 /* ----- one row, AVX-512 (same roundings, 16 lanes; a 16-entry table is one register) ------- */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
-
-static AVX512 inline __m512 ld16_g(const void *g, int dt, int64_t i) {
-    if (dt == DT_F32) return _mm512_loadu_ps((const float *)g + i);
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-
-static AVX512 inline void st16_g(void *dst, int dt, int64_t i, __m512 v) {
-    if (dt == DT_F32) {
-        _mm512_storeu_ps((float *)dst + i, v);
-        return;
-    }
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtepi32_epi16(r));
-}
-
 static AVX512 inline __m512i hash_start16(uint32_t g, uint32_t key) {
     const __m512i gidx = _mm512_add_epi32(_mm512_set1_epi32((int)g),
                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
