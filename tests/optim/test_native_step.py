@@ -228,10 +228,11 @@ def portable(monkeypatch):
 def test_every_isa_and_thread_count_agree(monkeypatch, dtype):
     """The kernels' own contract: AVX-512, AVX2 and portable, at 1 and 2 threads, the same bits
     ((300, 130) and (70, 1000) are split over threads; odd periods have vector tails: 24 and 29 an
-    8-lane step past the per-block sum's 16 lanes, 29 and 500 a 16-lane kernel's scalar tail)."""
+    8-lane step past the per-block sum's 16 lanes, 29, 130 and 500 a 16-lane kernel's scalar tail;
+    130 and 500 the codebook in registers)."""
     cases = [((64, 48), 48, True), ((300, 130), 13, True), ((33, 40), 8, True), ((70, 1000), 500, False),
              ((9, 16), 16, False), ((8, 3, 5), 5, False), ((777,), 1, False), ((), 1, False),
-             ((6, 4, 6), 24, False), ((4, 58), 29, False), ((45, 29), 29, True)]
+             ((6, 4, 6), 24, False), ((4, 58), 29, False), ((45, 29), 29, True), ((20, 130), 130, True)]
     for shape, period, factored in cases:
         results = []
         for isa in native.ISAS.values():
