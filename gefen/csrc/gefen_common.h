@@ -244,10 +244,6 @@ static AVX512 inline void st16_g(void *dst, int dt, int64_t i, __m512 v) {
 static inline int cpu_isa(void) { return 0; }
 #endif
 
-/* A row's float64 sum of its fp32 squares in the order m4v4_step.c fixes (16 lanes, then the
- * tail), the squares also added into col[j] unless col is NULL; row r of a [*, C] array. */
-__attribute__((visibility("hidden"))) double p1_row(const void *g, int dt, int64_t r, int64_t C, double *col, int isa);
-
 /* The kernels one call runs: what it allows, capped by the CPU. */
 static inline int call_isa(const gefen_mode *m) {
     const int cpu = cpu_isa();

@@ -603,8 +603,8 @@ static AVX512 int64_t p1_row_avx512(const void *g, int dt, int64_t off, int64_t 
 #endif
 
 /* row r's float64 sum of g^2; each square is also added into col[j] unless col is NULL (gefen_step.c's
- * block sums too: the block bi of length P is row bi of [blocks, P]) */
-double p1_row(const void *g, int dt, int64_t r, int64_t C, double *col, int isa) {
+ * block kernels sum a block of length P in the same order in their first pass) */
+static double p1_row(const void *g, int dt, int64_t r, int64_t C, double *col, int isa) {
     double lanes[16] = {0}, tail = 0.0;
     const int64_t off = r * C;
     int64_t j = 0;
