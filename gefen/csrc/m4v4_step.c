@@ -626,23 +626,26 @@ GEFEN_EXPORT int gefen_m4v4_partials(const void *grad, int32_t gdt, int64_t rows
     const float b2 = (float)beta2, o2 = (float)omb2;
     const int isa = call_isa(mode);
     const int64_t CH = p1_chunk(rows), nch = (rows + CH - 1) / CH;
-    double *chunks = (double *)calloc((size_t)(nch > 0 ? nch : 1) * (size_t)cols, sizeof(double));
+    double *chunks = (double *)malloc((size_t)(nch > 0 ? nch : 1) * (size_t)cols * sizeof(double));
     if (!chunks) return -1;
     const int par = rows * cols >= M4_PAR_MIN;
-    int64_t k = 0;
-#pragma omp parallel for schedule(static) if (par)
-    for (k = 0; k < nch; ++k) {
-        double *col = chunks + (size_t)k * (size_t)cols;
-        const int64_t r1 = (k + 1) * CH < rows ? (k + 1) * CH : rows;
-        for (int64_t r = k * CH; r < r1; ++r) {
-            const double s = p1_row(grad, gdt, r, cols, col, isa);
-            const double rs = row_sums ? row_sums[r] : s;
-            v_row_new[r] = v_row_old[r] * b2 + (float)(rs / (double)row_len) * o2;
-        }
-    }
+    /* one parallel region: each thread zeroes and fills its chunks' column sums (while they are in
+     * its cache), then, after the barrier, adds a range of columns over every chunk */
 #pragma omp parallel if (par)
     {
-        int64_t c0, c1;
+        int64_t k0, k1, c0, c1;
+        thread_range(nch, &k0, &k1);
+        for (int64_t k = k0; k < k1; ++k) {
+            double *col = chunks + (size_t)k * (size_t)cols;
+            const int64_t r1 = (k + 1) * CH < rows ? (k + 1) * CH : rows;
+            memset(col, 0, (size_t)cols * sizeof(double));
+            for (int64_t r = k * CH; r < r1; ++r) {
+                const double s = p1_row(grad, gdt, r, cols, col, isa);
+                const double rs = row_sums ? row_sums[r] : s;
+                v_row_new[r] = v_row_old[r] * b2 + (float)(rs / (double)row_len) * o2;
+            }
+        }
+#pragma omp barrier
         thread_range(cols, &c0, &c1);
         for (int64_t j = c0; j < c1; ++j) partials[j] = 0.0;
         for (int64_t q = 0; q < nch; ++q) { /* chunk order, per column */
