@@ -24,7 +24,7 @@ __all__ = ["adamw_update_", "batched", "block_histogram", "enabled", "gefen_upda
            "m4v4_partials_", "m4v4_row_stats", "m4v4_update_", "m8_partials_", "momenta_", "momentum_scales",
            "round_param_", "second_moment_partials", "sr_target", "unfit", "update_momentum_"]
 
-#: The one switch: False runs the reference everywhere (on CPU the same numbers, slower).
+#: The one switch: False runs the reference everywhere (the kernels' numbers within their bounds, slower).
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
 _FLOATS = (torch.float32, torch.bfloat16)
 
