@@ -177,6 +177,7 @@ def test_weight_decay_and_hyperparameters(shape, period, factored, weight_decay,
 def test_codebooks(kind):
     check_parity((40, 96), 32, True, codebook_kind=kind)
     check_parity((6, 5, 16), 16, False, codebook_kind=kind)
+    check_parity((8, 260), 130, True, codebook_kind=kind)  # >= 128: AVX-512 takes values from registers
 
 
 @pytest.mark.parametrize("shape,period,factored", [((64, 48), 48, True), ((300, 130), 13, True),
