@@ -225,6 +225,7 @@ static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, float
     a->scales[bi] = scale;
 }
 
+#if GEFEN_X86
 /* Table lookups stay scalar: AVX2 gathers are several times slower than plain loads on the
  * CPUs we measured, and these loops are load-port bound (2-5 loads per element). */
 #define NOVEC __attribute__((noinline, optimize("no-tree-vectorize", "unroll-loops")))
@@ -306,7 +307,6 @@ static inline void pass2_tail(const kctx *c, int64_t off, int64_t e0, const floa
     }
 }
 
-#if GEFEN_X86
 static AVX2 float hmin8(__m256 v) {
     float t[8];
     _mm256_storeu_ps(t, v);

@@ -629,6 +629,7 @@ GEFEN_EXPORT int gefen_m4v4_partials(const void *grad, int32_t gdt, int64_t rows
     double *chunks = (double *)malloc((size_t)(nch > 0 ? nch : 1) * (size_t)cols * sizeof(double));
     if (!chunks) return -1;
     const int par = rows * cols >= M4_PAR_MIN;
+    (void)par; /* read by the OpenMP pragma only */
     /* one parallel region: each thread zeroes and fills its chunks' column sums (while they are in
      * its cache), then, after the barrier, adds a range of columns over every chunk */
 #pragma omp parallel if (par)
