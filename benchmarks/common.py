@@ -132,14 +132,19 @@ def median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
 
 
 def machine_limits(size_mib: int = 256, reps: int = 5) -> dict:
-    """The machine's own limits next to which benchmark numbers should be read: memcpy bandwidth
-    (bytes copied per second by ``Tensor.copy_`` of a ``size_mib`` MiB tensor with the current
-    torch thread count; the memory traffic is twice that), CPU and thread counts, versions."""
+    """The machine's own limits next to which benchmark numbers should be read, with the current
+    torch thread count on ``size_mib`` MiB tensors: memcpy bandwidth (bytes copied per second by
+    ``Tensor.copy_``) and the traffic of an in-place read + write stream (``Tensor.mul_``, bytes
+    read and written per second: the access pattern of an optimizer step, which updates its
+    tensors in place; a copy also reads every destination line before writing it, so twice the
+    copied bytes undercounts its traffic), CPU and thread counts, versions."""
     src = torch.ones(size_mib * 2**20 // 4)
     dst = torch.empty_like(src)
     seconds = median_time(lambda: dst.copy_(src), reps, warmup=1)
+    in_place = median_time(lambda: src.mul_(1.0), reps, warmup=1)
     return {
         "memcpy_gbps": round(size_mib * 2**20 / seconds / 1e9, 2),
+        "stream_gbps": round(2 * size_mib * 2**20 / in_place / 1e9, 2),
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "cpu": _cpu_name(),

@@ -134,6 +134,8 @@ def render(records: dict[str, dict], machine: dict) -> str:
         md_table(["machine", "value"], [
             ["CPU", f"{machine['cpu']} ({machine['cpu_count']} CPUs, {machine['cpu_capability']})"],
             ["memcpy (torch copy_, 256 MiB)", f"{machine['memcpy_gbps']} GB/s at {machine['torch_threads']} threads"],
+            ["in-place read + write stream (torch mul_, 256 MiB)",
+             f"{machine['stream_gbps']} GB/s of traffic at {machine['torch_threads']} threads"],
             ["torch / python", f"{machine['torch']} / {machine['python']}"],
         ]),
         "",
