@@ -5,8 +5,8 @@ functions (``REFERENCE``) and with a family's (``kernel_fns``: the same names an
 names the first disagreement under the family's rule: ``identical`` (bit for bit),
 ``within_m4v4_bound`` (the C m4v4 kernels' bound), ``after_rounding`` (Triton; ``M8_RULE``: the
 m8 kernels of both families) or ``equal``.
-A stepping runner takes ``steps``, ``(by the reference, then by fns)``: Triton's check steps in
-lockstep, one kernel step from the reference's state.
+A stepping runner takes ``steps``, ``(by the reference, then by fns)``: the m8 checks (C and
+Triton) and Triton's others step in lockstep, one kernel step from the reference's state.
 """
 
 from __future__ import annotations
