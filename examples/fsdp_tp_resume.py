@@ -99,6 +99,10 @@ def worker(rank: int, dp: int, tp: int, rendezvous: str, steps: range, load_from
         with open(log, "w") as fh:
             fh.write("\n".join(f"{s} {v:.6f}" for s, v in zip(steps, losses)))
     dist.destroy_process_group()
+    # The work is done and on disk: leave now. gloo's worker threads can abort the interpreter's own
+    # teardown ("terminate called without an active exception"), which would fail the launch.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def launch(dp: int, tp: int, steps: range, load_from: str | None, save_to: str | None, workdir: str,
