@@ -133,10 +133,14 @@ def test_a_stale_object_store_lock_is_broken_and_a_live_one_refuses():
         gefen_ckpt.save(opt, url, model=model)
 
 
-def _racer(url: str, rounds: int, seed: int, out) -> None:
+def _racer(url: str, wanted: int, seed: int, start, out) -> None:
+    """Save until ``wanted`` saves succeeded (a refused attempt returns at once, so counting
+    attempts would let one process spend all of them during the other's save); ``start``: a
+    barrier, so both race from the same moment."""
     model, opt = trained("adamw", steps=1, seed=seed)
+    start.wait()
     outcome = {"ok": 0, "refused": 0, "other": []}
-    for _ in range(rounds):
+    while outcome["ok"] < wanted and outcome["refused"] < 1_000_000 and not outcome["other"]:
         try:
             gefen_ckpt.save(opt, url, model=model)
             outcome["ok"] += 1
@@ -152,15 +156,16 @@ def test_racing_processes_never_fail_other_than_refused_and_leave_a_loadable_che
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    url, out = str(tmp_path / "ck"), ctx.Queue()
-    procs = [ctx.Process(target=_racer, args=(url, 100, seed, out)) for seed in (0, 1)]
+    url, out, start = str(tmp_path / "ck"), ctx.Queue(), ctx.Barrier(2)
+    procs = [ctx.Process(target=_racer, args=(url, 50, seed, start, out)) for seed in (0, 1)]
     for p in procs:
         p.start()
     results = [out.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(60)
     assert not [r["other"] for r in results if r["other"]]
-    assert sum(r["ok"] for r in results) >= 100
+    assert [r["ok"] for r in results] == [50, 50], results  # both made progress: neither was locked out
+    assert sum(r["refused"] for r in results) > 0, results  # they did race
     assert gefen_ckpt.verify(url).ok
 
 
