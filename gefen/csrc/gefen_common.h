@@ -244,6 +244,15 @@ static AVX512 inline void st16_g(void *dst, int dt, int64_t i, __m512 v) {
 static inline int cpu_isa(void) { return 0; }
 #endif
 
+/* The end of every fixed-order float64 sum of g^2 (m4v4_step.c's row sums, gefen_step.c's block
+ * sums): lane l holds the elements e = l mod 16 below the last multiple of 16, the tail the rest in
+ * order; the lanes are added 0..15, then the tail. */
+static inline double lanes_total(const double *lanes, double tail) {
+    double s = lanes[0];
+    for (int l = 1; l < 16; ++l) s += lanes[l];
+    return s + tail;
+}
+
 /* The kernels one call runs: what it allows, capped by the CPU. */
 static inline int call_isa(const gefen_mode *m) {
     const int cpu = cpu_isa();

@@ -162,14 +162,10 @@ static inline float denominator(const kctx *c, float den, const float *svc, int6
     return svc ? den * svc[e] + c->s.eps : den;
 }
 
-/* The per-block path's v and denominator from the block's sum of g^2, accumulated in the order of
- * m4v4_step.c's p1_row (lane l takes the elements e = l mod 16 below the last multiple of 16; the
- * lanes are added 0..15, then the tail, the rest in order): its mean rounded once, the EMA as
- * torch's add(alpha) (one fmaf). */
+/* The per-block path's v and denominator from the block's sum of g^2 (its lanes and tail, see
+ * lanes_total): its mean rounded once, the EMA as torch's add(alpha) (one fmaf). */
 static inline float block_den(const kctx *c, int64_t bi, const double *lanes, double tail) {
-    double s = lanes[0];
-    for (int l = 1; l < 16; ++l) s += lanes[l];
-    const float bs = (float)((s + tail) / (double)c->P);
+    const float bs = (float)(lanes_total(lanes, tail) / (double)c->P);
     const float v = fmaf(bs, c->s.o2, c->a->v[bi] * c->s.b2);
     c->a->v[bi] = v;
     return sqrtf(v) * c->ib2s + c->s.eps;

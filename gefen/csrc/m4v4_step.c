@@ -614,9 +614,7 @@ static double p1_row(const void *g, int dt, int64_t r, int64_t C, double *col, i
 #endif
     (void)isa;
     p1_row_portable(g, dt, off, j, C, lanes, &tail, col);
-    double s = lanes[0];
-    for (int l = 1; l < 16; ++l) s += lanes[l];
-    return s + tail;
+    return lanes_total(lanes, tail);
 }
 
 GEFEN_EXPORT int gefen_m4v4_partials(const void *grad, int32_t gdt, int64_t rows, int64_t cols, const float *v_row_old,
