@@ -91,3 +91,25 @@ def test_io_benchmark_saves_the_default_state_with_safetensors(tmp_path):
     back = load_file(str(tmp_path / "s.safetensors"))
     assert back.keys() == tensors.keys()
     assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_fused_benchmark_reports_its_targets_at_the_thread_counts_it_ran():
+    """``bench_fused --threads 1,3`` (a machine with more cores): the targets read the 3-thread rows
+    when no 2-thread row exists, and bad counts are refused before anything is measured."""
+    from benchmarks import bench_fused
+    from benchmarks.common import machine_limits
+
+    assert bench_fused._threads_arg(["--quick"]) == bench_fused.THREADS
+    assert bench_fused._threads_arg(["--threads", "1,3"]) == (1, 3)
+    for bad in (["--threads"], ["--threads", "0,2"], ["--threads", "2,2"], ["--threads", "x"]):
+        with pytest.raises(SystemExit, match="--threads"):
+            bench_fused._threads_arg(bad)
+    named = bench_fused._params([("w", (32, 48)), ("b", (48,))])
+    grads = bench_fused.gradient_sets(named)
+    sizes = {"tiny": {bench_fused._config_name(t, "m4v4", torch.float32): bench_fused._measure(named, grads, "m4v4", 1, 0)
+                      for t in (1, 3)}}
+    data = {"machine": machine_limits(size_mib=4, reps=1), "threads": [1, 3], "reps": 1, "eager_reps": 0,
+            "quick": True, "native_available": True, "default": "m4v4 fp32, 3 threads", "sizes": sizes}
+    markdown = bench_fused._markdown(data)
+    assert "| Gefen fused / AdamW fused, 3 threads, every layout and dtype | <= 1.0x | worst" in markdown
+    assert "tiny m4v4 fp32, 3 threads:" in markdown and "tiny m4v4 fp32, 1 thread:" not in markdown
