@@ -50,9 +50,9 @@ def _hash_uniform(index: torch.Tensor, step: int, salt: int) -> torch.Tensor:
     return (x >> 8).float() * (1.0 / (1 << 24))
 
 
-def _histogram_fixed(blocks: torch.Tensor, num_bins: int) -> torch.Tensor:
+def _histogram_fixed(items: list[torch.Tensor], num_bins: int) -> torch.Tensor:
     """Histogram of values already in [-1, 1] (no per-block normalisation: the range is fixed)."""
-    idx = blocks.reshape(-1).add(1).div(2).mul(num_bins).long().clamp(0, num_bins - 1)
+    idx = torch.cat([b.reshape(-1) for b in items]).add(1).div(2).mul(num_bins).long().clamp(0, num_bins - 1)
     return torch.bincount(idx, minlength=num_bins)
 
 

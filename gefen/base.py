@@ -18,7 +18,7 @@ import torch
 from gefen.codebook import learn_codebook
 from gefen.compile import eager_step
 from gefen.contract import GLOBAL_STATE_KEY, FieldSpec, OptimizerContract
-from gefen.dispatch import batched, block_histogram
+from gefen.dispatch import batched, block_histograms
 from gefen.distributed import (
     ParamPlacement,
     ReductionPlan,
@@ -285,7 +285,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         blocks = [(rows_view(g), scales[id(p)]) if id(p) in scales else as_blocks(g, period)
                   for p, g, period in periods if period > 1]
         codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_,
-                                  histogram=block_histogram)
+                                  histogram=block_histograms)
         return codebook.to(work[0][1].device)
 
     def _step_codebook(self) -> torch.Tensor:

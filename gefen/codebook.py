@@ -168,21 +168,30 @@ def solve_codebook(counts: torch.Tensor, codebook_size: int) -> torch.Tensor:
     return torch.from_numpy(book).to(torch.float32)
 
 
+def histograms_normalised_blocks(items: list, num_bins: int) -> torch.Tensor | None:
+    """``histogram_normalised_blocks`` summed over ``items`` (``[..., P]`` block tensors or
+    ``(blocks, scale)`` pairs), on the first item's device; None for no items."""
+    counts = None
+    for item in items:
+        blocks, scale = item if isinstance(item, tuple) else (item, None)
+        h = histogram_normalised_blocks(blocks, num_bins, scale)
+        counts = h if counts is None else counts + h.to(counts.device)
+    return counts
+
+
 def learn_codebook(
-    blocks_list: Iterable[torch.Tensor],
+    blocks_list: Iterable,
     codebook_size: int = 256,
     bins_per_code: int = 16,
     all_reduce: Callable[[torch.Tensor], object] | None = None,
-    histogram: Callable[[torch.Tensor, int], torch.Tensor] = histogram_normalised_blocks,
+    histogram: Callable[[list, int], torch.Tensor | None] = histograms_normalised_blocks,
 ) -> torch.Tensor:
-    """Histogram every ``[..., P]`` block tensor, sum, solve. ``all_reduce(counts)`` sums the int64
-    counts in place across ranks (exact: every rank gets the same codebook); ``histogram`` computes
-    one tensor's counts (``gefen.native.block_histogram``: the same counts)."""
+    """Histogram every ``[..., P]`` block tensor (or ``(blocks, scale)`` pair), sum, solve.
+    ``all_reduce(counts)`` sums the int64 counts in place across ranks (exact: every rank gets the
+    same codebook); ``histogram(items, num_bins)`` counts them all (``gefen.dispatch.block_histograms``:
+    the same counts)."""
     num_bins = bins_per_code * codebook_size
-    counts = None
-    for blocks in blocks_list:
-        h = histogram(blocks, num_bins)
-        counts = h if counts is None else counts + h.to(counts.device)
+    counts = histogram(list(blocks_list), num_bins)
     if counts is None:
         counts = torch.zeros(num_bins, dtype=torch.int64)
     if all_reduce is not None:

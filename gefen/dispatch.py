@@ -20,7 +20,7 @@ from gefen.geometry import rows_and_row_numel
 from gefen.triton import dispatch as triton
 from gefen.triton.dispatch import batched
 
-__all__ = ["adamw_update_", "batched", "block_histogram", "enabled", "gefen_update_", "kernels", "m4v4_partials",
+__all__ = ["adamw_update_", "batched", "block_histograms", "enabled", "gefen_update_", "kernels", "m4v4_partials",
            "m4v4_partials_", "m4v4_row_stats", "m4v4_update_", "m8_partials_", "momenta_", "momentum_scales",
            "round_param_", "second_moment_partials", "sr_target", "unfit", "update_momentum_"]
 
@@ -258,15 +258,28 @@ def round_param_(param, work, *, step: int, salt: int, row0: int = 0, col0: int 
     F.round_param_(param, work, **kw)
 
 
-def block_histogram(blocks, num_bins: int) -> torch.Tensor:
-    """The first step's histogram: a kernel's when one applies, else the torch reference (the same
-    counts). A ``(rows, scale)`` pair is a column-split tensor's local rows with the whole rows'
-    max-abs (tensor parallelism)."""
-    blocks, scale = blocks if isinstance(blocks, tuple) else (blocks, None)
-    if blocks.dim() >= 1 and blocks.shape[-1] >= 1 and num_bins >= 1:
-        run = kernels("histogram", [blocks], [] if scale is None else [scale], lambda: (
-            None if scale is None or scale.numel() == blocks.numel() // blocks.shape[-1]
-            else "an unexpected histogram scale layout"))
-        if run is not None and (counts := run.block_histogram(blocks, num_bins, scale)) is not None:
-            return counts
-    return histogram_normalised_blocks(blocks, num_bins, scale)
+def block_histograms(items: list, num_bins: int) -> torch.Tensor | None:
+    """The first step's histogram of every item, summed on the first item's device (None for no
+    items): an item is a ``[..., P]`` block tensor or a ``(rows, scale)`` pair, a column-split
+    tensor's local rows with the whole rows' max-abs (tensor parallelism). The C kernels count
+    every CPU item they take in one call, Triton each CUDA item, the torch reference the rest (the
+    same counts)."""
+    pairs = [item if isinstance(item, tuple) else (item, None) for item in items]
+    runs = [_histogram_kernels(blocks, scale, num_bins) for blocks, scale in pairs]
+    on_cpu = [pair for pair, run in zip(pairs, runs) if run is native]
+    counts = native.block_histograms(on_cpu, num_bins) if on_cpu else None
+    for (blocks, scale), run in zip(pairs, runs):
+        if run is native and counts is not None:
+            continue  # counted in the batch
+        h = run.block_histogram(blocks, num_bins, scale) if run is not None else None
+        h = histogram_normalised_blocks(blocks, num_bins, scale) if h is None else h
+        counts = h if counts is None else counts + h.to(counts.device)
+    return None if counts is None else counts.to(pairs[0][0].device)
+
+
+def _histogram_kernels(blocks, scale, num_bins: int):
+    if blocks.dim() < 1 or blocks.shape[-1] < 1 or num_bins < 1:
+        return None
+    return kernels("histogram", [blocks], [] if scale is None else [scale], lambda: (
+        None if scale is None or scale.numel() == blocks.numel() // blocks.shape[-1]
+        else "an unexpected histogram scale layout"))

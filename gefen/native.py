@@ -32,10 +32,10 @@ from gefen.geometry import rows_and_row_numel
 from gefen.stochastic import hash_base, salts
 
 __all__ = ["available", "trusted", "second_moment_partials", "gefen_update_", "momentum_", "momentum_scales",
-           "calibrate", "Calibration", "block_histogram", "m4v4_partials", "m4v4_row_stats",
+           "calibrate", "Calibration", "block_histogram", "block_histograms", "m4v4_partials", "m4v4_row_stats",
            "m4v4_update_", "adamw_update_", "round_param_"]
 
-_ABI = 18
+_ABI = 19
 #: ``GEFEN_CPU_ISA`` (read at import): the widest C kernels allowed, capped by the CPU. Every ISA
 #: computes the same bits (docs/design.md, "The m4v4 kernels"), so it only changes speed.
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -105,7 +105,7 @@ _SIGNATURES = {name: (args, ctypes.c_int) for name, args in (
     ("gefen_step", [ctypes.POINTER(_StepArgs)]),
     ("gefen_m4v4_step", [ctypes.POINTER(_M4v4Args)]),
     ("gefen_adamw_step", [ctypes.POINTER(_AdamwArgs)]),
-    ("gefen_block_histogram", [_P, _I32, _I64, _I64, _I64, _P, _P]),
+    ("gefen_block_histograms", [_I64, _P, _P, _P, _P, _P, _I64, _P, _I32, _I64]),
     ("gefen_round_bf16", [_P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_uint32]))}
 _SIGNATURES["gefen_set_threads"] = ([_I32], None)
 
@@ -384,14 +384,27 @@ def round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: in
 
 
 # ----- the first step: the codebook histogram ---------------------------
-def block_histogram(blocks: torch.Tensor, num_bins: int, scale: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``codebook.histogram_normalised_blocks``'s counts (``scale``: one fp32 per block)."""
-    dt, P = _DT[blocks.dtype], blocks.shape[-1]
-    scale = None if scale is None else scale.float()
+def block_histograms(items: list, num_bins: int, *, isa: int = _ISA, flush: int = 1 << 31) -> torch.Tensor | None:
+    """``codebook.histogram_normalised_blocks``'s counts, summed over ``items`` (``[..., P]`` block
+    tensors or ``(blocks, scale)`` pairs, ``scale`` one fp32 per block), in one C call. ``isa``:
+    the widest kernels allowed (every ISA counts the same); ``flush``: elements a thread counts in
+    uint32 before adding them to int64 (tests lower it)."""
+    pairs = [item if isinstance(item, tuple) else (item, None) for item in items]
+    scales = [None if s is None else s.float().contiguous() for _, s in pairs]  # kept alive for the call
+    n = len(pairs)
+    ptr_array = ctypes.c_void_p * n
+    _lib.gefen_set_threads(torch.get_num_threads())
     counts = torch.zeros(num_bins, dtype=torch.int64)
-    rc = _lib.gefen_block_histogram(blocks.data_ptr(), dt, blocks.numel() // P, P, num_bins, counts.data_ptr(),
-                                    None if scale is None else scale.data_ptr())
+    rc = _lib.gefen_block_histograms(
+        n, ptr_array(*(b.data_ptr() for b, _ in pairs)), (_I32 * n)(*(_DT[b.dtype] for b, _ in pairs)),
+        (_I64 * n)(*(b.numel() // b.shape[-1] for b, _ in pairs)), (_I64 * n)(*(b.shape[-1] for b, _ in pairs)),
+        ptr_array(*(None if s is None else s.data_ptr() for s in scales)), num_bins, counts.data_ptr(), isa, flush)
     return counts if rc == 0 else None
+
+
+def block_histogram(blocks: torch.Tensor, num_bins: int, scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One tensor's ``block_histograms``."""
+    return block_histograms([(blocks, scale)], num_bins)
 
 
 # ----- calibration: the kernels checked against their references ------------------------------

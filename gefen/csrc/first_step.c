@@ -4,7 +4,8 @@
  * reference is gefen.codebook.histogram_normalised_blocks.
  *
  * Why it exists: the reference spends several passes (and their allocations) over every
- * gradient; here one pass per block.
+ * gradient; here one call takes every tensor, and each block is read twice while it is in cache
+ * (its max-abs, then its bins).
  *
  * What matches the reference, and how exactly: the histogram counts are identical: max-abs,
  * one fp32 division, +1, /2, *bins and truncation are each one IEEE rounding in both (NaN ->
@@ -19,17 +20,17 @@
 #include "gefen_common.h"
 
 #define HIST_PAR_MIN 65536 /* elements below which one thread does the histogram */
+#define HIST_RUN 1024      /* elements binned per pass over a block (bounds the index buffer) */
+#define HIST_MAX_P ((int64_t)1 << 31) /* a uint32 counter holds one block's count and more */
 
 /* ----- block-normalised histogram ---------------------------------------------------- */
 
-#define HIST_RUN 1024 /* elements binned per pass over a block (bounds the index buffer) */
-
-/* max |x| over x[0..n) in fp32; *nan set when any element is NaN. */
-static float block_amax_portable(const float *x, int64_t n, int *nan) {
+/* max |x| over x[off .. off + n) (fp32 or bf16) in fp32; *nan set when any element is NaN. */
+static float block_amax_portable(const void *x, int dt, int64_t off, int64_t n, int *nan) {
     float m = 0.0f;
     int bad = 0;
     for (int64_t j = 0; j < n; j++) {
-        float a = fabsf(x[j]);
+        float a = fabsf(ld_g(x, dt, off + j));
         bad |= a != a;
         m = a > m ? a : m;
     }
@@ -55,20 +56,20 @@ static void widen_portable(const void *x, int64_t off, int64_t n, float *conv) {
 }
 
 #if GEFEN_X86
-/* The same operations eight lanes at a time (each an IEEE rounding, so the same bits). */
-static AVX2 float block_amax_avx2(const float *x, int64_t n, int *nan) {
+/* The same operations 8 (AVX2) or 16 (AVX-512) lanes at a time (each an IEEE rounding, so the same bits). */
+static AVX2 float block_amax_avx2(const void *x, int dt, int64_t off, int64_t n, int *nan) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        PREFETCH(x, 4, j);
-        __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j));
+        PREFETCH(x, DT_SIZE(dt), off + j);
+        __m256 a = _mm256_andnot_ps(sign, ld8_g(x, dt, off + j));
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
         m = _mm256_max_ps(a, m); /* a NaN lane keeps m; NaNs are reported through bad */
     }
     const float out = hmax8(m); /* all lanes >= +0 */
     int tail_nan = 0;
-    float tail = block_amax_portable(x + j, n - j, &tail_nan);
+    float tail = block_amax_portable(x, dt, off + j, n - j, &tail_nan);
     *nan = tail_nan || _mm256_movemask_ps(bad) != 0;
     return tail > out ? tail : out;
 }
@@ -88,91 +89,158 @@ static AVX2 void bin_run_avx2(const float *x, int64_t n, float scale, float fbin
     bin_run_portable(x + j, n - j, scale, fbins, last, idx + j);
 }
 
+static AVX512 void bin_run_avx512(const float *x, int64_t n, float scale, float fbins, int32_t last, int32_t *idx) {
+    const __m512 s = _mm512_set1_ps(scale), one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f),
+                 b = _mm512_set1_ps(fbins);
+    const __m512i hi = _mm512_set1_epi32(last), lo = _mm512_setzero_si512();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + j), s);
+        __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(v, one), half), b);
+        __m512i i = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvttps_epi32(t), hi), lo);
+        _mm512_storeu_si512(idx + j, _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), i));
+    }
+    bin_run_portable(x + j, n - j, scale, fbins, last, idx + j);
+}
+
 /* conv[0 .. n) = bf16 x[off ..] widened (exact) */
 static AVX2 void widen_avx2(const void *x, int64_t off, int64_t n, float *conv) {
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        PREFETCH(x, 2, off + j);
-        _mm256_storeu_ps(conv + j, ld8_g(x, DT_BF16, off + j));
-    }
-    for (; j < n; j++) conv[j] = ld_g(x, DT_BF16, off + j);
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(conv + j, ld8_g(x, DT_BF16, off + j));
+    widen_portable(x, off + j, n - j, conv + j);
 }
-#define widen(x, off, n, conv) (cpu_isa() ? widen_avx2(x, off, n, conv) : widen_portable(x, off, n, conv))
-#define block_amax(x, n, nan) (cpu_isa() ? block_amax_avx2(x, n, nan) : block_amax_portable(x, n, nan))
-#define bin_run(x, n, s, f, l, i) (cpu_isa() ? bin_run_avx2(x, n, s, f, l, i) : bin_run_portable(x, n, s, f, l, i))
-#else
-#define widen widen_portable
-#define block_amax block_amax_portable
-#define bin_run bin_run_portable
 #endif
 
-static void hist_blocks(const void *x, int dt, int64_t b0, int64_t b1, int64_t P, int64_t bins, const float *scales,
-                        int64_t *counts, float *conv, int32_t *idx) {
-    const float fbins = (float)bins;
-    for (int64_t b = b0; b < b1; b++) {
-        const float *blk = (const float *)x + b * P;
-        if (dt == DT_BF16) { /* widen the block once (exact), then share the fp32 code */
-            widen(x, b * P, P, conv);
-            blk = conv;
+/* isa: 2 AVX-512, 1 AVX2, 0 portable (the same counts) */
+static float block_amax(int isa, const void *x, int dt, int64_t off, int64_t n, int *nan) {
+#if GEFEN_X86
+    if (isa) return block_amax_avx2(x, dt, off, n, nan);
+#endif
+    (void)isa;
+    return block_amax_portable(x, dt, off, n, nan);
+}
+
+static void bin_run(int isa, const float *x, int64_t n, float scale, float fbins, int32_t last, int32_t *idx) {
+#if GEFEN_X86
+    if (isa == 2) bin_run_avx512(x, n, scale, fbins, last, idx);
+    else if (isa == 1) bin_run_avx2(x, n, scale, fbins, last, idx);
+    else
+#endif
+        bin_run_portable(x, n, scale, fbins, last, idx);
+    (void)isa;
+}
+
+static void widen(int isa, const void *x, int64_t off, int64_t n, float *conv) {
+#if GEFEN_X86
+    if (isa) {
+        widen_avx2(x, off, n, conv);
+        return;
+    }
+#endif
+    (void)isa;
+    widen_portable(x, off, n, conv);
+}
+
+/* Block b of x (P elements from b * P) into counts[4][bins]: four interleaved uint32 histograms, so
+ * repeated bins do not chain on one counter; the caller flushes them before they can overflow. */
+static void hist_block(const void *x, int dt, int64_t b, int64_t P, int64_t bins, const float *scales,
+                       uint32_t *counts, float *conv, int32_t *idx, int isa) {
+    int nan = 0;
+    float scale = scales ? scales[b] : block_amax(isa, x, dt, b * P, P, &nan);
+    if (nan || scale != scale) { /* torch: a NaN max-abs (found or given) makes the whole block NaN -> bin 0 */
+        counts[0] += (uint32_t)P;
+        return;
+    }
+    if (scale == 0.0f) scale = 1.0f;
+    for (int64_t j = 0; j < P; j += HIST_RUN) {
+        const int64_t len = P - j < HIST_RUN ? P - j : HIST_RUN;
+        const float *run = (const float *)x + b * P + j;
+        if (dt == DT_BF16) { /* widen the run (exact), then share the fp32 code */
+            widen(isa, x, b * P + j, len, conv);
+            run = conv;
         }
-        int nan = 0;
-        float scale = scales ? scales[b] : block_amax(blk, P, &nan);
-        nan |= scale != scale; /* a given NaN scale: every value NaN -> bin 0, as torch's */
-        if (nan) { /* torch: a NaN max-abs makes every value of the block NaN -> bin 0 */
-            counts[0] += P;
-            continue;
+        bin_run(isa, run, len, scale, (float)bins, (int32_t)(bins - 1), idx);
+        int64_t k = 0;
+        for (; k + 4 <= len; k += 4) {
+            counts[idx[k]]++;
+            counts[bins + idx[k + 1]]++;
+            counts[2 * bins + idx[k + 2]]++;
+            counts[3 * bins + idx[k + 3]]++;
         }
-        if (scale == 0.0f) scale = 1.0f;
-        for (int64_t j = 0; j < P; j += HIST_RUN) {
-            int64_t len = P - j < HIST_RUN ? P - j : HIST_RUN;
-            bin_run(blk + j, len, scale, fbins, (int32_t)(bins - 1), idx);
-            int64_t k = 0; /* four interleaved histograms: repeated bins do not chain on one counter */
-            for (; k + 4 <= len; k += 4) {
-                counts[idx[k]]++;
-                counts[bins + idx[k + 1]]++;
-                counts[2 * bins + idx[k + 2]]++;
-                counts[3 * bins + idx[k + 3]]++;
-            }
-            for (; k < len; k++) counts[idx[k]]++;
-        }
+        for (; k < len; k++) counts[idx[k]]++;
     }
 }
 
 /*
- * x: nblocks x P (contiguous fp32 or bf16).  Adds each normalised value's bin to counts[bins]
- * (int64, not cleared).  scales: NULL (each block's max-abs) or [nblocks] fp32, the blocks' scales
- * given (a column split's whole rows' max-abs, reduced over tensor parallelism).  Returns 0, or
- * -1 when out of memory (counts untouched).
+ * The first step's histogram of n tensors in one parallel pass.  Tensor i: xs[i], nblocks[i] x Ps[i]
+ * contiguous fp32 or bf16 (dts[i]), with scales[i] NULL (each block's max-abs) or [nblocks[i]] fp32,
+ * the blocks' scales given (a column split's whole rows' max-abs, reduced over tensor parallelism).
+ * Adds every normalised value's bin to counts[bins] (int64, not cleared).  The threads take equal
+ * shares of all the elements, whole blocks each; integer counts do not depend on who counted what.
+ * isa: the widest kernels allowed (capped by the CPU).  flush: how many elements (1 .. 2^31) a
+ * thread counts in its uint32 counters before adding them to int64 ones (2^31; tests lower it).
+ * Returns 0, -1 when out of memory, -2 on bad arguments (counts untouched).
  */
-GEFEN_EXPORT int gefen_block_histogram(const void *x, int dt, int64_t nblocks, int64_t P, int64_t bins,
-                                       int64_t *counts, const float *scales) {
-    if (bins < 1 || P < 1) return -2;
-    const int nt = nblocks * P >= HIST_PAR_MIN ? max_threads() : 1;
-    if (bins > INT32_MAX) return -2;
-    int64_t *local = calloc((size_t)nt * 4 * (size_t)bins, sizeof(int64_t));
+GEFEN_EXPORT int gefen_block_histograms(int64_t n, const void *const *xs, const int32_t *dts, const int64_t *nblocks,
+                                        const int64_t *Ps, const float *const *scales, int64_t bins, int64_t *counts,
+                                        int32_t isa, int64_t flush) {
+    if (n < 0 || bins < 1 || bins > INT32_MAX || flush < 1 || flush > HIST_MAX_P) return -2;
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (nblocks[i] < 0 || Ps[i] < 1 || Ps[i] > HIST_MAX_P || (dts[i] != DT_F32 && dts[i] != DT_BF16)) return -2;
+        total += nblocks[i] * Ps[i];
+    }
+    const int cpu = cpu_isa();
+    isa = isa < cpu ? isa : cpu;
+    const int nt = total >= HIST_PAR_MIN ? max_threads() : 1;
+    uint32_t *local = calloc((size_t)nt * 4 * (size_t)bins, sizeof(uint32_t));
+    int64_t *wide = calloc((size_t)nt * (size_t)bins, sizeof(int64_t));
     int failed = 0;
-    if (!local) return -1;
+    if (!local || !wide) {
+        free(local);
+        free(wide);
+        return -1;
+    }
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        const int t = thread_id(), T = thread_count();
-        int64_t per = (nblocks + T - 1) / T, b0 = t * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;
-        float *conv = dt == DT_BF16 ? malloc(sizeof(float) * (size_t)P) : NULL;
+        const int64_t t = thread_id(), T = thread_count();
+        const int64_t lo = total / T * t + (t < total % T ? t : total % T);
+        const int64_t hi = lo + total / T + (t < total % T ? 1 : 0);
+        uint32_t *mine = local + t * 4 * bins;
+        int64_t *flushed = wide + t * bins, since = 0, off = 0;
+        float *conv = malloc(sizeof(float) * HIST_RUN);
         int32_t *idx = malloc(sizeof(int32_t) * HIST_RUN);
-        if (!idx || (dt == DT_BF16 && !conv)) {
+        if (!conv || !idx) {
 #pragma omp atomic write
             failed = 1;
-        } else if (b0 < b1) {
-            hist_blocks(x, dt, b0, b1, P, bins, scales, local + (int64_t)t * 4 * bins, conv, idx);
+        }
+        for (int64_t i = 0; i < n && conv && idx; off += nblocks[i] * Ps[i], i++) {
+            const int64_t P = Ps[i]; /* this thread's blocks: those that start in [lo, hi) */
+            const int64_t b0 = lo > off ? (lo - off + P - 1) / P : 0;
+            int64_t b1 = hi > off ? (hi - off + P - 1) / P : 0;
+            b1 = b1 < nblocks[i] ? b1 : nblocks[i];
+            for (int64_t b = b0; b < b1; b++) {
+                if (since > 0 && since + P > flush) { /* no uint32 counter passes 2^31 */
+                    for (int64_t k = 0; k < 4 * bins; k++) {
+                        flushed[k % bins] += mine[k];
+                        mine[k] = 0;
+                    }
+                    since = 0;
+                }
+                hist_block(xs[i], dts[i], b, P, bins, scales[i], mine, conv, idx, isa);
+                since += P;
+            }
         }
         free(conv);
         free(idx);
     }
-    if (failed) {
-        free(local);
-        return -1;
-    }
-    for (int64_t c = 0; c < (int64_t)nt * 4; c++)
-        for (int64_t i = 0; i < bins; i++) counts[i] += local[c * bins + i];
+    if (!failed)
+        for (int64_t t = 0; t < nt; t++)
+            for (int64_t k = 0; k < bins; k++) {
+                const uint32_t *c = local + t * 4 * bins + k;
+                counts[k] += wide[t * bins + k] + c[0] + c[bins] + c[2 * bins] + c[3 * bins];
+            }
     free(local);
-    return 0;
+    free(wide);
+    return failed ? -1 : 0;
 }

@@ -37,7 +37,7 @@
 
 #include "gefen_common.h"
 
-#define GEFEN_ABI 18
+#define GEFEN_ABI 19
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }

@@ -9,7 +9,7 @@ from test_geometry import planted
 
 import gefen.native as native
 from gefen import Gefen, dispatch
-from gefen.codebook import histogram_normalised_blocks
+from gefen.codebook import histogram_normalised_blocks, histograms_normalised_blocks
 from gefen.geometry import as_blocks
 
 pytestmark = pytest.mark.skipif(native._lib is None, reason="the C library is not built")
@@ -52,13 +52,48 @@ def test_histogram_special_values_are_identical():
         assert torch.equal(native.block_histogram(x.to(dtype), 4096), histogram_normalised_blocks(x.to(dtype), 4096))
 
 
+def _many(seed=0):
+    """Tensors of both dtypes and several block lengths (a NaN block, an all-zero block, a column
+    split's rows with their given scales), together over the threads' split."""
+    x = _structured((300, 520), seed)
+    x[5, :8] = float("nan")
+    x[6] = 0
+    rows = _structured((64, 37), seed + 1, torch.bfloat16)
+    return [as_blocks(x, 13), as_blocks(_structured((90, 3000), seed + 2, torch.bfloat16), 3000),
+            as_blocks(_structured((7, 5), seed + 3), 1), (rows, rows.float().abs().amax(1) * 1.5),
+            torch.empty(0, 4), as_blocks(_structured((1000, 130), seed + 4), 130)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_call_counts_many_tensors_as_the_reference_on_every_isa(threads):
+    items, saved = _many(), torch.get_num_threads()
+    want = histograms_normalised_blocks(items, 4096)
+    torch.set_num_threads(threads)
+    try:
+        for isa in native.ISAS.values():
+            for flush in (1 << 31, 7, 4000):  # 7 and 4000: the uint32 counters move to int64 between blocks
+                got = native.block_histograms(items, 4096, isa=isa, flush=flush)
+                assert got is not None and torch.equal(got, want), (isa, flush)
+    finally:
+        torch.set_num_threads(saved)
+    assert native.block_histograms(items, 4096, flush=0) is None  # refused, nothing counted
+    assert torch.equal(native.block_histograms([], 4096), torch.zeros(4096, dtype=torch.int64))
+
+
+def test_dispatch_counts_what_no_kernel_takes_with_the_reference():
+    items = _many(1) + [torch.randn(40, 30).t(), torch.randn(8, 16, dtype=torch.float64)]  # not contiguous, fp64
+    want = histograms_normalised_blocks(items, 256)
+    assert torch.equal(dispatch.block_histograms(items, 256), want)
+    assert dispatch.block_histograms([], 256) is None
+
+
 def test_histogram_declines_other_inputs_and_the_optimizer_falls_back():
     x = torch.randn(30, 16, dtype=torch.float64)
     assert dispatch.kernels("histogram", [x]) is None  # dtype
     t = torch.randn(16, 30).t()
     assert dispatch.kernels("histogram", [t]) is None  # not contiguous
     assert dispatch.kernels("histogram", [t.contiguous()]) is native
-    assert torch.equal(dispatch.block_histogram(t, 64), histogram_normalised_blocks(t.contiguous(), 64))
+    assert torch.equal(dispatch.block_histograms([t], 64), histogram_normalised_blocks(t.contiguous(), 64))
     dispatch.enabled = False
     assert dispatch.kernels("histogram", [t.contiguous()]) is None
 
