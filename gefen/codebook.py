@@ -168,12 +168,17 @@ def solve_codebook(counts: torch.Tensor, codebook_size: int) -> torch.Tensor:
     return torch.from_numpy(book).to(torch.float32)
 
 
+def histogram_pairs(items: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The items of a histogram (``[..., P]`` block tensors or ``(blocks, scale)`` pairs) as pairs;
+    scale None: each block's own max-abs."""
+    return [item if isinstance(item, tuple) else (item, None) for item in items]
+
+
 def histograms_normalised_blocks(items: list, num_bins: int) -> torch.Tensor | None:
-    """``histogram_normalised_blocks`` summed over ``items`` (``[..., P]`` block tensors or
-    ``(blocks, scale)`` pairs), on the first item's device; None for no items."""
+    """``histogram_normalised_blocks`` summed over ``items`` (``histogram_pairs``), on the first
+    item's device; None for no items."""
     counts = None
-    for item in items:
-        blocks, scale = item if isinstance(item, tuple) else (item, None)
+    for blocks, scale in histogram_pairs(items):
         h = histogram_normalised_blocks(blocks, num_bins, scale)
         counts = h if counts is None else counts + h.to(counts.device)
     return counts

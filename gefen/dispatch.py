@@ -15,7 +15,7 @@ import torch
 
 from gefen import functional as F
 from gefen import native
-from gefen.codebook import histogram_normalised_blocks
+from gefen.codebook import histogram_normalised_blocks, histogram_pairs
 from gefen.geometry import rows_and_row_numel
 from gefen.triton import dispatch as triton
 from gefen.triton.dispatch import batched
@@ -264,12 +264,14 @@ def block_histograms(items: list, num_bins: int) -> torch.Tensor | None:
     tensor's local rows with the whole rows' max-abs (tensor parallelism). The C kernels count
     every CPU item they take in one call, Triton each CUDA item, the torch reference the rest (the
     same counts)."""
-    pairs = [item if isinstance(item, tuple) else (item, None) for item in items]
+    pairs = histogram_pairs(items)
     runs = [_histogram_kernels(blocks, scale, num_bins) for blocks, scale in pairs]
-    on_cpu = [pair for pair, run in zip(pairs, runs) if run is native]
-    counts = native.block_histograms(on_cpu, num_bins) if on_cpu else None
+    batch = [pair for pair, run in zip(pairs, runs) if run is native]
+    counts = native.block_histograms(batch, num_bins) if batch else None
+    if counts is None:  # no batch, or the C call refused it: the reference counts those items
+        runs = [None if run is native else run for run in runs]
     for (blocks, scale), run in zip(pairs, runs):
-        if run is native and counts is not None:
+        if run is native:
             continue  # counted in the batch
         h = run.block_histogram(blocks, num_bins, scale) if run is not None else None
         h = histogram_normalised_blocks(blocks, num_bins, scale) if h is None else h

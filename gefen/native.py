@@ -32,7 +32,7 @@ from gefen.geometry import rows_and_row_numel
 from gefen.stochastic import hash_base, salts
 
 __all__ = ["available", "trusted", "second_moment_partials", "gefen_update_", "momentum_", "momentum_scales",
-           "calibrate", "Calibration", "block_histogram", "block_histograms", "m4v4_partials", "m4v4_row_stats",
+           "calibrate", "Calibration", "block_histograms", "m4v4_partials", "m4v4_row_stats",
            "m4v4_update_", "adamw_update_", "round_param_"]
 
 _ABI = 19
@@ -384,12 +384,11 @@ def round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: in
 
 
 # ----- the first step: the codebook histogram ---------------------------
-def block_histograms(items: list, num_bins: int, *, isa: int = _ISA, flush: int = 1 << 31) -> torch.Tensor | None:
-    """``codebook.histogram_normalised_blocks``'s counts, summed over ``items`` (``[..., P]`` block
-    tensors or ``(blocks, scale)`` pairs, ``scale`` one fp32 per block), in one C call. ``isa``:
-    the widest kernels allowed (every ISA counts the same); ``flush``: elements a thread counts in
-    uint32 before adding them to int64 (tests lower it)."""
-    pairs = [item if isinstance(item, tuple) else (item, None) for item in items]
+def block_histograms(pairs: list, num_bins: int, *, isa: int = _ISA, flush: int = 1 << 31) -> torch.Tensor | None:
+    """``codebook.histogram_normalised_blocks``'s counts, summed over ``(blocks, scale)`` pairs
+    (``[..., P]`` blocks; scale None or one fp32 per block), in one C call. ``isa``: the widest
+    kernels allowed (every ISA counts the same); ``flush``: elements a thread counts in uint32 before
+    adding them to int64 (tests lower it)."""
     scales = [None if s is None else s.float().contiguous() for _, s in pairs]  # kept alive for the call
     n = len(pairs)
     ptr_array = ctypes.c_void_p * n
@@ -400,11 +399,6 @@ def block_histograms(items: list, num_bins: int, *, isa: int = _ISA, flush: int 
         (_I64 * n)(*(b.numel() // b.shape[-1] for b, _ in pairs)), (_I64 * n)(*(b.shape[-1] for b, _ in pairs)),
         ptr_array(*(None if s is None else s.data_ptr() for s in scales)), num_bins, counts.data_ptr(), isa, flush)
     return counts if rc == 0 else None
-
-
-def block_histogram(blocks: torch.Tensor, num_bins: int, scale: torch.Tensor | None = None) -> torch.Tensor | None:
-    """One tensor's ``block_histograms``."""
-    return block_histograms([(blocks, scale)], num_bins)
 
 
 # ----- calibration: the kernels checked against their references ------------------------------

@@ -9,7 +9,7 @@ from test_geometry import planted
 
 import gefen.native as native
 from gefen import Gefen, dispatch
-from gefen.codebook import histogram_normalised_blocks, histograms_normalised_blocks
+from gefen.codebook import histogram_normalised_blocks, histogram_pairs, histograms_normalised_blocks
 from gefen.geometry import as_blocks
 
 pytestmark = pytest.mark.skipif(native._lib is None, reason="the C library is not built")
@@ -37,7 +37,7 @@ def test_histogram_is_identical(period, dtype, num_bins):
     blocks[0, 1] = 0  # all-zero block
     blocks[1, 0, 0] = blocks[1, 0].abs().amax() if period > 1 else 2.0  # x = +1 exactly
     want = histogram_normalised_blocks(blocks, num_bins)
-    got = native.block_histogram(blocks, num_bins)
+    got = native.block_histograms([(blocks, None)], num_bins)
     assert got.dtype == torch.int64 and torch.equal(got, want)
 
 
@@ -49,7 +49,8 @@ def test_histogram_special_values_are_identical():
     x[3, 7] = float("-inf")
     x[4, :] = -1e-45  # subnormal block
     for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(native.block_histogram(x.to(dtype), 4096), histogram_normalised_blocks(x.to(dtype), 4096))
+        y = x.to(dtype)
+        assert torch.equal(native.block_histograms([(y, None)], 4096), histogram_normalised_blocks(y, 4096))
 
 
 def _many(seed=0):
@@ -66,7 +67,7 @@ def _many(seed=0):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_one_call_counts_many_tensors_as_the_reference_on_every_isa(threads):
-    items, saved = _many(), torch.get_num_threads()
+    items, saved = histogram_pairs(_many()), torch.get_num_threads()
     want = histograms_normalised_blocks(items, 4096)
     torch.set_num_threads(threads)
     try:
@@ -80,11 +81,13 @@ def test_one_call_counts_many_tensors_as_the_reference_on_every_isa(threads):
     assert torch.equal(native.block_histograms([], 4096), torch.zeros(4096, dtype=torch.int64))
 
 
-def test_dispatch_counts_what_no_kernel_takes_with_the_reference():
+def test_dispatch_counts_what_no_kernel_takes_with_the_reference(monkeypatch):
     items = _many(1) + [torch.randn(40, 30).t(), torch.randn(8, 16, dtype=torch.float64)]  # not contiguous, fp64
     want = histograms_normalised_blocks(items, 256)
     assert torch.equal(dispatch.block_histograms(items, 256), want)
     assert dispatch.block_histograms([], 256) is None
+    monkeypatch.setattr(native, "block_histograms", lambda pairs, bins: None)  # the C call refuses
+    assert torch.equal(dispatch.block_histograms(items, 256), want)
 
 
 def test_histogram_declines_other_inputs_and_the_optimizer_falls_back():

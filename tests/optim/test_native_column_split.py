@@ -184,7 +184,7 @@ def test_histogram_with_given_scales_matches_the_reference(dtype):
     scale = F.row_abs_max(rows.float()) * (1 + torch.rand(50, generator=gen))
     scale[7], scale[2] = float("nan"), 0.0  # (row 2 is all zeros)
     for bins in (256, 4096):
-        got = native.block_histogram(rows, bins, scale)
+        got = native.block_histograms([(rows, scale)], bins)
         assert got is not None
         assert torch.equal(got, histogram_normalised_blocks(rows.unsqueeze(1), bins, scale=scale))
-        assert torch.equal(native.block_histogram(rows, bins), histogram_normalised_blocks(rows, bins))
+        assert torch.equal(native.block_histograms([(rows, None)], bins), histogram_normalised_blocks(rows, bins))
