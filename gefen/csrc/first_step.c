@@ -171,6 +171,16 @@ static void hist_block(const void *x, int dt, int64_t b, int64_t P, int64_t bins
     }
 }
 
+/* counts[k] += this thread's four histograms at k, which start again from 0 (one thread at a time:
+ * integer sums, so the order does not matter) */
+static void flush_counts(uint32_t *mine, int64_t bins, int64_t *counts) {
+#pragma omp critical(gefen_histogram)
+    for (int64_t k = 0; k < 4 * bins; k++) {
+        counts[k % bins] += mine[k];
+        mine[k] = 0;
+    }
+}
+
 /*
  * The first step's histogram of n tensors in one parallel pass.  Tensor i: xs[i], nblocks[i] x Ps[i]
  * contiguous fp32 or bf16 (dts[i]), with scales[i] NULL (each block's max-abs) or [nblocks[i]] fp32,
@@ -178,7 +188,7 @@ static void hist_block(const void *x, int dt, int64_t b, int64_t P, int64_t bins
  * Adds every normalised value's bin to counts[bins] (int64, not cleared).  The threads take equal
  * shares of all the elements, whole blocks each; integer counts do not depend on who counted what.
  * isa: the widest kernels allowed (capped by the CPU).  flush: how many elements (1 .. 2^31) a
- * thread counts in its uint32 counters before adding them to int64 ones (2^31; tests lower it).
+ * thread counts in its uint32 counters before adding them to counts (2^31; tests lower it).
  * Returns 0, -1 when out of memory, -2 on bad arguments (counts untouched).
  */
 GEFEN_EXPORT int gefen_block_histograms(int64_t n, const void *const *xs, const int32_t *dts, const int64_t *nblocks,
@@ -194,53 +204,32 @@ GEFEN_EXPORT int gefen_block_histograms(int64_t n, const void *const *xs, const 
     isa = isa < cpu ? isa : cpu;
     const int nt = total >= HIST_PAR_MIN ? max_threads() : 1;
     uint32_t *local = calloc((size_t)nt * 4 * (size_t)bins, sizeof(uint32_t));
-    int64_t *wide = calloc((size_t)nt * (size_t)bins, sizeof(int64_t));
-    int failed = 0;
-    if (!local || !wide) {
-        free(local);
-        free(wide);
-        return -1;
-    }
+    if (!local) return -1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int64_t t = thread_id(), T = thread_count();
         const int64_t lo = total / T * t + (t < total % T ? t : total % T);
         const int64_t hi = lo + total / T + (t < total % T ? 1 : 0);
         uint32_t *mine = local + t * 4 * bins;
-        int64_t *flushed = wide + t * bins, since = 0, off = 0;
-        float *conv = malloc(sizeof(float) * HIST_RUN);
-        int32_t *idx = malloc(sizeof(int32_t) * HIST_RUN);
-        if (!conv || !idx) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        for (int64_t i = 0; i < n && conv && idx; off += nblocks[i] * Ps[i], i++) {
+        float conv[HIST_RUN];
+        int32_t idx[HIST_RUN];
+        int64_t since = 0, off = 0;
+        for (int64_t i = 0; i < n; off += nblocks[i] * Ps[i], i++) {
             const int64_t P = Ps[i]; /* this thread's blocks: those that start in [lo, hi) */
             const int64_t b0 = lo > off ? (lo - off + P - 1) / P : 0;
             int64_t b1 = hi > off ? (hi - off + P - 1) / P : 0;
             b1 = b1 < nblocks[i] ? b1 : nblocks[i];
             for (int64_t b = b0; b < b1; b++) {
                 if (since > 0 && since + P > flush) { /* no uint32 counter passes 2^31 */
-                    for (int64_t k = 0; k < 4 * bins; k++) {
-                        flushed[k % bins] += mine[k];
-                        mine[k] = 0;
-                    }
+                    flush_counts(mine, bins, counts);
                     since = 0;
                 }
                 hist_block(xs[i], dts[i], b, P, bins, scales[i], mine, conv, idx, isa);
                 since += P;
             }
         }
-        free(conv);
-        free(idx);
+        flush_counts(mine, bins, counts);
     }
-    if (!failed)
-        for (int64_t t = 0; t < nt; t++)
-            for (int64_t k = 0; k < bins; k++) {
-                const uint32_t *c = local + t * 4 * bins + k;
-                counts[k] += wide[t * bins + k] + c[0] + c[bins] + c[2 * bins] + c[3 * bins];
-            }
     free(local);
-    free(wide);
-    return failed ? -1 : 0;
+    return 0;
 }
