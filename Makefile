@@ -12,11 +12,11 @@ export OMP_NUM_THREADS ?= 2
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt Makefile setup.py $(wildcard gefen/csrc/*.[ch] gefen_ckpt/csrc/*.[ch])
-	@echo "installing into $(VENV): torch (CPU) and gefen with its test/bench extras; a few minutes the first time"
+	@echo "installing into $(VENV): torch (CPU) and gefen with its test/bench/torchft extras; a few minutes the first time"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0"
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,bench]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,bench,torchft]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -148,6 +148,16 @@ def _gefen(model, task, seed):
     return Gefen(model.named_parameters(), lr=task.lr, weight_decay=task.weight_decay, seed=seed)
 
 
+def _gefen_rule(name: str):
+    """The production default under another step-safety rule (``benchmarks.step_rules``)."""
+    def make(model, task, seed):
+        from benchmarks.step_rules import under_rule
+        from gefen import Gefen
+
+        return under_rule(Gefen, name)(model.named_parameters(), lr=task.lr, weight_decay=task.weight_decay, seed=seed)
+    return make
+
+
 def _gefen_m8(model, task, seed):
     from gefen import Gefen
 
@@ -216,6 +226,8 @@ OPTIMIZERS = {
     "gefen": ("Gefen (default moments='m4v4': 4-bit m + 4-bit v/factored, stochastic rounding unbiased in v^(1/3))",
               _gefen),
     "gefen-m8": ("Gefen moments='m8': 8-bit m, factored v", _gefen_m8),
+    **{f"gefen-{rule}": (f"Gefen under the step rule {rule!r} (benchmarks/step_rules.py)", _gefen_rule(rule))
+       for rule in ("unguarded", "zero-only", "bound-1", "cap")},
     "hybrid": ("GefenMuonHybrid (Gefen backup)", _hybrid),
     "muon": ("torch.optim.Muon (hidden matrices) + AdamW (rest)", _muon),
     "torchao-4bit": ("torchao.optim.AdamW4bit (block-wise 4-bit moments)", _torchao_adamw4bit),
@@ -624,6 +636,28 @@ def seeds_at(task: Task, lr: float, workers: int = 2, n: int = RANK_SEEDS) -> di
             "data": {"lr": lr, "seeds": paired, "of_means": of_means, "mean_ratio": mean, "stderr": stderr}}
 
 
+#: the step-safety rules compared at the 400-step task's best rates for AdamW (docs/decisions.md,
+#: "Bounded steps"): the product's, and the rule before it
+RULE_NAMES = ("gefen", "gefen-unguarded")
+RULE_LRS = (8e-3, 1.6e-2)
+
+
+def rules_section(task: Task = Task(), lrs=RULE_LRS, names=RULE_NAMES, seeds=(0, 1), workers: int = 2) -> str:
+    """AdamW and Gefen under each step rule of ``names`` (stdlib) at ``lrs`` with ``seeds``: the
+    held-out losses and each one's ratio to AdamW's mean over the same seeds."""
+    jobs = [("stdlib", n, seed, _at(task, lr)) for lr in lrs for seed in seeds for n in ("adamw", *names)]
+    loss = {(r["optimizer"], r["task"]["lr"], r["seed"]): r["held_out"] for r in run_jobs(jobs, workers)}
+    rows = []
+    for lr in lrs:
+        base = statistics.fmean(loss[("adamw", lr, s)] for s in seeds)
+        for n in ("adamw", *names):
+            per = [loss[(n, lr, s)] for s in seeds]
+            rows.append([f"{lr:g}", f"`{n}`", " / ".join(f"{x:.4f}" for x in per), f"{statistics.fmean(per):.4f}",
+                         f"{statistics.fmean(per) / base:.4f}"])
+    return "\n".join([f"{task.steps} steps, d = {task.d}, stdlib, seeds {', '.join(map(str, seeds))}:", "",
+                      md_table(["lr", "optimizer", "held-out loss per seed", "mean", "vs AdamW"], rows)])
+
+
 # ----- report ---------------------------------------------------------------------------------
 def summarise(results: list[dict]) -> dict:
     """Per text and optimizer: mean held-out loss over seeds, per-seed losses, and the ratio to
@@ -750,7 +784,9 @@ if __name__ == "__main__":
     import sys
 
     torch.set_num_threads(1)
-    if "--sweep" in sys.argv:  # only the learning-rate sweep (markdown on stdout)
+    if "--rules" in sys.argv:  # the step-safety rules at AdamW's best rates (markdown on stdout)
+        print(rules_section(workers=int(os.environ.get("GEFEN_BENCH_JOBS", "2"))))
+    elif "--sweep" in sys.argv:  # only the learning-rate sweep (markdown on stdout)
         print(sweep_section(workers=int(os.environ.get("GEFEN_BENCH_JOBS", "2")))["markdown"])
     else:
         print(json.dumps(run("--quick" in sys.argv)["data"], indent=1))

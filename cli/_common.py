@@ -18,8 +18,11 @@ from rich.progress import Progress
 from gefen_ckpt.checkpoints import DCP, PORTABLE, TORCH, check_key, check_optimizer, detect_format  # noqa: F401
 from gefen_ckpt.progress import columns
 
-#: exit codes (documented in docs/cli.md)
-EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
+#: exit codes (documented in docs/cli.md): 1 is about the data (problems ``verify`` found, checkpoints
+#: that differ, a checkpoint that cannot be read), 2 about the command line (the usage of click/typer)
+EXIT_OK, EXIT_DIFFERENT, EXIT_DATA, EXIT_USAGE = 0, 1, 1, 2
+#: set by ``--debug`` (or ``$GEFEN_CKPT_TRACEBACK``): errors re-raise with their traceback
+debug = False
 
 
 def out() -> Console:
@@ -31,24 +34,46 @@ def err() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def fail(message: str):
-    """Print a one-line red error on stderr and exit 2."""
+def fail(message: str, code: int = EXIT_DATA):
+    """Print a one-line red error on stderr and exit ``code``."""
     line = " ".join(str(message).split()) or "unknown error"
     err().print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
-    raise typer.Exit(EXIT_ERROR)
+    raise typer.Exit(code)
+
+
+def usage(message: str):
+    """A command line that cannot be run as given: one line, exit 2, nothing done."""
+    fail(message, EXIT_USAGE)
 
 
 #: typer's own exits and usage errors, which pass through the error policy (click's base of usage
 #: errors is reached through typer: importing click would be an undeclared dependency)
-TYPER_EXITS = (typer.Exit, typer.Abort,
-               next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"))
+CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+TYPER_EXITS = (typer.Exit, typer.Abort, CLICK_ERROR)
+
+
+def click_error(exc: Exception) -> None:
+    """A usage error click or typer raised (unknown option, bad value, missing argument): one line
+    naming the command's help, instead of click's boxed panel; exit 2 (click's own code)."""
+    if debug_wanted():
+        raise exc
+    ctx = getattr(exc, "ctx", None)
+    if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:  # no arguments at all: the help
+        typer.echo(ctx.get_help())
+        raise typer.Exit(getattr(exc, "exit_code", EXIT_USAGE))
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    fail(f"{exc.format_message()}{hint}", getattr(exc, "exit_code", EXIT_USAGE))
+
+
+def debug_wanted() -> bool:
+    return debug or bool(os.environ.get("GEFEN_CKPT_TRACEBACK"))
 
 
 def exit_on_error(exc: Exception):
     """The CLI's one error policy (docs/cli.md): whatever went wrong, one red line on stderr and exit
-    2, never a traceback (``GEFEN_CKPT_TRACEBACK=1`` re-raises). The command's first path argument
-    (``command_paths``) prefixes a message that names no path."""
-    if os.environ.get("GEFEN_CKPT_TRACEBACK"):
+    1 (the data), never a traceback (``--debug`` or ``GEFEN_CKPT_TRACEBACK=1`` re-raises). The
+    command's first path argument (``command_paths``) prefixes a message that names no path."""
+    if debug_wanted():
         raise exc
     from gefen_ckpt.errors import CheckpointError
 
@@ -134,11 +159,16 @@ def parse_size(text: str | None) -> int | None:
 
 # ----- opening checkpoints (gefen_ckpt.checkpoints) ---------------------------------------------
 def check_destination(src: str, dst: str, overwrite: bool, create_bucket: bool, writes: bool = True) -> None:
-    """SRC and DST must differ, and (when the command ``writes``) DST must not be an existing file
-    or non-empty directory unless ``--overwrite``: a typo in DST must not replace a checkpoint.
+    """SRC and DST must differ, DST not inside SRC (``check_locations``), and (when the command
+    ``writes``) DST must not be an existing file or non-empty directory unless ``--overwrite``: a
+    typo in DST must not replace a checkpoint.
     ``--create-bucket`` lets this process's saves create a missing bucket."""
-    if src.rstrip("/") == dst.rstrip("/"):
-        raise typer.BadParameter("SRC and DST are the same location")
+    from gefen_ckpt.checkpoints import check_locations
+
+    try:
+        check_locations(src, dst)
+    except ValueError as exc:
+        usage(str(exc))
     if not writes:
         return
     import fsspec
@@ -146,7 +176,7 @@ def check_destination(src: str, dst: str, overwrite: bool, create_bucket: bool, 
     fs, path = fsspec.core.url_to_fs(dst)
     if not overwrite and fs.exists(path) and not (fs.isdir(path) and not fs.ls(path, detail=False)):
         what = "a non-empty directory" if fs.isdir(path) else "a file"
-        fail(f"{dst} exists and is {what}: pass --overwrite to replace it")
+        usage(f"{dst} exists and is {what}: pass --overwrite to replace it")
     if create_bucket:
         from gefen_ckpt.storage import CREATE_BUCKET_ENV
 

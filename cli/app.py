@@ -21,6 +21,22 @@ class _Commands(TyperGroup):
     """The command group: any exception a command raises goes through the CLI's one error policy,
     ``common.exit_on_error`` (typer's exits and usage errors pass through)."""
 
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        """Click's usage errors as one line (``common.click_error``) rather than its boxed panel."""
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except common.CLICK_ERROR as exc:
+            try:
+                common.click_error(exc)
+            except typer.Exit as done:
+                code = done.exit_code
+        except typer.Abort:
+            common.err().print("aborted")
+            code = common.EXIT_DATA
+        if not standalone_mode:
+            return code
+        raise SystemExit(code if isinstance(code, int) else common.EXIT_OK)
+
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         ctx.meta["gefen_ckpt.args"] = list(args)
         return super().parse_args(ctx, args)
@@ -50,8 +66,10 @@ app = typer.Typer(
         "Inspect, verify, compare and convert Gefen / torch optimizer checkpoints offline: no GPU, "
         "no process group, bounded memory. PATHs may be local paths or fsspec URLs "
         "(file://, memory://, s3://...).\n\n"
-        "Exit codes: 0 success, 1 problems found (verify) or checkpoints differ (diff), "
-        "2 error (missing path, not a checkpoint, corrupt beyond reading, bad usage)."
+        "Exit codes: 0 success; 1 about the data: problems found (verify), checkpoints differ (diff), or a "
+        "checkpoint that cannot be read (missing path, not a checkpoint, corrupt, does not fit); 2 bad usage "
+        "(unknown option, bad value, SRC and DST overlap, a non-empty DST without --overwrite). Errors are one "
+        "line on stderr; --debug shows the traceback."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -70,8 +88,11 @@ def _storage(
              "endpoint_url=http://minio:9000, key=..., secret=..., "
              "'config_kwargs={\"connect_timeout\": 5, \"read_timeout\": 30, \"retries\": {\"max_attempts\": 2}}'. "
              "VALUE is JSON if it parses as JSON, else a string.")] = None,
+    debug: Annotated[bool, typer.Option(
+        "--debug", help="Show the traceback of an error (default: one line on stderr).")] = False,
 ):
     """Options that apply to every command (they go before the command name)."""
+    common.debug = debug
     if storage_option:
         common.set_storage_options(common.parse_storage_options(storage_option),
                                    ctx.meta.get("gefen_ckpt.args", []))
@@ -377,7 +398,8 @@ def reshard(
     src: Annotated[str, typer.Argument(help="Source checkpoint: portable or DCP directory, or torch.save file.")],
     dst: Annotated[str, typer.Argument(help="Destination directory (written atomically).")],
     world_size: Annotated[int | None, typer.Option(
-        "--world-size", "-n", min=1, help="Target number of ranks (FSDP2 Shard(0) over all of them).")] = None,
+        "--world-size", "-n", help="Target number of ranks (FSDP2 Shard(0) over all of them), at most 1048576 "
+                                   "(2^20).")] = None,
     mesh: Annotated[str | None, typer.Option(
         "--mesh", help="Target HSDP mesh RxS (replicate x shard): data is split over S ranks.")] = None,
     memory_budget: Annotated[str | None, typer.Option(
@@ -410,20 +432,10 @@ def reshard(
 
       gefen-ckpt reshard s3://bucket/run7/step-1000 s3://bucket/run7/step-1000-ws64 -n 64 --memory-budget 1GiB
     """
-    from gefen_ckpt.reshard import Mesh, plan, plan_manifest, retarget
+    from gefen_ckpt.reshard import plan, plan_manifest, retarget
 
     sizes = {"max_file_bytes": common.parse_size(max_file_bytes), "memory_budget": common.parse_size(memory_budget)}
-    if mesh is not None:
-        try:
-            target = Mesh.parse(mesh)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
-        if world_size is not None and world_size != target.world_size:
-            raise typer.BadParameter(f"--world-size {world_size} contradicts --mesh {mesh}")
-    elif world_size is not None:
-        target = Mesh(1, world_size)
-    else:
-        raise typer.BadParameter("give --world-size or --mesh")
+    target = _target(world_size, mesh)
     common.check_destination(src, dst, overwrite, create_bucket, writes=not dry_run)
     if dry_run and common.detect_format(src) == common.PORTABLE:
         from gefen_ckpt.wire.manifest import total_tensor_bytes
@@ -447,12 +459,32 @@ def reshard(
                                f"{state.total_bytes():,} bytes of state from {src} ({fmt})", soft_wrap=True)
 
 
+def _target(world_size: int | None, mesh: str | None):
+    """The target mesh of --world-size / --mesh, within ``MAX_WORLD_SIZE`` (a usage error else)."""
+    from gefen_ckpt.reshard import MAX_WORLD_SIZE, Mesh
+
+    if world_size is not None and not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise typer.BadParameter(f"{world_size} is not in 1..{MAX_WORLD_SIZE} (the most ranks a target may have)",
+                                 param_hint="--world-size")
+    if mesh is None and world_size is None:
+        raise typer.BadParameter("give --world-size or --mesh")
+    try:
+        target = Mesh.parse(mesh) if mesh is not None else Mesh(1, world_size)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--mesh") from None
+    if world_size is not None and world_size != target.world_size:
+        raise typer.BadParameter(f"--world-size {world_size} contradicts --mesh {mesh}")
+    return target
+
+
 def _print_plan(src, dst, target, ranks, total: int, as_json: bool) -> None:
+    """One row (JSON entry) per run of consecutive shard ranks with the same figures."""
     if as_json:
         _echo_json({"source": src, "destination": dst, "mesh": [target.replicate, target.shard],
                     "world_size": target.world_size, "total_bytes": total,
-                    "ranks": [{"shard_rank": r.rank, "read_bytes": r.read_bytes, "sharded_bytes": r.sharded_bytes,
-                               "replicated_bytes": r.replicated_bytes, "empty_fields": r.empty_fields}
+                    "ranks": [{"shard_rank": r.rank, "last_shard_rank": r.last, "read_bytes": r.read_bytes,
+                               "sharded_bytes": r.sharded_bytes, "replicated_bytes": r.replicated_bytes,
+                               "empty_fields": r.empty_fields}
                               for r in ranks]})
         return
     from rich.table import Table
@@ -461,7 +493,7 @@ def _print_plan(src, dst, target, ranks, total: int, as_json: bool) -> None:
     for col in ("shard rank", "reads (bytes)", "own rows (bytes)", "replicated (bytes)", "empty fields"):
         table.add_column(col, justify="right")
     for r in ranks:
-        table.add_row(str(r.rank), f"{r.read_bytes:,}", f"{r.sharded_bytes:,}", f"{r.replicated_bytes:,}",
+        table.add_row(str(r.rank) if r.count == 1 else f"{r.rank}-{r.last}", f"{r.read_bytes:,}", f"{r.sharded_bytes:,}", f"{r.replicated_bytes:,}",
                       str(r.empty_fields))
     common.out().print(table)
     if any(r.empty_fields for r in ranks):

@@ -10,6 +10,7 @@ and the step math for every ``(group, param, grad)`` whose state exists, ``_step
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -36,9 +37,9 @@ from gefen.geometry import (
     shape_period,
 )
 from gefen.validation import (
-    check_grad,
     check_not_adam_state,
     check_params,
+    check_step_param,
     param_label,
     plain_hyperparameters,
 )
@@ -79,10 +80,13 @@ def check_field(label: str, name: str, value, spec: FieldSpec, want: tuple[int, 
 
 
 def stage_groups(sd: dict, live_groups: list[dict], hyperparameters, *, adapt=None,
-                 check=None) -> tuple[list[dict], list[tuple[dict, int, object]]]:
+                 check=None) -> tuple[list[dict], list[tuple[dict, int, object]], dict]:
     """A state_dict's param groups paired with the live ones (in number, sizes and names): each
     saved group's hyperparameters (``adapt`` may fill or refuse them, ``check`` validates the
-    result) on the live group's parameters, and every state entry as (its new group, index, entry)."""
+    result) on the live group's parameters, with the live group's ``param_names`` or else the
+    saved ones (as torch keeps them); every state entry as (its new group, index, entry); and the
+    state under keys that are not parameter indices (a hook's ``optimizer.state["key"]``), which
+    torch passes through unchanged."""
     saved_groups = sd["param_groups"]
     if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(live_groups):
         raise ValueError(
@@ -103,16 +107,32 @@ def stage_groups(sd: dict, live_groups: list[dict], hyperparameters, *, adapt=No
         if missing:
             raise ValueError(f"param group {gi} of the state_dict lacks hyperparameters {missing}")
         group["params"] = live["params"]
-        if live_names:
-            group["param_names"] = live_names
+        if live_names or saved_names:
+            group["param_names"] = list(live_names or saved_names)
         if check:
             check(group)
         groups.append(group)
         index.update({key: (group, i) for i, key in enumerate(saved["params"])})
-    unknown = next((key for key in sd["state"] if key not in index), None)
+    unknown = next((key for key in sd["state"] if key not in index and _is_index(key)), None)
     if unknown is not None:
         raise ValueError(f"state_dict holds state for unknown parameter index {unknown!r}")
-    return groups, [(*index[key], entry) for key, entry in sd["state"].items()]
+    extra = {key: entry for key, entry in sd["state"].items() if key not in index}
+    return groups, [(*index[key], entry) for key, entry in sd["state"].items() if key in index], extra
+
+
+def _is_index(key) -> bool:
+    """Does a state_dict's state key name a parameter (torch numbers them)? Other keys are a hook's own."""
+    return isinstance(key, int) and not isinstance(key, bool)
+
+
+def step_tensor(label: str, value):
+    """A ``step`` saved as a Python number (what older torch wrote, and torch still loads) as the
+    int64 count Gefen keeps; anything else unchanged (the field check judges it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    if not math.isfinite(value) or value < 0 or value != int(value):
+        raise ValueError(f"parameter {label}: field 'step' is {value!r}, not a step count")
+    return torch.tensor(int(value), dtype=torch.int64)
 
 
 def global_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -180,9 +200,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         key = (tuple((name, id(book)) for name, book in books.items()), id(self.state), len(self.state))
         if key == self._shared:
             return
-        for entry in self.state.values():
-            entry.update(books)
+        for param, entry in self.state.items():
+            if isinstance(param, torch.Tensor):  # a hook's own keys (optimizer.state["key"]) stay as they are
+                entry.update(books)
         self._shared = key
+
+    #: the torch optimizer whose refusals at ``step()`` this one repeats (``validation.TORCH_STEP_REFUSALS``)
+    torch_name = "Adam"
 
     #: the codebook is learned when the first non-zero gradients are allocated for (``step``);
     #: an optimizer that learns it inside its step (with more statistics) sets this False
@@ -215,18 +239,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _grads(self) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
         """(group, param, grad) for every parameter that has a gradient, after checking it; the
         group's tensor hyperparameters read as numbers, the gradient negated under ``maximize``."""
-        out = []
+        out, seen = [], set()
         for group in self.param_groups:
             values = plain_hyperparameters(group)
             for i, p in enumerate(group["params"]):
-                if p.grad is not None:
-                    check_grad(p.grad, param_label(group, i))
+                if p.grad is not None and id(p) not in seen:  # a tensor listed twice is stepped once
+                    seen.add(id(p))
+                    check_step_param(local_tensor(p), local_tensor(p.grad), param_label(group, i), self.torch_name,
+                                     type(self).__name__)
                     out.append((values, p, -p.grad if group.get("maximize") else p.grad))
         return out
 
     def _positions(self) -> dict[int, int]:
-        """id(param) -> its index over all groups (what salts its rounding noise)."""
-        return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        """id(param) -> its index over all groups (what salts its rounding noise): its first, as
+        torch's state_dict numbers a tensor listed twice."""
+        positions: dict[int, int] = {}
+        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
+            positions.setdefault(id(p), i)
+        return positions
 
     def reduction_plan(self) -> ReductionPlan:
         """Which ranks to sum global statistics over (recomputed when the parameters change)."""
@@ -326,8 +356,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if key not in sd:
                 raise ValueError(f"not an optimizer state_dict: missing {key!r}")
         check_not_adam_state(sd, contract.implementation)
-        groups, entries = stage_groups(sd, self.param_groups, contract.hyperparameters, adapt=self._saved_group,
-                                       check=self._check_group)
+        groups, entries, extra = stage_groups(sd, self.param_groups, contract.hyperparameters,
+                                              adapt=self._saved_group, check=self._check_group)
         state = defaultdict(dict)
         sizes = self.global_books()
         copies = {name: [] for name in sizes}  # name -> [(where, tensor)]: each parameter's copy, the shared one
@@ -348,7 +378,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state_dict has a learned {learned[0]} but no {missing[0]}")
         if not learned and any(self._moments_nonzero(entry) for entry in state.values()):
             raise ValueError("state_dict has parameter state but no codebook")
-        return groups, state, books
+        # one order on every rank, whatever order the state_dict came in: the parameters' (torch's
+        # full-state-dict paths issue a collective per parameter and field in the live order)
+        order = [p for group in groups for p in group["params"] if p in state]
+        ordered = defaultdict(dict, {p: state[p] for p in order})
+        ordered.update(extra)
+        return groups, ordered, books
 
     def _saved_group(self, group: dict) -> dict:
         """A saved param group's hyperparameters as this optimizer will use them (a subclass may
@@ -360,7 +395,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not isinstance(entry, dict):
             raise ValueError(f"state of parameter {label} is not a dict")
         shape = global_shape(param)
-        required = set(self._state_fields(group, shape))
+        fields = self._state_fields(group, shape)  # a fresh step's order: staged in it (not a set's)
+        required = set(fields)
         known = {f.name for f in contract.fields}
         if set(entry) - known:
             raise ValueError(
@@ -387,8 +423,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
                                  "this state on a layout that splits rows only")
         local = local_tensor(param)
         staged = {}
-        for name in required:
+        for name in fields:  # torch's full-state-dict paths issue one collective per field in this order
             value, spec = entry[name], contract.field(name)
+            if name == "step":
+                value = step_tensor(label, value)
             if is_dtensor(value):  # torch's get/set_state_dict hand back the DTensors state_dict() made
                 expected = field_global_shape(spec.geometry, shape, period)
                 if tuple(value.shape) != expected:
@@ -447,8 +485,14 @@ def _add_global_state(optimizer: CompressedOptimizer, state_dict: dict) -> dict:
             books[name] = torch.zeros(size, dtype=torch.float32, device=device)
     state_dict[GLOBAL_STATE_KEY] = shared
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    first = {}  # id -> the index torch's state_dict numbers a parameter by (its first listing)
+    for index, p in enumerate(params):
+        first.setdefault(id(p), index)
+    with_state = {first[id(p)] for p in optimizer.state if isinstance(p, torch.Tensor)}
     contract = optimizer.contract()
     for index, entry in list(state_dict["state"].items()):
+        if index not in with_state:  # a hook's own key (optimizer.state["key"]): passed through as torch does
+            continue
         param = params[index]
         entry = dict(entry)  # torch hands out the live per-parameter dicts
         if is_dtensor(param):

@@ -140,7 +140,13 @@ def _optimal_cuts(x: np.ndarray, w: np.ndarray, m: int) -> np.ndarray:
 
 
 def solve_codebook(counts: torch.Tensor, codebook_size: int) -> torch.Tensor:
-    """Optimal sorted fp32 codebook for a histogram over [-1, 1], ends pinned to -1 and +1: exact
+    """The codebook a step quantises with: ``optimal_codebook`` with its inner centre nearest 0 set to
+    exactly 0 (``with_exact_zero``), fp32."""
+    return torch.from_numpy(with_exact_zero(optimal_codebook(counts, codebook_size))).to(torch.float32)
+
+
+def optimal_codebook(counts: torch.Tensor, codebook_size: int) -> np.ndarray:
+    """Optimal sorted float64 codebook for a histogram over [-1, 1], ends pinned to -1 and +1: exact
     weighted 1-D k-means over the active bins (at their centres), a possibly empty prefix mapped to
     -1 and suffix to +1, K - 2 middle segments to their means; DP ties go to the smaller split. With
     at most K - 2 active bins each is its own centre, the tail padded with +1; an all-zero histogram
@@ -151,7 +157,7 @@ def solve_codebook(counts: torch.Tensor, codebook_size: int) -> torch.Tensor:
     c = counts.detach().cpu().to(torch.int64).numpy()
     active = np.flatnonzero(c > 0)
     if len(active) == 0:
-        return torch.linspace(-1.0, 1.0, codebook_size, dtype=torch.float32)
+        return np.linspace(-1.0, 1.0, codebook_size)
     x = -1.0 + (active + 0.5) * (2.0 / num_bins)
     w = c[active].astype(np.float64)
     m = codebook_size - 2
@@ -165,7 +171,20 @@ def solve_codebook(counts: torch.Tensor, codebook_size: int) -> torch.Tensor:
     book = np.full(codebook_size, 1.0)
     book[0] = -1.0
     book[1 : 1 + len(middle)] = middle
-    return torch.from_numpy(book).to(torch.float32)
+    return book
+
+
+def with_exact_zero(book: np.ndarray) -> np.ndarray:
+    """``book`` (sorted, ends -1 and +1) with its inner centre nearest 0 set to exactly 0, so a moment
+    that is exactly zero codes to exactly zero: an element whose gradients were all zero keeps a zero
+    momentum and takes no step (docs/design.md, "Bounded steps"). The order stays sorted: every
+    inner centre below the one moved is negative, every one above it positive. A 2-entry book has
+    no inner centre and is returned as is."""
+    book = book.copy()
+    if len(book) > 2 and not (book == 0.0).any():
+        inner = np.abs(book[1:-1])
+        book[1 + int(np.argmin(inner))] = 0.0
+    return book
 
 
 def histogram_pairs(items: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

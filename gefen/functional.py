@@ -39,6 +39,40 @@ class Hyper:
     weight_decay: float
 
 
+#: the step_bound cap (in lr) where AdamW's own lone-gradient step is smaller (docs/design.md, "Bounded steps")
+STEP_CAP = 4.0
+
+
+def step_bound(step: int, beta1: float, beta2: float) -> float:
+    """The largest |update| / lr an element may take at step ``step`` (docs/design.md, "Bounded
+    steps"): AdamW's own worst case, ``max |m_hat| / sqrt(v_hat)`` over every gradient history of
+    ``step`` steps (Cauchy-Schwarz on the two EMAs' weights: 1 at step 1, rising with the step),
+    capped at ``max(STEP_CAP, (1 - beta1) / sqrt(1 - beta2))`` (AdamW's step on a lone gradient after
+    a long quiet run, where that is larger). Exact moments meet the cap only on a gradient growing
+    geometrically for dozens of steps; a coded or factored second moment that underestimates an
+    element meets the floor this bound sets instead of ``eps``."""
+    cap = max(STEP_CAP, (1.0 - beta1) / math.sqrt(1.0 - beta2)) if beta2 < 1 else math.inf
+    r = beta1 * beta1 / beta2 if beta2 > 0 else math.inf
+    if beta1 >= 1.0 or r == math.inf:
+        return cap
+    total = float(step) if r == 1.0 else (1.0 - r**step) / (1.0 - r)
+    worst = (1.0 - beta1) ** 2 * (1.0 - beta2**step) / ((1.0 - beta2) * (1.0 - beta1**step) ** 2) * total
+    return min(math.sqrt(max(worst, 1.0)), cap)
+
+
+def inverse_step_bound(step: int, beta1: float, beta2: float) -> float:
+    """``1 / step_bound``: what the denominator floor multiplies ``|m_hat|`` by (every kernel too)."""
+    return 1.0 / step_bound(step, beta1, beta2)
+
+
+def bounded_denominator(root_v: torch.Tensor, m_hat: torch.Tensor, inv_bound: float, eps: float) -> torch.Tensor:
+    """``max(sqrt(v_hat), |m_hat| * inv_bound) + eps``: the update's denominator, never below what the
+    (decoded, bias-corrected) first moment itself implies, so ``|m_hat / denominator| <= step_bound``
+    whatever the coded or factored second moment says (``root_v``: ``sqrt(v_hat)``, broadcast to
+    ``m_hat``'s shape; NaN propagates, as ``torch.maximum``)."""
+    return torch.maximum(root_v, m_hat.abs().mul_(inv_bound)).add_(eps)
+
+
 def is_factored(global_shape: tuple[int, ...], factored_v_2d: bool) -> bool:
     """Matrices keep a factored second moment (row + column EMAs) when asked; the rest per block."""
     return factored_v_2d and len(global_shape) == 2
@@ -86,18 +120,17 @@ def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
     bias1 = 1 - h.beta1**step
     bias2_sqrt = math.sqrt(1 - h.beta2**step)
 
-    # 1. second moment -> denominator sqrt(V)/sqrt(1-b2^t) + eps
+    # 1. second moment -> sqrt(V)/sqrt(1-b2^t)
     if "v_row" in state:
         state["v_row"].copy_(v_row)
         col_mean = (partials[:-1] / global_rows).float()
         state["v_col"].mul_(h.beta2).add_(col_mean, alpha=1 - h.beta2)
         row_mean = (partials[-1] / global_rows).float().clamp_min(TINY)
-        denom = M8Codec.factored(state["v_row"], state["v_col"], row_mean)
-        denom = as_blocks(_div(denom.sqrt_(), bias2_sqrt).add_(h.eps), period)
+        root_v = as_blocks(_div(M8Codec.factored(state["v_row"], state["v_col"], row_mean).sqrt_(), bias2_sqrt), period)
     else:
         block_sq = as_blocks(g, period).square().mean(-1)
         state["v"].mul_(h.beta2).add_(block_sq, alpha=1 - h.beta2)
-        denom = _div(state["v"].sqrt(), bias2_sqrt).add_(h.eps).unsqueeze(-1)
+        root_v = _div(state["v"].sqrt(), bias2_sqrt).unsqueeze(-1)
 
     # 2. step count
     state["step"].fill_(step)
@@ -105,10 +138,10 @@ def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook
     # 3. momentum: dequantise, EMA, re-quantise
     update = update_momentum_(state, g, h.beta1, codebook)
 
-    # 4. decoupled weight decay and the update with the re-quantised momentum
-    update = _div(update, bias1)
-    as_blocks(update, period).div_(denom)
-    decay_and_add_(param, update, h.lr, h.weight_decay)
+    # 4. decoupled weight decay and the update with the re-quantised momentum over the bounded denominator
+    update = as_blocks(_div(update, bias1), period)
+    update.div_(bounded_denominator(root_v, update, inverse_step_bound(step, h.beta1, h.beta2), h.eps))
+    decay_and_add_(param, update.view(param.shape), h.lr, h.weight_decay)
 
 
 def decay_and_add_(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float,
@@ -258,9 +291,10 @@ def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook:
     codes = codec.pack(encode(x, codebook, hash_uniform(gidx, step, salt_m)), vcode)
 
     # update with the moments decoded from the new codes (the same op order as gefen_update_)
-    denom = _div(codec.second_moment(codes, vhat_new).sqrt(), math.sqrt(1 - b2**step)) + h.eps
-    decay_and_add_(param, (_div(codec.momentum(codes, scale), 1 - b1**step) / denom).view(param.shape), h.lr,
-                   h.weight_decay)
+    m_hat = _div(codec.momentum(codes, scale), 1 - b1**step)
+    denom = bounded_denominator(_div(codec.second_moment(codes, vhat_new).sqrt(), math.sqrt(1 - b2**step)), m_hat,
+                                inverse_step_bound(step, b1, b2), h.eps)
+    decay_and_add_(param, (m_hat / denom).view(param.shape), h.lr, h.weight_decay)
     state["mv_code"].copy_(codes.view(state["mv_code"].shape))
     state["m_row_scale"].copy_(scale)
     state["v_row"].copy_(v_row)
@@ -293,9 +327,10 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper
     g = grad.float()
     m = state["exp_avg"].float() * b1 + g * (1 - b1)
     v = state["exp_avg_sq"] * b2 + (g * g) * (1 - b2)
-    denom = _div(v.sqrt(), math.sqrt(1 - b2**step)) + h.eps
+    m_hat = _div(m, 1 - b1**step)
+    denom = bounded_denominator(_div(v.sqrt(), math.sqrt(1 - b2**step)), m_hat, inverse_step_bound(step, b1, b2), h.eps)
     state["step"].fill_(step)
-    decay_and_add_(param, _div(m, 1 - b1**step) / denom, h.lr, h.weight_decay)
+    decay_and_add_(param, m_hat / denom, h.lr, h.weight_decay)
     gidx = torch.arange(row0, row0 + m.numel(), dtype=torch.int64, device=m.device).reshape(m.shape)
     state["exp_avg"].copy_(round_bf16(m, hash_bits(gidx, step, salts(pidx, seed)[0])))
     state["exp_avg_sq"].copy_(v)

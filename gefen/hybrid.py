@@ -381,5 +381,7 @@ def _check_plain_state_dict(opt: torch.optim.Optimizer, sd) -> None:
                              f"{sorted(required)} (+ optional {sorted(set(fields) - required)}); another optimizer's?")
         param = group["params"][i]
         for name, value in entry.items():  # ``param`` (DTensors for DTensor parameters) or ``scalar`` fields
+            if name == "step" and isinstance(value, (int, float)):
+                continue  # older torch's Python step: torch's own load makes it a tensor
             want = fields[name].local_shape(local_tensor(param).shape, tuple(param.shape), 1)
             check_field(label, name, value, fields[name], want)

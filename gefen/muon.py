@@ -113,19 +113,23 @@ class GefenMuon(CompressedOptimizer):
         self._check_group(defaults)
         super().__init__(params, defaults, codebook_size=codebook_size, bins_per_code=bins_per_code)
 
+    torch_name = "Muon"
+
     def contract(self) -> OptimizerContract:
         return _CONTRACT
 
     def _check_group(self, group: dict) -> None:
-        check_range("lr", group["lr"], 0.0)
-        check_range("momentum", group["momentum"], 0.0, 1.0, high_open=True)
-        check_range("weight_decay", group["weight_decay"], 0.0)
+        check_range("lr", group["lr"], 0.0, torch_says="Learning rate should be >= 0 but is: {}")  # Muon's words
+        check_range("momentum", group["momentum"], 0.0, 1.0, high_open=True,
+                    torch_says="momentum should be >= 0 but is: {}")
+        check_range("weight_decay", group["weight_decay"], 0.0, torch_says="weight decay should be >= 0 but is: {}")
         check_range("beta2", group["beta2"], 0.0, 1.0, high_open=True)
         check_range("eps", group["eps"], 0.0)
         check_range("normuon_eps", group["normuon_eps"], 0.0)
         check_flags_and_seed(group, ("nesterov", "normuon", "bf16_stochastic_round"))
         if group["adjust_lr_fn"] not in ADJUST_LR:
-            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR}, got {group['adjust_lr_fn']!r}")
+            raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported "
+                             f"(adjust_lr_fn must be one of {ADJUST_LR})")
         resolve_schedule(group["ns_coefficients"], group["ns_steps"])
 
     def _saved_group(self, group: dict) -> dict:
@@ -138,8 +142,9 @@ class GefenMuon(CompressedOptimizer):
             if p.dim() != 2:
                 self.param_groups.pop()
                 raise ValueError(
-                    f"GefenMuon takes 2-D parameters only; parameter {param_label(group, i)} has shape "
-                    f"{tuple(p.shape)} (give embeddings, heads and other tensors to a backup optimizer, "
+                    f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} "
+                    f"(GefenMuon takes 2-D parameters only; parameter {param_label(group, i)} has shape "
+                    f"{tuple(p.shape)}: give embeddings, heads and other tensors to a backup optimizer, "
                     "e.g. with GefenMuonHybrid)"
                 )
 

@@ -35,7 +35,7 @@ __all__ = ["available", "trusted", "second_moment_partials", "gefen_update_", "m
            "calibrate", "Calibration", "block_histograms", "m4v4_partials", "m4v4_row_stats",
            "m4v4_update_", "adamw_update_", "round_param_"]
 
-_ABI = 19
+_ABI = 20
 #: ``GEFEN_CPU_ISA`` (read at import): the widest C kernels allowed, capped by the CPU. Every ISA
 #: computes the same bits (docs/design.md, "The m4v4 kernels"), so it only changes speed.
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -62,7 +62,8 @@ class _Mode(ctypes.Structure):
 
 #: Mirror of ``GEFEN_ARGS_HEAD`` in gefen_common.h: the fields every step's arguments start with.
 _HEAD = [("param", _P), ("grad", _P), ("step_ptr", _P), ("step", _I64),
-         *((name, _DBL) for name in ("beta1", "omb1", "beta2", "omb2", "bias1", "bias2_sqrt", "eps", "neg_lr", "decay")),
+         *((name, _DBL) for name in ("beta1", "omb1", "beta2", "omb2", "bias1", "bias2_sqrt", "eps", "neg_lr", "decay",
+                                    "inv_bound")),
          ("param_dtype", _I32), ("grad_dtype", _I32), ("has_wd", _I32), ("mode", _P)]
 
 
@@ -296,6 +297,7 @@ def _run_step(fn, struct, param: torch.Tensor, grad: torch.Tensor, state: dict, 
     a.beta1, a.omb1, a.beta2, a.omb2 = h.beta1, 1 - h.beta1, h.beta2, 1 - h.beta2
     a.bias1, a.bias2_sqrt = 1 - h.beta1**step, math.sqrt(1 - h.beta2**step)
     a.eps, a.neg_lr, a.decay, a.has_wd = h.eps, -h.lr, 1 - h.lr * h.weight_decay, bool(h.weight_decay)
+    a.inv_bound = F.inverse_step_bound(step, h.beta1, h.beta2)
     if fn(ctypes.byref(a)) != 0:
         return False
     if not writable:

@@ -95,10 +95,10 @@ class Gefen(CompressedOptimizer):
         return state
 
     def _check_group(self, group: dict) -> None:
-        check_range("lr", group["lr"], 0.0)
+        check_range("lr", group["lr"], 0.0, torch_says="Invalid learning rate: {}")  # AdamW's words
         check_betas(group["betas"])
-        check_range("eps", group["eps"], 0.0)
-        check_range("weight_decay", group["weight_decay"], 0.0)
+        check_range("eps", group["eps"], 0.0, torch_says="Invalid epsilon value: {}")
+        check_range("weight_decay", group["weight_decay"], 0.0, torch_says="Invalid weight_decay value: {}")
         check_flags_and_seed(group, ("factored_v_2d", "maximize", "bf16_stochastic_round"))
         if group.get("moments", self.moments) != self.moments:
             raise ValueError(f"moments is optimizer-wide: a param group asks for {group['moments']!r}, the optimizer "

@@ -1,12 +1,16 @@
 """``async_save``: copy the state into reusable host buffers (training waits only for that),
 then write and commit it in a background thread with the synchronous save's own code (under a
 process group, on a gloo group of its own so its collectives never interleave with training's).
-One save runs at a time.
+One save runs at a time. A pending save is finished, and its failure reported as a warning unless
+its future's result was asked for, before ``destroy_process_group`` and at interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -14,11 +18,77 @@ import torch
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
 
+
+class SaveFuture(Future):
+    """The future of one ``async_save``: knows its URL, and whether its outcome was asked for (an
+    error nobody asked for is reported at ``destroy_process_group`` and at exit)."""
+
+    def __init__(self, url: str):
+        super().__init__()
+        self.url, self.seen = url, False
+
+    def result(self, timeout=None):
+        self.seen = True
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self.seen = True
+        return super().exception(timeout)
+
+
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
-_pending: Future | None = None
+_pending: SaveFuture | None = None
 _buffers: dict[str, torch.Tensor] = {}
 _group = None
+
+
+def finish_pending(when: str) -> None:
+    """Wait for the pending save (its collectives need the process group, so it must end first)
+    and warn, naming its checkpoint, if it failed and nobody asked its future: never lost silently."""
+    future = _pending
+    if future is None:
+        return
+    wait([future])
+    error = Future.exception(future)  # without marking it seen
+    if error is None or future.seen:
+        return
+    written = ("" if getattr(error, "committed", False)
+               else "; the checkpoint there was not written (the previous one, if any, stays committed)")
+    warnings.warn(f"gefen_ckpt.async_save to {future.url} failed {when}: {type(error).__name__}: {error}{written}",
+                  RuntimeWarning, stacklevel=3)
+    future.seen = True
+
+
+def _at_exit() -> None:
+    finish_pending("(reported at interpreter exit)")
+
+
+atexit.register(_at_exit)
+
+
+def _watch_destroy() -> None:
+    """Make ``torch.distributed.destroy_process_group`` finish (or report) a pending async save
+    first: destroying the group under it would fail its collectives, silently to a script that
+    never asks its future. It also forgets the save group, which dies with the world."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    real = c10d.destroy_process_group
+    if getattr(real, "_gefen_ckpt", False):
+        return
+
+    @functools.wraps(real)
+    def destroy_process_group(group=None):
+        global _group
+        if group is None or group is _group:
+            finish_pending("before destroy_process_group")
+            if group is None:
+                _group = None
+        return real(group)
+
+    destroy_process_group._gefen_ckpt = True
+    c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
 
 
 def _buffer(key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -51,7 +121,10 @@ def async_save(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Mo
     ``result()`` is None once the checkpoint is committed, or raises the save's error (under a
     process group, on every rank). Blocks only to copy the state into host buffers (and first
     until a previous ``async_save`` has finished); the optimizer may step while the write runs.
-    The files are those ``gefen_ckpt.save`` writes for the same state."""
+    The files are those ``gefen_ckpt.save`` writes for the same state. A save still pending at
+    ``destroy_process_group()`` or at interpreter exit is finished first (its failure, if nobody
+    asked the future, a ``RuntimeWarning`` naming ``url``); ``os._exit`` or a kill runs nothing: the
+    save is lost, the previous checkpoint stays committed, and the next save removes its files."""
     from gefen_ckpt.api import MAX_FILE_BYTES, MEMORY_BUDGET
     from gefen_ckpt.live import export_canonical
     from gefen_ckpt.sharded_io import save_sharded
@@ -65,20 +138,33 @@ def async_save(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Mo
             wait([_pending])  # its error, if any, is its own future's to raise
         sharded = collective.active()
         if sharded and _group is None:  # a gloo group over every rank, created once, collectively
+            import datetime
+
             import torch.distributed as dist
 
-            _group = dist.new_group(backend="gloo")
-        staged = _stage(export_canonical(optimizer, model=model))
+            seconds = collective.group_timeout()  # the job's timeout, not new_group's 30 minutes
+            _group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds) if seconds else None)
+            _watch_destroy()
+        staged, group = _stage(export_canonical(optimizer, model=model)), _group
         if _executor is None:
             _executor = ThreadPoolExecutor(1, thread_name_prefix="gefen-ckpt-async-save")
+        future = SaveFuture(str(url))
 
         def run() -> None:
-            with collective.deadline(timeout):
-                if sharded:
-                    save_sharded(None, url, model=model, storage_options=storage_options, state=staged, group=_group,
-                                 **sizes)
-                else:
-                    write_state(staged, Store(url, storage_options), world_size=None, **sizes)
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                with collective.deadline(timeout):
+                    if sharded:
+                        save_sharded(None, url, model=model, storage_options=storage_options, state=staged,
+                                     group=group, **sizes)
+                    else:
+                        write_state(staged, Store(url, storage_options), world_size=None, **sizes)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
 
-        _pending = _executor.submit(run)
-        return _pending
+        _executor.submit(run)
+        _pending = future
+        return future

@@ -30,6 +30,34 @@ def detect_format(url: str) -> str:
     raise CheckpointFormatError(f"{url}: not a checkpoint (neither a gefen_ckpt directory nor a torch.save file)")
 
 
+def location(url: str) -> tuple[str, str]:
+    """(filesystem, path) that one location has however it is spelled: a local path resolved
+    (``file://``, ``.``/``..``, symbolic links), another filesystem's path as fsspec strips it."""
+    import os
+    import posixpath
+
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, path = fsspec.core.url_to_fs(str(url))
+    if isinstance(fs, LocalFileSystem):
+        return "file", os.path.realpath(path)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol, posixpath.normpath("/" + path.strip("/"))
+
+
+def check_locations(src: str, dst: str) -> None:
+    """Writing ``dst`` must not replace or write into ``src`` (``ValueError``): compared after
+    resolution, so ``./G`` and ``G``, a link to SRC or ``file://`` + its path are SRC too."""
+    (fs_a, a), (fs_b, b) = location(src), location(dst)
+    if fs_a != fs_b:
+        return
+    if a == b:
+        raise ValueError(f"SRC and DST are the same location ({src} and {dst} are both {a})")
+    if b.startswith(a.rstrip("/") + "/"):
+        raise ValueError(f"DST {dst} is inside SRC {src}: writing it would change the source")
+
+
 def check_names(url: str, format: str, param_names: str | None, names_from: str | None) -> None:
     """Names can be given only to a torch state_dict (the other formats record them), and only once."""
     if param_names and names_from:
@@ -180,8 +208,7 @@ def convert_checkpoint(src: str, dst: str, *, to: str | None = None, into: str |
     """``open`` ``src``, ``convert_state`` it ``into`` another optimizer if given (e.g. ``"Gefen"``
     from AdamW), ``write`` it to ``dst`` as ``to`` (default: ``src``'s format) and return it;
     nothing is written unless the whole conversion succeeds."""
-    if str(src).rstrip("/") == str(dst).rstrip("/"):
-        raise ValueError("src and dst are the same location")
+    check_locations(src, dst)
     format = format or detect_format(src)
     state = open(src, format=format, optimizer=optimizer, param_names=param_names, names_from=names_from, key=key)
     if into is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import msgpack
@@ -46,8 +46,26 @@ def device(group=None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
-def current_timeout() -> float:
-    return getattr(_local, "timeout", None) or DEFAULT_TIMEOUT
+def current_timeout(group=None) -> float:
+    """Seconds to wait for the other ranks: the ``deadline`` in force, else the smaller of
+    ``DEFAULT_TIMEOUT`` and the process group's own timeout (a job that set 40 s hears of a dead
+    rank in 40 s, not 300)."""
+    explicit = getattr(_local, "timeout", None)
+    if explicit:
+        return explicit
+    pg = group_timeout(group)
+    return min(DEFAULT_TIMEOUT, pg) if pg else DEFAULT_TIMEOUT
+
+
+def group_timeout(group=None) -> float | None:
+    """The process group's timeout in seconds (None when it cannot be told)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        pg = group if group is not None else c10d._get_default_group()
+        return pg._get_backend(device(group)).options._timeout.total_seconds() or None
+    except Exception:  # a backend without options (or a torch without these internals)
+        return None
 
 
 @contextmanager
@@ -89,18 +107,44 @@ def checkin(what: str, group=None) -> None:
     with _sequence_lock:
         seq = _sequence[key] = _sequence.get(key, 0) + 1
     base = f"gefen-ckpt/checkin/{name}/{hash(ranks) & 0xFFFFFFFF:08x}/{seq}"
-    me, timeout = dist.get_rank(), current_timeout()
-    store.set(f"{base}/{me}", b"1")
+    me, timeout = dist.get_rank(), current_timeout(group)
     try:
+        store.set(f"{base}/{me}", b"1")
         store.wait([f"{base}/{r}" for r in ranks], datetime.timedelta(seconds=timeout))
-    except Exception:  # the store's timeout error (its type differs between torch versions)
-        missing = [r for r in ranks if not store.check([f"{base}/{r}"])]
-        store.set(f"{base}/gave-up", b"1")
+    except Exception as exc:  # the store's timeout error (its type differs between torch versions), or a lost store
+        try:
+            missing = [r for r in ranks if not store.check([f"{base}/{r}"])]
+            store.set(f"{base}/gave-up", b"1")
+        except Exception:  # the store itself went away (it lived in a rank that died)
+            raise CheckpointTimeoutError(f"{what}: the rendezvous store was lost ({describe_error(exc)}); a rank "
+                                         "holding it died") from None
         raise CheckpointTimeoutError(f"{what}: rank(s) {missing} did not arrive within {timeout:g} s (stalled or "
                                      "dead); every waiting rank gave up, nothing was changed") from None
-    if store.check([f"{base}/gave-up"]):
+    if _check(store, f"{base}/gave-up"):
         raise CheckpointTimeoutError(f"{what}: rank {me} arrived after the other ranks gave up waiting for it "
                                      f"({timeout:g} s); nothing was changed")
+
+
+def _check(store, key: str) -> bool:
+    try:
+        return store.check([key])
+    except Exception as exc:
+        raise CheckpointTimeoutError(f"the rendezvous store was lost ({describe_error(exc)})") from None
+
+
+@contextmanager
+def lost_ranks(what: str) -> Iterator[None]:
+    """A collective that fails inside the backend (a peer that died between the check-in and the
+    transfer: gloo's "Connection closed by peer", or its own timeout) is a ``CheckpointTimeoutError``
+    naming ``what``, like a rank that never checked in."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except RuntimeError as exc:  # torch.distributed's DistBackendError / DistError are RuntimeErrors
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointTimeoutError(f"{what}: a rank was lost during the transfer ({first}); nothing was "
+                                     "changed") from exc
 
 
 def pack(obj) -> bytes:
@@ -145,11 +189,22 @@ def failure(what: str, everyone: list[dict],
     if not failed:
         return None
     kinds = "; ".join(f"rank {r}: {e.split(':', 1)[0]}" for r, e in failed.items())
-    error = CheckpointError(f"{what} failed on rank(s) {list(failed)} ({kinds}); {changed}")
+    error = shared_type(failed.values())(f"{what} failed on rank(s) {list(failed)} ({kinds}); {changed}")
     error.rank_errors = failed
     for r, e in failed.items():
         getattr(error, "add_note", lambda _: None)(f"rank {r}: {e}")
     return error
+
+
+def shared_type(errors: Iterable[str]) -> type[CheckpointError]:
+    """The type of the failed ranks' errors (``describe_error`` strings) when they share one of
+    gefen_ckpt's types, else ``CheckpointError``: so every rank raises the type the failing rank
+    raised (``CheckpointLockedError``, ``CheckpointCorruptError``...), not a vaguer one."""
+    from gefen_ckpt import errors as kinds
+
+    names = {e.split(":", 1)[0] for e in errors}
+    kind = getattr(kinds, names.pop(), None) if len(names) == 1 else None
+    return kind if isinstance(kind, type) and issubclass(kind, CheckpointError) else CheckpointError
 
 
 def agree(error: BaseException | None, what: str, group=None) -> None:
@@ -171,7 +226,8 @@ def _framed(payload: bytes, what: str, group) -> torch.Tensor:
 
     checkin(what, group)
     longest = torch.tensor([len(payload)], dtype=torch.int64, device=device(group))
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    with lost_ranks(what):
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
     return _as_tensor(len(payload).to_bytes(8, "little") + payload, int(longest) + 8, device(group))
 
 
@@ -188,7 +244,8 @@ def all_gather_bytes(payload: bytes, what: str, group=None) -> list[bytes]:
 
     mine = _framed(payload, what, group)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
+    with lost_ranks(what):
+        dist.all_gather(out, mine, group=group)
     return [_unframed(t) for t in out]
 
 
@@ -202,7 +259,8 @@ def gather_bytes(payload: bytes, what: str, dst: int = 0, group=None) -> list[by
     mine = _framed(payload, what, group)
     here = dist.get_rank() == dst
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))] if here else None
-    dist.gather(mine, out, dst=dst, group=group)
+    with lost_ranks(what):
+        dist.gather(mine, out, dst=dst, group=group)
     return [_unframed(t) for t in out] if here else None
 
 
@@ -215,7 +273,8 @@ def broadcast_bytes(payload: bytes | None, src: int = 0, group=None) -> bytes:
     checkin("sharing checkpoint metadata", group)
     dev, mine = device(group), (payload or b"") if dist.get_rank() == src else b""
     size = torch.tensor([len(mine)], dtype=torch.int64, device=dev)
-    dist.broadcast(size, src, group=group)
-    buf = _as_tensor(mine, int(size), dev)
-    dist.broadcast(buf, src, group=group)
+    with lost_ranks("sharing checkpoint metadata"):
+        dist.broadcast(size, src, group=group)
+        buf = _as_tensor(mine, int(size), dev)
+        dist.broadcast(buf, src, group=group)
     return bytes(buf.cpu().numpy())

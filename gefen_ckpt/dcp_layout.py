@@ -16,6 +16,7 @@ import math
 import os
 import pickle
 
+import fsspec
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
@@ -37,6 +38,7 @@ from gefen_ckpt.errors import (
     CheckpointFormatError,
     CheckpointIncompleteError,
 )
+from gefen_ckpt.storage import require_regular_entries
 
 __all__ = ["DCPReader", "DCPSource", "safe_load_dcp_metadata", "storage_for", "optimizer_keys",
            "state_fields", "group_names", "read_stock", "stock_entries", "FLAT"]
@@ -140,6 +142,7 @@ class DCPReader:
         from torch.distributed.checkpoint import FileSystemReader
 
         self.path = str(path)
+        require_regular_entries(*fsspec.core.url_to_fs(self.path), self.path)  # torch's reader opens them
         base, path = storage_for(path, FileSystemReader, "FsspecReader")
 
         class SafeReader(base):  # its metadata load is the allowlisted unpickler

@@ -44,8 +44,14 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 @contextmanager
 def naming(where: str, catch: type | tuple[type, ...], as_type: type | None = None) -> Iterator[None]:
     """Errors of the ``catch`` types raised in the block are re-raised naming ``where`` (the
-    checkpoint or file they are about), as ``as_type`` (default: their own type)."""
+    checkpoint or file they are about), as ``as_type`` (default: their own type). A
+    ``CheckpointError`` keeps its type (a corrupt file stays corruption, never a "mismatch"), and
+    one that already names ``where`` passes unchanged."""
     try:
         yield
     except catch as exc:
+        if isinstance(exc, CheckpointError):
+            if str(exc).startswith(f"{where}:"):
+                raise
+            raise type(exc)(f"{where}: {exc}") from exc
         raise (as_type or type(exc))(f"{where}: {exc}") from exc

@@ -16,6 +16,7 @@ import torch
 
 from gefen.contract import composite_children
 from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
+from gefen_ckpt.storage import require_regular
 from gefen_ckpt.torch_format import check_state_dict, known_contracts, torch_load
 
 __all__ = ["name_state_dict", "read_param_names", "read_model_params"]
@@ -26,6 +27,7 @@ _MAX_FRONTIER = 100_000
 
 def read_param_names(url: str) -> list[str]:
     """A JSON list of FQNs, or one FQN per line (blank lines ignored)."""
+    require_regular(*fsspec.core.url_to_fs(url), url)
     with fsspec.open(url, "r", encoding="utf-8") as f:
         text = f.read()
     if text.lstrip().startswith("["):

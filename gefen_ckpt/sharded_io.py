@@ -9,6 +9,7 @@ rank's rows, whatever layout wrote them: that is the reshard.
 from __future__ import annotations
 
 import hashlib
+import re
 
 import torch
 
@@ -24,7 +25,7 @@ from gefen_ckpt.collective import (
     pack,
     unpack,
 )
-from gefen_ckpt.errors import CheckpointError
+from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
 from gefen_ckpt.live import check_fits, copies_on_load, export_canonical, import_canonical
 from gefen_ckpt.storage import Store
 from gefen_ckpt.wire import manifest as mf
@@ -70,7 +71,7 @@ def save_sharded(optimizer: torch.optim.Optimizer | None, url: str, *, model, ma
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     token = broadcast_bytes(new_token().encode() if rank == 0 else None, group=group).decode()
-    store, lock, previous, error = None, None, None, None
+    store, lock, previous, error, done = None, None, None, None, False
     try:
         store = Store(url, storage_options)
         if rank == 0:
@@ -86,10 +87,40 @@ def save_sharded(optimizer: torch.optim.Optimizer | None, url: str, *, model, ma
                              group)
         else:
             error = _save_v1(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget)
-        agree(error, f"committing {url}", group)
+        try:
+            agree(error, f"committing {url}", group)
+        except Exception as exc:
+            raise told(exc, store, token, url, rank) from exc
+        done = True
     finally:
-        if lock is not None:
-            lock.release()
+        if lock is not None:  # a failed save's token stays in the lock file: the next save removes its stragglers
+            lock.release(clean=done)
+
+
+def told(exc: Exception, store: Store, token: str, url: str, rank: int) -> Exception:
+    """``exc`` of a save that failed once its commit may have happened, telling the truth on every
+    rank, whichever rank failed or stalled: the committed manifest names this save's files (the
+    checkpoint at ``url`` is the new one), it cannot be read, or, on a rank that gave up waiting
+    for rank 0, rank 0 may still commit."""
+    try:
+        named = mf.committed_files(store)
+    except Exception:
+        named = None
+    ours = named is None or any(n.startswith((f"data-{token}-", f"index-{token}-")) for n in named)
+    late = rank != 0 and isinstance(exc, CheckpointTimeoutError)
+    if not ours and not late:
+        return exc
+    reason = re.sub(r"[;,] (?:every waiting rank gave up, )?nothing was changed[^;]*", "", str(exc))
+    if named is None:
+        state = "may have been committed (the manifest there cannot be read now)"
+    elif ours:
+        state = f"was committed: the checkpoint there is the new one (files of save {token})"
+    else:
+        state = "was not committed when this rank gave up, but rank 0 may still commit it"
+    kind = type(exc) if isinstance(exc, CheckpointError) else CheckpointError
+    error = kind(f"{url}: the save {state}; {reason}")
+    error.committed = ours if named is not None else None
+    return error
 
 
 def _save_v1(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget):
@@ -103,8 +134,8 @@ def _save_v1(state, store, token, previous, rank, world_size, url, max_file_byte
     try:  # every rank's piece records, once every rank has written
         gathered = exchange({"pieces": [p.to_dict() for p in pieces], "files": [[f.name, f.nbytes] for f in files]},
                             error, f"save to {url}")
-    except BaseException:
-        discard(store, token, rank)
+    except BaseException:  # no commit can follow a failed exchange: every survivor removes the whole save
+        discard(store, token)
         raise
     if rank == 0:
         try:
@@ -132,7 +163,11 @@ def _save_v2(state, store, token, previous, rank, world_size, url, max_file_byte
         error = exc
         discard(store, token, rank)
     payload["error"] = None if error is None else describe_error(error)
-    gathered = gather_bytes(pack(payload), f"save to {url}", group=group)
+    try:
+        gathered = gather_bytes(pack(payload), f"save to {url}", group=group)
+    except BaseException:  # a rank stalled or died: no commit can follow (a late rank finds that the
+        discard(store, token)  # others gave up), so every survivor removes every rank's files of this save
+        raise
     if rank != 0:
         return error
     try:

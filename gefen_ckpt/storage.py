@@ -7,8 +7,10 @@ calls) is one on a local disk.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -18,7 +20,7 @@ import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
 from gefen_ckpt import native
-from gefen_ckpt.errors import CheckpointError, CheckpointStorageError
+from gefen_ckpt.errors import CheckpointError, CheckpointFormatError, CheckpointStorageError
 
 WRITE_BUFFER = 2**20
 WRITE_CHUNK = 2 * 2**20
@@ -35,6 +37,71 @@ def _size(entry: os.DirEntry) -> int | None:
         return entry.stat().st_size if entry.is_file(follow_symlinks=False) else None
     except FileNotFoundError:
         return None
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """``os.open`` of a file inside a checkpoint, which must be a regular file: a symbolic link is
+    not followed (one policy for every path that opens one: a link could point anywhere, e.g. make a
+    save write through a lock into another file) and a FIFO or device never blocks the open
+    (``O_NONBLOCK``; blocking reads again once it is known to be regular). Anything else is a
+    ``CheckpointFormatError`` naming the path."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointFormatError(f"{path}: a symbolic link; the files of a checkpoint must be regular files "
+                                        "(links are not followed)") from None
+        if exc.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
+            raise CheckpointFormatError(f"{path}: not a regular file (a FIFO or socket)") from None
+        raise
+    try:
+        kind = _kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise CheckpointFormatError(f"{path}: not a regular file ({kind})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str | None:
+    return next((what for test, what in _KINDS if test(mode)), None)
+
+
+def require_regular(fs, path: str, url: str) -> None:
+    """Before a tool opens a local file it was given (a torch file, a names file): refuse a FIFO or
+    device, which would block the open or the read forever (the user's own links are followed)."""
+    if not isinstance(fs, LocalFileSystem):
+        return
+    try:
+        kind = _kind(os.stat(path).st_mode)
+    except OSError:
+        return  # the open reports it
+    if kind is not None and kind != "a directory":
+        raise CheckpointFormatError(f"{url}: not a regular file ({kind})")
+
+
+def require_regular_entries(fs, root: str, url: str) -> None:
+    """Every file directly in a local checkpoint directory opened by another library (DCP's
+    reader) is a regular file: ``open_regular``'s policy where gefen_ckpt does not do the open."""
+    if not isinstance(fs, LocalFileSystem):
+        return
+    try:
+        with os.scandir(root) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    raise CheckpointFormatError(f"{url}/{entry.name}: a symbolic link; the files of a checkpoint "
+                                                "must be regular files (links are not followed)")
+                kind = _kind(entry.stat(follow_symlinks=False).st_mode)
+                if kind is not None and kind != "a directory":
+                    raise CheckpointFormatError(f"{url}/{entry.name}: not a regular file ({kind})")
+    except (FileNotFoundError, NotADirectoryError):
+        return
 
 
 def _describe(exc: BaseException) -> str:
@@ -189,7 +256,7 @@ class RangeReader:
 
 class LocalReader(RangeReader):
     def __init__(self, fs, path: str):
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = open_regular(path)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
@@ -491,7 +558,7 @@ class LocalStore(Store):
             return {}
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
-        with self.io(name), open(self.path(name), "rb") as f:
+        with self.io(name), open(open_regular(self.path(name)), "rb") as f:
             f.seek(start)
             return f.read(-1 if end is None else end - start)
 

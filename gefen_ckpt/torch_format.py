@@ -35,6 +35,7 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
+from gefen_ckpt.storage import require_regular
 from gefen_ckpt.wire.dtypes import dtype_name, plain, torch_dtype
 from gefen_ckpt.wire.manifest import missing_fields, names_optimizer, parse_contract
 
@@ -423,6 +424,7 @@ def torch_load(url: str, what: str, *, mmap: bool = False):
     URL, memory-mapped if ``mmap`` and local; a file that does not load is a format error saying
     that it is not ``what``. Storage failures (``OSError``) pass through."""
     fs, path = _fs(url)
+    require_regular(fs, path, url)
     try:
         if mmap and _local(fs):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)

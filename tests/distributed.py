@@ -2,7 +2,8 @@
 
 ``run(fn, world_size, *args)`` spawns ``world_size`` processes; each calls ``fn(rank,
 world_size, *args)`` inside an initialised process group and its return value (anything
-torch.save can write) comes back in rank order. A rank that raises makes ``run`` raise with
+torch.save can write) comes back in rank order. ``rank_env=[{...}, ...]`` sets environment
+variables per rank before its interpreter starts (e.g. a different ``PYTHONHASHSEED`` each). A rank that raises makes ``run`` raise with
 every failed rank's traceback, the likeliest root cause first (the other ranks get a short
 grace to finish, then are killed rather than left waiting in a collective); a rank that dies
 without a result, or a run past ``timeout``, fails too.
@@ -14,6 +15,7 @@ an active exception``), a crash after the tested code finished that says nothing
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -56,11 +58,38 @@ def _result(workdir: str, rank: int, cache: dict) -> dict | None:
     return cache[rank]
 
 
-def run(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """``os.environ`` with ``values`` set, restored after (a spawned interpreter starts with it)."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _start(world_size: int, workdir: str, fn, args, rank_env) -> list:
+    """One spawned process per rank, each started under its own ``rank_env`` entry."""
+    ctx, procs = mp.get_context("spawn"), []
+    for rank in range(world_size):
+        proc = ctx.Process(target=_entry, args=(rank, world_size, workdir, fn, args))
+        with _environ(rank_env[rank] if rank_env else {}):
+            proc.start()
+        procs.append(proc)
+    return procs
+
+
+def run(fn, world_size: int, *args, timeout: float = 120.0, rank_env: list[dict[str, str]] | None = None) -> list:
+    if rank_env is not None and len(rank_env) != world_size:
+        raise ValueError(f"rank_env has {len(rank_env)} entries for {world_size} ranks")
     with tempfile.TemporaryDirectory() as workdir:
-        ctx = mp.start_processes(_entry, args=(world_size, workdir, fn, args), nprocs=world_size, join=False,
-                                 start_method="spawn")
-        procs, deadline, cache, killed = ctx.processes, time.monotonic() + timeout, {}, set()
+        procs = _start(world_size, workdir, fn, args, rank_env)
+        deadline, cache, killed = time.monotonic() + timeout, {}, set()
         ended: dict[int, int] = {}  # rank -> the poll at which it was first seen ended
         try:
             while any(p.is_alive() for p in procs):

@@ -113,19 +113,27 @@ static inline void mode_threads_end(const gefen_mode *m, int prev) {
     const void *grad;                                                                        \
     int64_t *step_ptr; /* state["step"], or NULL (the caller writes it) */                   \
     int64_t step;                                                                            \
-    double beta1, omb1, beta2, omb2, bias1, bias2_sqrt, eps, neg_lr, decay;                  \
+    double beta1, omb1, beta2, omb2, bias1, bias2_sqrt, eps, neg_lr, decay, inv_bound;       \
     int32_t param_dtype, grad_dtype, has_wd;                                                 \
     const gefen_mode *mode /* required */
 
 /* those scalars in fp32: beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^t, sqrt(1 - beta2^t),
- * eps, -lr, 1 - lr * weight_decay */
+ * eps, -lr, 1 - lr * weight_decay, 1 / step_bound(t) (gefen.functional.inverse_step_bound) */
 typedef struct {
-    float b1, o1, b2, o2, bc1, b2s, eps, nlr, decay;
+    float b1, o1, b2, o2, bc1, b2s, eps, nlr, decay, ib;
 } hyper_f32;
 #define HYPER_F32(a)                                                                                 \
     ((hyper_f32){(float)(a)->beta1, (float)(a)->omb1, (float)(a)->beta2, (float)(a)->omb2,          \
                  (float)(a)->bias1, (float)(a)->bias2_sqrt, (float)(a)->eps, (float)(a)->neg_lr,    \
-                 (float)(a)->decay})
+                 (float)(a)->decay, (float)(a)->inv_bound})
+
+/* gefen.functional.bounded_denominator: max(root_v, |m_hat| * ib) + eps.  Where either is NaN the
+ * update m_hat / den is NaN whichever is taken, so (f > root ? f : root) -- what MAXPS computes
+ * as max(f, root) -- gives the reference's update on every input. */
+static inline float bounded_den(float root_v, float m_hat, float ib, float eps) {
+    const float f = fabsf(m_hat) * ib;
+    return (f > root_v ? f : root_v) + eps;
+}
 
 /* p[i] = p[i] * (1 - lr wd) + (-lr) * (u / den), as torch's mul_ and add_(alpha) (one fused
  * multiply-add), where u is the bias-corrected step numerator */

@@ -37,7 +37,7 @@
 
 #include "gefen_common.h"
 
-#define GEFEN_ABI 19
+#define GEFEN_ABI 20
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -148,27 +148,30 @@ static inline int32_t bucket_or_nan(const kctx *c, float x) {
  * Pass 1: m = lerp(codebook[code] * scale, g) for the block, its max-abs -> the new scale; on the
  *         per-block path (want_v) also the block's float64 sum of g^2 in p1_row's order, so the
  *         gradient is read once (block_den then gives the second moment and the denominator).
- * Pass 2: code = nearest(m / scale), u = ((codebook[code] * scale) * (1 / (1 - b1^t))) / den,
- *         p = p * (1 - lr wd) + (-lr) u  (one fused multiply-add, as torch's add(alpha)).
- * den: the block's denominator, or (svc != NULL, factored) sa * svc[e] + eps per element, where
- * sa = sqrt(v_row / mean(v_row)) / sqrt(1 - b2^t) and svc = sqrt(v_col') of the block's columns.
+ * Pass 2: code = nearest(m / scale), m_hat = (codebook[code] * scale) * (1 / (1 - b1^t)),
+ *         u = m_hat / bounded_den(root, m_hat), p = p * (1 - lr wd) + (-lr) u  (one fused
+ *         multiply-add, as torch's add(alpha)).
+ * den: the block's sqrt(v) / sqrt(1 - b2^t), or (svc != NULL, factored) the root sa * svc[e] per
+ * element, where sa = sqrt(v_row / mean(v_row)) / sqrt(1 - b2^t) and svc = sqrt(v_col') of the
+ * block's columns.
  * Buffers (P entries each): mbuf (m, then m / scale), cbuf (codebook values), bbuf (buckets). */
 typedef struct {
     float *mbuf, *cbuf;
     int32_t *bbuf;
 } block_bufs;
 
-static inline float denominator(const kctx *c, float den, const float *svc, int64_t e) {
-    return svc ? den * svc[e] + c->s.eps : den;
+/* the update m_hat / bounded_den(the element's root of v_hat, m_hat) */
+static inline float bounded_update(const kctx *c, float m_hat, float den, const float *svc, int64_t e) {
+    return m_hat / bounded_den(svc ? den * svc[e] : den, m_hat, c->s.ib, c->s.eps);
 }
 
-/* The per-block path's v and denominator from the block's sum of g^2 (its lanes and tail, see
- * lanes_total): its mean rounded once, the EMA as torch's add(alpha) (one fmaf). */
+/* The per-block path's v and sqrt(v) / sqrt(1 - b2^t) from the block's sum of g^2 (its lanes and
+ * tail, see lanes_total): its mean rounded once, the EMA as torch's add(alpha) (one fmaf). */
 static inline float block_den(const kctx *c, int64_t bi, const double *lanes, double tail) {
     const float bs = (float)(lanes_total(lanes, tail) / (double)c->P);
     const float v = fmaf(bs, c->s.o2, c->a->v[bi] * c->s.b2);
     c->a->v[bi] = v;
-    return sqrtf(v) * c->ib2s + c->s.eps;
+    return sqrtf(v) * c->ib2s;
 }
 
 static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, float den, const float *svc) {
@@ -213,7 +216,7 @@ static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, float
             a->m_out[off + e] = u;
             continue;
         }
-        u = (u * c->ibc1) / denominator(c, den, svc, e);
+        u = bounded_update(c, u * c->ibc1, den, svc, e);
         float p = ld_g(a->param, a->param_dtype, off + e);
         if (a->has_wd) p = p * c->s.decay;
         st_g(a->param, a->param_dtype, off + e, fmaf(u, c->s.nlr, p));
@@ -296,7 +299,7 @@ static inline void pass2_tail(const kctx *c, int64_t off, int64_t e0, const floa
             a->m_out[off + e] = cbuf[e] * scale;
             continue;
         }
-        const float u = ((cbuf[e] * scale) * c->ibc1) / denominator(c, den, svc, e);
+        const float u = bounded_update(c, (cbuf[e] * scale) * c->ibc1, den, svc, e);
         float p = ld_g(a->param, a->param_dtype, off + e);
         if (a->has_wd) p = p * c->s.decay;
         st_g(a->param, a->param_dtype, off + e, fmaf(u, c->s.nlr, p));
@@ -405,11 +408,15 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, floa
         return;
     }
     const __m256 ibc1 = _mm256_set1_ps(c->ibc1), vden = _mm256_set1_ps(den), eps = _mm256_set1_ps(c->s.eps);
-    const __m256 nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
+    const __m256 nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay), ib = _mm256_set1_ps(c->s.ib);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (e = 0; e < P8; e += 8) {
         PREFETCH(a->param, psz, off + e);
-        const __m256 d = svc ? _mm256_add_ps(_mm256_mul_ps(vden, _mm256_loadu_ps(svc + e)), eps) : vden;
-        const __m256 u = _mm256_div_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale), ibc1), d);
+        const __m256 m_hat = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale), ibc1);
+        const __m256 root = svc ? _mm256_mul_ps(vden, _mm256_loadu_ps(svc + e)) : vden;
+        /* bounded_den: max_ps(floor, root) is (floor > root ? floor : root) */
+        const __m256 d = _mm256_add_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_and_ps(m_hat, absmask), ib), root), eps);
+        const __m256 u = _mm256_div_ps(m_hat, d);
         update_param8(a->param, a->param_dtype, off + e, u, nlr, decay, a->has_wd);
     }
     pass2_tail(c, off, e, cbuf, scale, den, svc);
@@ -533,7 +540,7 @@ static AVX512 inline __attribute__((always_inline)) void block16(const kctx *c, 
         }
     }
     const __m512 ibc1 = _mm512_set1_ps(c->ibc1), vden = _mm512_set1_ps(den), eps = _mm512_set1_ps(c->s.eps);
-    const __m512 nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay);
+    const __m512 nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay), ib = _mm512_set1_ps(c->s.ib);
     for (e = 0; e < P16; e += 16) {
         const __m512 cv = values16(&T, vals, code + e, cbuf + e);
         if (a->momentum_only) { /* the dequantised new momentum: codebook[code] * scale */
@@ -541,8 +548,10 @@ static AVX512 inline __attribute__((always_inline)) void block16(const kctx *c, 
             continue;
         }
         PREFETCH(a->param, psz, off + e);
-        const __m512 d = svc ? _mm512_add_ps(_mm512_mul_ps(vden, _mm512_loadu_ps(svc + e)), eps) : vden;
-        const __m512 u = _mm512_div_ps(_mm512_mul_ps(_mm512_mul_ps(cv, vscale), ibc1), d);
+        const __m512 m_hat = _mm512_mul_ps(_mm512_mul_ps(cv, vscale), ibc1);
+        const __m512 root = svc ? _mm512_mul_ps(vden, _mm512_loadu_ps(svc + e)) : vden;
+        const __m512 d = _mm512_add_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_abs_ps(m_hat), ib), root), eps);
+        const __m512 u = _mm512_div_ps(m_hat, d);
         __m512 p = ld16_g(a->param, a->param_dtype, off + e);
         if (a->has_wd) p = _mm512_mul_ps(p, decay);
         st16_g(a->param, a->param_dtype, off + e, _mm512_fmadd_ps(u, nlr, p));

@@ -76,10 +76,11 @@ typedef struct {
     uint32_t key_m, key_v;                /* t * H_STEP + salt * H_SALT */
 } m4ctx;
 
-/* Per row: the first-moment codebook times the old scale (the decode) and times the new scale
- * and 1 / (1 - b1^t) (the update's numerator); 16 entries each, scalar fp32 products. */
+/* Per row: the first-moment codebook times the old scale (the decode), times the new scale
+ * and 1 / (1 - b1^t) (the update's numerator m_hat) and |m_hat| / step_bound (the floor of the
+ * update's denominator, bounded_den's); 16 entries each, scalar fp32 products. */
 typedef struct {
-    float mold[16], unum[16];
+    float mold[16], unum[16], floor[16];
 } row_tables;
 
 static void make_table(sr_table *T, const float *values, const float *kappa) {
@@ -88,8 +89,12 @@ static void make_table(sr_table *T, const float *values, const float *kappa) {
         T->k[k] = kappa ? kappa[k] : 0.0f;
     }
     for (int k = 0; k < 15; ++k) {
-        float d = values[k + 1] - values[k];
-        T->inv[k] = 1.0f / (d > GUARD ? d : GUARD);
+        const float d = values[k + 1] - values[k], dg = d > GUARD ? d : GUARD;
+        float inv = 1.0f / dg;
+        /* rounded up until (t[k + 1] - t[k]) * inv >= 1: a value on an entry codes to it surely
+         * (the first moment's exact 0 stays 0), as the reference's division gives p = 1 there */
+        while (dg * inv < 1.0f) inv = nextafterf(inv, INFINITY);
+        T->inv[k] = inv;
     }
     T->inv[15] = 1.0f / GUARD;
     for (int k = 0; k < 16; ++k) T->s[k] = k < 14 ? values[k + 1] : INFINITY;
@@ -146,10 +151,10 @@ static inline uint32_t row_gidx(const m4v4_args *a, int64_t r) {
 }
 
 /* ----- one row, portable --------------------------------------------------------------------
- * Pass 1: both old moments decoded, v re-encoded, the update's denominator
- * w = 1 / (sqrt(vhat_new * R[code]) * (1 / sqrt(1 - b2^t)) + eps) kept in wbuf, m's EMA kept in
- * mbuf with its max |m|.  Pass 2: m * (1 / row scale) re-encoded, p = p * (1 - lr wd) +
- * (-lr) * (unum[code] * w) (one fused multiply-add).  vc: the new second-moment codes, each
+ * Pass 1: both old moments decoded, v re-encoded, the root of the update's second moment
+ * w = sqrt(vhat_new * R[code]) * (1 / sqrt(1 - b2^t)) kept in wbuf, m's EMA kept in mbuf with its
+ * max |m|.  Pass 2: m * (1 / row scale) re-encoded, p = p * (1 - lr wd) + (-lr) * (unum[code] /
+ * (max(floor[code], w) + eps)) (bounded_den; one fused multiply-add).  vc: the new second-moment codes, each
  * shifted to its nibble (int32, so the vector kernels store and load them without packing). */
 static void row_pass1_portable(const m4ctx *c, const row_tables *rt, int64_t r, int64_t j0, float a_old, float ia,
                                float sa, float *wbuf, float *mbuf, int32_t *vc, float *smax, int *nan) {
@@ -167,7 +172,7 @@ static void row_pass1_portable(const m4ctx *c, const row_tables *rt, int64_t r, 
         ivh = ivh < IVH_MAX ? ivh : IVH_MAX;
         const int q = encode_v(&c->V, v * ivh, uniform(g0 + (uint32_t)j, c->key_v));
         vc[j] = q << 4;
-        wbuf[j] = (sa * c->svc[j]) * c->sr[q] + c->s.eps;
+        wbuf[j] = (sa * c->svc[j]) * c->sr[q];
         float m = rt->mold[code & 15];
         m = m * c->s.b1 + g * c->s.o1;
         mbuf[j] = m;
@@ -189,7 +194,7 @@ static void row_pass2_portable(const m4ctx *c, const row_tables *rt, int64_t r, 
         const int q = encode(&c->M, mbuf[j] * isf, uniform(g0 + (uint32_t)j, c->key_m));
         float p = ld_g(a->param, dt, off + j);
         if (a->has_wd) p = p * c->s.decay;
-        st_g(a->param, dt, off + j, fmaf(rt->unum[q] / wbuf[j], c->s.nlr, p));
+        st_g(a->param, dt, off + j, fmaf(rt->unum[q] / bounded_den(wbuf[j], rt->unum[q], c->s.ib, c->s.eps), c->s.nlr, p));
         a->codes[off + j] = (uint8_t)(q | vc[j]);
     }
 }
@@ -271,7 +276,6 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
     const __m256 ivmax = _mm256_set1_ps(IVH_MAX);
     const __m256 b1 = _mm256_set1_ps(c->s.b1), o1 = _mm256_set1_ps(c->s.o1), b2 = _mm256_set1_ps(c->s.b2);
     const __m256 o2 = _mm256_set1_ps(c->s.o2), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256 eps = _mm256_set1_ps(c->s.eps);
     const __m256i low4 = _mm256_set1_epi32(15), hstep = _mm256_set1_epi32((int)(8u * H_IDX));
     __m256i hx = hash_start8(row_gidx(a, r), c->key_v);
     __m256i vmax = _mm256_setzero_si256(); /* max |m| as bits: see max_abs_bits */
@@ -290,8 +294,7 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
         const __m256i q = encode8_v(&c->V, VT, VI, VK, _mm256_mul_ps(v, ivh), uniform8(hx));
         hx = _mm256_add_epi32(hx, hstep);
         _mm256_storeu_si256((__m256i *)(vc + j), _mm256_slli_epi32(q, 4));
-        _mm256_storeu_ps(wbuf + j, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(vsa, _mm256_loadu_ps(c->svc + j)),
-                                                               perm16(SR, q)), eps));
+        _mm256_storeu_ps(wbuf + j, _mm256_mul_ps(_mm256_mul_ps(vsa, _mm256_loadu_ps(c->svc + j)), perm16(SR, q)));
         __m256 m = perm16(MO, _mm256_and_si256(code, low4));
         m = _mm256_add_ps(_mm256_mul_ps(m, b1), _mm256_mul_ps(g, o1));
         _mm256_storeu_ps(mbuf + j, m);
@@ -310,7 +313,9 @@ static AVX2 void row_pass2_avx2(const m4ctx *c, const row_tables *rt, int64_t r,
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
     const table8 MT = table_regs(c->M.t), MI = table_regs(c->M.inv), U = table_regs(rt->unum);
+    const table8 FL = table_regs(rt->floor);
     const __m256 visf = _mm256_set1_ps(isf), nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
+    const __m256 eps = _mm256_set1_ps(c->s.eps);
     const __m256i hstep = _mm256_set1_epi32((int)(8u * H_IDX));
     __m256i hx = hash_start8(row_gidx(a, r), c->key_m);
     const int psz = DT_SIZE(a->param_dtype);
@@ -319,7 +324,9 @@ static AVX2 void row_pass2_avx2(const m4ctx *c, const row_tables *rt, int64_t r,
         const __m256i q = encode8(&c->M, MT, MI, _mm256_mul_ps(_mm256_loadu_ps(mbuf + j), visf),
                                   uniform8(hx));
         hx = _mm256_add_epi32(hx, hstep);
-        const __m256 u = _mm256_div_ps(perm16(U, q), _mm256_loadu_ps(wbuf + j));
+        /* max_ps(floor, w) is bounded_den's (floor > w ? floor : w) */
+        const __m256 d = _mm256_add_ps(_mm256_max_ps(perm16(FL, q), _mm256_loadu_ps(wbuf + j)), eps);
+        const __m256 u = _mm256_div_ps(perm16(U, q), d);
         update_param8(a->param, a->param_dtype, off + j, u, nlr, decay, a->has_wd);
         store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_loadu_si256((const __m256i *)(vc + j))));
     }
@@ -385,7 +392,7 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, const row_tables *rt, int64
     const __m512 vaold = _mm512_set1_ps(a_old), via = _mm512_set1_ps(ia), vsa = _mm512_set1_ps(sa);
     const __m512 ivmax = _mm512_set1_ps(IVH_MAX);
     const __m512 b1 = _mm512_set1_ps(c->s.b1), o1 = _mm512_set1_ps(c->s.o1), b2 = _mm512_set1_ps(c->s.b2);
-    const __m512 o2 = _mm512_set1_ps(c->s.o2), eps = _mm512_set1_ps(c->s.eps);
+    const __m512 o2 = _mm512_set1_ps(c->s.o2);
     const __m512i low4 = _mm512_set1_epi32(15), hstep = _mm512_set1_epi32((int)(16u * H_IDX));
     const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
     __m512i hx = hash_start16(row_gidx(a, r), c->key_v);
@@ -404,8 +411,8 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, const row_tables *rt, int64
         const __m512i q = encode16_v(VT, VS, VI, VK, _mm512_mul_ps(v, ivh), uniform16(hx));
         hx = _mm512_add_epi32(hx, hstep);
         _mm512_storeu_si512(vc + j, _mm512_slli_epi32(q, 4));
-        _mm512_storeu_ps(wbuf + j, _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(vsa, _mm512_loadu_ps(c->svc + j)),
-                                                               _mm512_permutexvar_ps(q, SR)), eps));
+        _mm512_storeu_ps(wbuf + j, _mm512_mul_ps(_mm512_mul_ps(vsa, _mm512_loadu_ps(c->svc + j)),
+                                                 _mm512_permutexvar_ps(q, SR)));
         __m512 m = _mm512_permutexvar_ps(_mm512_and_si512(code, low4), MO);
         m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, o1));
         _mm512_storeu_ps(mbuf + j, m);
@@ -421,8 +428,9 @@ static AVX512 void row_pass2_avx512(const m4ctx *c, const row_tables *rt, int64_
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C16 = C & ~(int64_t)15;
     const __m512 MT = _mm512_loadu_ps(c->M.t), MS = _mm512_loadu_ps(c->M.s), MI = _mm512_loadu_ps(c->M.inv);
-    const __m512 U = _mm512_loadu_ps(rt->unum);
+    const __m512 U = _mm512_loadu_ps(rt->unum), FL = _mm512_loadu_ps(rt->floor);
     const __m512 visf = _mm512_set1_ps(isf), nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay);
+    const __m512 eps = _mm512_set1_ps(c->s.eps);
     const __m512i hstep = _mm512_set1_epi32((int)(16u * H_IDX));
     __m512i hx = hash_start16(row_gidx(a, r), c->key_m);
     const int psz = DT_SIZE(a->param_dtype);
@@ -431,7 +439,8 @@ static AVX512 void row_pass2_avx512(const m4ctx *c, const row_tables *rt, int64_
         const __m512i q = encode16(MT, MS, MI, _mm512_mul_ps(_mm512_loadu_ps(mbuf + j), visf),
                                    uniform16(hx));
         hx = _mm512_add_epi32(hx, hstep);
-        const __m512 u = _mm512_div_ps(_mm512_permutexvar_ps(q, U), _mm512_loadu_ps(wbuf + j));
+        const __m512 d = _mm512_add_ps(_mm512_max_ps(_mm512_permutexvar_ps(q, FL), _mm512_loadu_ps(wbuf + j)), eps);
+        const __m512 u = _mm512_div_ps(_mm512_permutexvar_ps(q, U), d);
         __m512 p = ld16_g(a->param, a->param_dtype, off + j);
         if (a->has_wd) p = _mm512_mul_ps(p, decay);
         st16_g(a->param, a->param_dtype, off + j, _mm512_fmadd_ps(u, nlr, p));
@@ -460,7 +469,10 @@ static void one_row(const m4ctx *c, int64_t r, float *wbuf, float *mbuf, int32_t
         row_pass1_portable(c, &rt, r, 0, a_old, ia, sa, wbuf, mbuf, vc, &smax, &nan);
     const uint16_t sb = f32_to_bf16(a->row_max ? a->row_max[r] : nan ? NAN : smax);
     const float sf = bf16_to_f32(sb), isf = 1.0f / (sf == 0.0f ? 1.0f : sf);
-    for (int k = 0; k < 16; ++k) rt.unum[k] = (c->M.t[k] * sf) * c->ibc1;
+    for (int k = 0; k < 16; ++k) {
+        rt.unum[k] = (c->M.t[k] * sf) * c->ibc1;
+        rt.floor[k] = fabsf(rt.unum[k]) * c->s.ib;
+    }
 #if GEFEN_X86
     if (isa == 2) row_pass2_avx512(c, &rt, r, isf, wbuf, mbuf, vc);
     else if (isa == 1) row_pass2_avx2(c, &rt, r, isf, wbuf, mbuf, vc);
@@ -780,8 +792,11 @@ static void adamw_chunk(const adamw_args *a, int64_t i0, int64_t i1, float *den,
         den[i - i0] = v;
     }
     mode_sqrt_n(a->mode, den, i1 - i0);
-    for (int64_t i = i0; i < i1; ++i)
-        update_param(a->param, a->param_dtype, i, mbuf[i - i0] / s.bc1, den[i - i0] / s.b2s + s.eps, &s, a->has_wd);
+    for (int64_t i = i0; i < i1; ++i) {
+        const float m_hat = mbuf[i - i0] / s.bc1;
+        update_param(a->param, a->param_dtype, i, m_hat, bounded_den(den[i - i0] / s.b2s, m_hat, s.ib, s.eps), &s,
+                     a->has_wd);
+    }
 }
 
 GEFEN_EXPORT int gefen_adamw_step(const adamw_args *a) {

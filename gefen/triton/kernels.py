@@ -100,9 +100,10 @@ def _encode_v(x, table, u):
 
 # ----- the per-parameter tables of the Gefen kernels (m4v4, its 1-D path and m8) -----------------
 # scalar columns (fp32, one row per parameter); m8's lerp weight is S_OMB1 and its factored row
-# mean S_MEAN_NEW (written by prologue_kernel, as m4v4's two row means)
-S_B1, S_OMB1, S_B2, S_OMB2, S_BIAS1, S_BIAS2, S_EPS, S_NEG_LR, S_DECAY, S_MEAN_NEW, S_MEAN_OLD = map(tl.constexpr, range(11))
-N_SCALARS = tl.constexpr(11)
+# mean S_MEAN_NEW (written by prologue_kernel, as m4v4's two row means); S_INV_BOUND: 1 / step_bound(t)
+S_B1, S_OMB1, S_B2, S_OMB2, S_BIAS1, S_BIAS2, S_EPS, S_NEG_LR, S_DECAY, S_MEAN_NEW, S_MEAN_OLD, S_INV_BOUND = map(
+    tl.constexpr, range(12))
+N_SCALARS = tl.constexpr(12)
 # int columns (int64): local rows (m8: blocks), row length C, global row of local row 0, hash bases,
 # weight decay flag, global rows (>= 1 for m4v4), global row length, m8's block length and blocks per row,
 # global column of local column 0 and whether the rows' statistics are given (a column split's, reduced
@@ -129,18 +130,21 @@ def _abs_max(m, mask):
 
 
 @triton.jit
-def _adam_den(v, sb):
-    """``sqrt(v) / sqrt(1 - b2^t) + eps`` (``sb``: the parameter's row of the scalar table)."""
-    return tl.div_rn(tl.sqrt_rn(v), tl.load(sb + S_BIAS2)) + tl.load(sb + S_EPS)
+def _adam_root(v, sb):
+    """``sqrt(v) / sqrt(1 - b2^t)`` (``sb``: the parameter's row of the scalar table)."""
+    return tl.div_rn(tl.sqrt_rn(v), tl.load(sb + S_BIAS2))
 
 
 @triton.jit
-def _apply_update(param_p, off, mask, m, den, has_wd, sb, PARAM_T: tl.constexpr):
-    """``p = p * (1 - lr wd) - lr * (m / (1 - b1^t)) / den`` in torch's op order, stored as ``PARAM_T``."""
+def _apply_update(param_p, off, mask, m, root, has_wd, sb, PARAM_T: tl.constexpr):
+    """``p = p * (1 - lr wd) - lr * m_hat / (max(root, |m_hat| / step_bound) + eps)``, ``m_hat = m /
+    (1 - b1^t)`` (``functional.bounded_denominator``), in torch's op order, stored as ``PARAM_T``."""
     p = tl.load(param_p + off, mask=mask, other=0.0).to(tl.float32)
     if has_wd:
         p = p * tl.load(sb + S_DECAY)
-    upd = tl.div_rn(tl.div_rn(m, tl.load(sb + S_BIAS1)), den)
+    m_hat = tl.div_rn(m, tl.load(sb + S_BIAS1))
+    den = tl.maximum(root, tl.abs(m_hat) * tl.load(sb + S_INV_BOUND)) + tl.load(sb + S_EPS)
+    upd = tl.div_rn(m_hat, den)
     p = tl.fma(upd, tl.load(sb + S_NEG_LR), p)  # torch's add_(upd, alpha=-lr)
     if PARAM_T == tl.bfloat16:
         tl.store(param_p + off, _to_bf16(p), mask=mask)
@@ -280,12 +284,12 @@ def _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, c, off, m
     v = v * b2 + (g * g) * omb2
     r = tl.div_rn(v, tl.maximum(vhat_new, TINY))
     vcode = _encode_v(r, R, _hash_uniform(gidx, tl.load(ib + I_BASE_V).to(tl.uint32)))
-    denom = _adam_den(vhat_new * tl.load(R + vcode), sb)
+    root = _adam_root(vhat_new * tl.load(R + vcode), sb)
     # first moment: code against the row's bf16 max-abs scale
     x = tl.div_rn(m, tl.where(s_f == 0.0, 1.0, s_f)[:, None])
     mcode = _encode(x, cb, _hash_uniform(gidx, tl.load(ib + I_BASE_M).to(tl.uint32)))
     mq = tl.load(cb + mcode) * s_f[:, None]
-    _apply_update(param_p, off, mask, mq, denom, tl.load(ib + I_HAS_WD) != 0, sb, PARAM_T)
+    _apply_update(param_p, off, mask, mq, root, tl.load(ib + I_HAS_WD) != 0, sb, PARAM_T)
     tl.store(mv_p + off, (mcode | (vcode << 4)).to(tl.uint8), mask=mask)
 
 
@@ -361,7 +365,7 @@ def adamw_kernel(progs, ptrs, ints, scal, BLOCK: tl.constexpr, PARAM_T: tl.const
     m = m + g * tl.load(sb + S_OMB1)
     v = tl.load(v_p + off, mask=mask, other=0.0) * tl.load(sb + S_B2)
     v = v + (g * g) * tl.load(sb + S_OMB2)
-    _apply_update(param_p, off, mask, m, _adam_den(v, sb), tl.load(ib + I_HAS_WD) != 0, sb, PARAM_T)
+    _apply_update(param_p, off, mask, m, _adam_root(v, sb), tl.load(ib + I_HAS_WD) != 0, sb, PARAM_T)
     gidx = tl.load(ib + I_ROW0) + off
     tl.store(m_p + off, _round_bf16(m, _hash_bits(gidx, tl.load(ib + I_BASE_M).to(tl.uint32))), mask=mask)
     tl.store(v_p + off, v, mask=mask)
@@ -465,21 +469,21 @@ def column_sum_kernel(progs, ptrs, ints, BC: tl.constexpr, BR: tl.constexpr):
 # ----- Gefen m8 (contract version "1"): 8-bit first-moment codes, block or factored second moment
 @triton.jit
 def _m8_factored_den(v_p, v_col_p, blocks, c, bmask, mask, bpr, P, sb):
-    """``sqrt(v_row[i] * v_col[j] / row_mean) / sqrt(1 - b2^t) + eps`` per element of the tile."""
+    """``sqrt(v_row[i] * v_col[j] / row_mean) / sqrt(1 - b2^t)`` per element of the tile."""
     v_row = tl.load(v_p + blocks // bpr, mask=bmask, other=0.0)
     j = (blocks % bpr)[:, None] * P + c[None, :]
     v_col = tl.load(v_col_p + j, mask=mask, other=0.0)
-    return _adam_den(tl.div_rn(v_row[:, None] * v_col, tl.load(sb + S_MEAN_NEW)), sb)
+    return _adam_root(tl.div_rn(v_row[:, None] * v_col, tl.load(sb + S_MEAN_NEW)), sb)
 
 
 @triton.jit
 def _m8_block_den(sq_sum, v_p, blocks, bmask, P, sb):
     """The block path's new ``v = v * b2 + mean(g^2) * (1 - b2)`` (stored; the mean an fp32 sum
-    divided by P, as torch's ``mean``) and its ``sqrt(v) / sqrt(1 - b2^t) + eps`` per block."""
+    divided by P, as torch's ``mean``) and its ``sqrt(v) / sqrt(1 - b2^t)`` per block."""
     mean = tl.div_rn(sq_sum.to(tl.float32), P.to(tl.float32))
     v = tl.fma(mean, tl.load(sb + S_OMB2), tl.load(v_p + blocks, mask=bmask, other=0.0) * tl.load(sb + S_B2))
     tl.store(v_p + blocks, v, mask=bmask)
-    return _adam_den(v, sb)[:, None]
+    return _adam_root(v, sb)[:, None]
 
 
 @triton.jit

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from gefen.codebook import code_thresholds
-from gefen.functional import _local_period
+from gefen.functional import _local_period, inverse_step_bound
 from gefen.stochastic import hash_base
 from gefen.triton import kernels  # refuses to load without Triton
 from gefen.triton.backend import triton
@@ -182,7 +182,7 @@ def _scalars(it: Item) -> list[float]:
     return _row(  # torch.tensor(..., float32) rounds each as torch rounds a Python scalar
         k.N_SCALARS, (k.S_B1, h.beta1), (k.S_OMB1, 1 - h.beta1), (k.S_B2, h.beta2), (k.S_OMB2, 1 - h.beta2),
         (k.S_BIAS1, 1 - h.beta1**t), (k.S_BIAS2, math.sqrt(1 - h.beta2**t)), (k.S_EPS, h.eps),
-        (k.S_NEG_LR, -lr), (k.S_DECAY, 1 - lr * wd))
+        (k.S_NEG_LR, -lr), (k.S_DECAY, 1 - lr * wd), (k.S_INV_BOUND, inverse_step_bound(t, h.beta1, h.beta2)))
 
 
 def _ints(it: Item, rows: int, C: int) -> list[int]:

@@ -26,6 +26,12 @@ _KINDS = ("chunk",)
 
 
 # ----- splits -------------------------------------------------------------------------------
+#: The most writers (ranks) a save or reshard may target: beyond it a world size is refused before
+#: anything is planned or written (2**31 would be allocated per rank). ~10x the largest jobs run
+#: today; a reader accepts manifests of up to 2**31 writers.
+MAX_WORLD_SIZE = 2**20
+
+
 def chunk_rows(rows: int, parts: int, rank: int) -> tuple[int, int]:
     """Rank ``rank``'s rows ``[start, stop)`` when ``torch.chunk`` (and so FSDP2 ``Shard(0)``) splits
     ``rows`` over ``parts`` ranks: ``ceil(rows/parts)`` each, trailing ranks possibly short or empty.

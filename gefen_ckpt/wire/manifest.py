@@ -14,6 +14,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -699,7 +700,7 @@ def check_files(manifest: Manifest, listing: dict[str, int], where: str) -> None
         for name, nbytes in ((pin.index, pin.index_bytes), *pin.files):
             size = listing.get(name)
             if size != nbytes:
-                what = "is missing" if size is None else f"has {size} bytes, the manifest says {nbytes} (truncated?)"
+                what = "is missing (or not a regular file)" if size is None else f"has {size} bytes, the manifest says {nbytes} (truncated?)"
                 kind = "index" if name == pin.index else "data file"
                 raise CheckpointCorruptError(f"{where}: {kind} {name} of writer {w} {what}")
     for f in manifest.files if not manifest.writers else ():
@@ -707,7 +708,7 @@ def check_files(manifest: Manifest, listing: dict[str, int], where: str) -> None
         if size == f.nbytes:
             continue
         held = sorted({t.label for t in manifest.tensors.values() for p in t.pieces if p.file == f.name})
-        what = "is missing" if size is None else f"has {size} bytes, the manifest says {f.nbytes} (truncated?)"
+        what = "is missing (or not a regular file)" if size is None else f"has {size} bytes, the manifest says {f.nbytes} (truncated?)"
         raise CheckpointCorruptError(f"{where}: data file {f.name} {what}; it holds {', '.join(held[:4])}"
                                      f"{f' and {len(held) - 4} more' if len(held) > 4 else ''}")
 
@@ -722,6 +723,8 @@ def read_manifest_bytes(store: Store, listing: dict[str, int] | None = None) -> 
     listing = store.listing() if listing is None else listing
     size = listing.get(MANIFEST_NAME)
     if size is None:
+        with suppress(FileNotFoundError):  # a link, FIFO or device there is refused as such, not "missing"
+            store.read(MANIFEST_NAME, 0, 0)
         leftovers = sum(1 for name in listing if name.endswith(".safetensors"))
         hint = f" ({leftovers} data files of a save that never committed)" if leftovers else ""
         raise CheckpointIncompleteError(f"no committed checkpoint at {store.url}: {MANIFEST_NAME} is missing{hint}")

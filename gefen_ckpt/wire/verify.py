@@ -16,6 +16,7 @@ from gefen_ckpt.storage import Prefetch, RangeReader, Store
 from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import safetensors_code
 from gefen_ckpt.wire.manifest import (
+    FORMAT_NAME,
     MANIFEST_NAME,
     Manifest,
     PieceRecord,
@@ -51,8 +52,12 @@ class VerifyReport:
 
 
 def _header_problems(store: Store, name: str, size: int, pieces: list[tuple[TensorRecord, PieceRecord]],
-                     alignment: int, packed: bool = False) -> list[str]:
+                     alignment: int, packed: str = "") -> list[str]:
+    """The safetensors header's problems (``packed``: the 2.0 version string, whose header is
+    checked byte by byte)."""
     where = store.path(name)
+    if packed and (damaged := _packed_header_problems(store, name, size, packed)):
+        return damaged
     try:
         head = store.read(name, 0, min(size, 8))
         (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
@@ -95,22 +100,74 @@ def _packed_problems(where: str, header: dict, size: int, pieces: list[tuple[Ten
     return out
 
 
+def _packed_header_problems(store: Store, name: str, size: int, version: str) -> list[str]:
+    """A 2.0 data file of ``size`` bytes starts with exactly what ``datafile.packed_prefix`` writes
+    for it (docs/format.md 13.3): length, metadata strings and space padding are compared byte by
+    byte, naming the first damaged byte (no checksum covers them; a reader never needs them)."""
+    metadata, length = {"format": FORMAT_NAME, "version": version}, 0
+    for _ in range(4):  # the header's length depends on the digits of the data's: a fixed point
+        want = datafile.packed_prefix(max(size - length, 0), metadata)
+        if len(want) == length:
+            break
+        length = len(want)
+    have = store.read(name, 0, len(want))
+    if have == want:
+        return []
+    at = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
+    return [f"{store.path(name)}: byte {at} of the header differs from the 2.0 header the format defines "
+            f"(found {have[at:at + 1]!r}, expected {want[at:at + 1]!r}): the header is damaged"]
+
+
+def _gap_problems(store: Store, reader: RangeReader, name: str, size: int, data_start: int,
+                  pieces: list[tuple[TensorRecord, PieceRecord]]) -> list[str]:
+    """The alignment padding of a 2.0 data file (the bytes of its data section outside every piece)
+    is zero, as the format requires: the first non-zero byte is named by its offset."""
+    gaps, at = [], data_start
+    for _, p in sorted(pieces, key=lambda tp: tp[1].offset):
+        if p.offset > at:
+            gaps.append((at, p.offset))
+        at = max(at, p.offset + p.nbytes)
+    if size > at:
+        gaps.append((at, size))
+    for begin, end in gaps:
+        for start in range(begin, end, _CHUNK):
+            buf = bytearray(min(_CHUNK, end - start))
+            got = reader.read_into(start, memoryview(buf))
+            if any(buf[:got]):
+                bad = next(i for i, b in enumerate(buf[:got]) if b)
+                return [f"{store.path(name)}: byte {start + bad} (padding between pieces) is "
+                        f"{buf[bad]:#04x}, not zero as the format requires"]
+    return []
+
+
 def _check_file(store: Store, report: VerifyReport, name: str, expected: int, actual: int | None,
                 pieces: list[tuple[TensorRecord, PieceRecord]], manifest: Manifest,
                 buffer: memoryview, on_bytes, warming: Prefetch | None) -> None:
     where = store.path(name)
     if actual is None:
         labels = sorted({t.label for t, _ in pieces})
+        try:  # a link, FIFO or device there is refused as such, not reported "missing"
+            store.read(name, 0, 0)
+        except CheckpointError as exc:
+            report.problem(f"{exc} (holds {', '.join(labels[:4])})")
+            return
+        except OSError:
+            pass
         report.problem(f"{where}: data file is missing (holds {', '.join(labels[:4])})")
         return
     report.files_checked += 1
     if actual != expected:
         report.problem(f"{where}: {actual} bytes, the manifest says {expected} (truncated or replaced)")
-    for message in _header_problems(store, name, actual, pieces, manifest.raw.get("alignment", datafile.ALIGNMENT),
-                                    packed=manifest.major >= 2):
+    packed = ".".join(map(str, manifest.raw["version"])) if manifest.major >= 2 else ""
+    header = _header_problems(store, name, actual, pieces, manifest.raw.get("alignment", datafile.ALIGNMENT),
+                              packed=packed)
+    for message in header:
         report.problem(message)
     wait = (lambda end: warming.wait(where, end)) if warming is not None else (lambda end: None)
     with store.reader(name) as reader:
+        if packed and not header and actual == expected:
+            for message in _gap_problems(store, reader, name, actual, _data_start(store, name), pieces):
+                report.problem(message)
         for run in _runs(sorted(pieces, key=lambda tp: tp[1].offset), len(buffer)):
             for (t, p), (value, got) in zip(run, _hash_run(reader, run, buffer, wait)):
                 report.pieces_checked += 1
@@ -121,6 +178,11 @@ def _check_file(store: Store, report: VerifyReport, name: str, expected: int, ac
                     report.problem(f"{where}: {t.label} rows {list(p.rows)} (tensor {p.key!r}): checksum mismatch")
             if on_bytes is not None:
                 on_bytes(sum(p.nbytes for _, p in run))
+
+
+def _data_start(store: Store, name: str) -> int:
+    (n,) = struct.unpack("<Q", store.read(name, 0, 8))
+    return 8 + n
 
 
 def _runs(pieces: list, span: int) -> list[list]:

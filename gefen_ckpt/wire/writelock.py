@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from gefen_ckpt.errors import CheckpointLockedError
-from gefen_ckpt.storage import Store
+from gefen_ckpt.storage import Store, open_regular
 
 LOCK_NAME = ".gefen-ckpt.lock"
 #: An object-store lock older than this is taken to belong to a save that died.
@@ -36,13 +36,17 @@ class WriterLock(AbstractContextManager):
     _fd: int = -1  # the flock'd file (local), else -1
     _released: bool = False
 
-    def release(self) -> None:
+    def release(self, clean: bool = True) -> None:
+        """Drop the lock; ``clean=False`` (a failed save) leaves this save's token in a local lock
+        file, as a save that died does, so the next save removes any file of it a stalled rank
+        wrote after the survivors cleaned up."""
         if self._released:
             return
         self._released = True
         if self._fd >= 0:
             try:
-                os.ftruncate(self._fd, 0)
+                if clean:
+                    os.ftruncate(self._fd, 0)
             finally:
                 os.close(self._fd)  # closing drops the flock
             return
@@ -92,7 +96,7 @@ def acquire(store: Store, token: str) -> WriterLock:
 
 def _acquire_local(store: Store, token: str) -> WriterLock:
     with store.io(LOCK_NAME):
-        fd = os.open(store.path(LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular(store.path(LOCK_NAME), os.O_RDWR | os.O_CREAT)  # never through a link
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -26,7 +26,7 @@ from gefen_ckpt.wire import bulk, checksum, datafile
 from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire.bulk import _in_memory, tensors
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
-from gefen_ckpt.wire.index import WriterPin, encode_index, index_entries, index_name
+from gefen_ckpt.wire.index import MAX_WORLD_SIZE, WriterPin, encode_index, index_entries, index_name
 from gefen_ckpt.wire.manifest import FORMAT_NAME, MANIFEST_NAME, FileRecord, PieceRecord
 from gefen_ckpt.wire.records import tensor_key
 from gefen_ckpt.wire.writelock import WriterLock, acquire
@@ -295,8 +295,8 @@ def drop(store: Store, names: Iterable[str]) -> None:
 def write_state(state: CanonicalState, store: Store, *, world_size: int | None, max_file_bytes: int,
                 memory_budget: int, on_bytes: OnBytes | None = None) -> dict:
     """Write and commit ``state``: canonical layout (``world_size`` None) or ``world_size`` shards."""
-    if world_size is not None and (type(world_size) is not int or world_size < 1):
-        raise ValueError(f"world_size must be a positive int or None, got {world_size!r}")
+    if world_size is not None and (type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE):
+        raise ValueError(f"world_size must be None or an int in [1, {MAX_WORLD_SIZE:,}], got {world_size!r}")
     token = new_token()
     lock, previous = begin(store, token)
     with lock:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -406,3 +408,126 @@ def test_a_failed_commit_leaves_only_the_previous_checkpoint(tmp_path, monkeypat
         assert _files(url) == before
     monkeypatch.undo()
     assert gefen_ckpt.verify(str(url)).ok
+
+
+# ----- non-regular files and links inside a checkpoint ---------------------------------------
+_OPEN = {  # what opens the checkpoint at sys.argv[1], in a child process (a FIFO would block it)
+    "load": "import gefen_ckpt, ckpt_util as u; m, o = u.fresh_like(u.make_model(0), 'adamw'); "
+            "gefen_ckpt.load(o, sys.argv[1], model=m)",
+    "read": "import gefen_ckpt; [s.read() for _, s in gefen_ckpt.read(sys.argv[1]).tensors()]",
+    "verify": "import gefen_ckpt; r = gefen_ckpt.verify(sys.argv[1]); print(r.problems); sys.exit(0 if r.ok else 3)",
+    "save": "import gefen_ckpt, ckpt_util as u; m, o = u.trained('adamw', steps=1); "
+            "gefen_ckpt.save(o, sys.argv[1], model=m)",
+}
+
+
+def _in_child(code: str, *args: str) -> subprocess.CompletedProcess:
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {tests!r}); {code}", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _saved_v2(tmp_path, monkeypatch):
+    monkeypatch.setattr(mf, "WRITE_VERSION", (2, 0))  # the default format: data files and an index
+    url = tmp_path / "ck"
+    model, opt = trained("adamw", steps=1)
+    gefen_ckpt.save(opt, str(url), model=model)
+    return url
+
+
+def _one_of(url, prefix: str) -> str:
+    return next(n for n in sorted(_files(url)) if n.startswith(prefix))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["manifest.msgpack", "index-", "data-"])
+def test_a_fifo_inside_a_checkpoint_is_refused_on_every_path_never_waited_on(tmp_path, monkeypatch, where):
+    """``inspect`` and a lazy read hung forever on a FIFO where the manifest should be: every open
+    inside a checkpoint is non-blocking and refuses what is not a regular file."""
+    url = _saved_v2(tmp_path, monkeypatch)
+    name = _one_of(url, where)
+    os.unlink(url / name)
+    os.mkfifo(url / name)
+    for how in ("load", "read", "verify"):
+        done = _in_child(_OPEN[how], str(url))
+        assert done.returncode != 0, (how, done.stdout, done.stderr)
+        assert "CheckpointError" in done.stderr or "Checkpoint" in done.stderr or how == "verify", (how, done.stderr)
+        text = done.stdout + done.stderr
+        assert "not a regular file" in text, (how, text[-2000:])
+    cli = subprocess.run([sys.executable, "-m", "gefen_cli", "inspect", str(url)], capture_output=True, text=True,
+                         timeout=120)
+    if where == "manifest.msgpack":  # inspect reads only the manifest (and the codebook)
+        assert cli.returncode == 1 and "not a regular file (a FIFO)" in cli.stderr, cli.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_fifo_lock_or_names_file_is_refused(tmp_path, monkeypatch):
+    url = _saved_v2(tmp_path, monkeypatch)
+    os.unlink(url / writelock.LOCK_NAME)
+    os.mkfifo(url / writelock.LOCK_NAME)
+    done = _in_child(_OPEN["save"], str(url))
+    assert done.returncode != 0 and "not a regular file" in done.stderr, done.stderr
+    names = tmp_path / "names.txt"
+    os.mkfifo(names)
+    model, opt = trained("adamw", steps=1)
+    import torch
+
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")  # saved without names: --param-names gives them
+    cli = subprocess.run([sys.executable, "-m", "gefen_cli", "inspect", str(tmp_path / "opt.pt"), "--param-names",
+                          str(names)], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 1 and "not a regular file (a FIFO)" in cli.stderr, cli.stderr
+    from gefen_ckpt.checkpoints import write
+
+    dcp = tmp_path / "dcp"  # torch's reader opens a DCP directory's files: they are checked first
+    write(gefen_ckpt.read(str(url)), str(dcp), "dcp")
+    os.unlink(dcp / ".metadata")
+    os.mkfifo(dcp / ".metadata")
+    cli = subprocess.run([sys.executable, "-m", "gefen_cli", "inspect", str(dcp)], capture_output=True, text=True,
+                         timeout=120)
+    assert cli.returncode == 1 and "not a regular file (a FIFO)" in cli.stderr, cli.stderr
+
+
+def test_a_save_never_writes_through_a_symlinked_lock_file(tmp_path, monkeypatch):
+    """The lock file is opened with O_NOFOLLOW: a link planted there cannot make a save empty (or
+    write its JSON into) the file it points at."""
+    url = _saved_v2(tmp_path, monkeypatch)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.unlink(url / writelock.LOCK_NAME)
+    os.symlink(victim, url / writelock.LOCK_NAME)
+    before = _files(url)
+    model, opt = trained("adamw", steps=2)
+    with pytest.raises(CheckpointFormatError, match="symbolic link"):
+        gefen_ckpt.save(opt, str(url), model=model)
+    assert victim.read_text() == "precious" and _files(url) == before
+
+
+@pytest.mark.parametrize("how", ["load", "read"])
+def test_a_symlinked_data_file_is_refused_by_every_reader(tmp_path, monkeypatch, how):
+    """One policy for links inside a checkpoint (every reader refuses them; a collective load too:
+    tests/dist/test_dist_format2.py), also for a lazy read, which lists nothing."""
+    url = _saved_v2(tmp_path, monkeypatch)
+    name = _one_of(url, "data-")
+    os.rename(url / name, tmp_path / name)
+    os.symlink(tmp_path / name, url / name)
+    model, _ = trained("adamw", steps=1)
+    clone, fresh = fresh_like(model, "adamw")
+    before = snapshot(fresh, clone)
+    with pytest.raises(CheckpointError, match="symbolic link|not a regular file"):
+        if how == "load":
+            gefen_ckpt.load(fresh, str(url), model=clone)
+        else:
+            [src.read() for _, src in gefen_ckpt.read(str(url)).tensors()]
+    assert same(snapshot(fresh, clone), before)
+
+
+def test_a_world_size_beyond_the_maximum_is_refused_before_anything_is_written(tmp_path):
+    """``write(..., world_size=2**31)`` allocated per rank until the machine's memory was gone."""
+    from gefen_ckpt.wire.index import MAX_WORLD_SIZE
+
+    model, opt = trained("adamw", steps=1)
+    state = gefen_ckpt.export_canonical(opt, model=model)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="1,048,576"):
+        gefen_ckpt.write(state, str(tmp_path / "ck"), world_size=MAX_WORLD_SIZE + 1)
+    assert time.monotonic() - started < 5 and not (tmp_path / "ck").exists()

@@ -450,3 +450,33 @@ def test_explicit_parts_whose_index_is_damaged_are_refused_by_name(source, expli
         f.seek(5)
         f.write(bytes([byte[0] ^ 0xFF]))
     refused(source, url, CheckpointCorruptError, index, "writer 2", opened=no_data_reads)
+
+
+def test_verify_names_every_damaged_byte_of_a_data_file_that_no_checksum_covers(sharded, tmp_path):
+    """The 2.0 header (metadata strings, space padding) and the zero padding between pieces: no
+    checksum covers them, so verify compares them with what the format defines and names the file
+    and the offset of the damage (a flipped bit there was reported OK before)."""
+    m = open_checkpoint(Store(sharded))
+    covered: dict[str, set[int]] = {}
+    for t in m.tensors.values():
+        for p in t.pieces:
+            covered.setdefault(p.file, set()).update(range(p.offset, p.offset + p.nbytes))
+    name = max(covered, key=lambda f: os.path.getsize(os.path.join(sharded, f)) - len(covered[f]))
+    data = open(os.path.join(sharded, name), "rb").read()
+    data_start = 8 + int.from_bytes(data[:8], "little")
+    uncovered = [o for o in range(len(data)) if o not in covered[name]]
+    assert any(o >= data_start for o in uncovered), "the file has no padding between pieces to damage"
+    url = _copy(sharded, tmp_path)
+    assert gefen_ckpt.verify(url).ok
+    path = os.path.join(url, name)
+    for offset in uncovered:
+        for bit in (0, 5):  # e.g. "2.0" -> "2.1", a padding space -> NUL, a zero pad byte -> 0x01 / 0x20
+            damaged = bytearray(data)
+            damaged[offset] ^= 1 << bit
+            with open(path, "wb") as f:
+                f.write(damaged)
+            report = gefen_ckpt.verify(url)
+            assert not report.ok, (offset, bit)
+            assert any(name in p for p in report.problems), report.problems
+            if offset >= 8 and not any("not a valid safetensors" in p for p in report.problems):
+                assert any(f"byte {offset}" in p for p in report.problems), (offset, report.problems)

@@ -101,9 +101,10 @@ def flip_byte(file: Path, offset: int) -> None:
     file.write_bytes(bytes(data))
 
 
-def one_line_error(result, *needles: str) -> None:
+def one_line_error(result, *needles: str, code: int = 1) -> None:
+    """One line on stderr, exit 1 (the data) or ``code`` (2: the usage)."""
     stderr = result.stderr.strip()
-    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert result.exit_code == code, (result.exit_code, result.output)
     assert len(stderr.splitlines()) == 1, stderr
     assert stderr.startswith("error:") and "Traceback" not in result.output
     for needle in needles:

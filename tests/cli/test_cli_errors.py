@@ -1,5 +1,6 @@
-"""The CLI's error policy (docs/cli.md): no traceback for any error, exit 2 for usage, I/O and
-format errors with one line naming the path, exit 1 only for problems ``verify`` found."""
+"""The CLI's error policy (docs/cli.md): no traceback for any error (unless ``--debug``), one line
+on stderr naming the path; exit 2 for usage, exit 1 for the data (I/O and format errors, problems
+``verify`` found)."""
 
 from __future__ import annotations
 
@@ -54,17 +55,17 @@ def _one_error_line(result, path) -> str:
     return lines[0]
 
 
-def test_an_unexpected_failure_is_one_line_exit_2_naming_the_path(saved, monkeypatch):
+def test_an_unexpected_failure_is_one_line_exit_1_naming_the_path(saved, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(_inspect, "summarize", boom)  # inside the command, under the group's error policy
     result = runner.invoke(app, ["inspect", str(saved)])
-    assert result.exit_code == 2 and "RuntimeError: boom" in _one_error_line(result, saved)
+    assert result.exit_code == 1 and "RuntimeError: boom" in _one_error_line(result, saved)
     monkeypatch.undo()
     monkeypatch.setattr(_inspect, "render", boom)  # outside it: the command group's handler
     result = runner.invoke(app, ["inspect", str(saved)])
-    assert result.exit_code == 2 and "RuntimeError: boom" in _one_error_line(result, saved)
+    assert result.exit_code == 1 and "RuntimeError: boom" in _one_error_line(result, saved)
 
 
 def test_inspect_describes_a_float8_codebook(saved, tmp_path, monkeypatch):
@@ -98,7 +99,7 @@ def test_verify_exits_1_on_what_load_refuses(saved, tmp_path, change, words):
     assert result.exit_code == 1 and words in result.output and "Traceback" not in result.output
 
 
-def test_an_unreachable_object_store_is_exit_2_with_one_line(tmp_path):
+def test_an_unreachable_object_store_is_exit_1_with_one_line(tmp_path):
     pytest.importorskip("s3fs")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,14 +109,38 @@ def test_an_unreachable_object_store_is_exit_2_with_one_line(tmp_path):
         [sys.executable, "-m", "gefen_cli", "-S", f"endpoint_url=http://127.0.0.1:{port}", "-S", "key=k",
          "-S", "secret=s", "-S", 'config_kwargs={"connect_timeout": 1, "retries": {"max_attempts": 1}}',
          "inspect", url], capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
-    assert done.returncode == 2, done.stderr
+    assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr and url.removeprefix("s3://") in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-def test_a_usage_error_is_exit_2(saved):
-    assert runner.invoke(app, ["-S", "novalue", "inspect", str(saved)]).exit_code == 2
-    assert runner.invoke(app, ["inspect"]).exit_code == 2
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gefen_cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, COLUMNS="80"))
+
+
+@pytest.mark.parametrize("args, words", [
+    (("-S", "novalue", "inspect", "{saved}"), "'novalue' is not KEY=VALUE"),
+    (("inspect",), "Missing argument"),
+    (("inspect", "{saved}", "--bogus"), "No such option: --bogus"),
+    (("reshard", "{saved}", "{saved}-x", "-n", "zero"), "--world-size"),
+    (("reshard", "{saved}", "{saved}-x", "-n", "2147483648"), "1048576"),
+    (("reshard", "{saved}", "{saved}-x", "--mesh", "2048x1024"), "maximum of 1,048,576"),
+])
+def test_a_usage_error_is_one_line_exit_2(saved, args, words):
+    """A script's tool: one line on stderr naming the help, exit 2 (click's code), no boxed panel."""
+    done = _cli(*(a.format(saved=saved) for a in args))
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], done.stderr
+    assert "--help" in lines[0] and "╭" not in done.stderr and done.stdout == ""
+
+
+def test_tracebacks_only_with_debug(saved, tmp_path):
+    quiet = _cli("inspect", tmp_path / "absent")
+    assert quiet.returncode == 1 and len(quiet.stderr.strip().splitlines()) == 1, quiet.stderr
+    loud = _cli("--debug", "inspect", tmp_path / "absent")
+    assert loud.returncode == 1 and "Traceback" in loud.stderr and "CheckpointIncompleteError" in loud.stderr, loud.stderr
 
 
 def test_names_from_the_optimizers_own_file_names_it_once(tmp_path, monkeypatch):
@@ -129,7 +154,7 @@ def test_names_from_the_optimizers_own_file_names_it_once(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     for src in (str(tmp_path / "opt.pt"), "opt.pt"):
         result = runner.invoke(app, ["inspect", src, "--names-from", "opt.pt"])
-        assert result.exit_code == 2, result.output
+        assert result.exit_code == 1, result.output
         line = _one_error_line(result, "opt.pt")
         assert line.count("opt.pt") == 1 and "optimizer state_dict, not a model's" in line, line
 

@@ -44,13 +44,63 @@ def test_dry_run_plans_and_writes_nothing(source, tmp_path):
     plan = json.loads(result.stdout)
     state = gefen_ckpt.open(str(source))  # the manifest-only plan is the state's plan
     assert plan["total_bytes"] == state.total_bytes()
-    assert [(r["sharded_bytes"], r["replicated_bytes"], r["empty_fields"]) for r in plan["ranks"]] == [
-        (r.sharded_bytes, r.replicated_bytes, r.empty_fields) for r in plan_state(state, 3)]
-    assert plan["world_size"] == 3 and len(plan["ranks"]) == 3
-    sharded = sum(r["sharded_bytes"] for r in plan["ranks"])
+    assert [(r["shard_rank"], r["last_shard_rank"], r["sharded_bytes"], r["replicated_bytes"], r["empty_fields"])
+            for r in plan["ranks"]] == [(r.rank, r.last, r.sharded_bytes, r.replicated_bytes, r.empty_fields)
+                                        for r in plan_state(state, 3)]
+    assert plan["world_size"] == 3
+    per_rank = [r for r in plan["ranks"] for _ in range(r["shard_rank"], r["last_shard_rank"] + 1)]
+    assert len(per_rank) == 3 and plan["ranks"][0]["shard_rank"] == 0  # the runs cover every rank once
+    sharded = sum(r["sharded_bytes"] for r in per_rank)
     replicated = plan["ranks"][0]["replicated_bytes"]
     assert sharded + replicated == plan["total_bytes"]  # every byte owned exactly once
     assert not dst.exists()
+
+
+def test_the_plan_of_runs_is_the_chunk_rule_rank_by_rank():
+    """Runs of ranks, from the chunk rule alone, equal the rank-by-rank split (random shapes)."""
+    import random
+
+    from gefen_ckpt.reshard import plan_tensors
+    from gefen_ckpt.wire.index import chunk_rows
+
+    rng = random.Random(1)
+    for _ in range(500):
+        shards = rng.choice([1, 2, 3, 7, 16, 100])
+        tensors = [((rows, cols), rows * cols * 4, rng.random() < 0.8) for rows, cols in
+                   ((rng.choice([0, 1, 3, 40, rng.randint(0, 300)]), rng.randint(1, 5)) for _ in range(rng.randint(0, 6)))]
+        replicated = sum(size for _, size, sharded in tensors if not sharded)
+        expected = []
+        for rank in range(shards):
+            spans = [(chunk_rows(shape[0], shards, rank), size // shape[0] if shape[0] else 0)
+                     for shape, size, sharded in tensors if sharded]
+            expected.append(((sum((b - a) * row for (a, b), row in spans)), replicated,
+                             sum(a == b for (a, b), _ in spans)))
+        got = [(r.sharded_bytes, r.replicated_bytes, r.empty_fields) for r in plan_tensors(tensors, shards)
+               for _ in range(r.count)]
+        assert got == expected
+
+
+def test_a_dry_run_for_a_million_ranks_is_fast_and_small(source, tmp_path):
+    """Planned from the chunk rules in O(tensors): no per-rank objects (171 s and 3 GB before)."""
+    import time
+
+    started = time.monotonic()
+    peak = _peak_rss("reshard", source, tmp_path / "x", "-n", "1000000", "--dry-run", "--json")
+    assert time.monotonic() - started < 5 and peak < 300 * 2**20, (time.monotonic() - started, peak)
+    plan = json.loads(invoke("reshard", source, tmp_path / "x", "-n", "1000000", "--dry-run", "--json").stdout)
+    assert len(plan["ranks"]) < 10 and plan["ranks"][-1]["last_shard_rank"] == 999_999
+    assert plan["ranks"][-1]["sharded_bytes"] == 0  # ranks past every tensor's rows own nothing
+
+
+@pytest.mark.parametrize("args", [("-n", "2147483648"), ("-n", "0"), ("--mesh", "65536x65536")])
+def test_an_absurd_world_size_is_refused_at_once(source, tmp_path, args):
+    import time
+
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "gefen_cli", "reshard", str(source), str(tmp_path / "x"), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "1,048,576" in done.stderr.replace("1048576", "1,048,576"), done.stderr
+    assert time.monotonic() - started < 5 and not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("args,shards", [(("--world-size", "3"), 3), (("--mesh", "2x2"), 2), (("-n", "1"), 1)])

@@ -4,6 +4,7 @@ then rejects, describe world size and mesh two ways, or create a bucket nobody a
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 
@@ -157,9 +158,40 @@ def test_cli_creates_a_bucket_only_when_asked(s3, source, monkeypatch):
     monkeypatch.setenv("GEFEN_CKPT_CREATE_BUCKET", "0")  # restored afterwards, also when the CLI sets it
     bucket = _bucket()
     result = invoke("reshard", source, f"s3://{bucket}/ws2", "-n", "2")
-    assert result.exit_code == 2 and "does not exist" in result.output, result.output
+    assert result.exit_code == 1 and "does not exist" in result.output, result.output
     s3.invalidate_cache()
     assert not s3.exists(bucket)
     result = invoke("reshard", source, f"s3://{bucket}/ws2", "-n", "2", "--create-bucket")
     assert result.exit_code == 0, result.output
     assert invoke("verify", f"s3://{bucket}/ws2").exit_code == 0
+
+
+# ----- SRC and DST compared after resolution ----------------------------------------------------
+@pytest.mark.parametrize("spelling", ["dot-slash", "dot-dot", "symlink", "file-url", "inside"])
+@pytest.mark.parametrize("command", [("reshard", "-n", "2"), ("convert", "--to", "portable")])
+def test_src_and_dst_are_compared_after_resolution(source, tmp_path, monkeypatch, spelling, command):
+    """``./G`` vs ``G``, ``x/../G``, a link to SRC and ``file://`` + its path are SRC itself, and a
+    DST inside SRC would write into it: each is a usage error, even with --overwrite, and SRC is
+    untouched."""
+    import shutil
+
+    src = tmp_path / "G"
+    shutil.copytree(source, src)
+    (tmp_path / "x").mkdir()
+    monkeypatch.chdir(tmp_path)
+    os.symlink(src, tmp_path / "link")
+    dst = {"dot-slash": "./G", "dot-dot": "x/../G", "symlink": "link", "file-url": f"file://{src}",
+           "inside": "G/sub"}[spelling]
+    before = _tree(src)
+    result = invoke(command[0], "G", dst, *command[1:], "--overwrite")
+    assert result.exit_code == 2, result.output
+    assert ("same location" if spelling != "inside" else "inside SRC") in result.output, result.output
+    assert _tree(src) == before and not (src / "sub").exists()
+
+
+def test_the_python_api_refuses_the_same_location_however_spelled(source, tmp_path):
+    with pytest.raises(ValueError, match="same location"):
+        gefen_ckpt.convert_checkpoint(str(source), f"file://{source}/../{source.name}", to="portable")
+    with pytest.raises(ValueError, match="inside SRC"):
+        gefen_ckpt.convert_checkpoint(str(source), str(source / "nested"), to="portable")
+    assert not (source / "nested").exists()

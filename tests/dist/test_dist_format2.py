@@ -129,3 +129,80 @@ def test_async_save_under_a_process_group(tmp_path):
     assert _stripped(sync) == _stripped(asyn) and gefen_ckpt.verify(sync).ok
     assert not os.path.exists(os.path.join(broken, "manifest.msgpack"))
     assert not [n for n in os.listdir(broken) if n.startswith(("data-", "index-"))]
+
+
+# ----- every rank raises the same, truthful error type ------------------------------------------
+def _damaged_copies(good: str, root: str) -> dict[str, str]:
+    """Copies of ``good``: a damaged manifest (a format error), rank 1's data damaged (corruption),
+    a data file replaced by a link to its copy (refused by every reader)."""
+    import shutil
+
+    out = {k: os.path.join(root, k) for k in ("format", "corrupt", "symlink")}
+    for path in out.values():
+        shutil.copytree(good, path)
+    with open(os.path.join(out["format"], "manifest.msgpack"), "r+b") as f:
+        f.seek(20)
+        byte = f.read(1)
+        f.seek(20)
+        f.write(bytes([byte[0] ^ 0x01]))
+    victim = sorted(n for n in os.listdir(out["corrupt"]) if n.startswith("data-") and "-r00001-" in n)[0]
+    with open(os.path.join(out["corrupt"], victim), "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    link = sorted(n for n in os.listdir(out["symlink"]) if n.startswith("data-"))[0]
+    os.rename(os.path.join(out["symlink"], link), os.path.join(root, link))
+    os.symlink(os.path.join(root, link), os.path.join(out["symlink"], link))
+    return out
+
+
+def _same_types(rank: int, world_size: int, root: str, locked: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    opt = _trained(init_device_mesh("cpu", (world_size,)))
+    good = os.path.join(root, "good")
+    gefen_ckpt.save(opt, good)
+    dist.barrier()
+    if rank == 0:
+        _damaged_copies(good, root)
+    dist.barrier()
+    def state() -> dict:
+        return {(i, k): v.clone() for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+
+    before = state()
+    out = {}
+    for what in ("format", "corrupt", "symlink"):
+        try:
+            gefen_ckpt.load(opt, os.path.join(root, what))
+            out[what] = ("no error", "")
+        except Exception as exc:
+            out[what] = (type(exc).__name__, str(exc))
+    try:
+        gefen_ckpt.save(opt, locked)
+        out["locked"] = ("no error", "")
+    except Exception as exc:
+        out["locked"] = (type(exc).__name__, str(exc))
+    after = state()
+    out["untouched"] = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    return out
+
+
+def test_every_rank_raises_the_type_of_the_failure(tmp_path):
+    """A corrupt file reads as corruption (never "wrong model") on every rank, a damaged manifest
+    as a format error, a linked data file is refused as by one process, and a save refused by the
+    lock is ``CheckpointLockedError`` on every rank, not only on the rank that holds it."""
+    from gefen_ckpt.storage import Store
+    from gefen_ckpt.wire.writelock import acquire
+
+    locked = str(tmp_path / "locked")
+    with acquire(Store(locked), "0123456789abcdef"):  # another job's save, in progress
+        results = run(_same_types, 2, str(tmp_path), locked)
+    want = {"format": "CheckpointFormatError", "corrupt": "CheckpointCorruptError",
+            "symlink": "CheckpointFormatError", "locked": "CheckpointLockedError"}
+    for rank, out in enumerate(results):
+        for what, kind in want.items():
+            assert out[what][0] == kind, (rank, what, out[what])
+        assert out["untouched"], rank
+    assert "symbolic link" in str(results) and "another save to this location is in progress" in str(results)

@@ -80,9 +80,11 @@ def random_counts(rng, num_bins):
 
 
 def check_codebook(book, k):
+    """Sorted, ends pinned, and (K > 2) an exact zero: a zero moment must code to zero."""
     assert book.dtype == torch.float32 and book.shape == (k,)
     assert book[0].item() == -1.0 and book[-1].item() == 1.0
     assert torch.all(book[1:] >= book[:-1])
+    assert k <= 2 or (book == 0).sum().item() == 1
 
 
 def test_solve_matches_brute_force(backend):
@@ -90,13 +92,16 @@ def test_solve_matches_brute_force(backend):
     for _ in range(40):
         num_bins, k = int(rng.integers(8, 65)), int(rng.integers(4, 17))
         counts = random_counts(rng, num_bins)
+        optimal64 = cb.optimal_codebook(torch.from_numpy(counts), k)
+        optimal = torch.from_numpy(optimal64).float()
         book = cb.solve_codebook(torch.from_numpy(counts), k)
         check_codebook(book, k)
+        assert torch.equal(book, torch.from_numpy(cb.with_exact_zero(optimal64)).float())
         if not counts.any():
             continue
         cost, ref = brute_force(counts, k)
-        assert induced_cost(counts, book) == pytest.approx(cost, rel=1e-9, abs=1e-12)
-        np.testing.assert_allclose(book.numpy(), ref, rtol=0, atol=1e-6)
+        assert induced_cost(counts, optimal) == pytest.approx(cost, rel=1e-9, abs=1e-12)
+        np.testing.assert_allclose(optimal.numpy(), ref, rtol=0, atol=1e-6)
 
 
 def test_backends_are_bit_identical(monkeypatch):
@@ -156,7 +161,8 @@ def test_padding_with_few_active_bins(backend):
     counts[[3, 9]] = torch.tensor([5, 7])
     book = cb.solve_codebook(counts, 8)
     centres = bin_centres(16)
-    expected = torch.tensor([-1.0, centres[3], centres[9], 1.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float32)
+    # the bins' centres, the one nearer 0 (centres[9] = 0.1875) moved to exactly 0
+    expected = torch.tensor([-1.0, centres[3], 0.0, 1.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float32)
     assert torch.equal(book, expected)
     check_codebook(book, 8)
 
@@ -164,6 +170,20 @@ def test_padding_with_few_active_bins(backend):
 def test_all_zero_histogram_is_uniform():
     book = cb.solve_codebook(torch.zeros(64, dtype=torch.int64), 5)
     assert torch.equal(book, torch.linspace(-1, 1, 5))
+    # an even count has no centre at 0: the one nearest it (float64 linspace: +1/3 by an ulp) moves there
+    assert torch.equal(cb.solve_codebook(torch.zeros(64, dtype=torch.int64), 4), torch.tensor([-1.0, -1 / 3, 0.0, 1.0]))
+
+
+def test_exact_zero_keeps_the_book_sorted_and_moves_one_centre():
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        k = int(rng.integers(3, 20))
+        inner = np.sort(rng.uniform(-1, 1, k - 2) * rng.choice([1.0, 0.01]))
+        book = np.concatenate(([-1.0], inner, [1.0]))
+        zeroed = cb.with_exact_zero(book)
+        assert (np.diff(zeroed) >= 0).all() and (zeroed == 0).sum() == 1
+        moved = np.flatnonzero(zeroed != book)
+        assert len(moved) <= 1 and (len(moved) == 0 or abs(book[moved[0]]) == np.abs(inner).min())
 
 
 def test_two_codes_are_just_the_ends(backend):

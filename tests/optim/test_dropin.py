@@ -91,7 +91,8 @@ def test_gefen_muon_takes_torch_muons_arguments_with_their_meaning():
 def test_tensor_lr_and_betas_step_like_floats():
     floats, _, _ = _train(lambda m: Gefen(m.named_parameters(), lr=0.01, betas=(0.9, 0.99)))
     tensors, opt, _ = _train(lambda m: Gefen(m.named_parameters(), lr=torch.tensor(0.01, dtype=torch.float64),
-                                             betas=(torch.tensor(0.9, dtype=torch.float64), 0.99)))
+                                             betas=(torch.tensor(0.9, dtype=torch.float64),
+                                                    torch.tensor(0.99, dtype=torch.float64))))
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # kept as given, as torch does
     assert _same(_params(floats), _params(tensors))
 
@@ -126,7 +127,7 @@ def test_tensor_lr_for_gefen_muon():
 @pytest.mark.parametrize("bad, message", [
     (torch.tensor([0.1, 0.2]), "one-element tensor"),
     (torch.tensor(float("nan")), "finite"),
-    (torch.tensor(-1.0), r"lr must be in \[0.0"),
+    (torch.tensor(-1.0), r"Invalid learning rate: -1.0 \(lr must be a finite number in \[0.0"),
 ])
 def test_bad_tensor_lr_is_refused(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -30,7 +30,14 @@ import torch
 
 from gefen import Gefen, dispatch, native, parity
 from gefen.codebook import learn_codebook
-from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partials, m4v4_update_
+from gefen.functional import (
+    Hyper,
+    adamw_update_,
+    init_m4v4_state,
+    inverse_step_bound,
+    m4v4_partials,
+    m4v4_update_,
+)
 from gefen.geometry import as_blocks, rows_and_row_numel, shape_period
 from gefen.stochastic import ratio_table, v_grid
 
@@ -75,17 +82,17 @@ def reference_step(param, grad, st, codebook, lr, betas, eps, weight_decay):
     st["step"] += 1
     t = st["step"]
 
-    # 1. second moment and denominator
+    # 1. second moment and the root of the denominator
     if "v_row" in st:
         sq = g.reshape(rows, -1).square()
         st["v_row"] = st["v_row"] * beta2 + sq.mean(1) * (1 - beta2)
         st["v_col"] = torch.add(st["v_col"] * beta2, sq.double().mean(0).float(), alpha=1 - beta2)
         row_mean = st["v_row"].double().mean().float().clamp_min(torch.finfo(torch.float32).tiny)
         V = torch.outer(st["v_row"], st["v_col"]) / row_mean
-        denom = (V.sqrt() / math.sqrt(1 - beta2**t) + eps).reshape(rows, -1, P)
+        root = (V.sqrt() / math.sqrt(1 - beta2**t)).reshape(rows, -1, P)
     else:
         st["v"] = torch.add(st["v"] * beta2, g.square().mean(-1), alpha=1 - beta2)
-        denom = (st["v"].sqrt() / math.sqrt(1 - beta2**t) + eps).unsqueeze(-1)
+        root = (st["v"].sqrt() / math.sqrt(1 - beta2**t)).unsqueeze(-1)
 
     # 2. decoupled weight decay (fp32 arithmetic for low-precision parameters)
     work = param.to(torch.float64 if param.dtype == torch.float64 else torch.float32)
@@ -99,9 +106,9 @@ def reference_step(param, grad, st, codebook, lr, betas, eps, weight_decay):
     codes[scale == 0] = 0
     st["m_code"], st["m_scale"] = codes.to(torch.uint8).reshape(param.shape), scale
 
-    # 4. update with the re-quantised momentum
-    m_q = codebook[codes] * scale.unsqueeze(-1)
-    update = m_q / (1 - beta1**t) / denom
+    # 4. update with the re-quantised momentum over the bounded denominator
+    m_hat = codebook[codes] * scale.unsqueeze(-1) / (1 - beta1**t)
+    update = m_hat / (torch.maximum(root, m_hat.abs() * inverse_step_bound(t, beta1, beta2)) + eps)
     return torch.add(work, update.reshape(param.shape), alpha=-lr).to(param.dtype)
 
 

@@ -15,6 +15,7 @@ from gefen.functional import (
     Hyper,
     adamw_update_,
     init_m4v4_state,
+    inverse_step_bound,
     m4v4_partials,
     m4v4_update_,
 )
@@ -98,7 +99,7 @@ def np_step(param, grad, st, cb, vcb, lr, b1, b2, eps, wd, pidx, seed):
     vcode = np_encode_v(r, R, np_curvatures(vcb), np_hash(gidx, t, salt_m + 1))
     vq = vhat_new * R[vcode]
     # torch's CPU square root (MKL's, not always correctly rounded: the spec says "torch's sqrt")
-    denom = torch.from_numpy(vq).sqrt().numpy() / F32(math.sqrt(1 - b2**t)) + F32(eps)
+    root = torch.from_numpy(vq).sqrt().numpy() / F32(math.sqrt(1 - b2**t))
     m = cb[st["mv_code"] & 15] * st["scale"][:, None]
     m = m * F32(b1) + g * F32(1 - b1)
     s = np.abs(m).max(1)
@@ -108,7 +109,8 @@ def np_step(param, grad, st, cb, vcb, lr, b1, b2, eps, wd, pidx, seed):
     mq = cb[mcode] * s_f[:, None]
     p = param * F32(1 - lr * wd)
     upd = mq / F32(1 - b1**t)
-    upd = upd / denom
+    # the bounded denominator: never below |m_hat| / step_bound (fp32 of its inverse, as torch rounds a scalar)
+    upd = upd / (np.maximum(root, np.abs(upd) * F32(inverse_step_bound(t, b1, b2))) + F32(eps))
     # param + (-lr) * upd with one rounding (torch's add_(alpha=) and the C kernel use a fused
     # multiply-add there): the product of two fp32 is exact in float64
     p = (p.astype(np.float64) + upd.astype(np.float64) * np.float64(F32(-lr))).astype(F32)

@@ -53,3 +53,17 @@ def test_a_rank_that_dies_is_reported():
 def test_a_hang_times_out():
     with pytest.raises(TimeoutError, match="exceeded 3"):
         run(_hangs, 2, timeout=3)
+
+
+def _environment(rank: int, world_size: int) -> tuple[str | None, int]:
+    return os.environ.get("GEFEN_HARNESS_PROBE"), hash("a string")
+
+
+def test_each_rank_starts_with_its_own_environment():
+    """``rank_env`` reaches each rank's interpreter before it starts (PYTHONHASHSEED is read then)."""
+    got = run(_environment, 2, rank_env=[{"GEFEN_HARNESS_PROBE": "a", "PYTHONHASHSEED": "1"},
+                                         {"GEFEN_HARNESS_PROBE": "b", "PYTHONHASHSEED": "1"}])
+    assert [probe for probe, _ in got] == ["a", "b"] and got[0][1] == got[1][1]
+    assert "GEFEN_HARNESS_PROBE" not in os.environ
+    with pytest.raises(ValueError, match="rank_env has 1 entries for 2 ranks"):
+        run(_environment, 2, rank_env=[{}])

@@ -13,9 +13,11 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[2]
 INSTALLED = ("gefen", "gefen_ckpt", "cli")  # cli/ is installed as gefen_cli
 FIRST_PARTY = {"gefen", "gefen_ckpt", "gefen_cli"}
-#: optional imports: declared in the ``gpu`` extra and confined to modules that are imported only
-#: behind a guard (gefen.triton.dispatch imports gefen.triton.launch in a try block)
-OPTIONAL = {"triton": {"gefen/triton/backend.py"}}  # its one (guarded) import
+#: optional imports -> (the extras that declare them, the only modules that import them). Those
+#: modules are imported only behind a guard (gefen.triton.dispatch imports gefen.triton.launch in
+#: a try block) or by the user (nothing imports gefen_ckpt.torchft_transport).
+OPTIONAL = {"triton": (("gpu", "test"), {"gefen/triton/backend.py"}),
+            "torchft": (("torchft",), {"gefen_ckpt/torchft_transport.py"})}
 
 
 def _names(deps: list[str]) -> set[str]:
@@ -45,14 +47,34 @@ def test_every_third_party_import_is_declared():
     for package in INSTALLED:
         for path in sorted((ROOT / package).rglob("*.py")):
             for module in _imports(path) - FIRST_PARTY - set(sys.stdlib_module_names):
-                if module not in declared and str(path.relative_to(ROOT)) not in OPTIONAL.get(module, ()):
+                if module not in declared and str(path.relative_to(ROOT)) not in OPTIONAL.get(module, ((), ()))[1]:
                     undeclared.setdefault(module, []).append(str(path.relative_to(ROOT)))
     assert not undeclared, f"imported but not in [project] dependencies: {undeclared}"
 
 
-def test_optional_imports_are_in_the_gpu_extra():
+def test_optional_imports_are_in_their_extras():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert set(OPTIONAL) <= _names(extras["gpu"]) and set(OPTIONAL) <= _names(extras["test"])
+    for module, (names, _) in OPTIONAL.items():
+        assert all(module in _names(extras[name]) for name in names), module
+
+
+def _imports_module(path: Path, dotted: str) -> bool:
+    parent, _, name = dotted.rpartition(".")
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import) and any(a.name == dotted for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module == dotted or (
+                node.module in (parent, None) and any(a.name == name for a in node.names))):
+            return True
+    return False
+
+
+def test_nothing_imports_the_torchft_transport():
+    """torchft stays optional: only a user's own import reaches gefen_ckpt.torchft_transport."""
+    users = [str(path.relative_to(ROOT)) for package in INSTALLED for path in sorted((ROOT / package).rglob("*.py"))
+             if _imports_module(path, "gefen_ckpt.torchft_transport")]
+    assert not users
+    assert _imports_module(ROOT / "examples" / "torchft_heal.py", "gefen_ckpt.torchft_transport")  # the check sees one
 
 
 def test_scanner_sees_lazy_imports(tmp_path):

@@ -1,0 +1,447 @@
+"""Live healing through torchft (docs/design.md, "Live healing"): ``GefenTransport`` is a torchft
+``CheckpointTransport`` that sends a healthy replica's state dict (model, Gefen / GefenMuon /
+hybrid optimizer state, and the plain values torchft's ``Manager`` adds) to a rejoining replica
+over a process group, in the wire format's pickle-free, batched shape:
+
+* one msgpack manifest (step, the tree with tensors by number, per-tensor columns: dtype runs,
+  shapes, CRC-32s), itself under a CRC-32 carried by a fixed 5-integer header;
+* every tensor of at most ``pack_bytes`` bytes in one packed buffer (one message), larger ones
+  one message each, straight from their memory;
+* a tensor reached from many places (the codebooks every parameter's state shares) sent once
+  and rebuilt as one tensor;
+* a CRC-32 per tensor, checked on arrival: the state is returned only when the header, the
+  manifest and every tensor check out, so a bad transfer never reaches ``load_state_dict``.
+
+A wait that runs out raises ``CheckpointTimeoutError``, a peer that fails ``CheckpointError``,
+both naming the peer; torchft's Manager reports the error, skips the step and heals again.
+torchft is an optional extra (``gefen[torchft]``): only this module imports it.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import msgpack
+import numpy as np
+import torch
+
+from gefen_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointTimeoutError,
+)
+from gefen_ckpt.wire import checksum
+from gefen_ckpt.wire.dtypes import dtype_name, itemsize, torch_dtype
+
+try:
+    from torchft.checkpointing.transport import CheckpointTransport
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("gefen_ckpt.torchft_transport needs torchft: pip install 'gefen[torchft]'") from exc
+
+__all__ = ["GefenTransport", "HealStats", "encode_state", "decode_state"]
+
+FORMAT = "gefen-heal"
+VERSION = 1
+MAGIC = 0x4746454E48454131  # "GFENHEA1"
+#: Tensors at most this large travel packed in one buffer; larger ones as their own message.
+PACK_BYTES = 1 << 20
+#: A manifest larger than this is refused before anything it describes is allocated.
+MAX_MANIFEST_BYTES = 1 << 30
+_HEADER = 5  # magic, version, step, manifest bytes, manifest crc
+_TENSOR, _TUPLE, _DTYPE, _ORDERED = 1, 2, 3, 4  # msgpack extension codes in the tree
+_INDEX = struct.Struct("<I")
+
+
+# ===== encoding (pure: no process group) ======================================================
+class Pieces(NamedTuple):
+    """The distinct tensors in send order, as columns: the packed ones first (by element size,
+    then dtype, so each lies aligned), then one message each. ``runs``: [dtype, count, packed]
+    for consecutive pieces alike; ``index``: each piece's number in the tree; ``crc``: CRC-32 of
+    each packed piece (the large ones' follow them, in the trailer message)."""
+
+    runs: list[list]
+    ndim: np.ndarray
+    dims: np.ndarray
+    crc: np.ndarray
+    index: np.ndarray
+    pack: int
+
+    def to_wire(self) -> dict:
+        return {"runs": self.runs, "ndim": self.ndim.astype("<u1").tobytes(), "dims": self.dims.astype("<i8").tobytes(),
+                "crc": self.crc.astype("<u4").tobytes(), "index": self.index.astype("<u4").tobytes(), "pack": self.pack}
+
+
+@dataclass
+class Encoded:
+    """A state dict ready to send: the manifest bytes, the packed buffer, the large tensors."""
+
+    manifest: bytes
+    pack: torch.Tensor
+    large: list[torch.Tensor]
+    count: int
+    large_crc: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.manifest) + self.pack.numel() + sum(t.numel() for t in self.large)
+
+
+class _Collector:
+    """msgpack's ``default`` hook: tensors become numbered references (each distinct one once:
+    same memory, shape, strides, dtype), tuples, OrderedDicts and dtypes tagged extensions;
+    anything else is refused, naming its type (no pickle on either side)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.seen: dict[tuple, int] = {}
+
+    def __call__(self, value: Any):
+        if isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+                raise CheckpointError(f"cannot send a {type(value).__name__} (send its local tensor)")
+            key = (value.device, value.data_ptr(), value.shape, value.stride(), value.dtype)
+            number = self.seen.get(key)
+            if number is None:
+                number = self.seen[key] = len(self.tensors)
+                self.tensors.append(value.detach())
+            return msgpack.ExtType(_TENSOR, _INDEX.pack(number))
+        if isinstance(value, tuple):
+            return msgpack.ExtType(_TUPLE, self.pack(list(value)))
+        if isinstance(value, OrderedDict):  # a module's state_dict: kept an OrderedDict
+            return msgpack.ExtType(_ORDERED, self.pack(dict(value)))
+        if isinstance(value, dict):  # other dict subclasses travel as dicts
+            return dict(value)
+        if isinstance(value, torch.dtype):
+            return msgpack.ExtType(_DTYPE, dtype_name(value).encode())
+        raise CheckpointError(f"cannot send a {type(value).__name__} value in a state dict (tensors and plain data only)")
+
+    def pack(self, value) -> bytes:
+        return msgpack.packb(value, default=self, strict_types=True, use_bin_type=True)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements, contiguous, one-dimensional, on the CPU (a view where possible)."""
+    return t.cpu().reshape(-1)
+
+
+def _order(tensors: list[torch.Tensor], pack_bytes: int) -> tuple[list[int], int]:
+    """Send order (packed first, largest elements first) and how many are packed."""
+    small, large = [], []
+    for i, t in enumerate(tensors):
+        (small if t.numel() * t.element_size() <= pack_bytes else large).append(i)
+    small.sort(key=lambda i: (-tensors[i].element_size(), str(tensors[i].dtype)))
+    return small + large, len(small)
+
+
+def _runs(dtypes: list[str], packed: int) -> list[list]:
+    runs: list[list] = []
+    for j, name in enumerate(dtypes):
+        inside = j < packed
+        if runs and runs[-1][0] == name and runs[-1][2] == inside:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1, inside])
+    return runs
+
+
+def encode_state(state_dict: Any, step: int, *, pack_bytes: int = PACK_BYTES, hash_large: bool = True) -> Encoded:
+    """The manifest, packed buffer and large tensors of ``state_dict``, each tensor checksummed
+    (the large ones only with ``hash_large``: the transport hashes each while it is sent)."""
+    collect = _Collector()
+    tree = collect.pack(state_dict)
+    order, packed = _order(collect.tensors, pack_bytes)
+    ordered = [collect.tensors[i] for i in order]
+    flat = [_flat(t) for t in ordered]
+    as_bytes = [f.view(torch.uint8) for f in flat]
+    pack = torch.cat(as_bytes[:packed]) if packed else torch.empty(0, dtype=torch.uint8)
+    sizes = np.fromiter((b.numel() for b in as_bytes), np.int64, len(as_bytes))
+    offsets = np.cumsum(sizes[:packed]) - sizes[:packed]
+    crcs = checksum.of_ranges(pack.numpy(), offsets.tolist(), sizes[:packed].tolist()) if packed else []
+    shapes = [t.shape for t in ordered]
+    pieces = Pieces(_runs([dtype_name(t.dtype) for t in ordered], packed),
+                    np.fromiter((len(s) for s in shapes), np.uint8, len(shapes)),
+                    np.fromiter((d for s in shapes for d in s), np.int64), np.asarray(crcs, np.uint32),
+                    np.asarray(order, np.uint32), int(pack.numel()))
+    manifest = msgpack.packb({"format": FORMAT, "version": VERSION, "step": int(step), "tree": tree,
+                              **pieces.to_wire()}, use_bin_type=True)
+    large = as_bytes[packed:]
+    return Encoded(manifest, pack, large, len(ordered), [_crc(t) for t in large] if hash_large else [])
+
+
+def _crc(t: torch.Tensor) -> int:
+    return checksum.update(0, t.numpy())
+
+
+def _fail(message: str):
+    raise CheckpointFormatError(f"heal manifest: {message}"[:400])
+
+
+def _column(raw: dict, key: str, dtype: str, count: int | None) -> np.ndarray:
+    data = raw.get(key)
+    size = np.dtype(dtype).itemsize
+    if not isinstance(data, bytes) or len(data) % size or (count is not None and len(data) != count * size):
+        _fail(f"column {key!r} is missing or of the wrong length")
+    return np.frombuffer(data, dtype)
+
+
+class Parsed(NamedTuple):
+    """A validated manifest: per piece (send order) dtype, shape, bytes; the packed ones' CRCs."""
+
+    dtypes: list[str]
+    packed: int
+    shapes: list[tuple[int, ...]]
+    nbytes: np.ndarray
+    crc: np.ndarray
+    index: np.ndarray
+    pack: int
+    tree: bytes
+
+
+def _check_runs(runs, bound: int) -> tuple[list[str], int]:
+    """Each piece's dtype and how many are packed; at most ``bound`` pieces (the manifest's size)."""
+    if not isinstance(runs, list) or sum(r[1] for r in runs if isinstance(r, list) and len(r) == 3
+                                         and type(r[1]) is int) > bound:
+        _fail("no runs, or more pieces than the manifest has bytes")
+    dtypes: list[str] = []
+    packed = 0
+    for k, run in enumerate(runs):
+        if not (isinstance(run, list) and len(run) == 3 and isinstance(run[0], str) and type(run[1]) is int
+                and 0 < run[1] <= 2**32 and isinstance(run[2], bool)):
+            _fail(f"run {k} is malformed")
+        torch_dtype(run[0], f"heal manifest: run {k}")
+        if run[2]:
+            if packed != len(dtypes):
+                _fail(f"run {k}: packed pieces after unpacked ones")
+            packed += run[1]
+        dtypes += [run[0]] * run[1]
+    return dtypes, packed
+
+
+def parse_manifest(data: bytes, step: int) -> Parsed:
+    """The manifest's pieces, validated (sizes, shapes, offsets, counts) before anything is allocated."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=len(data))
+    except Exception as exc:
+        _fail(f"not msgpack ({exc})")
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("version") != VERSION:
+        _fail(f"not a {FORMAT} v{VERSION} manifest")
+    if raw.get("step") != step:
+        raise CheckpointError(f"heal: the sender is at step {raw.get('step')}, the receiver expects step {step}")
+    dtypes, packed = _check_runs(raw.get("runs"), len(data))
+    n, pack, tree = len(dtypes), raw.get("pack"), raw.get("tree")
+    if type(pack) is not int or pack < 0 or not isinstance(tree, bytes):
+        _fail("missing or malformed pack / tree")
+    ndim = _column(raw, "ndim", "<u1", n).astype(np.int64)
+    dims = _column(raw, "dims", "<i8", int(ndim.sum()))
+    crc, index = _column(raw, "crc", "<u4", packed), _column(raw, "index", "<u4", n)
+    if (dims < 0).any() or (dims >= 2**40).any() or (index >= n).any() or len(np.unique(index)) != n:
+        _fail("a dimension is out of range, or the tree numbers are not a permutation")
+    owner = np.repeat(np.arange(n), ndim)
+    numel = np.ones(n, np.float64)
+    np.multiply.at(numel, owner, dims.astype(np.float64))
+    sizes = np.fromiter((itemsize(d) for d in dtypes), np.int64, n)
+    if (numel * sizes > 2**50).any():
+        _fail("a tensor is impossibly large")
+    nbytes = numel.astype(np.int64) * sizes
+    starts = np.cumsum(nbytes[:packed]) - nbytes[:packed]
+    if int(nbytes[:packed].sum()) != pack or (starts % sizes[:packed]).any():
+        _fail(f"the packed pieces do not tile the {pack}-byte buffer aligned")
+    cuts = np.cumsum(ndim).tolist()
+    flat = dims.tolist()
+    shapes = [tuple(flat[a:b]) for a, b in zip([0, *cuts[:-1]], cuts)]
+    return Parsed(dtypes, packed, shapes, nbytes, crc, index, pack, tree)
+
+
+def _packed_crcs(p: Parsed, pack: torch.Tensor) -> list[int]:
+    sizes = p.nbytes[:p.packed]
+    return checksum.of_ranges(pack.numpy(), (np.cumsum(sizes) - sizes).tolist(), sizes.tolist()) if p.packed else []
+
+
+def _check_crcs(got: list[int], want: np.ndarray, peer: str) -> None:
+    bad = np.flatnonzero(np.asarray(got, np.int64) != want) if len(got) == len(want) else [len(got)]
+    if len(bad):
+        raise CheckpointCorruptError(f"heal from {peer}: {len(bad)} tensor(s) failed their CRC-32 "
+                                     f"(first: piece {int(bad[0])}); nothing was applied")
+
+
+def _tensors(p: Parsed, pack: torch.Tensor, large: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every piece as a tensor of its dtype and shape, viewing the received bytes (tree order)."""
+    flat: list[torch.Tensor] = []
+    at = 0
+    for j in range(p.packed):  # consecutive pieces of one dtype: one split
+        if j == 0 or p.dtypes[j] != p.dtypes[j - 1]:
+            stop = j
+            while stop < p.packed and p.dtypes[stop] == p.dtypes[j]:
+                stop += 1
+            span = int(p.nbytes[j:stop].sum())
+            flat += pack[at:at + span].view(torch_dtype(p.dtypes[j])).split((p.nbytes[j:stop] // itemsize(p.dtypes[j])).tolist())
+            at += span
+    flat += [t.view(torch_dtype(p.dtypes[p.packed + k])) for k, t in enumerate(large)]
+    out: list[torch.Tensor] = [None] * len(flat)  # type: ignore[list-item]
+    for t, shape, number in zip(flat, p.shapes, p.index.tolist()):
+        out[number] = t if len(shape) == 1 else t.reshape(shape)
+    return out
+
+
+def decode_state(data: bytes, step: int, pack: torch.Tensor, large: list[torch.Tensor], large_crc: list[int],
+                 peer: str = "the sender"):
+    """The state dict of a transfer (manifest, packed buffer, large tensors, their CRCs as sent):
+    every CRC is checked before the tree is rebuilt."""
+    parsed = parse_manifest(data, step)
+    if pack.numel() != parsed.pack or [t.numel() for t in large] != parsed.nbytes[parsed.packed:].tolist():
+        raise CheckpointCorruptError(f"heal from {peer}: the received buffers do not match the manifest")
+    _check_crcs(_packed_crcs(parsed, pack) + [_crc(t) for t in large],
+                np.concatenate([parsed.crc.astype(np.int64), np.asarray(large_crc, np.int64)]), peer)
+    return _unpack_tree(parsed.tree, _tensors(parsed, pack, large))
+
+
+def _unpack_tree(tree: bytes, tensors: list[torch.Tensor]):
+    def hook(code: int, payload: bytes):
+        if code == _TENSOR and len(payload) == _INDEX.size and _INDEX.unpack(payload)[0] < len(tensors):
+            return tensors[_INDEX.unpack(payload)[0]]
+        if code == _TUPLE:
+            return tuple(unpack(payload))
+        if code == _ORDERED:
+            return OrderedDict(unpack(payload))
+        if code == _DTYPE:
+            return torch_dtype(payload.decode(errors="replace"), "heal manifest")
+        _fail(f"unknown or out-of-range tree entry (extension {code})")
+
+    def unpack(payload: bytes):
+        return msgpack.unpackb(payload, ext_hook=hook, raw=False, strict_map_key=False, max_bin_len=len(payload))
+
+    try:
+        return unpack(tree)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        _fail(f"tree does not decode ({exc})")
+
+
+# ===== the transport ==========================================================================
+@dataclass
+class HealStats:
+    """What the last send / receive moved: bytes on the wire, messages, tensors, seconds."""
+
+    bytes: int = 0
+    messages: int = 0
+    tensors: int = 0
+    seconds: float = 0.0
+
+
+def _seconds(timeout: timedelta | float) -> float:
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+class GefenTransport(CheckpointTransport):
+    """torchft ``CheckpointTransport`` over a process group (torchft's or a torch
+    ``ProcessGroup``: anything with ``send`` / ``recv(tensors, rank, tag)``), on CPU tensors.
+
+    ``pack_bytes``: tensors up to this size travel in the one packed buffer.
+    """
+
+    #: Message tags of one transfer: header, manifest, packed buffer, the large tensors' CRC-32s
+    #: (hashed while they are sent), then one per large tensor.
+    HEADER_TAG, MANIFEST_TAG, PACKED_TAG, TRAILER_TAG, LARGE_TAG = 1000, 1001, 1002, 1003, 1004
+
+    def __init__(self, pg, timeout: timedelta = timedelta(seconds=60), *, pack_bytes: int = PACK_BYTES) -> None:
+        self._pg = pg
+        self._timeout = timeout
+        self._pack_bytes = pack_bytes
+        self.last_send = HealStats()
+        self.last_recv = HealStats()
+
+    def metadata(self) -> str:
+        return f"{FORMAT}/{VERSION}"
+
+    def disallow_checkpoint(self) -> None:
+        """Sends complete inside ``send_checkpoint``: the state may be mutated once it returns."""
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Nothing to release: the process group belongs to the caller."""
+
+    def _wait(self, work, timeout: timedelta, what: str, peer: str) -> None:
+        seconds = _seconds(timeout)
+        try:
+            done = work.wait(timedelta(seconds=seconds))
+        except Exception as exc:
+            text = str(exc)
+            if "imeout" in text or "imed out" in text:
+                raise CheckpointTimeoutError(f"heal: {peer} did not complete the {what} within {seconds:g}s") from exc
+            raise CheckpointError(f"heal: the {what} with {peer} failed: {text.splitlines()[0] if text else exc!r}") from exc
+        if done is False:
+            raise CheckpointTimeoutError(f"heal: {peer} did not complete the {what} within {seconds:g}s")
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict, timeout: timedelta) -> None:
+        start = time.perf_counter()
+        enc = encode_state(state_dict, step, pack_bytes=self._pack_bytes, hash_large=False)
+        header = torch.tensor([MAGIC, VERSION, step, len(enc.manifest), checksum.update(0, enc.manifest)],
+                              dtype=torch.int64)
+        manifest = torch.frombuffer(bytearray(enc.manifest), dtype=torch.uint8)
+        for dst in dst_ranks:
+            peer = f"replica rank {dst}"
+            works = [(self._pg.send([m], dst, tag), tag) for m, tag in
+                     ((header, self.HEADER_TAG), (manifest, self.MANIFEST_TAG), (enc.pack, self.PACKED_TAG)) if m.numel()]
+            for k, t in enumerate(enc.large):
+                works.append((self._pg.send([t], dst, self.LARGE_TAG + k), self.LARGE_TAG + k))
+                if len(enc.large_crc) == k:
+                    enc.large_crc.append(_crc(t))  # while the gloo thread sends it
+            trailer = torch.tensor(enc.large_crc, dtype=torch.int64)
+            if trailer.numel():
+                works.append((self._pg.send([trailer], dst, self.TRAILER_TAG), self.TRAILER_TAG))
+            for work, tag in works:
+                self._wait(work, timeout, f"send of message {tag - self.HEADER_TAG}", peer)
+        sent = header.nbytes + enc.nbytes + 8 * len(enc.large_crc)
+        self.last_send = HealStats(sent * len(dst_ranks), (3 + len(enc.large) + bool(enc.large)) * len(dst_ranks),
+                                   enc.count, time.perf_counter() - start)
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
+        start = time.perf_counter()
+        peer = f"replica rank {src_rank}"
+        if metadata != self.metadata():
+            raise CheckpointError(f"heal: {peer} speaks {metadata!r}, this replica {self.metadata()!r}")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        self._wait(self._pg.recv([header], src_rank, self.HEADER_TAG), timeout, "header", peer)
+        magic, version, sent_step, length, crc = header.tolist()
+        if magic != MAGIC or version != VERSION or not 0 < length <= MAX_MANIFEST_BYTES:
+            raise CheckpointCorruptError(f"heal from {peer}: bad header {header.tolist()}")
+        if sent_step != step:
+            raise CheckpointError(f"heal: {peer} sent step {sent_step}, this replica expects step {step}")
+        manifest = torch.empty(length, dtype=torch.uint8)
+        self._wait(self._pg.recv([manifest], src_rank, self.MANIFEST_TAG), timeout, "manifest", peer)
+        data = manifest.numpy().tobytes()
+        if checksum.update(0, data) != crc:
+            raise CheckpointCorruptError(f"heal from {peer}: the manifest failed its CRC-32; nothing was applied")
+        parsed = parse_manifest(data, step)
+        pack, large, got, want = self._receive(parsed, src_rank, timeout, peer)
+        # every message is in: a bad piece leaves the process group clean for the Manager's retry
+        _check_crcs(got, want, peer)
+        state = _unpack_tree(parsed.tree, _tensors(parsed, pack, large))
+        self.last_recv = HealStats(header.nbytes + length + parsed.pack + sum(t.numel() for t in large) + 8 * len(large),
+                                   3 + len(large) + bool(large), len(parsed.dtypes), time.perf_counter() - start)
+        return state
+
+    def _receive(self, parsed: Parsed, src: int, timeout: timedelta, peer: str):
+        """The packed buffer and the large tensors, each hashed as soon as it is in (while the
+        next arrives); returns them, their hashes and the sender's."""
+        pack = torch.empty(parsed.pack, dtype=torch.uint8)
+        large = [torch.empty(n, dtype=torch.uint8) for n in parsed.nbytes[parsed.packed:].tolist()]
+        trailer = torch.zeros(len(large), dtype=torch.int64)
+        work_pack = self._pg.recv([pack], src, self.PACKED_TAG) if pack.numel() else None
+        work_large = [self._pg.recv([t], src, self.LARGE_TAG + k) for k, t in enumerate(large)]
+        work_trailer = self._pg.recv([trailer], src, self.TRAILER_TAG) if large else None
+        if work_pack is not None:
+            self._wait(work_pack, timeout, "packed buffer", peer)
+        got = _packed_crcs(parsed, pack)
+        for k, (work, t) in enumerate(zip(work_large, large)):
+            self._wait(work, timeout, f"large tensor {k}", peer)
+            got.append(_crc(t))
+        if work_trailer is not None:
+            self._wait(work_trailer, timeout, "checksum trailer", peer)
+        return pack, large, got, np.concatenate([parsed.crc.astype(np.int64), trailer.numpy()])
