@@ -5,8 +5,8 @@ and the update's denominator is ``max(sqrt(v_hat), |m_hat| / step_bound(t)) + ep
 here swap one or both parts for the duration of each ``step()`` (restored after it, so a worker
 process that runs several jobs keeps the product's rule between them):
 
-* ``unguarded``: neither part (the rule before bounded steps: ``sqrt(v_hat) + eps``, a codebook
-  with no exact 0);
+* ``unguarded``: neither part (``sqrt(v_hat) + eps``, a codebook with no exact 0; m4v4's update
+  still takes the fp32 first moment, as the product's does);
 * ``zero-only``: the exact 0 without the floor;
 * ``bound-1``: the floor at ``|m_hat|`` (a bound of 1 on every step);
 * ``cap``: the floor at AdamW's lone-gradient step ``max(1, (1 - b1) / sqrt(1 - b2))`` on every

@@ -290,8 +290,10 @@ def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook:
     x, scale = codec.normalise(m, row_abs_max(m) if row_max is None else row_max)
     codes = codec.pack(encode(x, codebook, hash_uniform(gidx, step, salt_m)), vcode)
 
-    # update with the moments decoded from the new codes (the same op order as gefen_update_)
-    m_hat = _div(codec.momentum(codes, scale), 1 - b1**step)
+    # update: this step's fp32 first moment (its 4-bit code's rounding noise stays out of the step,
+    # where the bound would clip the rare rounded-up draws of small elements and bias them) over the
+    # second moment decoded from its new code, with the bounded denominator
+    m_hat = _div(m, 1 - b1**step)
     denom = bounded_denominator(_div(codec.second_moment(codes, vhat_new).sqrt(), math.sqrt(1 - b2**step)), m_hat,
                                 inverse_step_bound(step, b1, b2), h.eps)
     decay_and_add_(param, (m_hat / denom).view(param.shape), h.lr, h.weight_decay)

@@ -76,11 +76,9 @@ typedef struct {
     uint32_t key_m, key_v;                /* t * H_STEP + salt * H_SALT */
 } m4ctx;
 
-/* Per row: the first-moment codebook times the old scale (the decode), times the new scale
- * and 1 / (1 - b1^t) (the update's numerator m_hat) and |m_hat| / step_bound (the floor of the
- * update's denominator, bounded_den's); 16 entries each, scalar fp32 products. */
+/* Per row: the first-moment codebook times the old scale (the decode); 16 scalar fp32 products. */
 typedef struct {
-    float mold[16], unum[16], floor[16];
+    float mold[16];
 } row_tables;
 
 static void make_table(sr_table *T, const float *values, const float *kappa) {
@@ -153,8 +151,8 @@ static inline uint32_t row_gidx(const m4v4_args *a, int64_t r) {
 /* ----- one row, portable --------------------------------------------------------------------
  * Pass 1: both old moments decoded, v re-encoded, the root of the update's second moment
  * w = sqrt(vhat_new * R[code]) * (1 / sqrt(1 - b2^t)) kept in wbuf, m's EMA kept in mbuf with its
- * max |m|.  Pass 2: m * (1 / row scale) re-encoded, p = p * (1 - lr wd) + (-lr) * (unum[code] /
- * (max(floor[code], w) + eps)) (bounded_den; one fused multiply-add).  vc: the new second-moment codes, each
+ * max |m|.  Pass 2: m * (1 / row scale) re-encoded, m_hat = m * (1 / (1 - b1^t)) (the fp32 EMA, not
+ * its code), p = p * (1 - lr wd) + (-lr) * (m_hat / bounded_den(w, m_hat)) (one fused multiply-add).  vc: the new second-moment codes, each
  * shifted to its nibble (int32, so the vector kernels store and load them without packing). */
 static void row_pass1_portable(const m4ctx *c, const row_tables *rt, int64_t r, int64_t j0, float a_old, float ia,
                                float sa, float *wbuf, float *mbuf, int32_t *vc, float *smax, int *nan) {
@@ -184,8 +182,8 @@ static void row_pass1_portable(const m4ctx *c, const row_tables *rt, int64_t r, 
     *nan |= bad;
 }
 
-static void row_pass2_portable(const m4ctx *c, const row_tables *rt, int64_t r, int64_t j0, float isf,
-                               const float *wbuf, const float *mbuf, const int32_t *vc) {
+static void row_pass2_portable(const m4ctx *c, int64_t r, int64_t j0, float isf, const float *wbuf,
+                               const float *mbuf, const int32_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C;
     const uint32_t g0 = row_gidx(a, r);
@@ -194,7 +192,8 @@ static void row_pass2_portable(const m4ctx *c, const row_tables *rt, int64_t r, 
         const int q = encode(&c->M, mbuf[j] * isf, uniform(g0 + (uint32_t)j, c->key_m));
         float p = ld_g(a->param, dt, off + j);
         if (a->has_wd) p = p * c->s.decay;
-        st_g(a->param, dt, off + j, fmaf(rt->unum[q] / bounded_den(wbuf[j], rt->unum[q], c->s.ib, c->s.eps), c->s.nlr, p));
+        const float m_hat = mbuf[j] * c->ibc1;
+        st_g(a->param, dt, off + j, fmaf(m_hat / bounded_den(wbuf[j], m_hat, c->s.ib, c->s.eps), c->s.nlr, p));
         a->codes[off + j] = (uint8_t)(q | vc[j]);
     }
 }
@@ -308,29 +307,30 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
     return smax;
 }
 
-static AVX2 void row_pass2_avx2(const m4ctx *c, const row_tables *rt, int64_t r, float isf, const float *wbuf,
-                                const float *mbuf, const int32_t *vc) {
+static AVX2 void row_pass2_avx2(const m4ctx *c, int64_t r, float isf, const float *wbuf, const float *mbuf,
+                                const int32_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
-    const table8 MT = table_regs(c->M.t), MI = table_regs(c->M.inv), U = table_regs(rt->unum);
-    const table8 FL = table_regs(rt->floor);
+    const table8 MT = table_regs(c->M.t), MI = table_regs(c->M.inv);
     const __m256 visf = _mm256_set1_ps(isf), nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
-    const __m256 eps = _mm256_set1_ps(c->s.eps);
+    const __m256 eps = _mm256_set1_ps(c->s.eps), ibc1 = _mm256_set1_ps(c->ibc1), ib = _mm256_set1_ps(c->s.ib);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i hstep = _mm256_set1_epi32((int)(8u * H_IDX));
     __m256i hx = hash_start8(row_gidx(a, r), c->key_m);
     const int psz = DT_SIZE(a->param_dtype);
     for (int64_t j = 0; j < C8; j += 8) {
         PREFETCH(a->param, psz, off + j);
-        const __m256i q = encode8(&c->M, MT, MI, _mm256_mul_ps(_mm256_loadu_ps(mbuf + j), visf),
-                                  uniform8(hx));
+        const __m256 m = _mm256_loadu_ps(mbuf + j);
+        const __m256i q = encode8(&c->M, MT, MI, _mm256_mul_ps(m, visf), uniform8(hx));
         hx = _mm256_add_epi32(hx, hstep);
-        /* max_ps(floor, w) is bounded_den's (floor > w ? floor : w) */
-        const __m256 d = _mm256_add_ps(_mm256_max_ps(perm16(FL, q), _mm256_loadu_ps(wbuf + j)), eps);
-        const __m256 u = _mm256_div_ps(perm16(U, q), d);
+        /* bounded_den: max_ps(floor, w) is (floor > w ? floor : w) */
+        const __m256 m_hat = _mm256_mul_ps(m, ibc1);
+        const __m256 flo = _mm256_mul_ps(_mm256_and_ps(m_hat, absmask), ib);
+        const __m256 u = _mm256_div_ps(m_hat, _mm256_add_ps(_mm256_max_ps(flo, _mm256_loadu_ps(wbuf + j)), eps));
         update_param8(a->param, a->param_dtype, off + j, u, nlr, decay, a->has_wd);
         store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_loadu_si256((const __m256i *)(vc + j))));
     }
-    row_pass2_portable(c, rt, r, C8, isf, wbuf, mbuf, vc);
+    row_pass2_portable(c, r, C8, isf, wbuf, mbuf, vc);
 }
 
 /* ----- one row, AVX-512 (same roundings, 16 lanes; a 16-entry table is one register) ------- */
@@ -423,30 +423,30 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, const row_tables *rt, int64
     return smax;
 }
 
-static AVX512 void row_pass2_avx512(const m4ctx *c, const row_tables *rt, int64_t r, float isf, const float *wbuf,
-                                    const float *mbuf, const int32_t *vc) {
+static AVX512 void row_pass2_avx512(const m4ctx *c, int64_t r, float isf, const float *wbuf, const float *mbuf,
+                                    const int32_t *vc) {
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C16 = C & ~(int64_t)15;
     const __m512 MT = _mm512_loadu_ps(c->M.t), MS = _mm512_loadu_ps(c->M.s), MI = _mm512_loadu_ps(c->M.inv);
-    const __m512 U = _mm512_loadu_ps(rt->unum), FL = _mm512_loadu_ps(rt->floor);
     const __m512 visf = _mm512_set1_ps(isf), nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay);
-    const __m512 eps = _mm512_set1_ps(c->s.eps);
+    const __m512 eps = _mm512_set1_ps(c->s.eps), ibc1 = _mm512_set1_ps(c->ibc1), ib = _mm512_set1_ps(c->s.ib);
     const __m512i hstep = _mm512_set1_epi32((int)(16u * H_IDX));
     __m512i hx = hash_start16(row_gidx(a, r), c->key_m);
     const int psz = DT_SIZE(a->param_dtype);
     for (int64_t j = 0; j < C16; j += 16) {
         PREFETCH(a->param, psz, off + j);
-        const __m512i q = encode16(MT, MS, MI, _mm512_mul_ps(_mm512_loadu_ps(mbuf + j), visf),
-                                   uniform16(hx));
+        const __m512 m = _mm512_loadu_ps(mbuf + j);
+        const __m512i q = encode16(MT, MS, MI, _mm512_mul_ps(m, visf), uniform16(hx));
         hx = _mm512_add_epi32(hx, hstep);
-        const __m512 d = _mm512_add_ps(_mm512_max_ps(_mm512_permutexvar_ps(q, FL), _mm512_loadu_ps(wbuf + j)), eps);
-        const __m512 u = _mm512_div_ps(_mm512_permutexvar_ps(q, U), d);
+        const __m512 m_hat = _mm512_mul_ps(m, ibc1);
+        const __m512 d = _mm512_add_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_abs_ps(m_hat), ib), _mm512_loadu_ps(wbuf + j)), eps);
+        const __m512 u = _mm512_div_ps(m_hat, d);
         __m512 p = ld16_g(a->param, a->param_dtype, off + j);
         if (a->has_wd) p = _mm512_mul_ps(p, decay);
         st16_g(a->param, a->param_dtype, off + j, _mm512_fmadd_ps(u, nlr, p));
         _mm_storeu_si128((__m128i *)(a->codes + off + j), _mm512_cvtepi32_epi8(_mm512_or_si512(q, _mm512_loadu_si512(vc + j))));
     }
-    row_pass2_portable(c, rt, r, C16, isf, wbuf, mbuf, vc);
+    row_pass2_portable(c, r, C16, isf, wbuf, mbuf, vc);
 }
 #endif
 
@@ -469,16 +469,12 @@ static void one_row(const m4ctx *c, int64_t r, float *wbuf, float *mbuf, int32_t
         row_pass1_portable(c, &rt, r, 0, a_old, ia, sa, wbuf, mbuf, vc, &smax, &nan);
     const uint16_t sb = f32_to_bf16(a->row_max ? a->row_max[r] : nan ? NAN : smax);
     const float sf = bf16_to_f32(sb), isf = 1.0f / (sf == 0.0f ? 1.0f : sf);
-    for (int k = 0; k < 16; ++k) {
-        rt.unum[k] = (c->M.t[k] * sf) * c->ibc1;
-        rt.floor[k] = fabsf(rt.unum[k]) * c->s.ib;
-    }
 #if GEFEN_X86
-    if (isa == 2) row_pass2_avx512(c, &rt, r, isf, wbuf, mbuf, vc);
-    else if (isa == 1) row_pass2_avx2(c, &rt, r, isf, wbuf, mbuf, vc);
+    if (isa == 2) row_pass2_avx512(c, r, isf, wbuf, mbuf, vc);
+    else if (isa == 1) row_pass2_avx2(c, r, isf, wbuf, mbuf, vc);
     else
 #endif
-        row_pass2_portable(c, &rt, r, 0, isf, wbuf, mbuf, vc);
+        row_pass2_portable(c, r, 0, isf, wbuf, mbuf, vc);
     (void)isa;
     a->m_scale[r] = sb;
     a->v_row[r] = a->v_row_new[r];

@@ -288,8 +288,8 @@ def _m4v4_tile(m, g, mv, param_p, mv_p, v_col_p, v_new_p, cb, R, rows, c, off, m
     # first moment: code against the row's bf16 max-abs scale
     x = tl.div_rn(m, tl.where(s_f == 0.0, 1.0, s_f)[:, None])
     mcode = _encode(x, cb, _hash_uniform(gidx, tl.load(ib + I_BASE_M).to(tl.uint32)))
-    mq = tl.load(cb + mcode) * s_f[:, None]
-    _apply_update(param_p, off, mask, mq, root, tl.load(ib + I_HAS_WD) != 0, sb, PARAM_T)
+    # the update takes the fp32 first moment, not its code (functional.m4v4_update_)
+    _apply_update(param_p, off, mask, m, root, tl.load(ib + I_HAS_WD) != 0, sb, PARAM_T)
     tl.store(mv_p + off, (mcode | (vcode << 4)).to(tl.uint8), mask=mask)
 
 

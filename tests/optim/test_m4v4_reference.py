@@ -106,9 +106,8 @@ def np_step(param, grad, st, cb, vcb, lr, b1, b2, eps, wd, pidx, seed):
     s_f = torch.from_numpy(s).to(torch.bfloat16).float().numpy()  # bf16 round-to-nearest-even
     x = m / np.where(s_f == 0, F32(1), s_f)[:, None]
     mcode = np_encode(x, cb, np_hash(gidx, t, salt_m))
-    mq = cb[mcode] * s_f[:, None]
     p = param * F32(1 - lr * wd)
-    upd = mq / F32(1 - b1**t)
+    upd = m / F32(1 - b1**t)  # the fp32 first moment, not its code
     # the bounded denominator: never below |m_hat| / step_bound (fp32 of its inverse, as torch rounds a scalar)
     upd = upd / (np.maximum(root, np.abs(upd) * F32(inverse_step_bound(t, b1, b2))) + F32(eps))
     # param + (-lr) * upd with one rounding (torch's add_(alpha=) and the C kernel use a fused
