@@ -67,7 +67,7 @@ def inverse_step_bound(step: int, beta1: float, beta2: float) -> float:
 
 def bounded_denominator(root_v: torch.Tensor, m_hat: torch.Tensor, inv_bound: float, eps: float) -> torch.Tensor:
     """``max(sqrt(v_hat), |m_hat| * inv_bound) + eps``: the update's denominator, never below what the
-    (decoded, bias-corrected) first moment itself implies, so ``|m_hat / denominator| <= step_bound``
+    bias-corrected first moment of the update itself implies, so ``|m_hat / denominator| <= step_bound``
     whatever the coded or factored second moment says (``root_v``: ``sqrt(v_hat)``, broadcast to
     ``m_hat``'s shape; NaN propagates, as ``torch.maximum``)."""
     return torch.maximum(root_v, m_hat.abs().mul_(inv_bound)).add_(eps)
