@@ -6,7 +6,7 @@ manifest, packed small tensors, shared codebooks once, every tensor CRC-checked 
 applied). At the end both replicas hold bit-identical weights and optimizer state.
 
     python examples/torchft_heal.py [--steps 10] [--kill-at 4] [--optimizer gefen|m8|muon|hybrid]
-                                    [--flip-first-heal]
+                                    [--flip-first-heal | --stall-first-heal]
 
 Needs the optional extra: ``pip install 'gefen[torchft]'``. Both replicas run as threads of
 this process (as torchft's own integration tests do); each is a replica group of one rank.
@@ -64,6 +64,30 @@ class FlipOnce:
         return _Flipped(work, tensors[0])
 
 
+class StallOnce:
+    """The healthy replica's process group with the first transfer cut short after its manifest
+    (``--stall-first-heal``): the rest never arrives, so the rejoining replica's wait runs out
+    (``TIMEOUT``), the Manager skips the step, and the next heal succeeds."""
+
+    def __init__(self, pg) -> None:
+        self.pg, self.armed = pg, True
+
+    def send(self, tensors, dst, tag):
+        if not self.armed or tag <= GefenTransport.MANIFEST_TAG:
+            return self.pg.send(tensors, dst, tag)
+        if tag == GefenTransport.TRAILER_TAG:
+            self.armed = False
+        return _Sent()
+
+    def recv(self, tensors, src, tag):
+        return self.pg.recv(tensors, src, tag)
+
+
+class _Sent:
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
 class _Flipped:
     def __init__(self, work, buffer: torch.Tensor) -> None:
         self.work, self.buffer = work, buffer
@@ -104,6 +128,15 @@ def build(kind: str, seed: int):
     return model, Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.1, moments=moments, factored_v_2d=kind != "m8")
 
 
+def wrap(pg, replica: int, life: int, args):
+    """The process group as this replica's transport sees it (a fault injected or not)."""
+    if args.flip_first_heal and replica == 1 and life:
+        return FlipOnce(pg)
+    if args.stall_first_heal and replica == 0:
+        return StallOnce(pg)
+    return pg
+
+
 def attempt(replica: int, life: int, lighthouse: str, args) -> dict | None:
     """One life of a replica group: train until ``args.steps`` (or until killed)."""
     model, inner = build(args.optimizer, seed=1000 * replica + life)  # never the other replica's weights
@@ -114,7 +147,7 @@ def attempt(replica: int, life: int, lighthouse: str, args) -> dict | None:
         rank=0, world_size=1, lighthouse_addr=lighthouse, timeout=TIMEOUT,
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["optim"])),
         state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
-        checkpoint_transport=(transport := CountingTransport(FlipOnce(pg) if args.flip_first_heal and life else pg, TIMEOUT)))
+        checkpoint_transport=(transport := CountingTransport(wrap(pg, replica, life, args), TIMEOUT)))
     opt = OptimizerWrapper(manager, inner)
     try:
         while manager.current_step() < args.steps:
@@ -129,7 +162,7 @@ def attempt(replica: int, life: int, lighthouse: str, args) -> dict | None:
             opt.step()  # applies only if every replica's step succeeded
         got = transport.last_recv
         healed = f"; healed with {got.tensors} tensors, {got.bytes:,} bytes in {got.seconds * 1e3:.1f} ms" if got.tensors else ""
-        healed += f"; refused {transport.refused} corrupted transfer(s)" if transport.refused else ""
+        healed += f"; refused {transport.refused} failed transfer(s)" if transport.refused else ""
         print(f"replica {replica} (life {life}) finished at step {manager.current_step()}{healed}", flush=True)
         return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": inner.state_dict(),
                 "step": manager.current_step()}
@@ -159,6 +192,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kill-at", type=int, default=4)
     parser.add_argument("--optimizer", choices=["gefen", "m8", "muon", "hybrid"], default="gefen")
     parser.add_argument("--flip-first-heal", action="store_true", help="corrupt the first heal in transit")
+    parser.add_argument("--stall-first-heal", action="store_true", help="cut the first heal short after its manifest")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # torchft warns that CPUs have no NCCL flight recorder
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200)

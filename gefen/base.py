@@ -33,7 +33,6 @@ from gefen.functional import row_abs_max, rows_view
 from gefen.geometry import (
     as_blocks,
     field_global_shape,
-    is_valid_period,
     shape_period,
 )
 from gefen.validation import (
@@ -138,12 +137,6 @@ def step_tensor(label: str, value):
 def global_shape(p: torch.Tensor) -> tuple[int, ...]:
     """Logical shape of the whole parameter (a DTensor reports its global shape)."""
     return tuple(p.shape)
-
-
-def state_period(state: dict, shape: tuple[int, ...]) -> int:
-    """The block length of a parameter's state: its ``period`` field, or (layouts without one)
-    the shape's (``shape_period``)."""
-    return int(state["period"]) if "period" in state else shape_period(shape)
 
 
 class CompressedOptimizer(torch.optim.Optimizer):
@@ -311,7 +304,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         split = [(p, rows_view(local_tensor(grad))) for _, p, grad in work if plan.splits_columns(p)]
         maxes = plan.reduce_rows_("max", [row_abs_max(g.float()) for _, g in split])
         scales = {id(p): m for (p, _), m in zip(split, maxes)}
-        periods = [(p, g, state_period(self.state[p], global_shape(p))) for p, g in counted]
+        periods = [(p, g, shape_period(global_shape(p))) for p, g in counted]
         blocks = [(rows_view(g), scales[id(p)]) if id(p) in scales else as_blocks(g, period)
                   for p, g, period in periods if period > 1]
         codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_,
@@ -387,7 +380,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _saved_group(self, group: dict) -> dict:
         """A saved param group's hyperparameters as this optimizer will use them (a subclass may
-        fill keys older versions did not save, or refuse the group)."""
+        fill options its contract does not record, or refuse the group)."""
         return group
 
     def _stage_param(self, contract: OptimizerContract, group: dict, i: int, entry) -> dict:
@@ -413,14 +406,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             period_t = entry["period"]
             if not isinstance(period_t, torch.Tensor) or period_t.numel() != 1:
                 raise ValueError(f"parameter {label}: period must be a one-element tensor")
-            period = int(period_t)
-            if not is_valid_period(shape, period):
-                raise ValueError(f"parameter {label}: period {period} is not a valid block length for shape {shape}")
-            if period != shape_period(shape) and is_dtensor(param) and self.reduction_plan().splits_columns(param):
-                raise ValueError(f"parameter {label}: the state's blocks of {period} elements cannot follow the "
-                                 f"tensor-parallel layout {tuple(param.placements)}, which splits columns "
-                                 f"(unsupported layout); it needs one block per row ({shape_period(shape)}): load "
-                                 "this state on a layout that splits rows only")
+            if int(period_t) != period:  # the one block length (gefen.geometry.shape_period)
+                raise ValueError(f"parameter {label}: period {int(period_t)} is not the block length of shape {shape} "
+                                 f"({period}: one block per row, 1 for 1-D/0-D tensors and empty rows)")
         local = local_tensor(param)
         staged = {}
         for name in fields:  # torch's full-state-dict paths issue one collective per field in this order
@@ -497,7 +485,7 @@ def _add_global_state(optimizer: CompressedOptimizer, state_dict: dict) -> dict:
         entry = dict(entry)  # torch hands out the live per-parameter dicts
         if is_dtensor(param):
             shape = global_shape(param)
-            period = state_period(entry, shape)
+            period = shape_period(shape)
             for name, value in entry.items():
                 geometry = contract.field(name).geometry
                 if geometry not in ("scalar", "global"):

@@ -1,6 +1,7 @@
 """The one loader of the C libraries built next to the packages (``gefen._gefen_step``,
-``gefen._kmeans_dp``, ``gefen_ckpt._native``): a library is optional, so a plain source tree, a
-failed build or a library lacking a symbol gives None and the caller takes its Python path."""
+``gefen._kmeans_dp``, ``gefen_ckpt._native``): a plain source tree, a failed build or a library
+lacking a symbol gives None, and the caller takes its Python path or (the codebook solver, which
+has none) says how to build it."""
 
 from __future__ import annotations
 

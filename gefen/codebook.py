@@ -1,12 +1,11 @@
 """The optimizer-wide codebook: histogram, exact pinned 1-D k-means, nearest-code lookup
-(docs/design.md 3.1). The k-means runs the C divide-and-conquer DP (``gefen/csrc/kmeans_dp.c``) or,
-when that library is not built, a numpy twin with identical floating-point results.
+(docs/design.md 3.1). The k-means is the C divide-and-conquer DP (``gefen/csrc/kmeans_dp.c``),
+built with the package.
 """
 
 from __future__ import annotations
 
 import ctypes
-import warnings
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -22,7 +21,6 @@ _DBL = ctypes.POINTER(ctypes.c_double)
 _ARGS = [ctypes.c_int64, ctypes.c_int64, _DBL, _DBL, _DBL, _DBL, _DBL, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32]
 _lib = clib.load("gefen._kmeans_dp", {"gefen_kmeans_dp": (_ARGS, ctypes.c_int)})
 _native = _lib.gefen_kmeans_dp if _lib is not None else None  # None: not built (a plain source tree)
-_warned_fallback = False
 
 
 def histogram_normalised_blocks(blocks: torch.Tensor, num_bins: int,
@@ -57,86 +55,21 @@ def _prefix(values: np.ndarray) -> np.ndarray:
     return np.concatenate(([0.0], np.cumsum(values)))
 
 
-def _segment_cost(prev: np.ndarray, W, S1, S2, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-    """prev[i] + weighted SSE of bins [i, j); same operation order as split_cost in C."""
-    w = W[j] - W[i]
-    s1 = S1[j] - S1[i]
-    s2 = S2[j] - S2[i]
-    return prev[i] + (s2 - s1 * s1 / w)
-
-
-def _layer_numpy(prev, prev_arg, prev_end: int, W, S1, S2, jlo: int, jhi: int, ilo: int, ihi: int):
-    """One DP layer by divide and conquer, all nodes of a recursion depth in one batch.
-
-    A node (j range, argmin range) depends only on its ancestors, so walking the recursion
-    tree level by level scans exactly the candidates the C solver scans, including its
-    lower bound ``argmin_t(j) >= argmin_{t-1}(j)`` (more free segments end later).
-    """
-    cur = np.empty_like(prev)
-    arg = np.zeros(len(prev), dtype=np.int64)
-    lo, hi = np.array([jlo]), np.array([jhi])
-    a, b = np.array([ilo]), np.array([ihi])
-    while len(lo):
-        mid = (lo + hi) // 2
-        top = np.minimum(b, mid - 1)
-        start = a
-        if prev_arg is not None:
-            bound = np.where(mid <= prev_end, prev_arg[np.minimum(mid, prev_end)], a)
-            start = np.where(bound > a, np.minimum(bound, top), a)
-        lengths = top - start + 1
-        starts = np.cumsum(lengths) - lengths
-        i = np.arange(starts[-1] + lengths[-1]) + np.repeat(start - starts, lengths)
-        cost = _segment_cost(prev, W, S1, S2, i, np.repeat(mid, lengths))
-        best_cost = np.minimum.reduceat(cost, starts)
-        # leftmost argmin: the smallest i among exact minima, as the strict < scan in C
-        ties = cost == np.repeat(best_cost, lengths)
-        best = np.minimum.reduceat(np.where(ties, i, len(prev)), starts)
-        cur[mid], arg[mid] = best_cost, best
-        left, right = lo < mid, mid < hi
-        lo = np.concatenate((lo[left], mid[right] + 1))
-        hi = np.concatenate((mid[left] - 1, hi[right]))
-        a, b = np.concatenate((a[left], best[right])), np.concatenate((best[left], b[right]))
-    return cur, arg
-
-
-def _cuts_numpy(n: int, m: int, W, S1, S2, L, R) -> np.ndarray:
-    """Pure-numpy twin of gefen_kmeans_dp in kmeans_dp.c (same inputs, identical cuts)."""
-    prev, args = L, [None]
-    for t in range(1, m + 1):
-        jhi = n - (m - t)
-        prev, arg = _layer_numpy(prev, args[-1], jhi - 1, W, S1, S2, t, jhi, t - 1, jhi - 1)
-        args.append(arg)
-    final = prev[m:] + R[m:]
-    cuts = np.empty(m + 1, dtype=np.int64)
-    cuts[m] = m + int(np.argmin(final))  # argmin returns the first (leftmost) minimum
-    for t in range(m, 0, -1):
-        cuts[t - 1] = args[t][cuts[t]]
-    return cuts
-
-
 def _optimal_cuts(x: np.ndarray, w: np.ndarray, m: int) -> np.ndarray:
     """Segment boundaries of the optimal pinned k-means with m free centres (n >= m >= 0)."""
-    global _warned_fallback
+    if _native is None:
+        raise RuntimeError("gefen._kmeans_dp is not built: install the package (`pip install -e .`) to build "
+                           "the codebook solver")
     W, S1, S2 = _prefix(w), _prefix(w * x), _prefix(w * x * x)
     L = _prefix(w * (x + 1.0) ** 2)
     R = _prefix((w * (x - 1.0) ** 2)[::-1])[::-1].copy()
-    if _native is not None:
-        cuts = np.empty(m + 1, dtype=np.int64)
-        arrays = [np.ascontiguousarray(a, dtype=np.float64) for a in (W, S1, S2, L, R)]
-        # the cuts do not depend on the thread count (kmeans_dp.c); torch.set_num_threads bounds it
-        if _native(len(x), m, *[a.ctypes.data_as(_DBL) for a in arrays],
-                   cuts.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), torch.get_num_threads()) != 0:
-            raise MemoryError("gefen._kmeans_dp: out of memory")
-        return cuts
-    if not _warned_fallback:
-        _warned_fallback = True
-        warnings.warn(
-            "gefen._kmeans_dp is not built; using the slower numpy codebook solver "
-            "(reinstall with `pip install -e .` to build it)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return _cuts_numpy(len(x), m, W, S1, S2, L, R)
+    cuts = np.empty(m + 1, dtype=np.int64)
+    arrays = [np.ascontiguousarray(a, dtype=np.float64) for a in (W, S1, S2, L, R)]
+    # the cuts do not depend on the thread count (kmeans_dp.c); torch.set_num_threads bounds it
+    if _native(len(x), m, *[a.ctypes.data_as(_DBL) for a in arrays],
+               cuts.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), torch.get_num_threads()) != 0:
+        raise MemoryError("gefen._kmeans_dp: out of memory")
+    return cuts
 
 
 def solve_codebook(counts: torch.Tensor, codebook_size: int) -> torch.Tensor:

@@ -61,15 +61,6 @@ def shape_period(shape: Sequence[int]) -> int:
     return max(rows_and_row_numel(shape)[1], 1)
 
 
-def is_valid_period(shape: Sequence[int], period: int) -> bool:
-    """Can ``period`` be the block length of a parameter of ``shape``? It must divide every row
-    (older checkpoints may carry any divisor; new state uses ``shape_period``)."""
-    if period == 1:
-        return True
-    _, row_numel = rows_and_row_numel(shape)
-    return uses_row_period(shape) and period > 1 and row_numel > 0 and row_numel % period == 0
-
-
 def period_of_blocks(shape: Sequence[int], blocks: int) -> int:
     """The block length of a ``block`` field with ``blocks`` per row of a parameter of ``shape``."""
     return rows_and_row_numel(shape)[1] // blocks
@@ -77,13 +68,12 @@ def period_of_blocks(shape: Sequence[int], blocks: int) -> int:
 
 def shape_problem(geometry: str, shape: Sequence[int], value_shape: Sequence[int]) -> str | None:
     """Why ``value_shape`` cannot be the global shape of a ``geometry`` field of a parameter of
-    global ``shape`` (a ``block`` field may have any block count that divides the row); None if it can."""
+    global ``shape`` (a ``block`` field has ``shape_period``'s blocks); None if it can."""
     shape, value_shape = tuple(shape), tuple(value_shape)
     rows, row_numel = rows_and_row_numel(shape)
     ok = {"scalar": value_shape == (), "param": value_shape == shape, "row": value_shape == (rows,),
           "col": value_shape == (row_numel,), "global": True,  # optimizer-wide: any shape
-          "block": len(value_shape) == 2 and value_shape[0] == rows and value_shape[1] > 0
-          and row_numel % value_shape[1] == 0}[geometry]
+          "block": value_shape == block_shape(shape, shape_period(shape))}[geometry]
     return None if ok else f"shape {list(value_shape)} is not a valid {geometry} shape for {list(shape)}"
 
 

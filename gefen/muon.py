@@ -6,7 +6,6 @@ columns, each row's momentum scale (a max over the tensor-parallel dimension).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import defaultdict
 
@@ -36,32 +35,6 @@ _CONTRACT = OptimizerContract(
     fields=(*MOMENTUM_FIELDS, FieldSpec("v_row", "float32", "row", optional=True)),  # v_row: NorMuon only
     global_fields=(CODEBOOK_FIELD,),
 )
-#: the hyperparameter names GefenMuon saved before it took torch.optim.Muon's (docs/decisions.md)
-LEGACY_HYPERPARAMETERS = ("ns_schedule", "adjust_lr")
-#: that layout's contract: the offline tools recognise a ``torch.save``d state_dict of it (the
-#: optimizer's own ``load_state_dict`` renames its groups with ``upgrade_group``)
-_LEGACY_CONTRACT = dataclasses.replace(
-    _CONTRACT, hyperparameters=("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_schedule", "normuon",
-                                "beta2", "eps", "adjust_lr"))
-#: every readable layout, the current one first
-CONTRACTS = {"current": _CONTRACT, "legacy": _LEGACY_CONTRACT}
-
-
-def upgrade_group(group: dict, defaults: dict) -> dict:
-    """A saved param group in today's names. Legacy names (GefenMuon's first layout): ``adjust_lr``
-    -> ``adjust_lr_fn``, ``ns_schedule`` -> ``ns_coefficients`` (``"standard"`` -> its one triple),
-    NorMuon's ``eps`` -> ``normuon_eps`` (``eps`` is Newton-Schulz's norm floor, 1e-7 in that
-    layout). Options a group may lack (``seed``, ``bf16_stochastic_round``) take ``defaults``'."""
-    group = {k: defaults[k] for k in ("seed", "bf16_stochastic_round")} | group
-    if not any(k in group for k in LEGACY_HYPERPARAMETERS):
-        return group
-    group = {k: v for k, v in group.items() if k not in LEGACY_HYPERPARAMETERS} | {
-        "adjust_lr_fn": group.get("adjust_lr", "original"),
-        "ns_coefficients": STANDARD if group.get("ns_schedule", "standard") == "standard" else group["ns_schedule"],
-        "normuon_eps": group.get("eps", 1e-8),
-        "eps": NORM_EPS,
-    }
-    return group
 
 
 def lr_scale(shape: tuple[int, int], adjust_lr_fn: str | None) -> float:
@@ -133,7 +106,9 @@ class GefenMuon(CompressedOptimizer):
         resolve_schedule(group["ns_coefficients"], group["ns_steps"])
 
     def _saved_group(self, group: dict) -> dict:
-        return upgrade_group(group, self.defaults)
+        """Options a saved group may lack (a state_dict rebuilt from a checkpoint, whose contract
+        holds no ``seed`` or ``bf16_stochastic_round``) take this optimizer's."""
+        return {k: self.defaults[k] for k in ("seed", "bf16_stochastic_round")} | group
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

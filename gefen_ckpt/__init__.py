@@ -24,6 +24,7 @@ _LAZY = {
     **dict.fromkeys(("export_canonical", "import_canonical"), "gefen_ckpt.live"),
     **dict.fromkeys(("open", "detect_format", "convert_checkpoint"), "gefen_ckpt.checkpoints"),
     "convert_state": "gefen_ckpt.convert",
+    **dict.fromkeys(("last_io_stats", "IOStats"), "gefen_ckpt.iostats"),
     "async_save": "gefen_ckpt.async_io",
     "name_state_dict": "gefen_ckpt.names",
 }

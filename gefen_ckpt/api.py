@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from gefen_ckpt import collective
+from gefen_ckpt import collective, iostats
 from gefen_ckpt.canonical import CanonicalState
 from gefen_ckpt.errors import CheckpointMismatchError, naming
 from gefen_ckpt.live import check_fits, copies_on_load, export_canonical, import_canonical
@@ -25,7 +25,8 @@ from gefen_ckpt.wire.reader import lazy_state, stage_checkpoint
 from gefen_ckpt.wire.verify import VerifyReport, verify
 from gefen_ckpt.wire.writer import write_state
 
-__all__ = ["save", "load", "read", "write", "read_manifest", "verify", "VerifyReport"]
+__all__ = ["save", "load", "read", "write", "read_manifest", "verify", "VerifyReport", "last_io_stats"]
+last_io_stats = iostats.last_io_stats
 
 MAX_FILE_BYTES = 2**31
 MEMORY_BUDGET = 256 * 2**20
@@ -54,8 +55,15 @@ def save(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Module |
 
     Under a process group this is a collective: every rank writes its own rows in parallel
     (the sharded layout) and rank 0 commits the manifest once every rank has succeeded; a rank
-    that does not arrive within ``timeout`` seconds makes every rank raise naming it.
+    that does not arrive within ``timeout`` seconds makes every rank raise naming it. Replicated
+    rows (DDP, HSDP) are written once, the writing spread over every rank holding them
+    (``gefen.replicas``); ``gefen_ckpt.last_io_stats()`` tells what this rank moved.
     """
+    with iostats.measuring("save"):
+        _save(optimizer, url, model, max_file_bytes, memory_budget, progress, storage_options, timeout)
+
+
+def _save(optimizer, url, model, max_file_bytes, memory_budget, progress, storage_options, timeout) -> None:
     if collective.active():
         with collective.deadline(timeout):
             save_sharded(optimizer, url, model=model, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
@@ -79,7 +87,8 @@ def read_manifest(url: str, *, storage_options: dict | None = None) -> dict:
 
 
 def load(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Module | None = None,
-         storage_options: dict | None = None, timeout: float | None = None) -> None:
+         storage_options: dict | None = None, timeout: float | None = None, read_once: bool | None = None,
+         memory_budget: int = MEMORY_BUDGET) -> None:
     """Load the checkpoint at ``url`` into ``optimizer``.
 
     The manifest is checked against the live optimizer (contract, FQNs, shapes, fields) before
@@ -87,11 +96,21 @@ def load(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Module |
     error (a ``CheckpointError`` naming the file or FQN) the optimizer is untouched. Under a
     process group this is a collective: each rank reads only the pieces holding its rows,
     whatever world size or layout wrote the checkpoint, and all ranks raise together on any
-    error (a rank missing for ``timeout`` seconds is named).
+    error (a rank missing for ``timeout`` seconds is named). With ``read_once`` rows that several
+    ranks hold (replicas: DDP, HSDP) are read from storage by one of them, the reading spread
+    over the holders, and sent to the others over the process group in messages of at most
+    ``memory_budget`` bytes, each checked on arrival; None (the default) reads once from remote
+    stores and lets every rank read a local file itself (docs/decisions.md).
     """
+    with iostats.measuring("load"):
+        _load(optimizer, url, model, storage_options, timeout, read_once, memory_budget)
+
+
+def _load(optimizer, url, model, storage_options, timeout, read_once, memory_budget) -> None:
     if collective.active():
         with _naming(url), collective.deadline(timeout):
-            load_sharded(optimizer, url, model=model, storage_options=storage_options)
+            load_sharded(optimizer, url, model=model, storage_options=storage_options, read_once=read_once,
+                         memory_budget=memory_budget)
         return
     store = Store(url, storage_options)
 

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from gefen_ckpt import collective
+from gefen_ckpt import collective, iostats
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
 
 
@@ -105,7 +105,8 @@ def _stage(state: CanonicalState) -> CanonicalState:
     """``state`` with every tensor copied into its host buffer (a LocalPart stays a LocalPart)."""
     def staged(key: str, source):
         if isinstance(source, LocalPart):
-            return LocalPart(_buffer(key, source.tensor), source.row_start, source.shape, source.writer, source.split)
+            return LocalPart(_buffer(key, source.tensor), source.row_start, source.shape, source.writer,
+                             source.holders)
         return EagerSource(_buffer(key, source.read()))
 
     out = state.with_sources(staged)
@@ -154,7 +155,7 @@ def async_save(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Mo
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                with collective.deadline(timeout):
+                with collective.deadline(timeout), iostats.measuring("async_save"):
                     if sharded:
                         save_sharded(None, url, model=model, storage_options=storage_options, state=staged,
                                      group=group, **sizes)

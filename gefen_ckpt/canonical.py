@@ -49,15 +49,17 @@ class EagerSource:
 
 class LocalPart:
     """The rows a rank holds of a global tensor (``export_canonical`` under a process group):
-    ``tensor`` is rows ``[row_start, row_start + len)``; ``writer`` marks the one replica that
-    stores them. Reading other rows is an error: move state with ``gefen_ckpt.transport``.
+    ``tensor`` is rows ``[row_start, row_start + len)``; ``writer`` marks the first replica
+    (``transport.gather``'s source, a save's writer where no rule applies); ``holders``: every rank
+    holding these rows (``gefen.replicas.Holders``, None: no chunk rule describes them). Reading
+    other rows is an error: move state with ``gefen_ckpt.transport``.
     """
 
     def __init__(self, tensor: torch.Tensor, row_start: int, shape: tuple[int, ...], writer: bool,
-                 split: tuple[int, tuple[int, ...]] | None = None):
+                 holders=None):
         self.tensor, self.row_start, self.shape, self.writer = tensor, row_start, tuple(shape), writer
         self.dtype = tensor.dtype
-        self.split = split  # how a sharded save splits the rows (``placement.ownership``); None: no rule
+        self.holders = holders
 
     @property
     def row_stop(self) -> int:

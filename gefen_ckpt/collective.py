@@ -188,12 +188,19 @@ def failure(what: str, everyone: list[dict],
     failed = {r: p["error"] for r, p in enumerate(everyone) if p.get("error") is not None}
     if not failed:
         return None
-    kinds = "; ".join(f"rank {r}: {e.split(':', 1)[0]}" for r, e in failed.items())
+    kinds = "; ".join(f"rank {r}: {_first_line(e)}" for r, e in list(failed.items())[:4])
     error = shared_type(failed.values())(f"{what} failed on rank(s) {list(failed)} ({kinds}); {changed}")
     error.rank_errors = failed
     for r, e in failed.items():
         getattr(error, "add_note", lambda _: None)(f"rank {r}: {e}")
     return error
+
+
+def _first_line(error: str, limit: int = 300) -> str:
+    """A failed rank's ``describe_error`` shortened for another rank's message: its type and
+    what it names (the file, the FQN), not its whole story (that is in the notes)."""
+    line = error.strip().splitlines()[0] if error.strip() else error
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def shared_type(errors: Iterable[str]) -> type[CheckpointError]:
@@ -210,6 +217,44 @@ def shared_type(errors: Iterable[str]) -> type[CheckpointError]:
 def agree(error: BaseException | None, what: str, group=None) -> None:
     """Raise on every rank of ``group`` if ``error`` is set on any rank (``exchange`` of nothing)."""
     exchange({}, error, what, group)
+
+
+def agree_in_store(error: BaseException | None, what: str) -> None:
+    """``agree`` over the world through the rendezvous store alone, for a step after which the
+    backend may be unusable (a point-to-point transfer that timed out closes gloo's connection
+    to that peer): every rank raises, the failed ones their own error (which names the peer),
+    the others one naming each failed rank; a rank that never arrives is named by the timeout."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    store, me, world = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    with _sequence_lock:
+        seq = _sequence[("agree-in-store",)] = _sequence.get(("agree-in-store",), 0) + 1
+    base, timeout = f"gefen-ckpt/agree/{seq}", current_timeout()
+    try:
+        if error is not None:
+            store.set(f"{base}/error/{me}", describe_error(error).encode())
+            store.add(f"{base}/errors", 1)
+        store.set(f"{base}/arrived/{me}", b"1")
+        if store.add(f"{base}/count", 1) == world:
+            store.set(f"{base}/all", b"1")
+        store.wait([f"{base}/all"], datetime.timedelta(seconds=timeout))
+        failed = int(store.add(f"{base}/errors", 0))
+        everyone = [{"error": store.get(f"{base}/error/{r}").decode() if failed and store.check([f"{base}/error/{r}"])
+                     else None} for r in range(world)]
+    except Exception as exc:
+        if error is not None:
+            raise error from None
+        try:
+            missing = [r for r in range(world) if not store.check([f"{base}/arrived/{r}"])]
+        except Exception:
+            missing = "some"
+        raise CheckpointTimeoutError(f"{what}: rank(s) {missing} did not arrive within {timeout:g} s (stalled or "
+                                     f"dead; {describe_error(exc)[:200]}); nothing was changed") from None
+    if error is not None:
+        raise error
+    if (failed_error := failure(what, everyone)) is not None:
+        raise failed_error
 
 
 def _as_tensor(payload: bytes, size: int, dev: torch.device) -> torch.Tensor:

@@ -139,7 +139,7 @@ def _carried(impl: str, group: dict) -> dict:
                 "eps": _number(impl, "eps", group.get("eps")),
                 "weight_decay": _number(impl, "weight_decay", group.get("weight_decay"))}
     if impl == MUON:
-        adjust = group.get("adjust_lr_fn", group.get("adjust_lr"))  # (the name GefenMuon's first layout saved)
+        adjust = group.get("adjust_lr_fn")
         if adjust != "match_rms_adamw":
             raise CheckpointMismatchError(
                 f"GefenMuon's lr cannot be carried: with adjust_lr_fn={adjust!r} it is not on AdamW's "

@@ -54,7 +54,6 @@ from gefen_ckpt.dcp_layout import (
     stock_entries,
     storage_for,
 )
-from gefen_ckpt.dcp_legacy import find_legacy_keys, read_legacy, unpack
 from gefen_ckpt.errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -103,7 +102,11 @@ def _record(contract: OptimizerContract, fqns: list[str], shapes: Mapping[str, t
 
 
 def _decode_record(data: Any, what: str) -> dict:
-    record = unpack(data, what) if isinstance(data, bytes) else None
+    """The record from untrusted bytes: a ``CheckpointFormatError`` for garbage, never a crash."""
+    try:
+        record = msgpack.unpackb(data, raw=False, strict_map_key=True) if isinstance(data, bytes) else None
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise CheckpointFormatError(f"{what} is not valid msgpack: {exc}") from None
     params = record.get("params") if isinstance(record, dict) else None
     if not isinstance(params, list) or not all(isinstance(p, list) and len(p) == 3 and isinstance(p[0], str)
                                                and isinstance(p[1], list) for p in params) \
@@ -299,12 +302,8 @@ def _allocate(name: str, target: _GefenStateDict, metadata: Metadata) -> None:
     layouts = optimizer_keys(metadata)
     if name not in layouts:
         found = sorted(layouts)
-        legacy = find_legacy_keys(metadata)
-        raise CheckpointMismatchError(
-            f"the checkpoint has no optimizer state under {name!r}"
-            + (f" (it has some under {found})" if found else "")
-            + (f" (it holds {legacy} in the description layout: rewrite it with `gefen-ckpt convert SRC DST --to dcp`)"
-               if legacy else ""))
+        raise CheckpointMismatchError(f"the checkpoint has no optimizer state under {name!r}"
+                                      + (f" (it has some under {found})" if found else ""))
     if not layouts[name]:
         raise CheckpointMismatchError(
             f"{name}.param_groups: param groups flattened by FQN: load them with torch's "
@@ -425,11 +424,10 @@ def _stored_record(reader: DCPReader, key: str) -> dict | None:
 
 def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
     """The ``CanonicalState`` of the optimizer state saved under ``key`` (default: the only one) in
-    the DCP checkpoint at ``path``, in torch's stock layout or the description layout
-    (``dcp_legacy``). Tensors are lazy ``DCPSource`` s; ``.metadata`` is unpickled with an allowlist."""
+    the DCP checkpoint at ``path``, in torch's stock layout. Tensors are lazy ``DCPSource`` s;
+    ``.metadata`` is unpickled with an allowlist."""
     reader = DCPReader(path)
-    stock = sorted(optimizer_keys(reader.metadata))
-    found = stock + [k for k in find_legacy_keys(reader.metadata) if k not in stock]
+    found = sorted(optimizer_keys(reader.metadata))
     if key is None:
         if len(found) != 1:
             raise CheckpointMismatchError(
@@ -438,13 +436,10 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
         key = found[0]
     elif key not in found:
         raise CheckpointMismatchError(f"{path}: no optimizer state under {key!r} (found: {found})")
-    if key in stock:
-        record = _stored_record(reader, key)
-        state = read_stock(reader, key, record and record["contract"])
-        if record and isinstance(record.get("world_size"), int):
-            state.metadata["source_topology"] = {"world_size": record["world_size"]}
-    else:
-        state = read_legacy(reader, key)
+    record = _stored_record(reader, key)
+    state = read_stock(reader, key, record and record["contract"])
+    if record and isinstance(record.get("world_size"), int):
+        state.metadata["source_topology"] = {"world_size": record["world_size"]}
     state.metadata.update({"source_format": "dcp", "path": str(path), "key": key})
     return state
 

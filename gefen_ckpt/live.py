@@ -74,7 +74,8 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
         shared = {f.name for f in leaf.global_fields}  # each parameter's entry repeats them (the codebook)
         for key, value in (sd.get(GLOBAL_STATE_KEY) or {}).items():
             if isinstance(value, torch.Tensor):
-                global_fields[global_key(child, key)] = LocalPart(value, 0, tuple(value.shape), rank0, (1, (0,)))
+                global_fields[global_key(child, key)] = LocalPart(value, 0, tuple(value.shape), rank0,
+                                                                  placement.every_rank())
         for live, saved in zip(opt.param_groups, sd["param_groups"]):
             fqns = group_fqns(live, names, leaf.implementation)
             group = {h: plain(saved[h], f"hyperparameter {h!r}") for h in leaf.hyperparameters if h in saved}
@@ -98,8 +99,10 @@ def _local_part(fqn: str, param: torch.Tensor, row_sharded: bool, value: torch.T
     if row_sharded and value.dim():
         start, _ = placement.local_rows(param, fqn)
         rows = rows_and_row_numel(param.shape)[0]
-        return LocalPart(value, start, (rows, *value.shape[1:]), *placement.ownership(param, True))
-    return LocalPart(value, 0, tuple(value.shape), *placement.ownership(param, False))
+        return LocalPart(value, start, (rows, *value.shape[1:]), placement.first_writer(param, True),
+                         placement.holders(param, True))
+    return LocalPart(value, 0, tuple(value.shape), placement.first_writer(param, False),
+                     placement.holders(param, False))
 
 
 # ----- import -------------------------------------------------------------------------------
@@ -163,12 +166,6 @@ def check_group_members(saved: list[list[str]], live: list[list[str]], child: st
             raise CheckpointMismatchError(f"param group {gi}{f' of {child!r}' if child else ''} has different members")
 
 
-def _saved_leaf(contract: OptimizerContract, child: str | None) -> OptimizerContract:
-    """The checkpoint's own contract of ``child``: its hyperparameter names are the ones saved
-    (the optimizer's load maps names it has since renamed, e.g. ``gefen.muon.upgrade_group``)."""
-    return contract if child is None else dict(contract.children)[child]
-
-
 def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: CanonicalState,
                       names: dict[int, str]) -> dict:
     """The state_dict ``opt`` would have saved on this rank, cut from the canonical state
@@ -179,7 +176,7 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
         fqns = group_fqns(live, names, leaf.implementation)
         group = {k: v for k, v in live.items() if k != "params"}
         group.update({h: tuple(saved[h]) if isinstance(saved[h], list) else saved[h]
-                      for h in _saved_leaf(state.contract, child).hyperparameters})
+                      for h in leaf.hyperparameters})
         group["params"] = list(range(index, index + len(fqns)))
         sd_groups.append(group)
         for fqn, p in zip(fqns, live["params"]):
@@ -271,7 +268,7 @@ def check_fits(optimizer: torch.optim.Optimizer, state: CanonicalState, model=No
         members = [group_fqns(live, names, leaf.implementation) for live in opt.param_groups]
         check_group_members([g["params"] for g in saved_groups], members, child)
         for gi, (live, saved, fqns) in enumerate(zip(opt.param_groups, saved_groups, members)):
-            missing = [h for h in _saved_leaf(state.contract, child).hyperparameters if h not in saved]
+            missing = [h for h in leaf.hyperparameters if h not in saved]
             if missing:
                 raise CheckpointMismatchError(f"param group {gi} of the checkpoint lacks hyperparameters {missing}")
             for fqn, p in zip(fqns, live["params"]):

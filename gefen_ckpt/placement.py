@@ -12,8 +12,11 @@ import torch
 from gefen.distributed import is_dtensor  # noqa: F401  (the DTensor helpers' one home)
 from gefen.distributed import local_tensor as to_local  # noqa: F401
 from gefen.geometry import first_copy, rows_and_row_numel
+from gefen.replicas import (
+    Holders,
+    chunk_rows,  # noqa: F401  (the split rule's one home)
+)
 from gefen_ckpt.errors import UnsupportedLayoutError
-from gefen_ckpt.wire.index import chunk_rows  # noqa: F401  (the split rule's one home)
 
 
 def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
@@ -49,22 +52,50 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def ownership(param: torch.Tensor, row_sharded: bool) -> tuple[bool, tuple[int, tuple[int, ...]] | None]:
-    """``(writer, split)`` of a field of ``param``: does this rank write its rows (one replica of
-    each row range; of a replicated field, one rank), and how a sharded save stores them, a rule
-    every rank derives alike from the mesh: ``(parts, writers)``, rows ``torch.chunk``-split over
-    ``parts``, part ``i`` written by global rank ``writers[i]`` (None: rows sharded over several
-    mesh dimensions, no single chunk rule)."""
+def holders(param: torch.Tensor, row_sharded: bool) -> Holders | None:
+    """The ranks holding a field of ``param`` as ``gefen.replicas`` sees them: its rows split over
+    the mesh dimension that shards dim 0, replicated over the others (a plain tensor: every rank
+    holds all of it). None where rows are split over several mesh dimensions (no chunk rule)."""
     if not is_dtensor(param):
-        return rank() == 0, (1, (0,))
-    mesh, placements = param.device_mesh, param.placements
-    copies = [i for i, pl in enumerate(placements) if pl.is_replicate()] if row_sharded else range(mesh.ndim)
-    writer = first_copy(mesh.get_coordinate(), copies)
-    sharded = [i for i, pl in enumerate(placements) if pl.is_shard() and pl.dim == 0]
-    if not row_sharded or param.dim() == 0 or not sharded:
-        return writer, (1, (int(mesh.mesh.reshape(-1)[0]),))
-    if len(sharded) > 1:
-        return writer, None
-    # the writers along the sharded dimension, index 0 along every other one
-    writers = mesh.mesh.movedim(sharded[0], 0).reshape(mesh.mesh.shape[sharded[0]], -1)[:, 0].tolist()
-    return writer, (len(writers), tuple(writers))
+        return every_rank()
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    sharded = [i for i, pl in enumerate(placements) if pl.is_shard() and pl.dim == 0] if row_sharded else []
+    if any(type(pl).__name__ == "_StridedShard" for pl in placements) or len(sharded) > 1:
+        return None
+    ranks = mesh.mesh
+    if not sharded or param.dim() == 0:
+        return _cached(mesh, (), lambda: Holders.replicated(ranks.reshape(-1).tolist()))
+    d = sharded[0]
+    return _cached(mesh, d, lambda: Holders(ranks.movedim(d, -1).reshape(-1, ranks.shape[d]).tolist()))
+
+
+def every_rank() -> Holders:
+    """Holders of what every rank of the world holds (a plain tensor, the codebook)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return _cached("world", world, lambda: Holders.replicated(range(world)))
+
+
+_holders: dict[tuple, tuple[object, Holders]] = {}
+
+
+def _cached(owner, key, make) -> Holders:
+    """One ``Holders`` per mesh (or world size) and sharded dimension: the rule groups tensors by
+    holder object. The entry keeps ``owner`` alive, so its id is not reused while cached."""
+    hit = _holders.get((id(owner), key))
+    if hit is None or hit[0] is not owner:
+        if len(_holders) > 256:
+            _holders.clear()
+        hit = _holders[(id(owner), key)] = (owner, make())
+    return hit[1]
+
+
+def first_writer(param: torch.Tensor, row_sharded: bool) -> bool:
+    """Is this rank the copy at index 0 along every mesh dimension holding copies of its rows
+    (of a plain tensor: rank 0)? The one writer where no rule applies, and ``transport.gather``'s source."""
+    if not is_dtensor(param):
+        return rank() == 0
+    placements = param.placements
+    copies = [i for i, pl in enumerate(placements) if pl.is_replicate()] if row_sharded else range(param.device_mesh.ndim)
+    return first_copy(param.device_mesh.get_coordinate(), copies)

@@ -14,6 +14,7 @@ import re
 import torch
 
 from gefen.geometry import rows_and_row_numel
+from gefen.replicas import assign
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
 from gefen_ckpt.collective import (
     agree,
@@ -27,6 +28,7 @@ from gefen_ckpt.collective import (
 )
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
 from gefen_ckpt.live import check_fits, copies_on_load, export_canonical, import_canonical
+from gefen_ckpt.shared_reads import share_reads
 from gefen_ckpt.storage import Store
 from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire.dtypes import dtype_name
@@ -43,21 +45,6 @@ from gefen_ckpt.wire.writer import (
     write_index,
     write_pieces,
 )
-
-
-def _own_items(state: CanonicalState) -> list[WriteItem]:
-    """The pieces this rank writes: the rows it owns as the designated replica, nothing else."""
-    def item(fqn, name, part):
-        if not isinstance(part, LocalPart):
-            raise TypeError(f"{fqn or 'global'}/{name}: expected a rank-local part, got {type(part).__name__}")
-        return WriteItem(fqn, name, part.row_start, EagerSource(part.tensor))
-
-    out = [item(None, key, part) for key, part in state.global_fields.items() if part.writer]
-    for fqn, entry in state.params.items():
-        for name, part in entry.fields.items():
-            if part.writer and (part.tensor.dim() == 0 or part.tensor.shape[0] > 0):
-                out.append(item(fqn, name, part))
-    return out
 
 
 def save_sharded(optimizer: torch.optim.Optimizer | None, url: str, *, model, max_file_bytes: int,
@@ -127,7 +114,7 @@ def _save_v1(state, store, token, previous, rank, world_size, url, max_file_byte
     """1.x: every rank's piece records go to every rank; rank 0 builds the manifest from them."""
     pieces, files, error = [], [], None
     try:
-        pieces, files = write_pieces(store, data_stem(token, rank), _own_items(state),
+        pieces, files = write_pieces(store, data_stem(token, rank), OwnSplit(state, rank).items(),
                                      max_file_bytes=max_file_bytes, memory_budget=memory_budget, version=(1, 1))
     except Exception as exc:  # every rank learns of it in exchange()
         error = exc
@@ -154,7 +141,7 @@ def _save_v2(state, store, token, previous, rank, world_size, url, max_file_byte
     error, payload = None, {}
     try:
         plan = OwnSplit(state, rank)
-        pieces, files = write_pieces(store, data_stem(token, rank), _own_items(state),
+        pieces, files = write_pieces(store, data_stem(token, rank), plan.items(),
                                      max_file_bytes=max_file_bytes, memory_budget=memory_budget)
         pin, data = write_index(store, token, rank, pieces, files, plan.ordinals)
         plan.check(pin, data, {f.name: f.nbytes for f in files}, store)
@@ -191,38 +178,51 @@ def commit_payload(pin: WriterPin, plan: OwnSplit) -> dict:
 
 
 class OwnSplit:
-    """One rank's view of a sharded save's splits: every tensor's rule (the same on every rank),
-    this rank's rows of the tensors no rule describes, and the check of its own index."""
+    """One rank's view of a sharded save's splits: every tensor's rule (``gefen.replicas.assign``
+    over the ranks holding it: the same on every rank, no plan is exchanged), this rank's rows
+    of the tensors no rule describes, and the check of its own index."""
 
     def __init__(self, state: CanonicalState, rank: int):
         self.rank = rank
         self.ordinals = tensor_order(state)
         self.parts = {(fqn, name): state.global_fields[name] if fqn is None else state.params[fqn].fields[name]
                       for fqn, name in self.ordinals}
-        self.rules: dict[tuple, Rule | None] = {}
-        self.explicit: dict[int, list[list[int]]] = {}  # ordinal -> this rank's [start, stop] rows
-        by_split: dict[tuple, Rule] = {}  # one Rule object per distinct rule: it indexes its writers once
+        for key, part in self.parts.items():
+            if not isinstance(part, LocalPart):
+                raise TypeError(f"{key[0] or 'global'}/{key[1]}: expected a rank-local part, got {type(part).__name__}")
+        self.rules: dict[tuple, Rule | None] = dict.fromkeys(self.ordinals)
+        self.rules.update(rules_for({k: p for k, p in self.parts.items() if p.holders is not None}))
+        self.explicit: dict[int, list[list[int]]] = {}  # ordinal -> this rank's [start, stop] rows (no rule)
+        self.mine: dict[tuple, list[tuple[int, int]]] = {}
         structure = []
         for key, ordinal in self.ordinals.items():
-            part, split = self.parts[key], getattr(self.parts[key], "split", None)
-            if split is not None:
-                split = (split[0], tuple(split[1]))
-                if split not in by_split:
-                    by_split[split] = Rule(*split)
-            rule = self.rules[key] = None if split is None else by_split[split]
-            structure.append([*key, list(part.shape), str(part.dtype), split])
-            mine = [(0, 1)] if not part.shape else [(part.row_start, part.row_stop)]
-            mine = [(a, b) for a, b in mine if part.writer and a < b]
-            if rule is None or mine != rule.parts_of(rows_and_row_numel(part.shape)[0], rank):
-                self.explicit[ordinal] = [list(r) for r in mine]
+            part, rule = self.parts[key], self.rules[key]
+            rows = rows_and_row_numel(part.shape)[0]
+            if rule is None:
+                spans = [(part.row_start, part.row_stop)] if part.writer and part.row_start < part.row_stop else []
+                self.explicit[ordinal] = [list(r) for r in spans]
+            else:
+                spans = rule.parts_of(rows, rank)
+                if any(a < part.row_start or b > part.row_stop for a, b in spans):
+                    raise CheckpointError(f"{key[0] or 'global'}/{key[1]}: the replica rule gives rank {rank} rows "
+                                          f"{spans[:2]} outside the rows it holds [{part.row_start}, {part.row_stop})")
+            self.mine[key] = spans
+            shape = None if rule is None else [rule.parts, rule.sub, len(rule.writers), rule.writers[0]]
+            structure.append([*key, list(part.shape), str(part.dtype), shape])
         self.digest = hashlib.blake2b(pack(structure), digest_size=16).hexdigest()
+
+    def items(self) -> list[WriteItem]:
+        """The pieces this rank writes: its rows by the rule (or, with no rule, as the first replica)."""
+        return [WriteItem(fqn, name, a, EagerSource(self.parts[fqn, name].read(a, b) if self.parts[fqn, name].shape
+                                                    else self.parts[fqn, name].tensor))
+                for (fqn, name), spans in self.mine.items() for a, b in spans]
 
     def check(self, pin: WriterPin, data: bytes, sizes: dict[str, int], store: Store) -> None:
         """This rank's index, validated exactly as a reader will, against its own parts."""
         tensors = []
         for (fqn, name), ordinal in self.ordinals.items():
             part, split = self.parts[fqn, name], self.rules[fqn, name]
-            if ordinal in self.explicit:  # so is every tensor without a rule
+            if split is None:
                 split = Explicit(tuple((a, b, self.rank) for a, b in self.explicit[ordinal]))
             tensors.append(SplitTensor(fqn, name, dtype_name(part.dtype), tuple(part.shape), split, ordinal, None))
         indexes = IndexSet({self.rank: pin}, tensors, sizes)
@@ -230,32 +230,39 @@ class OwnSplit:
         indexes.parse(self.rank, data)
 
     def merged(self, explicit: list[dict], digests: list[str]) -> dict:
-        """Every tensor's split for the manifest (on the committing rank): the rule, or where any
-        rank's rows differ from it, explicit parts built from the rule and those ranks' rows."""
+        """Every tensor's split for the manifest (on the committing rank): its rule, or the rows
+        every rank reported where no rule applies."""
         differ = [r for r, d in enumerate(digests) if d != self.digest]
         if differ:
             raise CheckpointError(f"rank(s) {differ[:8]} hold a state of another structure (FQNs, shapes, dtypes or "
                                   "sharding differ from rank 0's): the ranks do not hold one optimizer")
-        reported: dict[int, dict[int, list]] = {}
+        reported: dict[int, list] = {}
         for r, rows in enumerate(explicit):
             for ordinal, parts in rows.items():
-                reported.setdefault(int(ordinal), {})[r] = parts
-        out = {}
-        for key, ordinal in self.ordinals.items():
-            rule = self.rules[key]
-            if ordinal not in reported and rule is not None:
-                out[key] = (rule.parts, rule.writers)
-                continue
-            by_rank, rows = reported.get(ordinal, {}), rows_and_row_numel(self.parts[key].shape)[0]
-            writers = [] if rule is None else [w for w in dict.fromkeys(rule.writers) if w not in by_rank]
-            parts = [(a, b, w) for w in writers for a, b in rule.parts_of(rows, w)]
-            parts += [(a, b, r) for r, spans in by_rank.items() for a, b in spans]
-            out[key] = sorted(parts)
-        return out
+                reported.setdefault(int(ordinal), []).extend((a, b, r) for a, b in parts)
+        return {key: (rule.parts, rule.writers, rule.sub) if (rule := self.rules[key]) is not None
+                else sorted(reported.get(ordinal, [])) for key, ordinal in self.ordinals.items()}
 
 
-def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_options: dict | None = None) -> None:
-    error, state = None, None
+def rules_for(parts: dict) -> dict:
+    """Each tensor's ``Rule`` by ``gefen.replicas.assign`` from the sources' global shapes and
+    holders (one ``Rule`` object per distinct assignment: it indexes its writers once)."""
+    keys = list(parts)
+    plan = assign([(*_rows_and_bytes(parts[k]), parts[k].holders) for k in keys])
+    made: dict[int, Rule] = {}
+    return {k: made.setdefault(id(a), Rule(a.parts, a.ranks, a.sub)) for k, a in zip(keys, plan)}
+
+
+def _rows_and_bytes(source) -> tuple[int, int]:
+    rows, row_numel = rows_and_row_numel(source.shape)
+    return rows, row_numel * source.dtype.itemsize
+
+
+def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_options: dict | None = None,
+                 read_once: bool | None = None, memory_budget: int) -> None:
+    """Each rank loads its rows; with ``read_once`` (None: ``reads_once(store)``) rows held by
+    several ranks are read from storage by one of them and shared (``shared_reads``)."""
+    error, state, store = None, None, None
     try:
         store = Store(url, storage_options)
         state = lazy_state(store, open_checkpoint(store, whole=False), map_files=copies_on_load(optimizer))
@@ -263,4 +270,11 @@ def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_o
     except Exception as exc:
         error = exc
     agree(error, f"load from {url}")
+    if read_once if read_once is not None else reads_once(store):
+        state = share_reads(optimizer, state, url, model=model, budget=memory_budget)
     import_canonical(optimizer, state, model=model)
+
+
+def reads_once(store: Store) -> bool:
+    """The default of ``load(read_once=None)``: (docs/decisions.md, "Replicas share the I/O")."""
+    return not store.local

@@ -19,7 +19,7 @@ from contextlib import contextmanager, suppress
 import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
-from gefen_ckpt import native
+from gefen_ckpt import iostats, native
 from gefen_ckpt.errors import CheckpointError, CheckpointFormatError, CheckpointStorageError
 
 WRITE_BUFFER = 2**20
@@ -269,6 +269,7 @@ class LocalReader(RangeReader):
             if n == 0:
                 break
             done += n
+        iostats.count(bytes_read=done, requests=1)
         return done
 
     def map_private(self) -> mmap.mmap:
@@ -288,6 +289,7 @@ class RemoteReader(RangeReader):
     def read_into(self, offset: int, buffer: memoryview) -> int:
         data = self.fs.cat_file(self.path, start=offset, end=offset + len(buffer))
         buffer[: len(data)] = data
+        iostats.count(bytes_read=len(data), requests=1)
         return len(data)
 
 
@@ -300,7 +302,7 @@ class Writer:
         crcs = []
         for address, size in spans:
             data = (ctypes.c_ubyte * size).from_address(address) if size else b""
-            self.write(data)
+            self.write(data)  # counts
             crcs.append(native.crc32(0, data))
         return crcs
 
@@ -321,6 +323,7 @@ class LocalWriter(Writer):
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
+        iostats.count(bytes_written=len(view))
         if len(view) < WRITE_BUFFER:
             self.batch += view
             if len(self.batch) >= WRITE_BUFFER:
@@ -333,6 +336,7 @@ class LocalWriter(Writer):
         if not native.io:
             return super().write_hashed(spans)
         self._flush_batch()
+        iostats.count(bytes_written=sum(size for _, size in spans))
         return native.write_hashed(self.fd, spans, WRITE_CHUNK, WRITEBACK_EVERY, self.progress)
 
     def _flush_batch(self) -> None:
@@ -385,7 +389,9 @@ class RemoteWriter(Writer):
         self.file = fs.open(path, "wb")
 
     def write(self, data) -> None:
-        self.file.write(memoryview(data).cast("B"))
+        view = memoryview(data).cast("B")
+        iostats.count(bytes_written=len(view))
+        self.file.write(view)
 
     def close(self, durable: bool = True) -> None:
         self.file.close()  # an object store publishes the object, complete, on close
@@ -455,6 +461,7 @@ class Store:
     def reader(self, name: str) -> Iterator[RangeReader]:
         with self.io(name):
             handle = self._Reader(self.fs, self.path(name))
+        iostats.count(files_opened=1)
         try:
             with self.io(name):
                 yield handle
@@ -471,6 +478,7 @@ class Store:
         """
         with self.io(name):
             writer = self._Writer(self.fs, self.path(name))
+        iostats.count(files_opened=1, requests=1)
         try:
             with self.io(name):
                 yield writer
@@ -518,6 +526,7 @@ class Store:
             with self.io():
                 self.fs.invalidate_cache(self.root)
                 entries = self.fs.ls(self.root, detail=True)
+            iostats.count(requests=1)
         except (FileNotFoundError, NotADirectoryError):
             return {}
         return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
@@ -526,13 +535,16 @@ class Store:
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of a file (to its end when ``end`` is None)."""
         with self.io(name):
-            return self.fs.cat_file(self.path(name), start=start, end=end)
+            data = self.fs.cat_file(self.path(name), start=start, end=end)
+        iostats.count(bytes_read=len(data), requests=1, files_opened=1)
+        return data
 
     def publish(self, name: str, data: bytes, temp_name: str) -> None:
         """Replace ``name`` with ``data`` atomically and durably: readers see the old file or the
         new one (an object PUT is atomic)."""
         with self.io(name):
             self.fs.pipe_file(self.path(name), data)
+        iostats.count(bytes_written=len(data), requests=1, files_opened=1)
 
     def create_exclusive(self, name: str, data: bytes) -> None:
         """Create ``name`` holding ``data``, or raise ``FileExistsError`` if it exists. Atomic on
@@ -541,6 +553,7 @@ class Store:
         writer lock)."""
         with self.io(name):
             self.fs.pipe_file(self.path(name), data, mode="create")
+        iostats.count(bytes_written=len(data), requests=1, files_opened=1)
 
 
 class LocalStore(Store):
@@ -560,7 +573,9 @@ class LocalStore(Store):
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         with self.io(name), open(open_regular(self.path(name)), "rb") as f:
             f.seek(start)
-            return f.read(-1 if end is None else end - start)
+            data = f.read(-1 if end is None else end - start)
+        iostats.count(bytes_read=len(data), requests=1, files_opened=1)
+        return data
 
     def prefetch(self, files: dict[str, int]) -> Prefetch | None:
         if not hasattr(os, "sendfile"):
@@ -586,6 +601,7 @@ class LocalStore(Store):
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
                     view = memoryview(data).cast("B")
+                    iostats.count(bytes_written=len(view), files_opened=1, requests=1)
                     while view:
                         view = view[os.write(fd, view):]
                 except BaseException:
@@ -638,6 +654,7 @@ class LocalStore(Store):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        iostats.count(bytes_written=len(data), requests=1, files_opened=1)
 
 
 #: Opt-in to creating a missing bucket (``gefen-ckpt convert/reshard --create-bucket`` sets it).

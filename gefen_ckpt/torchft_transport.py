@@ -10,7 +10,11 @@ over a process group, in the wire format's pickle-free, batched shape:
 * a tensor reached from many places (the codebooks every parameter's state shares) sent once
   and rebuilt as one tensor;
 * a CRC-32 per tensor, checked on arrival: the state is returned only when the header, the
-  manifest and every tensor check out, so a bad transfer never reaches ``load_state_dict``.
+  manifest and every tensor check out, so a bad transfer never reaches ``load_state_dict``;
+* a DTensor (an FSDP2 / tensor-parallel replica group) travels as its local shard with its global
+  shape, placements, offset and mesh shape: rank i of the healthy group sends to rank i of the
+  joining one, which checks the shard is the part its own ``mesh`` gives it before rebuilding the
+  DTensor there.
 
 A wait that runs out raises ``CheckpointTimeoutError``, a peer that fails ``CheckpointError``,
 both naming the peer; torchft's Manager reports the error, skips the step and heals again.
@@ -30,10 +34,12 @@ import msgpack
 import numpy as np
 import torch
 
+from gefen.distributed import is_dtensor
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
+    CheckpointMismatchError,
     CheckpointTimeoutError,
 )
 from gefen_ckpt.wire import checksum
@@ -54,7 +60,7 @@ PACK_BYTES = 1 << 20
 #: A manifest larger than this is refused before anything it describes is allocated.
 MAX_MANIFEST_BYTES = 1 << 30
 _HEADER = 5  # magic, version, step, manifest bytes, manifest crc
-_TENSOR, _TUPLE, _DTYPE, _ORDERED = 1, 2, 3, 4  # msgpack extension codes in the tree
+_TENSOR, _TUPLE, _DTYPE, _ORDERED, _SHARD = 1, 2, 3, 4, 5  # msgpack extension codes in the tree
 _INDEX = struct.Struct("<I")
 
 
@@ -102,15 +108,12 @@ class _Collector:
         self.seen: dict[tuple, int] = {}
 
     def __call__(self, value: Any):
+        if isinstance(value, torch.Tensor) and is_dtensor(value):
+            return msgpack.ExtType(_SHARD, self.pack([self.number(value.to_local()), *shard_meta(value)]))
         if isinstance(value, torch.Tensor):
             if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
                 raise CheckpointError(f"cannot send a {type(value).__name__} (send its local tensor)")
-            key = (value.device, value.data_ptr(), value.shape, value.stride(), value.dtype)
-            number = self.seen.get(key)
-            if number is None:
-                number = self.seen[key] = len(self.tensors)
-                self.tensors.append(value.detach())
-            return msgpack.ExtType(_TENSOR, _INDEX.pack(number))
+            return msgpack.ExtType(_TENSOR, _INDEX.pack(self.number(value)))
         if isinstance(value, tuple):
             return msgpack.ExtType(_TUPLE, self.pack(list(value)))
         if isinstance(value, OrderedDict):  # a module's state_dict: kept an OrderedDict
@@ -121,8 +124,139 @@ class _Collector:
             return msgpack.ExtType(_DTYPE, dtype_name(value).encode())
         raise CheckpointError(f"cannot send a {type(value).__name__} value in a state dict (tensors and plain data only)")
 
+    def number(self, value: torch.Tensor) -> int:
+        key = (value.device, value.data_ptr(), value.shape, value.stride(), value.dtype)
+        number = self.seen.get(key)
+        if number is None:
+            number = self.seen[key] = len(self.tensors)
+            self.tensors.append(value.detach())
+        return number
+
     def pack(self, value) -> bytes:
         return msgpack.packb(value, default=self, strict_types=True, use_bin_type=True)
+
+
+# ===== DTensor shards =========================================================================
+def _placement_wire(p) -> list:
+    """A placement as plain data: ["R"], ["S", dim], ["s", dim, split factor], ["P", reduce op]."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(p, _StridedShard):
+        return ["s", int(p.dim), int(p.split_factor)]
+    if p.is_shard():
+        return ["S", int(p.dim)]
+    if p.is_replicate():
+        return ["R"]
+    if p.is_partial():
+        return ["P", str(p.reduce_op)]
+    raise CheckpointError(f"cannot send a DTensor placed {p!r}")
+
+
+def _placement(wire, ndim: int):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    kind = wire[0] if isinstance(wire, list) and wire else None
+    dims_ok = all(type(d) is int and 0 <= d for d in wire[1:2]) if kind in ("S", "s") else True
+    if kind == "R" and len(wire) == 1:
+        return Replicate()
+    if kind == "S" and len(wire) == 2 and dims_ok and wire[1] < ndim:
+        return Shard(wire[1])
+    if kind == "s" and len(wire) == 3 and dims_ok and wire[1] < ndim and type(wire[2]) is int and wire[2] > 0:
+        return _StridedShard(wire[1], split_factor=wire[2])
+    if kind == "P" and len(wire) == 2 and wire[1] in ("sum", "avg", "max", "min"):
+        return Partial(wire[1])
+    _fail(f"malformed placement {wire!r}")
+
+
+def shard_meta(d) -> list:
+    """What identifies a DTensor's local shard: global shape, placements, the shard's offset in
+    the global tensor, and the mesh's shape and dimension names."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(d.shape, d.device_mesh, d.placements)
+    names = d.device_mesh.mesh_dim_names
+    return [list(d.shape), [_placement_wire(p) for p in d.placements], list(offset),
+            list(d.device_mesh.shape), list(names) if names else None]
+
+
+class _Shard(NamedTuple):
+    """A received DTensor before it is checked against and placed on the receiver's mesh."""
+
+    local: torch.Tensor
+    shape: list
+    placements: list
+    offset: list
+    mesh: list
+    names: list | None
+
+
+def _int_list(value, what: str) -> list:
+    if not (isinstance(value, list) and all(type(v) is int and 0 <= v < 2**40 for v in value)):
+        _fail(f"DTensor {what} is malformed")
+    return value
+
+
+def _shard(payload: list, tensors: list[torch.Tensor]) -> _Shard:
+    if not (isinstance(payload, list) and len(payload) == 6 and type(payload[0]) is int
+            and 0 <= payload[0] < len(tensors) and isinstance(payload[2], list)):
+        _fail("malformed DTensor entry")
+    names = payload[5]
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        _fail("malformed DTensor mesh names")
+    return _Shard(tensors[payload[0]], _int_list(payload[1], "shape"), payload[2], _int_list(payload[3], "offset"),
+                  _int_list(payload[4], "mesh shape"), names)
+
+
+def _target_mesh(mesh, shard: _Shard, where: str):
+    """The receiver's mesh for ``shard``: ``mesh`` itself, or its submesh of the sender's names."""
+    if mesh is None:
+        raise CheckpointMismatchError(f"{where} is a DTensor shard: give this replica's GefenTransport its "
+                                      "device mesh (mesh=) to place it on; nothing was applied")
+    names = tuple(shard.names) if shard.names else None
+    if names and mesh.mesh_dim_names and names != tuple(mesh.mesh_dim_names):
+        if not set(names) <= set(mesh.mesh_dim_names):
+            raise CheckpointMismatchError(f"{where}: the sender's mesh dimensions {names} are not in this "
+                                          f"replica's mesh {tuple(mesh.mesh_dim_names)}; nothing was applied")
+        mesh = mesh[names]
+    if list(mesh.shape) != shard.mesh:
+        raise CheckpointMismatchError(f"{where}: the sender's mesh has shape {tuple(shard.mesh)}, this replica's "
+                                      f"{tuple(mesh.shape)}; nothing was applied")
+    return mesh
+
+
+def _place_shard(shard: _Shard, mesh, where: str):
+    """The DTensor of ``shard`` on this replica's mesh, once its global shape, placements and
+    offset are exactly the part this rank holds there (rank i heals from rank i)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    target = _target_mesh(mesh, shard, where)
+    if len(shard.placements) != len(shard.mesh):
+        _fail(f"{where}: {len(shard.placements)} placements on a {len(shard.mesh)}-D mesh")
+    placements = [_placement(p, len(shard.shape)) for p in shard.placements]
+    local_shape, offset = compute_local_shape_and_global_offset(shard.shape, target, placements)
+    got = (tuple(shard.local.shape), tuple(shard.offset))
+    if got != (tuple(local_shape), tuple(offset)):
+        raise CheckpointMismatchError(
+            f"{where}: the sender's shard of the {tuple(shard.shape)} tensor placed {tuple(placements)} has shape "
+            f"{got[0]} at offset {got[1]}, this rank's part is {tuple(local_shape)} at {tuple(offset)} (heal rank i "
+            "from the healthy replica's rank i, on the same mesh); nothing was applied")
+    stride = torch.empty(shard.shape, device="meta").stride()
+    return DTensor.from_local(shard.local, target, placements, run_check=False, shape=torch.Size(shard.shape),
+                              stride=stride)
+
+
+def _place(node, mesh, where: str):
+    """``node`` with every received shard rebuilt as a DTensor on ``mesh`` (containers rebuilt
+    alike, other values as they are)."""
+    if isinstance(node, _Shard):
+        return _place_shard(node, mesh, where)
+    if isinstance(node, dict):
+        return type(node)((k, _place(v, mesh, f"{where}[{k!r}]")) for k, v in node.items())
+    if isinstance(node, (list, tuple)):
+        return type(node)(_place(v, mesh, f"{where}[{i}]") for i, v in enumerate(node))
+    return node
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -290,21 +424,27 @@ def _tensors(p: Parsed, pack: torch.Tensor, large: list[torch.Tensor]) -> list[t
 
 
 def decode_state(data: bytes, step: int, pack: torch.Tensor, large: list[torch.Tensor], large_crc: list[int],
-                 peer: str = "the sender"):
+                 peer: str = "the sender", mesh=None):
     """The state dict of a transfer (manifest, packed buffer, large tensors, their CRCs as sent):
-    every CRC is checked before the tree is rebuilt."""
+    every CRC is checked before the tree is rebuilt (DTensor shards on ``mesh``)."""
     parsed = parse_manifest(data, step)
     if pack.numel() != parsed.pack or [t.numel() for t in large] != parsed.nbytes[parsed.packed:].tolist():
         raise CheckpointCorruptError(f"heal from {peer}: the received buffers do not match the manifest")
     _check_crcs(_packed_crcs(parsed, pack) + [_crc(t) for t in large],
                 np.concatenate([parsed.crc.astype(np.int64), np.asarray(large_crc, np.int64)]), peer)
-    return _unpack_tree(parsed.tree, _tensors(parsed, pack, large))
+    return _unpack_tree(parsed.tree, _tensors(parsed, pack, large), mesh, peer)
 
 
-def _unpack_tree(tree: bytes, tensors: list[torch.Tensor]):
+def _unpack_tree(tree: bytes, tensors: list[torch.Tensor], mesh=None, peer: str = "the sender"):
+    """The state dict ``tree`` describes, DTensor shards checked and placed on ``mesh``."""
+    shards = []
+
     def hook(code: int, payload: bytes):
         if code == _TENSOR and len(payload) == _INDEX.size and _INDEX.unpack(payload)[0] < len(tensors):
             return tensors[_INDEX.unpack(payload)[0]]
+        if code == _SHARD:
+            shards.append(_shard(unpack(payload), tensors))
+            return shards[-1]
         if code == _TUPLE:
             return tuple(unpack(payload))
         if code == _ORDERED:
@@ -317,11 +457,12 @@ def _unpack_tree(tree: bytes, tensors: list[torch.Tensor]):
         return msgpack.unpackb(payload, ext_hook=hook, raw=False, strict_map_key=False, max_bin_len=len(payload))
 
     try:
-        return unpack(tree)
+        state = unpack(tree)
     except CheckpointError:
         raise
     except Exception as exc:
         _fail(f"tree does not decode ({exc})")
+    return _place(state, mesh, f"heal from {peer}: state") if shards else state
 
 
 # ===== the transport ==========================================================================
@@ -343,17 +484,22 @@ class GefenTransport(CheckpointTransport):
     """torchft ``CheckpointTransport`` over a process group (torchft's or a torch
     ``ProcessGroup``: anything with ``send`` / ``recv(tensors, rank, tag)``), on CPU tensors.
 
-    ``pack_bytes``: tensors up to this size travel in the one packed buffer.
+    ``pack_bytes``: tensors up to this size travel in the one packed buffer. ``mesh``: the
+    replica group's device mesh (FSDP2, tensor parallel), where received DTensor shards are
+    checked and rebuilt; its own ranks heal from the same ranks of the healthy group. ``timeout``
+    bounds a whole transfer, not each message.
     """
 
     #: Message tags of one transfer: header, manifest, packed buffer, the large tensors' CRC-32s
     #: (hashed while they are sent), then one per large tensor.
     HEADER_TAG, MANIFEST_TAG, PACKED_TAG, TRAILER_TAG, LARGE_TAG = 1000, 1001, 1002, 1003, 1004
 
-    def __init__(self, pg, timeout: timedelta = timedelta(seconds=60), *, pack_bytes: int = PACK_BYTES) -> None:
+    def __init__(self, pg, timeout: timedelta = timedelta(seconds=60), *, pack_bytes: int = PACK_BYTES,
+                 mesh=None) -> None:
         self._pg = pg
         self._timeout = timeout
         self._pack_bytes = pack_bytes
+        self._mesh = mesh
         self.last_send = HealStats()
         self.last_recv = HealStats()
 
@@ -366,20 +512,24 @@ class GefenTransport(CheckpointTransport):
     def shutdown(self, wait: bool = True) -> None:
         """Nothing to release: the process group belongs to the caller."""
 
-    def _wait(self, work, timeout: timedelta, what: str, peer: str) -> None:
-        seconds = _seconds(timeout)
+    def _wait(self, work, deadline: float, total: float, what: str, peer: str) -> None:
+        """Wait for ``work`` until ``deadline`` (monotonic): never with a zero timeout, which
+        gloo reads as none."""
+        left = max(1e-3, deadline - time.monotonic())
         try:
-            done = work.wait(timedelta(seconds=seconds))
+            done = work.wait(timedelta(seconds=left))
         except Exception as exc:
             text = str(exc)
             if "imeout" in text or "imed out" in text:
-                raise CheckpointTimeoutError(f"heal: {peer} did not complete the {what} within {seconds:g}s") from exc
+                raise CheckpointTimeoutError(f"heal: {peer} did not complete the {what} within {total:g}s") from exc
             raise CheckpointError(f"heal: the {what} with {peer} failed: {text.splitlines()[0] if text else exc!r}") from exc
         if done is False:
-            raise CheckpointTimeoutError(f"heal: {peer} did not complete the {what} within {seconds:g}s")
+            raise CheckpointTimeoutError(f"heal: {peer} did not complete the {what} within {total:g}s")
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict, timeout: timedelta) -> None:
         start = time.perf_counter()
+        total = _seconds(timeout)
+        deadline = time.monotonic() + total
         enc = encode_state(state_dict, step, pack_bytes=self._pack_bytes, hash_large=False)
         header = torch.tensor([MAGIC, VERSION, step, len(enc.manifest), checksum.update(0, enc.manifest)],
                               dtype=torch.int64)
@@ -396,38 +546,40 @@ class GefenTransport(CheckpointTransport):
             if trailer.numel():
                 works.append((self._pg.send([trailer], dst, self.TRAILER_TAG), self.TRAILER_TAG))
             for work, tag in works:
-                self._wait(work, timeout, f"send of message {tag - self.HEADER_TAG}", peer)
+                self._wait(work, deadline, total, f"send of message {tag - self.HEADER_TAG}", peer)
         sent = header.nbytes + enc.nbytes + 8 * len(enc.large_crc)
         self.last_send = HealStats(sent * len(dst_ranks), (3 + len(enc.large) + bool(enc.large)) * len(dst_ranks),
                                    enc.count, time.perf_counter() - start)
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
         start = time.perf_counter()
+        total = _seconds(timeout)
+        deadline = time.monotonic() + total
         peer = f"replica rank {src_rank}"
         if metadata != self.metadata():
             raise CheckpointError(f"heal: {peer} speaks {metadata!r}, this replica {self.metadata()!r}")
         header = torch.zeros(_HEADER, dtype=torch.int64)
-        self._wait(self._pg.recv([header], src_rank, self.HEADER_TAG), timeout, "header", peer)
+        self._wait(self._pg.recv([header], src_rank, self.HEADER_TAG), deadline, total, "header", peer)
         magic, version, sent_step, length, crc = header.tolist()
         if magic != MAGIC or version != VERSION or not 0 < length <= MAX_MANIFEST_BYTES:
             raise CheckpointCorruptError(f"heal from {peer}: bad header {header.tolist()}")
         if sent_step != step:
             raise CheckpointError(f"heal: {peer} sent step {sent_step}, this replica expects step {step}")
         manifest = torch.empty(length, dtype=torch.uint8)
-        self._wait(self._pg.recv([manifest], src_rank, self.MANIFEST_TAG), timeout, "manifest", peer)
+        self._wait(self._pg.recv([manifest], src_rank, self.MANIFEST_TAG), deadline, total, "manifest", peer)
         data = manifest.numpy().tobytes()
         if checksum.update(0, data) != crc:
             raise CheckpointCorruptError(f"heal from {peer}: the manifest failed its CRC-32; nothing was applied")
         parsed = parse_manifest(data, step)
-        pack, large, got, want = self._receive(parsed, src_rank, timeout, peer)
+        pack, large, got, want = self._receive(parsed, src_rank, deadline, total, peer)
         # every message is in: a bad piece leaves the process group clean for the Manager's retry
         _check_crcs(got, want, peer)
-        state = _unpack_tree(parsed.tree, _tensors(parsed, pack, large))
+        state = _unpack_tree(parsed.tree, _tensors(parsed, pack, large), self._mesh, peer)
         self.last_recv = HealStats(header.nbytes + length + parsed.pack + sum(t.numel() for t in large) + 8 * len(large),
                                    3 + len(large) + bool(large), len(parsed.dtypes), time.perf_counter() - start)
         return state
 
-    def _receive(self, parsed: Parsed, src: int, timeout: timedelta, peer: str):
+    def _receive(self, parsed: Parsed, src: int, deadline: float, total: float, peer: str):
         """The packed buffer and the large tensors, each hashed as soon as it is in (while the
         next arrives); returns them, their hashes and the sender's."""
         pack = torch.empty(parsed.pack, dtype=torch.uint8)
@@ -437,11 +589,11 @@ class GefenTransport(CheckpointTransport):
         work_large = [self._pg.recv([t], src, self.LARGE_TAG + k) for k, t in enumerate(large)]
         work_trailer = self._pg.recv([trailer], src, self.TRAILER_TAG) if large else None
         if work_pack is not None:
-            self._wait(work_pack, timeout, "packed buffer", peer)
+            self._wait(work_pack, deadline, total, "packed buffer", peer)
         got = _packed_crcs(parsed, pack)
         for k, (work, t) in enumerate(zip(work_large, large)):
-            self._wait(work, timeout, f"large tensor {k}", peer)
+            self._wait(work, deadline, total, f"large tensor {k}", peer)
             got.append(_crc(t))
         if work_trailer is not None:
-            self._wait(work_trailer, timeout, "checksum trailer", peer)
+            self._wait(work_trailer, deadline, total, "checksum trailer", peer)
         return pack, large, got, np.concatenate([parsed.crc.astype(np.int64), trailer.numpy()])

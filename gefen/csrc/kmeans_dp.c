@@ -14,8 +14,7 @@
  * the pinned -1 prefix), so the leftmost argmin a_t(j) is monotone in j, which lets divide
  * and conquer solve a layer in O(n log n) instead of O(n^2), and a_{t-1}(j) <= a_t(j),
  * which prunes each scan from below (2.2x fewer evaluations for 4096 bins x 256 codes).
- * Ties go to the smaller split index everywhere.  The numpy fallback walks the same
- * recursion tree and evaluates the identical expression, so both return identical cuts.
+ * Ties go to the smaller split index everywhere.
  *
  * Output: cuts[0..m] with prefix = [0, cuts[0]), free segment t = [cuts[t], cuts[t+1]),
  * suffix = [cuts[m], n).  Requires n >= m >= 0.  threads: how many OpenMP threads a layer may

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import msgpack
 
+from gefen.replicas import chunk_rows, nested_chunk
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.records import DECODING, PieceRecord, TensorShape, pieces_overlapping, tensor_key
@@ -32,23 +33,14 @@ _KINDS = ("chunk",)
 MAX_WORLD_SIZE = 2**20
 
 
-def chunk_rows(rows: int, parts: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s rows ``[start, stop)`` when ``torch.chunk`` (and so FSDP2 ``Shard(0)``) splits
-    ``rows`` over ``parts`` ranks: ``ceil(rows/parts)`` each, trailing ranks possibly short or empty.
-    The one home of the split rule (torch-free: readers of a manifest need it)."""
-    if parts < 1 or rows < 0:
-        raise ValueError(f"cannot split {rows} rows over {parts} parts")
-    size = -(-rows // parts)
-    start = min(rank * size, rows)
-    return start, min(start + size, rows)
-
-
 @dataclass(frozen=True)
 class Rule:
-    """Rows ``torch.chunk``-split over ``parts``; part ``i`` held by writer ``writers[i]``."""
+    """Rows ``torch.chunk``-split over ``parts``, each part split again over ``sub`` (replicas
+    sharing a shard's rows); sub-part ``j`` of part ``i`` held by writer ``writers[i * sub + j]``."""
 
     parts: int
     writers: tuple[int, ...]
+    sub: int = 1
 
     def __post_init__(self):
         positions: dict[int, list[int]] = {}
@@ -58,19 +50,27 @@ class Rule:
         object.__setattr__(self, "_parts", {})  # (rows, writer) -> parts_of: tensors share row counts
 
     def writers_in(self, rows: int, start: int, stop: int) -> set[int]:
-        """The writers of the non-empty parts overlapping rows ``[start, stop)`` (one slice: a
-        whole tensor split over 16,384 parts is not 16,384 part computations)."""
+        """The writers of the non-empty parts overlapping rows ``[start, stop)`` (one slice of the
+        outer parts: a whole tensor split over 16,384 parts is not 16,384 part computations)."""
         size = -(-rows // self.parts) if rows else 1
-        last = min(self.parts, -(-stop // size), -(-rows // size))
-        return set(self.writers[start // size:last])
+        first, last = start // size, min(self.parts, -(-stop // size), -(-rows // size))
+        if self.sub == 1:
+            return set(self.writers[first:last])
+        out: set[int] = set()
+        for i in range(first, last):
+            a, b = chunk_rows(rows, self.parts, i)
+            step = -(-(b - a) // self.sub)
+            lo, hi = (max(start, a) - a) // step, min(self.sub, -(-(min(stop, b) - a) // step))
+            out.update(self.writers[i * self.sub + lo:i * self.sub + hi])
+        return out
 
     def parts_of(self, rows: int, writer: int) -> list[tuple[int, int]]:
         cached = self._parts.get((rows, writer))
         if cached is not None:
             return cached
         out = []
-        for i in self._positions.get(writer, ()):
-            a, b = chunk_rows(rows, self.parts, i)
+        for k in self._positions.get(writer, ()):
+            a, b = nested_chunk(rows, self.parts, self.sub, k)
             if a < b:
                 out.append((a, b))
         if len(self._parts) < 2**16:
@@ -102,17 +102,19 @@ def parse_rules(x, writers: int) -> list[Rule]:
     for i, r in enumerate(x):
         path = f"rules[{i}]"
         if not isinstance(r, dict) or not {"kind", "parts", "writers"} <= r.keys():
-            _fail(path, "expected a map with kind, parts and writers")
+            _fail(path, "expected a map with kind, parts and writers (and optionally sub)")
         if r["kind"] not in _KINDS:
             _fail(f"{path}.kind", f"unknown rule {r['kind']!r} (this gefen_ckpt knows {list(_KINDS)})"[:300])
-        parts, ws = r["parts"], r["writers"]
-        if type(parts) is not int or not 1 <= parts <= 2**31:
-            _fail(f"{path}.parts", f"expected a positive integer, got {parts!r}"[:200])
-        if not isinstance(ws, list) or len(ws) != parts:
-            _fail(f"{path}.writers", f"expected {parts} writer indexes, one per part (the rule does not tile the rows)")
+        parts, ws, sub = r["parts"], r["writers"], r.get("sub", 1)
+        for key, value in (("parts", parts), ("sub", sub)):
+            if type(value) is not int or not 1 <= value <= 2**31:
+                _fail(f"{path}.{key}", f"expected a positive integer, got {value!r}"[:200])
+        if not isinstance(ws, list) or len(ws) != parts * sub:
+            _fail(f"{path}.writers", f"expected {parts * sub} writer indexes, one per part and sub-part (the rule "
+                                     "does not tile the rows)")
         if not all(type(w) is int and 0 <= w < writers for w in ws):
             _fail(f"{path}.writers", f"writer indexes must lie in [0, {writers})")
-        out.append(Rule(parts, tuple(ws)))
+        out.append(Rule(parts, tuple(ws), sub))
     return out
 
 

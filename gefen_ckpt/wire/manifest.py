@@ -624,14 +624,19 @@ def _writers_plain(x: list) -> bool:
 
 def build_v2(state: CanonicalState, splits: dict, writers: Sequence, *, layout: str, world_size: int) -> dict:
     """The 2.0 manifest of ``state``: ``splits`` maps each tensor key (fqn or None, field) to
-    ``(parts, writers)`` (a rule) or a list of ``(start, stop, writer)`` (explicit parts);
-    ``writers`` are the ``index.WriterPin`` s. Equal rules are stored once."""
+    ``(parts, writers)`` or ``(parts, writers, sub)`` (a rule) or a list of ``(start, stop, writer)``
+    (explicit parts); ``writers`` are the ``index.WriterPin`` s. A rule whose writer tuple is the
+    same object is stored once (a plan shares them: no 16,384-entry tuple is hashed per tensor)."""
     rules: dict[tuple, int] = {}
+    kept: list[tuple] = []
 
     def split(key) -> int | list:
         s = splits[key]
-        if isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], tuple):
-            return rules.setdefault(s, len(rules))
+        if isinstance(s, tuple) and len(s) in (2, 3) and isinstance(s[1], tuple):
+            if (index := rules.get((s[0], id(s[1]), s[2:]))) is None:
+                index = rules[(s[0], id(s[1]), s[2:])] = len(kept)
+                kept.append((s[0], s[1], s[2] if len(s) == 3 else 1))
+            return index
         return [list(p) for p in s]
 
     def tensor(key, source) -> dict:
@@ -642,7 +647,8 @@ def build_v2(state: CanonicalState, splits: dict, writers: Sequence, *, layout: 
               for fqn, e in _params_in_order(state)}
     return _document(state, [2, 0], layout, world_size,  # rules: filled in by the tensors above
                      {"writers": [w.to_raw() for w in writers],
-                      "rules": [{"kind": "chunk", "parts": p, "writers": list(ws)} for (p, ws) in rules]},
+                      "rules": [{"kind": "chunk", "parts": p, "writers": list(ws), **({"sub": sub} if sub > 1 else {})}
+                                for p, ws, sub in kept]},
                      globals_, params)
 
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from gefen_ckpt import native
+from gefen_ckpt import iostats, native
 from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.storage import READ_CHUNK, LocalReader, Prefetch, RangeReader, Store
@@ -212,6 +212,7 @@ class MappedFiles:
             with _reading(self.store, piece.file) as reader:
                 mapping = self._maps[piece.file] = reader.map_private()
         if (piece.file, piece.offset) not in self._verified:
+            iostats.count(bytes_read=piece.nbytes, requests=1)  # the checksum pages the piece in
             data = np.frombuffer(mapping, np.uint8)
             check_length(self.store, t, piece, max(0, min(piece.nbytes, data.nbytes - piece.offset)))
             check_checksum(self.store, t, piece, checksum.of_ranges(data, [piece.offset], [piece.nbytes])[0])
@@ -338,6 +339,7 @@ def _stage_mapped(store: Store, manifest: Manifest, by_file: dict, on_bytes: Cal
         for batch in _groups(entries, HASH_BATCH_BYTES):
             wait(path, batch[-1][0].offset + batch[-1][0].nbytes)
             crcs = checksum.of_ranges(data, [piece.offset for piece, _, _ in batch], [piece.nbytes for piece, _, _ in batch])
+            iostats.count(bytes_read=sum(piece.nbytes for piece, _, _ in batch), requests=1)
             for (piece, t, _), crc in zip(batch, crcs):
                 check_checksum(store, t, piece, crc)
             on_bytes(sum(piece.nbytes for piece, _, _ in batch))

@@ -19,8 +19,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from gefen.replicas import chunk_rows
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, TensorSource
-from gefen_ckpt.placement import chunk_rows
 from gefen_ckpt.storage import Store, Writer
 from gefen_ckpt.wire import bulk, checksum, datafile
 from gefen_ckpt.wire import manifest as mf

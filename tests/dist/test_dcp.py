@@ -535,57 +535,6 @@ def test_optimizer_built_from_bare_tensors_takes_names_from_the_model(tmp_path):
     assert_same(canonical_tensors_of(opt, model), canonical_tensors_of(fresh, model), "bare tensors")
 
 
-def write_description_layout(state, path, key: str = "optim") -> None:
-    """A DCP checkpoint in the description layout (``gefen_ckpt.dcp_legacy``), written here byte
-    for byte as its documentation says, so the reader is tested against the layout, not itself."""
-    import msgpack
-
-    from gefen_ckpt.dcp import write_sources
-
-    body = msgpack.packb({
-        "format": "gefen-dcp", "format_version": 1, "schema_version": state.contract.schema_version,
-        "contract": state.contract.to_dict(), "param_groups": state.param_groups,
-        "params": [[fqn, list(e.shape), str(e.dtype).removeprefix("torch."), e.child, True]
-                   for fqn, e in state.params.items()]}, use_bin_type=True)
-    blob = bytearray(-(-(16 + len(body)) // 4096) * 4096)
-    blob[:16] = b"GEFNDCP\x01" + len(body).to_bytes(8, "little")
-    blob[16:16 + len(body)] = body
-    sources = {f"{key}.__gefen__": EagerSource(torch.frombuffer(blob, dtype=torch.uint8).clone())}
-    sources.update({f"{key}.__global__/{k}": src for k, src in state.global_fields.items()})
-    sources.update({f"{key}.{fqn}/{name}": src for fqn, e in state.params.items() for name, src in e.fields.items()})
-    write_sources(path, sources, {}, {k: (key, k[len(key) + 1:]) for k in sources}, chunk_bytes=64)
-
-
-@pytest.mark.parametrize("kind", ["gefen", "hybrid"])
-def test_description_layout_is_read_and_converted_to_the_stock_layout(tmp_path, kind):
-    from gefen_ckpt.checkpoints import convert_checkpoint
-
-    model, opt = _trained(kind)
-    write_description_layout(export_canonical(opt), tmp_path / "old")
-    state = read_dcp(tmp_path / "old")
-    assert state.contract == contract_of(opt)
-    got = {f"{fqn}/{k}": s.read() for fqn, e in state.params.items() for k, s in e.fields.items()}
-    got.update({"__global__/" + k: s.read() for k, s in state.global_fields.items()})
-    assert_same(canonical_tensors(opt), got, "description layout")
-    # GefenDCPState loads only the stock layout, and says how to convert
-    fresh = make_opt(kind, model.named_parameters())
-    with pytest.raises(CheckpointException) as info:
-        dcp.load({"optim": GefenDCPState(fresh)}, checkpoint_id=tmp_path / "old", planner=GefenLoadPlanner())
-    (inner, _), = info.value.failures.values()
-    assert "gefen-ckpt convert" in str(inner) and not fresh.state
-    convert_checkpoint(str(tmp_path / "old"), str(tmp_path / "new"), to="dcp")
-    dcp.load({"optim": GefenDCPState(fresh)}, checkpoint_id=tmp_path / "new", planner=GefenLoadPlanner())
-    assert_same(canonical_tensors(opt), canonical_tensors(fresh), "converted")
-    # a damaged description: a format error, never a crash
-    data = next(f for f in (tmp_path / "old").iterdir() if f.suffix == ".distcp")
-    raw = bytearray(data.read_bytes())
-    at = raw.find(b"GEFNDCP")
-    raw[at:at + 7] = b"XXXXXXX"
-    data.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointFormatError):
-        read_dcp(tmp_path / "old")
-
-
 def test_one_layout_for_gefen_dcp_state_and_torchs_api(tmp_path):
     """What GefenDCPState saves, torch's set_state_dict resumes from, and the reverse."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -625,6 +574,19 @@ def test_dcp_metadata_is_unpickled_with_an_allowlist(tmp_path):
     with pytest.raises(CheckpointFormatError, match="refuses"):
         read_dcp(tmp_path)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_garbage_record_is_a_format_error(tmp_path):
+    """The record (msgpack in DCP's planner data) is untrusted bytes: garbage is a format error."""
+    from gefen_ckpt.dcp import PLANNER_DATA_KEY
+
+    _, opt = _trained("gefen")
+    dcp.save({"optim": GefenDCPState(opt)}, checkpoint_id=tmp_path, planner=GefenSavePlanner())
+    metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+    metadata.planner_data[PLANNER_DATA_KEY]["optim"] = b"\xc1 not msgpack"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointFormatError, match="planner record of 'optim' is not valid msgpack"):
+        read_dcp(tmp_path)
 
 
 # ----- distributed ------------------------------------------------------------------------------

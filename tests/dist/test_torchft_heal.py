@@ -8,8 +8,10 @@ mid-run heals and ends bit-identical; a corrupted heal is refused and the Manage
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import OrderedDict
 from datetime import timedelta
@@ -108,6 +110,99 @@ def test_heal_is_bit_exact(kind):
     # negative control: the rejoining replica did start elsewhere
     assert any(not torch.equal(healed["before"][k], healthy["after"]["params"][k]) for k in healed["before"])
     assert healed["received"] == healthy["sent"] > 0
+
+
+def _sharded(kind: str, seed: int, mesh):
+    """The test model, FSDP2-sharded (each layer and the root) over ``mesh``, and its optimizer."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed, bias=kind != "muon")
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, _optimizer(kind, model)
+
+
+def _local(state: dict) -> dict:
+    return {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in state.items()}
+
+
+def _fsdp_snapshot(model, opt) -> dict:
+    return {"params": _local(model.state_dict()), "groups": opt.state_dict()["param_groups"],
+            "tensors": _local({f"{i}.{k}": v for i, s in opt.state_dict()["state"].items() for k, v in s.items()
+                               if isinstance(v, torch.Tensor)})}
+
+
+def _fsdp_heal(rank: int, world_size: int, kind: str) -> dict:
+    """Two replica groups of two ranks, each FSDP2 over its own ranks: replica 1 (ranks 2, 3)
+    starts elsewhere and heals from replica 0, rank i from rank i, over the replicate dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
+    replica = mesh.get_coordinate()[0]
+    model, opt = _sharded(kind, replica, mesh["shard"])
+    transport = GefenTransport(mesh["replica"].get_group(), TIMEOUT, mesh=mesh["shard"])
+    before = None
+    if replica == 0:
+        _steps(model, opt, 0, HEAL_AT)
+        transport.send_checkpoint([1], HEAL_AT, _manager_state(model, opt, HEAL_AT), TIMEOUT)
+    else:
+        before = _local(model.state_dict())
+        got = transport.recv_checkpoint(0, transport.metadata(), HEAL_AT, TIMEOUT)
+        user = got["user"]["default"]
+        assert all(isinstance(v, DTensor) for v in user["model"].values())
+        model.load_state_dict(user["model"])
+        opt.load_state_dict(user["optim"])
+    _steps(model, opt, HEAL_AT, AFTER)
+    return {"after": _fsdp_snapshot(model, opt), "before": before, "sent": transport.last_send.bytes,
+            "received": transport.last_recv.bytes}
+
+
+@pytest.mark.parametrize("kind", ["m4v4", "m8", "muon", "hybrid"])
+def test_heal_fsdp2_replica_group_is_bit_exact(kind):
+    out = run(_fsdp_heal, 4, kind, timeout=180)
+    for shard in (0, 1):  # ranks 0, 1 healthy; 2, 3 healed
+        healthy, healed = out[shard], out[2 + shard]
+        _assert_equal(healed["after"]["params"], healthy["after"]["params"])
+        _assert_equal(healed["after"]["tensors"], healthy["after"]["tensors"])
+        assert healed["after"]["groups"] == healthy["after"]["groups"]
+        assert any(not torch.equal(healed["before"][k], healthy["after"]["params"][k]) for k in healed["before"])
+        assert healed["received"] == healthy["sent"] > 0
+
+
+def _fsdp_misplaced(rank: int, world_size: int) -> list[str] | None:
+    """Shards that are not this rank's part are refused, naming the tensor, before anything is
+    returned: rank 1's shards sent to the joining replica's rank 0, and a receiver without a mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
+    cross = dist.new_group([1, 2])  # healthy shard 1 -> joining shard 0
+    model, opt = _sharded("m4v4", 0, mesh["shard"])
+    _steps(model, opt, 0, 1)
+    state = _manager_state(model, opt, 1)
+    if rank == 1:
+        transport = GefenTransport(cross, TIMEOUT, mesh=mesh["shard"])
+        transport.send_checkpoint([1], 1, state, TIMEOUT)
+        transport.send_checkpoint([1], 1, state, TIMEOUT)
+    if rank != 2:
+        return None
+    out = []
+    for kept_mesh in (mesh["shard"], None):
+        transport = GefenTransport(cross, TIMEOUT, mesh=kept_mesh)
+        try:
+            transport.recv_checkpoint(0, transport.metadata(), 1, TIMEOUT)
+            out.append("applied")
+        except Exception as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def test_heal_refuses_shards_that_are_not_this_ranks_part():
+    errors = run(_fsdp_misplaced, 4, timeout=180)[2]
+    assert all(e.startswith("CheckpointMismatchError") and "replica rank 0" in e for e in errors), errors
+    assert "offset" in errors[0] and "['user']['default']['model']['0.weight']" in errors[0], errors[0]
+    assert "mesh=" in errors[1], errors[1]
 
 
 def test_shared_codebooks_sent_once_and_values_round_trip():
@@ -218,6 +313,100 @@ def _stall(rank: int, world_size: int) -> str:
 def test_stalled_sender_is_named():
     _, message = run(_stall, 2, timeout=60)
     assert "replica rank 0" in message and "within 1s" in message, message
+
+
+class _Hold:
+    """A sender's process group that sends the first ``sent`` messages of a transfer, then stalls."""
+
+    def __init__(self, pg, sent: int) -> None:
+        self.pg, self.sent = pg, sent
+
+    def send(self, tensors, dst, tag):
+        if self.sent == 0:
+            return _Done()
+        self.sent -= 1
+        return self.pg.send(tensors, dst, tag)
+
+
+class _Done:
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+def _mid_transfer_state() -> tuple:
+    model = _model(0)
+    opt = _optimizer("m8", model)
+    _steps(model, opt, 0, 1)
+    return model, opt, {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def _receive_or_refuse(timeout: float) -> dict:
+    """The joining replica's side, as the Manager uses it: load only a state that arrived."""
+    model = _model(1)
+    opt = _optimizer("m8", model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    transport = GefenTransport(dist.distributed_c10d._get_default_group(), timedelta(seconds=timeout), pack_bytes=256)
+    start = time.monotonic()
+    try:
+        got = transport.recv_checkpoint(0, transport.metadata(), 1, timedelta(seconds=timeout))
+        model.load_state_dict(got["model"])
+        opt.load_state_dict(got["optim"])
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    unchanged = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    return {"error": error, "seconds": time.monotonic() - start, "unchanged": unchanged}
+
+
+def _stall_mid_transfer(rank: int, world_size: int):
+    if rank == 1:
+        return _receive_or_refuse(timeout=2)
+    *_, state = _mid_transfer_state()
+    transport = GefenTransport(_Hold(dist.distributed_c10d._get_default_group(), sent=4), timedelta(seconds=2),
+                               pack_bytes=256)
+    transport.send_checkpoint([1], 1, state, timedelta(seconds=2))  # header, manifest, packed, 1st large
+    time.sleep(5)  # alive, but the rest never comes
+    return None
+
+
+def test_sender_stalling_mid_transfer_is_named_within_the_timeout():
+    got = run(_stall_mid_transfer, 2, timeout=60)[1]
+    assert got["error"].startswith(CheckpointTimeoutError.__name__), got
+    assert "replica rank 0" in got["error"] and "large tensor 1" in got["error"] and "within 2s" in got["error"], got
+    assert got["seconds"] < 4 and got["unchanged"], got
+
+
+def _die_mid_transfer(rank: int, world_size: int):
+    if rank == 1:
+        return _receive_or_refuse(timeout=30)
+    *_, state = _mid_transfer_state()
+    pg = dist.distributed_c10d._get_default_group()
+    transport = GefenTransport(_Hold(pg, sent=4), timedelta(seconds=5), pack_bytes=256)
+    transport.send_checkpoint([1], 1, state, timedelta(seconds=5))
+    time.sleep(0.5)
+    os._exit(3)  # the healthy replica's process dies mid-transfer
+
+
+def test_sender_dying_mid_transfer_is_named_without_a_hang():
+    """The receiver's wait ends as soon as the connection drops, long before its 30 s timeout."""
+    from distributed import _result, _start
+
+    with tempfile.TemporaryDirectory() as workdir:
+        procs = _start(2, workdir, _die_mid_transfer, (), None)
+        try:
+            for p in procs:
+                p.join(60)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        assert procs[0].exitcode == 3
+        got = _result(workdir, 1, {})
+    assert got is not None and "ok" in got, got
+    got = got["ok"]
+    assert got["error"].startswith("CheckpointError") and "replica rank 0" in got["error"], got
+    assert got["seconds"] < 15 and got["unchanged"], got
 
 
 @pytest.mark.parametrize("args", [["--optimizer", "gefen"], ["--optimizer", "m8"], ["--optimizer", "muon"],

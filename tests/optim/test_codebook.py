@@ -1,4 +1,4 @@
-"""gefen.codebook: exact pinned k-means (native and numpy), nearest code, histogram."""
+"""gefen.codebook: exact pinned k-means (the C solver), nearest code, histogram."""
 
 import math
 import statistics
@@ -10,17 +10,6 @@ import pytest
 import torch
 
 import gefen.codebook as cb
-
-
-@pytest.fixture(params=["native", "numpy"])
-def backend(request, monkeypatch):
-    """Run a test once with the C solver and once with the numpy fallback."""
-    if request.param == "native":
-        assert cb._native is not None, "gefen._kmeans_dp is not built: run `pip install -e .`"
-    else:
-        monkeypatch.setattr(cb, "_native", None)
-        monkeypatch.setattr(cb, "_warned_fallback", True)
-    return request.param
 
 
 def bin_centres(num_bins):
@@ -87,7 +76,7 @@ def check_codebook(book, k):
     assert k <= 2 or (book == 0).sum().item() == 1
 
 
-def test_solve_matches_brute_force(backend):
+def test_solve_matches_brute_force():
     rng = np.random.default_rng(0)
     for _ in range(40):
         num_bins, k = int(rng.integers(8, 65)), int(rng.integers(4, 17))
@@ -102,24 +91,6 @@ def test_solve_matches_brute_force(backend):
         cost, ref = brute_force(counts, k)
         assert induced_cost(counts, optimal) == pytest.approx(cost, rel=1e-9, abs=1e-12)
         np.testing.assert_allclose(optimal.numpy(), ref, rtol=0, atol=1e-6)
-
-
-def test_backends_are_bit_identical(monkeypatch):
-    """Native and fallback scan the same candidates, so the codebook cannot depend on the build."""
-    rng = np.random.default_rng(1)
-    x = bin_centres(4096)
-    cases = [(torch.from_numpy(random_counts(rng, 512)), 32) for _ in range(5)]
-    cases.append((torch.from_numpy(np.round(1e5 * np.exp(-(x**2) / 0.08)).astype(np.int64) + 1), 256))
-    native = [cb.solve_codebook(c, k) for c, k in cases]
-    monkeypatch.setattr(cb, "_native", None)
-    monkeypatch.setattr(cb, "_warned_fallback", True)
-    start = time.perf_counter()
-    fallback = [cb.solve_codebook(c, k) for c, k in cases]
-    print(
-        f"numpy fallback, 5 x (512 bins, 32 codes) + (4096 bins, 256 codes): {time.perf_counter() - start:.3f} s"
-    )
-    for a, b in zip(native, fallback):
-        assert torch.equal(a, b)
 
 
 def test_native_solver_does_not_depend_on_the_thread_count():
@@ -147,16 +118,14 @@ def test_native_solver_does_not_depend_on_the_thread_count():
     assert len({tuple(b.tolist()) for b in books[0]}) == len(cases)  # the cases differ
 
 
-def test_fallback_warns_once(monkeypatch):
+def test_unbuilt_solver_says_how_to_build(monkeypatch):
+    """The DP has one implementation, the C library: without it a solve names the fix."""
     monkeypatch.setattr(cb, "_native", None)
-    monkeypatch.setattr(cb, "_warned_fallback", False)
-    counts = torch.arange(64)
-    with pytest.warns(RuntimeWarning, match="_kmeans_dp is not built"):
-        cb.solve_codebook(counts, 8)
-    cb.solve_codebook(counts, 8)  # no second warning (filterwarnings=error would raise)
+    with pytest.raises(RuntimeError, match="_kmeans_dp is not built.*pip install"):
+        cb.solve_codebook(torch.arange(64), 8)
 
 
-def test_padding_with_few_active_bins(backend):
+def test_padding_with_few_active_bins():
     counts = torch.zeros(16, dtype=torch.int64)
     counts[[3, 9]] = torch.tensor([5, 7])
     book = cb.solve_codebook(counts, 8)
@@ -186,7 +155,7 @@ def test_exact_zero_keeps_the_book_sorted_and_moves_one_centre():
         assert len(moved) <= 1 and (len(moved) == 0 or abs(book[moved[0]]) == np.abs(inner).min())
 
 
-def test_two_codes_are_just_the_ends(backend):
+def test_two_codes_are_just_the_ends():
     assert torch.equal(cb.solve_codebook(torch.arange(32), 2), torch.tensor([-1.0, 1.0]))
 
 

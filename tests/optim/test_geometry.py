@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gefen import Gefen
-from gefen.geometry import as_blocks, block_shape, is_valid_period, rows_and_row_numel, shape_period
+from gefen.geometry import as_blocks, block_shape, rows_and_row_numel, shape_period, shape_problem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,15 +35,71 @@ def planted(shape, period, seed, noise="normal"):
 def test_shape_period_is_one_block_per_row(shape, period):
     """>= 2-D tensors: one block per row; 1-D/0-D tensors and empty rows: per-element state."""
     assert shape_period(shape) == period
-    assert is_valid_period(shape, period)
+    assert shape_problem("block", shape, block_shape(shape, period)) is None
 
 
-@pytest.mark.parametrize("shape,period,valid", [((6, 12), 4, True), ((6, 12), 5, False), ((6, 12), 0, False),
-                                                ((6, 12), -4, False), ((9,), 3, False), ((9,), 1, True),
-                                                ((5, 0), 2, False)])
-def test_valid_periods_divide_the_row(shape, period, valid):
-    """A checkpoint may carry any block length that divides the rows (older state did)."""
-    assert is_valid_period(shape, period) == valid
+@pytest.mark.parametrize("shape,blocks", [((6, 12), 3), ((6, 12), 12), ((6, 4, 3), 4), ((9,), 3), ((5, 0), 2)])
+def test_block_fields_of_another_block_length_are_refused(shape, blocks):
+    """A block field has the shape's one block length (``shape_period``): any other block count is
+    refused, even one that divides the row."""
+    assert "not a valid block shape" in shape_problem("block", shape, (shape[0], blocks))
+
+
+def _m8_state_with_period_4():
+    """A trained m8 optimizer on a (6, 12) weight and its state_dict re-cut into blocks of 4."""
+    w = torch.nn.Parameter(torch.randn(6, 12, generator=torch.Generator().manual_seed(0)))
+    opt = Gefen([("w", w)], moments="m8")
+    w.grad = planted((6, 12), 4, 1)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0] = {**sd["state"][0], "period": torch.tensor(4), "m_scale": torch.ones(6, 3)}
+    return w, opt, sd
+
+
+def test_state_with_another_period_is_refused_before_the_load_changes_anything():
+    w, opt, sd = _m8_state_with_period_4()
+    before = {k: v.clone() for k, v in opt.state[w].items()}
+    with pytest.raises(ValueError, match="period 4 is not the block length of shape .6, 12. .12"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(opt.state[w][k], v) for k, v in before.items())
+    fresh = Gefen([("w", torch.nn.Parameter(w.detach().clone()))], moments="m8")
+    with pytest.raises(ValueError, match="period 4"):
+        fresh.load_state_dict(sd)
+    assert not fresh.state and fresh.codebook is None
+
+
+def test_checkpoint_with_another_period_is_refused_before_the_load_changes_anything():
+    """gefen_ckpt checks the block field's shape against the live parameter before reading it."""
+    import dataclasses
+
+    import gefen_ckpt
+
+    w, opt, _ = _m8_state_with_period_4()
+    state = gefen_ckpt.export_canonical(opt)
+    entry = state.params["w"]
+    old = {**entry.fields, "period": gefen_ckpt.EagerSource(torch.tensor(4)),
+           "m_scale": gefen_ckpt.EagerSource(torch.ones(6, 3))}
+    state.params["w"] = dataclasses.replace(entry, fields=old)
+    fresh = Gefen([("w", torch.nn.Parameter(w.detach().clone()))], moments="m8")
+    with pytest.raises(gefen_ckpt.CheckpointMismatchError, match="m_scale: .*not a valid block shape"):
+        gefen_ckpt.import_canonical(fresh, state)
+    assert not fresh.state and fresh.codebook is None
+
+
+def test_empty_rows_state_round_trips_through_a_checkpoint(tmp_path):
+    """A parameter with empty rows has P = 1 and [rows, 0] block fields, which a checkpoint takes."""
+    import gefen_ckpt
+
+    e, w = torch.nn.Parameter(torch.zeros(4, 0)), torch.nn.Parameter(torch.randn(3, 5))
+    opt = Gefen([("e", e), ("w", w)], moments="m8")
+    e.grad, w.grad = torch.zeros(4, 0), torch.randn(3, 5)
+    opt.step()
+    gefen_ckpt.save(opt, str(tmp_path / "c"))
+    e2, w2 = torch.nn.Parameter(torch.zeros(4, 0)), torch.nn.Parameter(w.detach().clone())
+    fresh = Gefen([("e", e2), ("w", w2)], moments="m8")
+    gefen_ckpt.load(fresh, str(tmp_path / "c"))
+    assert fresh.state[e2]["m_scale"].shape == (4, 0) and int(fresh.state[e2]["period"]) == 1
+    assert torch.equal(fresh.state[w2]["m_code"], opt.state[w]["m_code"])
 
 
 def test_the_optimizer_allocates_state_from_the_shape_alone():
@@ -113,12 +169,12 @@ def test_the_geometry_module_is_torch_free_and_owns_the_field_shapes():
     code = "import sys, gefen.geometry, gefen.contract; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
     from gefen.contract import GEOMETRIES, FieldSpec
-    from gefen.geometry import field_local_shape, period_of_blocks, shape_problem
+    from gefen.geometry import field_local_shape, period_of_blocks
 
     assert set(GEOMETRIES) == {"scalar", "param", "block", "row", "col", "global"}
-    assert shape_problem("block", (6, 4, 3), (6, 3)) is None and period_of_blocks((6, 4, 3), 3) == 4
-    assert "not a valid block shape" in shape_problem("block", (6, 12), (6, 5))
+    assert shape_problem("block", (6, 4, 3), (6, 1)) is None and period_of_blocks((6, 4, 3), 1) == 12
+    assert "not a valid block shape" in shape_problem("block", (6, 12), (6, 3))
     assert shape_problem("col", (6, 4, 3), (12,)) is None and shape_problem("row", (6, 4), (4,))
     assert field_local_shape("row", (2, 12), (6, 12), 12) == (2,)
     assert field_local_shape("col", (6, 5), (6, 10), 10) == (5,)  # columns split (Shard(1))
-    assert FieldSpec("v", "float32", "block").check_shape((6, 12), (6, 3)) is None
+    assert FieldSpec("v", "float32", "block").check_shape((6, 12), (6, 1)) is None

@@ -344,94 +344,34 @@ def test_normuon_state_does_not_load_into_plain_muon():
     assert not plain.state and plain.codebook is None
 
 
-# ----- state saved under the legacy hyperparameter names ---------------------------------------
-LEGACY_CONTRACT_HYPER = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_schedule", "normuon", "beta2",
-                         "eps", "adjust_lr")
-
-
-def _legacy_group(group: dict) -> dict:
-    """A group as GefenMuon's first layout saved it: adjust_lr, ns_schedule, NorMuon's eps, no seed."""
-    old = {k: v for k, v in group.items()
-           if k not in ("adjust_lr_fn", "ns_coefficients", "eps", "normuon_eps", "seed", "bf16_stochastic_round")}
-    return old | {"adjust_lr": group["adjust_lr_fn"], "ns_schedule": "standard", "eps": group["normuon_eps"]}
-
-
-def _legacy_run(steps: int, p, opt, gen_seed: int = 11):
-    gen = torch.Generator().manual_seed(gen_seed)
-    for _ in range(steps):
-        p.grad = torch.randn(p.shape, generator=gen)
-        opt.step()
-
-
-@pytest.mark.parametrize("normuon", [False, True])
-def test_legacy_state_dict_loads_and_resumes_bitwise(normuon):
-    """A state_dict with the legacy names loads with their meaning: adjust_lr -> adjust_lr_fn,
-    ns_schedule "standard" -> the one (a, b, c), NorMuon's eps -> normuon_eps."""
-    kw = dict(lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw", normuon=normuon, normuon_eps=1e-6)
-    w0 = torch.randn(24, 40, generator=torch.Generator().manual_seed(5))
-    p, q = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
-    straight, first = GefenMuon([("w", p)], **kw), GefenMuon([("w", q)], **kw)
-    _legacy_run(4, p, straight)
-    _legacy_run(2, q, first)
-    sd = first.state_dict()
-    sd["param_groups"] = [_legacy_group(g) for g in sd["param_groups"]]
-    r = torch.nn.Parameter(q.detach().clone())
-    resumed = GefenMuon([("w", r)], normuon=normuon)  # torch's defaults: the saved values must win
-    resumed.load_state_dict(sd)
-    group = resumed.param_groups[0]
-    assert (group["adjust_lr_fn"], group["ns_coefficients"], group["normuon_eps"], group["eps"]) == (
-        "match_rms_adamw", STANDARD, 1e-6, 1e-7)
-    assert "adjust_lr" not in group and "ns_schedule" not in group
-    gen = torch.Generator().manual_seed(11)
-    for _ in range(2):
-        torch.randn(r.shape, generator=gen)  # the two gradients ``first`` consumed
-    for _ in range(2):
-        r.grad = torch.randn(r.shape, generator=gen)
-        resumed.step()
-    assert torch.equal(r.detach(), p.detach())
-
-
-def test_legacy_gefen_ckpt_checkpoint_loads(tmp_path):
-    """A gefen_ckpt checkpoint whose contract names the legacy hyperparameters loads too."""
-    import dataclasses
-
-    import gefen_ckpt
-
-    kw = dict(lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
-    p = torch.nn.Parameter(torch.randn(16, 24))
-    opt = GefenMuon([("w", p)], **kw)
-    _legacy_run(2, p, opt)
-    state = gefen_ckpt.export_canonical(opt)
-    legacy = dataclasses.replace(
-        state, contract=dataclasses.replace(state.contract, hyperparameters=LEGACY_CONTRACT_HYPER),
-        param_groups=[{k: v for k, v in _legacy_group({**g, "normuon_eps": 1e-8}).items()
-                       if k in LEGACY_CONTRACT_HYPER or k == "params"} for g in state.param_groups])
-    gefen_ckpt.write(legacy, str(tmp_path / "old"))
-    fresh = GefenMuon([("w", torch.nn.Parameter(p.detach().clone()))])
-    gefen_ckpt.load(fresh, str(tmp_path / "old"))
-    group = fresh.param_groups[0]
-    assert (group["lr"], group["weight_decay"], group["adjust_lr_fn"], group["ns_coefficients"]) == (
-        0.02, 0.0, "match_rms_adamw", STANDARD)
-    assert torch.equal(fresh.state[fresh.param_groups[0]["params"][0]]["m_code"], opt.state[p]["m_code"])
-
-
-def test_legacy_torch_file_reads_offline_and_loads(tmp_path):
-    """A ``torch.save``d state_dict with the legacy names is recognised by the offline reader
-    (its contract is GefenMuon's legacy layout) and its canonical state loads into today's GefenMuon."""
-    import gefen_ckpt
-    from gefen_ckpt import checkpoints
-
-    p = torch.nn.Parameter(torch.randn(16, 24, generator=torch.Generator().manual_seed(3)))
-    opt = GefenMuon([("w", p)], lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
-    _legacy_run(2, p, opt)
+def test_state_dict_under_other_option_names_is_refused_untouched():
+    """A saved group must carry today's names (torch.optim.Muon's): one lacking ``adjust_lr_fn`` is
+    refused, naming it, before the optimizer changes."""
+    p = torch.nn.Parameter(torch.randn(8, 16))
+    opt = GefenMuon([("w", p)], adjust_lr_fn="match_rms_adamw")
+    p.grad = torch.randn_like(p)
+    opt.step()
     sd = opt.state_dict()
-    sd["param_groups"] = [_legacy_group(g) for g in sd["param_groups"]]
-    torch.save(sd, tmp_path / "old.pt")
-    state = checkpoints.open(str(tmp_path / "old.pt"))
-    assert state.contract.implementation == "gefen.GefenMuon"
-    assert "adjust_lr" in state.contract.hyperparameters
-    fresh = GefenMuon([("w", torch.nn.Parameter(p.detach().clone()))])
-    gefen_ckpt.import_canonical(fresh, state)
-    group = fresh.param_groups[0]
-    assert (group["lr"], group["adjust_lr_fn"], group["ns_coefficients"]) == (0.02, "match_rms_adamw", STANDARD)
-    assert torch.equal(fresh.state[group["params"][0]]["m_code"], opt.state[p]["m_code"])
+    sd["param_groups"][0]["adjust_lr"] = sd["param_groups"][0].pop("adjust_lr_fn")
+    fresh = GefenMuon([("w", torch.nn.Parameter(torch.randn(8, 16)))])
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        fresh.load_state_dict(sd)
+    assert not fresh.state and fresh.codebook is None and fresh.param_groups[0]["adjust_lr_fn"] is None
+
+
+def test_checkpoint_under_other_option_names_is_refused_before_reading(tmp_path):
+    """The same through gefen_ckpt: a checkpoint whose groups carry ``adjust_lr`` instead of
+    ``adjust_lr_fn`` is refused naming the missing option, the optimizer untouched."""
+    import gefen_ckpt
+    from gefen_ckpt.errors import CheckpointMismatchError
+
+    p = torch.nn.Parameter(torch.randn(8, 16))
+    opt = GefenMuon([("w", p)], adjust_lr_fn="match_rms_adamw")
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state = gefen_ckpt.export_canonical(opt)
+    state.param_groups[0]["adjust_lr"] = state.param_groups[0].pop("adjust_lr_fn")
+    fresh = GefenMuon([("w", torch.nn.Parameter(torch.randn(8, 16)))])
+    with pytest.raises(CheckpointMismatchError, match="adjust_lr_fn"):
+        gefen_ckpt.import_canonical(fresh, state)
+    assert not fresh.state and fresh.param_groups[0]["adjust_lr_fn"] is None

@@ -1,0 +1,149 @@
+"""Which rank acts for which rows of replicated state: one rule, derived alike on every rank.
+
+A tensor's holders form a grid: its rows are ``torch.chunk``-split over ``S`` shards (FSDP2
+``Shard(0)``; one shard when nothing splits rows) and each shard is held by ``R`` replicas (DDP:
+every rank; HSDP: the replicate dimension). ``assign`` gives every row exactly one rank among its
+holders, spreading the bytes over all of them: a tensor whose shard is more than
+``1 / SPLIT_SHARE`` of a rank's fair share is split by rows among its replicas (each shard
+``torch.chunk``-split again over ``R``); smaller tensors go whole, largest first, to the replica
+whose busiest rank is least loaded so far (so no rank gets many tiny pieces). The result depends
+only on the shapes and grids, so every rank computes the same one without exchanging a plan; a
+save writes by it and a load reads by it. Torch-free: offline tools plan with it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: A tensor is split among its replicas when one shard of it exceeds this fraction of the mean
+#: bytes per rank: whole tensors below it then unbalance a rank by at most 1/16 of the mean.
+SPLIT_SHARE = 16
+
+
+class Holders:
+    """The ranks holding a tensor: ``grid[r, s]`` is replica ``r``'s rank for shard ``s``."""
+
+    __slots__ = ("grid", "_key")
+
+    def __init__(self, grid):
+        grid = np.asarray(grid, dtype=np.int64)
+        if grid.ndim != 2 or grid.size == 0 or len(np.unique(grid)) != grid.size or grid.min() < 0:
+            raise ValueError(f"a holder grid is R x S distinct ranks, got {grid.tolist()!r}"[:300])
+        self.grid = grid
+        self._key = (grid.shape, grid.tobytes())
+
+    @classmethod
+    def replicated(cls, ranks: Sequence[int]) -> Holders:
+        """Every rank of ``ranks`` holds every row."""
+        return cls(np.asarray(ranks, dtype=np.int64).reshape(-1, 1))
+
+    @property
+    def replicas(self) -> int:
+        return self.grid.shape[0]
+
+    @property
+    def shards(self) -> int:
+        return self.grid.shape[1]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Holders) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return f"Holders({self.replicas} replicas x {self.shards} shards)"
+
+
+@dataclass(frozen=True, eq=False)
+class Assignment:
+    """Rows ``torch.chunk``-split over ``parts``, each part split again over ``sub``; sub-part ``j``
+    of part ``i`` belongs to ``ranks[i * sub + j]`` (docs/format.md: a chunk rule)."""
+
+    parts: int
+    sub: int
+    ranks: tuple[int, ...]
+
+    def spans_of(self, rows: int, rank: int) -> list[tuple[int, int]]:
+        """The non-empty row ranges ``[start, stop)`` of ``rank``."""
+        out = []
+        for k, r in enumerate(self.ranks):
+            if r == rank:
+                a, b = nested_chunk(rows, self.parts, self.sub, k)
+                if a < b:
+                    out.append((a, b))
+        return out
+
+
+def chunk_sizes(rows: int, parts: int) -> np.ndarray:
+    """Rows of each ``torch.chunk`` part: ``ceil(rows / parts)`` each, the trailing ones short or empty."""
+    size = -(-rows // parts) if rows else 0
+    return np.clip(rows - np.arange(parts, dtype=np.int64) * size, 0, size)
+
+
+def sub_chunk_sizes(shard_rows: np.ndarray, sub: int) -> np.ndarray:
+    """``[j, s]``: rows of sub-part ``j`` when each shard's rows are ``torch.chunk``-split over ``sub``."""
+    step = -(-shard_rows // sub)
+    return np.clip(shard_rows[None, :] - np.arange(sub, dtype=np.int64)[:, None] * step[None, :], 0, step[None, :])
+
+
+def chunk_rows(rows: int, parts: int, rank: int) -> tuple[int, int]:
+    """Part ``rank``'s rows ``[start, stop)`` when ``torch.chunk`` (and so FSDP2 ``Shard(0)``) splits
+    ``rows`` over ``parts``: ``ceil(rows/parts)`` each, trailing parts possibly short or empty.
+    The one home of the split rule (torch-free: readers of a manifest need it)."""
+    if parts < 1 or rows < 0:
+        raise ValueError(f"cannot split {rows} rows over {parts} parts")
+    size = -(-rows // parts)
+    start = min(rank * size, rows)
+    return start, min(start + size, rows)
+
+
+def nested_chunk(rows: int, parts: int, sub: int, k: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of sub-part ``k % sub`` of part ``k // sub``: each ``torch.chunk``
+    part split by ``torch.chunk`` again."""
+    start, stop = chunk_rows(rows, parts, k // sub)
+    a, b = chunk_rows(stop - start, sub, k % sub)
+    return start + a, start + b
+
+
+def assign(tensors: Sequence[tuple[int, int, Holders]]) -> list[Assignment]:
+    """Who acts for each tensor's rows: ``tensors`` are ``(rows, bytes per row, holders)``."""
+    world = 1 + max((int(h.grid.max()) for _, _, h in tensors), default=0)
+    load = np.zeros(world, dtype=np.float64)
+    total = sum(rows * row_bytes for rows, row_bytes, _ in tensors)
+    distinct = {id(h): h.grid.reshape(-1) for _, _, h in tensors}
+    ranks = len(np.unique(np.concatenate(list(distinct.values())))) if distinct else 1
+    threshold = total / ranks / SPLIT_SHARE
+    shared: dict[tuple, Assignment] = {}  # one object per distinct assignment: rules are stored once
+
+    def made(h: Holders, r: int | None) -> Assignment:
+        key = (id(h), r)  # callers share one Holders per mesh: hashing a 16,384-rank grid per tensor is slow
+        if key not in shared:
+            if r is None:
+                shared[key] = Assignment(h.shards, h.replicas, tuple(h.grid.T.reshape(-1).tolist()))
+            else:
+                shared[key] = Assignment(h.shards, 1, tuple(h.grid[r].tolist()))
+        return shared[key]
+
+    out: list[Assignment | None] = [None] * len(tensors)
+    whole = []
+    for k, (rows, row_bytes, h) in enumerate(tensors):
+        shard_bytes = chunk_sizes(rows, h.shards) * row_bytes
+        if h.replicas == 1:
+            out[k] = made(h, 0)
+            load[h.grid[0]] += shard_bytes
+        elif shard_bytes.max(initial=0) > threshold:
+            out[k] = made(h, None)
+            load[h.grid] += sub_chunk_sizes(chunk_sizes(rows, h.shards), h.replicas) * row_bytes
+        else:
+            whole.append((-int(shard_bytes.sum()), k, shard_bytes))
+    whole.sort(key=lambda x: x[:2])
+    for _, k, shard_bytes in whole:
+        h = tensors[k][2]
+        r = int(np.argmin((load[h.grid] + shard_bytes).max(axis=1)))
+        load[h.grid[r]] += shard_bytes
+        out[k] = made(h, r)
+    return out
