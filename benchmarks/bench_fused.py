@@ -1,4 +1,4 @@
-"""The fused C Gefen step (``gefen/native.py``) against torch AdamW, CPU, in one process.
+"""The fused C Gefen step (``gefen/c_kernels.py``) against torch AdamW, CPU, in one process.
 
 For each transformer-shaped set (~25M and ~42M parameters, ``common.transformer_shapes``) the
 parameters get gradients with row/column scale structure, a different set each round (three sets in
@@ -50,7 +50,7 @@ from benchmarks.common import (
     use_gradients,
     write_json,
 )
-from gefen import Gefen, dispatch, native
+from gefen import Gefen, c_kernels, dispatch
 
 SIZES = (25, 42)
 THREADS = (1, 2)
@@ -181,7 +181,7 @@ def _run(quick: bool, threads: tuple[int, ...]) -> dict:
             gc.collect()
     torch.set_num_threads(max(threads))
     data = {"machine": limits, "threads": list(threads), "reps": reps, "eager_reps": eager_reps, "quick": quick,
-            "native_available": native.available(),
+            "native_available": c_kernels.available(),
             "default": _config_name(max(threads), *CONFIGS[0]), "sizes": results}
     write_json("fused", data)
     default = data["default"]

@@ -4,12 +4,17 @@ Builds what a sharded save of Gefen state (``synthetic_gefen``'s m8 fields: ``m_
 ``m_scale``, ``v_row``/``v_col`` or ``v``, ``step``, ``period``) commits, for
 
 * Llama-3-405B shapes (126 layers, d 16384, GQA k/v 1024 x 16384, MLP 53248, vocab 128256)
-  saved by 16,384 ranks, format 2.0 (the manifest, one index per rank);
+  saved by 16,384 ranks (the manifest, one index per rank);
 * Llama-2-70B shapes (80 layers, d 8192, k/v 1024 x 8192, MLP 28672, vocab 32000) saved by
-  1,024 ranks, in format 2.0 and, as the baseline measured in the same run, format 1.1 (every
-  piece record in the manifest). 405B on 16,384 ranks cannot be written in 1.1 at all: its
-  manifest would exceed the 256 MiB cap; the table gives its size from the 70B manifest's bytes
-  per piece.
+  1,024 ranks, and, as the baseline measured in the same run, the ``.metadata`` torch's own
+  checkpointing (``get_state_dict`` + ``dcp.save`` on those ranks) writes for the same pieces: the
+  same tensors under torch's keys (``optim.state.<fqn>.<field>``, the param groups as
+  ``torch.save``d values: ``dcp_layout.stock_entries``), one chunk per rank of every row-sharded
+  field (``torch.chunk``, as FSDP2's ``Shard(0)``), replicated fields once by rank 0, each rank's
+  chunks in its ``__<rank>_0.distcp`` file at ``torch.save``'s lengths, and the ``Metadata``
+  pickled as ``FileSystemWriter.finish`` pickles it, its objects shared as a gathered plan shares
+  them (``_dcp_metadata``). The 405B state's ``.metadata`` is not built (tens of GB of Python
+  objects); the table gives its size from the 70B file's bytes per chunk.
 
 One piece per rank of every row-sharded field, replicated fields once by rank 0, one data file
 per rank. No tensor data: data files are sparse files of the recorded sizes, whose pieces'
@@ -18,12 +23,14 @@ each in a fresh process (wall time and peak RSS via ``getrusage(RUSAGE_CHILDREN)
 
 * ``gefen-ckpt inspect DIR --json``;
 * one rank's load planning: open and validate the checkpoint, then find the pieces of its own
-  rows of every tensor (``SplitTensor.pieces_in``: reads the indexes that hold them);
+  rows of every tensor (``SplitTensor.pieces_in``: reads the indexes that hold them); for DCP,
+  ``FileSystemReader.read_metadata`` and ``create_read_items_for_chunk_list`` (what
+  ``DefaultLoadPlanner`` calls) for the same rows of every tensor;
 * ``gefen-ckpt reshard DIR OUT --world-size N --dry-run --json``;
 * the start-up baseline: ``inspect`` of a tiny checkpoint.
 
-And the bytes one rank sends the committing rank in a 2.0 save (``sharded_io.commit_payload``
-packed, for a rank of the 405B save). Quick mode: 8 layers, 128 ranks (and 70B-shaped 1.1 on 64).
+And the bytes one rank sends the committing rank in a save (``sharded_io.commit_payload``
+packed, for a rank of the 405B save). Quick mode: 8 layers, 128 ranks (and the 70B shapes on 64).
 
 Resharding a small state to thousands of ranks (real data): Gefen (m4v4) over 200 tensors of
 4096 x 16 (13M parameters) after one step, saved by one process, then
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -68,7 +76,33 @@ world, found = m.raw["world_size"], 0
 for t in m.tensors.values():
     a, b = chunk_rows(t.rows, world, rank) if t.shape else (0, 1)
     found += len(t.pieces_in(a, b)) if b > a else 0
-print(time.perf_counter() - start, found, m.indexes.reads if m.indexes else 0, file=sys.stderr)
+print(time.perf_counter() - start, found, m.indexes.reads, file=sys.stderr)
+"""
+#: The same for DCP: read ``.metadata`` as torch's reader does, then plan the reads of the same
+#: rows of every tensor with the function ``DefaultLoadPlanner`` uses.
+_DCP_PLAN = """
+import sys, time
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from gefen.replicas import chunk_rows
+url, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+start = time.perf_counter()
+md, found = FileSystemReader(url).read_metadata(), 0
+for key, t in md.state_dict_metadata.items():
+    if not isinstance(t, TensorStorageMetadata):
+        found += 1  # a value: one read
+        continue
+    if not len(t.size):
+        local = ChunkStorageMetadata(torch.Size([]), torch.Size([]))
+    elif (rows := chunk_rows(t.size[0], world, rank))[1] > rows[0]:
+        local = ChunkStorageMetadata(torch.Size([rows[0]] + [0] * (len(t.size) - 1)),
+                                     torch.Size([rows[1] - rows[0], *t.size[1:]]))
+    else:
+        continue
+    found += len(create_read_items_for_chunk_list(key, t, [local]))
+print(time.perf_counter() - start, found, 1, file=sys.stderr)
 """
 
 
@@ -117,7 +151,7 @@ def _groups(shapes, contract) -> list[dict]:
 
 
 def _tensors(shapes, contract):
-    """(fqn or None, field, dtype, shape, row-sharded) of every tensor, in 2.0 ordinal order."""
+    """(fqn or None, field, dtype, shape, row-sharded) of every tensor, in manifest (index ordinal) order."""
     out = [(None, "codebook", "float32", (256,), False)]
     for fqn, shape in shapes.items():
         for name, (dtype, s) in sorted(_fields(shape).items()):
@@ -136,65 +170,18 @@ def _sparse(path: Path, size: int) -> None:
         out.truncate(size)
 
 
-def synthesize(root: Path, shapes: dict[str, tuple[int, ...]], ranks: int, version: int = 2) -> dict:
-    """Write the metadata (and sparse data files) of a ``ranks``-rank sharded save; its stats."""
+def synthesize(root: Path, shapes: dict[str, tuple[int, ...]], ranks: int, kind: str = "gefen") -> dict:
+    """Write the metadata (and, ``kind`` "gefen", sparse data files) of a ``ranks``-rank sharded
+    save (``kind`` "dcp": DCP's ``.metadata`` alone); its stats."""
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    make = _synthesize_v2 if version == 2 else _synthesize_v1
+    make = _synthesize if kind == "gefen" else _synthesize_dcp
     stats = make(root, shapes, ranks, _contract())
     stats.update(params=len(shapes), numel=sum(math.prod(s) for s in shapes.values()), ranks=ranks, files=ranks)
     return stats
 
 
-def _synthesize_v1(root: Path, shapes, ranks: int, contract) -> dict:
-    from gefen_ckpt.placement import chunk_rows
-    from gefen_ckpt.wire import manifest as mf
-    from gefen_ckpt.wire.datafile import ALIGNMENT
-    from gefen_ckpt.wire.dtypes import itemsize
-
-    ends = [8 + 4096] * ranks  # each rank's file: a header's worth, then aligned pieces
-    params, pieces_total, crcs = {}, 0, {}
-
-    def place(rank: int, nbytes: int) -> int:
-        offset = -(-ends[rank] // ALIGNMENT) * ALIGNMENT
-        ends[rank] = offset + nbytes
-        return offset
-
-    def tensor(fqn, name, dtype, shape, sharded):
-        nonlocal pieces_total
-        rows = shape[0] if shape else 1
-        row_bytes = math.prod(shape[1:]) * itemsize(dtype)
-        spans = [chunk_rows(rows, ranks, r) for r in range(ranks)] if sharded else [(0, rows)]
-        pieces = []
-        for rank, (start, stop) in enumerate(spans):
-            if stop > start:
-                nbytes = (stop - start) * row_bytes
-                pieces.append({"file": rank, "key": f"{fqn}/{name}@{start}:{stop}", "rows": [start, stop],
-                               "offset": place(rank, nbytes), "bytes": nbytes, "checksum": _zeros_crc(nbytes, crcs)})
-        pieces_total += len(pieces)
-        return {"dtype": dtype, "shape": list(shape), "pieces": pieces}
-
-    entries = _tensors(shapes, contract)
-    codebook = tensor(*entries[0])
-    for fqn, name, dtype, shape, sharded in entries[1:]:
-        e = params.setdefault(fqn, {"shape": list(shapes[fqn]), "dtype": "float32", "child": None, "fields": {}})
-        e["fields"][name] = tensor(fqn, name, dtype, shape, sharded)
-    manifest = {
-        "format": mf.FORMAT_NAME, "version": [1, 1], "layout": "sharded", "world_size": ranks,
-        "alignment": ALIGNMENT, "checksum": "crc32", "contract": contract.to_dict(),
-        "param_groups": _groups(shapes, contract),
-        "files": [{"name": f"data-{TOKEN}-r{r:05d}-00000.safetensors", "bytes": ends[r]} for r in range(ranks)],
-        "globals": {"codebook": codebook}, "params": params,
-        "topology": {"kind": "sharded", "world_size": ranks}, "created": {}, "metadata": {"step": 1000},
-    }
-    data = mf.encode(manifest)
-    (root / mf.MANIFEST_NAME).write_bytes(data)
-    for f in manifest["files"]:
-        _sparse(root / f["name"], f["bytes"])
-    return {"pieces": pieces_total, "manifest_bytes": len(data), "index_bytes": 0}
-
-
-def _synthesize_v2(root: Path, shapes, ranks: int, contract) -> dict:
+def _synthesize(root: Path, shapes, ranks: int, contract) -> dict:
     """Per rank: a sparse data file and its index, the manifest pinning both. Indexes of 16,384
     ranks hold ~56M piece records, too many to build as Python lists here: each rank's index is
     made from a template of fixed-width msgpack records (``_FIXED``, every integer a uint32),
@@ -210,7 +197,7 @@ def _synthesize_v2(root: Path, shapes, ranks: int, contract) -> dict:
     from gefen_ckpt.wire.index import encode_index, index_name
 
     entries = _tensors(shapes, contract)
-    header_bytes = len(build_packed([], {"format": mf.FORMAT_NAME, "version": "2.0"})[0]) + 64
+    header_bytes = len(build_packed([], mf.FILE_METADATA)[0]) + 64
     crcs: dict[int, int] = {}
     rows = np.array([s[0] if s else 1 for _, _, _, s, _ in entries], np.int64)
     row_bytes = np.array([math.prod(s[1:]) * itemsize(d) for _, _, d, s, _ in entries], np.int64)
@@ -260,7 +247,7 @@ def _synthesize_v2(root: Path, shapes, ranks: int, contract) -> dict:
         e = params.setdefault(fqn, {"shape": list(shapes[fqn]), "dtype": "float32", "child": None, "fields": {}})
         e["fields"][name] = {"dtype": dtype, "shape": list(shape), "split": 1 if is_sharded else 0}
     manifest = {
-        "format": mf.FORMAT_NAME, "version": [2, 0], "layout": "sharded", "world_size": ranks,
+        "format": mf.FORMAT_NAME, "version": list(mf.FORMAT_VERSION), "layout": "sharded", "world_size": ranks,
         "alignment": 64, "checksum": "crc32", "contract": contract.to_dict(),
         "param_groups": _groups(shapes, contract), "writers": pins, "rules": rules,
         "globals": {"codebook": {"dtype": "float32", "shape": [256], "split": 0}}, "params": params,
@@ -270,6 +257,184 @@ def _synthesize_v2(root: Path, shapes, ranks: int, contract) -> dict:
     (root / mf.MANIFEST_NAME).write_bytes(data)
     return {"pieces": pieces_total, "manifest_bytes": len(data), "index_bytes": index_total,
             "index_bytes_encoder": real_bytes}
+
+
+def _synthesize_dcp(root: Path, shapes, ranks: int, contract) -> dict:
+    """DCP's ``.metadata`` for the pieces ``_synthesize`` writes (module docstring); its stats."""
+    metadata, chunks = _dcp_metadata(root, shapes, ranks, contract)
+    with open(root / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)  # as FileSystemWriter.finish writes it
+    return {"pieces": chunks, "manifest_bytes": (root / ".metadata").stat().st_size, "index_bytes": 0}
+
+
+def _stock(shapes, contract, source) -> tuple[dict, dict, dict]:
+    """``dcp_layout.stock_entries`` (torch's layout under ``"optim"``) of the state ``_synthesize``
+    describes, each tensor ``source(dtype name, shape)``."""
+    import torch
+
+    from gefen_ckpt.canonical import CanonicalState, ParamState
+    from gefen_ckpt.dcp_layout import stock_entries
+
+    entries = _tensors(shapes, contract)
+    fields: dict[str, dict] = {}
+    for fqn, name, dtype, shape, _ in entries[1:]:
+        fields.setdefault(fqn, {})[name] = source(dtype, shape)
+    state = CanonicalState(contract=contract, param_groups=_groups(shapes, contract),
+                           params={fqn: ParamState(shapes[fqn], torch.float32, f) for fqn, f in fields.items()},
+                           global_fields={"codebook": source(*entries[0][2:4])}, metadata={})
+    return stock_entries(state, "optim", flat=False)
+
+
+def _row_sharded(key: str, shape, contract) -> bool:
+    name = key.rsplit(".", 1)[1]
+    return bool(shape) and name != "codebook" and contract.field(name).row_sharded
+
+
+def _dcp_metadata(root: Path, shapes, ranks: int, contract):
+    """(``Metadata``, chunks) of ``get_state_dict`` + ``dcp.save`` of the state ``_synthesize``
+    describes, on ``ranks`` ranks. Objects are shared as DCP's gathered plans share them: a string
+    or ``torch.Size`` a rank made once is one object within that rank's chunks, and a fresh one per
+    rank (the coordinator unpickles each rank's plan and write results apart)."""
+    import io
+    import uuid
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from gefen.replicas import chunk_rows
+    from gefen_ckpt.wire.dtypes import torch_dtype
+
+    class Shape:  # a tensor source of a shape (stock_entries reads no data)
+        def __init__(self, dtype: str, shape: tuple[int, ...]):
+            self.dtype, self.shape = torch_dtype(dtype), tuple(shape)
+
+    tensors, values, mappings = _stock(shapes, contract, Shape)
+
+    def fresh(text: str) -> str:
+        return text.encode().decode()  # an equal string, another object
+
+    saved = {}  # torch.save's bytes around a tensor's data (how DCP writes each chunk), by dtype
+
+    def length(dtype: torch.dtype, nbytes: int) -> int:
+        if dtype not in saved:
+            buffer = io.BytesIO()
+            torch.save(torch.empty(0, dtype=dtype), buffer)
+            saved[dtype] = len(buffer.getvalue())
+        return saved[dtype] + nbytes
+
+    md = {k: TensorStorageMetadata(TensorProperties(dtype=s.dtype), torch.Size(s.shape), []) for k, s in tensors.items()}
+    md.update({k: BytesStorageMetadata() for k in values})
+    storage, chunks = {}, 0
+    for rank in range(ranks):
+        path, end = fresh(f"__{rank}_0.distcp"), 0
+        for key, src in tensors.items():
+            shape = src.shape
+            if _row_sharded(key, shape, contract):
+                start, stop = chunk_rows(shape[0], ranks, rank)
+            elif rank == 0:
+                start, stop = 0, shape[0] if shape else 1
+            else:
+                continue
+            if stop <= start:
+                continue
+            offsets = [start] + [0] * (len(shape) - 1) if shape else []
+            sizes = [stop - start, *shape[1:]] if shape else []
+            chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+            index = MetadataIndex(fresh(key), torch.Size(offsets), len(md[key].chunks))
+            nbytes = length(src.dtype, math.prod(sizes) * src.dtype.itemsize)
+            md[key].chunks.append(chunk)
+            storage[index] = _StorageInfo(path, end, nbytes)
+            end, chunks = end + nbytes, chunks + 1
+        for key, value in values.items() if rank == 0 else ():
+            storage[MetadataIndex(fresh(key))] = _StorageInfo(path, end, len(value))
+            end += len(value)
+    planner = {fresh(k): v for k, v in mappings.items()}  # DefaultSavePlanner's merged flatten mappings
+    return Metadata(md, planner_data=planner, storage_data=storage,
+                    storage_meta=StorageMeta(checkpoint_id=str(root), save_id=uuid.uuid4().hex),
+                    version=CURRENT_DCP_VERSION), chunks
+
+
+def _stock_state_dict(shapes, contract) -> tuple[dict, set[str]]:
+    """(the optimizer state dict torch's ``get_state_dict`` gives for the state ``_dcp_metadata``
+    describes, its tensors zeros; its row-sharded tensors' keys)."""
+    import io
+
+    import torch
+
+    from gefen_ckpt.canonical import EagerSource
+    from gefen_ckpt.wire.dtypes import torch_dtype
+
+    tensors, values, mappings = _stock(shapes, contract, lambda d, s: EagerSource(torch.zeros(s, dtype=torch_dtype(d))))
+    optim: dict = {"state": {}, "param_groups": []}
+    for key, (_, kind, where, name) in mappings.items():
+        value = tensors[key].read() if key in tensors else torch.load(io.BytesIO(values[key]), weights_only=False)
+        if kind == "param_groups":
+            optim["param_groups"] += [{} for _ in range(where + 1 - len(optim["param_groups"]))]
+            optim["param_groups"][where][name] = value
+        else:
+            optim["state"].setdefault(where, {})[name] = value
+    return optim, {k for k, s in tensors.items() if _row_sharded(k, s.shape, contract)}
+
+
+def _dcp_rank(rank: int, ranks: int, workdir: str, shapes) -> None:
+    """One rank of the real ``dcp.save`` ``check_dcp_metadata`` compares with: row-sharded fields as
+    ``Shard(0)`` DTensors (``torch.chunk``'s split), the rest replicated, under ``"optim"``."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=ranks)
+    mesh = init_device_mesh("cpu", (ranks,))
+    optim, sharded = _stock_state_dict(shapes, _contract())
+    for fqn, entry in optim["state"].items():
+        for name, value in entry.items():
+            if f"optim.state.{fqn}.{name}" in sharded:
+                entry[name] = distribute_tensor(value, mesh, [Shard(0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"optim": optim}, checkpoint_id=str(Path(workdir) / "dcp"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_dcp_metadata(ranks: int = 4) -> dict:
+    """``_dcp_metadata`` against the ``.metadata`` a real ``dcp.save`` on ``ranks`` gloo ranks writes
+    for a small state: the same keys and chunks, and the pickled bytes of each."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from gefen_ckpt.dcp_layout import safe_load_dcp_metadata
+
+    shapes = llama_shapes(layers=2, dim=256, kv=64, mlp=512, vocab=1000)
+    with tempfile.TemporaryDirectory() as workdir:
+        mp.spawn(_dcp_rank, args=(ranks, workdir, shapes), nprocs=ranks)
+        path = Path(workdir) / "dcp" / ".metadata"
+        with open(path, "rb") as f:
+            real = safe_load_dcp_metadata(f)
+        real_bytes = path.stat().st_size
+        made, _ = _dcp_metadata(Path(workdir) / "dcp", shapes, ranks, _contract())
+    layout = {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in getattr(v, "chunks", ()))
+              for k, v in real.state_dict_metadata.items()}
+    same = layout == {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in getattr(v, "chunks", ()))
+                      for k, v in made.state_dict_metadata.items()}
+    return {"ranks": ranks, "chunks": sum(map(len, layout.values())), "same_chunks": same,
+            "same_storage_keys": len(real.storage_data) == len(made.storage_data),
+            "real_bytes": real_bytes, "emulated_bytes": len(pickle.dumps(made))}
 
 
 #: One index record ``[ordinal, [[start, stop, 0, offset, checksum]]]`` as msgpack with every
@@ -295,7 +460,7 @@ def _index_head(writer: int, entries: int) -> bytes:
 
 
 def commit_bytes(ranks: int) -> int:
-    """Bytes one rank (the last of ``ranks``) sends the committing rank in a 2.0 save:
+    """Bytes one rank (the last of ``ranks``) sends the committing rank in a save:
     ``sharded_io.commit_payload`` packed as it is sent, with a structure digest and no
     explicit rows (every tensor follows its rule)."""
     from gefen_ckpt.collective import pack
@@ -327,24 +492,28 @@ def _measured_with_stderr(*argv: str) -> tuple[float, int, str]:
     return float(seconds), int(rss), out.stderr
 
 
-def plan_one_rank(root: Path, rank: int) -> tuple[float, int, dict]:
-    """(process wall s, peak RSS, {"in_process_s", "pieces", "indexes_read"}) of one rank's planning."""
-    seconds, rss, err = _measured_with_stderr(sys.executable, "-c", _PLAN, str(root), str(rank))
+def plan_one_rank(root: Path, rank: int, script: str = _PLAN, *args: str) -> tuple[float, int, dict]:
+    """(process wall s, peak RSS, {"in_process_s", "pieces", "indexes_read"}) of one rank's planning
+    (``script``: ``_PLAN``, or ``_DCP_PLAN`` with the world size, whose "pieces" are read items)."""
+    seconds, rss, err = _measured_with_stderr(sys.executable, "-c", script, str(root), str(rank), *args)
     inner, pieces, reads = err.split()[-3:]
     return seconds, rss, {"in_process_s": float(inner), "pieces": int(pieces), "indexes_read": int(reads)}
 
 
-def _case(name: str, shapes, ranks: int, target: int, version: int) -> dict:
+def _case(name: str, shapes, ranks: int, target: int, kind: str) -> dict:
     root = SCRATCH / name
     started = time.perf_counter()
-    stats = synthesize(root, shapes, ranks, version)
+    stats = synthesize(root, shapes, ranks, kind)
     stats["synthesize_s"] = time.perf_counter() - started
-    runs = {"inspect": cli("inspect", str(root), "--json")}
-    if version == 2:
+    if kind == "dcp":  # DCP's load planning; it has no offline inspect or reshard
+        seconds, rss, stats["planning"] = plan_one_rank(root, ranks // 2, _DCP_PLAN, str(ranks))
+        runs = {"load planning (one rank)": (seconds, rss)}
+    else:
+        runs = {"inspect": cli("inspect", str(root), "--json")}
         seconds, rss, stats["planning"] = plan_one_rank(root, ranks // 2)
         runs["load planning (one rank)"] = (seconds, rss)
-    runs[f"reshard --dry-run --world-size {target}"] = cli("reshard", str(root), str(SCRATCH / "out"), "--world-size",
-                                                           str(target), "--dry-run", "--json")
+        runs[f"reshard --dry-run --world-size {target}"] = cli("reshard", str(root), str(SCRATCH / "out"),
+                                                               "--world-size", str(target), "--dry-run", "--json")
     shutil.rmtree(root, ignore_errors=True)
     return {"stats": stats, "runs": {k: {"seconds": s, "peak_rss": r} for k, (s, r) in runs.items()}}
 
@@ -422,24 +591,24 @@ def reshard_small(quick: bool) -> dict:
 
 def run(quick: bool) -> dict:
     if quick:
-        cases = [("405b-v2", llama3_405b_shapes(layers=8), 128, 96, 2),
-                 ("70b-v2", llama_shapes(layers=8), 64, 48, 2), ("70b-v1", llama_shapes(layers=8), 64, 48, 1)]
+        cases = [("405b", llama3_405b_shapes(layers=8), 128, 96, "gefen"),
+                 ("70b", llama_shapes(layers=8), 64, 48, "gefen"), ("70b-dcp", llama_shapes(layers=8), 64, 48, "dcp")]
     else:
-        cases = [("405b-v2", llama3_405b_shapes(), 16384, 12288, 2),
-                 ("70b-v2", llama_shapes(), 1024, 768, 2), ("70b-v1", llama_shapes(), 1024, 768, 1)]
+        cases = [("405b", llama3_405b_shapes(), 16384, 12288, "gefen"),
+                 ("70b", llama_shapes(), 1024, 768, "gefen"), ("70b-dcp", llama_shapes(), 1024, 768, "dcp")]
     try:
         synthesize(SCRATCH / "tiny", llama_shapes(layers=1, dim=64, kv=16, mlp=128, vocab=100), 2)
         baseline = cli("inspect", str(SCRATCH / "tiny"), "--json")
         results = {name: _case(name, shapes, ranks, target, v) for name, shapes, ranks, target, v in cases}
+        dcp_check = check_dcp_metadata()
         small = reshard_small(quick)
     finally:
         shutil.rmtree(SCRATCH, ignore_errors=True)
-    big = results["405b-v2"]["stats"]
-    v1 = results["70b-v1"]["stats"]
-    per_piece = v1["manifest_bytes"] / v1["pieces"]
+    big, dcp = results["405b"]["stats"], results["70b-dcp"]["stats"]
     data = {"baseline_inspect": {"seconds": baseline[0], "peak_rss": baseline[1]}, "cases": results,
             "commit_bytes_per_rank": commit_bytes(big["ranks"]),
-            "v1_manifest_bytes_estimate_405b": int(per_piece * big["pieces"]), "reshard_small": small}
+            "dcp_metadata_bytes_estimate_405b": int(dcp["manifest_bytes"] / dcp["pieces"] * big["pieces"]),
+            "dcp_check": dcp_check, "reshard_small": small}
     write_json("manifest", data)
     return {"title": "Metadata scale (405B parameters on 16,384 ranks; 70B on 1,024)",
             "markdown": _markdown(data), "plots": [], "data": data}
@@ -448,36 +617,48 @@ def run(quick: bool) -> dict:
 def _markdown(data: dict) -> str:
     mib = 2**20
     rows = []
-    labels = {"405b-v2": "405B, {ranks:,} ranks, format 2.0", "70b-v2": "70B, {ranks:,} ranks, format 2.0",
-              "70b-v1": "70B, {ranks:,} ranks, format 1.1 (baseline)"}
+    labels = {"405b": "405B, {ranks:,} ranks", "70b": "70B, {ranks:,} ranks",
+              "70b-dcp": "70B, {ranks:,} ranks, DCP (baseline)"}
     for name, case in data["cases"].items():
         s = case["stats"]
         label = labels[name].format(ranks=s["ranks"])
-        meta = (f"manifest {s['manifest_bytes'] / mib:.2f} MiB"
-                + (f" + {s['ranks']:,} indexes, {s['index_bytes'] / s['ranks'] / 1024:.0f} KiB each" if s["index_bytes"]
-                   else f", {s['pieces']:,} pieces in it"))
+        meta = (f"manifest {s['manifest_bytes'] / mib:.2f} MiB + {s['ranks']:,} indexes, "
+                f"{s['index_bytes'] / s['ranks'] / 1024:.0f} KiB each" if s["index_bytes"]
+                else f"`.metadata` {s['manifest_bytes'] / mib:.2f} MiB, {s['pieces']:,} chunks in it")
         for command, r in case["runs"].items():
             if command.startswith("load planning"):
                 p = s["planning"]
-                command += (f" ({p['in_process_s']:.2f} s after start-up; {p['pieces']:,} pieces from "
-                            f"{p['indexes_read']} index{'es' if p['indexes_read'] != 1 else ''})")
+                command += (f" ({p['in_process_s']:.2f} s after start-up; {p['pieces']:,} "
+                            + (f"pieces from {p['indexes_read']} index{'es' if p['indexes_read'] != 1 else ''})"
+                               if s["index_bytes"] else "read items from `.metadata`)"))
             rows.append([label, meta, command, f"{r['seconds']:.2f}", f"{r['peak_rss'] / mib:.0f}"])
             label, meta = "", ""
-    big, small = data["cases"]["405b-v2"]["stats"], data["cases"]["70b-v1"]["stats"]
+    big, ours, dcp = (data["cases"][k]["stats"] for k in ("405b", "70b", "70b-dcp"))
+    plan_ours, plan_dcp = (data["cases"][k]["runs"]["load planning (one rank)"] for k in ("70b", "70b-dcp"))
     b = data["baseline_inspect"]
     return (
         f"What a sharded save of Gefen (m8) state commits: Llama-3-405B shapes ({big['params']:,} parameters, "
         f"{big['numel'] / 1e9:.0f}B elements, {big['pieces']:,} pieces) on {big['ranks']:,} ranks, and Llama-2-70B "
-        f"shapes on {small['ranks']:,} ranks in format 2.0 and in format 1.1 (the baseline, same run). Indexes are "
-        "written with fixed-width integers (the bench's template); the library's encoder writes "
-        f"{big['index_bytes_encoder'] / 1024:.0f} KiB for one 405B rank. No tensor data (sparse files). "
-        "Each command runs in a fresh process; peak RSS of that process. Start-up alone (`inspect` of a tiny "
-        f"checkpoint): {b['seconds']:.2f} s, {b['peak_rss'] / mib:.0f} MiB.\n\n"
+        f"shapes on {ours['ranks']:,} ranks, beside the `.metadata` torch's own `get_state_dict` + `dcp.save` "
+        "writes for the same pieces on those ranks (the baseline, built and measured in the same run: "
+        "`bench_manifest._dcp_metadata`). Indexes are written with fixed-width integers (the bench's template); "
+        f"the library's encoder writes {big['index_bytes_encoder'] / 1024:.0f} KiB for one 405B rank. No tensor "
+        "data (sparse files). Each command runs in a fresh process; peak RSS of that process. Start-up alone "
+        f"(`inspect` of a tiny checkpoint): {b['seconds']:.2f} s, {b['peak_rss'] / mib:.0f} MiB.\n\n"
         + md_table(["state", "metadata", "command", "wall (s)", "peak RSS (MiB)"], rows)
-        + f"\n\nEach rank of the 405B save sends the committing rank {data['commit_bytes_per_rank']} bytes "
-        "(`sharded_io.commit_payload`: its file names and sizes, its index's name, size and CRC, a structure digest). "
-        f"In format 1.1 the 405B manifest would be about {data['v1_manifest_bytes_estimate_405b'] / 2**20:,.0f} MiB "
-        "(the 70B manifest's bytes per piece times the pieces), over the 256 MiB limit: not writable.\n\n"
+        + f"\n\nFor the same 70B pieces ({ours['pieces']:,}; DCP's {dcp['pieces']:,} chunks add the codebook, which "
+        f"torch's layout repeats in each parameter's state) DCP's `.metadata` is {dcp['manifest_bytes'] / mib:.1f} MiB, "
+        f"{dcp['manifest_bytes'] / (ours['manifest_bytes'] + ours['index_bytes']):.1f}x the manifest and every index "
+        f"together and {dcp['manifest_bytes'] / ours['manifest_bytes']:,.0f}x the manifest, and every rank of a DCP "
+        f"load unpickles all of it: one rank's planning takes {dcp['planning']['in_process_s']:.2f} s after start-up "
+        f"against {ours['planning']['in_process_s']:.2f} s (with start-up {plan_dcp['seconds']:.2f} s and "
+        f"{plan_dcp['peak_rss'] / mib:,.0f} MiB against {plan_ours['seconds']:.2f} s and "
+        f"{plan_ours['peak_rss'] / mib:,.0f} MiB; DCP's start-up includes importing torch). For the 405B "
+        f"save it would be about {data['dcp_metadata_bytes_estimate_405b'] / mib:,.0f} MiB (the 70B file's bytes "
+        f"per chunk times the pieces; not built). {_dcp_check_sentence(data['dcp_check'])} "
+        f"Each rank of the 405B save sends the committing rank {data['commit_bytes_per_rank']} bytes "
+        "(`sharded_io.commit_payload`: its file names and sizes, its index's name, size and CRC, a structure "
+        "digest).\n\n"
         "Targets (405B, 16,384 ranks): manifest <= 8 MiB; inspect <= 3 s and <= 300 MiB; one rank's load planning "
         "<= 1 s and <= 200 MiB; reshard --dry-run --world-size 12288 <= 15 s; <= 1 KiB per rank to commit. "
         f"In this run: {_verdicts(data)}.\n\n"
@@ -487,9 +668,16 @@ def _markdown(data: dict) -> str:
     )
 
 
+def _dcp_check_sentence(c: dict) -> str:
+    agree = "the same" if c["same_chunks"] and c["same_storage_keys"] else "NOT the same"
+    return (f"The baseline's `.metadata` checked in this run against a real `dcp.save` by {c['ranks']} gloo ranks "
+            f"of a 2-layer state: {agree} {c['chunks']} chunks and storage entries, {c['emulated_bytes']:,} bytes "
+            f"pickled against {c['real_bytes']:,} written ({c['emulated_bytes'] / c['real_bytes'] - 1:+.1%}).")
+
+
 def _verdicts(data: dict) -> str:
     """Each target of the 405B case, met or not, from this run's numbers."""
-    case = data["cases"]["405b-v2"]
+    case = data["cases"]["405b"]
     runs, mib = case["runs"], 2**20
     plan = runs["load planning (one rank)"]
     inner = case["stats"]["planning"]["in_process_s"]

@@ -52,7 +52,7 @@ from benchmarks.common import (
     use_gradients,
     write_json,
 )
-from gefen import Gefen, dispatch, native
+from gefen import Gefen, c_kernels, dispatch
 
 SIZES = (25, 42)
 THREADS = 2
@@ -62,9 +62,9 @@ REFERENCE_REPS = 3  # rounds that include the torch reference (quick: 1)
 
 
 def _native_state() -> str:
-    if not (dispatch.enabled and native.available()):
+    if not (dispatch.enabled and c_kernels.available()):
         return "eager torch ops (native step off or unavailable)"
-    return "native fused C step" if native._calibrated().m4v4 else "eager m4v4 torch ops (m4v4 kernels unavailable)"
+    return "native fused C step" if c_kernels._calibrated().m4v4 else "eager m4v4 torch ops (m4v4 kernels unavailable)"
 
 
 def _params(shapes, seed=0):
@@ -152,7 +152,7 @@ def _measure(size: int, reps: int, first_samples: int, reference_reps: int) -> d
 def _fresh_child() -> None:
     """Run in a new interpreter: time the imports, the calibration (or cache read), the first step
     of the 25M set and its steady steps; print one JSON line."""
-    import gefen.native as native
+    import gefen.c_kernels as c_kernels
     from gefen import Gefen as FreshGefen
 
     startup = time.time() - float(os.environ["GEFEN_BENCH_STARTED"])  # interpreter, torch, gefen
@@ -160,11 +160,11 @@ def _fresh_child() -> None:
     shapes = transformer_shapes(SIZES[0])
     named = [(name, p) for (name, _), p in zip(shapes, _params(shapes))]
     opt = FreshGefen(named, lr=1e-4, weight_decay=0.01)
-    calibration = _timed(native.available)
+    calibration = _timed(c_kernels.available)
     first = _timed(opt.step)
     steady = statistics.median(_timed(opt.step) for _ in range(5))
     print(json.dumps({"import_s": startup, "calibration_s": calibration, "first_step_s": first,
-                      "steady_s": steady, "native": native.available()}))
+                      "steady_s": steady, "native": c_kernels.available()}))
 
 
 def _fresh_processes(rounds: int) -> dict:

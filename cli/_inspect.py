@@ -1,7 +1,8 @@
 """``gefen-ckpt inspect``: a summary of a checkpoint from its manifest and tensor shapes (two tiny
-reads: the codebook, and one ``step`` when the manifest records none). A portable checkpoint is
-described from its manifest without importing torch (``describe_manifest``); DCP and torch.save files
-through their ``CanonicalState`` (``describe_state``).
+reads: the codebook, and one ``step`` when the manifest records none). Both ways in end in one
+description, a ``CanonicalState`` whose dtypes are the format's names and whose tensors are
+``Stored`` views: a portable checkpoint's from its manifest without importing torch
+(``describe_manifest``), DCP and torch.save files' from their ``CanonicalState`` (``describe_state``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gefen.contract import OptimizerContract
 from gefen.geometry import period_of_blocks
+from gefen_ckpt.canonical import CanonicalState, ParamState
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -24,66 +25,53 @@ QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 # ----- what inspect knows of a checkpoint ----------------------------------------------------
 @dataclass(frozen=True)
 class Stored:
-    """A stored tensor: shape, dtype name, bytes, and ``read`` for its values (float64, flat)."""
+    """A stored tensor as inspect sees it, torch-free: shape, the format's dtype name, and ``read``
+    for its values (float64, flat)."""
 
     shape: tuple[int, ...]
     dtype: str
-    nbytes: int
     read: Callable[[], np.ndarray]
 
+    @property
+    def nbytes(self) -> int:
+        from gefen_ckpt.wire.dtypes import itemsize
 
-@dataclass(frozen=True)
-class StoredParam:
-    shape: tuple[int, ...]
-    dtype: str
-    child: str | None
-    fields: dict[str, Stored]
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
-@dataclass(frozen=True)
-class Described:
-    contract: OptimizerContract
-    param_groups: list[dict]
-    params: dict[str, StoredParam]
-    global_fields: dict[str, Stored]
-    metadata: dict
-
-
-def describe_manifest(store, manifest) -> Described:
+def describe_manifest(store, manifest) -> CanonicalState:
     """A validated portable manifest (``gefen_ckpt.wire.manifest.Manifest``), torch-free."""
     import functools
 
     from gefen_ckpt.wire import peek
-    from gefen_ckpt.wire.dtypes import itemsize
 
     def stored(key) -> Stored:
         t = manifest.tensors[key]
-        return Stored(t.shape, t.dtype, math.prod(t.shape) * itemsize(t.dtype),
-                      functools.partial(peek.read_values, store, t))
+        return Stored(t.shape, t.dtype, functools.partial(peek.read_values, store, t))
 
     raw = manifest.raw
-    params = {fqn: StoredParam(tuple(e["shape"]), e["dtype"], e.get("child"),
-                               {name: stored((fqn, name)) for name in e["fields"]})
+    params = {fqn: ParamState(tuple(e["shape"]), e["dtype"], {name: stored((fqn, name)) for name in e["fields"]},
+                              e.get("child"))
               for fqn, e in raw["params"].items()}
     metadata = {**raw.get("metadata", {}), "source_topology": raw.get("topology", {}), "created": raw.get("created", {})}
-    return Described(manifest.contract, [dict(g, params=list(g["params"])) for g in raw["param_groups"]], params,
-                     {key: stored((None, key)) for key in raw["globals"]}, metadata)
+    return CanonicalState(manifest.contract, [dict(g, params=list(g["params"])) for g in raw["param_groups"]], params,
+                          {key: stored((None, key)) for key in raw["globals"]}, metadata)
 
 
-def describe_state(state) -> Described:
-    """A ``gefen_ckpt.CanonicalState`` (DCP, torch.save files)."""
+def describe_state(state: CanonicalState) -> CanonicalState:
+    """A ``gefen_ckpt.CanonicalState`` (DCP, torch.save files) described as ``describe_manifest``'s."""
     import torch
 
     from gefen_ckpt.wire.dtypes import dtype_name
 
-    def stored(source) -> Stored:
-        return Stored(tuple(source.shape), dtype_name(source.dtype), math.prod(source.shape) * source.dtype.itemsize,
+    def stored(_, source) -> Stored:
+        return Stored(tuple(source.shape), dtype_name(source.dtype),
                       lambda: source.read().detach().to(torch.float64).reshape(-1).numpy())
 
-    params = {fqn: StoredParam(tuple(e.shape), dtype_name(e.dtype), e.child, {k: stored(s) for k, s in e.fields.items()})
-              for fqn, e in state.params.items()}
-    return Described(state.contract, state.param_groups, params,
-                     {k: stored(s) for k, s in state.global_fields.items()}, state.metadata)
+    described = state.with_sources(stored)
+    for entry in described.params.values():  # with_sources made these ParamStates
+        entry.dtype = dtype_name(entry.dtype)
+    return described
 
 
 # ----- the summary ----------------------------------------------------------------------------
@@ -116,7 +104,7 @@ def _quantiles(values: np.ndarray, quantiles) -> list[float]:
     return out
 
 
-def _step(described: Described, manifest: dict) -> int | None:
+def _step(described: CanonicalState, manifest: dict) -> int | None:
     for where in (manifest, manifest.get("metadata") or {}, described.metadata):
         if isinstance(where, dict) and isinstance(where.get("step"), (int, float)):
             return int(where["step"])
@@ -133,7 +121,7 @@ def _version(v):
     return None if v is None else str(v)
 
 
-def summarize(url: str, fmt: str, state: Described, manifest: dict | None = None,
+def summarize(url: str, fmt: str, state: CanonicalState, manifest: dict | None = None,
               files: dict | None = None) -> dict:
     """Plain (JSON-able) summary; ``manifest``: the portable manifest, ``files``: name -> bytes."""
     manifest = manifest or {}

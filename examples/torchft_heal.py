@@ -65,25 +65,29 @@ class FlipOnce:
 
 
 class StallOnce:
-    """The healthy replica's process group with the first transfer cut short after its manifest
-    (``--stall-first-heal``): the rest never arrives, so the rejoining replica's wait runs out
-    (``TIMEOUT``), the Manager skips the step, and the next heal succeeds."""
+    """The healthy replica's process group with the first transfer that starts at or after
+    ``from_step`` cut short after its manifest (``--stall-first-heal``): the rest never leaves, so
+    the rejoining replica's wait runs out (``TIMEOUT``) naming the peer, the Manager skips the
+    step, and the next heal succeeds."""
 
-    def __init__(self, pg) -> None:
-        self.pg, self.armed = pg, True
+    def __init__(self, pg, from_step: int) -> None:
+        self.pg, self.from_step, self.state = pg, from_step, "armed"
 
     def send(self, tensors, dst, tag):
-        if not self.armed or tag <= GefenTransport.MANIFEST_TAG:
-            return self.pg.send(tensors, dst, tag)
-        if tag == GefenTransport.TRAILER_TAG:
-            self.armed = False
-        return _Sent()
+        if tag == GefenTransport.HEADER_TAG:  # [magic, version, step, ...]: a transfer starts
+            starts = self.state == "armed" and int(tensors[0][2]) >= self.from_step
+            self.state = "stalling" if starts else "spent" if self.state == "stalling" else self.state
+        if self.state == "stalling" and tag > GefenTransport.MANIFEST_TAG:
+            return _Sent()
+        return self.pg.send(tensors, dst, tag)
 
     def recv(self, tensors, src, tag):
         return self.pg.recv(tensors, src, tag)
 
 
 class _Sent:
+    """A send that reports success without sending."""
+
     def wait(self, timeout=None) -> bool:
         return True
 
@@ -99,7 +103,7 @@ class _Flipped:
 
 
 class CountingTransport(GefenTransport):
-    """Counts the transfers it refused (the Manager logs the error and retries)."""
+    """Counts the transfers it refused or that failed (the Manager logs the error and retries)."""
 
     refused = 0
 
@@ -128,12 +132,12 @@ def build(kind: str, seed: int):
     return model, Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.1, moments=moments, factored_v_2d=kind != "m8")
 
 
-def wrap(pg, replica: int, life: int, args):
-    """The process group as this replica's transport sees it (a fault injected or not)."""
-    if args.flip_first_heal and replica == 1 and life:
+def faulty(pg, replica: int, life: int, args):
+    """The process group as this replica's transport sees it, with the fault asked for (if any)."""
+    if args.flip_first_heal and life:
         return FlipOnce(pg)
     if args.stall_first_heal and replica == 0:
-        return StallOnce(pg)
+        return StallOnce(pg, args.kill_at)
     return pg
 
 
@@ -147,7 +151,7 @@ def attempt(replica: int, life: int, lighthouse: str, args) -> dict | None:
         rank=0, world_size=1, lighthouse_addr=lighthouse, timeout=TIMEOUT,
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["optim"])),
         state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
-        checkpoint_transport=(transport := CountingTransport(wrap(pg, replica, life, args), TIMEOUT)))
+        checkpoint_transport=(transport := CountingTransport(faulty(pg, replica, life, args), TIMEOUT)))
     opt = OptimizerWrapper(manager, inner)
     try:
         while manager.current_step() < args.steps:
@@ -192,7 +196,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kill-at", type=int, default=4)
     parser.add_argument("--optimizer", choices=["gefen", "m8", "muon", "hybrid"], default="gefen")
     parser.add_argument("--flip-first-heal", action="store_true", help="corrupt the first heal in transit")
-    parser.add_argument("--stall-first-heal", action="store_true", help="cut the first heal short after its manifest")
+    parser.add_argument("--stall-first-heal", action="store_true",
+                        help="cut the healthy replica's first heal after the kill short after its manifest")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # torchft warns that CPUs have no NCCL flight recorder
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200)

@@ -149,7 +149,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.bins_per_code = bins_per_code
         self.codebook: torch.Tensor | None = None
         self._plan: tuple[tuple[int, ...], ReductionPlan] | None = None
-        self._shared: tuple | None = None  # what share_books last put into the live state
+        self._codebooks_in_state: tuple | None = None  # the key of the codebooks the live state holds
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(_add_global_state, prepend=True)
 
@@ -158,20 +158,21 @@ class CompressedOptimizer(torch.optim.Optimizer):
         (the reduction plan is rebuilt on demand)."""
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in self.global_books()})
-        state.update(codebook_size=self.codebook_size, bins_per_code=self.bins_per_code, _plan=None, _shared=None)
+        state.update(codebook_size=self.codebook_size, bins_per_code=self.bins_per_code, _plan=None,
+                     _codebooks_in_state=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_shared", None)
+        self.__dict__.setdefault("_codebooks_in_state", None)
 
     def global_books(self) -> dict[str, int]:
         """The optimizer-wide codebooks (attributes of these names, None until learned) and their
-        sizes; every parameter's live state holds each (``share_books``) and so does its state_dict
-        entry (``_add_global_state``)."""
+        sizes; every parameter's live state holds each (``put_codebooks_in_state``) and so does its
+        state_dict entry (``_add_global_state``)."""
         return {CODEBOOK: self.codebook_size}
 
-    def share_books(self) -> None:
+    def put_codebooks_in_state(self) -> None:
         """Put the optimizer-wide codebooks into every parameter's live state, one tensor shared by
         all (an all-zero one, the same for every parameter, until learned).
 
@@ -191,12 +192,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if book is not None:
                 books[name] = book
         key = (tuple((name, id(book)) for name, book in books.items()), id(self.state), len(self.state))
-        if key == self._shared:
+        if key == self._codebooks_in_state:
             return
         for param, entry in self.state.items():
             if isinstance(param, torch.Tensor):  # a hook's own keys (optimizer.state["key"]) stay as they are
                 entry.update(books)
-        self._shared = key
+        self._codebooks_in_state = key
 
     #: the torch optimizer whose refusals at ``step()`` this one repeats (``validation.TORCH_STEP_REFUSALS``)
     torch_name = "Adam"
@@ -275,7 +276,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             with batched():  # the step's Triton updates: a few launches for the whole step
                 self._initialise_new(work)
                 self._step(work)
-                self.share_books()
+                self.put_codebooks_in_state()
         return loss
 
     # ----- the first step with a gradient ---------------------------------------------------
@@ -336,8 +337,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self.__setstate__({"state": state, "param_groups": groups})
             for name, book in books.items():
                 setattr(self, name, book)
-            self._shared = None
-            self.share_books()
+            self._codebooks_in_state = None
+            self.put_codebooks_in_state()
             for hook in self._optimizer_load_state_dict_post_hooks.values():
                 hook(self)
 

@@ -1,7 +1,7 @@
 """Which implementation runs each step function, as ``torch.optim.adamw`` picks fused/foreach/single.
 
 Every function takes the arguments of the ``gefen.functional`` reference of the same name and asks
-``kernels``, the one selection, who runs it: the C kernels (``gefen.native``) or the Triton kernels
+``kernels``, the one selection, who runs it: the C kernels (``gefen.c_kernels``) or the Triton kernels
 (``gefen.triton.dispatch``), on a layout checked here (``_*_layout``; a kernel that still
 declines touches nothing), else the reference. The ``*_`` functions over a list take a whole
 group in a few Triton launches.
@@ -13,16 +13,16 @@ import os
 
 import torch
 
+from gefen import c_kernels
 from gefen import functional as F
-from gefen import native
 from gefen.codebook import histogram_normalised_blocks, histogram_pairs
 from gefen.geometry import rows_and_row_numel
 from gefen.triton import dispatch as triton
 from gefen.triton.dispatch import batched
 
-__all__ = ["adamw_update_", "batched", "block_histograms", "enabled", "gefen_update_", "kernels", "m4v4_partials",
-           "m4v4_partials_", "m4v4_row_stats", "m4v4_update_", "m8_partials_", "momenta_", "momentum_scales",
-           "round_param_", "second_moment_partials", "sr_target", "unfit", "update_momentum_"]
+__all__ = ["adamw_update_", "batched", "block_histograms", "enabled", "kernels", "m4v4_partials", "m4v4_partials_",
+           "m4v4_row_stats", "m4v4_update_", "m8_partials", "m8_partials_", "m8_update_", "momenta_",
+           "momentum_scales", "round_param_", "sr_target", "unfit", "update_momentum_"]
 
 #: The one switch: False runs the reference everywhere (the kernels' numbers within their bounds, slower).
 enabled: bool = os.environ.get("GEFEN_DISABLE_NATIVE", "").strip() in ("", "0")
@@ -59,12 +59,12 @@ def kernels(family: str, tensors: list, states: list = (), layout=None):
         if device.type == "cuda":
             triton.fallback(why)
         return None
-    if device.type == "cpu" and enabled and native.trusted(family) and unfit(tensors, states) is None:
-        return None if layout and layout() else native
+    if device.type == "cpu" and enabled and c_kernels.trusted(family) and unfit(tensors, states) is None:
+        return None if layout and layout() else c_kernels
     return None
 
 
-def _either(run, name: str, reference, *args, **kw):
+def _kernel_or_reference(run, name: str, reference, *args, **kw):
     """``run.<name>(*args, **kw)`` when ``kernels`` chose kernels that have it and they do not
     decline (None / False: nothing touched), else ``reference(*args, **kw)``."""
     fn = getattr(run, name, None)
@@ -87,13 +87,13 @@ def _phase1_layout(grad, state, max_dim: int, row_sum=None) -> str | None:
     return None
 
 
-def second_moment_partials(grad, state, beta2):
+def m8_partials(grad, state, beta2):
     run = kernels("m8", [grad], [state.get("v_row")], lambda: _phase1_layout(grad, state, 2))
-    return _either(run, "second_moment_partials", F.second_moment_partials, grad, state, beta2)
+    return _kernel_or_reference(run, "m8_partials", F.m8_partials, grad, state, beta2)
 
 
 def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
-    """``second_moment_partials`` of every factored ``(grad, state, beta2)`` in two Triton launches
+    """``m8_partials`` of every factored ``(grad, state, beta2)`` in two Triton launches
     (phase 1 of a whole m8 group), or None: the caller takes them one by one."""
     return _phase1_group("m8", items, lambda g: 2, triton.m8_partials_)
 
@@ -107,12 +107,12 @@ def _phase1_group(family: str, items: list, max_dim, launch) -> list | None:
     return launch(items) if kernels(family, grads, v_rows, why) is triton else None
 
 
-def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> None:
+def m8_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> None:
     second = [state.get("v_row"), state.get("v_col"), v_row, partials] if "v_row" in state else [state.get("v")]
     run = kernels("m8", [param, grad], [state.get("m_code"), state.get("m_scale"), codebook, *second],
                   lambda: _m8_layout(param, grad, state, codebook, v_row, partials))
-    _either(run, "gefen_update_", F.gefen_update_, param, grad, state, codebook, h, global_rows=global_rows,
-            v_row=v_row, partials=partials)
+    _kernel_or_reference(run, "m8_update_", F.m8_update_, param, grad, state, codebook, h,
+                         global_rows=global_rows, v_row=v_row, partials=partials)
 
 
 def _momentum_layout(grad, state, codebook, scales=None) -> str | None:
@@ -167,8 +167,8 @@ def update_momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor:
 
 
 def momentum_scales(state, grad, beta, codebook) -> torch.Tensor:
-    return _either(_momentum_kernels([(state, grad, beta)], codebook), "momentum_scales", F.momentum_scales, state,
-                   grad, beta, codebook)
+    return _kernel_or_reference(_momentum_kernels([(state, grad, beta)], codebook), "momentum_scales",
+                                F.momentum_scales, state, grad, beta, codebook)
 
 
 def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor) -> list[torch.Tensor]:
@@ -183,7 +183,8 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
 def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
     run = kernels("m4v4", [grad], [state.get("v_row")] + ([] if row_sum is None else [row_sum]),
                   lambda: _phase1_layout(grad, state, grad.dim(), row_sum))
-    return _either(run, "m4v4_partials", F.m4v4_partials, grad, state, beta2, row_sum=row_sum, row_len=row_len)
+    return _kernel_or_reference(run, "m4v4_partials", F.m4v4_partials, grad, state, beta2, row_sum=row_sum,
+                                row_len=row_len)
 
 
 def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
@@ -195,7 +196,7 @@ def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None
 def m4v4_row_stats(grad, state, codebook, beta1) -> tuple[torch.Tensor, torch.Tensor]:
     run = kernels("m4v4", [grad], [state.get("mv_code"), state.get("m_row_scale"), codebook],
                   lambda: _m4v4_layout(grad, state, codebook))
-    return _either(run, "m4v4_row_stats", F.m4v4_row_stats, grad, state, codebook, beta1)
+    return _kernel_or_reference(run, "m4v4_row_stats", F.m4v4_row_stats, grad, state, codebook, beta1)
 
 
 def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, partials, pidx, seed, row0=0,
@@ -204,9 +205,9 @@ def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, 
     tables = [codebook, ratio, v_row, partials] + ([] if row_max is None else [row_max])
     run = kernels("m4v4", [param, grad], [*fields, *tables],
                   lambda: _m4v4_layout(grad, state, codebook, param, ratio, v_row, partials, row_max))
-    _either(run, "m4v4_update_", F.m4v4_update_, param, grad, state, codebook, ratio, h, global_rows=global_rows,
-            v_row=v_row, partials=partials, pidx=pidx, seed=seed, row0=row0, col0=col0, row_len=row_len,
-            row_max=row_max)
+    _kernel_or_reference(run, "m4v4_update_", F.m4v4_update_, param, grad, state, codebook, ratio, h,
+                         global_rows=global_rows, v_row=v_row, partials=partials, pidx=pidx, seed=seed, row0=row0,
+                         col0=col0, row_len=row_len, row_max=row_max)
 
 
 def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0) -> None:
@@ -214,7 +215,8 @@ def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0)
     run = kernels("m4v4", [param, grad], [m, v], lambda: (
         None if param.shape == grad.shape == m.shape == v.shape and m.dtype == torch.bfloat16
         and v.dtype == torch.float32 else "an unexpected AdamW state layout"))
-    _either(run, "adamw_update_", F.adamw_update_, param, grad, state, h, pidx=pidx, seed=seed, row0=row0)
+    _kernel_or_reference(run, "adamw_update_", F.adamw_update_, param, grad, state, h, pidx=pidx, seed=seed,
+                         row0=row0)
 
 
 def _m4v4_layout(grad, state, codebook, param=None, ratio=None, v_row=None, partials=None, row_max=None) -> str | None:
@@ -266,12 +268,12 @@ def block_histograms(items: list, num_bins: int) -> torch.Tensor | None:
     same counts)."""
     pairs = histogram_pairs(items)
     runs = [_histogram_kernels(blocks, scale, num_bins) for blocks, scale in pairs]
-    batch = [pair for pair, run in zip(pairs, runs) if run is native]
-    counts = native.block_histograms(batch, num_bins) if batch else None
+    batch = [pair for pair, run in zip(pairs, runs) if run is c_kernels]
+    counts = c_kernels.block_histograms(batch, num_bins) if batch else None
     if counts is None:  # no batch, or the C call refused it: the reference counts those items
-        runs = [None if run is native else run for run in runs]
+        runs = [None if run is c_kernels else run for run in runs]
     for (blocks, scale), run in zip(pairs, runs):
-        if run is native:
+        if run is c_kernels:
             continue  # counted in the batch
         h = run.block_histogram(blocks, num_bins, scale) if run is not None else None
         h = histogram_normalised_blocks(blocks, num_bins, scale) if h is None else h

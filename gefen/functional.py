@@ -2,9 +2,9 @@
 references of the kernels (``gefen.dispatch`` picks the kernels or these).
 
 A step is two phases so that distributed runs need one all-reduce per step: phase 1
-(``second_moment_partials``, m8; ``m4v4_partials``) computes what is summed over ranks, then
-phase 2 (``gefen_update_``; ``m4v4_update_``, ``adamw_update_`` for 1-D tensors) applies the
-step. Every function takes the rank-local (row-sharded) tensors plus the *global* row count.
+(``m8_partials``, ``m4v4_partials``: each named for its state layout) computes what is summed
+over ranks, then phase 2 (``m8_update_``, ``m4v4_update_``; ``adamw_update_`` for 1-D tensors)
+applies the step. Every function takes the rank-local (row-sharded) tensors plus the *global* row count.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def init_momentum_state(param: torch.Tensor, global_shape: tuple[int, ...], peri
     }
 
 
-def init_state(param: torch.Tensor, global_shape: tuple[int, ...], period: int, factored: bool) -> dict:
+def init_m8_state(param: torch.Tensor, global_shape: tuple[int, ...], period: int, factored: bool) -> dict:
     """Zero m8 state for the local (row-sharded) ``param``."""
     state = init_momentum_state(param, global_shape, period)
     if not factored:
@@ -101,7 +101,7 @@ def init_state(param: torch.Tensor, global_shape: tuple[int, ...], period: int, 
     return state
 
 
-def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
+def m8_partials(grad: torch.Tensor, state: dict, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
     """For a factored tensor: the new ``v_row`` (rank-local) and the float64 partial sums that
     need a global reduction, ``[column sums of g^2..., sum of the new v_row]``."""
     sq = grad.float().square()
@@ -110,10 +110,10 @@ def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float) -> tup
     return v_row, partials
 
 
-def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h: Hyper, *,
-                  global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None) -> None:
+def m8_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h: Hyper, *,
+               global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None) -> None:
     """Apply one Gefen step in place (docs/design.md 3.1, m8). ``v_row``/``partials``: the factored
-    tensor's results of ``second_moment_partials`` after the global sum; block-path tensors pass neither."""
+    tensor's results of ``m8_partials`` after the global sum; block-path tensors pass neither."""
     period = int(state["period"])
     g = grad.float()
     step = int(state["step"]) + 1

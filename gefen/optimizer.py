@@ -13,7 +13,7 @@ from gefen.functional import (
     VECTOR_FIELDS,
     Hyper,
     init_m4v4_state,
-    init_state,
+    init_m8_state,
     is_coded,
     is_factored,
 )
@@ -126,7 +126,7 @@ class Gefen(CompressedOptimizer):
         shape = global_shape(param)
         if self.moments == "m4v4":
             return init_m4v4_state(local_tensor(param), shape)
-        return init_state(local_tensor(param), shape, period, is_factored(shape, group["factored_v_2d"]))
+        return init_m8_state(local_tensor(param), shape, period, is_factored(shape, group["factored_v_2d"]))
 
     def _moments_nonzero(self, entry: dict) -> bool:
         if self.moments == "m8":
@@ -166,13 +166,13 @@ class Gefen(CompressedOptimizer):
         return {i: (v_row, plan.take_partials(p, total, _row_len(p))) for (i, p, v_row, _), total in zip(factored, sums)}
 
     def _step_m8(self, work) -> None:
-        pending = self._reduced_partials(work, "v_row", lambda p, *args: dispatch.second_moment_partials(*args),
+        pending = self._reduced_partials(work, "v_row", lambda p, *args: dispatch.m8_partials(*args),
                                          batched_fn=dispatch.m8_partials_)
         codebook = self._step_codebook()
         for i, _, p, target, grad, h, _, _ in self._updates(work):
             v_row, partials = pending.get(i, (None, None))
-            dispatch.gefen_update_(target, grad, self.state[p], codebook, h, global_rows=p.shape[0] if p.dim() else 1,
-                                   v_row=v_row, partials=partials)
+            dispatch.m8_update_(target, grad, self.state[p], codebook, h, global_rows=p.shape[0] if p.dim() else 1,
+                                v_row=v_row, partials=partials)
 
     def _step_m4v4(self, work) -> None:
         plan = self.reduction_plan()

@@ -28,7 +28,7 @@ class Refused(Exception):
 
 #: The reference's step functions, under the names the problems call.
 REFERENCE = types.SimpleNamespace(
-    partials=F.second_moment_partials, update=F.gefen_update_, m4v4_partials=F.m4v4_partials,
+    m8_partials=F.m8_partials, m8_update=F.m8_update_, m4v4_partials=F.m4v4_partials,
     m4v4_update=F.m4v4_update_, adamw=F.adamw_update_, row_stats=F.m4v4_row_stats,
     momentum=lambda state, g, beta, codebook: F.update_momentum_(state, g.float(), beta, codebook),
     round=F.round_param_, histogram=histogram_normalised_blocks)
@@ -156,7 +156,7 @@ def run_m8(shape, period, factored, dtype, device, steps, fns):
     """m8 steps of one tensor, a row shard of a tensor three rows longer."""
     gen = torch.Generator().manual_seed(1234 + len(shape) + period)
     p = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    state = F.init_state(p, tuple(shape), period, factored)
+    state = F.init_m8_state(p, tuple(shape), period, factored)
     codebook = torch.cat([torch.tensor([-1.0]), torch.sort(torch.rand(62, generator=gen) * 2 - 1).values,
                           torch.tensor([1.0])]).to(device)
     # beta1 <= 0.5 takes ATen's other lerp formula (|weight| >= 0.5): check both
@@ -165,9 +165,9 @@ def run_m8(shape, period, factored, dtype, device, steps, fns):
     for i, fn in enumerate([REFERENCE] * steps[0] + [fns] * steps[1]):
         before = p.clone() if i == steps[0] else before  # the parameter before fns' first step
         g = _grad(gen, shape, dtype, device)
-        v_row, partials = fn.partials(g, state, h.beta2) if factored else (None, None)
-        fn.update(p, g, state, codebook, h, global_rows=(shape[0] if shape else 1) + 3, v_row=v_row,
-                  partials=partials)
+        v_row, partials = fn.m8_partials(g, state, h.beta2) if factored else (None, None)
+        fn.m8_update(p, g, state, codebook, h, global_rows=(shape[0] if shape else 1) + 3, v_row=v_row,
+                     partials=partials)
     return p, state, before
 
 

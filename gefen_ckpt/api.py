@@ -99,8 +99,9 @@ def load(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Module |
     error (a rank missing for ``timeout`` seconds is named). With ``read_once`` rows that several
     ranks hold (replicas: DDP, HSDP) are read from storage by one of them, the reading spread
     over the holders, and sent to the others over the process group in messages of at most
-    ``memory_budget`` bytes, each checked on arrival; None (the default) reads once from remote
-    stores and lets every rank read a local file itself (docs/decisions.md).
+    ``memory_budget`` bytes, each checked on arrival; None (the default) reads once where reads
+    cross a network (object stores, network file systems) and lets every rank read a local
+    disk's files itself (docs/decisions.md).
     """
     with iostats.measuring("load"):
         _load(optimizer, url, model, storage_options, timeout, read_once, memory_budget)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from gefen.contract import OptimizerContract
 from gefen_ckpt.errors import CheckpointError
+
+if TYPE_CHECKING:  # annotations only: a description (``gefen-ckpt inspect``, ``verify``) needs no torch
+    import torch
 
 
 @runtime_checkable

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from gefen.contract import OptimizerContract, contract_of
 from gefen.distributed import as_field_dtensor, field_placements
+from gefen.replicas import chunk_rows
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, TensorSource
 from gefen_ckpt.dcp_layout import (
@@ -70,7 +71,7 @@ from gefen_ckpt.live import (
     names_from_model,
     stage_state_dict,
 )
-from gefen_ckpt.placement import chunk_rows, is_dtensor, rows_per_chunk, to_local
+from gefen_ckpt.placement import is_dtensor, rows_per_chunk, to_local
 from gefen_ckpt.wire.dtypes import dtype_name
 from gefen_ckpt.wire.manifest import parse_contract
 

@@ -57,6 +57,16 @@ def leaves(optimizer, contract: OptimizerContract):
     return [(name, children[name] if name is not None else optimizer, leaf) for name, leaf in contract.leaves()]
 
 
+def live_params(optimizer, model: torch.nn.Module | None = None):
+    """``(child, leaf contract, group, fqn, parameter)`` of every parameter, leaf by leaf in
+    param-group order: the one walk of a live optimizer's parameters by name."""
+    names = names_from_model(model)
+    for child, opt, leaf in leaves(optimizer, contract_of(optimizer)):
+        for group in opt.param_groups:
+            for fqn, p in zip(group_fqns(group, names, leaf.implementation), group["params"]):
+                yield child, leaf, group, fqn, p
+
+
 # ----- export -------------------------------------------------------------------------------
 def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None) -> CanonicalState:
     """The optimizer's state as a topology-free ``CanonicalState``, valid until its next step
@@ -257,9 +267,7 @@ def check_fits(optimizer: torch.optim.Optimizer, state: CanonicalState, model=No
     contract = contract_of(optimizer)
     check_contract(contract, state.contract)
     names = names_from_model(model)
-    live_fqns = [fqn for _, opt, leaf in leaves(optimizer, contract)
-                 for g in opt.param_groups for fqn in group_fqns(g, names, leaf.implementation)]
-    check_same_params(live_fqns, state.fqns())
+    check_same_params([fqn for *_, fqn, _ in live_params(optimizer, model)], state.fqns())
     unowned = set(state.params) - set(state.fqns())
     if unowned:
         raise CheckpointMismatchError(f"checkpoint has state for parameters in no group: {sorted(unowned)[:5]}")

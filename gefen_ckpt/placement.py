@@ -12,10 +12,7 @@ import torch
 from gefen.distributed import is_dtensor  # noqa: F401  (the DTensor helpers' one home)
 from gefen.distributed import local_tensor as to_local  # noqa: F401
 from gefen.geometry import first_copy, rows_and_row_numel
-from gefen.replicas import (
-    Holders,
-    chunk_rows,  # noqa: F401  (the split rule's one home)
-)
+from gefen.replicas import Holders
 from gefen_ckpt.errors import UnsupportedLayoutError
 
 

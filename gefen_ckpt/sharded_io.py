@@ -1,6 +1,6 @@
 """``save``/``load`` under a process group: every rank writes and reads only its own rows.
 
-Each rank writes the rows it owns into its own files (and, 2.0, index, checked against the split
+Each rank writes the rows it owns into its own files and index (checked against the split
 rule every rank derives alike); rank 0 gathers O(1) bytes per rank and commits the manifest, so
 until then the previous checkpoint stays committed. A load reads only the pieces overlapping a
 rank's rows, whatever layout wrote them: that is the reshard.
@@ -20,7 +20,6 @@ from gefen_ckpt.collective import (
     agree,
     broadcast_bytes,
     describe_error,
-    exchange,
     failure,
     gather_bytes,
     pack,
@@ -33,7 +32,7 @@ from gefen_ckpt.storage import Store
 from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire.dtypes import dtype_name
 from gefen_ckpt.wire.index import Explicit, IndexSet, Rule, SplitTensor, WriterPin
-from gefen_ckpt.wire.manifest import FileRecord, PieceRecord, build, build_v2, open_checkpoint, tensor_order
+from gefen_ckpt.wire.manifest import build, open_checkpoint, tensor_order
 from gefen_ckpt.wire.reader import lazy_state
 from gefen_ckpt.wire.writer import (
     WriteItem,
@@ -69,11 +68,8 @@ def save_sharded(optimizer: torch.optim.Optimizer | None, url: str, *, model, ma
         agree(error, f"locking {url}", group)
         state = export_canonical(optimizer, model=model) if state is None else state
         state.metadata["source_topology"] = {"kind": "sharded", "world_size": world_size}
-        if mf.WRITE_VERSION[0] >= 2:
-            error = _save_v2(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget,
-                             group)
-        else:
-            error = _save_v1(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget)
+        error = _save_ranks(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget,
+                            group)
         try:
             agree(error, f"committing {url}", group)
         except Exception as exc:
@@ -110,34 +106,9 @@ def told(exc: Exception, store: Store, token: str, url: str, rank: int) -> Excep
     return error
 
 
-def _save_v1(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget):
-    """1.x: every rank's piece records go to every rank; rank 0 builds the manifest from them."""
-    pieces, files, error = [], [], None
-    try:
-        pieces, files = write_pieces(store, data_stem(token, rank), OwnSplit(state, rank).items(),
-                                     max_file_bytes=max_file_bytes, memory_budget=memory_budget, version=(1, 1))
-    except Exception as exc:  # every rank learns of it in exchange()
-        error = exc
-    try:  # every rank's piece records, once every rank has written
-        gathered = exchange({"pieces": [p.to_dict() for p in pieces], "files": [[f.name, f.nbytes] for f in files]},
-                            error, f"save to {url}")
-    except BaseException:  # no commit can follow a failed exchange: every survivor removes the whole save
-        discard(store, token)
-        raise
-    if rank == 0:
-        try:
-            manifest = build(state, [PieceRecord.from_dict(p) for g in gathered for p in g["pieces"]],
-                             [FileRecord(n, b) for g in gathered for n, b in g["files"]],
-                             layout="sharded", world_size=world_size)
-            commit(store, manifest, token, previous=previous)  # removes every rank's files if it fails
-        except Exception as exc:
-            return exc
-    return None
-
-
-def _save_v2(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget, group=None):
-    """2.0, rank-local: each rank writes and checks its data and index (``OwnSplit``); rank 0
-    gathers ``commit_payload`` from each and commits. Returns this rank's error (None: committed)."""
+def _save_ranks(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget, group=None):
+    """Rank-local: each rank writes and checks its data and index (``OwnSplit``); rank 0 gathers
+    ``commit_payload`` from each and commits. Returns this rank's error (None: committed)."""
     error, payload = None, {}
     try:
         plan = OwnSplit(state, rank)
@@ -161,9 +132,8 @@ def _save_v2(state, store, token, previous, rank, world_size, url, max_file_byte
         everyone = [unpack(b) for b in gathered]
         if (failed := failure(f"save to {url}", everyone, "nothing was changed")) is not None:
             raise error or failed
-        manifest = build_v2(state, plan.merged([p["explicit"] for p in everyone], [p["digest"] for p in everyone]),
-                            [WriterPin.from_raw(p["writer"]) for p in everyone],
-                            layout="sharded", world_size=world_size)
+        manifest = build(state, plan.merged([p["explicit"] for p in everyone], [p["digest"] for p in everyone]),
+                         [WriterPin.from_raw(p["writer"]) for p in everyone], layout="sharded", world_size=world_size)
         commit(store, manifest, token, previous=previous)  # removes every rank's files if it fails
     except Exception as exc:
         discard(store, token)
@@ -276,5 +246,7 @@ def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_o
 
 
 def reads_once(store: Store) -> bool:
-    """The default of ``load(read_once=None)``: (docs/decisions.md, "Replicas share the I/O")."""
-    return not store.local
+    """The default of ``load(read_once=None)``: where reads cross a network; a local disk serves
+    every rank from one page cache faster than the ranks can send each other the bytes
+    (docs/decisions.md, "Replicas share the I/O")."""
+    return store.networked

@@ -19,13 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gefen.contract import contract_of
 from gefen.geometry import rows_and_row_numel
 from gefen.replicas import Holders, assign, chunk_rows, nested_chunk
 from gefen_ckpt import collective, iostats, placement
 from gefen_ckpt.canonical import CanonicalState, LocalPart
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
-from gefen_ckpt.live import group_fqns, leaves, names_from_model
+from gefen_ckpt.live import live_params
 from gefen_ckpt.wire import checksum
 
 Key = tuple  # (fqn or None, field)
@@ -58,15 +57,12 @@ def held_rows(optimizer, state: CanonicalState, model=None) -> dict[Key, Held]:
     live parameters (``placement``: the save's own view of the layout)."""
     out = {(None, key): Held(placement.every_rank(), 0, rows_and_row_numel(src.shape)[0])
            for key, src in state.global_fields.items()}
-    names = names_from_model(model)
-    for _, opt, leaf in leaves(optimizer, contract_of(optimizer)):
-        for group in opt.param_groups:
-            for fqn, p in zip(group_fqns(group, names, leaf.implementation), group["params"]):
-                entry = state.params.get(fqn)
-                for name, src in (entry.fields.items() if entry is not None else ()):
-                    sharded = leaf.field(name).row_sharded and bool(src.shape)
-                    start, stop = placement.local_rows(p, fqn) if sharded else (0, rows_and_row_numel(src.shape)[0])
-                    out[(fqn, name)] = Held(placement.holders(p, sharded), start, stop)
+    for _, leaf, _, fqn, p in live_params(optimizer, model):
+        entry = state.params.get(fqn)
+        for name, src in (entry.fields.items() if entry is not None else ()):
+            sharded = leaf.field(name).row_sharded and bool(src.shape)
+            start, stop = placement.local_rows(p, fqn) if sharded else (0, rows_and_row_numel(src.shape)[0])
+            out[(fqn, name)] = Held(placement.holders(p, sharded), start, stop)
     return out
 
 

@@ -418,6 +418,12 @@ class Store:
     local = False  # files this process can map and lock (reader.py, writelock.py)
     _Reader, _Writer = RemoteReader, RemoteWriter
 
+    @property
+    def networked(self) -> bool:
+        """Does every read cross a network (an object store; a network file system mounted
+        locally)? Then ranks sharing rows read them once (``load(read_once=None)``)."""
+        return True
+
     def __new__(cls, url: str | None = None, storage_options: dict | None = None):
         if url is None:  # copy/pickle: the attributes follow
             return super().__new__(cls)
@@ -563,6 +569,10 @@ class LocalStore(Store):
     local = True
     _Reader, _Writer = LocalReader, LocalWriter
 
+    @property
+    def networked(self) -> bool:
+        return filesystem_type(self.root) in NETWORK_FILESYSTEMS or filesystem_type(self.root).startswith("fuse.")
+
     def listing(self) -> dict[str, int]:
         try:
             with self.io(), os.scandir(self.root) as it:
@@ -655,6 +665,31 @@ class LocalStore(Store):
             finally:
                 os.close(fd)
         iostats.count(bytes_written=len(data), requests=1, files_opened=1)
+
+
+#: Mounted file systems whose reads cross a network (``/proc/self/mountinfo`` names; FUSE mounts,
+#: ``fuse.*``, too: s3fs, gcsfuse, blobfuse...).
+NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "beegfs", "ceph",
+                                 "glusterfs", "9p", "wekafs", "panfs", "pvfs2", "orangefs", "afs", "virtiofs"})
+
+
+def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type of the file system holding ``path`` (Linux: the longest mount point above it in
+    ``mountinfo``); "" where that cannot be told."""
+    try:
+        with open(mountinfo) as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return ""
+    path, best, kind = os.path.realpath(path if os.path.exists(path) else os.path.dirname(path) or "."), "", ""
+    for fields in mounts:
+        if "-" not in fields:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[fields.index("-") + 1]
+    return kind
 
 
 #: Opt-in to creating a missing bucket (``gefen-ckpt convert/reshard --create-bucket`` sets it).

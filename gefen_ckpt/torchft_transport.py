@@ -16,16 +16,19 @@ over a process group, in the wire format's pickle-free, batched shape:
   joining one, which checks the shard is the part its own ``mesh`` gives it before rebuilding the
   DTensor there.
 
-A wait that runs out raises ``CheckpointTimeoutError``, a peer that fails ``CheckpointError``,
-both naming the peer; torchft's Manager reports the error, skips the step and heals again.
+The timeout bounds the whole transfer: a wait that runs out raises ``CheckpointTimeoutError``, a
+peer that fails (its process died: the connection drops) ``CheckpointError``, both naming the
+peer; torchft's Manager reports the error and skips the step.
 torchft is an optional extra (``gefen[torchft]``): only this module imports it.
 """
 
 from __future__ import annotations
 
+import gc
 import struct
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -108,10 +111,12 @@ class _Collector:
         self.seen: dict[tuple, int] = {}
 
     def __call__(self, value: Any):
-        if isinstance(value, torch.Tensor) and is_dtensor(value):
-            return msgpack.ExtType(_SHARD, self.pack([self.number(value.to_local()), *shard_meta(value)]))
+        if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the common case first
+            return msgpack.ExtType(_TENSOR, _INDEX.pack(self.number(value)))
         if isinstance(value, torch.Tensor):
-            if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+            if is_dtensor(value):
+                return msgpack.ExtType(_SHARD, self.pack([self.number(value.to_local()), *shard_meta(value)]))
+            if not isinstance(value, torch.nn.Parameter):
                 raise CheckpointError(f"cannot send a {type(value).__name__} (send its local tensor)")
             return msgpack.ExtType(_TENSOR, _INDEX.pack(self.number(value)))
         if isinstance(value, tuple):
@@ -125,6 +130,7 @@ class _Collector:
         raise CheckpointError(f"cannot send a {type(value).__name__} value in a state dict (tensors and plain data only)")
 
     def number(self, value: torch.Tensor) -> int:
+        """The tensor's number, a new one the first time this memory, shape, strides and dtype come."""
         key = (value.device, value.data_ptr(), value.shape, value.stride(), value.dtype)
         number = self.seen.get(key)
         if number is None:
@@ -264,6 +270,31 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.cpu().reshape(-1)
 
 
+@contextmanager
+def _gc_paused():
+    """Thousands of small tensors make thousands of objects: the cyclic collector would stop the
+    transfer for 10-100 ms to find no garbage among them."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _packed(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The small tensors' bytes end to end: one concatenation per run of one dtype, then their bytes."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    runs, start = [], 0
+    for j in range(1, len(tensors) + 1):
+        if j == len(tensors) or tensors[j].dtype != tensors[start].dtype:
+            runs.append(torch.cat([_flat(t) for t in tensors[start:j]]).view(torch.uint8))
+            start = j
+    return torch.cat(runs) if len(runs) > 1 else runs[0]
+
+
 def _order(tensors: list[torch.Tensor], pack_bytes: int) -> tuple[list[int], int]:
     """Send order (packed first, largest elements first) and how many are packed."""
     small, large = [], []
@@ -288,13 +319,12 @@ def encode_state(state_dict: Any, step: int, *, pack_bytes: int = PACK_BYTES, ha
     """The manifest, packed buffer and large tensors of ``state_dict``, each tensor checksummed
     (the large ones only with ``hash_large``: the transport hashes each while it is sent)."""
     collect = _Collector()
-    tree = collect.pack(state_dict)
-    order, packed = _order(collect.tensors, pack_bytes)
-    ordered = [collect.tensors[i] for i in order]
-    flat = [_flat(t) for t in ordered]
-    as_bytes = [f.view(torch.uint8) for f in flat]
-    pack = torch.cat(as_bytes[:packed]) if packed else torch.empty(0, dtype=torch.uint8)
-    sizes = np.fromiter((b.numel() for b in as_bytes), np.int64, len(as_bytes))
+    with _gc_paused():
+        tree = collect.pack(state_dict)
+        order, packed = _order(collect.tensors, pack_bytes)
+        ordered = [collect.tensors[i] for i in order]
+        pack = _packed(ordered[:packed])
+    sizes = np.fromiter((t.nbytes for t in ordered), np.int64, len(ordered))
     offsets = np.cumsum(sizes[:packed]) - sizes[:packed]
     crcs = checksum.of_ranges(pack.numpy(), offsets.tolist(), sizes[:packed].tolist()) if packed else []
     shapes = [t.shape for t in ordered]
@@ -304,7 +334,7 @@ def encode_state(state_dict: Any, step: int, *, pack_bytes: int = PACK_BYTES, ha
                     np.asarray(order, np.uint32), int(pack.numel()))
     manifest = msgpack.packb({"format": FORMAT, "version": VERSION, "step": int(step), "tree": tree,
                               **pieces.to_wire()}, use_bin_type=True)
-    large = as_bytes[packed:]
+    large = [_flat(t).view(torch.uint8) for t in ordered[packed:]]  # views: sent from their own memory
     return Encoded(manifest, pack, large, len(ordered), [_crc(t) for t in large] if hash_large else [])
 
 
@@ -432,7 +462,8 @@ def decode_state(data: bytes, step: int, pack: torch.Tensor, large: list[torch.T
         raise CheckpointCorruptError(f"heal from {peer}: the received buffers do not match the manifest")
     _check_crcs(_packed_crcs(parsed, pack) + [_crc(t) for t in large],
                 np.concatenate([parsed.crc.astype(np.int64), np.asarray(large_crc, np.int64)]), peer)
-    return _unpack_tree(parsed.tree, _tensors(parsed, pack, large), mesh, peer)
+    with _gc_paused():
+        return _unpack_tree(parsed.tree, _tensors(parsed, pack, large), mesh, peer)
 
 
 def _unpack_tree(tree: bytes, tensors: list[torch.Tensor], mesh=None, peer: str = "the sender"):
@@ -574,7 +605,8 @@ class GefenTransport(CheckpointTransport):
         pack, large, got, want = self._receive(parsed, src_rank, deadline, total, peer)
         # every message is in: a bad piece leaves the process group clean for the Manager's retry
         _check_crcs(got, want, peer)
-        state = _unpack_tree(parsed.tree, _tensors(parsed, pack, large), self._mesh, peer)
+        with _gc_paused():
+            state = _unpack_tree(parsed.tree, _tensors(parsed, pack, large), self._mesh, peer)
         self.last_recv = HealStats(header.nbytes + length + parsed.pack + sum(t.numel() for t in large) + 8 * len(large),
                                    3 + len(large) + bool(large), len(parsed.dtypes), time.perf_counter() - start)
         return state

@@ -20,10 +20,11 @@ import torch
 
 from gefen.contract import OptimizerContract
 from gefen.geometry import rows_and_row_numel
+from gefen.replicas import chunk_rows
 from gefen_ckpt import collective
 from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
-from gefen_ckpt.placement import chunk_rows, is_dtensor, to_local
+from gefen_ckpt.placement import is_dtensor, to_local
 from gefen_ckpt.wire.dtypes import dtype_name, torch_dtype
 
 __all__ = ["gather", "scatter", "redistribute", "last_stats", "TransportStats"]
@@ -47,7 +48,7 @@ class Move:
 
 
 def chunk_ranges(rows: int, parts: int) -> list[Range]:
-    """Every rank's rows when ``rows`` are split over ``parts`` ranks (``layout.chunk_rows``)."""
+    """Every rank's rows when ``rows`` are split over ``parts`` ranks (``gefen.replicas.chunk_rows``)."""
     return [chunk_rows(rows, parts, r) for r in range(parts)]
 
 

@@ -30,16 +30,3 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def format_1x():
-    """Writers write format 1.1 (piece records in the manifest) for a module that tests that
-    layout's internals; 2.0 (the default) has its own tests (tests/ckpt/test_format2.py).
-    Modules opt in with ``pytestmark = pytest.mark.usefixtures("format_1x")``."""
-    from gefen_ckpt.wire import manifest
-
-    before = manifest.WRITE_VERSION
-    manifest.WRITE_VERSION = (1, 1)
-    yield
-    manifest.WRITE_VERSION = before

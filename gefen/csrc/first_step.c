@@ -1,6 +1,6 @@
 /*
  * The one-time work of Gefen's first step on CPU: the block-normalised histogram the codebook
- * is learned from.  Part of gefen._gefen_step (loaded with ctypes by gefen.native); the torch
+ * is learned from.  Part of gefen._gefen_step (loaded with ctypes by gefen.c_kernels); the torch
  * reference is gefen.codebook.histogram_normalised_blocks.
  *
  * Why it exists: the reference spends several passes (and their allocations) over every

@@ -1,5 +1,5 @@
 /* What the C sources of gefen._gefen_step (and kmeans_dp.c) share: the export attribute, the
- * dtype codes that gefen.native passes (gefen.native._DT), exact bf16 widening and rounding,
+ * dtype codes that gefen.c_kernels passes (gefen.c_kernels._DT), exact bf16 widening and rounding,
  * 1-, 8- and 16-lane loads and stores, the per-call mode and the fields every step's arguments start
  * with, the parameter update, the thread split and the CPU's instruction sets. */
 #ifndef GEFEN_COMMON_H
@@ -67,10 +67,10 @@ static inline void st_g(void *dst, int dt, int64_t i, float v) {
 #define DT_SIZE(dt) ((dt) == DT_F32 ? 4 : 2)
 
 /* ----- how one call computes ------------------------------------------------------------------
- * gefen.native passes its calibrated (immutable) choice with every call: no process-wide switch,
+ * gefen.c_kernels passes its calibrated (immutable) choice with every call: no process-wide switch,
  * so calibration trying a candidate can never change what a concurrent step computes.
  * torch.sqrt on CPU is MKL's vmsSqrt (VML_HA) when torch is built with MKL, which is not always
- * correctly rounded (about 0.75 ulp here); gefen.native hands us the very function torch calls
+ * correctly rounded (about 0.75 ulp here); gefen.c_kernels hands us the very function torch calls
  * (exported by libtorch_cpu) so the 1-D AdamW step (m4v4_step.c) rounds as torch's does, else
  * NULL: IEEE sqrtf, what torch's own vectorised sqrt computes.  The other kernels use sqrtf.
  * MKL_Set_Num_Threads_Local (C ABI: the lowercase symbol is the Fortran one) keeps MKL from
@@ -105,7 +105,7 @@ static inline void mode_threads_end(const gefen_mode *m, int prev) {
     if (m->mkl_threads) m->mkl_threads(prev);
 }
 
-/* The fields every step's arguments start with (gefen.native._HEAD mirrors them): the
+/* The fields every step's arguments start with (gefen.c_kernels._HEAD mirrors them): the
  * parameter, the gradient, the step count and the step's scalars exactly as the reference forms
  * them (Python floats; each kernel rounds them to fp32 once, as torch does with a Python scalar). */
 #define GEFEN_ARGS_HEAD                                                                      \

@@ -3,10 +3,10 @@
  * (gefen_step: the second moment's EMA, decode, the first moment's EMA, re-encode, the parameter
  * update), also the momentum alone (GefenMuon's).  Phase 1 of a factored tensor is m4v4_step.c's
  * gefen_m4v4_partials (the same float64 row and column sums).  Part of gefen._gefen_step, loaded
- * by gefen.native.
+ * by gefen.c_kernels.
  *
  * The contract is the m4v4 kernels' (docs/design.md, "The m4v4 kernels"): the reference's
- * arithmetic (gefen.functional.gefen_update_), computed for speed, and the same bits on every ISA,
+ * arithmetic (gefen.functional.m8_update_), computed for speed, and the same bits on every ISA,
  * thread count and run.
  *   - The first moment is exact: decode codebook[code] * scale, the EMA as torch's lerp (one fmaf,
  *     both of ATen's formulas), the block's max |m| (a zero scale is +0, any NaN the canonical
@@ -600,7 +600,7 @@ static void run_blocks(const kctx *c, int64_t b0, int64_t b1, const block_bufs *
     }
 }
 
-/* One Gefen step for one (rank-local) parameter; see gefen.functional.gefen_update_.  With
+/* One Gefen step for one (rank-local) parameter; see gefen.functional.m8_update_.  With
  * momentum_only, just the momentum half (gefen.functional.update_momentum_): codes and scales
  * updated in place, the dequantised momentum written to m_out, nothing else touched.
  * Returns 0, -1 when out of memory (nothing modified), -2 on bad arguments (nothing modified). */
@@ -662,7 +662,7 @@ GEFEN_EXPORT int gefen_step(const gefen_step_args *a) {
 }
 
 GEFEN_EXPORT int gefen_native_abi(void) { return GEFEN_ABI; }
-/* The OpenMP thread count of the calling thread's next kernels (gefen.native passes torch's, so
+/* The OpenMP thread count of the calling thread's next kernels (gefen.c_kernels passes torch's, so
  * torch.set_num_threads governs both; the results do not depend on it). */
 GEFEN_EXPORT void gefen_set_threads(int32_t n) {
 #ifdef _OPENMP

@@ -4,7 +4,7 @@
  * phase 1 (gefen_m4v4_partials: the float64 row and column statistics), phase 2
  * (gefen_m4v4_step: decode, both moments, re-encode, the parameter update), the column split's
  * row statistics and the AdamW step of 1-D / 0-D tensors.  Part of gefen._gefen_step, loaded by
- * gefen.native.
+ * gefen.c_kernels.
  *
  * The kernel contract (docs/design.md, "The m4v4 kernels"): the arithmetic of gefen.functional's
  * m4v4 reference, computed for speed rather than replayed op by op, and the same bits on every

@@ -95,8 +95,8 @@ def parity_check(device: torch.device, family: str) -> str | None:
         "histogram": ([(parity.run_histogram, (shape, dt, device)) for shape, dt in [
             ((5, 8, 16), torch.float32), ((3, 2500), torch.bfloat16)]], parity.equal),
     }[family]
-    fns = parity.kernel_fns(partials=lambda g, state, beta2: m8_partials_([(g, state, beta2)])[0],
-                            update=gefen_update_, m4v4_partials=m4v4_partials, m4v4_update=m4v4_update_,
+    fns = parity.kernel_fns(m8_partials=lambda g, state, beta2: m8_partials_([(g, state, beta2)])[0],
+                            m8_update=m8_update_, m4v4_partials=m4v4_partials, m4v4_update=m4v4_update_,
                             adamw=adamw_update_, momentum=momentum_, round=round_param_, histogram=block_histogram)
     queue, _local.queue = getattr(_local, "queue", None), None  # run now, not at the end of a batched() step
     try:
@@ -177,7 +177,7 @@ def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0)
     return True
 
 
-def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> bool:
+def m8_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> bool:
     # gefen.dispatch checked the layout; these kernels also want 2-D factored rows and no column split
     if ("v_row" in state and param.dim() != 2) or int(state["period"]) != _local_period(state):
         return fallback("an unexpected m8 state or argument layout")
@@ -188,7 +188,7 @@ def gefen_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, p
 
 
 def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
-    """``functional.second_moment_partials`` of every factored ``(grad, state, beta2)`` in two launches."""
+    """``functional.m8_partials`` of every factored ``(grad, state, beta2)`` in two launches."""
     return _launch_mod.m8_partials(items)
 
 

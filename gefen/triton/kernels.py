@@ -380,7 +380,7 @@ def partials_kernel(progs, ptrs, ints, betas, BR: tl.constexpr, BC: tl.constexpr
     rows' share of every column sum and of the new and old ``v_row`` sums, written to its row of a
     scratch ``[row tiles, C + 2]`` float64 buffer (summed by ``column_sum_kernel``). m4v4's mean
     is the float64 sum / C rounded once (a column split: the whole rows' sums given in row_sum,
-    ints[I_GIVEN] set, over their length ints[I_ROW_LEN]); m8's (``functional.second_moment_partials``)
+    ints[I_GIVEN] set, over their length ints[I_ROW_LEN]); m8's (``functional.m8_partials``)
     is an fp32 sum divided by C, as torch's ``mean``, and its last slot is 0.
     ptrs = (grad, v_row, v_row_new, scratch, row_sum); ints[I_ROWS], ints[I_C]; betas = (b2, 1 - b2) fp32."""
     pidx, r0 = _program(progs)
@@ -489,7 +489,7 @@ def _m8_block_den(sq_sum, v_p, blocks, bmask, P, sb):
 @triton.jit
 def m8_kernel(progs, ptrs, ints, scal, cb, thr, K, LOG2K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
               SINGLE: tl.constexpr, FACTORED: tl.constexpr, PARAM_T: tl.constexpr, GRAD_T: tl.constexpr):
-    """Phase 2 of an m8 step (``functional.gefen_update_``) for a table of parameters viewed as
+    """Phase 2 of an m8 step (``functional.m8_update_``) for a table of parameters viewed as
     ``[blocks, P]``, ``BR`` blocks per program: second moment and denominators, the compressed first
     moment (as ``momentum_kernel``) and the parameter update, every state byte read and written once
     (two passes over a block longer than ``BC``: its max-abs comes first).

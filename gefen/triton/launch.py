@@ -369,7 +369,7 @@ def m8_update_(items: list[Item], codebook: torch.Tensor) -> None:
 
 
 def m8_partials(items: list[tuple[torch.Tensor, dict, float]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``functional.second_moment_partials`` of every factored ``(grad, state, beta2)``."""
+    """``functional.m8_partials`` of every factored ``(grad, state, beta2)``."""
     return [(v_row, parts[:-1]) for v_row, parts in _partials(items, m8=True)]
 
 

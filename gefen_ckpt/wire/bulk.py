@@ -1,4 +1,4 @@
-"""A sharded 2.0 write to many writers in one pass over the state (``writer.write_state``).
+"""A sharded write to many writers in one pass over the state (``writer.write_state``).
 
 Writer after writer, 4,096 writers of a 200-tensor state cost 2.5M pieces' Python objects,
 source reads and index checks (minutes for 18 MB). When every writer's part of every tensor is
@@ -21,6 +21,7 @@ from gefen_ckpt.canonical import CanonicalState, EagerSource, TensorSource
 from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import WriterPin, encode_index, index_name
+from gefen_ckpt.wire.manifest import FILE_METADATA
 from gefen_ckpt.wire.records import tensor_key
 
 #: Writers x tensors handled per batch (the arrays of one batch: a few tens of MB).
@@ -88,9 +89,8 @@ def _tensors(state: CanonicalState) -> list[_Tensor]:
 class WritePlan:
     """Where every writer's part of every tensor lies, when the regular layout applies."""
 
-    def __init__(self, tensors: list[_Tensor], world_size: int, ordinals: dict, version: tuple[int, int]):
+    def __init__(self, tensors: list[_Tensor], world_size: int, ordinals: dict):
         self.tensors, self.world_size = tensors, world_size
-        self.metadata = {"format": "gefen-ckpt", "version": ".".join(map(str, version))}
         self.ordinal = np.array([ordinals[(t.fqn, t.field)] for t in tensors], np.int64)
         self.by_ordinal = np.argsort(self.ordinal, kind="stable")
         self.rows = np.array([t.rows for t in tensors], np.int64)
@@ -142,8 +142,8 @@ class WritePlan:
         return out, pos
 
 
-def regular_plan(state: CanonicalState, world_size: int, *, max_file_bytes: int, memory_budget: int, ordinals: dict,
-                 version: tuple[int, int]) -> WritePlan | None:
+def regular_plan(state: CanonicalState, world_size: int, *, max_file_bytes: int, memory_budget: int,
+                 ordinals: dict) -> WritePlan | None:
     """The regular layout of ``state`` over ``world_size`` writers, or None when the writer-by-
     writer path would split a part into several pieces or a writer's data into several files
     (checked with upper bounds of ``writer._split``'s and ``writer._pack``'s sizes, so a layout
@@ -151,7 +151,7 @@ def regular_plan(state: CanonicalState, world_size: int, *, max_file_bytes: int,
     tensors = _tensors(state)
     if not tensors or any(t.rows == 0 or t.row_bytes == 0 for t in tensors):
         return None
-    plan = WritePlan(tensors, world_size, ordinals, version)
+    plan = WritePlan(tensors, world_size, ordinals)
     name_len = np.array([len(encode_basestring_ascii(tensor_key(t.fqn, t.field))) for t in tensors], np.int64)
     ndim = np.array([len(t.shape) for t in tensors], np.int64)
     text = name_len + 2 + 2 * _DIGITS + datafile._ENTRY_FIXED + datafile._DIM_BOUND * ndim  # header text bound
@@ -227,7 +227,7 @@ def _write_batch(plan: WritePlan, store, token, ranks, data_stem, on_bytes, samp
     rel, data_size = plan.offsets(nbytes)
     first_writer = int(ranks[0]) // plan.group
     count = nbytes.shape[0]
-    prefixes = [datafile.packed_prefix(int(n), plan.metadata) for n in data_size.tolist()]
+    prefixes = [datafile.packed_prefix(int(n), FILE_METADATA) for n in data_size.tolist()]
     head = np.array([len(p) for p in prefixes], np.int64)
     file_size = head + data_size
     base = np.concatenate([[0], np.cumsum(file_size)[:-1]])

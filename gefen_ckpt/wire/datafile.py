@@ -1,7 +1,6 @@
-"""safetensors data files whose every tensor starts on an ``ALIGNMENT``-byte boundary, aligned
-with only what the stock validator accepts (tensors tile the data section without gaps): the
-JSON header is padded with trailing spaces, and a zero-filled ``U8`` tensor ``__pad__/<n>``
-fills each gap between tensors (docs/format.md 3)."""
+"""safetensors data files: one ``U8`` tensor ``__data__`` spans the data section, which starts on
+an ``ALIGNMENT``-byte boundary (the JSON header is padded with trailing spaces), and the writer's
+index places every piece in it (docs/format.md). The stock safetensors library reads them."""
 
 from __future__ import annotations
 
@@ -11,16 +10,16 @@ import struct
 from json.encoder import encode_basestring_ascii
 from typing import NamedTuple
 
-from gefen_ckpt.wire.dtypes import DTYPES, safetensors_code
+from gefen_ckpt.wire.dtypes import DTYPES
 
-#: Every tensor's data starts at a multiple of this many bytes from the file's start.
+#: The data section, and every piece of at least ``ALIGN_FROM`` bytes, starts at a multiple of
+#: this many bytes from the file's start.
 ALIGNMENT = 64
-PAD_PREFIX = "__pad__/"
 #: safetensors' own limit on the JSON header.
 MAX_HEADER_BYTES = 100 * 2**20
 _CODES = {code: name for name, (code, _) in DTYPES.items()}
 _BIG = 10**16  # a data offset no file reaches: sizes headers conservatively
-_PAD_ENTRY_BOUND = len(json.dumps({f"{PAD_PREFIX}{_BIG}": {"dtype": "U8", "shape": [_BIG],
+_PAD_ENTRY_BOUND = len(json.dumps({f"__pad__/{_BIG}": {"dtype": "U8", "shape": [_BIG],
                                                            "data_offsets": [_BIG, _BIG]}}))
 _ENTRY_FIXED = len(json.dumps({"": {"dtype": "F8_E4M3", "shape": [], "data_offsets": [_BIG, _BIG]}}))
 _DIM_BOUND = len(str(_BIG)) + 2  # digits, comma, space
@@ -40,31 +39,14 @@ def _entry_json(key: str, code: str, shape, begin: int, end: int) -> str:
 
 
 def entry_bound(entry: Entry) -> int:
-    """Bytes an entry can cost in a file: header text, its padding tensor and padding bytes."""
+    """Bytes an entry may cost in a file, conservatively (its data, padding, and a header entry of
+    its own with a padding entry): the budget writers pack files and pieces by."""
     text = len(encode_basestring_ascii(entry.key)) + _ENTRY_FIXED + _DIM_BOUND * len(entry.shape)
     return text + _PAD_ENTRY_BOUND + 2 * ALIGNMENT + entry.nbytes
 
 
 #: Bytes of a file beyond its entries' bounds (length prefix, braces, metadata, alignment).
 FILE_OVERHEAD = 8 + ALIGNMENT + 256
-
-
-def build(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes, list[int], int]:
-    """(length prefix + padded JSON header, absolute data offset of each entry, file size)."""
-    parts, keys, relative, pos = [], {"__metadata__"}, [], 0
-    for i, e in enumerate(entries):
-        gap = -pos % ALIGNMENT
-        if gap:
-            parts.append(_entry_json(f"{PAD_PREFIX}{i}", "U8", (gap,), pos, pos + gap))
-            pos += gap
-        if e.key in keys or e.key.startswith(PAD_PREFIX):
-            raise ValueError(f"duplicate or reserved tensor key {e.key!r} in one data file")
-        keys.add(e.key)
-        parts.append(_entry_json(e.key, safetensors_code(e.dtype), e.shape, pos, pos + e.nbytes))
-        relative.append(pos)
-        pos += e.nbytes
-    prefix = _prefix(parts, metadata)
-    return prefix, [len(prefix) + r for r in relative], len(prefix) + pos
 
 
 def _prefix(entries: list[str], metadata: dict[str, str]) -> bytes:
@@ -118,11 +100,11 @@ def parse_header(prefix: bytes, file_size: int) -> dict[str, tuple[str, tuple[in
     return out
 
 
-#: The one tensor of a 2.0 data file: its whole data section, where the writer's index places
-#: every piece (``docs/format.md`` 13). Per-piece header entries would cost ~80 bytes a piece,
-#: more than the data of the small pieces a many-rank save has.
+#: The one tensor of a data file: its whole data section, where the writer's index places every
+#: piece. Per-piece header entries would cost ~80 bytes a piece, more than the data of the small
+#: pieces a many-rank save has.
 DATA_KEY = "__data__"
-#: A 2.0 piece of at least this many bytes starts on an ``ALIGNMENT`` boundary; a smaller one
+#: A piece of at least this many bytes starts on an ``ALIGNMENT`` boundary; a smaller one
 #: on a multiple of its dtype's size (enough for a view), so small pieces pack without padding.
 ALIGN_FROM = 4096
 
@@ -132,7 +114,7 @@ def piece_alignment(entry: Entry) -> int:
 
 
 def build_packed(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes, list[int], int]:
-    """A 2.0 data file's (length prefix + padded JSON header, absolute offset of each entry,
+    """A data file's (length prefix + padded JSON header, absolute offset of each entry,
     file size): one ``U8`` tensor ``DATA_KEY`` spanning the data section, pieces packed in it."""
     relative, pos = [], 0
     for e in entries:
@@ -144,5 +126,5 @@ def build_packed(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes,
 
 
 def packed_prefix(data_bytes: int, metadata: dict[str, str]) -> bytes:
-    """A 2.0 data file's length prefix and padded JSON header for a data section of ``data_bytes``."""
+    """A data file's length prefix and padded JSON header for a data section of ``data_bytes``."""
     return _prefix([_entry_json(DATA_KEY, "U8", (data_bytes,), 0, data_bytes)], metadata)

@@ -82,9 +82,5 @@ def plain(value, what: str | None = None):
     raise ValueError(f"{what}: {type(value).__name__} values cannot be stored as plain data")
 
 
-def safetensors_code(name: str) -> str:
-    return DTYPES[name][0]
-
-
 def itemsize(name: str) -> int:
     return DTYPES[name][1]

@@ -1,4 +1,4 @@
-"""Format 2.0 (docs/format.md 13): the manifest splits each tensor's rows among writers by a
+"""Splits and indexes (docs/format.md): the manifest splits each tensor's rows among writers by a
 shared rule (``torch.chunk`` over P parts) or explicit parts; each writer's piece records live in
 its own index file, pinned in the manifest by size and CRC-32, so a reader of some rows reads
 only the indexes of the writers that hold them."""
@@ -163,7 +163,8 @@ class WriterPin(NamedTuple):
 
 
 class SplitTensor(TensorShape):
-    """A 2.0 tensor record: like ``manifest.TensorRecord``, with pieces found through indexes."""
+    """A tensor of the manifest: its dtype, shape and split, with its pieces found through the
+    writers' indexes."""
 
     __slots__ = ("fqn", "field", "dtype", "shape", "split", "ordinal", "_indexes", "_all")
 
@@ -219,7 +220,7 @@ def index_entries(records, ordinals: dict, files: Sequence[str]) -> list[tuple[i
 
 
 class IndexSet:
-    """The writers' indexes of one 2.0 checkpoint, each read, verified against its pin in the
+    """The writers' indexes of one checkpoint, each read, verified against its pin in the
     manifest (size and CRC-32, before decoding) and validated against the manifest's splits on
     first use, then cached. Thread-safe (lazy sources may be read from helper threads)."""
 

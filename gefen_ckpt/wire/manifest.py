@@ -12,45 +12,58 @@ from __future__ import annotations
 import datetime
 import math
 import re
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import msgpack
 
 from gefen.contract import DIMENSION_FIELDS, LIKE_PARAM, SCHEMA_VERSION, OptimizerContract
-from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointIncompleteError, naming
+from gefen_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIncompleteError,
+    naming,
+)
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.datafile import ALIGNMENT
-from gefen_ckpt.wire.dtypes import DTYPES, dtype_name, itemsize, plain
-from gefen_ckpt.wire.records import DECODING, MAX_STR, PieceRecord, TensorShape, fail, pieces_overlapping
+from gefen_ckpt.wire.dtypes import DTYPES, dtype_name, plain
+from gefen_ckpt.wire.index import (
+    MAX_INDEX_BYTES,
+    IndexSet,
+    Split,
+    SplitTensor,
+    WriterPin,
+    parse_rules,
+    parse_split,
+)
+from gefen_ckpt.wire.records import DECODING, MAX_STR, fail
 
 if TYPE_CHECKING:  # reading a manifest needs no torch
-    from gefen_ckpt.canonical import CanonicalState, TensorSource
+    from gefen_ckpt.canonical import CanonicalState
     from gefen_ckpt.storage import Store
 
 FORMAT_NAME = "gefen-ckpt"
-#: (major, minor) of the newest format; readers accept any minor of ``READ_MAJORS``. 1.1 added the
-#: manifest's own checksum (``MANIFEST_CHECKSUM``); 2.0 moved piece records into per-writer indexes.
+#: (major, minor) of the format written; a reader accepts any minor of its major (minor versions
+#: only add optional keys) and refuses every other major.
 FORMAT_VERSION = (2, 0)
-READ_MAJORS = (1, 2)
-#: What writers write; tests set (1, 1), the 1.x layout (piece records in the manifest), to keep it covered.
-WRITE_VERSION = FORMAT_VERSION
+#: The ``__metadata__`` of every data file's safetensors header.
+FILE_METADATA = {"format": FORMAT_NAME, "version": ".".join(map(str, FORMAT_VERSION))}
 MANIFEST_NAME = "manifest.msgpack"
 LAYOUTS = ("canonical", "sharded")
 MAX_MANIFEST_BYTES = 256 * 2**20
-#: The last key of a 1.1 manifest's top-level map: CRC-32 of every byte before its 4-byte value,
+#: The last key of the manifest's top-level map: CRC-32 of every byte before its 4-byte value,
 #: which is always encoded as a msgpack uint32 (0xce), so the manifest ends with ``_TRAILER``
 #: and 4 bytes.
 MANIFEST_CHECKSUM = "manifest_checksum"
 _TRAILER = msgpack.packb(MANIFEST_CHECKSUM) + b"\xce"
 #: Decoding limits (docs/format.md, "Decoding limits"). Each container (map or array) of a real
-#: manifest takes at least ~27 bytes (a one-piece field: its map, shape, piece list, piece map
-#: and row pair in ~135 bytes); one per ``_BYTES_PER_CONTAINER`` is admitted, which keeps the
-#: decoded objects of any manifest within ``DECODE_MEMORY_FACTOR`` x its size (measured by
-#: tests/ckpt/test_ckpt_reliability.py on the worst shapes: tiny maps, short strings, nils).
+#: manifest takes ~16 bytes or more (a tensor field: its key, map and shape in ~32 bytes); one per
+#: ``_BYTES_PER_CONTAINER`` is admitted, which keeps the decoded objects of any manifest within
+#: ``DECODE_MEMORY_FACTOR`` x its size (measured by tests/ckpt/test_ckpt_reliability.py on the
+#: worst shapes: tiny maps, short strings, nils).
 _BYTES_PER_CONTAINER = 16
 DECODE_MEMORY_FACTOR = 32
 _MAX_INT = 2**62
@@ -67,69 +80,23 @@ class FileRecord:
     nbytes: int
 
 
-class _TensorFields(NamedTuple):
-    fqn: str | None
-    field: str
-    dtype: str
-    shape: tuple[int, ...]
-    pieces: tuple[PieceRecord, ...]  # sorted by rows, covering every row once
-
-
-class TensorRecord(_TensorFields, TensorShape):
-    """A 1.x tensor record: its pieces listed in the manifest."""
-
-    __slots__ = ()
-
-    def pieces_in(self, start: int, stop: int) -> tuple[PieceRecord, ...]:
-        return pieces_overlapping(self.pieces, start, stop)
-
-
 @dataclass(frozen=True)
 class Manifest:
-    """A validated manifest: the decoded map plus the parsed pieces a reader needs."""
+    """A validated manifest: the decoded map plus the parsed records a reader needs."""
 
     raw: dict
     contract: OptimizerContract
-    files: tuple[FileRecord, ...]
-    tensors: dict[tuple[str | None, str], TensorRecord]
-    writers: tuple = ()  # 2.0: ``index.WriterPin`` per writer
-    indexes: object = None  # 2.0: the ``index.IndexSet`` that resolves pieces
-
-    @property
-    def major(self) -> int:
-        return self.raw["version"][0]
+    files: tuple[FileRecord, ...]  # every writer's data files
+    tensors: dict[tuple[str | None, str], SplitTensor]
+    writers: tuple[WriterPin, ...]
+    indexes: IndexSet  # resolves each tensor's pieces through the writers' indexes
 
     @property
     def index_files(self) -> tuple[FileRecord, ...]:
         return tuple(FileRecord(w.index, w.index_bytes) for w in self.writers)
 
 
-# ----- building -----------------------------------------------------------------------------
-def build(state: CanonicalState, pieces: Iterable[PieceRecord], files: Iterable[FileRecord], *,
-          layout: str, world_size: int) -> dict:
-    """The 1.x manifest of ``state`` stored as ``pieces`` in ``files`` (reads no tensor data)."""
-    files = list(files)
-    index = {f.name: i for i, f in enumerate(files)}
-    by_tensor: dict[tuple, list[PieceRecord]] = defaultdict(list)
-    for p in pieces:
-        by_tensor[(p.fqn, p.field)].append(p)
-
-    def tensor(fqn: str | None, field: str, source: TensorSource) -> dict:
-        stored = sorted(by_tensor.pop((fqn, field), ()), key=lambda p: p.rows)
-        return {"dtype": dtype_name(source.dtype), "shape": list(source.shape),
-                "pieces": [{"file": index[p.file], "key": p.key, "rows": list(p.rows), "offset": p.offset,
-                            "bytes": p.nbytes, "checksum": p.checksum} for p in stored]}
-
-    manifest = _document(state, [1, 1], layout, world_size,
-                         {"files": [{"name": f.name, "bytes": f.nbytes} for f in files]},
-                         {k: tensor(None, k, s) for k, s in state.global_fields.items()},
-                         {fqn: _param(e, {name: tensor(fqn, name, s) for name, s in e.fields.items()})
-                          for fqn, e in state.params.items()})
-    if by_tensor:
-        raise ValueError(f"pieces for tensors the state does not have: {sorted(map(str, by_tensor))[:5]}")
-    return manifest
-
-
+# ----- encoding -----------------------------------------------------------------------------
 def encode(manifest: dict) -> bytes:
     """msgpack, with the manifest's own checksum as the last key (any old one is replaced)."""
     body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
@@ -171,9 +138,9 @@ def decode(data: bytes) -> dict:
         raise CheckpointFormatError(f"manifest is not valid msgpack: {type(exc).__name__}: {exc}"[:500]) from None
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"manifest is a msgpack {type(raw).__name__}, not a map")
-    version = raw.get("version")
-    if not checked and isinstance(version, list) and version != [1, 0]:
-        raise CheckpointFormatError(f"manifest version {version} must end with its checksum "
+    check_version(raw)
+    if not checked:
+        raise CheckpointFormatError(f"manifest version {raw['version']} must end with its checksum "
                                     f"({MANIFEST_CHECKSUM}), which is missing: the manifest is damaged")
     return raw
 
@@ -258,15 +225,15 @@ def check_version(raw: dict) -> None:
     if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
         raise CheckpointFormatError(f"manifest version {version!r} is not [major, minor]"[:300])
     major, minor = version
-    reads = " and ".join(f"{m}.x" for m in READ_MAJORS)
-    if major > max(READ_MAJORS):
+    reads = f"{FORMAT_VERSION[0]}.x"
+    if major > FORMAT_VERSION[0]:
         raise CheckpointFormatError(
             f"checkpoint format version {major}.{minor} is newer than this gefen_ckpt reads "
             f"({reads}): upgrade gefen to load it"
         )
-    if major not in READ_MAJORS:
+    if major != FORMAT_VERSION[0]:
         raise CheckpointFormatError(f"checkpoint format version {major}.{minor} is not supported "
-                                    f"(this gefen_ckpt reads {reads})")
+                                    f"(this gefen_ckpt reads {reads} only)")
 
 
 def parse_contract(raw, what: str) -> OptimizerContract:
@@ -325,21 +292,6 @@ def _check_required(contract: OptimizerContract, raw: dict) -> None:
                 fail("globals", f"required field {key!r} is missing (the optimizer has parameter state)")
 
 
-def _files(x) -> tuple[FileRecord, ...]:
-    out, seen = [], set()
-    for i, f in enumerate(_list(x, "files")):
-        path = f"files[{i}]"
-        _map(f, path, ("name", "bytes"))
-        name = _str(f["name"], f"{path}.name")
-        if not _FILE_NAME.fullmatch(name) or name == MANIFEST_NAME:
-            fail(f"{path}.name", f"{name!r} is not a plain data-file name"[:300])
-        if name in seen:
-            fail(f"{path}.name", f"{name!r} is listed twice")
-        seen.add(name)
-        out.append(FileRecord(name, _int(f["bytes"], f"{path}.bytes")))
-    return tuple(out)
-
-
 def _groups(x) -> dict[str, str | None]:
     """FQN -> owning child, for every FQN of every group."""
     owner: dict[str, str | None] = {}
@@ -357,81 +309,6 @@ def _groups(x) -> dict[str, str | None]:
     return owner
 
 
-def _fast_tensor(x, fqn: str | None, field: str, files: tuple[FileRecord, ...]):
-    """``_checked_tensor``'s checks without error messages: the record and each stored piece's
-    (file index, byte span), or None if any check fails."""
-    if not isinstance(x, dict):
-        return None
-    dtype, shape, raw = x.get("dtype"), _valid_shape(x.get("shape")), x.get("pieces")
-    if not (isinstance(dtype, str) and dtype in DTYPES and shape is not None and isinstance(raw, list)):
-        return None
-    rows = shape[0] if shape else 1
-    row_bytes = math.prod(shape[1:]) * itemsize(dtype)
-    pieces, located = [], []
-    for p in raw:
-        if not isinstance(p, dict) or len(p.keys() & _PIECE_KEYS) != len(_PIECE_KEYS):
-            return None
-        file, r, offset, nbytes, key, crc = p["file"], p["rows"], p["offset"], p["bytes"], p["key"], p["checksum"]
-        if not (type(file) is int and 0 <= file < len(files) and isinstance(r, list) and len(r) == 2):
-            return None
-        start, stop = r
-        if not (type(start) is int and type(stop) is int and 0 <= start < stop <= rows
-                and type(offset) is int and 0 <= offset <= _MAX_INT and type(nbytes) is int
-                and nbytes == (stop - start) * row_bytes and offset + nbytes <= files[file].nbytes
-                and isinstance(key, str) and 0 < len(key) <= MAX_STR
-                and type(crc) is int and 0 <= crc < 2**32):
-            return None
-        pieces.append(PieceRecord(fqn, field, (start, stop), files[file].name, key, offset, nbytes, crc))
-        located.append((file, offset, offset + nbytes))
-    pieces.sort(key=lambda q: q.rows)
-    covered = 0
-    for q in pieces:
-        if q.rows[0] != covered:
-            return None
-        covered = q.rows[1]
-    return (TensorRecord(fqn, field, dtype, shape, tuple(pieces)), located) if covered == rows else None
-
-
-_PIECE_KEYS = frozenset(("file", "key", "rows", "offset", "bytes", "checksum"))
-
-
-def _checked_tensor(x, path: str, fqn: str | None, field: str, files: tuple[FileRecord, ...],
-                    spans: dict[int, list]) -> TensorRecord:
-    _map(x, path, ("dtype", "shape", "pieces"))
-    dtype, shape = _dtype(x["dtype"], f"{path}.dtype"), _shape(x["shape"], f"{path}.shape")
-    rows = shape[0] if shape else 1
-    row_bytes = math.prod(shape[1:]) * itemsize(dtype)
-    pieces = []
-    for i, p in enumerate(_list(x["pieces"], f"{path}.pieces")):
-        pp = f"{path}.pieces[{i}]"
-        _map(p, pp, ("file", "key", "rows", "offset", "bytes", "checksum"))
-        file = _int(p["file"], f"{pp}.file", 0, len(files) - 1)
-        r = _list(p["rows"], f"{pp}.rows")
-        if len(r) != 2:
-            fail(f"{pp}.rows", "expected [start, stop]")
-        start = _int(r[0], f"{pp}.rows[0]", 0, rows)
-        stop = _int(r[1], f"{pp}.rows[1]", start + 1, rows)
-        offset, nbytes = _int(p["offset"], f"{pp}.offset"), _int(p["bytes"], f"{pp}.bytes")
-        if nbytes != (stop - start) * row_bytes:
-            fail(f"{pp}.bytes", f"{nbytes} bytes for rows [{start}, {stop}) of {dtype} {list(shape)}")
-        if offset + nbytes > files[file].nbytes:
-            fail(pp, f"bytes [{offset}, {offset + nbytes}) lie beyond the end of {files[file].name} "
-                     f"({files[file].nbytes} bytes)")
-        spans[file].append((offset, offset + nbytes, pp))
-        pieces.append(PieceRecord(fqn, field, (start, stop), files[file].name, _str(p["key"], f"{pp}.key"),
-                                  offset, nbytes, _int(p["checksum"], f"{pp}.checksum", 0, 2**32 - 1)))
-    pieces.sort(key=lambda q: q.rows)
-    covered = 0
-    for q in pieces:
-        if q.rows[0] != covered:
-            what = "overlap" if q.rows[0] < covered else "are missing"
-            fail(f"{path}.pieces", f"rows {min(covered, q.rows[0])}..{max(covered, q.rows[0])} {what}")
-        covered = q.rows[1]
-    if covered != rows:
-        fail(f"{path}.pieces", f"rows [{covered}, {rows}) are missing")
-    return TensorRecord(fqn, field, dtype, shape, tuple(pieces))
-
-
 def _spec(contract: OptimizerContract, child: str | None, field: str, where: Callable[[], str]):
     try:
         return contract.leaf(child).field(field)
@@ -439,49 +316,10 @@ def _spec(contract: OptimizerContract, child: str | None, field: str, where: Cal
         fail(where(), str(exc)[:300])
 
 
-def _span_path(label) -> str:
-    """A span's piece path: checked pieces carry it, fast-path ones (where, index) to build it."""
-    if isinstance(label, str):
-        return label
-    where, i = label
-    return f"{where()}.pieces[{i}]"
-
-
-def validate(raw: dict) -> Manifest:
-    """Check a decoded manifest completely; raises ``CheckpointFormatError`` naming the bad entry.
-    (For 2.0 the writers' indexes are checked when first read: ``index.IndexSet``.)"""
-    _map(raw, "")
-    check_version(raw)
-    if raw["version"][0] == 2:
-        return _validate_v2(raw)
-    contract, owner = _head(raw, "files")
-    files = _files(raw["files"])
-    spans: dict[int, list] = defaultdict(list)
-
-    def make(t, where: Callable[[], str], fqn: str | None, field: str) -> TensorRecord:
-        """The common case (a valid record) takes a fast path that builds no error paths (a manifest
-        has thousands of pieces); anything it does not accept is re-checked by ``_checked_tensor``,
-        which raises naming the bad entry (``where()`` is its path)."""
-        fast = _fast_tensor(t, fqn, field, files)
-        if fast is None:
-            return _checked_tensor(t, where(), fqn, field, files, spans)
-        for i, (file, begin, end) in enumerate(fast[1]):
-            spans[file].append((begin, end, (where, i)))
-        return fast[0]
-
-    tensors = _walk(raw, contract, owner, make)
-    for i, found in spans.items():
-        found.sort(key=lambda span: span[:2])
-        for (_, end, a), (begin, _, b) in zip(found, found[1:]):
-            if begin < end:
-                fail(_span_path(b), f"overlaps {_span_path(a)} in {files[i].name}")
-    return Manifest(raw, contract, files, tensors)
-
-
-def _head(raw: dict, storage_key: str) -> tuple[OptimizerContract, dict[str, str | None]]:
-    """The checks every version shares: top-level keys, layout, informational maps, the
-    contract and the param groups (FQN -> owning child)."""
-    _map(raw, "", ("layout", "world_size", "contract", "param_groups", storage_key, "globals", "params"))
+def _head(raw: dict) -> tuple[OptimizerContract, dict[str, str | None]]:
+    """Top-level keys, layout, informational maps, the contract and the param groups (FQN ->
+    owning child)."""
+    _map(raw, "", ("layout", "world_size", "contract", "param_groups", "writers", "rules", "globals", "params"))
     if raw["layout"] not in LAYOUTS:
         fail("layout", f"{raw['layout']!r} is not one of {LAYOUTS}"[:300])
     _int(raw["world_size"], "world_size", 1, 2**31)
@@ -495,9 +333,9 @@ def _head(raw: dict, storage_key: str) -> tuple[OptimizerContract, dict[str, str
 
 def _walk(raw: dict, contract: OptimizerContract, owner: dict[str, str | None], make) -> dict:
     """Every tensor entry, in manifest order (globals, then each parameter's fields: the
-    ordinals of 2.0 indexes), as ``make(entry, where, fqn, field)`` (a tensor record with
+    ordinals of the indexes), as ``make(entry, where, fqn, field)`` (a tensor record with
     ``dtype`` and ``shape``), checked against the contract and its parameter."""
-    tensors: dict[tuple[str | None, str], TensorRecord] = {}
+    tensors: dict[tuple[str | None, str], SplitTensor] = {}
     for key, t in _map(raw["globals"], "globals").items():
         child, _, name = _str(key, "globals key").rpartition("/")
 
@@ -539,18 +377,18 @@ def _walk(raw: dict, contract: OptimizerContract, owner: dict[str, str | None], 
     return tensors
 
 
-# ----- format 2.0 ---------------------------------------------------------------------------
-def _validate_v2(raw: dict) -> Manifest:
-    """A 2.0 manifest: writers (files, pinned index), rules, and each tensor's split."""
-    from gefen_ckpt.wire import index as ix
-
-    contract, owner = _head(raw, "writers")
+def validate(raw: dict) -> Manifest:
+    """Check a decoded manifest completely (its version first); raises ``CheckpointFormatError``
+    naming the bad entry. The writers' indexes are checked when first read (``index.IndexSet``)."""
+    _map(raw, "")
+    check_version(raw)
+    contract, owner = _head(raw)
     writers = _writers(raw["writers"])
     sizes = {name: nbytes for w in writers for name, nbytes in w.files}
-    rules = ix.parse_rules(_map(raw, "", ("rules",))["rules"], len(writers))
-    order: list[ix.SplitTensor] = []
-    indexes = ix.IndexSet(writers, order, sizes)
-    split_cache: dict[int, ix.Split] = {}
+    rules = parse_rules(raw["rules"], len(writers))
+    order: list[SplitTensor] = []
+    indexes = IndexSet(writers, order, sizes)
+    split_cache: dict[int, Split] = {}
 
     def make(t, where, fqn, field):
         if not (isinstance(t, dict) and t.keys() >= {"dtype", "shape", "split"}):
@@ -561,10 +399,10 @@ def _validate_v2(raw: dict) -> Manifest:
         if type(split) is int and split in split_cache:
             parsed = split_cache[split]
         else:
-            parsed = ix.parse_split(split, f"{where()}.split", rows, rules, len(writers))
+            parsed = parse_split(split, f"{where()}.split", rows, rules, len(writers))
             if type(split) is int:
                 split_cache[split] = parsed
-        rec = ix.SplitTensor(fqn, field, dtype, shape, parsed, len(order), indexes)
+        rec = SplitTensor(fqn, field, dtype, shape, parsed, len(order), indexes)
         order.append(rec)
         return rec
 
@@ -573,18 +411,22 @@ def _validate_v2(raw: dict) -> Manifest:
     return Manifest(raw, contract, files, tensors, tuple(writers), indexes)
 
 
-def _writers(x) -> list:
-    """The 2.0 ``writers``: ``[index, index_bytes, index_checksum, file, bytes, ...]`` each; every
+def _writers(x) -> list[WriterPin]:
+    """The ``writers``: ``[index, index_bytes, index_checksum, file, bytes, ...]`` each; every
     name a plain file name, listed once. Entries are checked one by one, to name the first bad
-    one, only when ``_writers_plain`` finds one."""
-    from gefen_ckpt.wire.index import MAX_INDEX_BYTES, WriterPin
-
+    one (``_check_writers``), only when ``_writers_plain`` finds one."""
     x = _list(x, "writers")
     if not x:
         fail("writers", "no writers")
-    well_formed = _writers_plain(x) and max(w[1] for w in x) <= MAX_INDEX_BYTES
+    if not (_writers_plain(x) and max(w[1] for w in x) <= MAX_INDEX_BYTES):
+        _check_writers(x)
+    return [WriterPin.from_raw(w) for w in x]
+
+
+def _check_writers(x: list) -> None:
+    """Raise naming the first bad ``writers`` entry."""
     seen = set()
-    for i, w in enumerate(x if not well_formed else ()):
+    for i, w in enumerate(x):
         if type(w) is not list or len(w) < 3 or len(w) % 2 == 0:
             fail(f"writers[{i}]", "expected [index, bytes, checksum, file, bytes, ...]")
         crc = w[2]
@@ -592,7 +434,7 @@ def _writers(x) -> list:
         names = [w[0], *w[3::2]]
         for name, size in zip(names, sizes):
             if type(name) is not str or name in seen or name == MANIFEST_NAME or not _FILE_NAME.fullmatch(name):
-                what = "listed twice" if name in seen else "not a plain file name"
+                what = "listed twice" if type(name) is str and name in seen else "not a plain file name"
                 fail(f"writers[{i}]", f"{name!r} is {what}"[:300])
             if type(size) is not int or not 0 <= size <= _MAX_INT:
                 fail(f"writers[{i}]", f"size of {name!r} is not a byte count"[:300])
@@ -601,7 +443,6 @@ def _writers(x) -> list:
             fail(f"writers[{i}]", "the index checksum is not a uint32")
         if w[1] > MAX_INDEX_BYTES:
             fail(f"writers[{i}]", f"index {w[0]!r} is {w[1]:,} bytes, over the limit of {MAX_INDEX_BYTES:,}"[:300])
-    return [WriterPin.from_raw(w) for w in x]
 
 
 def _writers_plain(x: list) -> bool:
@@ -622,11 +463,16 @@ def _writers_plain(x: list) -> bool:
             and min(crcs) >= 0 and max(crcs) < 2**32)
 
 
-def build_v2(state: CanonicalState, splits: dict, writers: Sequence, *, layout: str, world_size: int) -> dict:
-    """The 2.0 manifest of ``state``: ``splits`` maps each tensor key (fqn or None, field) to
+def build(state: CanonicalState, splits: dict, writers: Sequence[WriterPin], *, layout: str,
+          world_size: int) -> dict:
+    """The manifest of ``state``: ``splits`` maps each tensor key (fqn or None, field) to
     ``(parts, writers)`` or ``(parts, writers, sub)`` (a rule) or a list of ``(start, stop, writer)``
     (explicit parts); ``writers`` are the ``index.WriterPin`` s. A rule whose writer tuple is the
     same object is stored once (a plan shares them: no 16,384-entry tuple is hashed per tensor)."""
+    import torch
+
+    from gefen import __version__
+
     rules: dict[tuple, int] = {}
     kept: list[tuple] = []
 
@@ -643,36 +489,21 @@ def build_v2(state: CanonicalState, splits: dict, writers: Sequence, *, layout: 
         return {"dtype": dtype_name(source.dtype), "shape": list(source.shape), "split": split(key)}
 
     globals_ = {k: tensor((None, k), state.global_fields[k]) for k in sorted(state.global_fields)}
-    params = {fqn: _param(e, {name: tensor((fqn, name), e.fields[name]) for name in sorted(e.fields)})
+    params = {fqn: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "child": e.child,
+                    "fields": {name: tensor((fqn, name), e.fields[name]) for name in sorted(e.fields)}}
               for fqn, e in _params_in_order(state)}
-    return _document(state, [2, 0], layout, world_size,  # rules: filled in by the tensors above
-                     {"writers": [w.to_raw() for w in writers],
-                      "rules": [{"kind": "chunk", "parts": p, "writers": list(ws), **({"sub": sub} if sub > 1 else {})}
-                                for p, ws, sub in kept]},
-                     globals_, params)
-
-
-def _param(entry, fields: dict) -> dict:
-    return {"shape": list(entry.shape), "dtype": dtype_name(entry.dtype), "child": entry.child, "fields": fields}
-
-
-def _document(state: CanonicalState, version: list, layout: str, world_size: int, storage: dict, globals_: dict,
-              params: dict) -> dict:
-    """The keys every version shares, in their encoded order, around its ``storage`` keys."""
-    import torch
-
-    from gefen import __version__
-
-    return {
+    return {  # the keys in their encoded order; the rules were gathered from the tensors above
         "format": FORMAT_NAME,
-        "version": version,
+        "version": list(FORMAT_VERSION),
         "layout": layout,
         "world_size": world_size,
         "alignment": ALIGNMENT,
         "checksum": checksum.ALGORITHM,
         "contract": state.contract.to_dict(),
         "param_groups": plain(state.param_groups, "param_groups"),
-        **storage,
+        "writers": [w.to_raw() for w in writers],
+        "rules": [{"kind": "chunk", "parts": p, "writers": list(ws), **({"sub": sub} if sub > 1 else {})}
+                  for p, ws, sub in kept],
         "globals": globals_,
         "params": params,
         "topology": plain(state.metadata.get("source_topology", {}), "metadata"),
@@ -691,7 +522,7 @@ def _params_in_order(state: CanonicalState) -> list:
 
 
 def tensor_order(state: CanonicalState) -> dict[tuple[str | None, str], int]:
-    """Each tensor's ordinal in a 2.0 manifest built from ``state`` (``build_v2``'s and so
+    """Each tensor's ordinal in the manifest built from ``state`` (``build``'s and so
     ``_walk``'s order: globals by key, parameters in group order, fields by name)."""
     keys = [(None, k) for k in sorted(state.global_fields)]
     keys += [(fqn, n) for fqn, e in _params_in_order(state) for n in sorted(e.fields)]
@@ -699,24 +530,27 @@ def tensor_order(state: CanonicalState) -> dict[tuple[str | None, str], int]:
 
 
 def check_files(manifest: Manifest, listing: dict[str, int], where: str) -> None:
-    """Every data file (and 2.0 index) exists with the size the manifest records (else
-    ``CheckpointCorruptError`` naming the file and what it holds). Runs before any tensor is
-    allocated."""
+    """Every data file and index exists with the size the manifest records (else
+    ``CheckpointCorruptError`` naming the file, its writer and what it holds). Runs before any
+    tensor is allocated."""
     for w, pin in enumerate(manifest.writers):
         for name, nbytes in ((pin.index, pin.index_bytes), *pin.files):
             size = listing.get(name)
             if size != nbytes:
                 what = "is missing (or not a regular file)" if size is None else f"has {size} bytes, the manifest says {nbytes} (truncated?)"
-                kind = "index" if name == pin.index else "data file"
-                raise CheckpointCorruptError(f"{where}: {kind} {name} of writer {w} {what}")
-    for f in manifest.files if not manifest.writers else ():
-        size = listing.get(f.name)
-        if size == f.nbytes:
-            continue
-        held = sorted({t.label for t in manifest.tensors.values() for p in t.pieces if p.file == f.name})
-        what = "is missing (or not a regular file)" if size is None else f"has {size} bytes, the manifest says {f.nbytes} (truncated?)"
-        raise CheckpointCorruptError(f"{where}: data file {f.name} {what}; it holds {', '.join(held[:4])}"
-                                     f"{f' and {len(held) - 4} more' if len(held) > 4 else ''}")
+                kind, held = ("index", "") if name == pin.index else ("data file", _held(manifest, w, name))
+                raise CheckpointCorruptError(f"{where}: {kind} {name} of writer {w} {what}{held}")
+
+
+def _held(manifest: Manifest, writer: int, name: str) -> str:
+    """"; it holds <tensors>" for a message about data file ``name`` (from its writer's index;
+    empty when the index cannot tell)."""
+    try:
+        held = sorted({t.label for t in manifest.tensors.values()
+                       for p in manifest.indexes.pieces(writer, t.ordinal) if p.file == name})
+    except CheckpointError:
+        return ""
+    return f"; it holds {', '.join(held[:4])}{f' and {len(held) - 4} more' if len(held) > 4 else ''}" if held else ""
 
 
 def total_tensor_bytes(manifest: Manifest) -> int:
@@ -756,8 +590,7 @@ def decoded(store: Store, data: bytes) -> dict:
 def validated(store: Store, raw: dict) -> Manifest:
     with naming(store.path(MANIFEST_NAME), CheckpointFormatError):
         manifest = validate(raw)
-    if manifest.indexes is not None:
-        manifest.indexes.store = store
+    manifest.indexes.store = store
     return manifest
 
 
@@ -765,24 +598,23 @@ def listed_data_files(raw: dict, listing: dict[str, int]) -> dict[str, int]:
     """name -> size of the files a decoded, not yet validated manifest lists that are in the
     directory ``listing``, by name: what may be prefetched before validation (real directory
     entries only)."""
-    names = _file_names(raw.get("files"), raw.get("writers"))
+    names = _file_names(raw.get("writers"))
     return {name: listing[name] for name in sorted(names) if name in listing}
 
 
-def _file_names(files, writers) -> set[str]:
-    """Every file name a (not yet validated) 1.x ``files`` or 2.0 ``writers`` array lists."""
-    names = {f.get("name") for f in files if isinstance(f, dict)} if isinstance(files, list) else set()
+def _file_names(writers) -> set[str]:
+    """Every file name (data files and indexes) a not yet validated ``writers`` array lists."""
+    names = set()
     for w in writers if isinstance(writers, list) else ():
         if isinstance(w, list) and w:
-            names.update([w[0], *w[3::2]])
-    return {n for n in names if isinstance(n, str)}
+            names.update(n for n in [w[0], *w[3::2]] if isinstance(n, str))
+    return names
 
 
 def committed_files(store: Store) -> set[str] | None:
-    """The data files the committed manifest names (empty when there is none; None when it
-    cannot be read): what a new save may delete once it has replaced that manifest. Only the
-    top-level ``files`` array is decoded (the rest is skipped in C): every save calls this, and
-    the ``params`` of a 70B-parameter, 1024-rank manifest take seconds to decode and GBs to hold."""
+    """The data files and indexes the committed manifest names (empty when there is none; None
+    when it cannot be read): what a new save may delete once it has replaced that manifest. Only
+    the top-level ``writers`` array is decoded (the rest is skipped in C): every save calls this."""
     try:
         data = read_manifest_bytes(store)
     except CheckpointIncompleteError:
@@ -793,28 +625,25 @@ def committed_files(store: Store) -> set[str] | None:
         return None
     unpacker = msgpack.Unpacker(max_buffer_size=len(data) + 1, **DECODING)
     unpacker.feed(data)
-    found = {}
+    writers = None
     try:
         for _ in range(unpacker.read_map_header()):
-            key = unpacker.unpack()
-            if key in ("files", "writers"):
-                found[key] = unpacker.unpack()
+            if unpacker.unpack() == "writers":
+                writers = unpacker.unpack()
             else:
                 unpacker.skip()
     except Exception:  # malformed: then nothing is deleted
         return None
-    if not any(isinstance(v, list) for v in found.values()):
-        return None
-    return _file_names(found.get("files"), found.get("writers"))
+    return _file_names(writers) if isinstance(writers, list) else None
 
 
 def open_checkpoint(store: Store, *, whole: bool = True) -> Manifest:
     """The validated manifest, after checking that every data file exists with its recorded size.
 
     ``whole=False`` (a reader of some rows: a rank's load, a lazy ``read``): no directory
-    listing, which costs a stat per file of the world's; a 2.0 index is checked against its
+    listing, which costs a stat per file of the world's; an index is checked against its
     pinned size and CRC when first read, and a short data file is refused when read
-    (``records.check_length``). 1.x manifests are always checked whole."""
+    (``records.check_length``)."""
     if whole:
         listing = store.listing()
         manifest = parse_manifest(store, read_manifest_bytes(store, listing))
@@ -826,7 +655,4 @@ def open_checkpoint(store: Store, *, whole: bool = True) -> Manifest:
         data = read_manifest_bytes(store)  # raises naming what is there (or finds it, if it just appeared)
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointFormatError(f"{store.url}: {MANIFEST_NAME} is over the {MAX_MANIFEST_BYTES}-byte limit")
-    manifest = parse_manifest(store, data)
-    if manifest.major < 2:
-        check_files(manifest, store.listing(), store.url)
-    return manifest
+    return parse_manifest(store, data)

@@ -10,7 +10,7 @@ from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.storage import Store
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import NUMPY
-from gefen_ckpt.wire.manifest import TensorRecord
+from gefen_ckpt.wire.index import SplitTensor
 from gefen_ckpt.wire.records import check_checksum, check_length
 
 
@@ -18,7 +18,7 @@ def readable(dtype: str) -> bool:
     return dtype in NUMPY or dtype == "bfloat16"  # bfloat16 is widened by hand
 
 
-def read_values(store: Store, tensor: TensorRecord) -> np.ndarray:
+def read_values(store: Store, tensor: SplitTensor) -> np.ndarray:
     """Every element of ``tensor`` as a flat float64 array (each piece's length and checksum
     verified; ``CheckpointCorruptError`` names the file and tensor)."""
     if not readable(tensor.dtype):

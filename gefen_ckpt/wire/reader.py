@@ -26,17 +26,16 @@ from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.storage import READ_CHUNK, LocalReader, Prefetch, RangeReader, Store
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import NUMPY, itemsize, torch_dtype
+from gefen_ckpt.wire.index import SplitTensor
 from gefen_ckpt.wire.manifest import (
     Manifest,
-    PieceRecord,
-    TensorRecord,
     check_files,
     decoded,
     listed_data_files,
     read_manifest_bytes,
     validated,
 )
-from gefen_ckpt.wire.records import check_checksum, check_length, hash_chunks
+from gefen_ckpt.wire.records import PieceRecord, check_checksum, check_length, hash_chunks
 
 #: Pieces read per ``read_verified`` call when staging (progress is reported between calls).
 STAGE_GROUP_BYTES = 64 * 2**20
@@ -45,7 +44,7 @@ HASH_BATCH_BYTES = 4 * 2**20
 
 
 # ----- pieces -------------------------------------------------------------------------------
-def _stored_shape(tensor: TensorRecord, piece: PieceRecord) -> tuple[int, ...]:
+def _stored_shape(tensor: SplitTensor, piece: PieceRecord) -> tuple[int, ...]:
     return (piece.rows[1] - piece.rows[0], *tensor.shape[1:]) if tensor.shape else ()
 
 
@@ -60,7 +59,7 @@ def _reading(store: Store, name: str) -> Iterator[RangeReader]:
                                      "newer save while this checkpoint was being read)") from None
 
 
-Batch = list[tuple[PieceRecord, TensorRecord, torch.Tensor]]
+Batch = list[tuple[PieceRecord, SplitTensor, torch.Tensor]]
 
 
 def read_verified(store: Store, reader: RangeReader, batch: Batch, hasher: ThreadPoolExecutor | None = None) -> None:
@@ -79,7 +78,7 @@ def read_verified(store: Store, reader: RangeReader, batch: Batch, hasher: Threa
             check_length(store, t, piece, n)
             check_checksum(store, t, piece, crc)
         return
-    pending: list[tuple[Future, TensorRecord, PieceRecord]] = []
+    pending: list[tuple[Future, SplitTensor, PieceRecord]] = []
     for piece, t, dst in batch:
         buffer = memoryview(dst.reshape(-1).view(torch.uint8).numpy())  # writable, over dst's bytes
         check_length(store, t, piece, reader.read_into(piece.offset, buffer))
@@ -91,7 +90,7 @@ def read_verified(store: Store, reader: RangeReader, batch: Batch, hasher: Threa
         check_checksum(store, t, piece, future.result())
 
 
-def read_piece(store: Store, tensor: TensorRecord, piece: PieceRecord, out: torch.Tensor | None = None) -> torch.Tensor:
+def read_piece(store: Store, tensor: SplitTensor, piece: PieceRecord, out: torch.Tensor | None = None) -> torch.Tensor:
     """One whole piece, verified, into ``out`` (contiguous, of the piece's shape) or a new tensor."""
     if out is None:
         out = torch.empty(_stored_shape(tensor, piece), dtype=torch_dtype(tensor.dtype))
@@ -104,7 +103,7 @@ class PieceSource:
     """A stored tensor as a lazy ``TensorSource``: ``read`` fetches and verifies only the pieces
     that overlap the requested rows (from ``mapped`` files when given: see ``MappedFiles``)."""
 
-    def __init__(self, store: Store, tensor: TensorRecord, mapped: MappedFiles | None = None):
+    def __init__(self, store: Store, tensor: SplitTensor, mapped: MappedFiles | None = None):
         self.store, self.tensor, self.mapped = store, tensor, mapped
         self.shape, self.dtype = tensor.shape, torch_dtype(tensor.dtype)
 
@@ -115,7 +114,7 @@ class PieceSource:
         stop = t.rows if stop is None else stop
         if not 0 <= start <= stop <= t.rows:
             raise IndexError(f"{t.label}: rows [{start}, {stop}) are outside [0, {t.rows})")
-        overlapping = []  # a 2.0 record reads only the indexes of the writers holding these rows
+        overlapping = []  # reads only the indexes of the writers holding these rows
         for piece in t.pieces_in(start, stop) if stop > start else ():
             overlapping.append((piece, max(start, piece.rows[0]), min(stop, piece.rows[1])))
         if self.mapped is not None:
@@ -148,7 +147,7 @@ class _PartialPieces:
         self._pieces: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
-    def copy_rows(self, store: Store, t: TensorRecord, piece: PieceRecord, lo: int, hi: int, dst: torch.Tensor) -> None:
+    def copy_rows(self, store: Store, t: SplitTensor, piece: PieceRecord, lo: int, hi: int, dst: torch.Tensor) -> None:
         """Rows ``[lo, hi)`` of ``piece`` into ``dst``, the whole piece verified. A piece too large
         to keep is streamed instead: its rows are copied as it is read and hashed, so a partial read
         of a large piece holds one chunk, not the piece (what keeps a reshard within its budget)."""
@@ -171,7 +170,7 @@ class _PartialPieces:
         dst.copy_(whole[lo - piece.rows[0]:hi - piece.rows[0]])
 
 
-def _stream_rows(store: Store, t: TensorRecord, piece: PieceRecord, lo: int, hi: int, dst: torch.Tensor) -> None:
+def _stream_rows(store: Store, t: SplitTensor, piece: PieceRecord, lo: int, hi: int, dst: torch.Tensor) -> None:
     """Read ``piece`` in ``READ_CHUNK``s, hashing each and copying the bytes of rows ``[lo, hi)``
     into ``dst`` (contiguous); the checksum is checked before returning."""
     row_bytes = piece.nbytes // (piece.rows[1] - piece.rows[0])
@@ -204,7 +203,7 @@ class MappedFiles:
         self._maps: dict[str, mmap.mmap] = {}
         self._verified: set[tuple[str, int]] = set()
 
-    def piece(self, t: TensorRecord, piece: PieceRecord) -> torch.Tensor:
+    def piece(self, t: SplitTensor, piece: PieceRecord) -> torch.Tensor:
         if not piece.nbytes:
             return torch.empty(_stored_shape(t, piece), dtype=torch_dtype(t.dtype))
         mapping = self._maps.get(piece.file)
@@ -224,7 +223,7 @@ class MappedFiles:
 _CARRIER = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
-def _view(mapping, t: TensorRecord, piece: PieceRecord) -> torch.Tensor:
+def _view(mapping, t: SplitTensor, piece: PieceRecord) -> torch.Tensor:
     """A piece as a tensor viewing ``mapping`` (touches no data). Made through numpy: a torch
     operation per piece would release the GIL per piece, which costs a switch interval (5 ms)
     each while another thread of the process runs Python (docs/decisions.md)."""
@@ -281,7 +280,7 @@ def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None
     private mapping of its file: for callers that copy what they stage anyway (a Gefen
     optimizer's load) it saves a copy; a caller that keeps the tensors must not ask for it.
     ``warming``: a ``Store.prefetch`` of the data files, waited for before each read."""
-    by_file: dict[str, list[tuple[PieceRecord, TensorRecord, str]]] = {}
+    by_file: dict[str, list[tuple[PieceRecord, SplitTensor, str]]] = {}
     for key, t in manifest.tensors.items():
         for piece in t.pieces:
             by_file.setdefault(piece.file, []).append((piece, t, key))

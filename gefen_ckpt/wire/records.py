@@ -21,11 +21,9 @@ MAX_STR = 65536
 
 
 class PieceRecord(NamedTuple):
-    """Rows ``[rows[0], rows[1])`` of one tensor, stored as tensor ``key`` of data file ``file``.
-
-    ``fqn`` is None for optimizer-wide fields. Records are plain data (``to_dict``/``from_dict``)
-    so ranks can send theirs to the rank that commits the manifest.
-    """
+    """Rows ``[rows[0], rows[1])`` of one tensor, stored at ``offset`` in data file ``file``
+    (``key``: its name in messages, ``<tensor>@<start>:<stop>``). ``fqn`` is None for
+    optimizer-wide fields."""
 
     fqn: str | None
     field: str
@@ -36,18 +34,10 @@ class PieceRecord(NamedTuple):
     nbytes: int
     checksum: int
 
-    def to_dict(self) -> dict:
-        return {"fqn": self.fqn, "field": self.field, "rows": list(self.rows), "file": self.file, "key": self.key,
-                "offset": self.offset, "bytes": self.nbytes, "checksum": self.checksum}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> PieceRecord:
-        return cls(d["fqn"], d["field"], tuple(d["rows"]), d["file"], d["key"], d["offset"], d["bytes"], d["checksum"])
-
 
 class TensorShape:
-    """What a tensor record (1.x ``manifest.TensorRecord``, 2.0 ``index.SplitTensor``) derives from
-    its ``fqn``, ``field``, ``dtype`` and ``shape``: the one home of rows and of its label."""
+    """What a tensor record (``index.SplitTensor``) derives from its ``fqn``, ``field``, ``dtype``
+    and ``shape``: the one home of rows and of its label."""
 
     __slots__ = ()
 
@@ -65,7 +55,7 @@ class TensorShape:
 
 
 def tensor_key(fqn: str | None, field: str) -> str:
-    """A tensor's name in data-file keys (``<name>@<start>:<stop>``)."""
+    """A tensor's name in piece keys (``<name>@<start>:<stop>``)."""
     return f"__global__/{field}" if fqn is None else f"{fqn}/{field}"
 
 

@@ -14,19 +14,17 @@ from gefen_ckpt.errors import CheckpointError
 from gefen_ckpt.progress import progress_bar
 from gefen_ckpt.storage import Prefetch, RangeReader, Store
 from gefen_ckpt.wire import checksum, datafile
-from gefen_ckpt.wire.dtypes import safetensors_code
+from gefen_ckpt.wire.index import SplitTensor
 from gefen_ckpt.wire.manifest import (
     FORMAT_NAME,
     MANIFEST_NAME,
     Manifest,
-    PieceRecord,
-    TensorRecord,
     open_checkpoint,
     parse_manifest,
     read_manifest_bytes,
     total_tensor_bytes,
 )
-from gefen_ckpt.wire.records import hash_chunks
+from gefen_ckpt.wire.records import PieceRecord, hash_chunks
 from gefen_ckpt.wire.writelock import LOCK_NAME
 
 _CHUNK = 16 * 2**20
@@ -51,12 +49,11 @@ class VerifyReport:
         self.problems.append(message)
 
 
-def _header_problems(store: Store, name: str, size: int, pieces: list[tuple[TensorRecord, PieceRecord]],
-                     alignment: int, packed: str = "") -> list[str]:
-    """The safetensors header's problems (``packed``: the 2.0 version string, whose header is
-    checked byte by byte)."""
-    where = store.path(name)
-    if packed and (damaged := _packed_header_problems(store, name, size, packed)):
+def _header_problems(store: Store, name: str, size: int, pieces: list[tuple[SplitTensor, PieceRecord]],
+                     version: str) -> list[str]:
+    """The safetensors header's problems: compared byte by byte with what the format defines for
+    ``version``, then parsed as the stock validator parses it, every piece inside its data."""
+    if damaged := _packed_header_problems(store, name, size, version):
         return damaged
     try:
         head = store.read(name, 0, min(size, 8))
@@ -65,31 +62,16 @@ def _header_problems(store: Store, name: str, size: int, pieces: list[tuple[Tens
             raise ValueError("bad header length")
         header = datafile.parse_header(store.read(name, 0, min(size, 8 + n)), size)
     except ValueError as exc:
-        return [f"{where}: not a valid safetensors file: {exc}"]
-    if packed:
-        return _packed_problems(where, header, size, pieces)
-    out = []
-    for key, (_, _, begin, end) in header.items():
-        if key.startswith(datafile.PAD_PREFIX) and 0 <= begin <= end <= size and end - begin <= 2 * alignment:
-            if any(store.read(name, begin, end)):
-                out.append(f"{where}: padding {key!r} (bytes [{begin}, {end})) is not zero, as the format requires")
-    for t, p in pieces:
-        stored = [p.rows[1] - p.rows[0], *t.shape[1:]] if t.shape else []
-        want = (safetensors_code(t.dtype), tuple(stored), p.offset, p.offset + p.nbytes)
-        if header.get(p.key) != want:
-            out.append(f"{where}: tensor {p.key!r} ({t.label}) in the header is {header.get(p.key)}, "
-                       f"the manifest says {want}")
-        elif p.offset % alignment:
-            out.append(f"{where}: tensor {p.key!r} starts at {p.offset}, not a multiple of {alignment}")
-    return out
+        return [f"{store.path(name)}: not a valid safetensors file: {exc}"]
+    return _packed_problems(store.path(name), header, size, pieces)
 
 
-def _packed_problems(where: str, header: dict, size: int, pieces: list[tuple[TensorRecord, PieceRecord]]) -> list[str]:
-    """A 2.0 data file: one ``U8`` tensor spanning the data section, every piece inside it and
+def _packed_problems(where: str, header: dict, size: int, pieces: list[tuple[SplitTensor, PieceRecord]]) -> list[str]:
+    """A data file: one ``U8`` tensor spanning the data section, every piece inside it and
     aligned as the writer aligns it (``datafile.piece_alignment``)."""
     data = header.get(datafile.DATA_KEY)
     if set(header) != {datafile.DATA_KEY} or data[0] != "U8" or data[3] != size:
-        return [f"{where}: a 2.0 data file holds one U8 tensor {datafile.DATA_KEY!r} spanning its data; "
+        return [f"{where}: a data file holds one U8 tensor {datafile.DATA_KEY!r} spanning its data; "
                 f"its header has {sorted(header)[:4]}"]
     out = []
     for t, p in pieces:
@@ -101,8 +83,8 @@ def _packed_problems(where: str, header: dict, size: int, pieces: list[tuple[Ten
 
 
 def _packed_header_problems(store: Store, name: str, size: int, version: str) -> list[str]:
-    """A 2.0 data file of ``size`` bytes starts with exactly what ``datafile.packed_prefix`` writes
-    for it (docs/format.md 13.3): length, metadata strings and space padding are compared byte by
+    """A data file of ``size`` bytes starts with exactly what ``datafile.packed_prefix`` writes
+    for it (docs/format.md 5): length, metadata strings and space padding are compared byte by
     byte, naming the first damaged byte (no checksum covers them; a reader never needs them)."""
     metadata, length = {"format": FORMAT_NAME, "version": version}, 0
     for _ in range(4):  # the header's length depends on the digits of the data's: a fixed point
@@ -114,13 +96,13 @@ def _packed_header_problems(store: Store, name: str, size: int, version: str) ->
     if have == want:
         return []
     at = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
-    return [f"{store.path(name)}: byte {at} of the header differs from the 2.0 header the format defines "
+    return [f"{store.path(name)}: byte {at} of the header differs from the header the format defines "
             f"(found {have[at:at + 1]!r}, expected {want[at:at + 1]!r}): the header is damaged"]
 
 
 def _gap_problems(store: Store, reader: RangeReader, name: str, size: int, data_start: int,
-                  pieces: list[tuple[TensorRecord, PieceRecord]]) -> list[str]:
-    """The alignment padding of a 2.0 data file (the bytes of its data section outside every piece)
+                  pieces: list[tuple[SplitTensor, PieceRecord]]) -> list[str]:
+    """The alignment padding of a data file (the bytes of its data section outside every piece)
     is zero, as the format requires: the first non-zero byte is named by its offset."""
     gaps, at = [], data_start
     for _, p in sorted(pieces, key=lambda tp: tp[1].offset):
@@ -141,7 +123,7 @@ def _gap_problems(store: Store, reader: RangeReader, name: str, size: int, data_
 
 
 def _check_file(store: Store, report: VerifyReport, name: str, expected: int, actual: int | None,
-                pieces: list[tuple[TensorRecord, PieceRecord]], manifest: Manifest,
+                pieces: list[tuple[SplitTensor, PieceRecord]], manifest: Manifest,
                 buffer: memoryview, on_bytes, warming: Prefetch | None) -> None:
     where = store.path(name)
     if actual is None:
@@ -158,14 +140,12 @@ def _check_file(store: Store, report: VerifyReport, name: str, expected: int, ac
     report.files_checked += 1
     if actual != expected:
         report.problem(f"{where}: {actual} bytes, the manifest says {expected} (truncated or replaced)")
-    packed = ".".join(map(str, manifest.raw["version"])) if manifest.major >= 2 else ""
-    header = _header_problems(store, name, actual, pieces, manifest.raw.get("alignment", datafile.ALIGNMENT),
-                              packed=packed)
+    header = _header_problems(store, name, actual, pieces, ".".join(map(str, manifest.raw["version"])))
     for message in header:
         report.problem(message)
     wait = (lambda end: warming.wait(where, end)) if warming is not None else (lambda end: None)
     with store.reader(name) as reader:
-        if packed and not header and actual == expected:
+        if not header and actual == expected:
             for message in _gap_problems(store, reader, name, actual, _data_start(store, name), pieces):
                 report.problem(message)
         for run in _runs(sorted(pieces, key=lambda tp: tp[1].offset), len(buffer)):
@@ -227,9 +207,9 @@ def verify_checkpoint(store: Store, on_bytes: Callable[[int], None] | None = Non
         report.problem(str(exc))
         return report
     report.tensors = len(manifest.tensors)
-    by_file: dict[str, list[tuple[TensorRecord, PieceRecord]]] = {f.name: [] for f in manifest.files}
+    by_file: dict[str, list[tuple[SplitTensor, PieceRecord]]] = {f.name: [] for f in manifest.files}
     for t in manifest.tensors.values():
-        try:  # 2.0: through the writers' indexes, each verified against its pin and the manifest
+        try:  # through the writers' indexes, each verified against its pin and the manifest
             pieces = t.pieces
         except CheckpointError as exc:
             if str(exc) not in report.problems:

@@ -1,5 +1,5 @@
 """The writer lock: at most one save at a time to a checkpoint location, since two racing saves
-would delete each other's files (docs/format.md 10.1). Local: an ``fcntl.flock``, dropped by the
+would delete each other's files (docs/format.md 7.1). Local: an ``fcntl.flock``, dropped by the
 kernel when its holder dies; the file, emptied on release, names a save that died when found
 non-empty and unlocked. Object stores: a lock object created with ``pipe_file(mode="create")``.
 """

@@ -27,8 +27,8 @@ from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire.bulk import _in_memory, tensors
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import MAX_WORLD_SIZE, WriterPin, encode_index, index_entries, index_name
-from gefen_ckpt.wire.manifest import FORMAT_NAME, MANIFEST_NAME, FileRecord, PieceRecord
-from gefen_ckpt.wire.records import tensor_key
+from gefen_ckpt.wire.manifest import FILE_METADATA, MANIFEST_NAME, FileRecord
+from gefen_ckpt.wire.records import PieceRecord, tensor_key
 from gefen_ckpt.wire.writelock import WriterLock, acquire
 
 DATA_FILE = re.compile(r"data-[0-9a-f]+-r\d+-\d+\.safetensors")
@@ -146,13 +146,12 @@ def _resident(source: TensorSource) -> bool:
 
 
 def _write_file(store: Store, name: str, pieces: list[_Piece], durable: bool,
-                on_bytes: OnBytes | None, version: tuple[int, int]) -> tuple[list[PieceRecord], FileRecord]:
+                on_bytes: OnBytes | None) -> tuple[list[PieceRecord], FileRecord]:
     """One data file. Pieces of a state held in memory anyway (a live optimizer's) go to the
     writer in batches of up to ``WRITE_BATCH_BYTES``, one ``write_hashed`` call each (written and
     hashed without the GIL); pieces read from elsewhere (a checkpoint being converted) are written
     every ``READ_BATCH_BYTES``, so a conversion holds at most that plus one piece."""
-    layout = datafile.build_packed if version[0] >= 2 else datafile.build
-    prefix, offsets, size = layout([p.entry for p in pieces], {"format": FORMAT_NAME, "version": ".".join(map(str, version))})
+    prefix, offsets, size = datafile.build_packed([p.entry for p in pieces], FILE_METADATA)
     records = []
     with store.create(name, durable) as out:
         out.write(prefix)
@@ -186,16 +185,13 @@ def _put(out: Writer, name: str, spans: list[tuple[int, int]], placed: list[tupl
 
 def write_pieces(store: Store, stem: str, to_write: Iterable[WriteItem], *, max_file_bytes: int,
                  memory_budget: int, on_bytes: OnBytes | None = None, durable: bool = True,
-                 on_file: Callable[[str], None] | None = None,
-                 version: tuple[int, int] | None = None) -> tuple[list[PieceRecord], list[FileRecord]]:
+                 on_file: Callable[[str], None] | None = None) -> tuple[list[PieceRecord], list[FileRecord]]:
     """Write ``to_write`` into new data files ``<stem>-<n>.safetensors``; the pieces' records.
 
     Files are complete when this returns, and durable unless ``durable`` is False (then
     ``store.durable_soon`` them before committing); ``on_file(name)`` is called as each is
-    completed. 2.x files (``version``, default ``manifest.WRITE_VERSION``) pack their pieces in
-    one tensor, 1.x files give each piece its own.
+    completed.
     """
-    version = mf.WRITE_VERSION if version is None else version
     if max_file_bytes < MIN_FILE_BYTES:
         raise ValueError(f"max_file_bytes must be at least {MIN_FILE_BYTES}, got {max_file_bytes}")
     if memory_budget <= 0:
@@ -203,7 +199,7 @@ def write_pieces(store: Store, stem: str, to_write: Iterable[WriteItem], *, max_
     pieces = [p for item in to_write for p in _split(item, max_file_bytes, memory_budget // 4)]
     records, files = [], []
     for i, group in enumerate(_pack(pieces, max_file_bytes)):
-        recs, file = _write_file(store, f"{stem}-{i:05d}.safetensors", group, durable, on_bytes, version)
+        recs, file = _write_file(store, f"{stem}-{i:05d}.safetensors", group, durable, on_bytes)
         records += recs
         files.append(file)
         if on_file is not None:
@@ -222,7 +218,7 @@ def data_stem(token: str, rank: int) -> str:
 
 def write_index(store: Store, token: str, rank: int, records: list[PieceRecord], files: list[FileRecord],
                 ordinals: dict, durable: bool = True) -> tuple[WriterPin, bytes]:
-    """Writer ``rank``'s 2.0 index of ``records`` (its pieces, in ``files``); its pin and bytes."""
+    """Writer ``rank``'s index of ``records`` (its pieces, in ``files``); its pin and bytes."""
     data = encode_index(rank, index_entries(records, ordinals, [f.name for f in files]))
     name = index_name(token, rank)
     with store.create(name, durable) as out:
@@ -305,7 +301,7 @@ def write_state(state: CanonicalState, store: Store, *, world_size: int | None, 
 
 
 def splits(state: CanonicalState, world_size: int | None, writers: tuple[int, ...] | None = None) -> dict:
-    """Each tensor's 2.0 split when ``items`` writes ``state``: row-sharded fields ``torch.chunk``
+    """Each tensor's split when ``items`` writes ``state``: row-sharded fields ``torch.chunk``
     over ``world_size`` parts, part ``i`` by writer ``writers[i]`` (default ``i``), everything else
     one part by writer 0."""
     whole = (1, (0,))
@@ -315,8 +311,7 @@ def splits(state: CanonicalState, world_size: int | None, writers: tuple[int, ..
 
 def _write_locked(state: CanonicalState, store: Store, token: str, previous: set[str] | None, *,
                   world_size: int | None, max_file_bytes: int, memory_budget: int, on_bytes: OnBytes | None) -> dict:
-    records, files, pins, indexes = [], [], [], {}
-    version = mf.WRITE_VERSION
+    pins, indexes = [], {}
     ordinals = mf.tensor_order(state)
     syncing: list[Callable[[], None]] = []  # each file's fsync starts as soon as it is written
 
@@ -324,9 +319,9 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
         syncing.append(store.durable_soon(name))
 
     plan = None
-    if version[0] >= 2 and world_size is not None and world_size > 1:
+    if world_size is not None and world_size > 1:
         plan = bulk.regular_plan(state, world_size, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
-                                 ordinals=ordinals, version=version)
+                                 ordinals=ordinals)
     try:
         if plan is not None:  # every part one piece, every writer one file: all writers in one pass
             pins, indexes, durable = bulk.write(plan, store, token, memory_budget=memory_budget,
@@ -335,20 +330,12 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
         for rank in range(world_size or 1) if plan is None else ():
             recs, fs = write_pieces(store, data_stem(token, rank), items(state, rank, world_size),
                                     max_file_bytes=max_file_bytes, memory_budget=memory_budget, on_bytes=on_bytes,
-                                    durable=False, on_file=sync, version=version)
-            if version[0] >= 2:
-                pin, indexes[rank] = write_index(store, token, rank, recs, fs, ordinals, durable=False)
-                sync(pin.index)
-                pins.append(pin)
-            else:
-                records += recs
-                files += fs
-        layout = "canonical" if world_size is None else "sharded"
-        if version[0] >= 2:
-            manifest = mf.build_v2(state, splits(state, world_size, plan.writer_of() if plan else None), pins,
-                                   layout=layout, world_size=world_size or 1)
-        else:
-            manifest = mf.build(state, records, files, layout=layout, world_size=world_size or 1)
+                                    durable=False, on_file=sync)
+            pin, indexes[rank] = write_index(store, token, rank, recs, fs, ordinals, durable=False)
+            sync(pin.index)
+            pins.append(pin)
+        manifest = mf.build(state, splits(state, world_size, plan.writer_of() if plan else None), pins,
+                            layout="canonical" if world_size is None else "sharded", world_size=world_size or 1)
     except BaseException:
         _settle(syncing, quiet=True)
         discard(store, token)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-import msgpack
 import pytest
+from ckpt_edits import index_entry, piece, rewrite_index, rewrite_manifest
 
 import gefen
 import gefen_ckpt
@@ -18,12 +18,13 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
+from gefen_ckpt.storage import Store
 from gefen_ckpt.wire import reader
-from gefen_ckpt.wire.manifest import encode
+from gefen_ckpt.wire.manifest import open_checkpoint
 
 from ckpt_util import Tiny, fresh_like, same, snapshot, train, trained
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("format_1x")]  # 1.x internals; 2.0: test_format2.py
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +59,6 @@ def refused(target, url, error, *names):
     return str(info.value)
 
 
-def piece(url, fqn="up.weight", field="mv_code"):
-    m = gefen_ckpt.read_manifest(url)
-    p = m["params"][fqn]["fields"][field]["pieces"][0]
-    return os.path.join(url, m["files"][p["file"]]["name"]), p
-
-
-def rewrite_manifest(url, change):
-    """A deliberate edit (its checksum recomputed), to reach the checks behind the checksum."""
-    path = os.path.join(url, "manifest.msgpack")
-    with open(path, "rb") as f:
-        m = msgpack.unpackb(f.read())
-    change(m)
-    with open(path, "wb") as f:
-        f.write(encode(m))
-
-
 @pytest.fixture(params=["mapped", "fused", "python"])
 def read_path(request, monkeypatch):
     """Damaged data is found the same way by a Gefen load's mapped staging and by the reads into
@@ -98,7 +83,7 @@ def test_truncated_data_file(ck, target):
 def test_flipped_byte_names_file_and_fqn(ck, target, monkeypatch):
     path, p = piece(ck)
     with open(path, "r+b") as f:
-        f.seek(p["offset"] + p["bytes"] // 2)
+        f.seek(p.offset + p.nbytes // 2)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x10]))
@@ -157,8 +142,8 @@ def test_truncated_or_garbage_manifest(ck, target, cut):
     refused(target, ck, CheckpointFormatError, "manifest.msgpack")
 
 
-@pytest.mark.parametrize("version, words", [([3, 0], "newer"), ([1, 7], None), ([0, 9], "not supported"),
-                                            ("1.0", "[major, minor]")])
+@pytest.mark.parametrize("version, words", [([3, 0], "newer"), ([2, 7], None), ([1, 1], "version 1.1 is not supported"),
+                                            ([0, 9], "not supported"), ("1.0", "[major, minor]")])
 def test_format_versions(ck, target, source, version, words):
     rewrite_manifest(ck, lambda m: m.update(version=version))
     if words is None:  # same major, newer minor: readable (minor versions only add optional keys)
@@ -174,31 +159,26 @@ def test_not_our_format(ck, target):
     refused(target, ck, CheckpointFormatError, "not a gefen-ckpt manifest")
 
 
-def test_coverage_gap_and_overlap_are_format_errors(ck, target):
-    def drop(m):
-        m["params"]["embed.weight"]["fields"]["mv_code"]["pieces"][0]["rows"][0] += 1
-
-    rewrite_manifest(ck, drop)
-    refused(target, ck, CheckpointFormatError, "embed.weight", "mv_code")
+@pytest.mark.parametrize("change, words", [(lambda p: p[0].__setitem__(0, 1), "do not match the manifest's split"),
+                                           (lambda p: p.append(list(p[-1])), "overlap")])
+def test_coverage_gap_and_overlap_are_format_errors(ck, target, change, words):
+    rewrite_index(ck, 0, lambda raw: change(index_entry(raw, ck, "embed.weight", "mv_code")))
+    refused(target, ck, CheckpointFormatError, "embed.weight/mv_code", words)
 
 
 def test_pieces_sharing_bytes_are_a_format_error_naming_both(ck, target):
-    m = gefen_ckpt.read_manifest(ck)
-    a = m["params"]["up.weight"]["fields"]["mv_code"]["pieces"][0]
-    size = m["files"][a["file"]]["bytes"]
-    b = next(p for e in m["params"].values() for f in e["fields"].values() for p in f["pieces"]
-             if p["file"] == a["file"] and p["offset"] != a["offset"] and a["offset"] + p["bytes"] <= size)
+    path, a = piece(ck)
+    tensors = open_checkpoint(Store(ck)).tensors
+    (key, i), b = next(((key, i), p) for key, t in tensors.items() for i, p in enumerate(t.pieces)
+                       if p.file == a.file and p.offset != a.offset and a.offset + p.nbytes <= os.path.getsize(path))
 
     def alias(raw):
-        for e in raw["params"].values():
-            for f in e["fields"].values():
-                for p in f["pieces"]:
-                    if (p["file"], p["offset"]) == (b["file"], b["offset"]):
-                        p["offset"] = a["offset"]
+        index_entry(raw, ck, *key)[i][3] = a.offset
 
-    rewrite_manifest(ck, alias)
-    message = refused(target, ck, CheckpointFormatError, "overlaps", "params['up.weight'].fields['mv_code'].pieces[0]")
-    assert message.count(".pieces[") == 2, message
+    rewrite_index(ck, 0, alias)
+    message = refused(target, ck, CheckpointFormatError, "overlaps", "{} rows [{}, {})".format(tensors[key].label, *b.rows),
+                      "up.weight/mv_code rows [{}, {})".format(*a.rows), a.file)
+    assert message.count(" rows [") == 2, message
 
 
 def test_fqn_mismatch(ck, source):

@@ -1,4 +1,6 @@
-"""Data files are plain safetensors (the stock library reads them) with aligned tensor data."""
+"""Data files are plain safetensors (the stock library reads them): one ``U8`` tensor spans the
+data section, where every piece lies aligned (for a view of its dtype) at the offset its writer's
+index records, the bytes between pieces zero."""
 
 from __future__ import annotations
 
@@ -16,59 +18,76 @@ import gefen_ckpt
 from gefen_ckpt import native
 from gefen_ckpt.storage import Store
 from gefen_ckpt.wire import checksum, datafile
-from gefen_ckpt.wire.dtypes import DTYPES, torch_dtype
+from gefen_ckpt.wire.dtypes import DTYPES, dtype_name, torch_dtype
 from gefen_ckpt.wire.manifest import open_checkpoint
 from gefen_ckpt.wire.reader import read_piece
 
-from ckpt_util import trained
+from ckpt_util import OPTIMIZERS, Tiny, train
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("format_1x")]  # 1.x internals; 2.0: test_format2.py
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    model, opt = trained("hybrid_adamw")
+    model = Tiny(dim=64)  # pieces of 4 KiB and more (ALIGNMENT-aligned) beside smaller ones
+    opt = OPTIMIZERS["hybrid_adamw"](model)
+    train(model, opt, 3)
     state = gefen_ckpt.export_canonical(opt, model=model)
     url = str(tmp_path_factory.mktemp("df") / "ck")
     gefen_ckpt.write(state, url, world_size=2, max_file_bytes=8192)
     return url, state, gefen_ckpt.read_manifest(url)
 
 
-def _pieces(manifest):
-    tensors = list(manifest["globals"].values())
-    tensors += [t for e in manifest["params"].values() for t in e["fields"].values()]
-    return [(t, p) for t in tensors for p in t["pieces"]]
+def _files(manifest) -> list[str]:
+    return [name for w in manifest["writers"] for name in w[3::2]]
+
+
+def _pieces(url):
+    """(tensor, piece) of every stored piece."""
+    return [(t, p) for t in open_checkpoint(Store(url)).tensors.values() for p in t.pieces]
 
 
 def test_stock_safetensors_loads_every_file(written):
-    url, _, manifest = written
-    by_key = {}
-    for f in manifest["files"]:
-        path = os.path.join(url, f["name"])
+    url, state, manifest = written
+    data = {}
+    for name in _files(manifest):
+        path = os.path.join(url, name)
         tensors = load_file(path)  # the stock validator: contiguous offsets, sizes, dtypes
         with safe_open(path, "pt") as sf:
-            assert set(sf.keys()) == set(tensors)
-            assert sf.metadata() == {"format": "gefen-ckpt", "version": "1.1"}
-        by_key.update({(f["name"], k): v for k, v in tensors.items()})
-    for t, p in _pieces(manifest):
-        stored = by_key[(manifest["files"][p["file"]]["name"], p["key"])]
-        assert str(stored.dtype).removeprefix("torch.") == t["dtype"]
-        assert zlib.crc32(stored.contiguous().reshape(-1).view(torch.uint8).numpy()) == p["checksum"]
-    pads = [v for (_, k), v in by_key.items() if k.startswith(datafile.PAD_PREFIX)]
-    assert pads and all(v.dtype == torch.uint8 and not v.any() for v in pads)
+            assert set(sf.keys()) == {datafile.DATA_KEY}
+            assert sf.metadata() == {"format": "gefen-ckpt", "version": "2.0"}
+        data[name] = (tensors[datafile.DATA_KEY].numpy(), os.path.getsize(path) - tensors[datafile.DATA_KEY].numel())
+    covered = {name: np.zeros(len(d), bool) for name, (d, _) in data.items()}
+    for t, p in _pieces(url):
+        stored, start = data[p.file]
+        raw = stored[p.offset - start:p.offset - start + p.nbytes]
+        assert zlib.crc32(raw) == p.checksum
+        shape = (p.rows[1] - p.rows[0], *t.shape[1:]) if t.shape else ()
+        want = state.params[t.fqn].fields[t.field] if t.fqn else state.global_fields[t.field]
+        value = torch.from_numpy(raw.copy()).view(torch_dtype(t.dtype)).reshape(shape)
+        assert torch.equal(value, want.read(*p.rows) if t.shape else want.read())
+        covered[p.file][p.offset - start:p.offset - start + p.nbytes] = True
+    gaps = [d[~covered[name]] for name, (d, _) in data.items()]
+    assert sum(g.size for g in gaps) and not any(g.any() for g in gaps)  # padding there is, and it is zero
 
 
-def test_every_tensor_starts_aligned(written):
-    _, _, manifest = written
+def test_every_piece_starts_aligned(written):
+    url, _, manifest = written
     assert manifest["alignment"] == datafile.ALIGNMENT >= 64
-    fp32 = [p for t, p in _pieces(manifest) if t["dtype"] == "float32"]
-    assert fp32 and all(p["offset"] % datafile.ALIGNMENT == 0 for _, p in _pieces(manifest))
+    pieces = _pieces(url)
+    assert any(p.nbytes >= datafile.ALIGN_FROM for _, p in pieces)
+    for t, p in pieces:  # a large piece on an ALIGNMENT boundary, a small one on its dtype's size
+        align = datafile.ALIGNMENT if p.nbytes >= datafile.ALIGN_FROM else DTYPES[t.dtype][1]
+        assert p.offset % align == 0, (t.label, p)
+    for name in _files(manifest):  # the data section itself starts on an ALIGNMENT boundary
+        with open(os.path.join(url, name), "rb") as f:
+            assert (8 + int.from_bytes(f.read(8), "little")) % datafile.ALIGNMENT == 0
 
 
 def test_headers_agree_with_stock_parser(written):
     url, _, manifest = written
-    for f in manifest["files"]:
-        path = os.path.join(url, f["name"])
+    for name in _files(manifest):
+        path = os.path.join(url, name)
         with open(path, "rb") as fh:
             data = fh.read()
         header = datafile.parse_header(data, len(data))
@@ -78,33 +97,30 @@ def test_headers_agree_with_stock_parser(written):
                 assert list(sf.get_slice(key).get_shape()) == list(header[key][1])
 
 
-def test_build_rejects_reserved_and_duplicate_keys():
-    with pytest.raises(ValueError):
-        datafile.build([datafile.Entry("a", "uint8", (1,), 1), datafile.Entry("a", "uint8", (1,), 1)], {})
-    with pytest.raises(ValueError):
-        datafile.build([datafile.Entry(datafile.PAD_PREFIX + "0", "uint8", (1,), 1)], {})
-
-
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_every_dtype_round_trips_through_stock_safetensors(tmp_path, dtype):
+def test_every_dtype_lies_where_a_view_can_read_it_from_stock_safetensors(tmp_path, dtype):
+    """Pieces of every dtype packed after an odd-sized one: each starts on a multiple of its
+    dtype's size (of ``ALIGNMENT`` when large), so the stock library's ``U8`` tensor views it."""
     value = torch.arange(12).reshape(3, 4).to(torch_dtype(dtype)) if dtype != "bool" else torch.eye(3, 4, dtype=torch.bool)
-    entries = [datafile.Entry("x", dtype, (3, 4), value.numel() * value.element_size()),
-               datafile.Entry("s", dtype, (), value.element_size())]
-    prefix, offsets, size = datafile.build(entries, {})
+    big = torch.zeros(datafile.ALIGN_FROM // value.element_size(), dtype=value.dtype)
+    pieces = [torch.ones(3, dtype=torch.uint8), value, value[0, 0], big]
+    entries = [datafile.Entry(str(i), dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
+               for i, t in enumerate(pieces)]
+    prefix, offsets, size = datafile.build_packed(entries, {"format": "gefen-ckpt", "version": "2.0"})
     blob = bytearray(size)
     blob[:len(prefix)] = prefix
-    for off, t in zip(offsets, [value, value[0, 0]]):
+    for off, t in zip(offsets, pieces):
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         blob[off:off + len(raw)] = raw
-        assert off % datafile.ALIGNMENT == 0
     path = tmp_path / "x.safetensors"
     path.write_bytes(bytes(blob))
-    try:
-        loaded = load_file(str(path))
-    except (TypeError, ValueError) as exc:  # an old safetensors without this dtype
-        pytest.skip(f"safetensors cannot load {dtype}: {exc}")
-    assert torch.equal(loaded["x"].view(torch.uint8), value.view(torch.uint8))
-    assert loaded["s"].shape == ()
+    data = load_file(str(path))[datafile.DATA_KEY]
+    assert data.dtype == torch.uint8 and data.numel() == size - len(prefix)
+    for off, t in zip(offsets[1:], pieces[1:]):
+        at = off - len(prefix)
+        assert off % (datafile.ALIGNMENT if t.numel() * t.element_size() >= datafile.ALIGN_FROM else t.element_size()) == 0
+        view = data[at:at + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape)
+        assert torch.equal(view.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
 
 
 def test_checksum_is_standard_crc32():
@@ -163,14 +179,17 @@ def test_checksums_of_ranges_in_memory(monkeypatch, native):
 
 def test_header_text_is_what_json_dumps_writes():
     """The header is assembled as text for speed; it must stay byte-identical to json.dumps."""
-    entries = [datafile.Entry("w", "float32", (3, 5), 60), datafile.Entry('q"\\u\u00e9/x@0:7', "uint8", (7,), 7),
+    entries = [datafile.Entry("w", "float32", (3, 5), 60), datafile.Entry("c", "uint8", (7,), 7),
                datafile.Entry("s", "int64", (), 8)]
-    prefix, offsets, size = datafile.build(entries, {"format": "gefen-ckpt", "é": "x"})
+    prefix, offsets, size = datafile.build_packed(entries, {"format": "gefen-ckpt", "é": 'q"\\u\u00e9/x'})
     text = prefix[8:].rstrip(b" ")
     header = json.loads(text)
     assert text == json.dumps(header, separators=(",", ":")).encode()
-    assert [header[e.key]["data_offsets"][0] + len(prefix) for e in entries] == offsets
-    assert header["__metadata__"] == {"format": "gefen-ckpt", "é": "x"}
+    assert header[datafile.DATA_KEY] == {"dtype": "U8", "shape": [size - len(prefix)],
+                                         "data_offsets": [0, size - len(prefix)]}
+    assert offsets == [len(prefix), len(prefix) + 60, len(prefix) + 72]  # 60 bytes, 7, then 8 at a multiple of 8
+    assert header["__metadata__"] == {"format": "gefen-ckpt", "é": 'q"\\u\u00e9/x'}
+    assert datafile.packed_prefix(size - len(prefix), {"format": "gefen-ckpt", "é": 'q"\\u\u00e9/x'}) == prefix
 
 
 def test_reads_refuse_a_destination_that_is_not_the_piece(written):

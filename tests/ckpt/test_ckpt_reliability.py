@@ -14,6 +14,7 @@ import tracemalloc
 
 import msgpack
 import pytest
+from ckpt_edits import data_files, index_entry, rewrite_index, rewrite_manifest, stored_files
 
 import gefen_ckpt
 import gefen_ckpt.storage as storage
@@ -24,26 +25,15 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
     CheckpointStorageError,
 )
+from gefen_ckpt.storage import Store
 from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire import writelock, writer
 
-from ckpt_util import fresh_like, same, snapshot, train, trained
-
-pytestmark = pytest.mark.usefixtures("format_1x")  # 1.x internals; 2.0: test_format2.py
+from ckpt_util import OPTIMIZERS, Tiny, fresh_like, same, snapshot, train, trained
 
 
 def _files(url) -> set[str]:
     return set(os.listdir(url))
-
-
-def _rewrite(url, change) -> None:
-    """A deliberate manifest edit, its checksum recomputed (what a hostile writer could do)."""
-    path = os.path.join(url, mf.MANIFEST_NAME)
-    with open(path, "rb") as f:
-        m = msgpack.unpackb(f.read())
-    change(m)
-    with open(path, "wb") as f:
-        f.write(mf.encode(m))
 
 
 # ----- 1. concurrent writers ------------------------------------------------------------------
@@ -99,7 +89,7 @@ def test_a_save_deletes_only_what_its_own_commit_made_unreferenced(tmp_path):
     url = tmp_path / "ck"
     model, opt = trained("adamw", steps=1)
     gefen_ckpt.save(opt, str(url), model=model)
-    old = {f["name"] for f in gefen_ckpt.read_manifest(str(url))["files"]}
+    old = stored_files(url)
     foreign = "data-00000000000000aa-r00000-00000.safetensors"  # another writer's, not yet committed
     (url / foreign).write_bytes(b"x" * 100)
     gefen_ckpt.save(opt, str(url), model=model)
@@ -236,21 +226,23 @@ def test_a_flipped_hyperparameter_is_refused_by_load_and_verify(tmp_path):
         gefen_ckpt.load(fresh, str(url), model=clone)
 
 
-def test_a_1_0_manifest_without_checksum_is_still_read_and_1_1_without_one_is_refused(tmp_path):
+def test_a_manifest_without_its_checksum_is_refused(tmp_path):
     url = tmp_path / "ck"
     model, opt = trained("adamw", steps=1)
     gefen_ckpt.save(opt, str(url), model=model)
     path = url / mf.MANIFEST_NAME
     m = msgpack.unpackb(path.read_bytes())
     del m[mf.MANIFEST_CHECKSUM]
-    path.write_bytes(msgpack.packb(m))  # 1.1 without its checksum: damaged
-    with pytest.raises(CheckpointFormatError, match="checksum"):
+    path.write_bytes(msgpack.packb(m))  # otherwise intact: damaged all the same
+    with pytest.raises(CheckpointFormatError, match="must end with its checksum"):
         gefen_ckpt.read_manifest(str(url))
-    m["version"] = [1, 0]
-    path.write_bytes(msgpack.packb(m))  # what the previous release wrote
     clone, fresh = fresh_like(model, "adamw")
-    gefen_ckpt.load(fresh, str(url), model=clone)
-    assert same(snapshot(fresh, clone), snapshot(opt, model))
+    before = snapshot(fresh, clone)
+    with pytest.raises(CheckpointFormatError, match="checksum"):
+        gefen_ckpt.load(fresh, str(url), model=clone)
+    assert same(snapshot(fresh, clone), before)
+    report = gefen_ckpt.verify(str(url))
+    assert not report.ok and "checksum" in report.problems[0]
 
 
 # ----- 4. no half-applied torch loads; verify refuses what load refuses -----------------------
@@ -259,7 +251,7 @@ def test_a_torch_checkpoint_missing_a_required_field_is_refused_before_mutation(
     url = tmp_path / "ck"
     model, opt = trained("adamw", steps=2)
     gefen_ckpt.save(opt, str(url), model=model)
-    _rewrite(url, lambda m: m["params"]["up.weight"]["fields"].pop(field))
+    rewrite_manifest(url, lambda m: m["params"]["up.weight"]["fields"].pop(field))
     clone, target = trained("adamw", steps=1, seed=3)
     before = snapshot(target, clone)
     with pytest.raises(CheckpointError, match=f"'{field}'"):
@@ -278,7 +270,7 @@ def test_verify_refuses_what_load_refuses(tmp_path, change, words):
     url = tmp_path / "ck"
     model, opt = trained("gefen_factored", steps=1)
     gefen_ckpt.save(opt, str(url), model=model)
-    _rewrite(url, change)
+    rewrite_manifest(url, change)
     clone, fresh = fresh_like(model, "gefen_factored")
     with pytest.raises(CheckpointError) as refused:
         gefen_ckpt.load(fresh, str(url), model=clone)
@@ -288,13 +280,15 @@ def test_verify_refuses_what_load_refuses(tmp_path, change, words):
 
 def test_verify_checks_that_padding_is_zero(tmp_path):
     url = tmp_path / "ck"
-    model, opt = trained("gefen_factored", steps=1)
+    model = Tiny(dim=64)  # pieces of 4 KiB and more start on 64-byte boundaries: padding before them
+    opt = OPTIMIZERS["adamw"](model)
+    train(model, opt, 1)
     gefen_ckpt.save(opt, str(url), model=model)
-    m = gefen_ckpt.read_manifest(str(url))
-    pieces = sorted((p["offset"], p["bytes"]) for e in m["params"].values() for t in e["fields"].values()
-                    for p in t["pieces"] if p["file"] == 0)
+    name = data_files(url)[0]
+    pieces = sorted((p.offset, p.nbytes) for t in mf.open_checkpoint(Store(str(url))).tensors.values()
+                    for p in t.pieces if p.file == name)
     gap = next(a + n for (a, n), (b, _) in zip(pieces, pieces[1:]) if b > a + n)
-    path = url / m["files"][0]["name"]
+    path = url / name
     data = bytearray(path.read_bytes())
     data[gap] = 0x55
     path.write_bytes(bytes(data))
@@ -315,7 +309,7 @@ def _hostile(kind: str, size: int) -> bytes:
         body = [{"ab": "cd"} for _ in range(size // 7)]
     else:  # nested pairs of lists
         body = [[[], []] for _ in range(size // 3)]
-    return msgpack.packb({"format": "gefen-ckpt", "version": [1, 0], "metadata": {"x": body}})
+    return mf.encode({"format": "gefen-ckpt", "version": [2, 0], "metadata": {"x": body}})
 
 
 @pytest.mark.parametrize("kind", ["empty maps", "nils", "short strings", "small maps", "pairs"])
@@ -335,15 +329,22 @@ def test_decoding_any_manifest_is_bounded_in_memory_and_time(kind):
     assert time.perf_counter() - started < 20
 
 
-def _reshaped(m) -> None:
-    """up.weight (48 x 16) and its param-shaped fields declared 24 x 32: the same bytes, so the
-    manifest stays valid; only the live model can tell."""
-    entry = m["params"]["up.weight"]
-    entry["shape"] = [24, 32]
-    for field in ("exp_avg", "exp_avg_sq"):
-        entry["fields"][field]["shape"] = [24, 32]
-        for piece in entry["fields"][field]["pieces"]:
-            piece["rows"] = [0, 24]
+def _reshaped(url) -> None:
+    """up.weight (48 x 16) and its param-shaped fields declared 24 x 32 (the same bytes), their
+    pieces in the index re-cut to match: a valid checkpoint; only the live model can tell."""
+    def manifest(m):
+        entry = m["params"]["up.weight"]
+        entry["shape"] = [24, 32]
+        for field in ("exp_avg", "exp_avg_sq"):
+            entry["fields"][field]["shape"] = [24, 32]
+
+    def index(raw):
+        for field in ("exp_avg", "exp_avg_sq"):
+            (piece,) = index_entry(raw, url, "up.weight", field)
+            piece[1] = 24
+
+    rewrite_index(url, 0, index)
+    rewrite_manifest(url, manifest)
 
 
 def test_a_shape_mismatch_is_refused_before_any_data_is_read(tmp_path, monkeypatch):
@@ -352,7 +353,8 @@ def test_a_shape_mismatch_is_refused_before_any_data_is_read(tmp_path, monkeypat
     url = tmp_path / "ck"
     model, opt = trained("adamw", steps=1)
     gefen_ckpt.save(opt, str(url), model=model)
-    _rewrite(url, _reshaped)  # a valid manifest of another model: up.weight is 24 x 32, not 48 x 16
+    _reshaped(url)  # a valid checkpoint of another model: up.weight is 24 x 32, not 48 x 16
+    assert gefen_ckpt.verify(str(url)).ok
 
     def no_reads(*args, **kwargs):
         raise AssertionError("tensor data was read before the shape check")
@@ -427,8 +429,7 @@ def _in_child(code: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def _saved_v2(tmp_path, monkeypatch):
-    monkeypatch.setattr(mf, "WRITE_VERSION", (2, 0))  # the default format: data files and an index
+def _saved(tmp_path):
     url = tmp_path / "ck"
     model, opt = trained("adamw", steps=1)
     gefen_ckpt.save(opt, str(url), model=model)
@@ -441,10 +442,10 @@ def _one_of(url, prefix: str) -> str:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("where", ["manifest.msgpack", "index-", "data-"])
-def test_a_fifo_inside_a_checkpoint_is_refused_on_every_path_never_waited_on(tmp_path, monkeypatch, where):
+def test_a_fifo_inside_a_checkpoint_is_refused_on_every_path_never_waited_on(tmp_path, where):
     """``inspect`` and a lazy read hung forever on a FIFO where the manifest should be: every open
     inside a checkpoint is non-blocking and refuses what is not a regular file."""
-    url = _saved_v2(tmp_path, monkeypatch)
+    url = _saved(tmp_path)
     name = _one_of(url, where)
     os.unlink(url / name)
     os.mkfifo(url / name)
@@ -461,8 +462,8 @@ def test_a_fifo_inside_a_checkpoint_is_refused_on_every_path_never_waited_on(tmp
 
 
 @pytest.mark.timeout(300)
-def test_a_fifo_lock_or_names_file_is_refused(tmp_path, monkeypatch):
-    url = _saved_v2(tmp_path, monkeypatch)
+def test_a_fifo_lock_or_names_file_is_refused(tmp_path):
+    url = _saved(tmp_path)
     os.unlink(url / writelock.LOCK_NAME)
     os.mkfifo(url / writelock.LOCK_NAME)
     done = _in_child(_OPEN["save"], str(url))
@@ -487,10 +488,10 @@ def test_a_fifo_lock_or_names_file_is_refused(tmp_path, monkeypatch):
     assert cli.returncode == 1 and "not a regular file (a FIFO)" in cli.stderr, cli.stderr
 
 
-def test_a_save_never_writes_through_a_symlinked_lock_file(tmp_path, monkeypatch):
+def test_a_save_never_writes_through_a_symlinked_lock_file(tmp_path):
     """The lock file is opened with O_NOFOLLOW: a link planted there cannot make a save empty (or
     write its JSON into) the file it points at."""
-    url = _saved_v2(tmp_path, monkeypatch)
+    url = _saved(tmp_path)
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     os.unlink(url / writelock.LOCK_NAME)
@@ -503,10 +504,10 @@ def test_a_save_never_writes_through_a_symlinked_lock_file(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("how", ["load", "read"])
-def test_a_symlinked_data_file_is_refused_by_every_reader(tmp_path, monkeypatch, how):
+def test_a_symlinked_data_file_is_refused_by_every_reader(tmp_path, how):
     """One policy for links inside a checkpoint (every reader refuses them; a collective load too:
     tests/dist/test_dist_format2.py), also for a lazy read, which lists nothing."""
-    url = _saved_v2(tmp_path, monkeypatch)
+    url = _saved(tmp_path)
     name = _one_of(url, "data-")
     os.rename(url / name, tmp_path / name)
     os.symlink(tmp_path / name, url / name)

@@ -6,11 +6,22 @@ import pytest
 import torch
 
 import gefen_ckpt
+from gefen_ckpt.storage import Store
 from gefen_ckpt.wire import reader
+from gefen_ckpt.wire.manifest import open_checkpoint
 
 from ckpt_util import OPTIMIZERS, canonical_equal, fresh_like, same, snapshot, train, trained
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("format_1x")]  # 1.x internals; 2.0: test_format2.py
+pytestmark = pytest.mark.timeout(120)
+
+
+def _data_files(manifest: dict) -> dict[str, int]:
+    """name -> bytes of every data file a manifest names."""
+    return {name: size for w in manifest["writers"] for name, size in zip(w[3::2], w[4::2])}
+
+
+def _pieces(url, fqn, field) -> tuple:
+    return open_checkpoint(Store(url)).tensors[(fqn, field)].pieces
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
@@ -33,16 +44,18 @@ def test_sharded_write_reads_back_bitwise(tmp_path, kind):
     gefen_ckpt.write(state, str(tmp_path / "sharded"), world_size=3)
     manifest = gefen_ckpt.read_manifest(str(tmp_path / "sharded"))
     assert (manifest["layout"], manifest["world_size"]) == ("sharded", 3)
-    files = {f["name"].split("-")[2] for f in manifest["files"]}
+    files = {name.split("-")[2] for name in _data_files(manifest)}
     assert files == {"r00000", "r00001", "r00002"}  # one writer per rank
     back = gefen_ckpt.read(str(tmp_path / "sharded"))
     assert canonical_equal(state, back)
     # a row-sharded field really is split like torch.chunk; replicated fields are stored once
-    m_code = manifest["params"]["up.weight"]["fields"]
-    if "m_code" in m_code:
-        assert [p["rows"] for p in m_code["m_code"]["pieces"]] == [[0, 16], [16, 32], [32, 48]]
-    step = next(iter(manifest["params"].values()))["fields"]["step"]
-    assert len(step["pieces"]) == 1
+    entry = state.params["up.weight"]
+    sharded = [n for n in entry.fields if state.contract.leaf(entry.child).field(n).row_sharded]
+    assert sharded
+    for name in sharded:
+        pieces = _pieces(str(tmp_path / "sharded"), "up.weight", name)
+        assert [p.rows for p in pieces] == [(0, 16), (16, 32), (32, 48)] and len({p.file for p in pieces}) == 3
+    assert len(_pieces(str(tmp_path / "sharded"), next(iter(manifest["params"])), "step")) == 1
 
 
 def test_sharded_checkpoint_loads_into_single_process(tmp_path):
@@ -64,11 +77,11 @@ def test_tiny_files_split_pieces_and_partial_reads(tmp_path, monkeypatch, stream
     state = gefen_ckpt.export_canonical(opt, model=model)
     url = str(tmp_path / "tiny")
     gefen_ckpt.write(state, url, max_file_bytes=2048, memory_budget=4096)
-    manifest = gefen_ckpt.read_manifest(url)
-    assert len(manifest["files"]) > 10
-    assert all(f["bytes"] <= 2048 for f in manifest["files"])
-    pieces = manifest["params"]["embed.weight"]["fields"]["exp_avg"]["pieces"]
-    assert len(pieces) > 2 and len({p["file"] for p in pieces}) > 2
+    files = _data_files(gefen_ckpt.read_manifest(url))
+    assert len(files) > 10
+    assert all(size <= 2048 for size in files.values())
+    pieces = _pieces(url, "embed.weight", "exp_avg")
+    assert len(pieces) > 2 and len({p.file for p in pieces}) > 2
     back = gefen_ckpt.read(url)
     assert canonical_equal(state, back)
     src, want = back.params["embed.weight"].fields["exp_avg"], state.params["embed.weight"].fields["exp_avg"]
@@ -100,11 +113,11 @@ def test_save_over_existing_replaces_and_collects_old_files(tmp_path):
     url = str(tmp_path / "ck")
     model, opt = trained("gefen_factored", steps=2)
     gefen_ckpt.save(opt, url, model=model)
-    old = {f["name"] for f in gefen_ckpt.read_manifest(url)["files"]}
+    old = {name for w in gefen_ckpt.read_manifest(url)["writers"] for name in (w[0], *w[3::2])}
     train(model, opt, 1)
     gefen_ckpt.save(opt, url, model=model)
-    new = {f["name"] for f in gefen_ckpt.read_manifest(url)["files"]}
-    assert not old & new
+    new = {name for w in gefen_ckpt.read_manifest(url)["writers"] for name in (w[0], *w[3::2])}
+    assert not old & new and any(n.startswith("index-") for n in new)
     on_disk = {p.name for p in (tmp_path / "ck").iterdir()}
     assert on_disk == new | {"manifest.msgpack", ".gefen-ckpt.lock"}  # the writer lock file stays (empty)
     assert (tmp_path / "ck" / ".gefen-ckpt.lock").stat().st_size == 0
@@ -117,7 +130,7 @@ def test_manifest_records_what_inspect_needs(tmp_path):
     model, opt = trained("gefen_factored")
     gefen_ckpt.save(opt, str(tmp_path / "m"), model=model)
     m = gefen_ckpt.read_manifest(str(tmp_path / "m"))
-    assert m["format"] == "gefen-ckpt" and m["version"] == [1, 1] and m["layout"] == "canonical"
+    assert m["format"] == "gefen-ckpt" and m["version"] == [2, 0] and m["layout"] == "canonical"
     assert m["contract"]["implementation"] == "gefen.Gefen"
     assert m["topology"] == {"kind": "single"} and "time" in m["created"]
     assert m["param_groups"][0]["betas"] == [0.9, 0.999]

@@ -10,10 +10,17 @@ import pytest
 
 import gefen_ckpt
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointIncompleteError
+from gefen_ckpt.storage import Store
+from gefen_ckpt.wire.manifest import open_checkpoint
 
 from ckpt_util import fresh_like, same, snapshot, trained
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("format_1x")]  # 1.x internals; 2.0: test_format2.py
+pytestmark = pytest.mark.timeout(180)
+
+
+def _stored(url) -> list[str]:
+    """Every data file and index the committed manifest names."""
+    return [name for w in gefen_ckpt.read_manifest(url)["writers"] for name in (w[0], *w[3::2])]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +65,8 @@ def test_backends_round_trip_verify_and_overwrite(tmp_path, request, backend):
     model, opt = trained("gefen_factored")
     small = 16384 if backend == "s3" else 4096  # several files and split pieces (fewer HTTP calls on S3)
     gefen_ckpt.save(opt, url, model=model, max_file_bytes=small)
-    first = {f["name"] for f in gefen_ckpt.read_manifest(url)["files"]}
+    first = set(_stored(url))
+    assert len(first) > 2  # an index and several data files
     report = gefen_ckpt.verify(url)
     assert report.ok and report.pieces_checked > 0 and not report.warnings, report
 
@@ -80,7 +88,7 @@ def test_s3_missing_object_is_reported(s3_endpoint):
     url = f"s3://gefen-test-bucket/{uuid.uuid4().hex}/ck"
     model, opt = trained("adamw")
     gefen_ckpt.save(opt, url, model=model)
-    name = gefen_ckpt.read_manifest(url)["files"][0]["name"]
+    name = _stored(url)[1]  # the first data file (after its index)
     fs, root = fsspec.core.url_to_fs(url)
     fs.rm_file(f"{root}/{name}")
     with pytest.raises(CheckpointCorruptError, match=name):
@@ -162,10 +170,9 @@ def test_saves_with_and_without_the_c_library_write_the_same_bytes(tmp_path, mon
     def saved(name: str) -> tuple[list[bytes], list]:
         url = str(tmp_path / name)
         gefen_ckpt.save(opt, url, model=model, max_file_bytes=4096)  # several files, padding between pieces
-        manifest = gefen_ckpt.read_manifest(url)
-        files = [(tmp_path / name / f["name"]).read_bytes() for f in manifest["files"]]
-        pieces = [(fqn, field, p["checksum"], p["offset"]) for fqn, e in manifest["params"].items()
-                  for field, t in e["fields"].items() for p in t["pieces"]]
+        files = [(tmp_path / name / f).read_bytes() for f in _stored(url)]  # indexes included
+        pieces = [(key, p.checksum, p.offset) for key, t in open_checkpoint(Store(url)).tensors.items()
+                  for p in t.pieces]
         return files, pieces
 
     with_c = saved("c")

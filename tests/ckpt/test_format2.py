@@ -1,8 +1,8 @@
 """Format 2.0: row-split rules in the manifest, piece records in per-writer indexes.
 
-Round trips (and 1.x <-> 2.0), reads that touch only the indexes they need, the offline
-reshard's data size, and every bad index, rule or part refused by name before any tensor data
-is read and with the optimizer untouched."""
+Round trips, reads that touch only the indexes they need, the offline reshard's data size, and
+every bad index, rule or part (or a manifest of another format version) refused by name before
+any tensor data is read and with the optimizer untouched."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ import shutil
 import msgpack
 import pytest
 import torch
+from ckpt_edits import rewrite_index as _rewrite_index
+from ckpt_edits import rewrite_manifest as _rewrite
 
 import gefen_ckpt
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
 from gefen_ckpt.storage import LocalStore, Store
-from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire.index import chunk_rows
-from gefen_ckpt.wire.manifest import encode, open_checkpoint
+from gefen_ckpt.wire.manifest import open_checkpoint
 
 from ckpt_util import fresh_like, same, snapshot, trained
 
@@ -61,25 +62,6 @@ def test_2_0_is_the_default_and_round_trips_bitwise(source, sharded, tmp_path):
     gefen_ckpt.load(back, sharded, model=back_model)
     assert same(snapshot(back, back_model), snapshot(opt, model))
     assert gefen_ckpt.verify(sharded).ok
-
-
-def test_1_x_stays_readable_and_converts_both_ways(source, sharded, tmp_path, monkeypatch):
-    model, opt = source
-    want = _tensors(gefen_ckpt.export_canonical(opt, model=model))
-    monkeypatch.setattr(mf, "WRITE_VERSION", (1, 1))
-    old = str(tmp_path / "old")
-    gefen_ckpt.write(gefen_ckpt.read(sharded), old, world_size=2)  # 2.0 -> 1.1
-    monkeypatch.setattr(mf, "WRITE_VERSION", (2, 0))
-    assert gefen_ckpt.read_manifest(old)["version"] == [1, 1] and gefen_ckpt.verify(old).ok
-    got = _tensors(gefen_ckpt.read(old))
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    back_model, back = fresh_like(model, "gefen_factored")
-    gefen_ckpt.load(back, old, model=back_model)  # a 1.x checkpoint loads as it always did
-    assert same(snapshot(back, back_model), snapshot(opt, model))
-    new = str(tmp_path / "new")
-    gefen_ckpt.write(gefen_ckpt.read(old), new, world_size=5)  # 1.1 -> 2.0
-    got = _tensors(gefen_ckpt.read(new))
-    assert all(torch.equal(want[k], got[k]) for k in want) and gefen_ckpt.verify(new).ok
 
 
 def test_a_read_of_some_rows_reads_only_the_indexes_holding_them(sharded):
@@ -215,13 +197,6 @@ def refused(source, url, error, *needles, opened=None):
     return str(info.value)
 
 
-def _rewrite(url, change):
-    path = os.path.join(url, mf.MANIFEST_NAME)
-    m = msgpack.unpackb(open(path, "rb").read())
-    change(m)
-    open(path, "wb").write(encode(m))
-
-
 def _index(url, writer=1) -> str:
     return gefen_ckpt.read_manifest(url)["writers"][writer][0]
 
@@ -283,21 +258,6 @@ def test_explicit_parts_that_overlap_or_leave_a_gap(source, sharded, tmp_path, n
         refused(source, url, CheckpointFormatError, "embed.weight", "mv_code", words, opened=no_data_reads)
 
 
-def _rewrite_index(url, writer, change):
-    """Edit writer ``writer``'s index and re-pin it (size and CRC): the checks behind the pin."""
-    index = _index(url, writer)
-    path = os.path.join(url, index)
-    raw = msgpack.unpackb(open(path, "rb").read())
-    change(raw)
-    data = msgpack.packb(raw)
-    open(path, "wb").write(data)
-
-    def pin(m):
-        m["writers"][writer][1:3] = [len(data), checksum.update(0, data)]
-
-    _rewrite(url, pin)
-
-
 def test_index_pieces_that_overlap_or_miss_rows(source, sharded, tmp_path, no_data_reads):
     def overlap(raw):
         entry = max(raw["tensors"], key=lambda e: e[1][0][1] - e[1][0][0])
@@ -317,6 +277,44 @@ def test_index_pieces_that_overlap_or_miss_rows(source, sharded, tmp_path, no_da
         no_data_reads.clear()
 
 
+def _as_1x(m: dict, version: list, tensors: dict) -> None:
+    """``m`` as format 1.x wrote it: the data files and every piece record in the manifest, no
+    writers, rules or splits (``tensors``: the checkpoint's tensors, with their pieces)."""
+    files = [(name, size) for w in m.pop("writers") for name, size in zip(w[3::2], w[4::2])]
+    position = {name: i for i, (name, _) in enumerate(files)}
+    del m["rules"]
+    entries = [((None, k), t) for k, t in m["globals"].items()]
+    entries += [((fqn, n), t) for fqn, e in m["params"].items() for n, t in e["fields"].items()]
+    for key, t in entries:
+        del t["split"]
+        t["pieces"] = [{"file": position[p.file], "key": p.key, "rows": list(p.rows), "offset": p.offset,
+                        "bytes": p.nbytes, "checksum": p.checksum} for p in tensors[key].pieces]
+    m["files"] = [{"name": name, "bytes": size} for name, size in files]
+    m["version"] = version
+
+
+@pytest.mark.parametrize("version", [[1, 1], [1, 0]])
+def test_a_1_x_manifest_is_refused_naming_its_version_before_anything_else(source, sharded, tmp_path, version,
+                                                                           no_data_reads):
+    """Format 1.x (piece records in the manifest) was never released: a 1.x manifest, even a
+    well-formed one (1.0: without the checksum it did not have yet), is refused by its version."""
+    url = _copy(sharded, tmp_path)
+    path = os.path.join(url, mf.MANIFEST_NAME)
+    m = msgpack.unpackb(open(path, "rb").read())
+    _as_1x(m, version, open_checkpoint(Store(url)).tensors)
+    if version == [1, 0]:
+        del m[mf.MANIFEST_CHECKSUM]
+        open(path, "wb").write(msgpack.packb(m))
+    else:
+        open(path, "wb").write(mf.encode(m))
+    words = f"checkpoint format version {version[0]}.{version[1]} is not supported (this gefen_ckpt reads 2.x only)"
+    refused(source, url, CheckpointFormatError, words, mf.MANIFEST_NAME, opened=no_data_reads)
+    with pytest.raises(CheckpointFormatError, match=r"version 1\.\d is not supported"):
+        gefen_ckpt.read_manifest(url)
+    report = gefen_ckpt.verify(url)
+    assert not report.ok and report.problems == [f"{path}: {words}"], report.problems
+
+
 def test_a_missing_data_file_is_named(source, sharded, tmp_path):
     url = _copy(sharded, tmp_path)
     name = [n for n in os.listdir(url) if n.startswith("data-") and "-r00002-" in n][0]
@@ -333,7 +331,7 @@ def _write_explicit(state, url, parts) -> None:
     describes them) and everything else whole on writer 0: what a collective save writes when a
     rank's rows do not follow the even split, through the same building blocks."""
     from gefen_ckpt.wire.bulk import _source
-    from gefen_ckpt.wire.manifest import build_v2, tensor_order
+    from gefen_ckpt.wire.manifest import build, tensor_order
     from gefen_ckpt.wire.writer import (
         RowRange,
         WriteItem,
@@ -367,7 +365,7 @@ def _write_explicit(state, url, parts) -> None:
                                        memory_budget=2**26)
             pin, indexes[w] = write_index(store, token, w, records, files, tensor_order(state))
             pins.append(pin)
-        manifest = build_v2(state, splits, pins, layout="sharded", world_size=writers)
+        manifest = build(state, splits, pins, layout="sharded", world_size=writers)
         commit(store, manifest, token, previous=previous, indexes=indexes)
 
 

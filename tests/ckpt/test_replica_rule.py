@@ -144,3 +144,23 @@ def test_a_rule_without_sub_is_one_part_per_writer():
 def test_a_bad_sub_is_refused_by_name(rule):
     with pytest.raises(CheckpointFormatError, match=r"rules\[0\]"):
         parse_rules([rule], 4)
+
+
+def test_network_file_systems_are_told_from_local_ones(tmp_path):
+    """``load(read_once=None)`` reads once where reads cross a network: object stores and locally
+    mounted network file systems (the mount table's type of the longest mount point above)."""
+    from gefen_ckpt.storage import Store, filesystem_type
+
+    table = tmp_path / "mountinfo"
+    table.write_text("22 1 0:21 / / rw - ext4 /dev/sda1 rw\n"
+                     "40 22 0:50 / /mnt/shared rw,relatime - nfs4 server:/export rw\n"
+                     "41 22 0:51 / /mnt/my\\040lustre rw - lustre 10.0.0.1@tcp:/fs rw\n"
+                     "42 40 0:52 / /mnt/shared/local rw - xfs /dev/sdb1 rw\n"
+                     "43 22 0:53 / /mnt/bucket rw - fuse.s3fs s3fs rw\n")
+    kinds = {p: filesystem_type(p, str(table)) for p in ("/mnt/shared/ck", "/mnt/my lustre/ck", "/mnt/shared/local/ck",
+                                                           "/mnt/bucket/ck", "/home/ck", "/mnt/sharedx")}
+    assert kinds == {"/mnt/shared/ck": "nfs4", "/mnt/my lustre/ck": "lustre", "/mnt/shared/local/ck": "xfs",
+                     "/mnt/bucket/ck": "fuse.s3fs", "/home/ck": "ext4", "/mnt/sharedx": "ext4"}
+    assert filesystem_type("/x", str(tmp_path / "absent")) == ""
+    assert not Store(str(tmp_path / "ck")).networked or filesystem_type(str(tmp_path)) not in ("ext4", "xfs", "tmpfs")
+    assert Store("memory://bucket/ck").networked

@@ -64,7 +64,18 @@ def _gathered(opt) -> dict:
     return {k: s.read().clone() for k, s in state.tensors()} if dist.get_rank() == 0 else {}
 
 
-def _session(world: int, kind: str, layout: str, load_from=None, save_to=None, read_once=None):
+def _first_replica_rules(parts: dict) -> dict:
+    """How 2.0 files written before the replica rule split rows: every row by the first replica."""
+    from gefen_ckpt.wire.index import Rule
+
+    return {k: Rule(p.holders.shards, tuple(p.holders.grid[0].tolist())) for k, p in parts.items()}
+
+
+def _session(world: int, kind: str, layout: str, load_from=None, save_to=None, read_once=None, old_rule=False):
+    import gefen_ckpt.sharded_io as sharded_io
+
+    if old_rule:
+        sharded_io.rules_for = _first_replica_rules
     params = _params(layout, world)
     opt = _optimizer(kind, params)
     out = {}
@@ -98,23 +109,28 @@ def _ratio(values) -> float:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Each kind trained and saved on 4 ranks as DDP and as HSDP (2 x 2), then loaded on 4 ranks
-    into the other layout and into its own, read once and not."""
+    into the other layout and into its own, read once and not; and an m4v4 HSDP checkpoint
+    written the way 2.0 files were before the replica rule (every row by the first replica)."""
     root = tmp_path_factory.mktemp("replicas")
     ck = {(k, lay): str(root / f"{k}-{lay}") for k in KINDS for lay in ("ddp", "hsdp")}
-    jobs = [(k, lay, None, ck[k, lay]) for k in KINDS for lay in ("ddp", "hsdp")]
-    for k in KINDS:
-        jobs += [(k, "hsdp", ck[k, "ddp"], None, True), (k, "ddp", ck[k, "hsdp"], None, True),
-                 (k, "ddp", ck[k, "ddp"], None, True), (k, "ddp", ck[k, "ddp"], None, False)]
-    results = run(_world, 4, jobs, timeout=600)
-    by_job = {job[:3] + job[4:]: [r[i] for r in results] for i, job in enumerate(jobs)}
-    return ck, by_job
+    old = str(root / "m4v4-first-replica")
+    saves = [(k, lay, None, ck[k, lay]) for k in KINDS for lay in ("ddp", "hsdp")]
+    saves.append(("m4v4", "hsdp", None, old, None, True))  # the old rule stays patched: only loads follow
+    loads = [(k, "hsdp", ck[k, "ddp"], None, True) for k in KINDS]
+    loads += [(k, "ddp", ck[k, "hsdp"], None, True) for k in KINDS]
+    loads += [(k, "ddp", ck[k, "ddp"], None, ro) for k in KINDS for ro in (True, False)]
+    loads.append(("m4v4", "ddp", old, None, True))
+    results = run(_world, 4, saves + loads, timeout=600)
+    by_job = {(job[:3] + job[4:5]) if job[2] else job[:3] + job[3:4]: [r[i] for r in results]
+              for i, job in enumerate(saves + loads)}
+    return ck, old, by_job
 
 
 @pytest.mark.parametrize("layout", ["ddp", "hsdp"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_rank_writes_its_share_once(saved, kind, layout):
-    ck, by_job = saved
-    writes = [r["save"]["bytes_written"] for r in by_job[kind, layout, None]]
+    ck, _, by_job = saved
+    writes = [r["save"]["bytes_written"] for r in by_job[kind, layout, None, ck[kind, layout]]]
     on_disk = _bytes_on_disk(ck[kind, layout])
     assert sum(writes) / on_disk <= 1.01, writes  # each row once (plus a lock file of a few bytes)
     assert _ratio(writes) <= 1.10, writes
@@ -124,13 +140,13 @@ def test_every_rank_writes_its_share_once(saved, kind, layout):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("source,target", [("ddp", "hsdp"), ("hsdp", "ddp"), ("ddp", "ddp")])
 def test_read_once_loads_read_each_byte_about_once_and_are_bitexact(saved, kind, source, target):
-    ck, by_job = saved
+    ck, _, by_job = saved
     results = by_job[kind, target, ck[kind, source], True]
     reads = [r["load"]["bytes_read"] for r in results]
     assert sum(reads) / _bytes_on_disk(ck[kind, source]) <= 1.05, reads
     assert _ratio(reads) <= 1.10, reads
     assert sum(r["load"]["bytes_received"] for r in results) > 0  # the rest arrived over the group
-    want = by_job[kind, source, None][0]["state"]
+    want = by_job[kind, source, None, ck[kind, source]][0]["state"]
     got = results[0]["state"]
     assert want.keys() == got.keys() and want
     for key, value in want.items():
@@ -138,25 +154,25 @@ def test_read_once_loads_read_each_byte_about_once_and_are_bitexact(saved, kind,
 
 
 def test_without_read_once_every_replica_reads_its_rows_itself(saved):
-    ck, by_job = saved
+    ck, _, by_job = saved
     results = by_job["m4v4", "ddp", ck["m4v4", "ddp"], False]
     reads = [r["load"]["bytes_read"] for r in results]
     assert sum(reads) / _bytes_on_disk(ck["m4v4", "ddp"]) > 3.5  # four replicas, four reads of everything
     assert all(r["load"]["bytes_received"] == 0 for r in results)
-    want = by_job["m4v4", "ddp", None][0]["state"]
+    want = by_job["m4v4", "ddp", None, ck["m4v4", "ddp"]][0]["state"]
     assert all(torch.equal(results[0]["state"][k], v) for k, v in want.items())
 
 
 def test_read_once_on_another_world_size(saved):
     """The 4-rank checkpoints loaded on 3 ranks (DDP, and FSDP which has no replicas) read once."""
-    ck, by_job = saved
+    ck, _, by_job = saved
     jobs = [("m4v4", "ddp", ck["m4v4", "hsdp"], None, True), ("adamw", "ddp", ck["adamw", "ddp"], None, True),
             ("hybrid", "fsdp", ck["hybrid", "ddp"], None, True)]
     results = run(_world, 3, jobs, timeout=300)
     for i, (kind, _, url, _, _) in enumerate(jobs):
         reads = [r[i]["load"]["bytes_read"] for r in results]
         assert sum(reads) / _bytes_on_disk(url) <= 1.05, (kind, reads)
-        want = by_job[kind, "hsdp" if url.endswith("hsdp") else "ddp", None][0]["state"]
+        want = by_job[kind, "hsdp" if url.endswith("hsdp") else "ddp", None, url][0]["state"]
         for key, value in want.items():
             assert torch.equal(results[0][i]["state"][key], value), f"{kind}: {key}"
 
@@ -197,6 +213,22 @@ def _faulty(rank: int, world: int, url: str, fault: str):
     after = {i: dict(s) for i, s in enumerate(opt.state.values())}
     untouched = all(torch.equal(before[i][k], after[i][k]) for i in before for k in before[i])
     return outcome, untouched
+
+
+def test_a_checkpoint_written_by_the_first_replica_loads_read_once(saved):
+    """2.0 files written before the replica rule (one writer per shard, no ``sub``) still load,
+    read once, bit-exact."""
+    _, old, by_job = saved
+
+    raw = gefen_ckpt.read_manifest(old)
+    assert all("sub" not in r for r in raw["rules"]) and {tuple(r["writers"]) for r in raw["rules"]} <= {(0,), (0, 1),
+                                                                                                        (0, 1, 2, 3)}
+    results = by_job["m4v4", "ddp", old, True]
+    want = by_job["m4v4", "hsdp", None, old][0]["state"]
+    for key, value in want.items():
+        assert torch.equal(results[0]["state"][key], value), key
+    reads = [r["load"]["bytes_read"] for r in results]
+    assert sum(reads) / _bytes_on_disk(old) <= 1.05, reads
 
 
 @pytest.fixture(scope="module")

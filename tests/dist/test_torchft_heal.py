@@ -2,9 +2,13 @@
 ``CheckpointTransport``). Between two gloo ranks: the healthy replica sends its state as torchft's
 Manager calls ``send_checkpoint``, the rejoining one receives it with ``recv_checkpoint``, loads it
 as the Manager's ``load_state_dict`` callbacks would, and both continue: the continuations must be
-bit-identical. A byte flipped in transit is refused, a stalled sender is named by the timeout.
+bit-identical, also when each replica group is FSDP2-sharded over two ranks (rank i heals from
+rank i; shards that are not the receiving rank's part are refused). A byte flipped in transit is
+refused; a sender that stalls (before or mid-transfer) is named by the timeout, one that dies
+mid-transfer as soon as its connection drops, and nothing is applied.
 Then with torchft's real Manager and lighthouse (examples/torchft_heal.py): a replica killed
-mid-run heals and ends bit-identical; a corrupted heal is refused and the Manager's retry heals."""
+mid-run heals and ends bit-identical; a corrupted heal is refused, a heal whose sender stalls
+mid-transfer times out, and in both cases the Manager's retry heals."""
 
 from __future__ import annotations
 
@@ -410,10 +414,12 @@ def test_sender_dying_mid_transfer_is_named_without_a_hang():
 
 
 @pytest.mark.parametrize("args", [["--optimizer", "gefen"], ["--optimizer", "m8"], ["--optimizer", "muon"],
-                                  ["--optimizer", "hybrid"], ["--flip-first-heal"]])
+                                  ["--optimizer", "hybrid"], ["--flip-first-heal"], ["--stall-first-heal"]])
 def test_torchft_manager_heals_a_killed_replica(args):
     out = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "replica 1 (life 1) finished at step 10; healed with" in out.stdout, out.stdout
     assert "replicas bit-identical at step 10" in out.stdout, out.stdout
-    assert ("refused 1 corrupted transfer" in out.stdout) == ("--flip-first-heal" in args), out.stdout
+    assert ("refused 1 failed transfer" in out.stdout) == (args[0] != "--optimizer"), out.stdout
+    if "--stall-first-heal" in args:  # the timeout named the peer; the Manager's next heal succeeded
+        assert "replica rank 0 did not complete the packed buffer" in out.stderr, out.stderr[-4000:]

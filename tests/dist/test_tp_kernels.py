@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 #: what a step may fall back to (the eager references gefen.dispatch runs when no kernel applies)
-REFERENCES = ("m4v4_update_", "m4v4_partials", "adamw_update_", "gefen_update_", "second_moment_partials",
+REFERENCES = ("m4v4_update_", "m4v4_partials", "adamw_update_", "m8_update_", "m8_partials",
               "update_momentum_", "store_momentum_", "momentum_ema", "m4v4_momentum", "row_square_sums")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 
@@ -52,9 +52,9 @@ def _world(rank: int, world: int) -> dict:
 
     import gefen.dispatch
     import gefen.functional
-    from gefen import Gefen, GefenMuon, GefenMuonHybrid, native
+    from gefen import Gefen, GefenMuon, GefenMuonHybrid, c_kernels
 
-    assert native.available() and native._calibrated().m4v4
+    assert c_kernels.available() and c_kernels._calibrated().m4v4
     references, collectives = collections.Counter(), collections.Counter()
     _counting([(gefen.functional, n) for n in REFERENCES] + [(gefen.dispatch, "histogram_normalised_blocks")],
               references)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gefen import Gefen, GefenMuon, GefenMuonHybrid, dispatch, native
+from gefen import Gefen, GefenMuon, GefenMuonHybrid, c_kernels, dispatch
 from gefen import functional as F
 from gefen.stochastic import element_index, hash_bits, round_bf16
 
@@ -32,12 +32,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("shape, kw", [((13, 70), dict(row0=5, col0=9, row_len=100)), ((37, 64), {}),
                                        ((1000,), dict(row0=123)), ((), {}), ((4, 3, 5), dict(row0=2))])
 def test_c_write_back_is_the_reference_bit_for_bit(shape, kw):
-    if not native.available():
+    if not c_kernels.available():
         pytest.skip("the C extension is not built")
     work = _values(shape)
     ref, got = torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.bfloat16)
     F.round_param_(ref, work, step=9, salt=0xDEADBEEF, **kw)
-    assert native.round_param_(got, work, step=9, salt=0xDEADBEEF, **kw)
+    assert c_kernels.round_param_(got, work, step=9, salt=0xDEADBEEF, **kw)
     assert torch.equal(_bits(ref), _bits(got))
     # and the reference is round_bf16 of the hash of each element's global index
     rows, cols, r0, row_len, c0 = F.param_rows(ref, **kw)
@@ -107,7 +107,7 @@ def test_nearest_loses_small_updates_and_stochastic_rounding_keeps_them(opt_cls,
 
 def test_sr_is_the_same_with_and_without_the_c_kernels(monkeypatch):
     """The fused C step writing fp32 plus the C write-back == the eager reference, bit for bit."""
-    if not native.available():
+    if not c_kernels.available():
         pytest.skip("the C extension is not built")
     shapes = {"a": (24, 40), "b": (40,), "c": (6, 5, 4)}
 

@@ -11,17 +11,17 @@ import math
 import pytest
 import torch
 
+import gefen.c_kernels as c_kernels
 import gefen.codebook as codebook_mod
-import gefen.native as native
 from gefen import Gefen, dispatch
 from gefen.functional import (
     STEP_CAP,
     Hyper,
     bounded_denominator,
-    gefen_update_,
     init_m4v4_state,
-    init_state,
+    init_m8_state,
     inverse_step_bound,
+    m8_update_,
     step_bound,
 )
 from gefen.stochastic import hash_bits, ratio_table, salts, v_grid
@@ -32,7 +32,7 @@ BETAS = [(0.9, 0.999), (0.9, 0.95), (0.5, 0.9), (0.0, 0.999), (0.95, 0.9)]
 
 @pytest.fixture(params=["kernels", "reference"])
 def path(request, monkeypatch):
-    if request.param == "kernels" and not native.available():
+    if request.param == "kernels" and not c_kernels.available():
         pytest.skip("the C kernels are not built or not verified on this machine")
     monkeypatch.setattr(dispatch, "enabled", request.param == "kernels")
     return request.param
@@ -84,10 +84,10 @@ def test_bounded_denominator_bounds_every_ratio_and_propagates_nan():
 
 def _m8_step(p, g, state, codebook, h):
     if "v_row" in state:
-        v_row, partials = dispatch.second_moment_partials(g, state, h.beta2)
-        dispatch.gefen_update_(p, g, state, codebook, h, global_rows=p.shape[0], v_row=v_row, partials=partials)
+        v_row, partials = dispatch.m8_partials(g, state, h.beta2)
+        dispatch.m8_update_(p, g, state, codebook, h, global_rows=p.shape[0], v_row=v_row, partials=partials)
     else:
-        dispatch.gefen_update_(p, g, state, codebook, h, global_rows=p.shape[0])
+        dispatch.m8_update_(p, g, state, codebook, h, global_rows=p.shape[0])
 
 
 def _m4v4_step(p, g, state, codebook, h):
@@ -109,7 +109,7 @@ def test_every_update_is_within_the_bound_on_dead_and_waking_columns(path, layou
     if layout == "m4v4":
         state, codebook, step = init_m4v4_state(p, (rows, cols)), torch.linspace(-1, 1, 16), _m4v4_step
     else:
-        state = init_state(p, (rows, cols), cols, factored=layout == "m8-factored")
+        state = init_m8_state(p, (rows, cols), cols, factored=layout == "m8-factored")
         codebook, step = torch.linspace(-1, 1, 256), _m8_step
     assert not (codebook == 0).any()
     worst = 0.0
@@ -186,17 +186,17 @@ def test_state_without_an_exact_zero_loads_and_steps_within_the_bound(tmp_path, 
         assert moved <= step_bound(t, 0.9, 0.999) * (1 + 1e-5)
 
 
-def test_gefen_update_reference_matches_its_parts():
+def test_m8_update_reference_matches_its_parts():
     """The m8 reference's update is m_hat / bounded_denominator with the block's sqrt(v_hat): one
     block, P = cols, exact arithmetic checked against the formula."""
     gen = torch.Generator().manual_seed(1)
     p = torch.randn(3, 5, generator=gen)
-    state, book = init_state(p, (3, 5), 5, factored=False), torch.linspace(-1, 1, 255)
+    state, book = init_m8_state(p, (3, 5), 5, factored=False), torch.linspace(-1, 1, 255)
     book = torch.from_numpy(codebook_mod.with_exact_zero(book.double().numpy())).float()
     h = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
     g = torch.randn(3, 5, generator=gen)
     before = p.clone()
-    gefen_update_(p, g, state, book, h, global_rows=3)
+    m8_update_(p, g, state, book, h, global_rows=3)
     m_hat = book[state["m_code"].long()] * state["m_scale"] / (1 - h.beta1)
     root = (state["v"].sqrt() / math.sqrt(1 - h.beta2))
     want = m_hat / bounded_denominator(root.expand_as(m_hat).clone(), m_hat.clone(), inverse_step_bound(1, 0.9, 0.999),

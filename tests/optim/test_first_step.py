@@ -7,12 +7,12 @@ import pytest
 import torch
 from test_geometry import planted
 
-import gefen.native as native
+import gefen.c_kernels as c_kernels
 from gefen import Gefen, dispatch
 from gefen.codebook import histogram_normalised_blocks, histogram_pairs, histograms_normalised_blocks
 from gefen.geometry import as_blocks
 
-pytestmark = pytest.mark.skipif(native._lib is None, reason="the C library is not built")
+pytestmark = pytest.mark.skipif(c_kernels._lib is None, reason="the C library is not built")
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +37,7 @@ def test_histogram_is_identical(period, dtype, num_bins):
     blocks[0, 1] = 0  # all-zero block
     blocks[1, 0, 0] = blocks[1, 0].abs().amax() if period > 1 else 2.0  # x = +1 exactly
     want = histogram_normalised_blocks(blocks, num_bins)
-    got = native.block_histograms([(blocks, None)], num_bins)
+    got = c_kernels.block_histograms([(blocks, None)], num_bins)
     assert got.dtype == torch.int64 and torch.equal(got, want)
 
 
@@ -50,7 +50,7 @@ def test_histogram_special_values_are_identical():
     x[4, :] = -1e-45  # subnormal block
     for dtype in (torch.float32, torch.bfloat16):
         y = x.to(dtype)
-        assert torch.equal(native.block_histograms([(y, None)], 4096), histogram_normalised_blocks(y, 4096))
+        assert torch.equal(c_kernels.block_histograms([(y, None)], 4096), histogram_normalised_blocks(y, 4096))
 
 
 def _many(seed=0):
@@ -71,14 +71,14 @@ def test_one_call_counts_many_tensors_as_the_reference_on_every_isa(threads):
     want = histograms_normalised_blocks(items, 4096)
     torch.set_num_threads(threads)
     try:
-        for isa in native.ISAS.values():
+        for isa in c_kernels.ISAS.values():
             for flush in (1 << 31, 7, 4000):  # 7 and 4000: the uint32 counters move to int64 between blocks
-                got = native.block_histograms(items, 4096, isa=isa, flush=flush)
+                got = c_kernels.block_histograms(items, 4096, isa=isa, flush=flush)
                 assert got is not None and torch.equal(got, want), (isa, flush)
     finally:
         torch.set_num_threads(saved)
-    assert native.block_histograms(items, 4096, flush=0) is None  # refused, nothing counted
-    assert torch.equal(native.block_histograms([], 4096), torch.zeros(4096, dtype=torch.int64))
+    assert c_kernels.block_histograms(items, 4096, flush=0) is None  # refused, nothing counted
+    assert torch.equal(c_kernels.block_histograms([], 4096), torch.zeros(4096, dtype=torch.int64))
 
 
 def test_dispatch_counts_what_no_kernel_takes_with_the_reference(monkeypatch):
@@ -86,7 +86,7 @@ def test_dispatch_counts_what_no_kernel_takes_with_the_reference(monkeypatch):
     want = histograms_normalised_blocks(items, 256)
     assert torch.equal(dispatch.block_histograms(items, 256), want)
     assert dispatch.block_histograms([], 256) is None
-    monkeypatch.setattr(native, "block_histograms", lambda pairs, bins: None)  # the C call refuses
+    monkeypatch.setattr(c_kernels, "block_histograms", lambda pairs, bins: None)  # the C call refuses
     assert torch.equal(dispatch.block_histograms(items, 256), want)
 
 
@@ -95,7 +95,7 @@ def test_histogram_declines_other_inputs_and_the_optimizer_falls_back():
     assert dispatch.kernels("histogram", [x]) is None  # dtype
     t = torch.randn(16, 30).t()
     assert dispatch.kernels("histogram", [t]) is None  # not contiguous
-    assert dispatch.kernels("histogram", [t.contiguous()]) is native
+    assert dispatch.kernels("histogram", [t.contiguous()]) is c_kernels
     assert torch.equal(dispatch.block_histograms([t], 64), histogram_normalised_blocks(t.contiguous(), 64))
     dispatch.enabled = False
     assert dispatch.kernels("histogram", [t.contiguous()]) is None

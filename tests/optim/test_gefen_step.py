@@ -28,7 +28,7 @@ import math
 import pytest
 import torch
 
-from gefen import Gefen, dispatch, native, parity
+from gefen import Gefen, c_kernels, dispatch, parity
 from gefen.codebook import learn_codebook
 from gefen.functional import (
     Hyper,
@@ -51,7 +51,7 @@ def step_path(request, monkeypatch):
     """Run a test on the eager torch step and on the fused native step (when built and verified)."""
     if request.param == "eager":
         monkeypatch.setattr(dispatch, "enabled", False)
-    elif not native.available():
+    elif not c_kernels.available():
         pytest.skip("the native fused step is not available here")
     return request.param
 
@@ -142,7 +142,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def assert_matches(opt, param, ref_param, ref_state, label):
     st = opt.state[param]
-    fused = dispatch.enabled and native.available() and param.dtype != torch.float64  # summed in another order
+    fused = dispatch.enabled and c_kernels.available() and param.dtype != torch.float64  # summed in another order
     assert int(st["step"]) == ref_state["step"] and int(st["period"]) == ref_state["period"]
     assert st["m_code"].dtype == torch.uint8
     for name in ("m_code", "m_scale", "v", "v_row", "v_col"):

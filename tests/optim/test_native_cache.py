@@ -1,4 +1,4 @@
-"""The native step's calibration cache (gefen.native.calibrate_cached): a fresh process reuses the
+"""The native step's calibration cache (gefen.c_kernels.calibrate_cached): a fresh process reuses the
 result of an earlier one with the same library build, CPU and torch, and gets the same numbers;
 a missing, corrupt or unwritable cache only costs the calibration."""
 
@@ -12,16 +12,16 @@ import sys
 
 import pytest
 
-import gefen.native as native
+import gefen.c_kernels as c_kernels
 
-pytestmark = pytest.mark.skipif(native._lib is None, reason="gefen._gefen_step is not built")
+pytestmark = pytest.mark.skipif(c_kernels._lib is None, reason="gefen._gefen_step is not built")
 
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """An empty cache directory and an uncalibrated module (restored afterwards)."""
     monkeypatch.setenv("GEFEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "_calibration", None)  # restored afterwards
+    monkeypatch.setattr(c_kernels, "_calibration", None)  # restored afterwards
     yield tmp_path / "cache"
 
 
@@ -30,27 +30,27 @@ def _files(cache):
 
 
 def test_first_use_calibrates_and_caches(fresh):
-    assert native._calibrated().m8
+    assert c_kernels._calibrated().m8
     (name,) = _files(fresh)
-    assert name == f"native-calibration-{native.cache_key()}.json"
+    assert name == f"native-calibration-{c_kernels.cache_key()}.json"
     entry = json.loads((fresh / name).read_text())
-    assert entry["m8"] is True and entry["vml"] is native._calibrated().vml
-    assert entry["m4v4"] is native._calibrated().m4v4 is True
+    assert entry["m8"] is True and entry["vml"] is c_kernels._calibrated().vml
+    assert entry["m4v4"] is c_kernels._calibrated().m4v4 is True
 
 
 def test_a_cached_result_skips_calibration(fresh, monkeypatch):
-    calibration = native._calibrated()
-    native._calibration = None
-    monkeypatch.setattr(native, "calibrate", lambda: pytest.fail("calibrated although the cache holds the result"))
-    assert native._calibrated() == calibration
+    calibration = c_kernels._calibrated()
+    c_kernels._calibration = None
+    monkeypatch.setattr(c_kernels, "calibrate", lambda: pytest.fail("calibrated although the cache holds the result"))
+    assert c_kernels._calibrated() == calibration
 
 
 @pytest.mark.parametrize("content", ["not json", "[]", '{"m8": 1, "vml": false, "m4v4": true}', ""])
 def test_a_corrupt_entry_is_recalibrated_and_replaced(fresh, content):
     fresh.mkdir()
-    path = fresh / f"native-calibration-{native.cache_key()}.json"
+    path = fresh / f"native-calibration-{c_kernels.cache_key()}.json"
     path.write_text(content)
-    assert native._calibrated().m8
+    assert c_kernels._calibrated().m8
     assert json.loads(path.read_text())["m8"] is True
 
 
@@ -58,28 +58,28 @@ def test_an_unwritable_cache_falls_back_to_calibrating(fresh, monkeypatch, tmp_p
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("GEFEN_CACHE_DIR", str(blocker / "cache"))  # a directory can never be made there
-    assert native._calibrated().m8
+    assert c_kernels._calibrated().m8
 
 
 def test_the_key_follows_the_library_build(monkeypatch, tmp_path):
-    before = native.cache_key()
+    before = c_kernels.cache_key()
     other = tmp_path / "lib.so"
-    shutil.copyfile(native._lib_path, other)
+    shutil.copyfile(c_kernels._lib_path, other)
     with open(other, "ab") as fh:
         fh.write(b"\0")  # another build
-    monkeypatch.setattr(native, "_lib_path", str(other))
-    assert native.cache_key() != before
+    monkeypatch.setattr(c_kernels, "_lib_path", str(other))
+    assert c_kernels.cache_key() != before
 
 
 def test_the_key_follows_the_cpu(monkeypatch):
-    before = native.cache_key()
-    monkeypatch.setattr(native, "_cpu_identity", lambda: "another CPU")
-    assert native.cache_key() != before
+    before = c_kernels.cache_key()
+    monkeypatch.setattr(c_kernels, "_cpu_identity", lambda: "another CPU")
+    assert c_kernels.cache_key() != before
 
 
 _PROBE = """
 import json, sys, torch
-import gefen.native as native
+import gefen.c_kernels as c_kernels
 from gefen import Gefen
 torch.manual_seed(0)
 m = torch.nn.Linear(64, 48)
@@ -88,7 +88,7 @@ for _ in range(3):
     m(torch.randn(16, 64)).square().mean().backward()
     opt.step()
     opt.zero_grad()
-print(json.dumps({"m8": native._calibrated().m8, "native": native.available(),
+print(json.dumps({"m8": c_kernels._calibrated().m8, "native": c_kernels.available(),
                   "sum": [float(p.double().sum()) for p in m.parameters()]}))
 """
 
@@ -106,7 +106,7 @@ def _probe(cache, n: int = 1) -> list[dict]:
 def test_concurrent_fresh_processes_share_one_cache_and_the_same_numbers(tmp_path):
     cache = tmp_path / "cache"
     first = _probe(cache, n=3)  # all start with an empty cache: each calibrates and writes
-    assert _files(cache) == [f"native-calibration-{native.cache_key()}.json"]  # one entry, no temp files left
+    assert _files(cache) == [f"native-calibration-{c_kernels.cache_key()}.json"]  # one entry, no temp files left
     (again,) = _probe(cache)  # reads the cache
     for result in first + [again]:
         assert result["native"] and result == first[0]

@@ -19,7 +19,7 @@ import dataclasses
 import pytest
 import torch
 
-import gefen.native as native
+import gefen.c_kernels as c_kernels
 from gefen import functional as F
 from gefen import parity
 from gefen.codebook import histogram_normalised_blocks
@@ -80,14 +80,14 @@ def test_m4v4_column_shard_matches_the_reference(rows, cols, row_len, col0, thre
     row0 = 5  # a row shard too: the hash uses the global index (row0 + r) * row_len + col0 + c
     for step in range(3):
         g = _grad(gen, (rows, cols), dtype, zero_row=step == 1)
-        stats = native.m4v4_row_stats(g, s, cb, HYPER.beta1)
+        stats = c_kernels.m4v4_row_stats(g, s, cb, HYPER.beta1)
         assert stats is not None, "the row statistics kernel did not apply"
         assert_close_f64(stats[0], F.row_square_sums(g), f"step {step}: row sums of g^2")
         assert_identical(stats[1], F.row_abs_max(F.m4v4_momentum(g, s_ref, cb, HYPER.beta1)), f"step {step}: row max")
         # the whole rows' statistics, as the reduction over tp gives them (other columns add to them)
         row_sum = stats[0] * 1.75 + 0.5
         row_max = torch.maximum(stats[1] * 1.5, torch.full_like(stats[1], 0.25 * step))
-        phase1 = native.m4v4_partials(g, s, HYPER.beta2, row_sum=row_sum, row_len=row_len)
+        phase1 = c_kernels.m4v4_partials(g, s, HYPER.beta2, row_sum=row_sum, row_len=row_len)
         assert phase1 is not None, "phase 1 did not apply"
         v_row, parts = F.m4v4_partials(g, s_ref, HYPER.beta2, row_sum=row_sum, row_len=row_len)
         torch.testing.assert_close(phase1[0], v_row, rtol=parity.M4V4_STAT_RTOL, atol=0.0)
@@ -95,7 +95,7 @@ def test_m4v4_column_shard_matches_the_reference(rows, cols, row_len, col0, thre
         kw = dict(global_rows=rows + 11, v_row=v_row, partials=parts * 1.5, pidx=4, seed=2, row0=row0, col0=col0,
                   row_len=row_len, row_max=row_max)
         F.m4v4_update_(p_ref, g, s_ref, cb, ratio, HYPER, **kw)
-        assert native.m4v4_update_(p, g, s, cb, ratio, HYPER, **kw), "phase 2 did not apply"
+        assert c_kernels.m4v4_update_(p, g, s, cb, ratio, HYPER, **kw), "phase 2 did not apply"
         problem = parity.m4v4_disagreement(p, s, p_ref, s_ref, before)
         assert problem is None, f"step {step}: {problem}"
 
@@ -105,7 +105,7 @@ def test_row_statistics_kernels_agree(isa):
     """The portable, AVX2 and AVX-512 row-statistics kernels (capped by the CPU): the reference's
     row max bit for bit and its float64 row sums within 1e-12, row lengths with and without a
     vector tail, NaN rows included; and the same bits on every ISA."""
-    cal = dataclasses.replace(native._calibrated(), isa=isa)
+    cal = dataclasses.replace(c_kernels._calibrated(), isa=isa)
     gen = torch.Generator().manual_seed(isa)
     cb = _book(gen, 16)
     for cols in (7, 64, 203):
@@ -114,8 +114,8 @@ def test_row_statistics_kernels_agree(isa):
         state = F.init_m4v4_state(g, (9, 2 * cols))
         state["mv_code"].copy_(torch.randint(0, 256, (9, cols), generator=gen, dtype=torch.uint8))
         state["m_row_scale"].copy_(torch.rand(9, generator=gen))
-        row_sum, row_max = native.m4v4_row_stats(g, state, cb, HYPER.beta1, cal=cal)
-        portable = native.m4v4_row_stats(g, state, cb, HYPER.beta1, cal=dataclasses.replace(cal, isa=0))
+        row_sum, row_max = c_kernels.m4v4_row_stats(g, state, cb, HYPER.beta1, cal=cal)
+        portable = c_kernels.m4v4_row_stats(g, state, cb, HYPER.beta1, cal=dataclasses.replace(cal, isa=0))
         assert_identical(row_sum.nan_to_num(), portable[0].nan_to_num(), f"{cols} columns: row sums, this ISA vs portable")
         assert_identical(row_max.nan_to_num(), portable[1].nan_to_num(), f"{cols} columns: row max, this ISA vs portable")
         want = F.row_square_sums(g)
@@ -138,8 +138,8 @@ def test_m4v4_column_offset_moves_the_rounding_noise():
     for col0 in (0, 64):
         p = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
         s = F.init_m4v4_state(p, (16, 128))
-        v_row, parts = native.m4v4_partials(g, s, HYPER.beta2, row_sum=F.row_square_sums(g), row_len=128)
-        assert native.m4v4_update_(p, g, s, cb, ratio, HYPER, global_rows=16, v_row=v_row, partials=parts,
+        v_row, parts = c_kernels.m4v4_partials(g, s, HYPER.beta2, row_sum=F.row_square_sums(g), row_len=128)
+        assert c_kernels.m4v4_update_(p, g, s, cb, ratio, HYPER, global_rows=16, v_row=v_row, partials=parts,
                                          pidx=0, seed=0, col0=col0, row_len=128)
         codes.append(s["mv_code"].clone())
     assert not torch.equal(codes[0], codes[1])
@@ -159,7 +159,7 @@ def test_momentum_column_shard_matches_the_reference(rows, cols, threads, dtype,
     for step, beta in enumerate((0.95, 0.3, 0.95)):  # torch's lerp: both formulas
         g = _grad(gen, (rows, cols), dtype, zero_row=step == 1).float()
         saved = copy.deepcopy(s)
-        scales = native.momentum_scales(s, g, beta, cb)
+        scales = c_kernels.momentum_scales(s, g, beta, cb)
         assert scales is not None, "the block-scale kernel did not apply"
         for key in s:
             assert_identical(s[key], saved[key], f"step {step}: {key} touched by the scales alone")
@@ -167,7 +167,7 @@ def test_momentum_column_shard_matches_the_reference(rows, cols, threads, dtype,
         assert_identical(scales, block_scales(F.as_blocks(m, F._local_period(s_ref))), f"step {step}: scales")
         reduced = scales * 1.25 + 0.125 * step
         want = F.store_momentum_(s_ref, m, cb, reduced)
-        got = native.momentum_(s, g, beta, cb, reduced)
+        got = c_kernels.momentum_(s, g, beta, cb, reduced)
         assert got is not None, "the momentum kernel did not apply"
         assert_identical(got, want, f"step {step}: momentum")
         for key, value in s_ref.items():
@@ -184,7 +184,7 @@ def test_histogram_with_given_scales_matches_the_reference(dtype):
     scale = F.row_abs_max(rows.float()) * (1 + torch.rand(50, generator=gen))
     scale[7], scale[2] = float("nan"), 0.0  # (row 2 is all zeros)
     for bins in (256, 4096):
-        got = native.block_histograms([(rows, scale)], bins)
+        got = c_kernels.block_histograms([(rows, scale)], bins)
         assert got is not None
         assert torch.equal(got, histogram_normalised_blocks(rows.unsqueeze(1), bins, scale=scale))
-        assert torch.equal(native.block_histograms([(rows, None)], bins), histogram_normalised_blocks(rows, bins))
+        assert torch.equal(c_kernels.block_histograms([(rows, None)], bins), histogram_normalised_blocks(rows, bins))

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-import gefen.native as native
+import gefen.c_kernels as c_kernels
 from gefen import Gefen, dispatch, parity
 from gefen.functional import Hyper, adamw_update_, init_m4v4_state, m4v4_partials, m4v4_update_
 from gefen.stochastic import ratio_table, standin_codebook
@@ -40,8 +40,8 @@ def _restore():
 
 
 def test_m4v4_kernels_are_verified():
-    assert native.available(), "the fused m8 step does not reproduce the eager step on this machine"
-    assert native._calibrated().m4v4, "the m4v4 kernels are not within their bound of the reference on this machine"
+    assert c_kernels.available(), "the fused m8 step does not reproduce the eager step on this machine"
+    assert c_kernels._calibrated().m4v4, "the m4v4 kernels are not within their bound of the reference on this machine"
 
 
 # ----- helpers ----------------------------------------------------------------------------------
@@ -101,19 +101,19 @@ def run(shape, *, use_native, dtype=torch.float32, grad_dtype=None, steps=3, h=H
     for g in grads:
         if len(shape) < 2:
             if use_native:
-                assert native.adamw_update_(param, g, state, h, pidx=pidx, seed=seed, row0=row0), \
+                assert c_kernels.adamw_update_(param, g, state, h, pidx=pidx, seed=seed, row0=row0), \
                     "the fused AdamW step did not apply"
             else:
                 adamw_update_(param, g, state, h, pidx=pidx, seed=seed, row0=row0)
             continue
         if use_native:
-            out = native.m4v4_partials(g, state, h.beta2)
+            out = c_kernels.m4v4_partials(g, state, h.beta2)
             assert out is not None, "m4v4_partials did not apply"
         else:
             out = m4v4_partials(g, state, h.beta2)
         kw = dict(global_rows=rows, v_row=out[0], partials=out[1], pidx=pidx, seed=seed, row0=row0)
         if use_native:
-            assert native.m4v4_update_(param, g, state, codebook, ratio, h, **kw), "the fused step did not apply"
+            assert c_kernels.m4v4_update_(param, g, state, codebook, ratio, h, **kw), "the fused step did not apply"
         else:
             m4v4_update_(param, g, state, codebook, ratio, h, **kw)
     return param, state
@@ -235,13 +235,13 @@ def test_row_sharded_matches_between_paths():
         states = [init_m4v4_state(s, (50, 64)) for s in shards]
         for g in grads:
             gs = g.split([23, 27])
-            parts = [(native.m4v4_partials if use_native else m4v4_partials)(x, st, HYPER.beta2)
+            parts = [(c_kernels.m4v4_partials if use_native else m4v4_partials)(x, st, HYPER.beta2)
                      for x, st in zip(gs, states)]
             total = parts[0][1] + parts[1][1]
             for s, x, st, (v_row, _), row0 in zip(shards, gs, states, parts, (0, 23)):
                 kw = dict(global_rows=50, v_row=v_row, partials=total, pidx=2, seed=0, row0=row0)
                 if use_native:
-                    assert native.m4v4_update_(s, x, st, codebook, ratio, HYPER, **kw)
+                    assert c_kernels.m4v4_update_(s, x, st, codebook, ratio, HYPER, **kw)
                 else:
                     m4v4_update_(s, x, st, codebook, ratio, HYPER, **kw)
         results[use_native] = (shards, states)
@@ -251,8 +251,8 @@ def test_row_sharded_matches_between_paths():
     whole, st = full.clone(), init_m4v4_state(full, (50, 64))
     dispatch.enabled = True
     for g in grads:
-        v_row, partials = native.m4v4_partials(g, st, HYPER.beta2)
-        assert native.m4v4_update_(whole, g, st, codebook, ratio, HYPER, global_rows=50, v_row=v_row,
+        v_row, partials = c_kernels.m4v4_partials(g, st, HYPER.beta2)
+        assert c_kernels.m4v4_update_(whole, g, st, codebook, ratio, HYPER, global_rows=50, v_row=v_row,
                                          partials=partials, pidx=2, seed=0)
     assert_identical(torch.cat(results[True][0]), whole, "sharded vs whole param")
     for key in ("mv_code", "m_row_scale", "v_row"):
@@ -269,8 +269,8 @@ def test_instruction_sets_and_threads_agree(shape, dtype, monkeypatch):
     results = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        for cap in range(native._lib.gefen_cpu_isa(), -1, -1):
-            monkeypatch.setattr(native, "_calibration", dataclasses.replace(native._calibrated(), isa=cap))
+        for cap in range(c_kernels._lib.gefen_cpu_isa(), -1, -1):
+            monkeypatch.setattr(c_kernels, "_calibration", dataclasses.replace(c_kernels._calibrated(), isa=cap))
             results.append(run(shape, use_native=True, dtype=dtype, steps=4))
     for p, st in results[1:]:
         assert_identical(p, results[0][0], "param")
@@ -283,8 +283,8 @@ def test_instruction_sets_agree_on_edge_inputs(kind, monkeypatch):
     """Tied table entries (the GUARD divisor), huge and tiny gradient rows, a 37-column tail:
     every instruction set leaves the portable kernel's bits."""
     results = []
-    for cap in range(native._lib.gefen_cpu_isa(), -1, -1):
-        monkeypatch.setattr(native, "_calibration", dataclasses.replace(native._calibrated(), isa=cap))
+    for cap in range(c_kernels._lib.gefen_cpu_isa(), -1, -1):
+        monkeypatch.setattr(c_kernels, "_calibration", dataclasses.replace(c_kernels._calibrated(), isa=cap))
         results.append(run((40, 37), use_native=True, kind=kind, steps=3, special=True))
     assert results[0][0].isfinite().all()
     for p, st in results[1:]:
@@ -304,10 +304,10 @@ def test_first_step_moments_are_zero_whatever_the_codes():
         p = torch.zeros(20, 30)
         st = init_m4v4_state(p, (20, 30))
         st["mv_code"].random_(0, 256, generator=torch.Generator().manual_seed(1))  # garbage codes
-        v_row, partials = (native.m4v4_partials if use_native else m4v4_partials)(g, st, HYPER.beta2)
+        v_row, partials = (c_kernels.m4v4_partials if use_native else m4v4_partials)(g, st, HYPER.beta2)
         kw = dict(global_rows=20, v_row=v_row, partials=partials, pidx=0, seed=0)
         if use_native:
-            assert native.m4v4_update_(p, g, st, codebook, ratio, HYPER, **kw)
+            assert c_kernels.m4v4_update_(p, g, st, codebook, ratio, HYPER, **kw)
         else:
             m4v4_update_(p, g, st, codebook, ratio, HYPER, **kw)
         out.append((p, st))
@@ -372,7 +372,7 @@ def test_refuses_what_it_cannot_do():
     g = torch.randn(8, 6)
     v_row, partials = m4v4_partials(g, st, HYPER.beta2)
     fields = [st[k] for k in ("mv_code", "m_row_scale", "v_row", "v_col")]
-    assert dispatch.kernels("m4v4", [p, g], fields) is native
+    assert dispatch.kernels("m4v4", [p, g], fields) is c_kernels
     assert dispatch.kernels("m4v4", [p.double(), g.double()], fields) is None
     assert dispatch.kernels("m4v4", [p.t(), g.t()], fields) is None  # not contiguous
     assert dispatch.kernels("m4v4", [p, g], fields + [torch.zeros(6, 2).t()]) is None  # a state not contiguous
@@ -430,12 +430,12 @@ def test_checkpoints_cross_between_the_reference_and_the_kernels(first, then):
 @pytest.mark.parametrize("name,isa", [("scalar", 0), ("avx2", 1), ("avx512", 2), ("bogus", 2)])
 def test_the_isa_can_be_forced_from_the_environment(name, isa):
     """``GEFEN_CPU_ISA`` (read at import) caps the kernels every call runs; an unknown name warns."""
-    code = "from gefen import native\nprint(native._ISA, native._calibrated().isa)\n"
+    code = "from gefen import c_kernels\nprint(c_kernels._ISA, c_kernels._calibrated().isa)\n"
     env = {**os.environ, "GEFEN_CPU_ISA": name}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(isa), str(isa)]
     if name == "bogus":
-        warn = subprocess.run([sys.executable, "-W", "error", "-c", "import gefen.native"], env=env,
+        warn = subprocess.run([sys.executable, "-W", "error", "-c", "import gefen.c_kernels"], env=env,
                               capture_output=True, text=True, timeout=300)
         assert warn.returncode != 0 and "GEFEN_CPU_ISA" in warn.stderr

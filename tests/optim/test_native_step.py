@@ -1,4 +1,4 @@
-"""The fused C step of the m8 layout (gefen/native.py, gefen/csrc/gefen_step.c) against the eager
+"""The fused C step of the m8 layout (gefen/c_kernels.py, gefen/csrc/gefen_step.c) against the eager
 reference (the m4v4 layout's kernels: tests/optim/test_native_m4v4.py).
 
 Both paths run on identical inputs; after several steps, on the block and factored paths, for
@@ -21,11 +21,11 @@ import sys
 import pytest
 import torch
 
-import gefen.native as native
+import gefen.c_kernels as c_kernels
 from gefen import Gefen, dispatch, parity
 from gefen.codebook import code_thresholds, learn_codebook, nearest_code
-from gefen.dispatch import gefen_update_, second_moment_partials
-from gefen.functional import Hyper, init_state
+from gefen.dispatch import m8_partials, m8_update_
+from gefen.functional import Hyper, init_m8_state
 from gefen.geometry import as_blocks, rows_and_row_numel
 
 from op_count import CountOps
@@ -42,8 +42,8 @@ def _restore():
 
 
 def test_native_library_is_built_and_verified():
-    assert native._lib is not None, "gefen._gefen_step is not built: run `pip install -e .`"
-    assert native.available(), "the fused step does not reproduce the eager step on this machine"
+    assert c_kernels._lib is not None, "gefen._gefen_step is not built: run `pip install -e .`"
+    assert c_kernels.available(), "the fused step does not reproduce the eager step on this machine"
 
 
 # ----- helpers ----------------------------------------------------------------------------------
@@ -88,15 +88,15 @@ def one_step(param, g, state, codebook, h, rows, factored, use_native):
     v_row = partials = None
     if factored:
         if use_native:
-            out = native.second_moment_partials(g, state, h.beta2)
-            assert out is not None, "second_moment_partials did not apply"
+            out = c_kernels.m8_partials(g, state, h.beta2)
+            assert out is not None, "m8_partials did not apply"
             v_row, partials = out
         else:
-            v_row, partials = second_moment_partials(g, state, h.beta2)
+            v_row, partials = m8_partials(g, state, h.beta2)
     if use_native:
-        assert native.gefen_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
+        assert c_kernels.m8_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
     else:
-        gefen_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
+        m8_update_(param, g, state, codebook, h, global_rows=rows, v_row=v_row, partials=partials)
 
 
 def run(shape, period, factored, *, use_native, dtype=torch.float32, grad_dtype=None, steps=3, h=HYPER,
@@ -108,7 +108,7 @@ def run(shape, period, factored, *, use_native, dtype=torch.float32, grad_dtype=
     grads = grads_for(shape, grad_dtype or dtype, gen, steps)
     codebook = make_codebook(codebook_kind, gen, grads)
     rows = global_rows if global_rows is not None else (shape[0] if shape else 1)
-    state = init_state(param, (rows,) + tuple(shape[1:]) if shape else (), period, factored)
+    state = init_m8_state(param, (rows,) + tuple(shape[1:]) if shape else (), period, factored)
     dispatch.enabled = use_native
     for i, g in enumerate(grads):
         before, p_nat, s_nat = param.clone(), param.clone(), {k: v.clone() for k, v in state.items()}
@@ -208,12 +208,12 @@ def test_row_sharded_matches_between_paths():
     for use_native in (False, True):
         dispatch.enabled = use_native
         shards = [full[:23].clone(), full[23:].clone()]
-        states = [init_state(s, (50, 64), 16, True) for s in shards]
+        states = [init_m8_state(s, (50, 64), 16, True) for s in shards]
         for g in grads:
-            parts = [second_moment_partials(gs, st, HYPER.beta2) for gs, st in zip(g.split([23, 27]), states)]
+            parts = [m8_partials(gs, st, HYPER.beta2) for gs, st in zip(g.split([23, 27]), states)]
             total = parts[0][1] + parts[1][1]
             for s, gs, st, (v_row, _) in zip(shards, g.split([23, 27]), states, parts):
-                gefen_update_(s, gs, st, codebook, HYPER, global_rows=50, v_row=v_row, partials=total)
+                m8_update_(s, gs, st, codebook, HYPER, global_rows=50, v_row=v_row, partials=total)
         results[use_native] = (shards, states)
     for i in range(2):  # codes and scales exact, the rest within the rounding of three steps
         assert parity.state_differences(results[False][1][i], results[True][1][i], parity.M8_APPROX) is None
@@ -222,7 +222,7 @@ def test_row_sharded_matches_between_paths():
 
 def portable(monkeypatch):
     """Every later fused call runs the portable kernels (a calibration that allows no SIMD)."""
-    monkeypatch.setattr(native, "_calibration", dataclasses.replace(native._calibrated(), isa=0))
+    monkeypatch.setattr(c_kernels, "_calibration", dataclasses.replace(c_kernels._calibrated(), isa=0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -236,11 +236,11 @@ def test_every_isa_and_thread_count_agree(monkeypatch, dtype):
              ((6, 4, 6), 24, False), ((4, 58), 29, False), ((45, 29), 29, True), ((20, 130), 130, True)]
     for shape, period, factored in cases:
         results = []
-        for isa in native.ISAS.values():
+        for isa in c_kernels.ISAS.values():
             for threads in (1, 2):
                 torch.set_num_threads(threads)
                 with monkeypatch.context() as m:
-                    m.setattr(native, "_calibration", dataclasses.replace(native._calibrated(), isa=isa))
+                    m.setattr(c_kernels, "_calibration", dataclasses.replace(c_kernels._calibrated(), isa=isa))
                     results.append(run(shape, period, factored, use_native=True, dtype=dtype))
         for p, st in results[1:]:
             assert_identical(p, results[0][0], f"{shape}: param")
@@ -260,9 +260,9 @@ def test_special_values():
     for use_native in (False, True):
         dispatch.enabled = use_native
         p = torch.randn(shape, generator=torch.Generator().manual_seed(9))
-        st = init_state(p, shape, 8, False)
+        st = init_m8_state(p, shape, 8, False)
         for g in grads:
-            gefen_update_(p, g, st, codebook, HYPER, global_rows=16)
+            m8_update_(p, g, st, codebook, HYPER, global_rows=16)
         out[use_native] = (p, st)
     (p0, s0), (p1, s1) = out[False], out[True]
     assert torch.equal(s0["m_code"], s1["m_code"])
@@ -278,7 +278,7 @@ def test_special_values():
 def test_lut_is_exact_at_every_threshold(kind):
     gen = torch.Generator().manual_seed(1)
     codebook = make_codebook(kind, gen, [torch.randn(64, 64, generator=gen)])
-    q = native._Quantiser(codebook)
+    q = c_kernels._Quantiser(codebook)
     assert q.M > 0
     thr = code_thresholds(codebook)
     inside = thr[(thr > -1) & (thr < 1)]
@@ -293,7 +293,7 @@ def test_lut_is_exact_at_every_threshold(kind):
 
 
 def test_crowded_codebook_uses_binary_search():
-    q = native._Quantiser(make_codebook("crowded", torch.Generator().manual_seed(0)))
+    q = c_kernels._Quantiser(make_codebook("crowded", torch.Generator().manual_seed(0)))
     assert q.M == 0
 
 
@@ -356,23 +356,23 @@ def test_unsupported_inputs_fall_back_without_touching_state():
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(8, 16, generator=gen).t()  # not contiguous
     g = torch.randn(16, 8, generator=gen)
-    st = init_state(p, (16, 8), 8, False)
+    st = init_m8_state(p, (16, 8), 8, False)
     before = {k: v.clone() for k, v in st.items()}
     codebook = torch.linspace(-1, 1, 256)
     assert dispatch.kernels("m8", [p, g], [st["m_code"], st["m_scale"], codebook, st["v"]]) is None
     assert dispatch.kernels("m8", [p.double().contiguous(), g.double()], [st["m_code"]]) is None
-    assert dispatch.kernels("m8", [p.contiguous(), g], [st["m_code"], st["m_scale"], codebook, st["v"]]) is native
-    assert not native.gefen_update_(p.contiguous(), g, st, codebook[:1], HYPER, global_rows=16)  # one code
+    assert dispatch.kernels("m8", [p.contiguous(), g], [st["m_code"], st["m_scale"], codebook, st["v"]]) is c_kernels
+    assert not c_kernels.m8_update_(p.contiguous(), g, st, codebook[:1], HYPER, global_rows=16)  # one code
     for k in st:
         assert torch.equal(st[k], before[k])
-    gefen_update_(p, g, st, codebook, HYPER, global_rows=16)  # eager still works
+    m8_update_(p, g, st, codebook, HYPER, global_rows=16)  # eager still works
     assert int(st["step"]) == 1
 
 
 def test_the_m8_and_momentum_layout_rules():
     """The one check both kernel families rely on: each broken field is named, the valid state passes."""
     p, g, cb = torch.zeros(6, 16), torch.zeros(6, 16), torch.linspace(-1, 1, 16)
-    block, factored = init_state(p, (6, 16), 8, False), init_state(p, (6, 16), 16, True)
+    block, factored = init_m8_state(p, (6, 16), 8, False), init_m8_state(p, (6, 16), 16, True)
     v_row, partials = torch.zeros(6), torch.zeros(17, dtype=torch.float64)
     assert dispatch._m8_layout(p, g, block, cb) is None
     assert dispatch._m8_layout(p, g, factored, cb, v_row, partials) is None
@@ -394,8 +394,8 @@ def test_the_m8_and_momentum_layout_rules():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_uses_the_eager_path():
     p = torch.randn(8, 16, device="cuda")
-    st = init_state(p, (8, 16), 16, False)
-    assert not native.gefen_update_(p, torch.randn_like(p), st, torch.linspace(-1, 1, 256, device="cuda"), HYPER,
+    st = init_m8_state(p, (8, 16), 16, False)
+    assert not c_kernels.m8_update_(p, torch.randn_like(p), st, torch.linspace(-1, 1, 256, device="cuda"), HYPER,
                                     global_rows=8)
 
 
@@ -411,7 +411,7 @@ def _momentum_run(shape, period, *, use_native, grad_dtype=torch.float32, beta=0
     outs = []
     for g in grads:
         if use_native:
-            out = native.momentum_(state, g, beta, codebook)
+            out = c_kernels.momentum_(state, g, beta, codebook)
             assert out is not None, "momentum_ did not apply"
         else:  # the eager lerp needs an fp32 end point; the C path widens bf16 itself
             out = update_momentum_(state, g.float(), beta, codebook)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import bench_stability as bench
-from gefen import Gefen, GefenMuon, GefenMuonHybrid, dispatch, native, split_params_for_muon
+from gefen import Gefen, GefenMuon, GefenMuonHybrid, c_kernels, dispatch, split_params_for_muon
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
@@ -39,7 +39,7 @@ GEFEN_LAYOUTS = [("m4v4", True), ("m8", True), ("m8", False)]
 @pytest.fixture(params=["kernels", "reference"])
 def path(request, monkeypatch):
     """The step's implementation: the C kernels (the default on CPU) or the torch reference."""
-    if request.param == "kernels" and native._lib is None:
+    if request.param == "kernels" and c_kernels._lib is None:
         pytest.skip("the C library is not built")
     monkeypatch.setattr(dispatch, "enabled", request.param == "kernels")
     return request.param

@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
+from gefen import c_kernels, parity
 from gefen import functional as F
-from gefen import native, parity
 from gefen.functional import Hyper
 from gefen.stochastic import ratio_table
 
@@ -195,7 +195,7 @@ def test_bf16_stochastic_round_write_back_launches_after_the_updates(moments, mo
     kernels = run()
     assert calls == [len(shapes)] * len(grads)
     monkeypatch.setattr(dispatch, "round_param_", lambda *a, **k: False)
-    monkeypatch.setattr(native, "round_param_", lambda *a, **k: False)
+    monkeypatch.setattr(c_kernels, "round_param_", lambda *a, **k: False)
     eager = run()
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(kernels, eager))
 
@@ -224,7 +224,7 @@ def test_m8_matches_the_reference(shape, period, factored, pdt, gdt, K):
     cb[0], cb[-1] = -1.0, 1.0
     cb = cb.to(DEVICE)
     p_ref = (torch.randn(shape, generator=gen) * 0.1).to(device=DEVICE, dtype=pdt)
-    s_ref = F.init_state(p_ref, shape, period, factored)
+    s_ref = F.init_m8_state(p_ref, shape, period, factored)
     p_tri, s_tri = p_ref.clone(), copy.deepcopy(s_ref)
     global_rows = (shape[0] if shape else 1) + 7  # a row shard of a larger parameter
     for step in range(3):
@@ -232,14 +232,14 @@ def test_m8_matches_the_reference(shape, period, factored, pdt, gdt, K):
         before = p_ref.clone()
         kw = kw_tri = {}
         if factored:
-            v_row, parts = F.second_moment_partials(g, s_ref, H.beta2)
+            v_row, parts = F.m8_partials(g, s_ref, H.beta2)
             ((v_row_tri, parts_tri),) = dispatch.m8_partials_([(g, s_tri, H.beta2)])
             torch.testing.assert_close(v_row_tri, v_row, rtol=parity.M8_V_RTOL, atol=0)
             torch.testing.assert_close(parts_tri[:-1], parts[:-1], rtol=1e-13, atol=0)  # float64 column sums
             torch.testing.assert_close(parts_tri[-1:], parts[-1:], rtol=parity.M8_V_RTOL, atol=0)  # sum of v_row
             kw, kw_tri = dict(v_row=v_row, partials=parts), dict(v_row=v_row_tri, partials=parts_tri)
-        F.gefen_update_(p_ref, g, s_ref, cb, H, global_rows=global_rows, **kw)  # the pure reference
-        assert dispatch.gefen_update_(p_tri, g, s_tri, cb, H, global_rows=global_rows, **kw_tri)
+        F.m8_update_(p_ref, g, s_ref, cb, H, global_rows=global_rows, **kw)  # the pure reference
+        assert dispatch.m8_update_(p_tri, g, s_tri, cb, H, global_rows=global_rows, **kw_tri)
         assert (why := parity.state_differences(s_ref, s_tri, parity.M8_APPROX)) is None, f"step {step}: {why}"
         assert parity.params_close(before, p_ref, p_tri, parity.M8_V_RTOL), \
             f"step {step}: parameters differ beyond the tolerance"
@@ -251,7 +251,7 @@ def test_m8_tolerance_is_needed_and_holds():
     sum rounded once) differ somewhere on these rows, and by no more than M8_V_RTOL."""
     gen = torch.Generator().manual_seed(11)
     shape = (64, 33)
-    state = F.init_state(torch.zeros(shape, device=DEVICE), shape, 33, True)
+    state = F.init_m8_state(torch.zeros(shape, device=DEVICE), shape, 33, True)
     g = _grad(gen, shape, torch.float32, zero_row=False)
     ((v_row, _),) = launch.m8_partials([(g, state, 0.0)])  # beta2 = 0: v_row is the mean itself
     ref = (g.cpu() * g.cpu()).mean(1)  # torch's CPU mean (its cascade sum) on every device
@@ -299,7 +299,7 @@ def test_m8_unexpected_layout_takes_the_reference(caplog, monkeypatch):
     layout check names why; the same state in fp32 is the kernels'."""
     shape = (4, 6)
     p, g, cb = torch.randn(shape).to(DEVICE), torch.randn(shape).to(DEVICE), torch.linspace(-1, 1, 16).to(DEVICE)
-    state = F.init_state(p, shape, 6, False)
+    state = F.init_m8_state(p, shape, 6, False)
     state["v"] = state["v"].double()
     select = lambda: step_dispatch.kernels("m8", [p, g], [state["m_code"], state["m_scale"], cb, state["v"]],  # noqa: E731
                                            lambda: step_dispatch._m8_layout(p, g, state, cb))
@@ -318,11 +318,11 @@ def test_m8_factored_rows_of_more_dims_fall_back_untouched(caplog, monkeypatch):
     nothing is modified and the reason is logged once."""
     shape = (4, 3, 6)
     p = torch.randn(shape).to(DEVICE)
-    state = F.init_state(p, shape, 18, True)
+    state = F.init_m8_state(p, shape, 18, True)
     saved = copy.deepcopy(state)
     monkeypatch.setattr(dispatch, "_logged", set())
     with caplog.at_level("WARNING", logger="gefen.triton"):
-        assert not dispatch.gefen_update_(p, torch.randn(shape).to(DEVICE), state, torch.linspace(-1, 1, 16).to(DEVICE),
+        assert not dispatch.m8_update_(p, torch.randn(shape).to(DEVICE), state, torch.linspace(-1, 1, 16).to(DEVICE),
                                           H, global_rows=4)
     _assert_states_equal(saved, state, "fallback")
     assert any("unexpected m8 state" in r.getMessage() for r in caplog.records)

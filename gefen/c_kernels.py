@@ -31,7 +31,7 @@ from gefen.codebook import code_thresholds
 from gefen.geometry import rows_and_row_numel
 from gefen.stochastic import hash_base, salts
 
-__all__ = ["available", "trusted", "second_moment_partials", "gefen_update_", "momentum_", "momentum_scales",
+__all__ = ["available", "trusted", "m8_partials", "m8_update_", "momentum_", "momentum_scales",
            "calibrate", "Calibration", "block_histograms", "m4v4_partials", "m4v4_row_stats",
            "m4v4_update_", "adamw_update_", "round_param_"]
 
@@ -243,7 +243,8 @@ def _quantiser(codebook: torch.Tensor) -> _Quantiser | None:
     return q
 
 
-def second_moment_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
+# ----- phase 1 of both layouts: m4v4_partials' sums (m8's lack the last) -------------------------
+def m8_partials(grad: torch.Tensor, state: dict, beta2: float, *, cal: Calibration | None = None):
     """m4v4's phase 1 (the same sums), less its last entry (the old ``v_row``'s sum)."""
     out = m4v4_partials(grad, state, beta2, cal=cal)
     return None if out is None else (out[0], out[1][:-1])
@@ -305,6 +306,7 @@ def _run_step(fn, struct, param: torch.Tensor, grad: torch.Tensor, state: dict, 
     return True
 
 
+# ----- the m8 layout: gefen/csrc/gefen_step.c (phase 2, and GefenMuon's momentum alone) ------------
 def _momentum_fields(state: dict, grad: torch.Tensor, codebook: torch.Tensor) -> dict | None:
     """What the full m8 step and the momentum alone share: codes, scales, block geometry,
     quantiser; None without a quantiser for ``codebook``."""
@@ -317,9 +319,10 @@ def _momentum_fields(state: dict, grad: torch.Tensor, codebook: torch.Tensor) ->
                 rows=rows, bpr=row_numel // period, period=period, K=q.values.numel())
 
 
-def gefen_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
-                  global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None,
-                  cal: Calibration | None = None) -> bool:
+def m8_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor, h, *,
+               global_rows: int, v_row: torch.Tensor | None = None, partials: torch.Tensor | None = None,
+               cal: Calibration | None = None) -> bool:
+    """The m8 step (gefen_step.c) within ``parity.M8_RULE`` of ``functional.m8_update_``."""
     cal = _use(cal)
     fields = _momentum_fields(state, grad, codebook)
     second = (dict(factored=1, v_row=state["v_row"], v_col=state["v_col"], v_row_new=v_row, partials=partials)
@@ -354,7 +357,7 @@ def _momentum_only(state: dict, grad: torch.Tensor, beta: float, codebook: torch
     return out if _lib.gefen_step(ctypes.byref(a)) == 0 else None
 
 
-# ----- the m4v4 layout: gefen/csrc/m4v4_step.c (phase 2, AdamW); phase 1 is _partials ------------
+# ----- the m4v4 layout: gefen/csrc/m4v4_step.c (phase 2, AdamW); phase 1 is m4v4_partials -------
 def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook: torch.Tensor,
                  ratio: torch.Tensor, h, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor,
                  pidx: int, seed: int, row0: int = 0, col0: int = 0, row_len: int | None = None,
@@ -406,7 +409,7 @@ def block_histograms(pairs: list, num_bins: int, *, isa: int = _ISA, flush: int 
 # ----- calibration: the kernels checked against their references ------------------------------
 def _kernel_fns(cal: Calibration):
     """The kernels under the candidate ``cal``, for ``gefen.parity``'s problems."""
-    fns = dict(partials=second_moment_partials, update=gefen_update_, m4v4_partials=m4v4_partials,
+    fns = dict(m8_partials=m8_partials, m8_update=m8_update_, m4v4_partials=m4v4_partials,
                m4v4_update=m4v4_update_, adamw=adamw_update_, row_stats=m4v4_row_stats)
     return parity.kernel_fns(**{name: functools.partial(fn, cal=cal) for name, fn in fns.items()})
 
