@@ -2,7 +2,7 @@
 
 gefen._kmeans_dp, gefen._gefen_step (the fused step and the first step's statistics) and
 gefen_ckpt._native (the checkpoint checksum and I/O loops) are plain C99 (no Python C-API) loaded with ctypes by
-gefen.codebook, gefen.c_kernels and gefen_ckpt.native; setuptools merely compiles them next to the package (in place
+gefen.codebook, gefen.c_kernels and gefen_ckpt.io.native; setuptools merely compiles them next to the package (in place
 for editable installs).  _gefen_step and _kmeans_dp use OpenMP when the compiler has it (else they are
 built serial); _gefen_step is optional: without it gefen runs the eager torch step.
 """

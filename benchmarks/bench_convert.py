@@ -28,9 +28,9 @@ if __package__ in (None, ""):  # `python benchmarks/bench_convert.py`
 
 from benchmarks.common import md_table, write_json
 from gefen import Gefen
-from gefen_ckpt.convert import convert_state
-from gefen_ckpt.live import export_canonical, import_canonical
-from gefen_ckpt.torch_format import state_dict_from_canonical
+from gefen_ckpt.dist.optimizer_state import export_canonical, import_canonical
+from gefen_ckpt.formats.convert import convert_state
+from gefen_ckpt.formats.torch_file import state_dict_from_canonical
 
 VOCAB, CONTEXT, LR, WD = 48, 2, 3e-3, 0.01
 _g = torch.Generator().manual_seed(7)

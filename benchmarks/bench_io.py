@@ -59,7 +59,7 @@ from safetensors.torch import load_file, save_file
 import gefen_ckpt
 from benchmarks.common import PeakRSS, gefen_state, machine_limits, md_table, plot, write_json
 from gefen import Gefen
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire.reader import stage_checkpoint
 
 SIZES = (25, 42)

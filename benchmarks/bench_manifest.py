@@ -29,7 +29,7 @@ each in a fresh process (wall time and peak RSS via ``getrusage(RUSAGE_CHILDREN)
 * ``gefen-ckpt reshard DIR OUT --world-size N --dry-run --json``;
 * the start-up baseline: ``inspect`` of a tiny checkpoint.
 
-And the bytes one rank sends the committing rank in a save (``sharded_io.commit_payload``
+And the bytes one rank sends the committing rank in a save (``dist.sharded.commit_payload``
 packed, for a rank of the 405B save). Quick mode: 8 layers, 128 ranks (and the 70B shapes on 64).
 
 Resharding a small state to thousands of ranks (real data): Gefen (m4v4) over 200 tensors of
@@ -37,7 +37,7 @@ Resharding a small state to thousands of ranks (real data): Gefen (m4v4) over 20
 ``gefen-ckpt reshard SRC DST --world-size 4096`` in a fresh process (wall, peak RSS, bytes on
 disk by kind), checked bit for bit against the source (every tensor read whole from both); beside it, in this
 process, ``gefen_ckpt.write`` of the same source to 512 ranks by the one-pass writer
-(``format.bulk``) and by the writer-by-writer path (the baseline, same run). Quick: 1,024 and 128.
+(``wire.many_writers``) and by the writer-by-writer path (the baseline, same run). Quick: 1,024 and 128.
 Run alone: ``python -m benchmarks.bench_manifest [--quick]``.
 """
 
@@ -68,7 +68,7 @@ _PLAN = """
 import sys, time
 from gefen_ckpt.wire.index import chunk_rows
 from gefen_ckpt.wire.manifest import open_checkpoint
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io.storage import Store
 url, rank = sys.argv[1], int(sys.argv[2])
 start = time.perf_counter()
 m = open_checkpoint(Store(url), whole=False)  # as a rank's load opens it (sharded_io.load_sharded)
@@ -272,8 +272,8 @@ def _stock(shapes, contract, source) -> tuple[dict, dict, dict]:
     describes, each tensor ``source(dtype name, shape)``."""
     import torch
 
-    from gefen_ckpt.canonical import CanonicalState, ParamState
-    from gefen_ckpt.dcp_layout import stock_entries
+    from gefen_ckpt.dcp.layout import stock_entries
+    from gefen_ckpt.state.canonical import CanonicalState, ParamState
 
     entries = _tensors(shapes, contract)
     fields: dict[str, dict] = {}
@@ -370,7 +370,7 @@ def _stock_state_dict(shapes, contract) -> tuple[dict, set[str]]:
 
     import torch
 
-    from gefen_ckpt.canonical import EagerSource
+    from gefen_ckpt.state.canonical import EagerSource
     from gefen_ckpt.wire.dtypes import torch_dtype
 
     tensors, values, mappings = _stock(shapes, contract, lambda d, s: EagerSource(torch.zeros(s, dtype=torch_dtype(d))))
@@ -418,7 +418,7 @@ def check_dcp_metadata(ranks: int = 4) -> dict:
 
     import torch.multiprocessing as mp
 
-    from gefen_ckpt.dcp_layout import safe_load_dcp_metadata
+    from gefen_ckpt.dcp.layout import safe_load_dcp_metadata
 
     shapes = llama_shapes(layers=2, dim=256, kv=64, mlp=512, vocab=1000)
     with tempfile.TemporaryDirectory() as workdir:
@@ -461,10 +461,10 @@ def _index_head(writer: int, entries: int) -> bytes:
 
 def commit_bytes(ranks: int) -> int:
     """Bytes one rank (the last of ``ranks``) sends the committing rank in a save:
-    ``sharded_io.commit_payload`` packed as it is sent, with a structure digest and no
+    ``dist.sharded.commit_payload`` packed as it is sent, with a structure digest and no
     explicit rows (every tensor follows its rule)."""
-    from gefen_ckpt.collective import pack
-    from gefen_ckpt.sharded_io import commit_payload
+    from gefen_ckpt.dist.collective import pack
+    from gefen_ckpt.dist.sharded import commit_payload
     from gefen_ckpt.wire.index import WriterPin, index_name
 
     class Plan:
@@ -558,8 +558,8 @@ def _bit_exact(a: str, b: str) -> bool:
 def reshard_small(quick: bool) -> dict:
     """The many-rank reshard of a small state (module docstring)."""
     import gefen_ckpt
-    from gefen_ckpt.storage import Store
-    from gefen_ckpt.wire import bulk
+    from gefen_ckpt.io.storage import Store
+    from gefen_ckpt.wire import many_writers
     from gefen_ckpt.wire.manifest import open_checkpoint
 
     ranks, side = (1024, 128) if quick else (4096, 512)
@@ -576,15 +576,15 @@ def reshard_small(quick: bool) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     source = gefen_ckpt.read(str(src))
     for name, path in (("one_pass", True), ("writer_by_writer", False)):
-        real = bulk.regular_plan
+        real = many_writers.regular_plan
         if not path:
-            bulk.regular_plan = lambda *a, **k: None
+            many_writers.regular_plan = lambda *a, **k: None
         try:
             started = time.perf_counter()
             gefen_ckpt.write(source, str(dst), world_size=side)
             out[f"side_{name}_s"] = time.perf_counter() - started
         finally:
-            bulk.regular_plan = real
+            many_writers.regular_plan = real
         shutil.rmtree(dst, ignore_errors=True)
     return out
 
@@ -657,7 +657,7 @@ def _markdown(data: dict) -> str:
         f"save it would be about {data['dcp_metadata_bytes_estimate_405b'] / mib:,.0f} MiB (the 70B file's bytes "
         f"per chunk times the pieces; not built). {_dcp_check_sentence(data['dcp_check'])} "
         f"Each rank of the 405B save sends the committing rank {data['commit_bytes_per_rank']} bytes "
-        "(`sharded_io.commit_payload`: its file names and sizes, its index's name, size and CRC, a structure "
+        "(`dist.sharded.commit_payload`: its file names and sizes, its index's name, size and CRC, a structure "
         "digest).\n\n"
         "Targets (405B, 16,384 ranks): manifest <= 8 MiB; inspect <= 3 s and <= 300 MiB; one rank's load planning "
         "<= 1 s and <= 200 MiB; reshard --dry-run --world-size 12288 <= 15 s; <= 1 KiB per rank to commit. "

@@ -94,7 +94,7 @@ def _case(method: str, model, opt, fresh, url: str, options: dict | None) -> dic
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import gefen_ckpt
-    import gefen_ckpt.sharded_io as sharded_io
+    import gefen_ckpt.dist.sharded as sharded_io
 
     out = {}
     if method == "dcp":

@@ -77,7 +77,7 @@ def concurrent_writers_delayed(n: int) -> dict:
     """Writer Y is held just before publishing its manifest while writer X saves; afterwards the
     committed checkpoint must load and every failure be a CheckpointError."""
     import gefen_ckpt
-    import gefen_ckpt.storage as storage
+    import gefen_ckpt.io.storage as storage
 
     failures = 0
     real = storage.LocalStore.publish
@@ -158,7 +158,7 @@ def listing_race(n: int) -> dict:
     """An unrelated file is deleted between the directory read and its stat(): the committed
     checkpoint must still be found."""
     import gefen_ckpt
-    import gefen_ckpt.storage as storage
+    import gefen_ckpt.io.storage as storage
 
     url = tempfile.mkdtemp()
     model, opt = _trained()
@@ -333,7 +333,7 @@ def _stall_world(rank: int, world_size: int, url: str, phase: str, stall: float)
     import torch
 
     import gefen_ckpt
-    import gefen_ckpt.sharded_io as sharded_io
+    import gefen_ckpt.dist.sharded as sharded_io
 
     from ckpt_util import make_model
 
@@ -470,7 +470,7 @@ def cli_errors(root: Path) -> dict:
         if bad:
             notes.append(f"{what}: exit {done.returncode}")
     # disk full: the API error must name the file
-    import gefen_ckpt.storage as storage
+    import gefen_ckpt.io.storage as storage
 
     real = storage.LocalWriter._write_out
 
@@ -497,7 +497,7 @@ def failed_commit_leaks(n: int) -> dict:
     """Saves that fail at the commit (ENOSPC writing the manifest; a failed rename): a trial
     fails when files beyond the previous checkpoint's remain."""
     import gefen_ckpt
-    import gefen_ckpt.storage as storage
+    import gefen_ckpt.io.storage as storage
 
     failures = trials = 0
     model, opt = _trained()

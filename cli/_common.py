@@ -16,7 +16,7 @@ from rich.progress import Progress
 # torch (and the gefen_ckpt modules that import it) is imported inside the commands, so `--help` stays
 # fast; gefen_ckpt.checkpoints imports nothing heavy.
 from gefen_ckpt.checkpoints import DCP, PORTABLE, TORCH, check_key, check_optimizer, detect_format  # noqa: F401
-from gefen_ckpt.progress import columns
+from gefen_ckpt.io.progress import columns
 
 #: exit codes (documented in docs/cli.md): 1 is about the data (problems ``verify`` found, checkpoints
 #: that differ, a checkpoint that cannot be read), 2 about the command line (the usage of click/typer)
@@ -178,7 +178,7 @@ def check_destination(src: str, dst: str, overwrite: bool, create_bucket: bool, 
         what = "a non-empty directory" if fs.isdir(path) else "a file"
         usage(f"{dst} exists and is {what}: pass --overwrite to replace it")
     if create_bucket:
-        from gefen_ckpt.storage import CREATE_BUCKET_ENV
+        from gefen_ckpt.io.storage import CREATE_BUCKET_ENV
 
         os.environ[CREATE_BUCKET_ENV] = "1"
 
@@ -226,7 +226,7 @@ def open_manifest(url: str, optimizer: str | None, param_names: str | None, name
                   key: str | None):
     """(Store, validated manifest) of a portable checkpoint, its options checked, without importing
     torch or listing the directory."""
-    from gefen_ckpt.storage import Store
+    from gefen_ckpt.io.storage import Store
     from gefen_ckpt.wire.manifest import open_checkpoint
 
     refuse_names(url, PORTABLE, param_names, names_from)

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gefen.geometry import period_of_blocks
-from gefen_ckpt.canonical import CanonicalState, ParamState
+from gefen_ckpt.state.canonical import CanonicalState, ParamState
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 

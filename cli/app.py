@@ -271,7 +271,7 @@ def diff(
 
       gefen-ckpt diff a b --json | jq '.differences[].key'
     """
-    from gefen_ckpt.diff import diff_states
+    from gefen_ckpt.tools.diff import diff_states
 
     chunk_bytes = common.parse_size(chunk)
     def side(path: str):  # the names apply to a torch side (a portable or DCP side records its own)
@@ -432,7 +432,7 @@ def reshard(
 
       gefen-ckpt reshard s3://bucket/run7/step-1000 s3://bucket/run7/step-1000-ws64 -n 64 --memory-budget 1GiB
     """
-    from gefen_ckpt.reshard import plan, plan_manifest, retarget
+    from gefen_ckpt.tools.reshard import plan, plan_manifest, retarget
 
     sizes = {"max_file_bytes": common.parse_size(max_file_bytes), "memory_budget": common.parse_size(memory_budget)}
     target = _target(world_size, mesh)
@@ -461,7 +461,7 @@ def reshard(
 
 def _target(world_size: int | None, mesh: str | None):
     """The target mesh of --world-size / --mesh, within ``MAX_WORLD_SIZE`` (a usage error else)."""
-    from gefen_ckpt.reshard import MAX_WORLD_SIZE, Mesh
+    from gefen_ckpt.tools.reshard import MAX_WORLD_SIZE, Mesh
 
     if world_size is not None and not 1 <= world_size <= MAX_WORLD_SIZE:
         raise typer.BadParameter(f"{world_size} is not in 1..{MAX_WORLD_SIZE} (the most ranks a target may have)",

@@ -20,13 +20,13 @@ from gefen_ckpt.errors import (
 _LAZY = {
     **dict.fromkeys(("load", "read", "read_manifest", "save", "write"), "gefen_ckpt.api"),
     **dict.fromkeys(("VerifyReport", "verify"), "gefen_ckpt.wire.verify"),
-    **dict.fromkeys(("CanonicalState", "EagerSource", "ParamState", "TensorSource"), "gefen_ckpt.canonical"),
-    **dict.fromkeys(("export_canonical", "import_canonical"), "gefen_ckpt.live"),
+    **dict.fromkeys(("CanonicalState", "EagerSource", "ParamState", "TensorSource"), "gefen_ckpt.state.canonical"),
+    **dict.fromkeys(("export_canonical", "import_canonical"), "gefen_ckpt.dist.optimizer_state"),
     **dict.fromkeys(("open", "detect_format", "convert_checkpoint"), "gefen_ckpt.checkpoints"),
-    "convert_state": "gefen_ckpt.convert",
-    **dict.fromkeys(("last_io_stats", "IOStats"), "gefen_ckpt.iostats"),
+    "convert_state": "gefen_ckpt.formats.convert",
+    **dict.fromkeys(("last_io_stats", "IOStats"), "gefen_ckpt.io.iostats"),
     "async_save": "gefen_ckpt.async_io",
-    "name_state_dict": "gefen_ckpt.names",
+    "name_state_dict": "gefen_ckpt.formats.names",
 }
 
 __all__ = [

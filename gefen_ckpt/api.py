@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from gefen_ckpt import collective, iostats
-from gefen_ckpt.canonical import CanonicalState
+from gefen_ckpt.dist import collective
+from gefen_ckpt.dist.optimizer_state import check_fits, copies_on_load, export_canonical, import_canonical
+from gefen_ckpt.dist.sharded import load_sharded, save_sharded
 from gefen_ckpt.errors import CheckpointMismatchError, naming
-from gefen_ckpt.live import check_fits, copies_on_load, export_canonical, import_canonical
-from gefen_ckpt.progress import progress_bar
-from gefen_ckpt.sharded_io import load_sharded, save_sharded
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io import iostats
+from gefen_ckpt.io.progress import progress_bar
+from gefen_ckpt.io.storage import Store
+from gefen_ckpt.state.canonical import CanonicalState
 from gefen_ckpt.wire.manifest import (
     open_checkpoint,
     parse_manifest,

@@ -15,8 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from gefen_ckpt import collective, iostats
-from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
+from gefen_ckpt.dist import collective
+from gefen_ckpt.io import iostats
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource, LocalPart
 
 
 class SaveFuture(Future):
@@ -127,9 +128,9 @@ def async_save(optimizer: torch.optim.Optimizer, url: str, *, model: torch.nn.Mo
     asked the future, a ``RuntimeWarning`` naming ``url``); ``os._exit`` or a kill runs nothing: the
     save is lost, the previous checkpoint stays committed, and the next save removes its files."""
     from gefen_ckpt.api import MAX_FILE_BYTES, MEMORY_BUDGET
-    from gefen_ckpt.live import export_canonical
-    from gefen_ckpt.sharded_io import save_sharded
-    from gefen_ckpt.storage import Store
+    from gefen_ckpt.dist.optimizer_state import export_canonical
+    from gefen_ckpt.dist.sharded import save_sharded
+    from gefen_ckpt.io.storage import Store
     from gefen_ckpt.wire.writer import write_state
 
     global _executor, _pending, _group

@@ -23,7 +23,7 @@ def detect_format(url: str) -> str:
         return DCP if fs.exists(path.rstrip("/") + "/.metadata") else PORTABLE
     if not fs.exists(path):
         raise CheckpointIncompleteError(f"{url}: no such file or directory")
-    from gefen_ckpt.torch_format import is_torch_file  # imports torch: only for a file
+    from gefen_ckpt.formats.torch_file import is_torch_file  # imports torch: only for a file
 
     if is_torch_file(url):
         return TORCH
@@ -113,11 +113,11 @@ def open(url: str, *, format: str | None = None, optimizer: str | None = None, p
 
 def _open_torch(url: str, optimizer: str | None, param_names: str | None, names_from: str | None):
     from gefen_ckpt.errors import CheckpointError, CheckpointMismatchError
-    from gefen_ckpt.torch_format import canonical_from_state_dict, load_torch_state_dict
+    from gefen_ckpt.formats.torch_file import canonical_from_state_dict, load_torch_state_dict
 
     sd = load_torch_state_dict(url)
     if param_names or names_from:
-        from gefen_ckpt.names import name_state_dict, read_model_params, read_param_names
+        from gefen_ckpt.formats.names import name_state_dict, read_model_params, read_param_names
 
         sd = (name_state_dict(sd, names=read_param_names(param_names), source=param_names) if param_names
               else name_state_dict(sd, model_params=read_model_params(names_from), source=names_from))
@@ -146,7 +146,7 @@ def verify_any(url: str, *, format: str | None = None, optimizer: str | None = N
     if format == PORTABLE:
         import dataclasses
 
-        from gefen_ckpt.storage import Store
+        from gefen_ckpt.io.storage import Store
         from gefen_ckpt.wire.manifest import open_checkpoint
         from gefen_ckpt.wire.verify import verify
 
@@ -162,8 +162,8 @@ def verify_any(url: str, *, format: str | None = None, optimizer: str | None = N
     if format == TORCH:
         return {"ok": True, "problems": [], "tensors": tensors, "bytes": state.total_bytes(),
                 "note": "torch.save files carry no checksums: checked loading (weights_only) and the contract"}
+    from gefen_ckpt.dist.placement import rows_per_chunk
     from gefen_ckpt.errors import CheckpointError
-    from gefen_ckpt.placement import rows_per_chunk
 
     problems, checked = [], 0
     for key, source in state.tensors():
@@ -192,7 +192,7 @@ def write(state, url: str, format: str = PORTABLE, *, world_size: int | None = N
         key = state.metadata.get("key") if state.metadata.get("source_format") == DCP else None
         write_dcp(state, url, key=key or "optim", world_size=world_size, **chunks)
     elif format == TORCH:
-        from gefen_ckpt.torch_format import write_torch
+        from gefen_ckpt.formats.torch_file import write_torch
 
         write_torch(state, url)
     else:
@@ -212,7 +212,7 @@ def convert_checkpoint(src: str, dst: str, *, to: str | None = None, into: str |
     format = format or detect_format(src)
     state = open(src, format=format, optimizer=optimizer, param_names=param_names, names_from=names_from, key=key)
     if into is not None:
-        from gefen_ckpt.convert import convert_state
+        from gefen_ckpt.formats.convert import convert_state
 
         state = convert_state(state, into, moments=moments)
     write(state, dst, to or format, **write_options)

@@ -21,10 +21,10 @@ import torch
 from gefen.contract import OptimizerContract
 from gefen.geometry import rows_and_row_numel
 from gefen.replicas import chunk_rows
-from gefen_ckpt import collective
-from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
+from gefen_ckpt.dist import collective
+from gefen_ckpt.dist.placement import is_dtensor, to_local
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
-from gefen_ckpt.placement import is_dtensor, to_local
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.wire.dtypes import dtype_name, torch_dtype
 
 __all__ = ["gather", "scatter", "redistribute", "last_stats", "TransportStats"]
@@ -264,7 +264,7 @@ def _infos(ordered: Sequence[tuple[str, object]]) -> list[TensorInfo]:
 def _wanted_rows(optimizer, description: dict, model) -> tuple[list[tuple[str, _Skeleton]], list[Range | None]]:
     """The described tensors (as skeletons, in order) and the rows of each that this rank's
     ``import_canonical`` will read, after all of its validation against the live optimizer."""
-    from gefen_ckpt.live import local_state_dict
+    from gefen_ckpt.dist.optimizer_state import local_state_dict
 
     skeleton = _rebuild(description, lambda label, shape, dtype: _Skeleton(shape, dtype))
     local_state_dict(optimizer, skeleton, model)
@@ -314,7 +314,7 @@ def _import(what: str, received: tuple[list, BaseException | None], optimizer, d
             metadata: dict, want, model) -> None:
     """Agree on the data phase (``_move``'s outputs and error), then load this rank's rows as
     LocalParts through ``import_canonical``, which validates again and agrees before it loads."""
-    from gefen_ckpt.live import import_canonical
+    from gefen_ckpt.dist.optimizer_state import import_canonical
 
     outputs, error = received
     collective.agree(error, what)
@@ -568,7 +568,7 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
             raise ValueError(f"dst must be a rank in [0, {world}), got {dst!r}")
         state = optimizer_or_state
         if not isinstance(state, CanonicalState):
-            from gefen_ckpt.live import export_canonical
+            from gefen_ckpt.dist.optimizer_state import export_canonical
 
             state = export_canonical(optimizer_or_state, model=model)
         _, ordered, payload = _offer(state, budget_bytes, writers_only=True)

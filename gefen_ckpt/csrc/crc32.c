@@ -8,7 +8,7 @@
  * Generic Polynomials Using PCLMULQDQ Instruction"); the constants below are x^k mod P(x)
  * (bit-reflected) for the fold distances used, and the Barrett constants of P(x).
  *
- * Plain C, no Python C-API: gefen_ckpt.native loads it with ctypes (the GIL is released during
+ * Plain C, no Python C-API: gefen_ckpt.io.native loads it with ctypes (the GIL is released during
  * each call) and checks it against zlib.crc32 before using it; without the library or the
  * instruction gefen_ckpt uses zlib.crc32.  Same results, only speed differs.  The I/O loops
  * that hash as they go are in file_io.c (the same library).

@@ -1,5 +1,5 @@
 /* The loops of a save or load that must run without the GIL (each below says why).  POSIX only:
- * elsewhere this file is empty and gefen_ckpt/native.py binds the checksum alone. */
+ * elsewhere this file is empty and gefen_ckpt/io/native.py binds the checksum alone. */
 #include "native.h"
 #if !defined(_WIN32)
 #include <errno.h>

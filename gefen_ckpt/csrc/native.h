@@ -1,4 +1,4 @@
-/* gefen_ckpt._native (crc32.c, file_io.c): plain C, bound by gefen_ckpt/native.py with ctypes. */
+/* gefen_ckpt._native (crc32.c, file_io.c): plain C, bound by gefen_ckpt/io/native.py with ctypes. */
 #pragma once
 #include <stddef.h>
 #include <stdint.h>

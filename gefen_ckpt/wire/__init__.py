@@ -1,2 +1,2 @@
-"""The portable wire format (docs/design.md 7, ``docs/format.md``): a directory of aligned safetensors
-data files and one msgpack manifest, published last."""
+"""The portable wire format (``docs/format.md``): manifest, per-writer indexes, data files, their
+writers, readers and checks. May import gefen_ckpt.io and gefen_ckpt.state (torch-free to read)."""

@@ -42,8 +42,8 @@ from gefen_ckpt.wire.index import (
 from gefen_ckpt.wire.records import DECODING, MAX_STR, fail
 
 if TYPE_CHECKING:  # reading a manifest needs no torch
-    from gefen_ckpt.canonical import CanonicalState
-    from gefen_ckpt.storage import Store
+    from gefen_ckpt.io.storage import Store
+    from gefen_ckpt.state.canonical import CanonicalState
 
 FORMAT_NAME = "gefen-ckpt"
 #: (major, minor) of the format written; a reader accepts any minor of its major (minor versions

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from gefen_ckpt.errors import CheckpointCorruptError
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import NUMPY
 from gefen_ckpt.wire.index import SplitTensor

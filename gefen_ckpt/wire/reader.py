@@ -20,10 +20,10 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from gefen_ckpt import iostats, native
-from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource
 from gefen_ckpt.errors import CheckpointCorruptError
-from gefen_ckpt.storage import READ_CHUNK, LocalReader, Prefetch, RangeReader, Store
+from gefen_ckpt.io import iostats, native
+from gefen_ckpt.io.storage import READ_CHUNK, LocalReader, Prefetch, RangeReader, Store
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource, ParamState, TensorSource
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import NUMPY, itemsize, torch_dtype
 from gefen_ckpt.wire.index import SplitTensor

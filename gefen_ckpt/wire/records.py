@@ -14,7 +14,7 @@ from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import itemsize
 
 if TYPE_CHECKING:
-    from gefen_ckpt.storage import RangeReader, Store
+    from gefen_ckpt.io.storage import RangeReader, Store
 
 MAX_LEN = 2**22  # elements of one array or map: params, files, pieces of one tensor
 MAX_STR = 65536

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gefen_ckpt.errors import CheckpointError
-from gefen_ckpt.progress import progress_bar
-from gefen_ckpt.storage import Prefetch, RangeReader, Store
+from gefen_ckpt.io.progress import progress_bar
+from gefen_ckpt.io.storage import Prefetch, RangeReader, Store
 from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.index import SplitTensor
 from gefen_ckpt.wire.manifest import (

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from gefen_ckpt.errors import CheckpointLockedError
-from gefen_ckpt.storage import Store, open_regular
+from gefen_ckpt.io.storage import Store, open_regular
 
 LOCK_NAME = ".gefen-ckpt.lock"
 #: An object-store lock older than this is taken to belong to a save that died.
@@ -95,14 +95,14 @@ def acquire(store: Store, token: str) -> WriterLock:
 
 
 def _acquire_local(store: Store, token: str) -> WriterLock:
-    with store.io(LOCK_NAME):
+    with store.storage_errors(LOCK_NAME):
         fd = open_regular(store.path(LOCK_NAME), os.O_RDWR | os.O_CREAT)  # never through a link
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise CheckpointLockedError(_describe(store, _parse(os.pread(fd, 4096, 0)))) from None
-        with store.io(LOCK_NAME):
+        with store.storage_errors(LOCK_NAME):
             dead = _parse(os.pread(fd, 4096, 0))
             os.ftruncate(fd, 0)
             os.pwrite(fd, _me(token), 0)

@@ -20,14 +20,14 @@ import numpy as np
 import torch
 
 from gefen.replicas import chunk_rows
-from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, TensorSource
-from gefen_ckpt.storage import Store, Writer
-from gefen_ckpt.wire import bulk, checksum, datafile
+from gefen_ckpt.io.storage import Store, Writer
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource, LocalPart, TensorSource
+from gefen_ckpt.wire import checksum, datafile, many_writers
 from gefen_ckpt.wire import manifest as mf
-from gefen_ckpt.wire.bulk import _in_memory, tensors
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import MAX_WORLD_SIZE, WriterPin, encode_index, index_entries, index_name
 from gefen_ckpt.wire.manifest import FILE_METADATA, MANIFEST_NAME, FileRecord
+from gefen_ckpt.wire.many_writers import _in_memory, tensors
 from gefen_ckpt.wire.records import PieceRecord, tensor_key
 from gefen_ckpt.wire.writelock import WriterLock, acquire
 
@@ -320,11 +320,11 @@ def _write_locked(state: CanonicalState, store: Store, token: str, previous: set
 
     plan = None
     if world_size is not None and world_size > 1:
-        plan = bulk.regular_plan(state, world_size, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
+        plan = many_writers.regular_plan(state, world_size, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
                                  ordinals=ordinals)
     try:
         if plan is not None:  # every part one piece, every writer one file: all writers in one pass
-            pins, indexes, durable = bulk.write(plan, store, token, memory_budget=memory_budget,
+            pins, indexes, durable = many_writers.write(plan, store, token, memory_budget=memory_budget,
                                                 data_stem=lambda rank: data_stem(token, rank), on_bytes=on_bytes)
             syncing.append(durable)
         for rank in range(world_size or 1) if plan is None else ():

@@ -8,7 +8,7 @@ import os
 import msgpack
 
 import gefen_ckpt
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.manifest import MANIFEST_NAME, encode, open_checkpoint
 

@@ -10,7 +10,6 @@ from ckpt_edits import index_entry, piece, rewrite_index, rewrite_manifest
 
 import gefen
 import gefen_ckpt
-from gefen_ckpt import native
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -18,7 +17,8 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io import native
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire import reader
 from gefen_ckpt.wire.manifest import open_checkpoint
 

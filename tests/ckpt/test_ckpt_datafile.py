@@ -15,8 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import gefen_ckpt
-from gefen_ckpt import native
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io import native
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import DTYPES, dtype_name, torch_dtype
 from gefen_ckpt.wire.manifest import open_checkpoint
@@ -168,7 +168,7 @@ def test_fused_read_and_checksum(tmp_path):
 @pytest.mark.parametrize("native", [True, False])
 def test_checksums_of_ranges_in_memory(monkeypatch, native):
     if not native:
-        monkeypatch.setattr("gefen_ckpt.native.lib", None)
+        monkeypatch.setattr("gefen_ckpt.io.native.lib", None)
     elif not checksum.accelerated():
         pytest.skip("no accelerated checksum on this machine/build")
     data = np.random.default_rng(5).integers(0, 256, 200_000, dtype=np.uint8)

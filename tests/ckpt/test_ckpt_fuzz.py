@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import gefen_ckpt
 from gefen_ckpt.errors import CheckpointError, CheckpointFormatError
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire import manifest as manifest_module
 from gefen_ckpt.wire.dtypes import itemsize

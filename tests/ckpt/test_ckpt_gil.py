@@ -18,9 +18,9 @@ import torch
 import gefen_ckpt
 from gefen import Gefen
 from gefen.contract import FieldSpec, OptimizerContract
-from gefen_ckpt import native, storage
-from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io import native, storage
+from gefen_ckpt.io.storage import Store
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource, ParamState
 from gefen_ckpt.wire.dtypes import DTYPES
 from gefen_ckpt.wire.reader import stage_checkpoint
 

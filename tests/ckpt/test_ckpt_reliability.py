@@ -17,7 +17,7 @@ import pytest
 from ckpt_edits import data_files, index_entry, rewrite_index, rewrite_manifest, stored_files
 
 import gefen_ckpt
-import gefen_ckpt.storage as storage
+import gefen_ckpt.io.storage as storage
 from gefen_ckpt.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -25,7 +25,7 @@ from gefen_ckpt.errors import (
     CheckpointMismatchError,
     CheckpointStorageError,
 )
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire import writelock, writer
 

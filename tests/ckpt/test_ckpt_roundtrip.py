@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gefen_ckpt
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire import reader
 from gefen_ckpt.wire.manifest import open_checkpoint
 

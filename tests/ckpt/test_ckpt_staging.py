@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import gefen_ckpt
-from gefen_ckpt import storage
 from gefen_ckpt.errors import CheckpointCorruptError
-from gefen_ckpt.storage import Prefetch, Store
+from gefen_ckpt.io import storage
+from gefen_ckpt.io.storage import Prefetch, Store
 from gefen_ckpt.wire.manifest import open_checkpoint
 from gefen_ckpt.wire.reader import lazy_state, stage_checkpoint, stage_state
 
@@ -118,7 +118,7 @@ def test_a_loaded_optimizer_does_not_alias_the_files(tmp_path, kind):
 @pytest.fixture(params=[True, False], ids=["C", "python"])
 def prefetch_kind(request, monkeypatch):
     """Both prefetch loops: the C thread (``gefen_prefetch_start``) and the Python fallback."""
-    from gefen_ckpt import native
+    from gefen_ckpt.io import native
 
     if request.param and not native.io:
         pytest.skip("no C library on this machine/build")

@@ -10,7 +10,7 @@ import pytest
 
 import gefen_ckpt
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointIncompleteError
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire.manifest import open_checkpoint
 
 from ckpt_util import fresh_like, same, snapshot, trained
@@ -111,12 +111,12 @@ def test_local_writer_keeps_order_across_writes_and_hashed_spans(tmp_path, nativ
     import os
     import zlib
 
-    import gefen_ckpt.native
-    import gefen_ckpt.storage as storage
+    import gefen_ckpt.io.native
+    import gefen_ckpt.io.storage as storage
 
-    if native and not gefen_ckpt.native.io:
+    if native and not gefen_ckpt.io.native.io:
         pytest.skip("no C write path on this machine/build")
-    monkeypatch.setattr(gefen_ckpt.native, "io", native)
+    monkeypatch.setattr(gefen_ckpt.io.native, "io", native)
     monkeypatch.setattr(storage, "WRITEBACK_EVERY", 3 * storage.WRITE_BUFFER + 11)
     small, large = [os.urandom(n) for n in (10, 100, 5)], [os.urandom(n) for n in (storage.WRITE_BUFFER + 7, 0, 1, 999_999)]
     hashed = [os.urandom(n) for n in (3 * storage.WRITE_BUFFER, 0, 4097, 2)]
@@ -138,12 +138,12 @@ def test_a_failed_write_surfaces_and_removes_the_file(tmp_path, native, monkeypa
     ``with`` block, and no partial file left behind."""
     import os
 
-    import gefen_ckpt.native
-    import gefen_ckpt.storage as storage
+    import gefen_ckpt.io.native
+    import gefen_ckpt.io.storage as storage
 
-    if not os.path.exists("/dev/full") or (native and not gefen_ckpt.native.io):
+    if not os.path.exists("/dev/full") or (native and not gefen_ckpt.io.native.io):
         pytest.skip("needs /dev/full (and the C write path for the C case)")
-    monkeypatch.setattr(gefen_ckpt.native, "io", native)
+    monkeypatch.setattr(gefen_ckpt.io.native, "io", native)
     owners, spans = _spans([b"x" * (2 * storage.WRITE_BUFFER)] * 3)
     store = storage.Store(str(tmp_path))
     with pytest.raises(OSError) as failure:
@@ -161,7 +161,7 @@ def test_a_failed_write_surfaces_and_removes_the_file(tmp_path, native, monkeypa
 def test_saves_with_and_without_the_c_library_write_the_same_bytes(tmp_path, monkeypatch):
     """The C write path (one call per batch, fsync on a C thread) and the Python fallback
     produce byte-identical data files and the same checksums."""
-    from gefen_ckpt import native
+    from gefen_ckpt.io import native
 
     if not native.io:
         pytest.skip("no C library on this machine/build")

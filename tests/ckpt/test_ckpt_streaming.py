@@ -13,7 +13,7 @@ import gefen_ckpt
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen_ckpt import CanonicalState, EagerSource, ParamState
 from gefen_ckpt.errors import CheckpointCorruptError
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire.reader import stage_checkpoint
 
 from ckpt_util import bits_equal, canonical_equal, fresh_like, same, snapshot, trained
@@ -64,7 +64,7 @@ def test_large_lazy_state_streams_within_budget(tmp_path):
         thread.join()
     assert source.largest <= budget // 4  # one piece at a time, each within a quarter of the budget
     assert peak[0] - base < budget + 24 * 2**20, f"save grew RSS by {(peak[0] - base) / 2**20:.0f} MiB for 98 MB of state"
-    from gefen_ckpt.storage import Store
+    from gefen_ckpt.io.storage import Store
     from gefen_ckpt.wire.manifest import open_checkpoint
 
     files = open_checkpoint(Store(str(tmp_path / "big"))).files  # any format version

@@ -28,7 +28,7 @@ def _stalled(rank: int, world_size: int, url: str) -> dict:
     """Save with rank 1 stalled, then (the ranks stay in step after a timeout) save normally and
     load with rank 1 stalled; each phase's outcome on this rank."""
     import gefen_ckpt
-    import gefen_ckpt.sharded_io as sharded_io
+    import gefen_ckpt.dist.sharded as sharded_io
 
     model, opt = _model_and_optimizer()
     out = {}
@@ -172,7 +172,7 @@ def _sharded_optimizer(world_size: int):
     return opt
 
 
-#: fault -> (rank, function of gefen_ckpt.sharded_io to break, what it does there)
+#: fault -> (rank, function of gefen_ckpt.dist.sharded to break, what it does there)
 FAULTS = {
     "rank 1 dies after its data files": (1, "write_index", "die"),
     "rank 1 stalls before the gather": (1, "write_index", "stall"),
@@ -186,11 +186,11 @@ FAULTS = {
 
 def _faulty_save(rank: int, world_size: int, url: str, fault: tuple, use_async: bool) -> dict:
     """Save once (the previous checkpoint), then save again with ``fault`` = (rank, function of
-    ``gefen_ckpt.sharded_io``, "die" or "stall"[, seconds]) injected; this rank's outcome."""
+    ``gefen_ckpt.dist.sharded``, "die" or "stall"[, seconds]) injected; this rank's outcome."""
     import os
 
     import gefen_ckpt
-    import gefen_ckpt.sharded_io as sharded_io
+    import gefen_ckpt.dist.sharded as sharded_io
 
     opt = _sharded_optimizer(world_size)
     gefen_ckpt.save(opt, url)  # the previous checkpoint, committed
@@ -291,7 +291,7 @@ def _destroy_while_pending(rank: int, world_size: int, ok_url: str, bad_url: str
     import torch.distributed as dist
 
     import gefen_ckpt
-    import gefen_ckpt.sharded_io as sharded_io
+    import gefen_ckpt.dist.sharded as sharded_io
 
     opt = _sharded_optimizer(world_size)
     real = sharded_io.write_pieces

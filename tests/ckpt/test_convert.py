@@ -1,4 +1,4 @@
-"""Moving state between AdamW and Gefen (gefen_ckpt.convert, gefen_ckpt.names, `convert --into`).
+"""Moving state between AdamW and Gefen (gefen_ckpt.formats.convert, gefen_ckpt.formats.names, `convert --into`).
 
 The fidelity tests train benchmarks/bench_convert.py's tiny next-token model (a few seconds on
 one CPU core): one optimizer for K steps, then the converted state continues for K more steps
@@ -20,10 +20,10 @@ from benchmarks.bench_convert import LR, WD, adamw, dense_export, gefen, make_mo
 from gefen import Gefen, GefenMuon, GefenMuonHybrid, split_params_for_muon
 from gefen.contract import CONTRACT_KEY
 from gefen_ckpt import CheckpointMismatchError
-from gefen_ckpt.convert import convert_state, dense_view
-from gefen_ckpt.live import export_canonical, import_canonical
-from gefen_ckpt.names import name_state_dict, read_model_params
-from gefen_ckpt.torch_format import canonical_from_state_dict, state_dict_from_canonical
+from gefen_ckpt.dist.optimizer_state import export_canonical, import_canonical
+from gefen_ckpt.formats.convert import convert_state, dense_view
+from gefen_ckpt.formats.names import name_state_dict, read_model_params
+from gefen_ckpt.formats.torch_file import canonical_from_state_dict, state_dict_from_canonical
 from gefen_cli.app import app
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -17,7 +17,7 @@ from ckpt_edits import rewrite_manifest as _rewrite
 
 import gefen_ckpt
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
-from gefen_ckpt.storage import LocalStore, Store
+from gefen_ckpt.io.storage import LocalStore, Store
 from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire.index import chunk_rows
 from gefen_ckpt.wire.manifest import open_checkpoint
@@ -135,17 +135,17 @@ def _files(url) -> dict[str, bytes]:
 @pytest.mark.parametrize("world_size", [2, 7, 300])
 def test_the_many_writer_pass_writes_the_bytes_of_the_writer_by_writer_path(source, tmp_path, monkeypatch,
                                                                            world_size):
-    from gefen_ckpt.wire import bulk
+    from gefen_ckpt.wire import many_writers
 
     model, opt = source
     state = gefen_ckpt.export_canonical(opt, model=model)
     calls = []
-    real = bulk.write
-    monkeypatch.setattr(bulk, "write", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(bulk, "MIN_WRITER_BYTES", 0)  # one writer per part, as the writer-by-writer path
+    real = many_writers.write
+    monkeypatch.setattr(many_writers, "write", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(many_writers, "MIN_WRITER_BYTES", 0)  # one writer per part, as the writer-by-writer path
     gefen_ckpt.write(state, str(tmp_path / "one-pass"), world_size=world_size)
     assert calls, "the regular layout applies to this state"
-    monkeypatch.setattr(bulk, "regular_plan", lambda *a, **k: None)
+    monkeypatch.setattr(many_writers, "regular_plan", lambda *a, **k: None)
     gefen_ckpt.write(state, str(tmp_path / "by-writer"), world_size=world_size)
     assert len(calls) == 1
     assert _files(tmp_path / "one-pass") == _files(tmp_path / "by-writer")
@@ -157,8 +157,8 @@ def test_the_index_encoder_writes_what_msgpack_writes():
 
     import numpy as np
 
-    from gefen_ckpt.wire.bulk import _index_head, _index_records
     from gefen_ckpt.wire.index import encode_index
+    from gefen_ckpt.wire.many_writers import _index_head, _index_records
 
     rng = random.Random(0)
     edges = [0, 1, 127, 128, 255, 256, 2**16 - 1, 2**16, 2**32 - 1, 2**32, 2**40]
@@ -330,8 +330,8 @@ def _write_explicit(state, url, parts) -> None:
     """Commit ``state`` with ``EXPLICIT`` split into ``parts`` ``(start, stop, writer)`` (no rule
     describes them) and everything else whole on writer 0: what a collective save writes when a
     rank's rows do not follow the even split, through the same building blocks."""
-    from gefen_ckpt.wire.bulk import _source
     from gefen_ckpt.wire.manifest import build, tensor_order
+    from gefen_ckpt.wire.many_writers import _source
     from gefen_ckpt.wire.writer import (
         RowRange,
         WriteItem,

@@ -149,7 +149,7 @@ def test_a_bad_sub_is_refused_by_name(rule):
 def test_network_file_systems_are_told_from_local_ones(tmp_path):
     """``load(read_once=None)`` reads once where reads cross a network: object stores and locally
     mounted network file systems (the mount table's type of the longest mount point above)."""
-    from gefen_ckpt.storage import Store, filesystem_type
+    from gefen_ckpt.io.storage import Store, filesystem_type
 
     table = tmp_path / "mountinfo"
     table.write_text("22 1 0:21 / / rw - ext4 /dev/sda1 rw\n"

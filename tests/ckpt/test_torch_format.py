@@ -1,4 +1,4 @@
-"""gefen_ckpt.torch_format: optimizer.state_dict() <-> CanonicalState, and torch files over fsspec."""
+"""gefen_ckpt.formats.torch_file: optimizer.state_dict() <-> CanonicalState, and torch files over fsspec."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from gefen import Gefen
 from gefen.contract import join_composite, split_composite
 from gefen_ckpt import CanonicalState, CheckpointError, CheckpointFormatError, CheckpointMismatchError
-from gefen_ckpt.live import export_canonical, import_canonical
-from gefen_ckpt.torch_format import (
+from gefen_ckpt.dist.optimizer_state import export_canonical, import_canonical
+from gefen_ckpt.formats.torch_file import (
     TORCH_META_KEY,
     canonical_from_state_dict,
     infer_contract,

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import gefen_ckpt
 from gefen import Gefen, contract_of
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire.manifest import open_checkpoint
 from gefen_cli.app import app
 

@@ -36,7 +36,7 @@ def source(tmp_path_factory):
 
 
 def test_dry_run_plans_and_writes_nothing(source, tmp_path):
-    from gefen_ckpt.reshard import plan as plan_state
+    from gefen_ckpt.tools.reshard import plan as plan_state
 
     dst = tmp_path / "out"
     result = invoke("reshard", source, dst, "--world-size", "3", "--dry-run", "--json")
@@ -60,7 +60,7 @@ def test_the_plan_of_runs_is_the_chunk_rule_rank_by_rank():
     """Runs of ranks, from the chunk rule alone, equal the rank-by-rank split (random shapes)."""
     import random
 
-    from gefen_ckpt.reshard import plan_tensors
+    from gefen_ckpt.tools.reshard import plan_tensors
     from gefen_ckpt.wire.index import chunk_rows
 
     rng = random.Random(1)
@@ -157,7 +157,7 @@ def _peak_rss_of(*argv: str) -> int:
 
 #: What a reshard imports and opens before it reads any tensor data (a portable `--dry-run` is
 #: planned from the manifest alone and does not import torch).
-_OPENED = ("import sys, gefen_cli.app as app, gefen_ckpt.api, gefen_ckpt.checkpoints, gefen_ckpt.reshard as r; "
+_OPENED = ("import sys, gefen_cli.app as app, gefen_ckpt.api, gefen_ckpt.checkpoints, gefen_ckpt.tools.reshard as r; "
            "s = app.common.open_state(sys.argv[1])[1]; "
            "app._print_plan(sys.argv[1], sys.argv[1], r.Mesh(1, 3), r.plan(s, 3), s.total_bytes(), False)")
 

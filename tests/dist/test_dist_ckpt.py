@@ -108,7 +108,7 @@ def test_save_n_load_m_continue_is_bitwise(tmp_path):
 def _failing_world(rank: int, world_size: int, good: str, target: str, corrupt: str):
     from torch.distributed.device_mesh import init_device_mesh
 
-    import gefen_ckpt.sharded_io as sharded_io
+    import gefen_ckpt.dist.sharded as sharded_io
 
     mesh = init_device_mesh("cpu", (world_size,))
     opt, _ = _session("gefen-factored", range(2), None, None, mesh)

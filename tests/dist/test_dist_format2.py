@@ -38,7 +38,7 @@ def _counting(rank: int, world_size: int, url: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import gefen_ckpt.collective as collective
+    import gefen_ckpt.dist.collective as collective
 
     opt = _trained(init_device_mesh("cpu", (world_size,)))
     counts: dict[str, int] = {}
@@ -60,7 +60,7 @@ def _counting(rank: int, world_size: int, url: str) -> dict:
     for name in real:
         setattr(dist, name, counted(name))
     collective.gather_bytes = gather_bytes
-    import gefen_ckpt.sharded_io as sharded_io
+    import gefen_ckpt.dist.sharded as sharded_io
 
     sharded_io.gather_bytes = gather_bytes
     try:
@@ -87,7 +87,7 @@ def test_collectives_per_save_do_not_grow_with_ranks(tmp_path):
 def _async(rank: int, world_size: int, sync_url: str, async_url: str, broken_url: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    import gefen_ckpt.sharded_io as sharded_io
+    import gefen_ckpt.dist.sharded as sharded_io
 
     opt = _trained(init_device_mesh("cpu", (world_size,)))
     gefen_ckpt.save(opt, sync_url)
@@ -193,7 +193,7 @@ def test_every_rank_raises_the_type_of_the_failure(tmp_path):
     """A corrupt file reads as corruption (never "wrong model") on every rank, a damaged manifest
     as a format error, a linked data file is refused as by one process, and a save refused by the
     lock is ``CheckpointLockedError`` on every rank, not only on the rank that holds it."""
-    from gefen_ckpt.storage import Store
+    from gefen_ckpt.io.storage import Store
     from gefen_ckpt.wire.writelock import acquire
 
     locked = str(tmp_path / "locked")

@@ -65,7 +65,7 @@ def _sharded_worker(rank: int, world_size: int):
         errors.append(str(exc))
     untouched = not refused.state and refused.codebook is None
     try:
-        from gefen_ckpt.placement import local_rows
+        from gefen_ckpt.dist.placement import local_rows
 
         local_rows(column_split, "blocks.col_split")
     except ValueError as exc:

@@ -72,7 +72,7 @@ def _first_replica_rules(parts: dict) -> dict:
 
 
 def _session(world: int, kind: str, layout: str, load_from=None, save_to=None, read_once=None, old_rule=False):
-    import gefen_ckpt.sharded_io as sharded_io
+    import gefen_ckpt.dist.sharded as sharded_io
 
     if old_rule:
         sharded_io.rules_for = _first_replica_rules

@@ -18,7 +18,7 @@ import torch
 from gefen import Gefen
 from gefen_ckpt import CheckpointError, CheckpointMismatchError, export_canonical
 from gefen_ckpt import transport as T
-from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart, ParamState
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource, LocalPart, ParamState
 
 from distributed import row_scaled_grads, run
 

@@ -65,7 +65,7 @@ def test_manifest_benchmark_writes_a_checkpoint_the_library_opens(tmp_path):
     """bench_manifest synthesises the state of its layout: the manifest must open and verify its
     geometry against the contract it names (it broke silently when the default layout changed)."""
     from benchmarks import bench_manifest
-    from gefen_ckpt.storage import Store
+    from gefen_ckpt.io.storage import Store
     from gefen_ckpt.wire.manifest import open_checkpoint
 
     shapes = {"w": (8, 4), "b": (8,)}

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import gefen_ckpt
 from gefen import Gefen
-from gefen_ckpt.storage import Store
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire.manifest import open_checkpoint
 from gefen_cli.app import app
 
@@ -29,7 +29,7 @@ main()
 """
 #: the modules an offline reader of the format imports
 TORCH_FREE = ("gefen_ckpt.wire", "gefen_ckpt.wire.manifest", "gefen_ckpt.wire.index", "gefen_ckpt.wire.peek",
-              "gefen_ckpt.wire.verify", "gefen_ckpt.canonical", "gefen_ckpt")
+              "gefen_ckpt.wire.verify", "gefen_ckpt.state.canonical", "gefen_ckpt")
 
 
 def _without_torch(code: str, *args: str) -> subprocess.CompletedProcess:

@@ -23,9 +23,9 @@ from gefen.functional import is_coded, is_factored
 from gefen.geometry import as_blocks, shape_period
 from gefen.state_layouts import CONTRACTS as GEFEN_LAYOUTS
 from gefen.stochastic import CODES, ratio_table, v_grid
-from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, global_key
 from gefen_ckpt.errors import CheckpointMismatchError
-from gefen_ckpt.torch_format import known_contracts
+from gefen_ckpt.formats.torch_file import known_contracts
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource, ParamState, global_key
 from gefen_ckpt.wire.manifest import names_optimizer
 
 __all__ = ["TARGETS", "convert_state", "resolve_target"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from gefen_ckpt.wire.index import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:  # planning from a manifest needs no torch (``plan_manifest``)
-    from gefen_ckpt.canonical import CanonicalState
+    from gefen_ckpt.state.canonical import CanonicalState
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class RankPlan:
 
 def plan(state: CanonicalState, shards: int) -> list[RankPlan]:
     """Bytes each of ``shards`` target ranks will hold (reads no tensor data)."""
-    from gefen_ckpt.canonical import nbytes
+    from gefen_ckpt.state.canonical import nbytes
 
     def tensors():
         for src in state.global_fields.values():
@@ -144,7 +144,7 @@ def plan_tensors(tensors: Iterable[tuple[tuple[int, ...], int, bool]], shards: i
 
 def retarget(state: CanonicalState, mesh: Mesh) -> CanonicalState:
     """``state`` with its topology metadata describing the target ``mesh``."""
-    from gefen_ckpt.canonical import CanonicalState
+    from gefen_ckpt.state.canonical import CanonicalState
 
     metadata = dict(state.metadata)
     metadata["source_topology"] = {"kind": "sharded", "world_size": mesh.world_size,

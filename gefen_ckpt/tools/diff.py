@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from gefen.geometry import rows_and_row_numel
-from gefen_ckpt.canonical import CanonicalState
-from gefen_ckpt.placement import rows_per_chunk
+from gefen_ckpt.dist.placement import rows_per_chunk
+from gefen_ckpt.state.canonical import CanonicalState
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import torch
 
-from gefen_ckpt.canonical import CanonicalState, EagerSource, TensorSource
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource, TensorSource
 from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import WriterPin, encode_index, index_name

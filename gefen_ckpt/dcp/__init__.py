@@ -3,7 +3,8 @@
 contract, shapes and dtypes; its load stages, the ranks agree, then it publishes), the planners
 that carry the record into DCP's metadata and check it (and allocate fresh buffers) before any
 tensor is read, and ``read_dcp`` / ``write_dcp``: DCP <-> ``CanonicalState`` offline, memory
-bounded by one chunk.
+bounded by one chunk (``layout``: DCP's keys and its offline reader). May import every floor
+below (.io, .state, .wire, .formats, .dist).
 """
 
 from __future__ import annotations
@@ -40,9 +41,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from gefen.contract import OptimizerContract, contract_of
 from gefen.distributed import as_field_dtensor, field_placements
 from gefen.replicas import chunk_rows
-from gefen_ckpt import collective
-from gefen_ckpt.canonical import CanonicalState, TensorSource
-from gefen_ckpt.dcp_layout import (
+from gefen_ckpt.dcp.layout import (
     FLAT,
     DCPReader,
     DCPSource,
@@ -55,11 +54,8 @@ from gefen_ckpt.dcp_layout import (
     stock_entries,
     storage_for,
 )
-from gefen_ckpt.errors import (
-    CheckpointFormatError,
-    CheckpointMismatchError,
-)
-from gefen_ckpt.live import (
+from gefen_ckpt.dist import collective
+from gefen_ckpt.dist.optimizer_state import (
     check_contract,
     check_group_members,
     check_param_shape,
@@ -71,7 +67,12 @@ from gefen_ckpt.live import (
     names_from_model,
     stage_state_dict,
 )
-from gefen_ckpt.placement import is_dtensor, rows_per_chunk, to_local
+from gefen_ckpt.dist.placement import is_dtensor, rows_per_chunk, to_local
+from gefen_ckpt.errors import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+)
+from gefen_ckpt.state.canonical import CanonicalState, TensorSource
 from gefen_ckpt.wire.dtypes import dtype_name
 from gefen_ckpt.wire.manifest import parse_contract
 

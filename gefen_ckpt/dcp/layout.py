@@ -5,7 +5,7 @@
 (global shape) and each param-group value as a ``torch.save``d entry
 ``"<key>.param_groups.<i>.<name>"``; flattened (``flatten_optimizer_state_dict=True``, torchtitan)
 the groups are ``"<key>.param_groups.<fqn>.<name>"``, rebuilt from ``param_names`` when saved,
-else from equal hyperparameters. Both become a state_dict for ``torch_format``'s one converter.
+else from equal hyperparameters. Both become a state_dict for ``formats.torch_file``'s one converter.
 Values are read with ``torch.load(weights_only=True)``: no code runs.
 """
 
@@ -31,14 +31,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from gefen.contract import CHILD_KEY, composite_children
-from gefen_ckpt.canonical import CanonicalState
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
     CheckpointIncompleteError,
 )
-from gefen_ckpt.storage import require_regular_entries
+from gefen_ckpt.io.storage import require_regular_entries
+from gefen_ckpt.state.canonical import CanonicalState
 
 __all__ = ["DCPReader", "DCPSource", "safe_load_dcp_metadata", "storage_for", "optimizer_keys",
            "state_fields", "group_names", "read_stock", "stock_entries", "FLAT"]
@@ -313,7 +313,7 @@ def read_stock(reader, key: str, contract=None) -> CanonicalState:
     """The ``CanonicalState`` of the optimizer saved under ``key`` by torch's API (either layout),
     its tensors lazy; ``reader`` is an opened DCP checkpoint (``DCPReader``),
     ``contract`` the recorded one (default: inferred from the names)."""
-    from gefen_ckpt.torch_format import canonical_from_state_dict, composite_contract
+    from gefen_ckpt.formats.torch_file import canonical_from_state_dict, composite_contract
 
     flat = not optimizer_keys(reader.metadata).get(key, True)
     groups, named = _flat_groups(reader, key) if flat else (_groups(reader, key), False)
@@ -354,7 +354,7 @@ def stock_entries(state: CanonicalState, key: str, flat: bool) -> tuple[dict, di
     under ``key``, its groups numbered or ``flat``; each parameter's entry repeats the optimizer-wide
     fields, as ``optimizer.state[p]`` holds them. Every key the optimizer's groups hold is written,
     at its default where ``state`` lacks it: torch reads every key the live group has."""
-    from gefen_ckpt.convert import group_defaults
+    from gefen_ckpt.formats.convert import group_defaults
 
     contract = state.contract
     tensors, values, mappings = {}, {}, {}

@@ -19,8 +19,8 @@ from contextlib import contextmanager, suppress
 import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
-from gefen_ckpt import iostats, native
 from gefen_ckpt.errors import CheckpointError, CheckpointFormatError, CheckpointStorageError
+from gefen_ckpt.io import iostats, native
 
 WRITE_BUFFER = 2**20
 WRITE_CHUNK = 2 * 2**20
@@ -439,7 +439,7 @@ class Store:
         return self
 
     @contextmanager
-    def io(self, name: str | None = None) -> Iterator[None]:
+    def storage_errors(self, name: str | None = None) -> Iterator[None]:
         """Storage failures inside the block -- an ``OSError``, or on other filesystems an
         exception of the backend's own (botocore's, aiohttp's) -- become ``CheckpointStorageError``
         naming the path. ``FileNotFoundError``, ``FileExistsError``, ``CheckpointError`` and
@@ -465,11 +465,11 @@ class Store:
 
     @contextmanager
     def reader(self, name: str) -> Iterator[RangeReader]:
-        with self.io(name):
+        with self.storage_errors(name):
             handle = self._Reader(self.fs, self.path(name))
         iostats.count(files_opened=1)
         try:
-            with self.io(name):
+            with self.storage_errors(name):
                 yield handle
         finally:
             handle.close()
@@ -482,11 +482,11 @@ class Store:
         On error the partial file is removed where possible; on a crash it is garbage that no
         manifest references.
         """
-        with self.io(name):
+        with self.storage_errors(name):
             writer = self._Writer(self.fs, self.path(name))
         iostats.count(files_opened=1, requests=1)
         try:
-            with self.io(name):
+            with self.storage_errors(name):
                 yield writer
                 writer.close(durable)  # may raise too
         except BaseException:
@@ -494,7 +494,7 @@ class Store:
             raise
 
     def remove(self, name: str) -> None:
-        with suppress(FileNotFoundError), self.io(name):
+        with suppress(FileNotFoundError), self.storage_errors(name):
             self.fs.rm_file(self.path(name))
 
     def prefetch(self, files: dict[str, int]) -> Prefetch | None:
@@ -529,7 +529,7 @@ class Store:
     def listing(self) -> dict[str, int]:
         """name -> size of every plain file directly in the directory ({} if it does not exist)."""
         try:
-            with self.io():
+            with self.storage_errors():
                 self.fs.invalidate_cache(self.root)
                 entries = self.fs.ls(self.root, detail=True)
             iostats.count(requests=1)
@@ -540,7 +540,7 @@ class Store:
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of a file (to its end when ``end`` is None)."""
-        with self.io(name):
+        with self.storage_errors(name):
             data = self.fs.cat_file(self.path(name), start=start, end=end)
         iostats.count(bytes_read=len(data), requests=1, files_opened=1)
         return data
@@ -548,7 +548,7 @@ class Store:
     def publish(self, name: str, data: bytes, temp_name: str) -> None:
         """Replace ``name`` with ``data`` atomically and durably: readers see the old file or the
         new one (an object PUT is atomic)."""
-        with self.io(name):
+        with self.storage_errors(name):
             self.fs.pipe_file(self.path(name), data)
         iostats.count(bytes_written=len(data), requests=1, files_opened=1)
 
@@ -557,7 +557,7 @@ class Store:
         object stores whose fsspec backend implements ``pipe_file(mode="create")`` as a conditional
         write (s3fs: ``If-None-Match``); elsewhere fsspec checks, then writes (docs/format.md:
         writer lock)."""
-        with self.io(name):
+        with self.storage_errors(name):
             self.fs.pipe_file(self.path(name), data, mode="create")
         iostats.count(bytes_written=len(data), requests=1, files_opened=1)
 
@@ -575,13 +575,13 @@ class LocalStore(Store):
 
     def listing(self) -> dict[str, int]:
         try:
-            with self.io(), os.scandir(self.root) as it:
+            with self.storage_errors(), os.scandir(self.root) as it:
                 return {e.name: size for e in it if (size := _size(e)) is not None}
         except (FileNotFoundError, NotADirectoryError):
             return {}
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
-        with self.io(name), open(open_regular(self.path(name)), "rb") as f:
+        with self.storage_errors(name), open(open_regular(self.path(name)), "rb") as f:
             f.seek(start)
             data = f.read(-1 if end is None else end - start)
         iostats.count(bytes_read=len(data), requests=1, files_opened=1)
@@ -593,7 +593,7 @@ class LocalStore(Store):
         return Prefetch([(self.path(name), size) for name, size in files.items()])
 
     def durable_soon(self, name: str) -> Callable[[], None]:
-        """The fsync runs on a C thread (``gefen_ckpt.native``): a Python thread would need the
+        """The fsync runs on a C thread (``gefen_ckpt.io.native``): a Python thread would need the
         GIL between its system calls, which the caller holds while it builds the manifest
         (docs/decisions.md)."""
         path = self.path(name)
@@ -607,7 +607,7 @@ class LocalStore(Store):
         ``durable_many`` syncs them together)."""
         for name, data in files:
             path = self.path(name)
-            with self.io(name):
+            with self.storage_errors(name):
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
                     view = memoryview(data).cast("B")
@@ -647,17 +647,17 @@ class LocalStore(Store):
         with self.create(temp_name) as w:
             w.write(data)
         try:
-            with self.io(name):
+            with self.storage_errors(name):
                 self.sync()
                 os.replace(self.path(temp_name), self.path(name))
         except BaseException:
             self.remove(temp_name)
             raise
-        with self.io(name):
+        with self.storage_errors(name):
             self.sync()
 
     def create_exclusive(self, name: str, data: bytes) -> None:  # atomic: O_EXCL
-        with self.io(name):
+        with self.storage_errors(name):
             fd = os.open(self.path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 os.write(fd, data)

@@ -41,7 +41,7 @@ class EagerSource:
 
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         if self.tensor.dim() == 0 or (start == 0 and stop in (None, self.tensor.shape[0])):
-            return self.tensor  # no slicing op: each torch op releases the GIL (see wire.bulk._in_memory)
+            return self.tensor  # no slicing op: each torch op releases the GIL (see wire.many_writers._in_memory)
         return self.tensor[start:stop]
 
     def __repr__(self) -> str:

@@ -28,14 +28,14 @@ from gefen.contract import (
     split_composite,
     torch_contracts,
 )
-from gefen_ckpt.canonical import CanonicalState, EagerSource, ParamState, TensorSource, global_key
 from gefen_ckpt.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIncompleteError,
     CheckpointMismatchError,
 )
-from gefen_ckpt.storage import require_regular
+from gefen_ckpt.io.storage import require_regular
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource, ParamState, TensorSource, global_key
 from gefen_ckpt.wire.dtypes import dtype_name, plain, torch_dtype
 from gefen_ckpt.wire.manifest import missing_fields, names_optimizer, parse_contract
 
@@ -268,7 +268,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
                 raise CheckpointMismatchError(
                     f"{where}: param group {gi} has no 'param_names', so its state cannot be keyed by parameter "
                     "name; name them (gefen-ckpt --param-names FILE or --names-from MODEL; "
-                    "gefen_ckpt.names.name_state_dict) or build the optimizer from model.named_parameters()"
+                    "gefen_ckpt.formats.names.name_state_dict) or build the optimizer from model.named_parameters()"
                 )
             if len(names) != len(saved["params"]):
                 raise CheckpointFormatError(f"{where}: param group {gi} has {len(saved['params'])} params but "

@@ -16,8 +16,8 @@ import torch
 
 from gefen.contract import composite_children
 from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
-from gefen_ckpt.storage import require_regular
-from gefen_ckpt.torch_format import check_state_dict, known_contracts, torch_load
+from gefen_ckpt.formats.torch_file import check_state_dict, known_contracts, torch_load
+from gefen_ckpt.io.storage import require_regular
 
 __all__ = ["name_state_dict", "read_param_names", "read_model_params"]
 

@@ -15,8 +15,8 @@ import torch
 
 from gefen.geometry import rows_and_row_numel
 from gefen.replicas import assign
-from gefen_ckpt.canonical import CanonicalState, EagerSource, LocalPart
-from gefen_ckpt.collective import (
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource, LocalPart
+from gefen_ckpt.dist.collective import (
     agree,
     broadcast_bytes,
     describe_error,
@@ -26,9 +26,9 @@ from gefen_ckpt.collective import (
     unpack,
 )
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
-from gefen_ckpt.live import check_fits, copies_on_load, export_canonical, import_canonical
-from gefen_ckpt.shared_reads import share_reads
-from gefen_ckpt.storage import Store
+from gefen_ckpt.dist.optimizer_state import check_fits, copies_on_load, export_canonical, import_canonical
+from gefen_ckpt.dist.shared_reads import share_reads
+from gefen_ckpt.io.storage import Store
 from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire.dtypes import dtype_name
 from gefen_ckpt.wire.index import Explicit, IndexSet, Rule, SplitTensor, WriterPin
@@ -107,11 +107,11 @@ def told(exc: Exception, store: Store, token: str, url: str, rank: int) -> Excep
 
 
 def _save_ranks(state, store, token, previous, rank, world_size, url, max_file_bytes, memory_budget, group=None):
-    """Rank-local: each rank writes and checks its data and index (``OwnSplit``); rank 0 gathers
+    """Rank-local: each rank writes and checks its data and index (``RankSplits``); rank 0 gathers
     ``commit_payload`` from each and commits. Returns this rank's error (None: committed)."""
     error, payload = None, {}
     try:
-        plan = OwnSplit(state, rank)
+        plan = RankSplits(state, rank)
         pieces, files = write_pieces(store, data_stem(token, rank), plan.items(),
                                      max_file_bytes=max_file_bytes, memory_budget=memory_budget)
         pin, data = write_index(store, token, rank, pieces, files, plan.ordinals)
@@ -141,13 +141,13 @@ def _save_ranks(state, store, token, previous, rank, world_size, url, max_file_b
     return error
 
 
-def commit_payload(pin: WriterPin, plan: OwnSplit) -> dict:
+def commit_payload(pin: WriterPin, plan: RankSplits) -> dict:
     """What one rank sends the committing rank: its files, its index's pin, a digest of the
     state's structure, and only where no rule describes its rows, those rows: O(1) bytes."""
     return {"writer": pin.to_raw(), "digest": plan.digest, "explicit": plan.explicit}
 
 
-class OwnSplit:
+class RankSplits:
     """One rank's view of a sharded save's splits: every tensor's rule (``gefen.replicas.assign``
     over the ranks holding it: the same on every rank, no plan is exchanged), this rank's rows
     of the tensors no rule describes, and the check of its own index."""
