@@ -23,6 +23,7 @@ from gefen.distributed import as_field_dtensor
 from gefen.geometry import rows_and_row_numel
 from gefen.state_layouts import version_refusal
 from gefen_ckpt.dist import placement
+from gefen_ckpt.formats.torch_file import as_tuples, leaf_state_dict
 from gefen_ckpt.state.canonical import CanonicalState, LocalPart, ParamState, global_key
 from gefen_ckpt.dist.collective import agree
 from gefen_ckpt.errors import CheckpointMismatchError
@@ -181,30 +182,29 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
     """The state_dict ``opt`` would have saved on this rank, cut from the canonical state
     (after ``check_fits``)."""
     saved_groups = [g for g in state.param_groups if g.get("child") == child]
-    sd_state, sd_groups, index = {}, [], 0
+    groups = []
     for live, saved in zip(opt.param_groups, saved_groups):
-        fqns = group_fqns(live, names, leaf.implementation)
-        group = {k: v for k, v in live.items() if k != "params"}
-        group.update({h: tuple(saved[h]) if isinstance(saved[h], list) else saved[h]
-                      for h in leaf.hyperparameters})
-        group["params"] = list(range(index, index + len(fqns)))
-        sd_groups.append(group)
-        for fqn, p in zip(fqns, live["params"]):
-            entry = state.params.get(fqn)
-            if entry is not None:
-                start, stop = placement.local_rows(p, fqn)
-                sd_state[index] = {}
-                for name, src in entry.fields.items():
-                    if not leaf.field(name).row_sharded or not src.shape:
-                        sd_state[index][name] = src.read()
-                    elif leaf.dtensor_state and placement.is_dtensor(p):
-                        sd_state[index][name] = as_field_dtensor(src.read(start, stop).contiguous(), p,
-                                                                 leaf.field(name).geometry, src.shape)
-                    else:
-                        sd_state[index][name] = src.read(start, stop)
-            index += 1
-    global_state = {k: src.read() for k, src in state.globals_of(child).items()}
-    return {"state": sd_state, "param_groups": sd_groups, GLOBAL_STATE_KEY: global_state}
+        hyper = as_tuples({h: saved[h] for h in leaf.hyperparameters})
+        groups.append(({**{k: v for k, v in live.items() if k != "params"}, **hyper},
+                       list(zip(group_fqns(live, names, leaf.implementation), live["params"]))))
+
+    def entry_of(member) -> dict | None:
+        fqn, p = member
+        if (entry := state.params.get(fqn)) is None:
+            return None
+        start, stop = placement.local_rows(p, fqn)
+        out = {}
+        for name, src in entry.fields.items():
+            spec = leaf.field(name)
+            if not spec.row_sharded or not src.shape:
+                out[name] = src.read()
+            elif leaf.dtensor_state and placement.is_dtensor(p):
+                out[name] = as_field_dtensor(src.read(start, stop).contiguous(), p, spec.geometry, src.shape)
+            else:
+                out[name] = src.read(start, stop)
+        return out
+
+    return leaf_state_dict(groups, entry_of, {k: src.read() for k, src in state.globals_of(child).items()})
 
 
 def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from collections.abc import Callable
 
 import fsspec
 import torch
@@ -357,30 +358,48 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def leaf_state_dict(groups: list[tuple[dict, list]], entry_of: Callable, global_state: dict | None) -> dict:
+    """One (child) optimizer's ``state_dict()`` layout: ``groups`` are (hyperparameters, member
+    FQNs or parameters) in order, ``params`` numbered across them; ``entry_of(member)`` gives a
+    member's state (None: no state). The one builder of the layout, for files and live loads."""
+    sd_state, sd_groups, index = {}, [], 0
+    for group, members in groups:
+        sd_groups.append({**group, "params": list(range(index, index + len(members)))})
+        for member in members:
+            if (entry := entry_of(member)) is not None:
+                sd_state[index] = entry
+            index += 1
+    out = {"state": sd_state, "param_groups": sd_groups}
+    if global_state is not None:
+        out[GLOBAL_STATE_KEY] = global_state
+    return out
+
+
+def as_tuples(group: dict) -> dict:
+    """Saved hyperparameters as the optimizer holds them (msgpack brings tuples back as lists)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in group.items()}
+
+
 def state_dict_from_canonical(state: CanonicalState) -> dict:
     """The ``optimizer.state_dict()`` a single process would hold for ``state`` (every tensor read
     into memory): it loads with ``optimizer.load_state_dict`` into an optimizer built like the
     original. ``params`` are numbered in group order, ``param_names`` carry the FQNs."""
     contract = state.contract
+
+    def entry_of(fqn: str) -> dict | None:
+        entry = state.params.get(fqn)
+        return {name: _owned(src.read()) for name, src in entry.fields.items()} if entry and entry.fields else None
+
     leaves = {}
     for child, leaf in contract.leaves():
-        groups = [g for g in state.param_groups if g.get(CHILD_KEY) == child]
-        sd_state, sd_groups, index = {}, [], 0
-        for g in groups:
+        groups = []
+        for g in (g for g in state.param_groups if g.get(CHILD_KEY) == child):
             fqns = [str(f) for f in g["params"]]
-            group = {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k not in ("params", CHILD_KEY)}
-            group["param_names"] = fqns
-            group["params"] = list(range(index, index + len(fqns)))
-            sd_groups.append(group)
-            for fqn in fqns:
-                entry = state.params.get(fqn)
-                if entry is not None and entry.fields:
-                    sd_state[index] = {name: _owned(src.read()) for name, src in entry.fields.items()}
-                index += 1
-        leaf_sd = {"state": sd_state, "param_groups": sd_groups}
-        if leaf.global_fields:
-            leaf_sd[GLOBAL_STATE_KEY] = {k: _owned(src.read()) for k, src in state.globals_of(child).items()}
-        leaves[child] = leaf_sd
+            groups.append(({**as_tuples({k: v for k, v in g.items() if k not in ("params", CHILD_KEY)}),
+                            "param_names": fqns}, fqns))
+        globals_ = ({k: _owned(src.read()) for k, src in state.globals_of(child).items()}
+                    if leaf.global_fields else None)
+        leaves[child] = leaf_state_dict(groups, entry_of, globals_)
     stray = [g.get(CHILD_KEY) for g in state.param_groups if g.get(CHILD_KEY) not in leaves]
     if stray:
         raise CheckpointMismatchError(f"param groups name child optimizers {sorted(set(map(str, stray)))} "
