@@ -200,7 +200,7 @@ def llama_405b_rule(repeats: int) -> dict:
         times.append(time.perf_counter() - start)
     load = np.zeros(replicas * shards)
     for (rows, row_bytes, _), a in zip(tensors, plan):
-        for k, r in enumerate(a.ranks):
+        for k, r in enumerate(a.writers):
             start, stop = nested_chunk(rows, a.parts, a.sub, k)
             load[r] += (stop - start) * row_bytes
     single = np.zeros(replicas * shards)

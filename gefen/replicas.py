@@ -58,23 +58,50 @@ class Holders:
         return f"Holders({self.replicas} replicas x {self.shards} shards)"
 
 
-@dataclass(frozen=True, eq=False)
-class Assignment:
-    """Rows ``torch.chunk``-split over ``parts``, each part split again over ``sub``; sub-part ``j``
-    of part ``i`` belongs to ``ranks[i * sub + j]`` (docs/format.md: a chunk rule)."""
+@dataclass(frozen=True)
+class ChunkRule:
+    """Rows ``torch.chunk``-split over ``parts``, each part split again over ``sub`` (replicas
+    sharing a shard's rows); sub-part ``j`` of part ``i`` held by ``writers[i * sub + j]``: what
+    ``assign`` decides and how a manifest records it (docs/format.md, "the chunk rule")."""
 
     parts: int
-    sub: int
-    ranks: tuple[int, ...]
+    writers: tuple[int, ...]
+    sub: int = 1
 
-    def spans_of(self, rows: int, rank: int) -> list[tuple[int, int]]:
-        """The non-empty row ranges ``[start, stop)`` of ``rank``."""
+    def __post_init__(self):
+        positions: dict[int, list[int]] = {}
+        for i, w in enumerate(self.writers):
+            positions.setdefault(w, []).append(i)
+        object.__setattr__(self, "_positions", positions)
+        object.__setattr__(self, "_parts", {})  # (rows, writer) -> parts_of: tensors share row counts
+
+    def writers_in(self, rows: int, start: int, stop: int) -> set[int]:
+        """The writers of the non-empty parts overlapping rows ``[start, stop)`` (one slice of the
+        outer parts: a whole tensor split over 16,384 parts is not 16,384 part computations)."""
+        size = -(-rows // self.parts) if rows else 1
+        first, last = start // size, min(self.parts, -(-stop // size), -(-rows // size))
+        if self.sub == 1:
+            return set(self.writers[first:last])
+        out: set[int] = set()
+        for i in range(first, last):
+            a, b = chunk_rows(rows, self.parts, i)
+            step = -(-(b - a) // self.sub)
+            lo, hi = (max(start, a) - a) // step, min(self.sub, -(-(min(stop, b) - a) // step))
+            out.update(self.writers[i * self.sub + lo:i * self.sub + hi])
+        return out
+
+    def parts_of(self, rows: int, writer: int) -> list[tuple[int, int]]:
+        """The non-empty row ranges ``[start, stop)`` of ``writer``."""
+        cached = self._parts.get((rows, writer))
+        if cached is not None:
+            return cached
         out = []
-        for k, r in enumerate(self.ranks):
-            if r == rank:
-                a, b = nested_chunk(rows, self.parts, self.sub, k)
-                if a < b:
-                    out.append((a, b))
+        for k in self._positions.get(writer, ()):
+            a, b = nested_chunk(rows, self.parts, self.sub, k)
+            if a < b:
+                out.append((a, b))
+        if len(self._parts) < 2**16:
+            self._parts[(rows, writer)] = out
         return out
 
 
@@ -109,7 +136,7 @@ def nested_chunk(rows: int, parts: int, sub: int, k: int) -> tuple[int, int]:
     return start + a, start + b
 
 
-def assign(tensors: Sequence[tuple[int, int, Holders]]) -> list[Assignment]:
+def assign(tensors: Sequence[tuple[int, int, Holders]]) -> list[ChunkRule]:
     """Who acts for each tensor's rows: ``tensors`` are ``(rows, bytes per row, holders)``."""
     world = 1 + max((int(h.grid.max()) for _, _, h in tensors), default=0)
     load = np.zeros(world, dtype=np.float64)
@@ -117,18 +144,18 @@ def assign(tensors: Sequence[tuple[int, int, Holders]]) -> list[Assignment]:
     distinct = {id(h): h.grid.reshape(-1) for _, _, h in tensors}
     ranks = len(np.unique(np.concatenate(list(distinct.values())))) if distinct else 1
     threshold = total / ranks / SPLIT_SHARE
-    shared: dict[tuple, Assignment] = {}  # one object per distinct assignment: rules are stored once
+    shared: dict[tuple, ChunkRule] = {}  # one object per distinct rule: it indexes its writers once
 
-    def made(h: Holders, r: int | None) -> Assignment:
+    def made(h: Holders, r: int | None) -> ChunkRule:
         key = (id(h), r)  # callers share one Holders per mesh: hashing a 16,384-rank grid per tensor is slow
         if key not in shared:
             if r is None:
-                shared[key] = Assignment(h.shards, h.replicas, tuple(h.grid.T.reshape(-1).tolist()))
+                shared[key] = ChunkRule(h.shards, tuple(h.grid.T.reshape(-1).tolist()), h.replicas)
             else:
-                shared[key] = Assignment(h.shards, 1, tuple(h.grid[r].tolist()))
+                shared[key] = ChunkRule(h.shards, tuple(h.grid[r].tolist()))
         return shared[key]
 
-    out: list[Assignment | None] = [None] * len(tensors)
+    out: list[ChunkRule | None] = [None] * len(tensors)
     whole = []
     for k, (rows, row_bytes, h) in enumerate(tensors):
         shard_bytes = chunk_sizes(rows, h.shards) * row_bytes

@@ -216,11 +216,9 @@ class RankSplits:
 
 def rules_for(parts: dict) -> dict:
     """Each tensor's ``Rule`` by ``gefen.replicas.assign`` from the sources' global shapes and
-    holders (one ``Rule`` object per distinct assignment: it indexes its writers once)."""
+    holders (one object per distinct rule: it indexes its writers once)."""
     keys = list(parts)
-    plan = assign([(*_rows_and_bytes(parts[k]), parts[k].holders) for k in keys])
-    made: dict[int, Rule] = {}
-    return {k: made.setdefault(id(a), Rule(a.parts, a.ranks, a.sub)) for k, a in zip(keys, plan)}
+    return dict(zip(keys, assign([(*_rows_and_bytes(parts[k]), parts[k].holders) for k in keys])))
 
 
 def _rows_and_bytes(source) -> tuple[int, int]:

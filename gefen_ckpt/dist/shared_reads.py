@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gefen.geometry import rows_and_row_numel
-from gefen.replicas import Holders, assign, chunk_rows, nested_chunk
+from gefen.replicas import Holders, assign, chunk_rows
 from gefen_ckpt.dist import collective
 from gefen_ckpt.io import iostats
 from gefen_ckpt.dist import placement
@@ -92,17 +92,18 @@ def plan_spans(state: CanonicalState, held: dict[Key, Held]) -> list[Span]:
             if len(columns) == shards_used == h.holders.shards:
                 everywhere.setdefault(id(h.holders), []).append((-nbytes, ordinal, key, a, b, columns))
                 continue
-            owners = {rule.ranks[k] for k in _parts_over(rule, rows, a, b)}
+            owners = rule.writers_in(rows, a, b)
             needers = sorted(int(r) for c in columns for r in grid[:, c])
             reader = owners.pop() if len(owners) == 1 else needers[(ordinal * 1_000_003 + a) % len(needers)]
             spans += _to_columns(ordinal, key, a, b, reader, columns, grid, size, rows)
     for group in everywhere.values():
         group.sort(key=lambda x: x[:2] + (x[3],))
-        load: dict[int, int] = {}
+        ranks = held[group[0][2]].holders.grid.reshape(-1).tolist()
+        load = dict.fromkeys(ranks, 0)
         for minus_bytes, ordinal, key, a, b, columns in group:
             grid = held[key].holders.grid
-            reader = min(grid.reshape(-1).tolist(), key=lambda r: (load.get(r, 0), r))
-            load[reader] = load.get(reader, 0) - minus_bytes
+            reader = min(ranks, key=lambda r: (load[r], r))
+            load[reader] -= minus_bytes
             rows = rows_and_row_numel(sources[key].shape)[0]
             spans += _to_columns(ordinal, key, a, b, reader, columns, grid, -(-rows // held[key].holders.shards), rows)
     spans.sort(key=lambda span: span.order)
@@ -117,15 +118,8 @@ def _pieces(source, rule, rows: int, held: Held) -> list[tuple[int, int, int]]:
         found = record.pieces if not record.shape else record.pieces_in(held.start, held.stop)
         return [(p.rows[0], p.rows[1], p.nbytes) if record.shape else (0, 1, p.nbytes) for p in found]
     row_bytes = _rows_and_bytes(source)[1]
-    return [(a, b, (b - a) * row_bytes) for k in range(len(rule.ranks))
-            if (ab := nested_chunk(rows, rule.parts, rule.sub, k)) and (a := ab[0]) < (b := ab[1])
-            and a < held.stop and b > held.start]
-
-
-def _parts_over(rule, rows: int, a: int, b: int) -> list[int]:
-    """Indexes of the rule's non-empty parts that overlap rows ``[a, b)``."""
-    return [k for k in range(len(rule.ranks))
-            if (ab := nested_chunk(rows, rule.parts, rule.sub, k))[0] < min(ab[1], b) and ab[1] > a]
+    return sorted((a, b, (b - a) * row_bytes) for w in rule.writers_in(rows, held.start, held.stop)
+                  for a, b in rule.parts_of(rows, w) if a < held.stop and b > held.start)
 
 
 def _to_columns(ordinal: int, key: Key, a: int, b: int, reader: int, columns, grid, size: int, rows: int) -> list:

@@ -14,7 +14,10 @@ from typing import NamedTuple
 
 import msgpack
 
-from gefen.replicas import chunk_rows, nested_chunk
+from gefen.replicas import (
+    ChunkRule,
+    chunk_rows,  # noqa: F401  (readers of a manifest split rows with it)
+)
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.records import DECODING, PieceRecord, TensorShape, pieces_overlapping, tensor_key
@@ -33,49 +36,7 @@ _KINDS = ("chunk",)
 MAX_WORLD_SIZE = 2**20
 
 
-@dataclass(frozen=True)
-class Rule:
-    """Rows ``torch.chunk``-split over ``parts``, each part split again over ``sub`` (replicas
-    sharing a shard's rows); sub-part ``j`` of part ``i`` held by writer ``writers[i * sub + j]``."""
-
-    parts: int
-    writers: tuple[int, ...]
-    sub: int = 1
-
-    def __post_init__(self):
-        positions: dict[int, list[int]] = {}
-        for i, w in enumerate(self.writers):
-            positions.setdefault(w, []).append(i)
-        object.__setattr__(self, "_positions", positions)
-        object.__setattr__(self, "_parts", {})  # (rows, writer) -> parts_of: tensors share row counts
-
-    def writers_in(self, rows: int, start: int, stop: int) -> set[int]:
-        """The writers of the non-empty parts overlapping rows ``[start, stop)`` (one slice of the
-        outer parts: a whole tensor split over 16,384 parts is not 16,384 part computations)."""
-        size = -(-rows // self.parts) if rows else 1
-        first, last = start // size, min(self.parts, -(-stop // size), -(-rows // size))
-        if self.sub == 1:
-            return set(self.writers[first:last])
-        out: set[int] = set()
-        for i in range(first, last):
-            a, b = chunk_rows(rows, self.parts, i)
-            step = -(-(b - a) // self.sub)
-            lo, hi = (max(start, a) - a) // step, min(self.sub, -(-(min(stop, b) - a) // step))
-            out.update(self.writers[i * self.sub + lo:i * self.sub + hi])
-        return out
-
-    def parts_of(self, rows: int, writer: int) -> list[tuple[int, int]]:
-        cached = self._parts.get((rows, writer))
-        if cached is not None:
-            return cached
-        out = []
-        for k in self._positions.get(writer, ()):
-            a, b = nested_chunk(rows, self.parts, self.sub, k)
-            if a < b:
-                out.append((a, b))
-        if len(self._parts) < 2**16:
-            self._parts[(rows, writer)] = out
-        return out
+Rule = ChunkRule  # the format records the replica rule's own object
 
 
 @dataclass(frozen=True)
