@@ -244,6 +244,7 @@ def _exchange(spans: list[Span], staged: dict, outgoing: dict, held: dict, rank:
                        if reader == rank or rank in to for batch in _batches(route, sizes, budget)),
                       key=lambda m: m[0])
     timeout = datetime.timedelta(seconds=collective.current_timeout())
+    dev = collective.device()  # NCCL moves CUDA tensors; the bytes are checked on the host either way
     corrupt, sequence = None, {}  # (src, dst) -> messages so far: the tag both ends count alike
     for _, reader, to, batch in messages:
         nbytes = sum((s.stop - s.start) * sizes[s.key] for s in batch)
@@ -256,19 +257,20 @@ def _exchange(spans: list[Span], staged: dict, outgoing: dict, held: dict, rank:
                                 + [torch.zeros(_TRAILER, dtype=torch.uint8)])
             crc = checksum.update(0, payload[:nbytes].numpy())
             payload[nbytes:nbytes + 4] = torch.frombuffer(bytearray(struct.pack("<I", crc)), dtype=torch.uint8)
-            works = []
+            wire, works = payload.to(dev), []
             for dst, tag in zip(to, tags):
                 with _naming_peer(f"sending rows of {url} to rank {dst}"):
-                    works.append((dst, dist.isend(payload, dst, tag=tag % 2**30)))
+                    works.append((dst, dist.isend(wire, dst, tag=tag % 2**30)))
             for dst, work in works:
                 _wait(work, timeout, f"sending rows of {url} to rank {dst}")
             iostats.count(bytes_sent=payload.numel() * len(to))
         else:
-            payload = torch.empty(nbytes + _TRAILER, dtype=torch.uint8)
+            wire = torch.empty(nbytes + _TRAILER, dtype=torch.uint8, device=dev)
             what = f"receiving rows of {url} from rank {reader}"
             with _naming_peer(what):
-                work = dist.irecv(payload, reader, tag=tags[0] % 2**30)
+                work = dist.irecv(wire, reader, tag=tags[0] % 2**30)
             _wait(work, timeout, what)
+            payload = wire.cpu()
             iostats.count(bytes_received=payload.numel())
             (crc,) = struct.unpack("<I", payload[nbytes:nbytes + 4].numpy().tobytes())
             if crc != checksum.update(0, payload[:nbytes].numpy()):
