@@ -258,12 +258,12 @@ def torch_missing_fields() -> dict:
 
 # ----- 5. unbounded decoding ----------------------------------------------------------------
 def _hostile(kind: str, size: int) -> bytes:
-    import msgpack
+    from gefen_ckpt.wire import manifest as mf
 
     body = {"empty maps": lambda: [{} for _ in range(size)], "nils": lambda: [None] * size,
             "short strings": lambda: ["ab"] * (size // 3), "small maps": lambda: [{"ab": "cd"} for _ in range(size // 7)],
             "pairs": lambda: [[[], []] for _ in range(size // 3)]}[kind]()
-    return msgpack.packb({"format": "gefen-ckpt", "version": [1, 0], "metadata": {"x": body}})
+    return mf.encode({"format": "gefen-ckpt", "version": [2, 0], "metadata": {"x": body}})  # a valid checksum
 
 
 def decoding_bombs(size: int = 4 * 2**20) -> dict:
