@@ -158,6 +158,14 @@ def assign(tensors: Sequence[tuple[int, int, Holders]]) -> list[ChunkRule]:
     out: list[ChunkRule | None] = [None] * len(tensors)
     whole = []
     for k, (rows, row_bytes, h) in enumerate(tensors):
+        if h.shards == 1:  # replicated whole (DDP, scalars, codebooks): plain integers, no arrays
+            shard_bytes = rows * row_bytes
+            if h.replicas > 1 and shard_bytes > threshold:
+                out[k] = made(h, None)
+                load[h.grid[:, 0]] += chunk_sizes(rows, h.replicas) * row_bytes
+            else:
+                whole.append((-shard_bytes, k, shard_bytes))
+            continue
         shard_bytes = chunk_sizes(rows, h.shards) * row_bytes
         if h.replicas == 1:
             out[k] = made(h, 0)
@@ -170,7 +178,12 @@ def assign(tensors: Sequence[tuple[int, int, Holders]]) -> list[ChunkRule]:
     whole.sort(key=lambda x: x[:2])
     for _, k, shard_bytes in whole:
         h = tensors[k][2]
-        r = int(np.argmin((load[h.grid] + shard_bytes).max(axis=1)))
-        load[h.grid[r]] += shard_bytes
+        if h.shards == 1:
+            column = h.grid[:, 0]
+            r = int(np.argmin(load[column]))
+            load[column[r]] += shard_bytes
+        else:
+            r = int(np.argmin((load[h.grid] + shard_bytes).max(axis=1)))
+            load[h.grid[r]] += shard_bytes
         out[k] = made(h, r)
     return out

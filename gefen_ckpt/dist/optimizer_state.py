@@ -23,10 +23,10 @@ from gefen.distributed import as_field_dtensor
 from gefen.geometry import rows_and_row_numel
 from gefen.state_layouts import version_refusal
 from gefen_ckpt.dist import placement
-from gefen_ckpt.formats.torch_file import as_tuples, leaf_state_dict
-from gefen_ckpt.state.canonical import CanonicalState, LocalPart, ParamState, global_key
 from gefen_ckpt.dist.collective import agree
 from gefen_ckpt.errors import CheckpointMismatchError
+from gefen_ckpt.formats.torch_file import as_tuples, leaf_state_dict
+from gefen_ckpt.state.canonical import CanonicalState, LocalPart, ParamState, global_key
 from gefen_ckpt.wire.dtypes import plain
 from gefen_ckpt.wire.manifest import missing_fields
 

@@ -15,7 +15,6 @@ import torch
 
 from gefen.geometry import rows_and_row_numel
 from gefen.replicas import assign
-from gefen_ckpt.state.canonical import CanonicalState, EagerSource, LocalPart
 from gefen_ckpt.dist.collective import (
     agree,
     broadcast_bytes,
@@ -25,10 +24,11 @@ from gefen_ckpt.dist.collective import (
     pack,
     unpack,
 )
-from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
 from gefen_ckpt.dist.optimizer_state import check_fits, copies_on_load, export_canonical, import_canonical
 from gefen_ckpt.dist.shared_reads import share_reads
+from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
 from gefen_ckpt.io.storage import Store
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource, LocalPart
 from gefen_ckpt.wire import manifest as mf
 from gefen_ckpt.wire.dtypes import dtype_name
 from gefen_ckpt.wire.index import Explicit, IndexSet, Rule, SplitTensor, WriterPin

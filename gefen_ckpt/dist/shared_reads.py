@@ -21,12 +21,11 @@ import torch
 
 from gefen.geometry import rows_and_row_numel
 from gefen.replicas import Holders, assign, chunk_rows
-from gefen_ckpt.dist import collective
-from gefen_ckpt.io import iostats
-from gefen_ckpt.dist import placement
-from gefen_ckpt.state.canonical import CanonicalState, LocalPart
-from gefen_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
+from gefen_ckpt.dist import collective, placement
 from gefen_ckpt.dist.optimizer_state import live_params
+from gefen_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
+from gefen_ckpt.io import iostats
+from gefen_ckpt.state.canonical import CanonicalState, LocalPart
 from gefen_ckpt.wire import checksum
 
 Key = tuple  # (fqn or None, field)

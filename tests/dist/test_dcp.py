@@ -23,9 +23,9 @@ from gefen_ckpt import (
     EagerSource,
     export_canonical,
 )
-from gefen_ckpt.state.canonical import LocalPart
 from gefen_ckpt.dcp import GefenDCPState, GefenLoadPlanner, GefenSavePlanner, read_dcp, write_dcp
 from gefen_ckpt.dist.placement import local_rows
+from gefen_ckpt.state.canonical import LocalPart
 
 from distributed import row_scaled_grads, run
 
