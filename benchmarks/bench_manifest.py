@@ -66,7 +66,7 @@ print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).
 #: One rank's load planning, in a fresh process: open, validate, find the pieces of its rows.
 _PLAN = """
 import sys, time
-from gefen_ckpt.wire.index import chunk_rows
+from gefen.replicas import chunk_rows
 from gefen_ckpt.wire.manifest import open_checkpoint
 from gefen_ckpt.io.storage import Store
 url, rank = sys.argv[1], int(sys.argv[2])

@@ -26,14 +26,13 @@ SPLIT_SHARE = 16
 class Holders:
     """The ranks holding a tensor: ``grid[r, s]`` is replica ``r``'s rank for shard ``s``."""
 
-    __slots__ = ("grid", "_key")
+    __slots__ = ("grid",)
 
     def __init__(self, grid):
         grid = np.asarray(grid, dtype=np.int64)
         if grid.ndim != 2 or grid.size == 0 or len(np.unique(grid)) != grid.size or grid.min() < 0:
             raise ValueError(f"a holder grid is R x S distinct ranks, got {grid.tolist()!r}"[:300])
         self.grid = grid
-        self._key = (grid.shape, grid.tobytes())
 
     @classmethod
     def replicated(cls, ranks: Sequence[int]) -> Holders:
@@ -47,12 +46,6 @@ class Holders:
     @property
     def shards(self) -> int:
         return self.grid.shape[1]
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Holders) and self._key == other._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
 
     def __repr__(self) -> str:
         return f"Holders({self.replicas} replicas x {self.shards} shards)"

@@ -12,7 +12,7 @@ import torch
 from gefen.distributed import is_dtensor  # noqa: F401  (the DTensor helpers' one home)
 from gefen.distributed import local_tensor as to_local  # noqa: F401
 from gefen.geometry import first_copy, rows_and_row_numel
-from gefen.replicas import Holders
+from gefen.replicas import Holders, assign
 from gefen_ckpt.errors import UnsupportedLayoutError
 
 
@@ -41,6 +41,20 @@ def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
 def rows_per_chunk(shape: tuple[int, ...], itemsize: int, budget: int) -> int:
     """Whole rows of a tensor of ``shape`` that fit in ``budget`` bytes (at least one)."""
     return max(1, budget // max(1, rows_and_row_numel(shape)[1] * itemsize))
+
+
+def replica_rules(sources: dict, holders: dict) -> dict:
+    """Each tensor's ``ChunkRule`` by ``gefen.replicas.assign``, from its global shape and dtype
+    (``sources``) and the ranks holding it (``holders``, same keys): the plan a save writes by and
+    a read-once load reads by."""
+    keys = list(sources)
+    return dict(zip(keys, assign([(*rows_and_bytes(sources[k]), holders[k]) for k in keys])))
+
+
+def rows_and_bytes(source) -> tuple[int, int]:
+    """Rows of a tensor source and bytes per row."""
+    rows, row_numel = rows_and_row_numel(source.shape)
+    return rows, row_numel * source.dtype.itemsize
 
 
 def rank() -> int:

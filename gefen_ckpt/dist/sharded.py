@@ -14,7 +14,7 @@ import re
 import torch
 
 from gefen.geometry import rows_and_row_numel
-from gefen.replicas import assign
+from gefen_ckpt.dist import placement
 from gefen_ckpt.dist.collective import (
     agree,
     broadcast_bytes,
@@ -215,21 +215,16 @@ class RankSplits:
 
 
 def rules_for(parts: dict) -> dict:
-    """Each tensor's ``Rule`` by ``gefen.replicas.assign`` from the sources' global shapes and
-    holders (one object per distinct rule: it indexes its writers once)."""
-    keys = list(parts)
-    return dict(zip(keys, assign([(*_rows_and_bytes(parts[k]), parts[k].holders) for k in keys])))
-
-
-def _rows_and_bytes(source) -> tuple[int, int]:
-    rows, row_numel = rows_and_row_numel(source.shape)
-    return rows, row_numel * source.dtype.itemsize
+    """Each tensor's rule (``placement.replica_rules``) from its ``LocalPart``'s shape and holders."""
+    return placement.replica_rules(parts, {k: p.holders for k, p in parts.items()})
 
 
 def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_options: dict | None = None,
                  read_once: bool | None = None, memory_budget: int) -> None:
-    """Each rank loads its rows; with ``read_once`` (None: ``reads_once(store)``) rows held by
-    several ranks are read from storage by one of them and shared (``shared_reads``)."""
+    """Each rank loads its rows; with ``read_once`` rows held by several ranks are read from
+    storage by one of them and shared (``shared_reads``). None: where reads cross a network
+    (``Store.networked``); a local disk serves every rank from one page cache faster than the ranks
+    can send each other the bytes (docs/decisions.md, "Replicas share the I/O")."""
     error, state, store = None, None, None
     try:
         store = Store(url, storage_options)
@@ -238,13 +233,6 @@ def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_o
     except Exception as exc:
         error = exc
     agree(error, f"load from {url}")
-    if read_once if read_once is not None else reads_once(store):
+    if read_once if read_once is not None else store.networked:
         state = share_reads(optimizer, state, url, model=model, budget=memory_budget)
     import_canonical(optimizer, state, model=model)
-
-
-def reads_once(store: Store) -> bool:
-    """The default of ``load(read_once=None)``: where reads cross a network; a local disk serves
-    every rank from one page cache faster than the ranks can send each other the bytes
-    (docs/decisions.md, "Replicas share the I/O")."""
-    return store.networked

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gefen.geometry import rows_and_row_numel
-from gefen.replicas import Holders, assign, chunk_rows
+from gefen.replicas import Holders, chunk_rows
 from gefen_ckpt.dist import collective, placement
 from gefen_ckpt.dist.optimizer_state import live_params
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointTimeoutError
@@ -78,7 +78,7 @@ def plan_spans(state: CanonicalState, held: dict[Key, Held]) -> list[Span]:
     fixed choice among the ranks needing it."""
     keys = [k for k in held if held[k].holders is not None]
     sources = {k: _source(state, k) for k in keys}
-    rules = dict(zip(keys, assign([(*_rows_and_bytes(sources[k]), held[k].holders) for k in keys])))
+    rules = placement.replica_rules(sources, {k: held[k].holders for k in keys})
     spans: list[Span] = []
     everywhere: dict[int, list] = {}  # id(holders) -> (-bytes, ordinal, key, piece rows, columns)
     for ordinal, key in enumerate(keys):
@@ -116,7 +116,7 @@ def _pieces(source, rule, rows: int, held: Held) -> list[tuple[int, int, int]]:
     if hasattr(record, "pieces_in"):
         found = record.pieces if not record.shape else record.pieces_in(held.start, held.stop)
         return [(p.rows[0], p.rows[1], p.nbytes) if record.shape else (0, 1, p.nbytes) for p in found]
-    row_bytes = _rows_and_bytes(source)[1]
+    row_bytes = placement.rows_and_bytes(source)[1]
     return sorted((a, b, (b - a) * row_bytes) for w in rule.writers_in(rows, held.start, held.stop)
                   for a, b in rule.parts_of(rows, w) if a < held.stop and b > held.start)
 
@@ -133,11 +133,6 @@ def _to_columns(ordinal: int, key: Key, a: int, b: int, reader: int, columns, gr
 
 def _source(state: CanonicalState, key: Key):
     return state.global_fields[key[1]] if key[0] is None else state.params[key[0]].fields[key[1]]
-
-
-def _rows_and_bytes(source) -> tuple[int, int]:
-    rows, row_numel = rows_and_row_numel(source.shape)
-    return rows, row_numel * source.dtype.itemsize
 
 
 def _check_held(held: dict[Key, Held], state: CanonicalState, rank: int) -> None:

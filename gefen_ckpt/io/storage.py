@@ -571,7 +571,8 @@ class LocalStore(Store):
 
     @property
     def networked(self) -> bool:
-        return filesystem_type(self.root) in NETWORK_FILESYSTEMS or filesystem_type(self.root).startswith("fuse.")
+        kind = filesystem_type(self.root)
+        return kind in NETWORK_FILESYSTEMS or kind.startswith("fuse.")
 
     def listing(self) -> dict[str, int]:
         try:

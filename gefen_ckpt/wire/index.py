@@ -14,10 +14,7 @@ from typing import NamedTuple
 
 import msgpack
 
-from gefen.replicas import (
-    ChunkRule,
-    chunk_rows,  # noqa: F401  (readers of a manifest split rows with it)
-)
+from gefen.replicas import ChunkRule
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.records import DECODING, PieceRecord, TensorShape, pieces_overlapping, tensor_key

@@ -16,10 +16,10 @@ from ckpt_edits import rewrite_index as _rewrite_index
 from ckpt_edits import rewrite_manifest as _rewrite
 
 import gefen_ckpt
+from gefen.replicas import chunk_rows
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
 from gefen_ckpt.io.storage import LocalStore, Store
 from gefen_ckpt.wire import manifest as mf
-from gefen_ckpt.wire.index import chunk_rows
 from gefen_ckpt.wire.manifest import open_checkpoint
 
 from ckpt_util import fresh_like, same, snapshot, trained

@@ -60,8 +60,8 @@ def test_the_plan_of_runs_is_the_chunk_rule_rank_by_rank():
     """Runs of ranks, from the chunk rule alone, equal the rank-by-rank split (random shapes)."""
     import random
 
+    from gefen.replicas import chunk_rows
     from gefen_ckpt.tools.reshard import plan_tensors
-    from gefen_ckpt.wire.index import chunk_rows
 
     rng = random.Random(1)
     for _ in range(500):
