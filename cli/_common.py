@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import typer
 from rich.console import Console
@@ -41,11 +39,6 @@ def fail(message: str, code: int = EXIT_DATA):
     raise typer.Exit(code)
 
 
-def usage(message: str):
-    """A command line that cannot be run as given: one line, exit 2, nothing done."""
-    fail(message, EXIT_USAGE)
-
-
 #: typer's own exits and usage errors, which pass through the error policy (click's base of usage
 #: errors is reached through typer: importing click would be an undeclared dependency)
 CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -72,7 +65,11 @@ def debug_wanted() -> bool:
 def exit_on_error(exc: Exception):
     """The CLI's one error policy (docs/cli.md): whatever went wrong, one red line on stderr and exit
     1 (the data), never a traceback (``--debug`` or ``GEFEN_CKPT_TRACEBACK=1`` re-raises). The
-    command's first path argument (``command_paths``) prefixes a message that names no path."""
+    command's first path argument (``command_paths``) prefixes a message that names no path, and a
+    wrong --optimizer (``checkpoints.check_optimizer``'s ``held``) is told what the option means."""
+    if getattr(exc, "held", None) is not None:
+        exc = type(exc)(f"{exc}: --optimizer names the optimizer that wrote SRC (convert's --into names the one to "
+                        "convert into)")
     if debug_wanted():
         raise exc
     from gefen_ckpt.errors import CheckpointError
@@ -168,7 +165,7 @@ def check_destination(src: str, dst: str, overwrite: bool, create_bucket: bool, 
     try:
         check_locations(src, dst)
     except ValueError as exc:
-        usage(str(exc))
+        fail(str(exc), EXIT_USAGE)
     if not writes:
         return
     import fsspec
@@ -176,7 +173,7 @@ def check_destination(src: str, dst: str, overwrite: bool, create_bucket: bool, 
     fs, path = fsspec.core.url_to_fs(dst)
     if not overwrite and fs.exists(path) and not (fs.isdir(path) and not fs.ls(path, detail=False)):
         what = "a non-empty directory" if fs.isdir(path) else "a file"
-        usage(f"{dst} exists and is {what}: pass --overwrite to replace it")
+        fail(f"{dst} exists and is {what}: pass --overwrite to replace it", EXIT_USAGE)
     if create_bucket:
         from gefen_ckpt.io.storage import CREATE_BUCKET_ENV
 
@@ -208,20 +205,6 @@ def refuse_names(url: str, fmt: str, param_names: str | None, names_from: str | 
         raise typer.BadParameter(str(exc), param_hint="--param-names/--names-from") from None
 
 
-@contextmanager
-def optimizer_hint() -> Iterator[None]:
-    """A wrong --optimizer: say what the option means (and what converts)."""
-    from gefen_ckpt.errors import CheckpointMismatchError
-
-    try:
-        yield
-    except CheckpointMismatchError as exc:
-        if getattr(exc, "held", None) is None:
-            raise
-        raise CheckpointMismatchError(f"{exc}: --optimizer names the optimizer that wrote SRC (convert's --into "
-                                      "names the one to convert into)") from None
-
-
 def open_manifest(url: str, optimizer: str | None, param_names: str | None, names_from: str | None,
                   key: str | None):
     """(Store, validated manifest) of a portable checkpoint, its options checked, without importing
@@ -245,6 +228,5 @@ def open_state(url: str, fmt: str | None = None, optimizer: str | None = None,
     fmt = fmt or detect_format(url)
     settle_imports()
     refuse_names(url, fmt, param_names, names_from)
-    with optimizer_hint():
-        return fmt, gefen_ckpt.open(url, format=fmt, optimizer=optimizer, param_names=param_names,
-                                    names_from=names_from, key=key)
+    return fmt, gefen_ckpt.open(url, format=fmt, optimizer=optimizer, param_names=param_names, names_from=names_from,
+                                key=key)

@@ -18,8 +18,7 @@ from . import _common as common
 
 
 class _Commands(TyperGroup):
-    """The command group: any exception a command raises goes through the CLI's one error policy,
-    ``common.exit_on_error`` (typer's exits and usage errors pass through)."""
+    """The command group: usage errors and aborts as one line, with the CLI's exit codes."""
 
     def main(self, *args, standalone_mode: bool = True, **kwargs):
         """Click's usage errors as one line (``common.click_error``) rather than its boxed panel."""
@@ -41,22 +40,20 @@ class _Commands(TyperGroup):
         ctx.meta["gefen_ckpt.args"] = list(args)
         return super().parse_args(ctx, args)
 
+
+class _Command(TyperCommand):
+    """A command: any exception it raises goes through the CLI's one error policy,
+    ``common.exit_on_error``, which names its checkpoint arguments (``common.command_paths``)
+    (typer's exits and usage errors pass through)."""
+
     def invoke(self, ctx: typer.Context):
-        common.command_paths.clear()
+        common.command_paths[:] = [ctx.params[k] for k in common.PATH_PARAMS if isinstance(ctx.params.get(k), str)]
         try:
             return super().invoke(ctx)
         except common.TYPER_EXITS:
             raise
         except Exception as exc:
             common.exit_on_error(exc)
-
-
-class _Command(TyperCommand):
-    """A command: its checkpoint arguments (``common.command_paths``) name the path in its errors."""
-
-    def invoke(self, ctx: typer.Context):
-        common.command_paths[:] = [ctx.params[k] for k in common.PATH_PARAMS if isinstance(ctx.params.get(k), str)]
-        return super().invoke(ctx)
 
 
 app = typer.Typer(
@@ -220,10 +217,8 @@ def verify(
         common.settle_imports()
     from gefen_ckpt.checkpoints import verify_any
 
-    with common.optimizer_hint():
-        data = {"path": path, "format": fmt, **verify_any(path, format=fmt, optimizer=optimizer,
-                                                          param_names=param_names, names_from=names_from,
-                                                          progress=common.want_progress(), key=key)}
+    data = {"path": path, "format": fmt, **verify_any(path, format=fmt, optimizer=optimizer, param_names=param_names,
+                                                      names_from=names_from, progress=common.want_progress(), key=key)}
     if as_json:
         _echo_json(data)
     else:
@@ -359,8 +354,7 @@ def convert(
     common.settle_imports()
     from gefen_ckpt import convert_checkpoint
 
-    with common.optimizer_hint(), \
-            common.err().status(f"converting {src}", spinner="dots") if common.want_progress() else nullcontext():
+    with common.err().status(f"converting {src}", spinner="dots") if common.want_progress() else nullcontext():
         state = convert_checkpoint(src, dst, to=target, into=into, moments=moments.value, format=fmt,
                                    optimizer=optimizer, param_names=param_names, names_from=names_from,
                                    key=key, progress=common.want_progress(), **sizes)
@@ -440,8 +434,7 @@ def reshard(
     if dry_run and common.detect_format(src) == common.PORTABLE:
         from gefen_ckpt.wire.manifest import total_tensor_bytes
 
-        with common.optimizer_hint():
-            _, manifest = common.open_manifest(src, optimizer, param_names, names_from, key)
+        _, manifest = common.open_manifest(src, optimizer, param_names, names_from, key)
         _print_plan(src, dst, target, plan_manifest(manifest, target.shard), total_tensor_bytes(manifest), as_json)
         return
     fmt, state = common.open_state(src, optimizer=optimizer, param_names=param_names, names_from=names_from,

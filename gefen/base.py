@@ -21,7 +21,6 @@ from gefen.compile import eager_step
 from gefen.contract import GLOBAL_STATE_KEY, FieldSpec, OptimizerContract
 from gefen.dispatch import batched, block_histograms
 from gefen.distributed import (
-    ParamPlacement,
     ReductionPlan,
     as_field_dtensor,
     is_dtensor,
@@ -134,11 +133,6 @@ def step_tensor(label: str, value):
     return torch.tensor(int(value), dtype=torch.int64)
 
 
-def global_shape(p: torch.Tensor) -> tuple[int, ...]:
-    """Logical shape of the whole parameter (a DTensor reports its global shape)."""
-    return tuple(p.shape)
-
-
 class CompressedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, *, codebook_size: int, bins_per_code: int):
         if not isinstance(codebook_size, int) or not 4 <= codebook_size <= 256:
@@ -173,13 +167,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return {CODEBOOK: self.codebook_size}
 
     def put_codebooks_in_state(self) -> None:
-        """Put the optimizer-wide codebooks into every parameter's live state, one tensor shared by
-        all (an all-zero one, the same for every parameter, until learned).
-
-        torch's ``_unflatten_optim_state_dict`` and torchtitan's copy of it rebuild a state_dict
-        from the keys of the live ``optimizer.state[p]``: the codebooks each entry of
-        ``state_dict()`` carries reach ``load_state_dict`` only if the live state has those keys.
-        The step reads the attributes; it re-shares only when a book or the state changed."""
+        """Put the optimizer-wide codebooks (all-zero until learned) into every parameter's live
+        state, one tensor shared by all: torch's ``_unflatten_optim_state_dict`` (and torchtitan's
+        copy) rebuild a state_dict from the live state's keys, so only keys it has reach
+        ``load_state_dict``. Re-shared only when a book or the state changed."""
         books = {}
         for name, size in self.global_books().items():
             book = getattr(self, name)
@@ -210,14 +201,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Does this (staged) parameter state hold moments that need the codebooks to decode?"""
         return bool(entry["m_scale"].any())
 
-    # ----- hooks for subclasses (with those the module docstring lists) ----------------------
-    def _check_placement(self, name: str, param: torch.Tensor, placement: ParamPlacement) -> None:
-        """Refuse, before any state exists, a layout the step cannot honour: by default one that
-        splits columns (tensor parallelism's ``Shard(1)``), whose row statistics it does not reduce."""
-        if placement.col_dim is not None:
-            raise refusal(name, param, type(self).__name__,
-                          "use Gefen(moments='m4v4'), which reduces row statistics over the tensor-parallel "
-                          "dimension")
+    #: does the step reduce the row statistics a column split (tensor parallelism's ``Shard(1)``)
+    #: cuts? If not, ``reduction_plan`` refuses such a layout before any state exists
+    reduces_column_splits = False
 
     # ----- parameters -----------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -259,8 +245,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             named = [(param_label(g, i), p) for g in self.param_groups for i, p in enumerate(g["params"])]
             plan = plan_reduction(named)
             for name, p in named:
-                if (placement := plan.placement(p)) is not None:
-                    self._check_placement(name, p, placement)
+                if plan.splits_columns(p) and not self.reduces_column_splits:
+                    raise refusal(name, p, type(self).__name__, "use Gefen(moments='m4v4'), which reduces row "
+                                  "statistics over the tensor-parallel dimension")
             self._plan = (key, plan)
         return self._plan[1]
 
@@ -286,7 +273,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         checkpoint's shapes) and learn the codebook at the first step whose gradients are not all
         zero on every rank (until then the moments stay exactly zero, as AdamW's do)."""
         new = [(g, p) for g, p, _ in work if p not in self.state]
-        staged = {p: self._init_param_state(g, p, shape_period(global_shape(p))) for g, p in new}
+        staged = {p: self._init_param_state(g, p, shape_period(tuple(p.shape))) for g, p in new}
         self.state.update(staged)
         if self.codebook is None and self.learns_at_allocation:
             self.codebook = self._learn_codebook(work)
@@ -303,9 +290,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return None
         # tensor parallelism: a column-split row is normalised by its whole row's max-abs
         split = [(p, rows_view(local_tensor(grad))) for _, p, grad in work if plan.splits_columns(p)]
-        maxes = plan.reduce_rows_("max", [row_abs_max(g.float()) for _, g in split])
-        scales = {id(p): m for (p, _), m in zip(split, maxes)}
-        periods = [(p, g, shape_period(global_shape(p))) for p, g in counted]
+        maxes = plan.reduce_rows_([(row_abs_max(g.float()),) for _, g in split], ("max",))
+        scales = {id(p): m for (p, _), (m,) in zip(split, maxes)}
+        periods = [(p, g, shape_period(tuple(p.shape))) for p, g in counted]
         blocks = [(rows_view(g), scales[id(p)]) if id(p) in scales else as_blocks(g, period)
                   for p, g, period in periods if period > 1]
         codebook = learn_codebook(blocks, self.codebook_size, self.bins_per_code, all_reduce=plan.reducer.sum_,
@@ -388,7 +375,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         param, label = group["params"][i], param_label(group, i)
         if not isinstance(entry, dict):
             raise ValueError(f"state of parameter {label} is not a dict")
-        shape = global_shape(param)
+        shape = tuple(param.shape)  # a DTensor's global shape
         fields = self._state_fields(group, shape)  # a fresh step's order: staged in it (not a set's)
         required = set(fields)
         known = {f.name for f in contract.fields}
@@ -485,7 +472,7 @@ def _add_global_state(optimizer: CompressedOptimizer, state_dict: dict) -> dict:
         param = params[index]
         entry = dict(entry)  # torch hands out the live per-parameter dicts
         if is_dtensor(param):
-            shape = global_shape(param)
+            shape = tuple(param.shape)
             period = shape_period(shape)
             for name, value in entry.items():
                 geometry = contract.field(name).geometry

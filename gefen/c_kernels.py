@@ -124,12 +124,9 @@ def _torch_vml_sqrt() -> tuple[int, int | None] | None:
     then uses an IEEE sqrt)."""
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll"):
-        path = os.path.join(lib_dir, name)
-        if not os.path.exists(path):
-            continue
         try:
-            lib = ctypes.CDLL(path)
-        except OSError:
+            lib = ctypes.CDLL(os.path.join(lib_dir, name))
+        except OSError:  # not this platform's name
             continue
         fn, local = (getattr(lib, sym, None) for sym in ("vmsSqrt", "MKL_Set_Num_Threads_Local"))
         if fn is not None:
@@ -256,10 +253,8 @@ def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: tor
     bits on any thread count and ISA."""
     (rows, cols), cal = rows_and_row_numel(grad.shape), _use(cal)
     v_row, partials = torch.empty(rows, dtype=torch.float32), torch.empty(cols + 2, dtype=torch.float64)
-    rc = _lib.gefen_m4v4_partials(grad.data_ptr(), _DT[grad.dtype], rows, cols, state["v_row"].data_ptr(),
-                                  v_row.data_ptr(), partials.data_ptr(), beta2, 1 - beta2, cal.mode,
-                                  None if row_sum is None else row_sum.data_ptr(),
-                                  max(cols if row_len is None else row_len, 1))
+    rc = _call(_lib.gefen_m4v4_partials, grad, _DT[grad.dtype], rows, cols, state["v_row"], v_row, partials, beta2,
+               1 - beta2, cal.mode, row_sum, max(cols if row_len is None else row_len, 1))
     return (v_row, partials) if rc == 0 else None
 
 
@@ -269,17 +264,25 @@ def m4v4_row_stats(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta
     codes, scale, cal = state["mv_code"], state["m_row_scale"], _use(cal)
     rows, cols = rows_and_row_numel(grad.shape)
     row_sum, row_max = torch.empty(rows, dtype=torch.float64), torch.empty(rows, dtype=torch.float32)
-    rc = _lib.gefen_m4v4_row_stats(grad.data_ptr(), _DT[grad.dtype], codes.data_ptr(), scale.data_ptr(),
-                                   codebook.data_ptr(), beta1, 1 - beta1, rows, cols, row_sum.data_ptr(),
-                                   row_max.data_ptr(), cal.mode)
+    rc = _call(_lib.gefen_m4v4_row_stats, grad, _DT[grad.dtype], codes, scale, codebook, beta1, 1 - beta1, rows, cols,
+               row_sum, row_max, cal.mode)
     return (row_sum, row_max) if rc == 0 else None
 
 
+def _arg(value):
+    """A kernel argument: a tensor passes its data pointer, None NULL, anything else itself."""
+    return value.data_ptr() if isinstance(value, torch.Tensor) else value
+
+
+def _call(fn, *args):
+    return fn(*(_arg(value) for value in args))
+
+
 def _fill(a, fields: dict):
-    """A kernel's argument struct ``a`` with ``fields`` set: a tensor passes its data pointer, None
-    NULL (attribute by attribute: twice as quick as ``struct(**fields)``)."""
+    """A kernel's argument struct ``a`` with ``fields`` set (attribute by attribute: twice as quick
+    as ``struct(**fields)``)."""
     for name, value in fields.items():
-        setattr(a, name, value.data_ptr() if isinstance(value, torch.Tensor) else value)
+        setattr(a, name, _arg(value))
     return a
 
 
@@ -384,8 +387,7 @@ def round_param_(param: torch.Tensor, work: torch.Tensor, *, step: int, salt: in
     if param.dtype != torch.bfloat16 or work.dtype != torch.float32 or work.shape != param.shape:
         return False
     rows, cols, r0, row_len, c0 = F.param_rows(param, row0=row0, col0=col0, row_len=row_len)
-    return _lib.gefen_round_bf16(work.data_ptr(), param.data_ptr(), rows, cols, r0, row_len, c0,
-                                 hash_base(step, salt)) == 0
+    return _call(_lib.gefen_round_bf16, work, param, rows, cols, r0, row_len, c0, hash_base(step, salt)) == 0
 
 
 # ----- the first step: the codebook histogram ---------------------------

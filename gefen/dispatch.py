@@ -1,10 +1,8 @@
 """Which implementation runs each step function, as ``torch.optim.adamw`` picks fused/foreach/single.
 
 Every function takes the arguments of the ``gefen.functional`` reference of the same name and asks
-``kernels``, the one selection, who runs it: the C kernels (``gefen.c_kernels``) or the Triton kernels
-(``gefen.triton.dispatch``), on a layout checked here (``_*_layout``; a kernel that still
-declines touches nothing), else the reference. The ``*_`` functions over a list take a whole
-group in a few Triton launches.
+``kernels``, the one selection: the C kernels (CPU), the Triton kernels (CUDA), on a layout checked
+here (``_*_layout``), else the reference. The ``*_`` functions over a list take a whole group.
 """
 
 from __future__ import annotations
@@ -43,11 +41,9 @@ def unfit(tensors: list, states: list = ()) -> str | None:
 
 
 def kernels(family: str, tensors: list, states: list = (), layout=None):
-    """The kernels for a call of ``family`` (``"m8"``, ``"m4v4"``, ``"momentum"``, ``"round"``,
-    ``"histogram"``) on ``tensors`` and ``states`` (None: a field the state lacks), or None: the
-    switch, then the device's family (CUDA: Triton, CPU: C), its parity check, ``unfit``, then
-    ``layout()``: why the call's layout is no kernel's, or None. A CUDA call that falls back logs
-    why, once per reason."""
+    """The kernels for a call of ``family`` on ``tensors`` and ``states`` (None: a field the state
+    lacks), or None: the switch, the device's family and its parity check, ``unfit``, then
+    ``layout()`` (why the call's layout is no kernel's). A CUDA fallback logs why, once per reason."""
     if any(t is None for t in states):
         return None
     device = tensors[0].device
@@ -95,16 +91,16 @@ def m8_partials(grad, state, beta2):
 def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
     """``m8_partials`` of every factored ``(grad, state, beta2)`` in two Triton launches
     (phase 1 of a whole m8 group), or None: the caller takes them one by one."""
-    return _phase1_group("m8", items, lambda g: 2, triton.m8_partials_)
+    return _phase1_group("m8", items, lambda g: 2, "m8_partials")
 
 
-def _phase1_group(family: str, items: list, max_dim, launch) -> list | None:
-    """Phase 1 of a whole group in ``launch``'s Triton launches when the kernels take every item."""
+def _phase1_group(family: str, items: list, max_dim, name: str) -> list | None:
+    """Phase 1 of a whole group by ``gefen.triton.launch.<name>`` when the kernels take every item."""
     if not items:
         return None
     grads, v_rows = [g for g, _, _ in items], [s["v_row"] for _, s, _ in items]
     why = lambda: _first(_phase1_layout(g, s, max_dim(g)) for g, s, _ in items)  # noqa: E731
-    return launch(items) if kernels(family, grads, v_rows, why) is triton else None
+    return getattr(triton.launch, name)(items) if kernels(family, grads, v_rows, why) is triton else None
 
 
 def m8_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> None:
@@ -117,8 +113,7 @@ def m8_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, part
 
 def _momentum_layout(grad, state, codebook, scales=None) -> str | None:
     """Why the compressed-momentum kernels do not take this codebook and state (and a column
-    split's ``scales``), or None: 2 to 256 fp32 codes, uint8 codes of the gradient's shape, fp32
-    scales of whole blocks (``functional._local_period``)."""
+    split's ``scales``), or None."""
     codes, m_scale = state["m_code"], state["m_scale"]
     rows, cols = rows_and_row_numel(grad.shape)
     period = F._local_period(state)
@@ -176,7 +171,7 @@ def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tens
     (which reads bf16 gradients as they are; the others take them as fp32)."""
     if not items:
         return []
-    out = triton.momenta_(items, codebook) if _momentum_kernels(items, codebook) is triton else None
+    out = triton.launch.momentum_(items, codebook) if _momentum_kernels(items, codebook) is triton else None
     return out or [update_momentum_(s, g.float(), mu, codebook) for s, g, mu in items]
 
 
@@ -190,7 +185,7 @@ def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
 def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
     """``m4v4_partials`` of every ``(grad, state, beta2)`` in two Triton launches (phase 1 of a
     whole group), or None: the caller takes them one by one."""
-    return _phase1_group("m4v4", items, lambda g: g.dim(), triton.m4v4_partials_)
+    return _phase1_group("m4v4", items, lambda g: g.dim(), "m4v4_partials")
 
 
 def m4v4_row_stats(grad, state, codebook, beta1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,8 +215,8 @@ def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0)
 
 
 def _m4v4_layout(grad, state, codebook, param=None, ratio=None, v_row=None, partials=None, row_max=None) -> str | None:
-    """Why the m4v4 kernels do not take this coded state and these tables (and, for the update,
-    parameter, ratio table, phase 1's ``v_row`` and ``partials`` and a column split's ``row_max``), or None."""
+    """Why the m4v4 kernels do not take this coded state and these tables (``param`` given: the
+    update's arguments too), or None."""
     rows, cols = rows_and_row_numel(grad.shape)
     codes, scale = state["mv_code"], state["m_row_scale"]
     if (grad.dim() < 2 or cols < 1 or codes.dtype != torch.uint8 or codes.numel() != rows * cols
@@ -261,11 +256,9 @@ def round_param_(param, work, *, step: int, salt: int, row0: int = 0, col0: int 
 
 
 def block_histograms(items: list, num_bins: int) -> torch.Tensor | None:
-    """The first step's histogram of every item, summed on the first item's device (None for no
-    items): an item is a ``[..., P]`` block tensor or a ``(rows, scale)`` pair, a column-split
-    tensor's local rows with the whole rows' max-abs (tensor parallelism). The C kernels count
-    every CPU item they take in one call, Triton each CUDA item, the torch reference the rest (the
-    same counts)."""
+    """The first step's histogram of every item (``codebook.histogram_pairs``), summed on the first
+    item's device (None for no items): the C kernels count every CPU item they take in one call,
+    Triton each CUDA item, the reference the rest (the same counts)."""
     pairs = histogram_pairs(items)
     runs = [_histogram_kernels(blocks, scale, num_bins) for blocks, scale in pairs]
     batch = [pair for pair, run in zip(pairs, runs) if run is c_kernels]

@@ -71,14 +71,10 @@ class Reducer:
         self.group = group
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce_(tensor, "sum")
-
-    def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """``op``: ``"sum"`` or ``"max"``."""
         if self.group is not None:
             import torch.distributed as dist
 
-            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=self.group)
+            dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -255,27 +251,16 @@ class ReductionPlan:
             return total
         return torch.cat([total[lay.col0:lay.col0 + local_tensor(p).shape[1]], total[columns:]])
 
-    def reduce_rows_(self, op: str, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Per-row values of column-split parameters reduced (``"sum"``/``"max"``) over the ranks
-        holding the other columns of the same rows: one collective for all of them."""
-        if self.columns is None or not rows:
-            return list(rows)
-        flat = torch.cat([r.reshape(-1) for r in rows])
-        self.columns.all_reduce_(flat, op)
-        return [part.view_as(r) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
-
-    def reduce_row_stats_(self, stats: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-row ``(float64 sums, fp32 maxes)`` of column-split parameters summed and maxed over the
-        ranks holding the other columns of the same rows: ONE ``all_gather`` (not two all-reduces),
-        then the sum and the max in rank order, the same on every rank (a NaN max stays NaN)."""
+    def reduce_rows_(self, stats: Sequence[tuple[torch.Tensor, ...]], ops: tuple[str, ...]) -> list[tuple]:
+        """Per-row values of column-split parameters, ``stats[i][k]`` reduced by ``ops[k]`` (``"sum"``
+        or ``"max"``) over the ranks holding the other columns of the same rows: ONE ``all_gather``
+        (float64) for all, then each reduced in rank order, the same on every rank (a NaN max stays NaN)."""
         if self.columns is None or not stats:
             return list(stats)
-        parts = [t.reshape(-1).double() for pair in stats for t in pair]
-        everyone = self.columns.gather(torch.cat(parts))
-        sizes = [t.numel() for t in parts]
-        sums = everyone.sum(0).split(sizes)
-        maxes = everyone.amax(0).split(sizes)
-        return [(sums[2 * i].view_as(s), maxes[2 * i + 1].to(m.dtype).view_as(m)) for i, (s, m) in enumerate(stats)]
+        parts = [t.reshape(-1).double() for row in stats for t in row]
+        everyone = self.columns.gather(torch.cat(parts)).split([t.numel() for t in parts], dim=1)
+        reduced = iter(e.sum(0) if ops[k % len(ops)] == "sum" else e.amax(0) for k, e in enumerate(everyone))
+        return [tuple(next(reduced).to(t.dtype).view_as(t) for t in row) for row in stats]
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:

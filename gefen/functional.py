@@ -45,12 +45,9 @@ STEP_CAP = 4.0
 
 def step_bound(step: int, beta1: float, beta2: float) -> float:
     """The largest |update| / lr an element may take at step ``step`` (docs/design.md, "Bounded
-    steps"): AdamW's own worst case, ``max |m_hat| / sqrt(v_hat)`` over every gradient history of
-    ``step`` steps (Cauchy-Schwarz on the two EMAs' weights: 1 at step 1, rising with the step),
-    capped at ``max(STEP_CAP, (1 - beta1) / sqrt(1 - beta2))`` (AdamW's step on a lone gradient after
-    a long quiet run, where that is larger). Exact moments meet the cap only on a gradient growing
-    geometrically for dozens of steps; a coded or factored second moment that underestimates an
-    element meets the floor this bound sets instead of ``eps``."""
+    steps"): AdamW's own worst case over every gradient history of ``step`` steps (Cauchy-Schwarz
+    on the two EMAs' weights), capped at ``max(STEP_CAP, (1 - beta1) / sqrt(1 - beta2))``. A coded
+    or factored second moment that underestimates an element meets this floor instead of ``eps``."""
     cap = max(STEP_CAP, (1.0 - beta1) / math.sqrt(1.0 - beta2)) if beta2 < 1 else math.inf
     r = beta1 * beta1 / beta2 if beta2 > 0 else math.inf
     if beta1 >= 1.0 or r == math.inf:
@@ -66,10 +63,8 @@ def inverse_step_bound(step: int, beta1: float, beta2: float) -> float:
 
 
 def bounded_denominator(root_v: torch.Tensor, m_hat: torch.Tensor, inv_bound: float, eps: float) -> torch.Tensor:
-    """``max(sqrt(v_hat), |m_hat| * inv_bound) + eps``: the update's denominator, never below what the
-    bias-corrected first moment of the update itself implies, so ``|m_hat / denominator| <= step_bound``
-    whatever the coded or factored second moment says (``root_v``: ``sqrt(v_hat)``, broadcast to
-    ``m_hat``'s shape; NaN propagates, as ``torch.maximum``)."""
+    """``max(sqrt(v_hat), |m_hat| * inv_bound) + eps``, so ``|m_hat / denominator| <= step_bound``
+    whatever the coded or factored second moment says (NaN propagates, as ``torch.maximum``)."""
     return torch.maximum(root_v, m_hat.abs().mul_(inv_bound)).add_(eps)
 
 
@@ -157,8 +152,8 @@ def decay_and_add_(param: torch.Tensor, update: torch.Tensor, lr: float, weight_
 
 
 def update_momentum_(state: dict, grad: torch.Tensor, beta: float, codebook: torch.Tensor) -> torch.Tensor:
-    """``m = lerp(m, g, 1 - beta)`` stored re-quantised; returns the *re-quantised* momentum (fp32),
-    so the update uses exactly the state it leaves behind (shared by Gefen and GefenMuon)."""
+    """``m = lerp(m, g, 1 - beta)`` stored re-quantised; returns the re-quantised momentum (fp32), so
+    the update uses exactly the state it leaves behind."""
     return store_momentum_(state, momentum_ema(state, grad, beta, codebook), codebook)
 
 
@@ -239,10 +234,8 @@ def m4v4_partials(grad: torch.Tensor, state: dict, beta2: float, *, row_sum: tor
                   row_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 1 of an m4v4 step for a coded tensor: the new ``v_row`` (rank-local) and the float64
     partial sums that need a global reduction, ``[column sums of g^2 (C values), sum of the new
-    v_row, sum of the old v_row]``. Row statistics are float64 sums rounded once.
-
-    Tensor parallelism (columns split) passes ``row_sum``, the whole rows' ``row_square_sums``,
-    and ``row_len``, the global row length; the column sums stay those of the local columns."""
+    v_row, sum of the old v_row]``. A column split (tensor parallelism) passes its whole rows'
+    ``row_square_sums`` and global ``row_len``."""
     g = rows_view(grad.float())
     sq = g * g
     row_sum = sq.sum(1, dtype=torch.float64) if row_sum is None else row_sum
@@ -256,11 +249,9 @@ def m4v4_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, codebook:
                  h: Hyper, *, global_rows: int, v_row: torch.Tensor, partials: torch.Tensor, pidx: int, seed: int,
                  row0: int = 0, col0: int = 0, row_len: int | None = None, row_max: torch.Tensor | None = None) -> None:
     """Phase 2 of an m4v4 step for a coded tensor, in place (docs/format.md, "The m4v4 step").
-
-    ``ratio``: ``ratio_table(v_codebook)``; ``v_row``/``partials``: ``m4v4_partials``' results after
-    the global sum; ``pidx``/``seed``: the noise's salts; ``row0``/``col0``/``row_len``: where the
-    shard lies in the global parameter; ``row_max``: a column split's max |m| of each whole row.
-    """
+    ``ratio``: ``ratio_table(v_codebook)``; ``v_row``/``partials``: ``m4v4_partials``' after the
+    global sum; ``pidx``/``seed``: the noise's salts; ``row0``/``col0``/``row_len``: where the shard
+    lies; ``row_max``: a column split's max |m| of each whole row."""
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1
     g = rows_view(grad.float())
@@ -320,10 +311,9 @@ def m4v4_momentum(grad: torch.Tensor, state: dict, codebook: torch.Tensor, beta1
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper, *, pidx: int, seed: int,
                   row0: int = 0) -> None:
-    """An m4v4 step of a 1-D/0-D tensor, in place: AdamW with the m4v4 op discipline, its first
-    moment kept in bf16 by unbiased stochastic rounding (noise: the hash of the element's global
-    index ``row0 + i``, the step and the parameter's first salt), its second moment in fp32. The
-    update uses the new fp32 moment, as AdamW does; only what is stored is rounded."""
+    """An m4v4 step of a 1-D/0-D tensor, in place: AdamW, its first moment stored in bf16 by unbiased
+    stochastic rounding (noise: the hash of the global index ``row0 + i``, the step and the first
+    salt), its second in fp32. The update uses the new fp32 moment; only what is stored is rounded."""
     b1, b2 = h.beta1, h.beta2
     step = int(state["step"]) + 1
     g = grad.float()
@@ -342,9 +332,8 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, h: Hyper
 def param_rows(param: torch.Tensor, *, row0: int = 0, col0: int = 0,
                row_len: int | None = None) -> tuple[int, int, int, int, int]:
     """``(rows, cols, row0, row_len, col0)`` such that ``element_index`` of a ``[rows, cols]`` view
-    of the rank-local ``param`` is each element's flat index in the global parameter: rows of a
-    >= 2-D tensor (``row0``/``col0``: the shard's first global row and column, ``row_len``: the
-    global row length); a 1-D shard is one row starting at its global offset ``row0``."""
+    of the rank-local ``param`` is each element's flat index in the global parameter (a 1-D shard
+    is one row starting at its global offset ``row0``)."""
     if param.dim() >= 2:
         cols = math.prod(param.shape[1:])
         return param.shape[0], cols, row0, cols if row_len is None else row_len, col0

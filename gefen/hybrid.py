@@ -156,11 +156,15 @@ def _resolve_split(params, model: nn.Module | None) -> Routed:
     return routed
 
 
-def _apply_hyper(children: dict[str, torch.optim.Optimizer], hyper: dict, groups: dict[str, dict]) -> None:
-    """Give each child's new group the keys of ``hyper`` that child knows, validated as the child's."""
+def _check_known(children: dict[str, torch.optim.Optimizer], hyper: dict) -> None:
     unknown = sorted(set(hyper) - {k for child in children.values() for k in child.defaults})
     if unknown:
         raise ValueError(f"param group keys unknown to both children: {unknown}")
+
+
+def _apply_hyper(children: dict[str, torch.optim.Optimizer], hyper: dict, groups: dict[str, dict]) -> None:
+    """Give each child's new group the keys of ``hyper`` that child knows, validated as the child's."""
+    _check_known(children, hyper)
     for name, group in groups.items():
         child = children[name]
         group.update({k: v for k, v in hyper.items() if k in child.defaults})
@@ -295,9 +299,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         for name, p in muon + rest:
             if id(p) in known:
                 raise ValueError(f"parameter {name!r} is already optimised by this GefenMuonHybrid")
-        unknown = sorted(set(hyper) - {k for child in self.children.values() for k in child.defaults})
-        if unknown:
-            raise ValueError(f"param group keys unknown to both children: {unknown}")
+        _check_known(self.children, hyper)
         added = []
         try:
             for name, part in (("muon", muon), ("backup", rest)):

@@ -11,10 +11,10 @@ from collections import defaultdict
 
 import torch
 
-from gefen.base import CompressedOptimizer, global_shape, local_tensor
+from gefen.base import CompressedOptimizer, local_tensor
 from gefen.contract import FieldSpec, OptimizerContract
 from gefen.dispatch import momenta_, momentum_scales, round_param_, sr_target, update_momentum_
-from gefen.distributed import ParamPlacement, row_gather
+from gefen.distributed import row_gather
 from gefen.functional import decay_and_add_, init_momentum_state
 from gefen.newton_schulz import NORM_EPS, STANDARD, orthogonalise, resolve_schedule
 from gefen.state_layouts import CODEBOOK_FIELD, MOMENTUM_FIELDS
@@ -128,14 +128,14 @@ class GefenMuon(CompressedOptimizer):
 
     def _init_param_state(self, group: dict, param: torch.Tensor, period: int) -> dict:
         local = local_tensor(param)
-        state = init_momentum_state(local, global_shape(param), period)
+        state = init_momentum_state(local, tuple(param.shape), period)
         if group["normuon"]:
             state["v_row"] = torch.zeros(local.shape[0], dtype=torch.float32, device=local.device)
         return state
 
-    def _check_placement(self, name: str, param: torch.Tensor, placement: ParamPlacement) -> None:
-        """Every layout ``describe_placement`` accepts works: Newton-Schulz gathers whole matrices, and
-        a column split's cut of a row's block is repaired by a max over the tensor-parallel dimension."""
+    #: every layout ``describe_placement`` accepts works: Newton-Schulz gathers whole matrices, and a
+    #: column split's cut of a row's block is repaired by a max over the tensor-parallel dimension
+    reduces_column_splits = True
 
     def _step(self, work) -> None:
         plan = self.reduction_plan()
@@ -180,7 +180,7 @@ class GefenMuon(CompressedOptimizer):
                 o = o[:, col0:col0 + param.shape[1]]
             target = sr_target(param, group["bf16_stochastic_round"])
             decay_and_add_(target, o, group["lr"], group["weight_decay"],
-                           alpha=-group["lr"] * lr_scale(global_shape(p), group["adjust_lr_fn"]))
+                           alpha=-group["lr"] * lr_scale(tuple(p.shape), group["adjust_lr_fn"]))
             round_param_(param, target, step=int(self.state[p]["step"]), row0=row0, col0=col0, row_len=p.shape[1],
                          salt=param_salt(position[id(p)], group["seed"]) ^ MUON_SALT)
 
@@ -188,8 +188,8 @@ class GefenMuon(CompressedOptimizer):
         """``update_momentum_`` of shards whose columns tensor parallelism splits: each row's max-abs
         scale is reduced over the ranks holding its other columns (one collective) before coding."""
         items = [(state, g.float(), mu) for state, g, mu in items]
-        scales = self.reduction_plan().reduce_rows_("max", [momentum_scales(*item, codebook) for item in items])
-        return [update_momentum_(*item, codebook, s) for item, s in zip(items, scales)]
+        scales = self.reduction_plan().reduce_rows_([(momentum_scales(*item, codebook),) for item in items], ("max",))
+        return [update_momentum_(*item, codebook, s) for item, (s,) in zip(items, scales)]
 
 
 def orthogonalise_batched(matrices: list[torch.Tensor], schedules: list[tuple]) -> list[torch.Tensor]:

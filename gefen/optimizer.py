@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from gefen import dispatch
-from gefen.base import CompressedOptimizer, global_shape, local_tensor
+from gefen.base import CompressedOptimizer, local_tensor
 from gefen.contract import OptimizerContract
-from gefen.distributed import ParamPlacement
 from gefen.functional import (
     M4V4_MATRIX_FIELDS,
     VECTOR_FIELDS,
@@ -123,7 +122,7 @@ class Gefen(CompressedOptimizer):
         return ("step", "period", "m_code", "m_scale") + second
 
     def _init_param_state(self, group: dict, param: torch.Tensor, period: int) -> dict:
-        shape = global_shape(param)
+        shape = tuple(param.shape)
         if self.moments == "m4v4":
             return init_m4v4_state(local_tensor(param), shape)
         return init_m8_state(local_tensor(param), shape, period, is_factored(shape, group["factored_v_2d"]))
@@ -139,9 +138,9 @@ class Gefen(CompressedOptimizer):
         else:
             self._step_m8(work)
 
-    def _check_placement(self, name: str, param: torch.Tensor, placement: ParamPlacement) -> None:
-        if self.moments == "m8":  # m8 has no tensor-parallel reduction of its row statistics (m4v4 has)
-            super()._check_placement(name, param, placement)
+    @property
+    def reduces_column_splits(self) -> bool:
+        return self.moments == "m4v4"  # m8 has no tensor-parallel reduction of its row statistics
 
     def _reduced_partials(self, work, fields: str, partials_fn,
                           batched_fn=None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -183,8 +182,8 @@ class Gefen(CompressedOptimizer):
         # is the same under any finite codebook.
         split = [(g, p, grad) for g, p, grad in work if "mv_code" in self.state[p] and plan.splits_columns(p)]
         book = self._step_codebook()
-        stats = plan.reduce_row_stats_([dispatch.m4v4_row_stats(local_tensor(grad), self.state[p], book.to(grad.device),
-                                                                group["betas"][0]) for group, p, grad in split])
+        stats = plan.reduce_rows_([dispatch.m4v4_row_stats(local_tensor(grad), self.state[p], book.to(grad.device),
+                                                           group["betas"][0]) for group, p, grad in split], ("sum", "max"))
         row_sums = {id(p): s for (_, p, _), (s, _) in zip(split, stats)}
         row_max = {id(p): m for (_, p, _), (_, m) in zip(split, stats)}
         pending = self._reduced_partials(
@@ -228,4 +227,4 @@ class Gefen(CompressedOptimizer):
 
 def _row_len(p: torch.Tensor) -> int:
     """The global row length of ``p`` (elements per row of the whole parameter)."""
-    return rows_and_row_numel(global_shape(p))[1]
+    return rows_and_row_numel(tuple(p.shape))[1]

@@ -1,12 +1,9 @@
 """The parity harness: a kernel family runs only once it agrees with the reference.
 
 ``check`` runs each problem ``(run, case)`` as ``run(*case, fns)`` with the reference's step
-functions (``REFERENCE``) and with a family's (``kernel_fns``: the same names and signatures), and
-names the first disagreement under the family's rule: ``identical`` (bit for bit),
-``within_m4v4_bound`` (the C m4v4 kernels' bound), ``after_rounding`` (Triton; ``M8_RULE``: the
-m8 kernels of both families) or ``equal``.
-A stepping runner takes ``steps``, ``(by the reference, then by fns)``: the m8 checks (C and
-Triton) and Triton's others step in lockstep, one kernel step from the reference's state.
+functions (``REFERENCE``) and a family's (``kernel_fns``), and names the first disagreement under
+the family's rule (``identical``, ``within_m4v4_bound``, ``after_rounding``/``M8_RULE``, ``equal``).
+A stepping runner takes ``steps``, ``(by the reference, then by fns)``.
 """
 
 from __future__ import annotations
@@ -48,15 +45,13 @@ def kernel_fns(**fns) -> types.SimpleNamespace:
 
 
 def outputs(problems, fns) -> list:
-    """What each problem ``(run, case)`` leaves, ``run(*case, fns)``: the reference's, computed once
-    for several candidates."""
+    """What each problem ``(run, case)`` leaves (the reference's: computed once for several candidates)."""
     return [run(*case, fns) for run, case in problems]
 
 
 def check(problems, kernels, agree, wants: list) -> str | None:
-    """None when the kernels' step functions ``kernels`` leave, on every problem, what the
-    reference left (``wants``, from ``outputs``) under ``agree(got, want)`` (None: they agree, else
-    what differs); else the first disagreement, a declined problem included."""
+    """None when ``kernels`` leave, on every problem, what the reference left (``wants``) under
+    ``agree(got, want)``; else the first disagreement, a declined problem included."""
     for (run, case), want in zip(problems, wants):
         try:
             got = run(*case, kernels)
@@ -117,8 +112,7 @@ def params_close(before: torch.Tensor, ref: torch.Tensor, got: torch.Tensor,
 
 
 def after_rounding(approx: tuple[str, ...] = (), update_rtol: float | None = None):
-    """The Triton kernels' rule on ``(param, state, param before)``: ``state_differences`` (``approx``:
-    m8's ``M8_APPROX``), then ``params_close`` (``update_rtol``: m8's ``M8_V_RTOL``)."""
+    """The Triton kernels' rule on ``(param, state, param before)``: ``state_differences``, then ``params_close``."""
     def agree(got, want) -> str | None:
         (p, state, before), (ref_p, ref_state, _) = got, want
         if (why := state_differences(ref_state, state, approx)) is not None:
@@ -127,8 +121,7 @@ def after_rounding(approx: tuple[str, ...] = (), update_rtol: float | None = Non
     return agree
 
 
-#: The m8 kernels' rule (C and Triton): codes, scales, ``v_col`` and step counts the reference's,
-#: ``M8_APPROX`` within ``M8_V_RTOL``, parameters within ``params_close(update_rtol=M8_V_RTOL)``.
+#: The m8 kernels' rule (C and Triton)
 M8_RULE = after_rounding(M8_APPROX, M8_V_RTOL)
 
 

@@ -61,11 +61,7 @@ def finish_pending(when: str) -> None:
     future.seen = True
 
 
-def _at_exit() -> None:
-    finish_pending("(reported at interpreter exit)")
-
-
-atexit.register(_at_exit)
+atexit.register(finish_pending, "(reported at interpreter exit)")
 
 
 def _watch_destroy() -> None:

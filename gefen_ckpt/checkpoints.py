@@ -5,8 +5,6 @@ The CLI is these calls plus printing."""
 
 from __future__ import annotations
 
-from gefen.geometry import rows_and_row_numel
-
 PORTABLE, DCP, TORCH = "portable", "dcp", "torch"
 FORMATS = (PORTABLE, DCP, TORCH)
 
@@ -162,16 +160,14 @@ def verify_any(url: str, *, format: str | None = None, optimizer: str | None = N
     if format == TORCH:
         return {"ok": True, "problems": [], "tensors": tensors, "bytes": state.total_bytes(),
                 "note": "torch.save files carry no checksums: checked loading (weights_only) and the contract"}
-    from gefen_ckpt.dist.placement import rows_per_chunk
+    from gefen_ckpt.dist.placement import row_ranges
     from gefen_ckpt.errors import CheckpointError
 
     problems, checked = [], 0
     for key, source in state.tensors():
-        rows = rows_and_row_numel(source.shape)[0]
-        step = rows_per_chunk(source.shape, source.dtype.itemsize, 64 << 20)
         try:
-            for start in range(0, rows, step):
-                checked += source.read(start, min(rows, start + step)).nbytes
+            for start, stop in row_ranges(source.shape, source.dtype.itemsize, 64 << 20):
+                checked += source.read(start, stop).nbytes
         except (CheckpointError, RuntimeError, ValueError, OSError) as exc:
             problems.append(f"{key}: {exc}")
     return {"ok": not problems, "problems": problems, "tensors": tensors, "bytes_checked": checked,
@@ -192,9 +188,9 @@ def write(state, url: str, format: str = PORTABLE, *, world_size: int | None = N
         key = state.metadata.get("key") if state.metadata.get("source_format") == DCP else None
         write_dcp(state, url, key=key or "optim", world_size=world_size, **chunks)
     elif format == TORCH:
-        from gefen_ckpt.formats.torch_file import write_torch
+        from gefen_ckpt.formats.torch_file import save_torch_state_dict, state_dict_from_canonical
 
-        write_torch(state, url)
+        save_torch_state_dict(state_dict_from_canonical(state), url)
     else:
         from gefen_ckpt.api import write as write_portable
 

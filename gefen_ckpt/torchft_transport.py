@@ -1,30 +1,19 @@
 """Live healing through torchft (docs/design.md, "Live healing"): ``GefenTransport`` is a torchft
-``CheckpointTransport`` that sends a healthy replica's state dict (model, Gefen / GefenMuon /
-hybrid optimizer state, and the plain values torchft's ``Manager`` adds) to a rejoining replica
-over a process group, in the wire format's pickle-free, batched shape:
-
-* one msgpack manifest (step, the tree with tensors by number, per-tensor columns: dtype runs,
-  shapes, CRC-32s), itself under a CRC-32 carried by a fixed 5-integer header;
-* every tensor of at most ``pack_bytes`` bytes in one packed buffer (one message), larger ones
-  one message each, straight from their memory;
-* a tensor reached from many places (the codebooks every parameter's state shares) sent once
-  and rebuilt as one tensor;
-* a CRC-32 per tensor, checked on arrival: the state is returned only when the header, the
-  manifest and every tensor check out, so a bad transfer never reaches ``load_state_dict``;
-* a DTensor (an FSDP2 / tensor-parallel replica group) travels as its local shard with its global
-  shape, placements, offset and mesh shape: rank i of the healthy group sends to rank i of the
-  joining one, which checks the shard is the part its own ``mesh`` gives it before rebuilding the
-  DTensor there.
-
-The timeout bounds the whole transfer: a wait that runs out raises ``CheckpointTimeoutError``, a
-peer that fails (its process died: the connection drops) ``CheckpointError``, both naming the
-peer; torchft's Manager reports the error and skips the step.
-torchft is an optional extra (``gefen[torchft]``): only this module imports it.
+``CheckpointTransport`` that sends a healthy replica's state dict to a rejoining replica over a
+process group, pickle-free: a fixed header, one msgpack manifest (the tree with tensors by
+number, per-tensor dtype runs, shapes and CRC-32s), the small tensors in one packed buffer, each
+large one as its own message straight from its memory. A tensor reached from many places (the
+shared codebooks) is sent once. The receiver checks the header, the manifest and every tensor's
+CRC-32 before it returns the state, so a bad transfer never reaches ``load_state_dict``; a
+DTensor travels as its local shard (rank i heals from rank i) and is checked against the
+receiver's ``mesh`` before it is rebuilt there. torchft is an optional extra (``gefen[torchft]``):
+only this module imports it.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import struct
 import time
 from collections import OrderedDict
@@ -38,12 +27,12 @@ import numpy as np
 import torch
 
 from gefen.distributed import is_dtensor
+from gefen_ckpt.dist import collective
 from gefen_ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
-    CheckpointTimeoutError,
 )
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize, torch_dtype
@@ -68,24 +57,6 @@ _INDEX = struct.Struct("<I")
 
 
 # ===== encoding (pure: no process group) ======================================================
-class Pieces(NamedTuple):
-    """The distinct tensors in send order, as columns: the packed ones first (by element size,
-    then dtype, so each lies aligned), then one message each. ``runs``: [dtype, count, packed]
-    for consecutive pieces alike; ``index``: each piece's number in the tree; ``crc``: CRC-32 of
-    each packed piece (the large ones' follow them, in the trailer message)."""
-
-    runs: list[list]
-    ndim: np.ndarray
-    dims: np.ndarray
-    crc: np.ndarray
-    index: np.ndarray
-    pack: int
-
-    def to_wire(self) -> dict:
-        return {"runs": self.runs, "ndim": self.ndim.astype("<u1").tobytes(), "dims": self.dims.astype("<i8").tobytes(),
-                "crc": self.crc.astype("<u4").tobytes(), "index": self.index.astype("<u4").tobytes(), "pack": self.pack}
-
-
 @dataclass
 class Encoded:
     """A state dict ready to send: the manifest bytes, the packed buffer, the large tensors."""
@@ -287,16 +258,14 @@ def _packed(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The small tensors' bytes end to end: one concatenation per run of one dtype, then their bytes."""
     if not tensors:
         return torch.empty(0, dtype=torch.uint8)
-    runs, start = [], 0
-    for j in range(1, len(tensors) + 1):
-        if j == len(tensors) or tensors[j].dtype != tensors[start].dtype:
-            runs.append(torch.cat([_flat(t) for t in tensors[start:j]]).view(torch.uint8))
-            start = j
+    runs = [torch.cat([_flat(t) for t in run]).view(torch.uint8)
+            for _, run in itertools.groupby(tensors, key=lambda t: t.dtype)]
     return torch.cat(runs) if len(runs) > 1 else runs[0]
 
 
 def _order(tensors: list[torch.Tensor], pack_bytes: int) -> tuple[list[int], int]:
-    """Send order (packed first, largest elements first) and how many are packed."""
+    """Send order and how many are packed: the packed ones first, by element size then dtype
+    (so each lies aligned in the buffer), then the large ones."""
     small, large = [], []
     for i, t in enumerate(tensors):
         (small if t.numel() * t.element_size() <= pack_bytes else large).append(i)
@@ -305,14 +274,9 @@ def _order(tensors: list[torch.Tensor], pack_bytes: int) -> tuple[list[int], int
 
 
 def _runs(dtypes: list[str], packed: int) -> list[list]:
-    runs: list[list] = []
-    for j, name in enumerate(dtypes):
-        inside = j < packed
-        if runs and runs[-1][0] == name and runs[-1][2] == inside:
-            runs[-1][1] += 1
-        else:
-            runs.append([name, 1, inside])
-    return runs
+    """[dtype, count, packed] for each run of consecutive pieces alike."""
+    alike = itertools.groupby((name, j < packed) for j, name in enumerate(dtypes))
+    return [[name, sum(1 for _ in run), inside] for (name, inside), run in alike]
 
 
 def encode_state(state_dict: Any, step: int, *, pack_bytes: int = PACK_BYTES, hash_large: bool = True) -> Encoded:
@@ -324,16 +288,17 @@ def encode_state(state_dict: Any, step: int, *, pack_bytes: int = PACK_BYTES, ha
         order, packed = _order(collect.tensors, pack_bytes)
         ordered = [collect.tensors[i] for i in order]
         pack = _packed(ordered[:packed])
-    sizes = np.fromiter((t.nbytes for t in ordered), np.int64, len(ordered))
-    offsets = np.cumsum(sizes[:packed]) - sizes[:packed]
-    crcs = checksum.of_ranges(pack.numpy(), offsets.tolist(), sizes[:packed].tolist()) if packed else []
+    crcs = _packed_crcs(pack, np.fromiter((t.nbytes for t in ordered[:packed]), np.int64, packed))
     shapes = [t.shape for t in ordered]
-    pieces = Pieces(_runs([dtype_name(t.dtype) for t in ordered], packed),
-                    np.fromiter((len(s) for s in shapes), np.uint8, len(shapes)),
-                    np.fromiter((d for s in shapes for d in s), np.int64), np.asarray(crcs, np.uint32),
-                    np.asarray(order, np.uint32), int(pack.numel()))
-    manifest = msgpack.packb({"format": FORMAT, "version": VERSION, "step": int(step), "tree": tree,
-                              **pieces.to_wire()}, use_bin_type=True)
+    # the pieces in send order as columns: [dtype, count, packed] runs, shapes, the packed ones'
+    # CRC-32s (the large ones' travel in the trailer), each piece's number in the tree
+    manifest = msgpack.packb({
+        "format": FORMAT, "version": VERSION, "step": int(step), "tree": tree,
+        "runs": _runs([dtype_name(t.dtype) for t in ordered], packed),
+        "ndim": np.fromiter((len(s) for s in shapes), "<u1", len(shapes)).tobytes(),
+        "dims": np.fromiter((d for s in shapes for d in s), "<i8").tobytes(),
+        "crc": np.asarray(crcs, "<u4").tobytes(), "index": np.asarray(order, "<u4").tobytes(),
+        "pack": int(pack.numel())}, use_bin_type=True)
     large = [_flat(t).view(torch.uint8) for t in ordered[packed:]]  # views: sent from their own memory
     return Encoded(manifest, pack, large, len(ordered), [_crc(t) for t in large] if hash_large else [])
 
@@ -422,30 +387,20 @@ def parse_manifest(data: bytes, step: int) -> Parsed:
     return Parsed(dtypes, packed, shapes, nbytes, crc, index, pack, tree)
 
 
-def _packed_crcs(p: Parsed, pack: torch.Tensor) -> list[int]:
-    sizes = p.nbytes[:p.packed]
-    return checksum.of_ranges(pack.numpy(), (np.cumsum(sizes) - sizes).tolist(), sizes.tolist()) if p.packed else []
-
-
-def _check_crcs(got: list[int], want: np.ndarray, peer: str) -> None:
-    bad = np.flatnonzero(np.asarray(got, np.int64) != want) if len(got) == len(want) else [len(got)]
-    if len(bad):
-        raise CheckpointCorruptError(f"heal from {peer}: {len(bad)} tensor(s) failed their CRC-32 "
-                                     f"(first: piece {int(bad[0])}); nothing was applied")
+def _packed_crcs(pack: torch.Tensor, sizes: np.ndarray) -> list[int]:
+    """The CRC-32 of each packed piece (``sizes``: their bytes, end to end in ``pack``)."""
+    return checksum.of_ranges(pack.numpy(), (np.cumsum(sizes) - sizes).tolist(), sizes.tolist()) if len(sizes) else []
 
 
 def _tensors(p: Parsed, pack: torch.Tensor, large: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every piece as a tensor of its dtype and shape, viewing the received bytes (tree order)."""
     flat: list[torch.Tensor] = []
-    at = 0
-    for j in range(p.packed):  # consecutive pieces of one dtype: one split
-        if j == 0 or p.dtypes[j] != p.dtypes[j - 1]:
-            stop = j
-            while stop < p.packed and p.dtypes[stop] == p.dtypes[j]:
-                stop += 1
-            span = int(p.nbytes[j:stop].sum())
-            flat += pack[at:at + span].view(torch_dtype(p.dtypes[j])).split((p.nbytes[j:stop] // itemsize(p.dtypes[j])).tolist())
-            at += span
+    at = j = 0
+    for name, run in itertools.groupby(p.dtypes[:p.packed]):  # consecutive pieces of one dtype: one split
+        sizes = p.nbytes[j:j + sum(1 for _ in run)]
+        span = int(sizes.sum())
+        flat += pack[at:at + span].view(torch_dtype(name)).split((sizes // itemsize(name)).tolist())
+        at, j = at + span, j + len(sizes)
     flat += [t.view(torch_dtype(p.dtypes[p.packed + k])) for k, t in enumerate(large)]
     out: list[torch.Tensor] = [None] * len(flat)  # type: ignore[list-item]
     for t, shape, number in zip(flat, p.shapes, p.index.tolist()):
@@ -460,14 +415,19 @@ def decode_state(data: bytes, step: int, pack: torch.Tensor, large: list[torch.T
     parsed = parse_manifest(data, step)
     if pack.numel() != parsed.pack or [t.numel() for t in large] != parsed.nbytes[parsed.packed:].tolist():
         raise CheckpointCorruptError(f"heal from {peer}: the received buffers do not match the manifest")
-    _check_crcs(_packed_crcs(parsed, pack) + [_crc(t) for t in large],
-                np.concatenate([parsed.crc.astype(np.int64), np.asarray(large_crc, np.int64)]), peer)
-    with _gc_paused():
-        return _unpack_tree(parsed.tree, _tensors(parsed, pack, large), mesh, peer)
+    got = _packed_crcs(pack, parsed.nbytes[:parsed.packed]) + [_crc(t) for t in large]
+    return _unpack_tree(parsed, pack, large, got, large_crc, mesh, peer)
 
 
-def _unpack_tree(tree: bytes, tensors: list[torch.Tensor], mesh=None, peer: str = "the sender"):
-    """The state dict ``tree`` describes, DTensor shards checked and placed on ``mesh``."""
+def _unpack_tree(parsed: Parsed, pack: torch.Tensor, large: list[torch.Tensor], got: list[int], large_crc,
+                 mesh, peer: str):
+    """The state dict the manifest describes, once every tensor's CRC-32 (``got``) matched the
+    sender's (the manifest's, then ``large_crc``); DTensor shards checked and placed on ``mesh``."""
+    want = np.concatenate([parsed.crc.astype(np.int64), np.asarray(large_crc, np.int64)])
+    bad = np.flatnonzero(np.asarray(got, np.int64) != want) if len(got) == len(want) else [len(got)]
+    if len(bad):
+        raise CheckpointCorruptError(f"heal from {peer}: {len(bad)} tensor(s) failed their CRC-32 "
+                                     f"(first: piece {int(bad[0])}); nothing was applied")
     shards = []
 
     def hook(code: int, payload: bytes):
@@ -487,13 +447,15 @@ def _unpack_tree(tree: bytes, tensors: list[torch.Tensor], mesh=None, peer: str 
     def unpack(payload: bytes):
         return msgpack.unpackb(payload, ext_hook=hook, raw=False, strict_map_key=False, max_bin_len=len(payload))
 
-    try:
-        state = unpack(tree)
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        _fail(f"tree does not decode ({exc})")
-    return _place(state, mesh, f"heal from {peer}: state") if shards else state
+    with _gc_paused():
+        tensors = _tensors(parsed, pack, large)  # the hook's
+        try:
+            state = unpack(parsed.tree)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            _fail(f"tree does not decode ({exc})")
+        return _place(state, mesh, f"heal from {peer}: state") if shards else state
 
 
 # ===== the transport ==========================================================================
@@ -505,10 +467,6 @@ class HealStats:
     messages: int = 0
     tensors: int = 0
     seconds: float = 0.0
-
-
-def _seconds(timeout: timedelta | float) -> float:
-    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
 class GefenTransport(CheckpointTransport):
@@ -544,22 +502,13 @@ class GefenTransport(CheckpointTransport):
         """Nothing to release: the process group belongs to the caller."""
 
     def _wait(self, work, deadline: float, total: float, what: str, peer: str) -> None:
-        """Wait for ``work`` until ``deadline`` (monotonic): never with a zero timeout, which
-        gloo reads as none."""
-        left = max(1e-3, deadline - time.monotonic())
-        try:
-            done = work.wait(timedelta(seconds=left))
-        except Exception as exc:
-            text = str(exc)
-            if "imeout" in text or "imed out" in text:
-                raise CheckpointTimeoutError(f"heal: {peer} did not complete the {what} within {total:g}s") from exc
-            raise CheckpointError(f"heal: the {what} with {peer} failed: {text.splitlines()[0] if text else exc!r}") from exc
-        if done is False:
-            raise CheckpointTimeoutError(f"heal: {peer} did not complete the {what} within {total:g}s")
+        """Wait for ``work`` until ``deadline`` (monotonic): ``total`` seconds bound the whole transfer."""
+        collective.wait_for(work, deadline - time.monotonic(), f"heal: {peer} did not complete the {what} within {total:g}s",
+                 f"heal: the {what} with {peer} failed")
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict, timeout: timedelta) -> None:
         start = time.perf_counter()
-        total = _seconds(timeout)
+        total = timeout.total_seconds()
         deadline = time.monotonic() + total
         enc = encode_state(state_dict, step, pack_bytes=self._pack_bytes, hash_large=False)
         header = torch.tensor([MAGIC, VERSION, step, len(enc.manifest), checksum.update(0, enc.manifest)],
@@ -584,7 +533,7 @@ class GefenTransport(CheckpointTransport):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
         start = time.perf_counter()
-        total = _seconds(timeout)
+        total = timeout.total_seconds()
         deadline = time.monotonic() + total
         peer = f"replica rank {src_rank}"
         if metadata != self.metadata():
@@ -602,18 +551,16 @@ class GefenTransport(CheckpointTransport):
         if checksum.update(0, data) != crc:
             raise CheckpointCorruptError(f"heal from {peer}: the manifest failed its CRC-32; nothing was applied")
         parsed = parse_manifest(data, step)
-        pack, large, got, want = self._receive(parsed, src_rank, deadline, total, peer)
+        pack, large, got, large_crc = self._receive(parsed, src_rank, deadline, total, peer)
         # every message is in: a bad piece leaves the process group clean for the Manager's retry
-        _check_crcs(got, want, peer)
-        with _gc_paused():
-            state = _unpack_tree(parsed.tree, _tensors(parsed, pack, large), self._mesh, peer)
+        state = _unpack_tree(parsed, pack, large, got, large_crc, self._mesh, peer)
         self.last_recv = HealStats(header.nbytes + length + parsed.pack + sum(t.numel() for t in large) + 8 * len(large),
                                    3 + len(large) + bool(large), len(parsed.dtypes), time.perf_counter() - start)
         return state
 
     def _receive(self, parsed: Parsed, src: int, deadline: float, total: float, peer: str):
         """The packed buffer and the large tensors, each hashed as soon as it is in (while the
-        next arrives); returns them, their hashes and the sender's."""
+        next arrives); returns them, their hashes and the sender's of the large ones."""
         pack = torch.empty(parsed.pack, dtype=torch.uint8)
         large = [torch.empty(n, dtype=torch.uint8) for n in parsed.nbytes[parsed.packed:].tolist()]
         trailer = torch.zeros(len(large), dtype=torch.int64)
@@ -622,10 +569,10 @@ class GefenTransport(CheckpointTransport):
         work_trailer = self._pg.recv([trailer], src, self.TRAILER_TAG) if large else None
         if work_pack is not None:
             self._wait(work_pack, deadline, total, "packed buffer", peer)
-        got = _packed_crcs(parsed, pack)
+        got = _packed_crcs(pack, parsed.nbytes[:parsed.packed])
         for k, (work, t) in enumerate(zip(work_large, large)):
             self._wait(work, deadline, total, f"large tensor {k}", peer)
             got.append(_crc(t))
         if work_trailer is not None:
             self._wait(work_trailer, deadline, total, "checksum trailer", peer)
-        return pack, large, got, np.concatenate([parsed.crc.astype(np.int64), trailer.numpy()])
+        return pack, large, got, trailer.numpy()

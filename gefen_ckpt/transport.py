@@ -23,7 +23,7 @@ from gefen.geometry import rows_and_row_numel
 from gefen.replicas import chunk_rows
 from gefen_ckpt.dist import collective
 from gefen_ckpt.dist.placement import is_dtensor, to_local
-from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
+from gefen_ckpt.errors import CheckpointError
 from gefen_ckpt.state.canonical import CanonicalState, EagerSource, LocalPart, ParamState, TensorSource
 from gefen_ckpt.wire.dtypes import dtype_name, torch_dtype
 
@@ -242,34 +242,32 @@ class _Absent:
         raise CheckpointError(f"{self.label} was not transported to this rank")
 
 
-def _rebuild(description: dict, make) -> CanonicalState:
-    """A CanonicalState from a description, each tensor ``make(label, shape, dtype)``, called in
-    the order of ``CanonicalState.tensors()``."""
-    contract = OptimizerContract.from_dict(description["contract"])
+def _skeleton(description: dict) -> CanonicalState:
+    """The described state with a ``_Skeleton`` for each tensor."""
 
-    def tensor(label: str, shape, dtype: str):
-        return make(label, tuple(shape), torch_dtype(dtype, _DESCRIPTION))
+    def tensor(shape, dtype: str) -> _Skeleton:
+        return _Skeleton(tuple(shape), torch_dtype(dtype, _DESCRIPTION))
 
-    global_fields = {key: tensor(key, shape, dtype) for key, shape, dtype in description["globals"]}
+    global_fields = {key: tensor(shape, dtype) for key, shape, dtype in description["globals"]}
     params = {fqn: ParamState(tuple(shape), torch_dtype(dtype, _DESCRIPTION),
-                              {name: tensor(f"{fqn}/{name}", s, d) for name, s, d in fields}, child)
+                              {name: tensor(s, d) for name, s, d in fields}, child)
               for fqn, shape, dtype, child, fields in description["params"]}
-    return CanonicalState(contract, [dict(g) for g in description["groups"]], params, global_fields)
+    return CanonicalState(OptimizerContract.from_dict(description["contract"]),
+                          [dict(g) for g in description["groups"]], params, global_fields)
 
 
 def _infos(ordered: Sequence[tuple[str, object]]) -> list[TensorInfo]:
     return [TensorInfo(tuple(src.shape), src.dtype.itemsize, label) for label, src in ordered]
 
 
-def _wanted_rows(optimizer, description: dict, model) -> tuple[list[tuple[str, _Skeleton]], list[Range | None]]:
-    """The described tensors (as skeletons, in order) and the rows of each that this rank's
+def _wanted_rows(optimizer, description: dict, model) -> tuple[CanonicalState, list[Range | None]]:
+    """The described state (of skeletons) and the rows of each tensor that this rank's
     ``import_canonical`` will read, after all of its validation against the live optimizer."""
     from gefen_ckpt.dist.optimizer_state import local_state_dict
 
-    skeleton = _rebuild(description, lambda label, shape, dtype: _Skeleton(shape, dtype))
+    skeleton = _skeleton(description)
     local_state_dict(optimizer, skeleton, model)
-    ordered = list(skeleton.tensors())
-    return ordered, [src.wanted for _, src in ordered]
+    return skeleton, [src.wanted for _, src in skeleton.tensors()]
 
 
 # ===== collectives ============================================================================
@@ -310,7 +308,7 @@ def _offer(state: CanonicalState, budget_bytes, writers_only: bool) -> tuple[dic
     return description, ordered, payload
 
 
-def _import(what: str, received: tuple[list, BaseException | None], optimizer, description: dict,
+def _import(what: str, received: tuple[list, BaseException | None], optimizer, skeleton: CanonicalState,
             metadata: dict, want, model) -> None:
     """Agree on the data phase (``_move``'s outputs and error), then load this rank's rows as
     LocalParts through ``import_canonical``, which validates again and agrees before it loads."""
@@ -319,15 +317,15 @@ def _import(what: str, received: tuple[list, BaseException | None], optimizer, d
     outputs, error = received
     collective.agree(error, what)
     rank, _ = _world()
-    it = iter(zip(outputs, [w[rank] for w in want]))
+    arrived = {label: (t, w[rank]) for (label, _), t, w in zip(skeleton.tensors(), outputs, want)}
 
-    def make(label, shape, dtype):
-        tensor, span = next(it)
+    def source(label: str, src: _Skeleton):
+        tensor, span = arrived[label]
         if tensor is None:
-            return _Absent(shape, dtype, label)
-        return LocalPart(tensor, span[0] if shape else 0, shape, False)
+            return _Absent(src.shape, src.dtype, label)
+        return LocalPart(tensor, span[0] if src.shape else 0, src.shape, False)
 
-    state = _rebuild(description, make)
+    state = skeleton.with_sources(source)
     state.metadata = dict(metadata)
     import_canonical(optimizer, state, model=model)
 
@@ -521,17 +519,8 @@ def _move(infos, dtypes, sources, have, want, out_device, stats: TransportStats)
 
 
 def _wait(work, what: str) -> None:
-    """Wait for one message, at most the collective timeout: a peer that stalls mid-transfer is
-    named, instead of waiting for the backend's timeout."""
-    import datetime
-
     seconds = collective.current_timeout()
-    try:
-        work.wait(datetime.timedelta(seconds=seconds))
-    except RuntimeError as exc:
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-            raise CheckpointTimeoutError(f"transport: {what} did not complete within {seconds:g} s") from None
-        raise CheckpointError(f"transport: {what} failed: {exc}") from None
+    collective.wait_for(work, seconds, f"transport: {what} did not complete within {seconds:g} s", f"transport: {what} failed")
 
 
 def _begin(operation: str, budget_bytes) -> TransportStats:
@@ -543,7 +532,9 @@ def _begin(operation: str, budget_bytes) -> TransportStats:
 # ===== gather =================================================================================
 def _held(source, writers_only: bool) -> Range | None:
     """The rows this rank can send of a tensor (of a LocalPart: none unless it is their writer,
-    for ``gather``)."""
+    for ``gather``; of a ``_Skeleton``: none)."""
+    if isinstance(source, _Skeleton):
+        return None
     if not isinstance(source, LocalPart):
         return (0, rows_and_row_numel(source.shape)[0])
     if writers_only and not source.writer:
@@ -583,8 +574,8 @@ def gather(optimizer_or_state, dst: int = 0, *, model: torch.nn.Module | None = 
     result = None
     if rank == dst and error is None:
         try:
-            gathered = {key: EagerSource(t) for (key, _), t in zip(state.tensors(), outputs)}
-            result = state.with_sources(lambda key, _: gathered[key])
+            gathered = {label: EagerSource(t) for (label, _), t in zip(ordered, outputs)}
+            result = state.with_sources(lambda label, _: gathered[label])
         except Exception as exc:
             error = exc
     collective.agree(error, "gather")
@@ -610,13 +601,9 @@ def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: tor
     except Exception as exc:
         error = exc
     _agreed({"budget": budget, "root": src}, error, "scatter", stats, root="src ranks")
-
-    # 1. the description, from src
-    ordered = []
     if rank == src:
         try:
             data = collective.pack({"description": _describe(state), "metadata": dict(state.metadata)})
-            ordered = [(label, _normalise(s)) for label, s in state.tensors()]
         except Exception as exc:
             error = exc
             data = collective.pack({"error": collective.describe_error(exc)})
@@ -626,23 +613,13 @@ def scatter(state, optimizer: torch.optim.Optimizer, src: int = 0, *, model: tor
             raise error
         raise CheckpointError(f"scatter: the state on rank {src} cannot be sent ({received['error']}); "
                               "nothing was changed on this rank")
-    description = received["description"]
 
-    # 2. every rank checks the description against its optimizer and says which rows it needs
-    skeleton, wanted = [], []
-    try:
-        skeleton, wanted = _wanted_rows(optimizer, description, model)
-    except Exception as exc:
-        error = exc
-    everyone = collective.exchange({"want": wanted}, error, "scatter")
-    infos = _infos(skeleton)
-    have = [[(0, info.rows) if r == src else None for r in range(world)] for info in infos]
-    want = _ranges(everyone, "want", len(infos))
+    def described() -> CanonicalState:  # the other ranks hold none of its rows
+        skeleton = _skeleton(received["description"])
+        skeleton.metadata = received["metadata"]
+        return skeleton
 
-    # 3. the rows, then the import
-    sources = [s for _, s in ordered] if rank == src else [None] * len(infos)
-    _import("scatter", _move(infos, [s.dtype for _, s in skeleton], sources, have, want, collective.device(), stats),
-            optimizer, description, received["metadata"], want, model)
+    _load("scatter", (lambda: state) if rank == src else described, optimizer, model, budget_bytes, stats)
 
 
 # ===== redistribute ===========================================================================
@@ -654,16 +631,22 @@ def redistribute(state: CanonicalState, optimizer: torch.optim.Optimizer, *,
     rest come from a holder (replicas share the sending) in messages of at most ``budget_bytes``;
     no rank materialises a whole tensor it does not own. Nothing changes unless every rank staged.
     """
-    stats = _begin("redistribute", budget_bytes)
-    error, description, ordered, payload = None, None, [], {}
+    _load("redistribute", lambda: state, optimizer, model, budget_bytes, _begin("redistribute", budget_bytes))
+
+
+def _load(what: str, local_state, optimizer, model, budget_bytes, stats: TransportStats) -> None:
+    """Load the state whose rows the ranks hold (each rank's ``local_state()``: its rows, as
+    ``LocalPart`` s, whole tensors or ``_Skeleton`` s for none) into ``optimizer`` on every rank."""
+    error, state, skeleton, ordered, payload = None, None, None, [], {}
     try:
+        state = local_state()
         description, ordered, payload = _offer(state, budget_bytes, writers_only=False)
-        _, payload["want"] = _wanted_rows(optimizer, description, model)
+        skeleton, payload["want"] = _wanted_rows(optimizer, description, model)
     except Exception as exc:
         error = exc
-    everyone = _agreed(payload, error, "redistribute", stats, digest=_DIFFERENT_STATES)
+    everyone = _agreed(payload, error, what, stats, digest=_DIFFERENT_STATES)
     infos = _infos(ordered)
     want = _ranges(everyone, "want", len(infos))
-    _import("redistribute", _move(infos, [s.dtype for _, s in ordered], [s for _, s in ordered],
-                                  _ranges(everyone, "held", len(infos)), want, collective.device(), stats),
-            optimizer, description, state.metadata, want, model)
+    moved = _move(infos, [s.dtype for _, s in ordered], [s for _, s in ordered], _ranges(everyone, "held", len(infos)),
+                  want, collective.device(), stats)
+    _import(what, moved, optimizer, skeleton, state.metadata, want, model)

@@ -85,18 +85,13 @@ typedef struct {
 
 #define VML_MODE 0x140102LL /* VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as ATen's vml.h */
 
-/* torch's square root of x[0 .. n), in place */
-static inline void mode_sqrt_n(const gefen_mode *m, float *x, int64_t n) {
+/* torch's square root of x[0 .. n), in place (n: one chunk of the AdamW step) */
+static inline void mode_sqrt_n(const gefen_mode *m, float *x, int n) {
     if (m->sqrt) {
-        while (n > 0) {
-            int k = n > (1 << 30) ? (1 << 30) : (int)n;
-            m->sqrt(k, x, x, VML_MODE);
-            x += k;
-            n -= k;
-        }
+        m->sqrt(n, x, x, VML_MODE);
         return;
     }
-    for (int64_t i = 0; i < n; ++i) x[i] = sqrtf(x[i]);
+    for (int i = 0; i < n; ++i) x[i] = sqrtf(x[i]);
 }
 
 /* MKL single-threaded in this (OpenMP) thread; returns what mode_threads_end restores */
@@ -144,28 +139,34 @@ static inline void update_param(void *param, int dt, int64_t i, float u, float d
     st_g(param, dt, i, fmaf(u, s->nlr, p));
 }
 
+/* ----- the largest |x| of a block or row, and whether an x is NaN ----------------------------
+ * The vector kernels take one unsigned integer max of the sign-cleared bits per vector instead of
+ * a float max and a NaN test: on sign-cleared floats the unsigned order of the bits is the float
+ * order, and every NaN is above +inf (0x7F800000).  max_abs_bits turns the largest bits back into
+ * a float and sets *nan for a NaN (which discards the max); fold_max_abs is the scalar loops' step. */
+static inline float max_abs_bits(uint32_t bits, int *nan) {
+    float f;
+    if (bits > 0x7F800000u) *nan = 1;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline void fold_max_abs(float x, float *most, int *nan) {
+    const float a = fabsf(x);
+    *nan |= a != a;
+    *most = a > *most ? a : *most;
+}
+
 /* ----- threads ------------------------------------------------------------------------------ */
-static inline int thread_id(void) {
 #ifdef _OPENMP
-    return omp_get_thread_num();
+static inline int thread_id(void) { return omp_get_thread_num(); }
+static inline int thread_count(void) { return omp_get_num_threads(); }
+static inline int max_threads(void) { return omp_get_max_threads(); }
 #else
-    return 0;
+static inline int thread_id(void) { return 0; }
+static inline int thread_count(void) { return 1; }
+static inline int max_threads(void) { return 1; }
 #endif
-}
-static inline int thread_count(void) {
-#ifdef _OPENMP
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
-}
-static inline int max_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
 
 /* This thread's share [*b0, *b1) of n items split evenly (the first n % nt threads take one more). */
 static inline void thread_range(int64_t n, int64_t *b0, int64_t *b1) {
@@ -210,22 +211,39 @@ static AVX2 inline void st8_g(void *dst, int dt, int64_t i, __m256 v) {
     _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), packed);
 }
 
-/* the largest of 8 lanes (ties and NaN as the scalar `x > m ? x : m`, left to right) */
-static AVX2 inline float hmax8(__m256 v) {
-    float t[8];
-    _mm256_storeu_ps(t, v);
-    float m = t[0];
-    for (int i = 1; i < 8; ++i) m = t[i] > m ? t[i] : m;
+/* max |x| of 8 lanes as sign-cleared bits (see max_abs_bits) */
+static AVX2 inline __m256i abs_bits8(__m256 x) {
+    return _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF));
+}
+
+static AVX2 inline uint32_t hmax8_u32(__m256i v) {
+    uint32_t t[8], m = 0;
+    _mm256_storeu_si256((__m256i *)t, v);
+    for (int i = 0; i < 8; ++i) m = t[i] > m ? t[i] : m;
     return m;
 }
 
-/* 8 lanes of p = p * decay + nlr * u at i (update_param without the division; the caller
- * broadcasts 1 - lr wd and -lr once per row or block) */
-static AVX2 inline void update_param8(void *param, int dt, int64_t i, __m256 u, __m256 nlr, __m256 decay, int has_wd) {
-    __m256 p = ld8_g(param, dt, i);
-    if (has_wd) p = _mm256_mul_ps(p, decay);
-    st8_g(param, dt, i, _mm256_fmadd_ps(u, nlr, p));
+/* The parameter update's scalars on 8 lanes, broadcast once per row or block. */
+typedef struct {
+    __m256 ib, eps, nlr, decay;
+} update8_scalars;
+
+static AVX2 inline update8_scalars update8_scalars_of(const hyper_f32 *s) {
+    return (update8_scalars){_mm256_set1_ps(s->ib), _mm256_set1_ps(s->eps), _mm256_set1_ps(s->nlr),
+                             _mm256_set1_ps(s->decay)};
 }
+
+/* update_param(m_hat, bounded_den(root, m_hat)) on 8 lanes at i; max_ps(f, root) is bounded_den's
+ * (f > root ? f : root) */
+static AVX2 inline void bounded_update8(void *param, int dt, int64_t i, __m256 m_hat, __m256 root,
+                                       const update8_scalars *k, int has_wd) {
+    const __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(abs_bits8(m_hat)), k->ib);
+    const __m256 u = _mm256_div_ps(m_hat, _mm256_add_ps(_mm256_max_ps(f, root), k->eps));
+    __m256 p = ld8_g(param, dt, i);
+    if (has_wd) p = _mm256_mul_ps(p, k->decay);
+    st8_g(param, dt, i, _mm256_fmadd_ps(u, k->nlr, p));
+}
+
 /* ----- 16 lanes (AVX-512: m4v4_step.c's row kernels, gefen_step.c's block kernel) ---------- */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
@@ -247,6 +265,30 @@ static AVX512 inline void st16_g(void *dst, int dt, int64_t i, __m512 v) {
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
     _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtepi32_epi16(r));
+}
+
+/* abs_bits8 on 16 lanes */
+static AVX512 inline __m512i abs_bits16(__m512 x) {
+    return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
+}
+
+typedef struct {
+    __m512 ib, eps, nlr, decay;
+} update16_scalars;
+
+static AVX512 inline update16_scalars update16_scalars_of(const hyper_f32 *s) {
+    return (update16_scalars){_mm512_set1_ps(s->ib), _mm512_set1_ps(s->eps), _mm512_set1_ps(s->nlr),
+                              _mm512_set1_ps(s->decay)};
+}
+
+/* bounded_update8 on 16 lanes */
+static AVX512 inline void bounded_update16(void *param, int dt, int64_t i, __m512 m_hat, __m512 root,
+                                           const update16_scalars *k, int has_wd) {
+    const __m512 f = _mm512_mul_ps(_mm512_abs_ps(m_hat), k->ib);
+    const __m512 u = _mm512_div_ps(m_hat, _mm512_add_ps(_mm512_max_ps(f, root), k->eps));
+    __m512 p = ld16_g(param, dt, i);
+    if (has_wd) p = _mm512_mul_ps(p, k->decay);
+    st16_g(param, dt, i, _mm512_fmadd_ps(u, k->nlr, p));
 }
 #else
 static inline int cpu_isa(void) { return 0; }

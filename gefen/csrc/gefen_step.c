@@ -1,33 +1,19 @@
 /*
- * The fused CPU step of Gefen's "m8" state layout (docs/design.md 3.1 "Step"): phase 2
- * (gefen_step: the second moment's EMA, decode, the first moment's EMA, re-encode, the parameter
- * update), also the momentum alone (GefenMuon's).  Phase 1 of a factored tensor is m4v4_step.c's
- * gefen_m4v4_partials (the same float64 row and column sums).  Part of gefen._gefen_step, loaded
- * by gefen.c_kernels.
- *
- * The contract is the m4v4 kernels' (docs/design.md, "The m4v4 kernels"): the reference's
- * arithmetic (gefen.functional.m8_update_), computed for speed, and the same bits on every ISA,
- * thread count and run.
- *   - The first moment is exact: decode codebook[code] * scale, the EMA as torch's lerp (one fmaf,
- *     both of ATen's formulas), the block's max |m| (a zero scale is +0, any NaN the canonical
- *     one), m / scale and the nearest code: the number of fp32 thresholds
- *     (gefen.codebook.code_thresholds) strictly below it, NaN -> the last code.  That count comes
- *     from a uniform bucket LUT whose buckets hold <= 2 thresholds (exact: the bucket map is
- *     monotone, see gefen_build_lut), or a binary search when no LUT fits.  So codes, scales and
- *     GefenMuon's momentum are the reference's (up to a zero scale's sign).
- *   - The second moment differs by rounding (parity.M8_V_RTOL): a block's mean of g^2 is the
- *     float64 sum of the fp32 squares in m4v4's fixed order (p1_row's, accumulated in the block's
- *     own first pass), rounded once; the factored estimate's square root is
- *     sqrt(v_row / mean(v_row)) * sqrt(v_col) (no per-element root);
- *     the update multiplies by 1 / (1 - b1^t) and 1 / sqrt(1 - b2^t) and divides once by the
- *     denominator.  The second moment's EMA keeps torch's add(alpha) fmaf, the parameter update
- *     its one fmaf (p + (-lr) u); no other contraction (-ffp-contract=off).
- * Each block belongs to one thread, so any thread split gives the same bits.  Three block kernels
- * give identical results, the same operations lane by lane: AVX-512 (16 lanes; blocks of >= 128
- * elements look the codebook's values up in registers, see block16), AVX2 (8 lanes) and portable
- * C; the call's mode caps which runs (GEFEN_CPU_ISA; the tests compare them).  The LUT lookups of
- * the codes stay scalar in every kernel: gathers (AVX2's, and AVX-512's of the LUT) were slower
- * on L2-resident tensors.
+ * The fused CPU step of Gefen's "m8" state layout: phase 2 (gefen_step: the second moment's EMA,
+ * decode, the first moment's EMA, re-encode, the parameter update), also the momentum alone
+ * (GefenMuon's); phase 1 of a factored tensor is m4v4_step.c's gefen_m4v4_partials.  Part of
+ * gefen._gefen_step, loaded by gefen.c_kernels.  The contract and its bound of the reference
+ * (gefen.functional.m8_update_) are docs/design.md's "The m8 kernel"; how the kernels keep it:
+ *   - The first moment is exact: the EMA is torch's lerp (one fmaf, both of ATen's formulas), a
+ *     zero scale is +0, any NaN the canonical one, and the nearest code is the number of fp32
+ *     thresholds (gefen.codebook.code_thresholds) strictly below m / scale (NaN -> the last code),
+ *     counted through a bucket LUT (exact: see gefen_build_lut) or by binary search when no LUT fits.
+ *   - The second moment's EMA keeps torch's add(alpha) fmaf, the parameter update its one fmaf
+ *     (p + (-lr) u); no other contraction (-ffp-contract=off).
+ * Each block belongs to one thread, so any thread split gives the same bits.  The three block
+ * kernels (AVX-512, AVX2, portable C; the call's mode caps which runs) do the same operations lane
+ * by lane.  The LUT lookups of the codes stay scalar in every kernel: gathers (AVX2's, and
+ * AVX-512's of the LUT) were slower on L2-resident tensors.
  */
 #include <float.h>
 #include <math.h>
@@ -39,8 +25,6 @@
 
 #define GEFEN_ABI 20
 #define PAR_MIN 32768 /* below this many elements a tensor is processed by one thread */
-
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* ----- the quantiser ------------------------------------------------------------------------ */
 
@@ -114,23 +98,20 @@ typedef struct {
     float cb256[256]; /* the codebook padded with zeros to 256 entries (the 16-lane kernel's registers) */
 } kctx;
 
-/* The block scale max(max m, -min m) (any NaN: NaN; a zero scale: +0, whatever the zeros' signs). */
-static inline float block_scale(float amax, float amin, int nan) {
-    if (nan) return NAN;
-    const float nm = -amin, r = amax > nm ? amax : nm;
-    return r == 0.0f ? 0.0f : r;
-}
-
 /* m = lerp(m0, g, w) exactly as ATen computes it (both in its vector body and scalar tail). */
 static inline float lerp_m(const kctx *c, float m0, float g) {
     return fmaf(c->lerp_coeff, g - m0, c->lerp_small ? m0 : g);
 }
 
-/* Number of thresholds below x (NaN -> K - 1), through bucket b of the LUT or by binary search. */
-static inline int32_t code_of(const kctx *c, float x, int32_t b) {
+static inline int32_t bucket_or_nan(const kctx *c, float x) {
+    return x != x ? c->a->lut_M : bucket_of(x, c->hm, c->a->lut_M);
+}
+
+/* Number of thresholds below x (NaN -> K - 1), through x's bucket of the LUT or by binary search. */
+static inline int32_t code_of(const kctx *c, float x) {
     const gefen_step_args *a = c->a;
     if (a->lut_M) {
-        const int32_t lo = a->lut[b] & 0xFF;
+        const int32_t lo = a->lut[bucket_or_nan(c, x)] & 0xFF;
         return lo + (a->thr[lo] < x) + (a->thr[lo + 1] < x);
     }
     if (x != x) return a->K - 1;
@@ -138,10 +119,6 @@ static inline int32_t code_of(const kctx *c, float x, int32_t b) {
     for (int32_t s = 128; s; s >>= 1)
         if (a->thr[idx + s - 1] < x) idx += s;
     return idx;
-}
-
-static inline int32_t bucket_or_nan(const kctx *c, float x) {
-    return x != x ? c->a->lut_M : bucket_of(x, c->hm, c->a->lut_M);
 }
 
 /* ----- one block ------------------------------------------------------------------------------
@@ -153,25 +130,86 @@ static inline int32_t bucket_or_nan(const kctx *c, float x) {
  *         multiply-add, as torch's add(alpha)).
  * den: the block's sqrt(v) / sqrt(1 - b2^t), or (svc != NULL, factored) the root sa * svc[e] per
  * element, where sa = sqrt(v_row / mean(v_row)) / sqrt(1 - b2^t) and svc = sqrt(v_col') of the
- * block's columns.
+ * block's columns.  The vector kernels end each pass with the scalar loops of the portable one.
  * Buffers (P entries each): mbuf (m, then m / scale), cbuf (codebook values), bbuf (buckets). */
 typedef struct {
     float *mbuf, *cbuf;
     int32_t *bbuf;
 } block_bufs;
 
-/* the update m_hat / bounded_den(the element's root of v_hat, m_hat) */
-static inline float bounded_update(const kctx *c, float m_hat, float den, const float *svc, int64_t e) {
-    return m_hat / bounded_den(svc ? den * svc[e] : den, m_hat, c->s.ib, c->s.eps);
+/* What pass 1 gathers: the largest |m| and whether an m is NaN (see max_abs_bits), the sum of g^2
+ * (its lanes and tail, see lanes_total). */
+typedef struct {
+    float most;
+    int nan;
+    double lanes[16], tail;
+} pass1_sums;
+
+/* The scalar end of a vector kernel's pass 1 (elements e0 .. P of block bi), into mbuf and S. */
+static inline void pass1_scalar(const kctx *c, int64_t bi, int64_t e0, float s_old, float *mbuf, pass1_sums *S) {
+    const gefen_step_args *a = c->a;
+    const int64_t off = bi * c->P, P16 = c->P & ~(int64_t)15;
+    for (int64_t e = e0; e < c->P; ++e) {
+        const float g = ld_g(a->grad, a->grad_dtype, off + e);
+        const float m = lerp_m(c, a->codebook[a->codes[off + e]] * s_old, g);
+        mbuf[e] = m;
+        fold_max_abs(m, &S->most, &S->nan);
+        if (!c->want_v) continue;
+        const double s = (double)(g * g);
+        if (e < P16) S->lanes[e & 15] += s;
+        else S->tail += s;
+    }
 }
 
-/* The per-block path's v and sqrt(v) / sqrt(1 - b2^t) from the block's sum of g^2 (its lanes and
- * tail, see lanes_total): its mean rounded once, the EMA as torch's add(alpha) (one fmaf). */
-static inline float block_den(const kctx *c, int64_t bi, const double *lanes, double tail) {
-    const float bs = (float)(lanes_total(lanes, tail) / (double)c->P);
+/* The per-block path's v and sqrt(v) / sqrt(1 - b2^t) from the block's sum of g^2: its mean
+ * rounded once, the EMA as torch's add(alpha) (one fmaf). */
+static inline float block_den(const kctx *c, int64_t bi, const pass1_sums *S) {
+    const float bs = (float)(lanes_total(S->lanes, S->tail) / (double)c->P);
     const float v = fmaf(bs, c->s.o2, c->a->v[bi] * c->s.b2);
     c->a->v[bi] = v;
     return sqrtf(v) * c->ib2s;
+}
+
+/* The end of pass 1: the block's scale (given, or its max |m|: NaN when an m is) and, on the
+ * per-block path, its den.  0: only the scale was asked for (written to scales_out). */
+static inline int pass1_end(const kctx *c, int64_t bi, const pass1_sums *S, float *scale, float *den) {
+    const gefen_step_args *a = c->a;
+    *scale = a->given_scales ? a->given_scales[bi] : S->nan ? NAN : S->most;
+    if (a->scales_out) {
+        a->scales_out[bi] = *scale;
+        return 0;
+    }
+    if (c->want_v) *den = block_den(c, bi, S);
+    return 1;
+}
+
+/* The scalar end of a vector kernel's pass 2 (elements e0 .. P of block bi, their new codes
+ * written), then the block's new scale: the dequantised momentum codebook[code] * scale into m_out,
+ * or the parameter update. */
+static inline void pass2_scalar(const kctx *c, int64_t bi, int64_t e0, float scale, float den, const float *svc) {
+    const gefen_step_args *a = c->a;
+    const int64_t off = bi * c->P;
+    for (int64_t e = e0; e < c->P; ++e) {
+        const float value = a->codebook[a->codes[off + e]] * scale;
+        if (a->momentum_only) {
+            a->m_out[off + e] = value;
+            continue;
+        }
+        const float m_hat = value * c->ibc1, root = svc ? den * svc[e] : den;
+        update_param(a->param, a->param_dtype, off + e, m_hat, bounded_den(root, m_hat, c->s.ib, c->s.eps), &c->s,
+                     a->has_wd);
+    }
+    a->scales[bi] = scale;
+}
+
+/* The scalar kernel (what blocks of P < 8 run, e.g. a 1-D tensor's P = 1) keeps its own fused
+ * loops: built from the vector kernels' tail loops above it took 18% longer on P = 1 blocks. */
+
+/* The block scale max(max m, -min m) (any NaN: NaN; a zero scale: +0, whatever the zeros' signs). */
+static inline float block_scale(float amax, float amin, int nan) {
+    if (nan) return NAN;
+    const float nm = -amin, r = amax > nm ? amax : nm;
+    return r == 0.0f ? 0.0f : r;
 }
 
 static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, float den, const float *svc) {
@@ -202,13 +240,18 @@ static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, float
         a->scales_out[bi] = scale;
         return;
     }
-    if (c->want_v) den = block_den(c, bi, lanes, tail);
+    if (c->want_v) {
+        const float bs = (float)(lanes_total(lanes, tail) / (double)c->P);
+        const float v = fmaf(bs, c->s.o2, c->a->v[bi] * c->s.b2);
+        c->a->v[bi] = v;
+        den = sqrtf(v) * c->ib2s;
+    }
     const int zero = scale == 0.0f;
     for (int64_t e = 0; e < P; ++e) {
         int32_t q = 0;
         if (!zero) {
             float x = mbuf[e] / scale;
-            q = code_of(c, x, a->lut_M ? bucket_or_nan(c, x) : 0);
+            q = code_of(c, x);
         }
         float u = cb[q] * scale;
         code[e] = (uint8_t)q;
@@ -216,7 +259,8 @@ static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, float
             a->m_out[off + e] = u;
             continue;
         }
-        u = bounded_update(c, u * c->ibc1, den, svc, e);
+        u = u * c->ibc1;
+        u = u / bounded_den(svc ? den * svc[e] : den, u, c->s.ib, c->s.eps);
         float p = ld_g(a->param, a->param_dtype, off + e);
         if (a->has_wd) p = p * c->s.decay;
         st_g(a->param, a->param_dtype, off + e, fmaf(u, c->s.nlr, p));
@@ -230,17 +274,11 @@ static void block_portable(const kctx *c, int64_t bi, const block_bufs *B, float
 #define NOVEC __attribute__((noinline, optimize("no-tree-vectorize", "unroll-loops")))
 
 static NOVEC void lookup_values(const uint8_t *code, const float *cb, float *out, int64_t n) {
-    int64_t e = 0;
-    for (; e + 4 <= n; e += 4) {
-        out[e] = cb[code[e]];
-        out[e + 1] = cb[code[e + 1]];
-        out[e + 2] = cb[code[e + 2]];
-        out[e + 3] = cb[code[e + 3]];
-    }
-    for (; e < n; ++e) out[e] = cb[code[e]];
+    for (int64_t e = 0; e < n; ++e) out[e] = cb[code[e]];
 }
 
-/* codes of x[0 .. n) (already divided by the scale, bucketed in b) and their codebook values */
+/* codes of x[0 .. n) (already divided by the scale, bucketed in b) and their codebook values,
+ * unless out is NULL (the LUT path only: the 16-lane kernel looks them up in registers) */
 static NOVEC void lookup_codes(const kctx *c, const float *x, const int32_t *b, uint8_t *code, float *out,
                                int64_t n) {
     const float *cb = c->a->codebook, *thr = c->a->thr;
@@ -251,85 +289,47 @@ static NOVEC void lookup_codes(const kctx *c, const float *x, const int32_t *b, 
             int32_t q = (int32_t)(E & 0xFF);
             if (__builtin_expect(E >> 8, 0)) q += (thr[q] < x[e]) + (thr[q + 1] < x[e]);
             code[e] = (uint8_t)q;
-            out[e] = cb[q];
+            if (out) out[e] = cb[q];
         }
         return;
     }
     for (int64_t e = 0; e < n; ++e) {
-        int32_t q = code_of(c, x[e], 0);
+        int32_t q = code_of(c, x[e]);
         code[e] = (uint8_t)q;
         out[e] = cb[q];
     }
 }
 
-/* codes only (the LUT path): the 16-lane kernel looks their values up in registers */
-static NOVEC void lookup_codes_only(const kctx *c, const float *x, const int32_t *b, uint8_t *code, int64_t n) {
-    const float *thr = c->a->thr;
-    const uint16_t *lut = c->a->lut;
-    for (int64_t e = 0; e < n; ++e) {
-        const uint32_t E = lut[b[e]];
-        int32_t q = (int32_t)(E & 0xFF);
-        if (__builtin_expect(E >> 8, 0)) q += (thr[q] < x[e]) + (thr[q + 1] < x[e]);
-        code[e] = (uint8_t)q;
-    }
+/* Pass 2's start where the new scale is 0: every code 0, its value codebook[0]. */
+static void zero_codes(const kctx *c, uint8_t *code, float *cbuf) {
+    memset(code, 0, (size_t)c->P);
+    for (int64_t e = 0; e < c->P; ++e) cbuf[e] = c->a->codebook[0];
 }
 
-/* The scalar end of a vector kernel's pass 1 (elements e0 .. P): m, its range and, with want_v,
- * the tail of the sum of g^2. */
-static inline void pass1_tail(const kctx *c, int64_t off, int64_t e0, const float *cbuf, float s_old, float *mbuf,
-                              float *amax, float *amin, int *nan, double *tail) {
-    const gefen_step_args *a = c->a;
+/* The scalar end of a vector kernel's bucketing (elements e0 .. P): mbuf[e] /= scale, its bucket. */
+static void bucket_tail(const kctx *c, int64_t e0, float scale, float *mbuf, int32_t *bbuf) {
     for (int64_t e = e0; e < c->P; ++e) {
-        const float g = ld_g(a->grad, a->grad_dtype, off + e);
-        const float m = lerp_m(c, cbuf[e] * s_old, g);
-        mbuf[e] = m;
-        *nan |= m != m;
-        *amax = m > *amax ? m : *amax;
-        *amin = m < *amin ? m : *amin;
-        if (c->want_v) *tail += (double)(g * g);
+        const float x = mbuf[e] / scale;
+        mbuf[e] = x;
+        bbuf[e] = c->a->lut_M ? bucket_or_nan(c, x) : 0;
     }
-}
-
-/* The scalar end of a vector kernel's pass 2 (elements e0 .. P, their codebook values in cbuf). */
-static inline void pass2_tail(const kctx *c, int64_t off, int64_t e0, const float *cbuf, float scale, float den,
-                              const float *svc) {
-    const gefen_step_args *a = c->a;
-    for (int64_t e = e0; e < c->P; ++e) {
-        if (a->momentum_only) {
-            a->m_out[off + e] = cbuf[e] * scale;
-            continue;
-        }
-        const float u = bounded_update(c, (cbuf[e] * scale) * c->ibc1, den, svc, e);
-        float p = ld_g(a->param, a->param_dtype, off + e);
-        if (a->has_wd) p = p * c->s.decay;
-        st_g(a->param, a->param_dtype, off + e, fmaf(u, c->s.nlr, p));
-    }
-}
-
-static AVX2 float hmin8(__m256 v) {
-    float t[8];
-    _mm256_storeu_ps(t, v);
-    float m = t[0];
-    for (int i = 1; i < 8; ++i) m = t[i] < m ? t[i] : m;
-    return m;
 }
 
 static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, float den, const float *svc) {
     const gefen_step_args *a = c->a;
     const int64_t P = c->P, off = bi * P;
     const int64_t P8 = P & ~(int64_t)7, P16 = P & ~(int64_t)15;
-    const float *cb = a->codebook;
     float *mbuf = B->mbuf, *cbuf = B->cbuf;
     int32_t *bbuf = B->bbuf;
     uint8_t *code = a->codes + off;
     const float s_old = a->scales[bi];
 
     /* pass 1 */
-    lookup_values(code, cb, cbuf, P);
+    lookup_values(code, a->codebook, cbuf, P8);
     const __m256 vs_old = _mm256_set1_ps(s_old), w = _mm256_set1_ps(c->lerp_coeff);
-    __m256 vmax = _mm256_set1_ps(-INFINITY), vmin = _mm256_set1_ps(INFINITY), vnan = _mm256_setzero_ps();
+    __m256i vmax = _mm256_setzero_si256(); /* max |m| as bits */
     __m256d l0 = _mm256_setzero_pd(), l1 = l0, l2 = l0, l3 = l0; /* the sum's lanes 0-3, 4-7, 8-11, 12-15 */
-    double tail = 0.0;
+    pass1_sums S = {0};
     int64_t e = 0;
     const int gsz = DT_SIZE(a->grad_dtype), psz = DT_SIZE(a->param_dtype);
     for (; e < P8; e += 8) {
@@ -339,9 +339,7 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, floa
         __m256 g = ld8_g(a->grad, a->grad_dtype, off + e);
         __m256 m = _mm256_fmadd_ps(w, _mm256_sub_ps(g, m0), c->lerp_small ? m0 : g);
         _mm256_storeu_ps(mbuf + e, m);
-        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(m, m, _CMP_UNORD_Q));
-        vmax = _mm256_max_ps(vmax, m);
-        vmin = _mm256_min_ps(vmin, m);
+        vmax = _mm256_max_epu32(vmax, abs_bits8(m));
         if (!c->want_v) continue;
         const __m256 sq = _mm256_mul_ps(g, g);
         if (e < P16) {
@@ -357,31 +355,22 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, floa
         } else {
             float t[8];
             _mm256_storeu_ps(t, sq);
-            for (int k = 0; k < 8; ++k) tail += (double)t[k];
+            for (int k = 0; k < 8; ++k) S.tail += (double)t[k];
         }
     }
-    float amax = hmax8(vmax), amin = hmin8(vmin);
-    int nan = _mm256_movemask_ps(vnan) != 0;
-    pass1_tail(c, off, e, cbuf, s_old, mbuf, &amax, &amin, &nan, &tail);
-    const float scale = a->given_scales ? a->given_scales[bi] : block_scale(amax, amin, nan);
-    if (a->scales_out) {
-        a->scales_out[bi] = scale;
-        return;
-    }
-    if (c->want_v) {
-        double lanes[16];
-        _mm256_storeu_pd(lanes, l0);
-        _mm256_storeu_pd(lanes + 4, l1);
-        _mm256_storeu_pd(lanes + 8, l2);
-        _mm256_storeu_pd(lanes + 12, l3);
-        den = block_den(c, bi, lanes, tail);
-    }
+    S.most = max_abs_bits(hmax8_u32(vmax), &S.nan);
+    _mm256_storeu_pd(S.lanes, l0);
+    _mm256_storeu_pd(S.lanes + 4, l1);
+    _mm256_storeu_pd(S.lanes + 8, l2);
+    _mm256_storeu_pd(S.lanes + 12, l3);
+    pass1_scalar(c, bi, e, s_old, mbuf, &S);
+    float scale;
+    if (!pass1_end(c, bi, &S, &scale, &den)) return;
     const __m256 vscale = _mm256_set1_ps(scale);
 
     /* pass 2: normalise and bucket (vector), look up codes (scalar), update (vector) */
     if (scale == 0.0f) {
-        memset(code, 0, (size_t)P);
-        for (e = 0; e < P; ++e) cbuf[e] = cb[0];
+        zero_codes(c, code, cbuf);
     } else {
         const int32_t M = a->lut_M;
         const __m256 one = _mm256_set1_ps(1.0f), hm = _mm256_set1_ps(c->hm);
@@ -394,43 +383,31 @@ static AVX2 void block_avx2(const kctx *c, int64_t bi, const block_bufs *B, floa
             b = _mm256_max_epi32(_mm256_min_epi32(b, top), zero);
             _mm256_storeu_si256((__m256i *)(bbuf + e), _mm256_blendv_epi8(b, nanb, _mm256_castps_si256(isnan)));
         }
-        for (; e < P; ++e) {
-            float x = mbuf[e] / scale;
-            mbuf[e] = x;
-            bbuf[e] = M ? bucket_or_nan(c, x) : 0;
-        }
+        bucket_tail(c, e, scale, mbuf, bbuf);
         lookup_codes(c, mbuf, bbuf, code, cbuf, P);
     }
-    if (a->momentum_only) { /* the dequantised new momentum: codebook[code] * scale */
-        for (e = 0; e < P8; e += 8) _mm256_storeu_ps(a->m_out + off + e, _mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale));
-        pass2_tail(c, off, e, cbuf, scale, den, svc);
-        a->scales[bi] = scale;
-        return;
-    }
-    const __m256 ibc1 = _mm256_set1_ps(c->ibc1), vden = _mm256_set1_ps(den), eps = _mm256_set1_ps(c->s.eps);
-    const __m256 nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay), ib = _mm256_set1_ps(c->s.ib);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 ibc1 = _mm256_set1_ps(c->ibc1), vden = _mm256_set1_ps(den);
+    const update8_scalars k = update8_scalars_of(&c->s);
     for (e = 0; e < P8; e += 8) {
+        const __m256 value = _mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale);
+        if (a->momentum_only) { /* the dequantised new momentum */
+            _mm256_storeu_ps(a->m_out + off + e, value);
+            continue;
+        }
         PREFETCH(a->param, psz, off + e);
-        const __m256 m_hat = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(cbuf + e), vscale), ibc1);
         const __m256 root = svc ? _mm256_mul_ps(vden, _mm256_loadu_ps(svc + e)) : vden;
-        /* bounded_den: max_ps(floor, root) is (floor > root ? floor : root) */
-        const __m256 d = _mm256_add_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_and_ps(m_hat, absmask), ib), root), eps);
-        const __m256 u = _mm256_div_ps(m_hat, d);
-        update_param8(a->param, a->param_dtype, off + e, u, nlr, decay, a->has_wd);
+        bounded_update8(a->param, a->param_dtype, off + e, _mm256_mul_ps(value, ibc1), root, &k, a->has_wd);
     }
-    pass2_tail(c, off, e, cbuf, scale, den, svc);
-    a->scales[bi] = scale;
+    pass2_scalar(c, bi, e, scale, den, svc);
 }
 
 /* ----- 16 lanes ------------------------------------------------------------------------------
- * The AVX2 kernel's operations lane by lane (the range's max and min are exact in any order;
- * block_scale makes a zero scale +0 whatever sign the order gave it).  In blocks of at least
- * REGS_MIN elements the codebook's values (the decode's and the update's) come from registers:
- * the 256 entries in 16 of them, looked up by 8 two-register permutes and 7 blends on the code's
- * top three bits (exact, as a load; 13% faster in L2, 30% streaming).  In shorter blocks loading
- * the table costs what it saves, and the lookups stay scalar.  (vgatherdps for the values was
- * slower than scalar loads.) */
+ * The AVX2 kernel's operations lane by lane (the max |m| is exact in any order).  In blocks of at
+ * least REGS_MIN elements the codebook's values (the decode's and the update's) come from
+ * registers: the 256 entries in 16 of them, looked up by 8 two-register permutes and 7 blends on
+ * the code's top three bits (exact, as a load; 13% faster in L2, 30% streaming).  In shorter
+ * blocks loading the table costs what it saves, and the lookups stay scalar.  (vgatherdps for
+ * the values was slower than scalar loads.) */
 #define REGS_MIN 128
 
 typedef struct {
@@ -460,7 +437,6 @@ static AVX512 inline __attribute__((always_inline)) void block16(const kctx *c, 
                                                                 float den, const float *svc, const int regs) {
     const gefen_step_args *a = c->a;
     const int64_t P = c->P, off = bi * P, P16 = P & ~(int64_t)15;
-    const float *cb = a->codebook;
     float *mbuf = B->mbuf, *cbuf = B->cbuf;
     int32_t *bbuf = B->bbuf;
     uint8_t *code = a->codes + off;
@@ -470,12 +446,11 @@ static AVX512 inline __attribute__((always_inline)) void block16(const kctx *c, 
         for (int k = 0; k < 16; ++k) T.t[k] = _mm512_loadu_ps(c->cb256 + 16 * k);
 
     /* pass 1 */
-    lookup_values(code + (regs ? P16 : 0), cb, cbuf + (regs ? P16 : 0), regs ? P - P16 : P);
+    if (!regs) lookup_values(code, a->codebook, cbuf, P16);
     const __m512 vs_old = _mm512_set1_ps(s_old), w = _mm512_set1_ps(c->lerp_coeff);
-    __m512 vmax = _mm512_set1_ps(-INFINITY), vmin = _mm512_set1_ps(INFINITY);
+    __m512i vmax = _mm512_setzero_si512(); /* max |m| as bits */
     __m512d l0 = _mm512_setzero_pd(), l1 = l0; /* the sum's lanes 0-7, 8-15 */
-    __mmask16 vnan = 0;
-    double tail = 0.0;
+    pass1_sums S = {0};
     int64_t e = 0;
     const int gsz = DT_SIZE(a->grad_dtype), psz = DT_SIZE(a->param_dtype);
     for (; e < P16; e += 16) {
@@ -485,36 +460,25 @@ static AVX512 inline __attribute__((always_inline)) void block16(const kctx *c, 
         const __m512 g = ld16_g(a->grad, a->grad_dtype, off + e);
         const __m512 m = _mm512_fmadd_ps(w, _mm512_sub_ps(g, m0), c->lerp_small ? m0 : g);
         _mm512_storeu_ps(mbuf + e, m);
-        vnan |= _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
-        vmax = _mm512_max_ps(vmax, m);
-        vmin = _mm512_min_ps(vmin, m);
+        vmax = _mm512_max_epu32(vmax, abs_bits16(m));
         if (!c->want_v) continue;
         const __m512 sq = _mm512_mul_ps(g, g);
         l0 = _mm512_add_pd(l0, _mm512_cvtps_pd(_mm512_castps512_ps256(sq)));
         l1 = _mm512_add_pd(l1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq), 1))));
     }
-    float amax = _mm512_reduce_max_ps(vmax), amin = _mm512_reduce_min_ps(vmin);
-    int nan = vnan != 0;
-    pass1_tail(c, off, e, cbuf, s_old, mbuf, &amax, &amin, &nan, &tail);
-    const float scale = a->given_scales ? a->given_scales[bi] : block_scale(amax, amin, nan);
-    if (a->scales_out) {
-        a->scales_out[bi] = scale;
-        return;
-    }
-    if (c->want_v) {
-        double lanes[16];
-        _mm512_storeu_pd(lanes, l0);
-        _mm512_storeu_pd(lanes + 8, l1);
-        den = block_den(c, bi, lanes, tail);
-    }
+    S.most = max_abs_bits(_mm512_reduce_max_epu32(vmax), &S.nan);
+    _mm512_storeu_pd(S.lanes, l0);
+    _mm512_storeu_pd(S.lanes + 8, l1);
+    pass1_scalar(c, bi, e, s_old, mbuf, &S);
+    float scale;
+    if (!pass1_end(c, bi, &S, &scale, &den)) return;
     const __m512 vscale = _mm512_set1_ps(scale);
 
     /* pass 2: normalise and bucket (vector), look up codes (scalar), update (vector) */
     const int32_t M = a->lut_M;
     int vals = 0; /* the 16-lane part's values from the registers */
     if (scale == 0.0f) {
-        memset(code, 0, (size_t)P);
-        for (e = 0; e < P; ++e) cbuf[e] = cb[0];
+        zero_codes(c, code, cbuf);
     } else {
         const __m512 one = _mm512_set1_ps(1.0f), hm = _mm512_set1_ps(c->hm);
         const __m512i top = _mm512_set1_epi32(M - 1), nanb = _mm512_set1_epi32(M), zero = _mm512_setzero_si512();
@@ -526,38 +490,23 @@ static AVX512 inline __attribute__((always_inline)) void block16(const kctx *c, 
             b = _mm512_max_epi32(_mm512_min_epi32(b, top), zero);
             _mm512_storeu_si512(bbuf + e, _mm512_mask_mov_epi32(b, isnan, nanb));
         }
-        for (; e < P; ++e) {
-            const float x = mbuf[e] / scale;
-            mbuf[e] = x;
-            bbuf[e] = M ? bucket_or_nan(c, x) : 0;
-        }
+        bucket_tail(c, e, scale, mbuf, bbuf);
         vals = regs && M;
-        if (vals) {
-            lookup_codes_only(c, mbuf, bbuf, code, P);
-            lookup_values(code + P16, cb, cbuf + P16, P - P16);
-        } else {
-            lookup_codes(c, mbuf, bbuf, code, cbuf, P);
-        }
+        lookup_codes(c, mbuf, bbuf, code, vals ? NULL : cbuf, P);
     }
-    const __m512 ibc1 = _mm512_set1_ps(c->ibc1), vden = _mm512_set1_ps(den), eps = _mm512_set1_ps(c->s.eps);
-    const __m512 nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay), ib = _mm512_set1_ps(c->s.ib);
+    const __m512 ibc1 = _mm512_set1_ps(c->ibc1), vden = _mm512_set1_ps(den);
+    const update16_scalars k = update16_scalars_of(&c->s);
     for (e = 0; e < P16; e += 16) {
-        const __m512 cv = values16(&T, vals, code + e, cbuf + e);
-        if (a->momentum_only) { /* the dequantised new momentum: codebook[code] * scale */
-            _mm512_storeu_ps(a->m_out + off + e, _mm512_mul_ps(cv, vscale));
+        const __m512 value = _mm512_mul_ps(values16(&T, vals, code + e, cbuf + e), vscale);
+        if (a->momentum_only) { /* the dequantised new momentum */
+            _mm512_storeu_ps(a->m_out + off + e, value);
             continue;
         }
         PREFETCH(a->param, psz, off + e);
-        const __m512 m_hat = _mm512_mul_ps(_mm512_mul_ps(cv, vscale), ibc1);
         const __m512 root = svc ? _mm512_mul_ps(vden, _mm512_loadu_ps(svc + e)) : vden;
-        const __m512 d = _mm512_add_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_abs_ps(m_hat), ib), root), eps);
-        const __m512 u = _mm512_div_ps(m_hat, d);
-        __m512 p = ld16_g(a->param, a->param_dtype, off + e);
-        if (a->has_wd) p = _mm512_mul_ps(p, decay);
-        st16_g(a->param, a->param_dtype, off + e, _mm512_fmadd_ps(u, nlr, p));
+        bounded_update16(a->param, a->param_dtype, off + e, _mm512_mul_ps(value, ibc1), root, &k, a->has_wd);
     }
-    pass2_tail(c, off, e, cbuf, scale, den, svc);
-    a->scales[bi] = scale;
+    pass2_scalar(c, bi, e, scale, den, svc);
 }
 
 static AVX512 void block_avx512(const kctx *c, int64_t bi, const block_bufs *B, float den, const float *svc) {

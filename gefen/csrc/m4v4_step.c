@@ -6,21 +6,11 @@
  * row statistics and the AdamW step of 1-D / 0-D tensors.  Part of gefen._gefen_step, loaded by
  * gefen.c_kernels.
  *
- * The kernel contract (docs/design.md, "The m4v4 kernels"): the arithmetic of gefen.functional's
- * m4v4 reference, computed for speed rather than replayed op by op, and the same bits on every
- * ISA, thread count and run.  Every value is a chain of correctly rounded IEEE fp32 operations
- * (+ - * /, sqrt; the file is compiled with -ffp-contract=off and the one fused multiply-add, the
- * final p + (-lr) * u, is fmaf / vfmadd in every kernel), 16-entry table lookups, an exact max,
- * uint32 hashing and float64 sums in an order fixed by the shape (phase 1 below).  Where the
- * reference divides, the kernels multiply by reciprocals computed once per call or row (the
- * encode's 1 / (table spacing), 1 / row scale, 1 / sqrt(1 - b2^t), 1 / (1 - b1^t)) and divide
- * once per element for the update's denominator; the square root is the exact one, not torch's
- * MKL square root.  So the kernels and the reference differ by rounding (a few ulp), which moves
- * a code only when the rounding noise lands between the two (a ~1e-7 chance per element).
- * Each row is done by one thread, so any thread split gives the same bits.  Three row kernels
- * give identical results: AVX-512 (16 lanes; a 16-entry table is one register, the encode's
- * search three compares and a 2-step binary search of permutes), AVX2 (8 lanes, a table in two registers) and portable C;
- * the call's mode caps which runs (GEFEN_CPU_ISA, tests compare them).
+ * The kernel contract (the same bits on every ISA, thread count and run; the reference's
+ * arithmetic within a stated bound) is docs/design.md's "The m4v4 kernels".  Each row is done by
+ * one thread.  The three row kernels: AVX-512 (16 lanes; a 16-entry table is one register, the
+ * encode's search three compares and a 2-step binary search of permutes), AVX2 (8 lanes, a table
+ * in two registers) and portable C; the call's mode caps which runs.
  */
 #include <float.h>
 #include <math.h>
@@ -133,16 +123,6 @@ static inline int encode_v(const sr_table *T, float x, float u) {
     return lo + (u < p);
 }
 
-/* The float of the largest |m| bit pattern of a vector pass (one integer max per vector instead of
- * a float max and a NaN test): on sign-cleared floats the unsigned order of the bits is the float
- * order, and every NaN is above +inf (0x7F800000), so a NaN sets *nan (which discards the max). */
-static inline float max_abs_bits(uint32_t bits, int *nan) {
-    float f;
-    if (bits > 0x7F800000u) *nan = 1;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* the first global flat index of row r (rank-local), mod 2^32 */
 static inline uint32_t row_gidx(const m4v4_args *a, int64_t r) {
     return (uint32_t)((uint64_t)(a->row_offset + r) * (uint64_t)a->global_cols + (uint64_t)a->col_offset);
@@ -152,8 +132,9 @@ static inline uint32_t row_gidx(const m4v4_args *a, int64_t r) {
  * Pass 1: both old moments decoded, v re-encoded, the root of the update's second moment
  * w = sqrt(vhat_new * R[code]) * (1 / sqrt(1 - b2^t)) kept in wbuf, m's EMA kept in mbuf with its
  * max |m|.  Pass 2: m * (1 / row scale) re-encoded, m_hat = m * (1 / (1 - b1^t)) (the fp32 EMA, not
- * its code), p = p * (1 - lr wd) + (-lr) * (m_hat / bounded_den(w, m_hat)) (one fused multiply-add).  vc: the new second-moment codes, each
- * shifted to its nibble (int32, so the vector kernels store and load them without packing). */
+ * its code), p = p * (1 - lr wd) + (-lr) * (m_hat / bounded_den(w, m_hat)) (one fused multiply-add).
+ * vc: the new second-moment codes, each shifted to its nibble (int32, so the vector kernels store
+ * and load them without packing). */
 static void row_pass1_portable(const m4ctx *c, const row_tables *rt, int64_t r, int64_t j0, float a_old, float ia,
                                float sa, float *wbuf, float *mbuf, int32_t *vc, float *smax, int *nan) {
     const m4v4_args *a = c->a;
@@ -171,12 +152,9 @@ static void row_pass1_portable(const m4ctx *c, const row_tables *rt, int64_t r, 
         const int q = encode_v(&c->V, v * ivh, uniform(g0 + (uint32_t)j, c->key_v));
         vc[j] = q << 4;
         wbuf[j] = (sa * c->svc[j]) * c->sr[q];
-        float m = rt->mold[code & 15];
-        m = m * c->s.b1 + g * c->s.o1;
+        const float m = rt->mold[code & 15] * c->s.b1 + g * c->s.o1;
         mbuf[j] = m;
-        const float am = fabsf(m);
-        bad |= am != am;
-        most = am > most ? am : most;
+        fold_max_abs(m, &most, &bad);
     }
     *smax = most;
     *nan |= bad;
@@ -187,13 +165,11 @@ static void row_pass2_portable(const m4ctx *c, int64_t r, int64_t j0, float isf,
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C;
     const uint32_t g0 = row_gidx(a, r);
-    const int dt = a->param_dtype;
     for (int64_t j = j0; j < C; ++j) {
         const int q = encode(&c->M, mbuf[j] * isf, uniform(g0 + (uint32_t)j, c->key_m));
-        float p = ld_g(a->param, dt, off + j);
-        if (a->has_wd) p = p * c->s.decay;
         const float m_hat = mbuf[j] * c->ibc1;
-        st_g(a->param, dt, off + j, fmaf(m_hat / bounded_den(wbuf[j], m_hat, c->s.ib, c->s.eps), c->s.nlr, p));
+        update_param(a->param, a->param_dtype, off + j, m_hat, bounded_den(wbuf[j], m_hat, c->s.ib, c->s.eps), &c->s,
+                     a->has_wd);
         a->codes[off + j] = (uint8_t)(q | vc[j]);
     }
 }
@@ -274,7 +250,7 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
     const __m256 vaold = _mm256_set1_ps(a_old), via = _mm256_set1_ps(ia), vsa = _mm256_set1_ps(sa);
     const __m256 ivmax = _mm256_set1_ps(IVH_MAX);
     const __m256 b1 = _mm256_set1_ps(c->s.b1), o1 = _mm256_set1_ps(c->s.o1), b2 = _mm256_set1_ps(c->s.b2);
-    const __m256 o2 = _mm256_set1_ps(c->s.o2), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 o2 = _mm256_set1_ps(c->s.o2);
     const __m256i low4 = _mm256_set1_epi32(15), hstep = _mm256_set1_epi32((int)(8u * H_IDX));
     __m256i hx = hash_start8(row_gidx(a, r), c->key_v);
     __m256i vmax = _mm256_setzero_si256(); /* max |m| as bits: see max_abs_bits */
@@ -297,12 +273,9 @@ static AVX2 float row_pass1_avx2(const m4ctx *c, const row_tables *rt, int64_t r
         __m256 m = perm16(MO, _mm256_and_si256(code, low4));
         m = _mm256_add_ps(_mm256_mul_ps(m, b1), _mm256_mul_ps(g, o1));
         _mm256_storeu_ps(mbuf + j, m);
-        vmax = _mm256_max_epu32(vmax, _mm256_castps_si256(_mm256_and_ps(m, absmask)));
+        vmax = _mm256_max_epu32(vmax, abs_bits8(m));
     }
-    uint32_t lanes[8], most = 0;
-    _mm256_storeu_si256((__m256i *)lanes, vmax);
-    for (int l = 0; l < 8; ++l) most = lanes[l] > most ? lanes[l] : most;
-    float smax = max_abs_bits(most, nan);
+    float smax = max_abs_bits(hmax8_u32(vmax), nan);
     row_pass1_portable(c, rt, r, C8, a_old, ia, sa, wbuf, mbuf, vc, &smax, nan);
     return smax;
 }
@@ -312,9 +285,8 @@ static AVX2 void row_pass2_avx2(const m4ctx *c, int64_t r, float isf, const floa
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C8 = C & ~(int64_t)7;
     const table8 MT = table_regs(c->M.t), MI = table_regs(c->M.inv);
-    const __m256 visf = _mm256_set1_ps(isf), nlr = _mm256_set1_ps(c->s.nlr), decay = _mm256_set1_ps(c->s.decay);
-    const __m256 eps = _mm256_set1_ps(c->s.eps), ibc1 = _mm256_set1_ps(c->ibc1), ib = _mm256_set1_ps(c->s.ib);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 visf = _mm256_set1_ps(isf), ibc1 = _mm256_set1_ps(c->ibc1);
+    const update8_scalars k = update8_scalars_of(&c->s);
     const __m256i hstep = _mm256_set1_epi32((int)(8u * H_IDX));
     __m256i hx = hash_start8(row_gidx(a, r), c->key_m);
     const int psz = DT_SIZE(a->param_dtype);
@@ -323,11 +295,8 @@ static AVX2 void row_pass2_avx2(const m4ctx *c, int64_t r, float isf, const floa
         const __m256 m = _mm256_loadu_ps(mbuf + j);
         const __m256i q = encode8(&c->M, MT, MI, _mm256_mul_ps(m, visf), uniform8(hx));
         hx = _mm256_add_epi32(hx, hstep);
-        /* bounded_den: max_ps(floor, w) is (floor > w ? floor : w) */
-        const __m256 m_hat = _mm256_mul_ps(m, ibc1);
-        const __m256 flo = _mm256_mul_ps(_mm256_and_ps(m_hat, absmask), ib);
-        const __m256 u = _mm256_div_ps(m_hat, _mm256_add_ps(_mm256_max_ps(flo, _mm256_loadu_ps(wbuf + j)), eps));
-        update_param8(a->param, a->param_dtype, off + j, u, nlr, decay, a->has_wd);
+        bounded_update8(a->param, a->param_dtype, off + j, _mm256_mul_ps(m, ibc1), _mm256_loadu_ps(wbuf + j), &k,
+                        a->has_wd);
         store_bytes8(a->codes + off + j, _mm256_or_si256(q, _mm256_loadu_si256((const __m256i *)(vc + j))));
     }
     row_pass2_portable(c, r, C8, isf, wbuf, mbuf, vc);
@@ -394,7 +363,6 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, const row_tables *rt, int64
     const __m512 b1 = _mm512_set1_ps(c->s.b1), o1 = _mm512_set1_ps(c->s.o1), b2 = _mm512_set1_ps(c->s.b2);
     const __m512 o2 = _mm512_set1_ps(c->s.o2);
     const __m512i low4 = _mm512_set1_epi32(15), hstep = _mm512_set1_epi32((int)(16u * H_IDX));
-    const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
     __m512i hx = hash_start16(row_gidx(a, r), c->key_v);
     __m512i vmax = _mm512_setzero_si512(); /* max |m| as bits: see max_abs_bits */
     int64_t j = 0;
@@ -416,7 +384,7 @@ static AVX512 float row_pass1_avx512(const m4ctx *c, const row_tables *rt, int64
         __m512 m = _mm512_permutexvar_ps(_mm512_and_si512(code, low4), MO);
         m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, o1));
         _mm512_storeu_ps(mbuf + j, m);
-        vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(m), absmask));
+        vmax = _mm512_max_epu32(vmax, abs_bits16(m));
     }
     float smax = max_abs_bits(_mm512_reduce_max_epu32(vmax), nan);
     row_pass1_portable(c, rt, r, C16, a_old, ia, sa, wbuf, mbuf, vc, &smax, nan);
@@ -428,8 +396,8 @@ static AVX512 void row_pass2_avx512(const m4ctx *c, int64_t r, float isf, const 
     const m4v4_args *a = c->a;
     const int64_t C = a->cols, off = r * C, C16 = C & ~(int64_t)15;
     const __m512 MT = _mm512_loadu_ps(c->M.t), MS = _mm512_loadu_ps(c->M.s), MI = _mm512_loadu_ps(c->M.inv);
-    const __m512 visf = _mm512_set1_ps(isf), nlr = _mm512_set1_ps(c->s.nlr), decay = _mm512_set1_ps(c->s.decay);
-    const __m512 eps = _mm512_set1_ps(c->s.eps), ibc1 = _mm512_set1_ps(c->ibc1), ib = _mm512_set1_ps(c->s.ib);
+    const __m512 visf = _mm512_set1_ps(isf), ibc1 = _mm512_set1_ps(c->ibc1);
+    const update16_scalars k = update16_scalars_of(&c->s);
     const __m512i hstep = _mm512_set1_epi32((int)(16u * H_IDX));
     __m512i hx = hash_start16(row_gidx(a, r), c->key_m);
     const int psz = DT_SIZE(a->param_dtype);
@@ -438,12 +406,8 @@ static AVX512 void row_pass2_avx512(const m4ctx *c, int64_t r, float isf, const 
         const __m512 m = _mm512_loadu_ps(mbuf + j);
         const __m512i q = encode16(MT, MS, MI, _mm512_mul_ps(m, visf), uniform16(hx));
         hx = _mm512_add_epi32(hx, hstep);
-        const __m512 m_hat = _mm512_mul_ps(m, ibc1);
-        const __m512 d = _mm512_add_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_abs_ps(m_hat), ib), _mm512_loadu_ps(wbuf + j)), eps);
-        const __m512 u = _mm512_div_ps(m_hat, d);
-        __m512 p = ld16_g(a->param, a->param_dtype, off + j);
-        if (a->has_wd) p = _mm512_mul_ps(p, decay);
-        st16_g(a->param, a->param_dtype, off + j, _mm512_fmadd_ps(u, nlr, p));
+        bounded_update16(a->param, a->param_dtype, off + j, _mm512_mul_ps(m, ibc1), _mm512_loadu_ps(wbuf + j), &k,
+                         a->has_wd);
         _mm_storeu_si128((__m128i *)(a->codes + off + j), _mm512_cvtepi32_epi8(_mm512_or_si512(q, _mm512_loadu_si512(vc + j))));
     }
     row_pass2_portable(c, r, C16, isf, wbuf, mbuf, vc);
@@ -678,11 +642,8 @@ GEFEN_EXPORT int gefen_m4v4_partials(const void *grad, int32_t gdt, int64_t rows
  * same m as pass 1's, lane by lane) give the portable loop's bits. */
 static void row_max_portable(const void *g, int dt, const uint8_t *codes, const float *cb, int64_t off, int64_t j0,
                              int64_t C, float s_old, float b1, float o1, float *most, int *bad) {
-    for (int64_t j = j0; j < C; ++j) {
-        const float am = fabsf((cb[codes[off + j] & 15] * s_old) * b1 + ld_g(g, dt, off + j) * o1);
-        *bad |= am != am;
-        *most = am > *most ? am : *most;
-    }
+    for (int64_t j = j0; j < C; ++j)
+        fold_max_abs((cb[codes[off + j] & 15] * s_old) * b1 + ld_g(g, dt, off + j) * o1, most, bad);
 }
 
 #if GEFEN_X86
@@ -691,20 +652,16 @@ static AVX2 int64_t row_max_avx2(const void *g, int dt, const uint8_t *codes, co
     const table8 CB = table_regs(cb);
     const __m256 vs = _mm256_set1_ps(s_old);
     const __m256 vb1 = _mm256_set1_ps(b1), vo1 = _mm256_set1_ps(o1);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i low4 = _mm256_set1_epi32(15);
-    __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+    __m256i vmax = _mm256_setzero_si256(); /* max |m| as bits */
     int64_t j = 0;
     for (; j + 8 <= C; j += 8) {
         const __m256i code = _mm256_and_si256(load_codes8(codes + off + j), low4);
         __m256 m = _mm256_mul_ps(perm16(CB, code), vs);
         m = _mm256_add_ps(_mm256_mul_ps(m, vb1), _mm256_mul_ps(ld8_g(g, dt, off + j), vo1));
-        const __m256 am = _mm256_and_ps(m, absmask);
-        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(am, am, _CMP_UNORD_Q));
-        vmax = _mm256_max_ps(vmax, am);
+        vmax = _mm256_max_epu32(vmax, abs_bits8(m));
     }
-    *most = hmax8(vmax);
-    *bad = _mm256_movemask_ps(vnan) != 0;
+    *most = max_abs_bits(hmax8_u32(vmax), bad);
     return j;
 }
 
@@ -712,20 +669,16 @@ static AVX512 int64_t row_max_avx512(const void *g, int dt, const uint8_t *codes
                                      int64_t C, float s_old, float b1, float o1, float *most, int *bad) {
     const __m512 MT = _mm512_loadu_ps(cb), vs = _mm512_set1_ps(s_old), vb1 = _mm512_set1_ps(b1);
     const __m512 vo1 = _mm512_set1_ps(o1);
-    const __m512i low4 = _mm512_set1_epi32(15), absmask = _mm512_set1_epi32(0x7FFFFFFF);
-    __m512 vmax = _mm512_setzero_ps();
-    __mmask16 nan = 0;
+    const __m512i low4 = _mm512_set1_epi32(15);
+    __m512i vmax = _mm512_setzero_si512(); /* max |m| as bits */
     int64_t j = 0;
     for (; j + 16 <= C; j += 16) {
         const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + off + j)));
         __m512 m = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(code, low4), MT), vs);
         m = _mm512_add_ps(_mm512_mul_ps(m, vb1), _mm512_mul_ps(ld16_g(g, dt, off + j), vo1));
-        const __m512 am = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), absmask));
-        nan |= _mm512_cmp_ps_mask(am, am, _CMP_UNORD_Q);
-        vmax = _mm512_max_ps(vmax, am);
+        vmax = _mm512_max_epu32(vmax, abs_bits16(m));
     }
-    *most = _mm512_reduce_max_ps(vmax);
-    *bad = nan != 0;
+    *most = max_abs_bits(_mm512_reduce_max_epu32(vmax), bad);
     return j;
 }
 #endif
@@ -787,7 +740,7 @@ static void adamw_chunk(const adamw_args *a, int64_t i0, int64_t i1, float *den,
         a->exp_avg_sq[i] = v;
         den[i - i0] = v;
     }
-    mode_sqrt_n(a->mode, den, i1 - i0);
+    mode_sqrt_n(a->mode, den, (int)(i1 - i0));
     for (int64_t i = i0; i < i1; ++i) {
         const float m_hat = mbuf[i - i0] / s.bc1;
         update_param(a->param, a->param_dtype, i, m_hat, bounded_den(den[i - i0] / s.b2s, m_hat, s.ib, s.eps), &s,

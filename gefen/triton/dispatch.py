@@ -1,10 +1,7 @@
-"""The Triton kernels' side of ``gefen.dispatch``: whether they are trusted on a device, and
-their launch through ``gefen.triton.launch`` (imported, with Triton, on first use).
-
-Each function takes the arguments of the functional reference of the same name and returns True
-/ the result, or False / None (nothing touched) for a layout that is not theirs, logged once
-(``fallback``). Each family runs its parity problems at a CUDA device's first use (``untrusted``).
-Inside ``batched()`` the updates are queued and launched together when the block ends.
+"""The Triton kernels' side of ``gefen.dispatch``: whether they are trusted on a device (parity
+problems at a CUDA device's first use), and their launch through ``gefen.triton.launch`` (imported,
+with Triton, on first use). Each function takes the arguments of the functional reference of the
+same name; inside ``batched()`` the updates are queued and launched together when the block ends.
 """
 
 from __future__ import annotations
@@ -24,7 +21,8 @@ log = logging.getLogger("gefen.triton")
 #: device types the kernels serve; tests add "cpu" to run them in Triton's interpreter
 DEVICES = {"cuda"}
 
-_launch_mod = None
+#: ``gefen.triton.launch`` once imported (``_kernels``): the kernels' entry points take lists
+launch = None
 _import_error: str | None = None
 _logged: set[str] = set()
 _verified: dict[tuple[str, str], str | None] = {}  # (device, family) -> None (ok) or why not
@@ -33,15 +31,15 @@ _local = threading.local()
 
 def _kernels():
     """``gefen.triton.launch`` (importing Triton), or None with the reason remembered."""
-    global _launch_mod, _import_error
-    if _launch_mod is None and _import_error is None:
+    global launch, _import_error
+    if launch is None and _import_error is None:
         try:
-            from gefen.triton import launch
+            from gefen.triton import launch as module
         except Exception as exc:  # ImportError, or a Triton that fails to initialise
             _import_error = f"Triton is not importable ({type(exc).__name__}: {exc})"
         else:
-            _launch_mod = launch
-    return _launch_mod
+            launch = module
+    return launch
 
 
 def available() -> bool:
@@ -77,7 +75,7 @@ def parity_check(device: torch.device, family: str) -> str | None:
     The problems reach both row paths (one tile, two passes), bf16 and fp32, an all-zero row, the
     1-D and 0-D steps, m8's two second-moment forms; each stepping one is checked fresh and from a
     step of the reference."""
-    long = _launch_mod.MAX_SINGLE + 70  # a row of the two-pass kernels
+    long = launch.MAX_SINGLE + 70  # a row of the two-pass kernels
     steps = [(0, 1), (1, 1)]
     problems, rule = {
         "m4v4": ([(parity.run_m4v4, (shape, dt, device, st)) for st in steps for shape, dt in [
@@ -95,7 +93,7 @@ def parity_check(device: torch.device, family: str) -> str | None:
         "histogram": ([(parity.run_histogram, (shape, dt, device)) for shape, dt in [
             ((5, 8, 16), torch.float32), ((3, 2500), torch.bfloat16)]], parity.equal),
     }[family]
-    fns = parity.kernel_fns(m8_partials=lambda g, state, beta2: m8_partials_([(g, state, beta2)])[0],
+    fns = parity.kernel_fns(m8_partials=lambda g, state, beta2: launch.m8_partials([(g, state, beta2)])[0],
                             m8_update=m8_update_, m4v4_partials=m4v4_partials, m4v4_update=m4v4_update_,
                             adamw=adamw_update_, momentum=momentum_, round=round_param_, histogram=block_histogram)
     queue, _local.queue = getattr(_local, "queue", None), None  # run now, not at the end of a batched() step
@@ -127,7 +125,7 @@ def _flush(queue) -> None:
         groups.setdefault((run, *(id(b) for b in books)), []).append((item, books))
     # a parameter's stochastic bf16 write-back reads the fp32 its update wrote: those launch last
     for (run, *_), entries in sorted(groups.items(), key=lambda kv: kv[0][0] == "round_params_"):
-        getattr(_launch_mod, run)([item for item, _ in entries], *entries[0][1])
+        getattr(launch, run)([item for item, _ in entries], *entries[0][1])
 
 
 def drain() -> None:
@@ -143,69 +141,53 @@ def _submit(item, books, run: str = "m4v4_update_") -> None:
     together with the other items of the same ``run`` and codebooks."""
     queue = getattr(_local, "queue", None)
     if queue is None:
-        getattr(_launch_mod, run)([item], *books)
+        getattr(launch, run)([item], *books)
     else:
         queue.append((run, item, books))
 
 
 def m4v4_update_(param, grad, state, codebook, ratio, h, *, global_rows, v_row, partials, pidx, seed, row0=0,
                  col0=0, row_len=None, row_max=None) -> bool:
-    # gefen.dispatch checked the layout, as for the m4v4 functions below
-    item = _launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0,
-                            global_rows=global_rows, row_len=row_len, v_row=v_row, partials=partials, col0=col0,
-                            row_max=row_max)
+    # gefen.dispatch checked the layout, as for the functions below
+    item = launch.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0,
+                       global_rows=global_rows, row_len=row_len, v_row=v_row, partials=partials, col0=col0,
+                       row_max=row_max)
     _submit(item, (codebook, ratio))
     return True
 
 
 def m4v4_partials(grad, state, beta2, *, row_sum=None, row_len=None):
-    return m4v4_partials_([(grad, state, beta2)], None if row_sum is None else [(row_sum, row_len or grad[0].numel())])[0]
+    given = None if row_sum is None else [(row_sum, row_len or grad[0].numel())]
+    return launch.m4v4_partials([(grad, state, beta2)], given)[0]
 
 
 def m4v4_row_stats(grad, state, codebook, beta1):
-    return _launch_mod.m4v4_row_stats([(grad, state, beta1)], codebook)[0]
-
-
-def m4v4_partials_(items: list[tuple[torch.Tensor, dict, float]], rows=None) -> list | None:
-    """Every ``(grad, state, beta2)`` in two launches; ``rows``: as ``launch.m4v4_partials``'."""
-    return _launch_mod.m4v4_partials(items, rows)
+    return launch.m4v4_row_stats([(grad, state, beta1)], codebook)[0]
 
 
 def adamw_update_(param, grad, state, h, *, pidx: int, seed: int, row0: int = 0) -> bool:
-    _submit(_launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0),
-            (None, None))
+    _submit(launch.Item(param, grad, state, h, int(state["step"]) + 1, salts(pidx, seed)[0], row0=row0), (None, None))
     return True
 
 
 def m8_update_(param, grad, state, codebook, h, *, global_rows, v_row=None, partials=None) -> bool:
-    # gefen.dispatch checked the layout; these kernels also want 2-D factored rows and no column split
+    # these kernels also want 2-D factored rows and no column split
     if ("v_row" in state and param.dim() != 2) or int(state["period"]) != _local_period(state):
         return fallback("an unexpected m8 state or argument layout")
-    item = _launch_mod.Item(param, grad, state, h, int(state["step"]) + 1, global_rows=global_rows, v_row=v_row,
-                              partials=partials)
+    item = launch.Item(param, grad, state, h, int(state["step"]) + 1, global_rows=global_rows, v_row=v_row,
+                       partials=partials)
     _submit(item, (codebook,), "m8_update_")
     return True
 
 
-def m8_partials_(items: list[tuple[torch.Tensor, dict, float]]) -> list | None:
-    """``functional.m8_partials`` of every factored ``(grad, state, beta2)`` in two launches."""
-    return _launch_mod.m8_partials(items)
-
-
 def momentum_(state, grad, beta, codebook, scales=None) -> torch.Tensor:
     """``functional.update_momentum_``; ``scales``: ``store_momentum_``'s (a column split's)."""
-    return momenta_([(state, grad, beta)], codebook, None if scales is None else [scales])[0]
+    return launch.momentum_([(state, grad, beta)], codebook, None if scales is None else [scales])[0]
 
 
 def momentum_scales(state, grad, beta, codebook) -> torch.Tensor:
     """The block scales ``update_momentum_`` would choose (nothing else written)."""
-    return _launch_mod.momentum_([(state, grad, beta)], codebook, scales_only=True)[0]
-
-
-def momenta_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Tensor, scales=None) -> list:
-    """``functional.update_momentum_`` of every ``(state, grad, beta)`` in one launch per class
-    (``scales``: as ``gefen.triton.launch.momentum_``'s)."""
-    return _launch_mod.momentum_(items, codebook, *([scales] if scales else []))
+    return launch.momentum_([(state, grad, beta)], codebook, scales_only=True)[0]
 
 
 def round_param_(param, work, *, step: int, salt: int, row0: int = 0, col0: int = 0, row_len=None) -> bool:
@@ -217,4 +199,4 @@ def block_histogram(blocks, num_bins: int, scale=None) -> torch.Tensor | None:
     """``scale``: one per block, a column split's whole rows' max-abs."""
     if not blocks.numel():
         return None
-    return _launch_mod.block_histogram(blocks, num_bins, scale)
+    return launch.block_histogram(blocks, num_bins, scale)

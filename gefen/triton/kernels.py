@@ -14,9 +14,11 @@ compile to approximate instructions on NVIDIA.
 
 from __future__ import annotations
 
-from gefen.triton.backend import require, tl, triton
-
-require()  # Triton is optional: without it this module refuses to load (gefen.triton.dispatch falls back)
+try:  # Triton is optional (the ``gpu`` and ``test`` extras): without it this module refuses to load
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # gefen.triton.dispatch records why and CUDA steps take the eager path
+    raise ImportError("gefen's GPU kernels need Triton: pip install 'gefen[gpu]'") from exc
 
 # module constants a kernel reads must be tl.constexpr (a compiled kernel refuses plain globals)
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny

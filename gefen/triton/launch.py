@@ -17,7 +17,7 @@ from gefen.codebook import code_thresholds
 from gefen.functional import _local_period, inverse_step_bound
 from gefen.stochastic import hash_base
 from gefen.triton import kernels  # refuses to load without Triton
-from gefen.triton.backend import triton
+from gefen.triton.kernels import triton
 
 #: Rows longer than this are processed in two passes over column tiles (tests lower it). Sizes are
 #: chosen from ptxas' register counts for sm_90 (docs/decisions.md), not yet timed on a GPU.
@@ -43,8 +43,8 @@ _program_tables: dict[tuple, torch.Tensor] = {}
 
 def _programs(rows: list[int], br: int, device: torch.device) -> torch.Tensor:
     """int64 ``[n, 2]`` on ``device``: (parameter index, first row) of every program of a launch
-    whose parameter ``i`` has ``rows[i]`` rows (or columns), ``br`` per program. It depends on the
-    shapes only, so it is built once (vectorised: a large model has ~10^5 programs) and cached."""
+    whose parameter ``i`` has ``rows[i]`` rows (or columns), ``br`` per program; cached (shapes
+    only decide it) and vectorised (a large model has ~10^5 programs)."""
     key = (tuple(rows), br, str(device))
     table = _program_tables.get(key)
     if table is None:
@@ -195,9 +195,7 @@ def _ints(it: Item, rows: int, C: int) -> list[int]:
 
 
 def m4v4_update_(items: list[Item], codebook: torch.Tensor, ratios: torch.Tensor) -> None:
-    """Phase 2 of Gefen m4v4 for every item, in place (state, parameter, step count): matrices
-    take three launches per class (column prologue, the step, the v_col copy); 1-D/0-D tensors
-    one per dtype class."""
+    """Phase 2 of Gefen m4v4 for every item, in place (state, parameter, step count)."""
     mats = [it for it in items if it.param.dim() >= 2]
     vecs = [it for it in items if it.param.dim() < 2 and it.param.numel()]
     if mats:
@@ -337,8 +335,7 @@ def _prologue(factored: list[Item], v_new: list[torch.Tensor], ints, scal, *, m8
 
 def m8_update_(items: list[Item], codebook: torch.Tensor) -> None:
     """Phase 2 of Gefen m8 for every item, in place (state, parameter, step count): the factored
-    matrices' column statistics in one launch, then the step in one launch per (dtypes, block
-    geometry, second-moment form) class."""
+    matrices' column statistics in one launch, then the step in one launch per class."""
     items = sorted(items, key=lambda it: "v_row" not in it.state)  # factored first: the prologue's rows
     factored = [it for it in items if "v_row" in it.state]
     device = items[0].param.device

@@ -1,17 +1,10 @@
 /*
- * CRC-32 (ISO-HDLC: reflected polynomial 0xEDB88320, the zlib/PNG/gzip one), the portable
- * format's per-piece checksum (docs/format.md), at memory speed.
- *
- * Why: zlib.crc32 runs at ~1.6 GB/s on the machines measured, which made checksumming the
- * largest CPU cost of a save or load.  x86-64 CPUs with PCLMULQDQ fold 64 bytes per iteration
- * with carry-less multiplications (the method of Intel's white paper "Fast CRC Computation for
- * Generic Polynomials Using PCLMULQDQ Instruction"); the constants below are x^k mod P(x)
- * (bit-reflected) for the fold distances used, and the Barrett constants of P(x).
- *
- * Plain C, no Python C-API: gefen_ckpt.io.native loads it with ctypes (the GIL is released during
- * each call) and checks it against zlib.crc32 before using it; without the library or the
- * instruction gefen_ckpt uses zlib.crc32.  Same results, only speed differs.  The I/O loops
- * that hash as they go are in file_io.c (the same library).
+ * CRC-32 (ISO-HDLC: reflected polynomial 0xEDB88320, the zlib one), the format's per-piece
+ * checksum, at memory speed: zlib.crc32's ~1.6 GB/s made checksumming the largest CPU cost of a
+ * save or load.  x86-64 CPUs with PCLMULQDQ fold 64 bytes per iteration with carry-less multiplies
+ * (Intel's "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ Instruction"); the
+ * constants are x^k mod P(x) (bit-reflected) for the fold distances, and P(x)'s Barrett constants.
+ * gefen_ckpt.io.native loads it with ctypes and checks it against zlib.crc32 before using it.
  */
 #include "native.h"
 

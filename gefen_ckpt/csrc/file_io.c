@@ -12,12 +12,9 @@
 #include <sys/sendfile.h>
 #endif
 
-/*
- * Read byte ranges of an open file into their buffers (native.read_hashed) and checksum each chunk
- * right after it arrives, while it is still in cache: one pass over the data instead of a read
- * then a hash, and one call (GIL released) for a whole file instead of Python work per piece.
- * Chunks of `chunk` bytes keep the kernel's asynchronous readahead going.  Returns 0, or -errno.
- */
+/* Read byte ranges of a file into their buffers (native.read_hashed), checksumming each chunk while
+ * it is still in cache: one pass and one call (GIL released) per file.  `chunk`-byte reads keep the
+ * kernel's readahead going.  Returns 0, or -errno. */
 NATIVE_EXPORT int gefen_read_hashed(int fd, int64_t n, const int64_t *offsets, const int64_t *sizes,
                                  void *const *dests, int64_t chunk, int64_t *got, uint32_t *crcs) {
     if (chunk <= 0) return -EINVAL;
@@ -42,15 +39,11 @@ NATIVE_EXPORT int gefen_read_hashed(int fd, int64_t n, const int64_t *offsets, c
     return 0;
 }
 
-/*
- * The write side (native.write_hashed): append n buffers to an open file, each chunk hashed, then
- * written while it is still in cache, in one call without the GIL.  Python between the writes
- * needs the GIL back after every system call, and waits up to the interpreter's switch interval
- * for it whenever another thread is running Python (docs/decisions.md).  Every `writeback_every`
- * bytes the kernel is asked to start writing the new bytes out (posix_fadvise DONTNEED), so the
- * disk works while the rest is produced; progress = {written, handed to writeback} is updated as
- * the call goes.  Returns 0, or -errno of a failed write (the buffers before it are complete).
- */
+/* Append n buffers to a file (native.write_hashed), each chunk hashed then written while in cache,
+ * in one call without the GIL: Python between writes waits up to a switch interval for the GIL
+ * whenever another thread runs Python (docs/decisions.md).  Every `writeback_every` bytes the
+ * kernel is asked to start writing out (posix_fadvise DONTNEED); progress = {written, handed to
+ * writeback}.  Returns 0, or -errno of a failed write (the buffers before it are complete). */
 NATIVE_EXPORT int gefen_write_hashed(int fd, int64_t n, const void *const *srcs, const int64_t *sizes, int64_t chunk,
                                   int64_t writeback_every, int64_t *progress, uint32_t *crcs) {
     if (chunk <= 0) return -EINVAL;
@@ -85,14 +78,9 @@ NATIVE_EXPORT int gefen_write_hashed(int fd, int64_t n, const void *const *srcs,
     return 0;
 }
 
-/*
- * fsync a file on a thread of its own, so a save can build its manifest (Python) while the disk
- * flushes.  A Python helper thread would need the GIL back between its system calls and wait up
- * to the interpreter's switch interval for it while the saving thread runs Python (measured:
- * the flush of a save's data started ~4 ms after it was asked for).  gefen_fsync_start returns a
- * handle, or NULL when no thread could be started (the caller then uses one of its own);
- * gefen_fsync_wait joins it and returns 0 or the errno of the failed open or fsync.
- */
+/* fsync a file on a thread of its own while the save builds its manifest: a Python thread would
+ * wait for the GIL between its system calls (measured: the flush started ~4 ms late).  Start
+ * returns a handle, or NULL when no thread could start; wait joins it: 0 or the errno. */
 struct fsync_job {
     pthread_t thread;
     int result;
@@ -132,19 +120,11 @@ NATIVE_EXPORT int gefen_fsync_wait(void *handle) {
     return result;
 }
 
-/*
- * Read files into the page cache, in order, on a thread of its own, for a reader that follows
- * (storage.Prefetch): a load's disk reads overlap its manifest validation.  The Python version
- * of this loop needs the GIL after each chunk and, while the loading thread validates the
- * manifest in Python, waited up to the switch interval for it per chunk (measured: a cold 25 MB
- * load got its first 4 MiB ~9 ms after the prefetch started).
- *
- * Positions count the files laid end to end.  The thread stays at most `lead` bytes ahead of the
- * furthest position a reader has waited for; gefen_prefetch_wait(h, position) blocks (without the
- * GIL) until that position is cached or the prefetch has ended; a file that cannot be opened or
- * read is skipped (its reader reports the error).  Linux: sendfile to /dev/null, which copies
- * nothing to user space; elsewhere pread into a scratch buffer.
- */
+/* Read files into the page cache, in order, on a thread of its own (storage.Prefetch), so a load's
+ * reads overlap its manifest validation; the Python loop waited for the GIL per chunk (measured: a
+ * cold load's first 4 MiB came ~9 ms late).  Positions count the files end to end; the thread
+ * stays at most `lead` bytes past the furthest position waited for; a file that cannot be read is
+ * skipped (its reader reports it).  Linux: sendfile to /dev/null (no copy); elsewhere pread. */
 struct prefetch {
     pthread_t thread;
     pthread_mutex_t lock;

@@ -46,6 +46,7 @@ from gefen_ckpt.dcp.layout import (
     DCPReader,
     DCPSource,
     group_names,
+    optimizer_key,
     optimizer_keys,
     read_stock,
     safe_load_dcp_metadata,
@@ -60,18 +61,13 @@ from gefen_ckpt.dist.optimizer_state import (
     check_group_members,
     check_param_shape,
     check_same_params,
-    field_spec,
-    group_fqns,
-    leaves,
+    live_params,
     load_agreed,
-    names_from_model,
     stage_state_dict,
 )
 from gefen_ckpt.dist.placement import is_dtensor, rows_per_chunk, to_local
-from gefen_ckpt.errors import (
-    CheckpointFormatError,
-    CheckpointMismatchError,
-)
+from gefen_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
+from gefen_ckpt.formats.torch_file import field_spec, leaf_state_dict
 from gefen_ckpt.state.canonical import CanonicalState, TensorSource
 from gefen_ckpt.wire.dtypes import dtype_name
 from gefen_ckpt.wire.manifest import parse_contract
@@ -136,18 +132,13 @@ def _check_record(record: dict, optimizer, live: Mapping[str, tuple]) -> None:
 # ----- the live optimizer, keyed by FQN ----------------------------------------------------------
 def _live(optimizer, model) -> tuple[list[list[str]], dict[str, tuple]]:
     """(FQNs of each of ``optimizer.param_groups``, fqn -> (parameter, its leaf contract))."""
-    contract, names = contract_of(optimizer), names_from_model(model)
-    leaf_of = {id(p): (p, leaf) for _, opt, leaf in leaves(optimizer, contract)
-               for g in opt.param_groups for p in g["params"]}
-    groups, live = [], {}
-    for g in optimizer.param_groups:
-        fqns = group_fqns(g, names, contract.implementation)
-        groups.append(fqns)
-        for fqn, p in zip(fqns, g["params"]):
-            if fqn in live:
-                raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
-            live[fqn] = leaf_of[id(p)]
-    return groups, live
+    groups, live = {}, {}
+    for _, leaf, group, fqn, p in live_params(optimizer, model):
+        if fqn in live:
+            raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
+        live[fqn] = (p, leaf)
+        groups.setdefault(id(group), []).append(fqn)
+    return [groups.get(id(g), []) for g in optimizer.param_groups], live
 
 
 def _index_keyed(sd: Mapping, optimizer, groups: list[list[str]]) -> dict:
@@ -156,14 +147,13 @@ def _index_keyed(sd: Mapping, optimizer, groups: list[list[str]]) -> dict:
     it refuses)."""
     saved = [g if isinstance(g, Mapping) else {} for g in sd.get("param_groups") or ()]
     check_group_members([g.get("params") or () for g in saved], groups)
-    index = {fqn: i for i, fqn in enumerate(f for g in groups for f in g)}
-    out_groups = [{**{k: v for k, v in live.items() if k != "params"}, **group, "params": [index[f] for f in fqns]}
-                  for fqns, live, group in zip(groups, optimizer.param_groups, saved)]
-    unknown = sorted(set(sd.get("state") or {}) - set(index))
+    state = sd.get("state") or {}
+    unknown = sorted(set(state) - {fqn for fqns in groups for fqn in fqns})
     if unknown:
         raise CheckpointMismatchError(f"checkpoint has state for {unknown[:3]}, which the optimizer does not hold")
-    state = {index[fqn]: dict(entry) for fqn, entry in (sd.get("state") or {}).items()}
-    return {"state": state, "param_groups": out_groups}
+    return leaf_state_dict([({**{k: v for k, v in live.items() if k != "params"}, **group}, fqns)
+                            for fqns, live, group in zip(groups, optimizer.param_groups, saved)],
+                           lambda fqn: dict(state[fqn]) if fqn in state else None, None)
 
 
 # ----- the Stateful ------------------------------------------------------------------------------
@@ -301,12 +291,7 @@ def _allocate(name: str, target: _GefenStateDict, metadata: Metadata) -> None:
     """Check the checkpoint's entries under ``name`` against ``target``'s optimizer and replace
     ``target``'s contents by fresh buffers for them."""
     smd = metadata.state_dict_metadata
-    layouts = optimizer_keys(metadata)
-    if name not in layouts:
-        found = sorted(layouts)
-        raise CheckpointMismatchError(f"the checkpoint has no optimizer state under {name!r}"
-                                      + (f" (it has some under {found})" if found else ""))
-    if not layouts[name]:
+    if not optimizer_keys(metadata)[optimizer_key(metadata, name, "the checkpoint")]:
         raise CheckpointMismatchError(
             f"{name}.param_groups: param groups flattened by FQN: load them with torch's "
             "set_optimizer_state_dict (flatten_optimizer_state_dict=True)")
@@ -325,7 +310,7 @@ def _allocate(name: str, target: _GefenStateDict, metadata: Metadata) -> None:
     target.update(state={fqn: {field: _buffer(fqn, field, smd[full], live) for field, full in names.items()}
                          for fqn, names in fields.items()},
                   param_groups=[dict.fromkeys(groups[i]) for i in sorted(groups)])
-    if f"{name}.{RECORD_KEY}" in smd:
+    if record is None and f"{name}.{RECORD_KEY}" in smd:  # the stored copy, checked by the Stateful
         target[RECORD_KEY] = None
     target.planned = True
 
@@ -429,15 +414,7 @@ def read_dcp(path: str | os.PathLike, key: str | None = None) -> CanonicalState:
     the DCP checkpoint at ``path``, in torch's stock layout. Tensors are lazy ``DCPSource`` s;
     ``.metadata`` is unpickled with an allowlist."""
     reader = DCPReader(path)
-    found = sorted(optimizer_keys(reader.metadata))
-    if key is None:
-        if len(found) != 1:
-            raise CheckpointMismatchError(
-                f"{path}: " + (f"several optimizer states, under {', '.join(map(repr, found))}: say which "
-                               "(key=, or --key)" if found else "this DCP checkpoint holds no optimizer state"))
-        key = found[0]
-    elif key not in found:
-        raise CheckpointMismatchError(f"{path}: no optimizer state under {key!r} (found: {found})")
+    key = optimizer_key(reader.metadata, key, str(path))
     record = _stored_record(reader, key)
     state = read_stock(reader, key, record and record["contract"])
     if record and isinstance(record.get("world_size"), int):

@@ -36,11 +36,12 @@ from gefen_ckpt.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIncompleteError,
+    CheckpointMismatchError,
 )
 from gefen_ckpt.io.storage import require_regular_entries
 from gefen_ckpt.state.canonical import CanonicalState
 
-__all__ = ["DCPReader", "DCPSource", "safe_load_dcp_metadata", "storage_for", "optimizer_keys",
+__all__ = ["DCPReader", "DCPSource", "safe_load_dcp_metadata", "storage_for", "optimizer_key", "optimizer_keys",
            "state_fields", "group_names", "read_stock", "stock_entries", "FLAT"]
 
 _STATE, _GROUPS = ".state.", ".param_groups."
@@ -58,6 +59,19 @@ def optimizer_keys(metadata) -> dict[str, bool]:
             index, _, name = rest.partition(".")
             found[key] = found.get(key, False) or (name == "params" and index.isdigit())
     return found
+
+
+def optimizer_key(metadata, key: str | None, where: str) -> str:
+    """``key`` (default: the only one) among the keys holding optimizer state; else a mismatch
+    error naming those there are."""
+    found = sorted(optimizer_keys(metadata))
+    if key is None and len(found) != 1:
+        raise CheckpointMismatchError(
+            f"{where}: " + (f"several optimizer states, under {', '.join(map(repr, found))}: say which "
+                            "(key=, or --key)" if found else "this DCP checkpoint holds no optimizer state"))
+    if key is not None and key not in found:
+        raise CheckpointMismatchError(f"{where}: no optimizer state under {key!r} (found: {found})")
+    return found[0] if key is None else key
 
 
 class ReadOnlyPlanner(DefaultLoadPlanner):

@@ -93,10 +93,11 @@ def with_timeout(fn):
     return call
 
 
-def checkin(what: str, group=None) -> None:
+def checkin(what: str, group=None, error: BaseException | None = None) -> str:
     """Wait until every rank of ``group`` has reached this call, at most ``current_timeout()``
     seconds; else raise ``CheckpointTimeoutError`` naming the ranks that did not arrive (on the
-    ranks that waited) or saying that the others gave up (on a rank that arrived late)."""
+    ranks that waited) or saying that the others gave up (on a rank that arrived late). A rank's
+    ``error`` arrives with it (``agree_in_store`` reads them); returns the round's store key."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -109,7 +110,9 @@ def checkin(what: str, group=None) -> None:
     base = f"gefen-ckpt/checkin/{name}/{hash(ranks) & 0xFFFFFFFF:08x}/{seq}"
     me, timeout = dist.get_rank(), current_timeout(group)
     try:
-        store.set(f"{base}/{me}", b"1")
+        if error is not None:
+            store.add(f"{base}/errors", 1)
+        store.set(f"{base}/{me}", b"1" if error is None else b"!" + describe_error(error).encode())
         store.wait([f"{base}/{r}" for r in ranks], datetime.timedelta(seconds=timeout))
     except Exception as exc:  # the store's timeout error (its type differs between torch versions), or a lost store
         try:
@@ -123,6 +126,7 @@ def checkin(what: str, group=None) -> None:
     if _check(store, f"{base}/gave-up"):
         raise CheckpointTimeoutError(f"{what}: rank {me} arrived after the other ranks gave up waiting for it "
                                      f"({timeout:g} s); nothing was changed")
+    return base
 
 
 def _check(store, key: str) -> bool:
@@ -145,6 +149,21 @@ def lost_ranks(what: str) -> Iterator[None]:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointTimeoutError(f"{what}: a rank was lost during the transfer ({first}); nothing was "
                                      "changed") from exc
+
+
+def wait_for(work, seconds: float, stalled: str, failed: str) -> None:
+    """Wait for one message at most ``seconds`` (never 0, which gloo reads as no limit): a peer
+    that stalls raises ``CheckpointTimeoutError(stalled)`` instead of waiting out the backend's
+    timeout, one that fails (its process died) ``CheckpointError`` (``failed``: the backend's reason)."""
+    try:
+        done = work.wait(datetime.timedelta(seconds=max(seconds, 1e-3)))
+    except Exception as exc:
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise CheckpointTimeoutError(stalled) from exc
+        raise CheckpointError(f"{failed}: {text.splitlines()[0] if text else repr(exc)}") from exc
+    if done is False:
+        raise CheckpointTimeoutError(stalled)
 
 
 def pack(obj) -> bytes:
@@ -220,41 +239,25 @@ def agree(error: BaseException | None, what: str, group=None) -> None:
 
 
 def agree_in_store(error: BaseException | None, what: str) -> None:
-    """``agree`` over the world through the rendezvous store alone, for a step after which the
-    backend may be unusable (a point-to-point transfer that timed out closes gloo's connection
-    to that peer): every rank raises, the failed ones their own error (which names the peer),
-    the others one naming each failed rank; a rank that never arrives is named by the timeout."""
+    """``agree`` over the world through the rendezvous store alone (``checkin``), for a step after
+    which the backend may be unusable (a point-to-point transfer that timed out closes gloo's
+    connection to that peer): every rank raises, the failed ones their own error (which names the
+    peer), the others one naming each failed rank; a rank that never arrives is named by the timeout."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    store, me, world = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-    with _sequence_lock:
-        seq = _sequence[("agree-in-store",)] = _sequence.get(("agree-in-store",), 0) + 1
-    base, timeout = f"gefen-ckpt/agree/{seq}", current_timeout()
     try:
-        if error is not None:
-            store.set(f"{base}/error/{me}", describe_error(error).encode())
-            store.add(f"{base}/errors", 1)
-        store.set(f"{base}/arrived/{me}", b"1")
-        if store.add(f"{base}/count", 1) == world:
-            store.set(f"{base}/all", b"1")
-        store.wait([f"{base}/all"], datetime.timedelta(seconds=timeout))
-        failed = int(store.add(f"{base}/errors", 0))
-        everyone = [{"error": store.get(f"{base}/error/{r}").decode() if failed and store.check([f"{base}/error/{r}"])
-                     else None} for r in range(world)]
-    except Exception as exc:
+        base = checkin(what, error=error)
+    except CheckpointTimeoutError:
         if error is not None:
             raise error from None
-        try:
-            missing = [r for r in range(world) if not store.check([f"{base}/arrived/{r}"])]
-        except Exception:
-            missing = "some"
-        raise CheckpointTimeoutError(f"{what}: rank(s) {missing} did not arrive within {timeout:g} s (stalled or "
-                                     f"dead; {describe_error(exc)[:200]}); nothing was changed") from None
+        raise
     if error is not None:
         raise error
-    if (failed_error := failure(what, everyone)) is not None:
-        raise failed_error
+    store = c10d._get_default_store()
+    if int(store.add(f"{base}/errors", 0)):
+        arrivals = [store.get(f"{base}/{r}") for r in range(dist.get_world_size())]
+        raise failure(what, [{"error": a[1:].decode() if a.startswith(b"!") else None} for a in arrivals])
 
 
 def _as_tensor(payload: bytes, size: int, dev: torch.device) -> torch.Tensor:
@@ -315,11 +318,8 @@ def broadcast_bytes(payload: bytes | None, src: int = 0, group=None) -> bytes:
         return payload or b""
     import torch.distributed as dist
 
-    checkin("sharing checkpoint metadata", group)
-    dev, mine = device(group), (payload or b"") if dist.get_rank() == src else b""
-    size = torch.tensor([len(mine)], dtype=torch.int64, device=dev)
-    with lost_ranks("sharing checkpoint metadata"):
-        dist.broadcast(size, src, group=group)
-        buf = _as_tensor(mine, int(size), dev)
-        dist.broadcast(buf, src, group=group)
-    return bytes(buf.cpu().numpy())
+    what = "sharing checkpoint metadata"
+    framed = _framed((payload or b"") if dist.get_rank() == src else b"", what, group)
+    with lost_ranks(what):
+        dist.broadcast(framed, src, group=group)
+    return _unframed(framed)

@@ -14,7 +14,6 @@ import torch
 from gefen.contract import (
     GLOBAL_STATE_KEY,
     SCHEMA_VERSION,
-    FieldSpec,
     OptimizerContract,
     contract_of,
     join_composite,
@@ -25,9 +24,8 @@ from gefen.state_layouts import version_refusal
 from gefen_ckpt.dist import placement
 from gefen_ckpt.dist.collective import agree
 from gefen_ckpt.errors import CheckpointMismatchError
-from gefen_ckpt.formats.torch_file import as_tuples, leaf_state_dict
+from gefen_ckpt.formats.torch_file import as_tuples, canonical_groups, field_spec, leaf_state_dict
 from gefen_ckpt.state.canonical import CanonicalState, LocalPart, ParamState, global_key
-from gefen_ckpt.wire.dtypes import plain
 from gefen_ckpt.wire.manifest import missing_fields
 
 
@@ -87,20 +85,18 @@ def export_canonical(optimizer: torch.optim.Optimizer, *, model: torch.nn.Module
             if isinstance(value, torch.Tensor):
                 global_fields[global_key(child, key)] = LocalPart(value, 0, tuple(value.shape), rank0,
                                                                   placement.every_rank())
-        for live, saved in zip(opt.param_groups, sd["param_groups"]):
-            fqns = group_fqns(live, names, leaf.implementation)
-            group = {h: plain(saved[h], f"hyperparameter {h!r}") for h in leaf.hyperparameters if h in saved}
-            groups.append({**group, "params": fqns, **({"child": child} if child is not None else {})})
-            for index, fqn, p in zip(saved["params"], fqns, live["params"]):
-                if fqn in seen:
-                    raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the optimizer")
-                seen.add(fqn)
-                placement.local_rows(p, fqn)  # whole rows on every rank: refuses a column split (Shard(1))
-                fields = {k: _local_part(fqn, p, leaf.field(k).row_sharded,
-                                         v if isinstance(v, torch.Tensor) else torch.tensor(v))
-                          for k, v in (sd["state"].get(index) or {}).items() if v is not None and k not in shared}
-                if fields:
-                    params[fqn] = ParamState(tuple(p.shape), p.dtype, fields, child)
+        fqns = [group_fqns(live, names, leaf.implementation) for live in opt.param_groups]
+        leaf_groups, owner = canonical_groups(leaf, child, sd["param_groups"], fqns, seen, "the optimizer")
+        groups += leaf_groups
+        live = {fqn: p for members, g in zip(fqns, opt.param_groups) for fqn, p in zip(members, g["params"])}
+        for index, fqn in owner.items():
+            p = live[fqn]
+            placement.local_rows(p, fqn)  # whole rows on every rank: refuses a column split (Shard(1))
+            fields = {k: _local_part(fqn, p, leaf.field(k).row_sharded,
+                                     v if isinstance(v, torch.Tensor) else torch.tensor(v))
+                      for k, v in (sd["state"].get(index) or {}).items() if v is not None and k not in shared}
+            if fields:
+                params[fqn] = ParamState(tuple(p.shape), p.dtype, fields, child)
     return CanonicalState(contract, groups, params, global_fields, metadata={"source_topology": {"kind": "single"}})
 
 
@@ -141,14 +137,6 @@ def check_contract(live: OptimizerContract, saved: OptimizerContract) -> None:
             raise CheckpointMismatchError(
                 f"field {f.name!r} ({f.geometry}) of the checkpoint is not part of {live.implementation}'s state"
             )
-
-
-def field_spec(contract: OptimizerContract, fqn: str, name: str) -> FieldSpec:
-    """``contract``'s field ``name`` (of parameter ``fqn``); a mismatch naming both if it has none."""
-    try:
-        return contract.field(name)
-    except KeyError:
-        raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {contract.implementation}") from None
 
 
 def check_same_params(live: Iterable[str], saved: Iterable[str]) -> None:

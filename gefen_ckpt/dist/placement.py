@@ -7,6 +7,8 @@ rank one contiguous range of global rows; that range is all the checkpoint code 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
 from gefen.distributed import is_dtensor  # noqa: F401  (the DTensor helpers' one home)
@@ -41,6 +43,16 @@ def local_rows(param: torch.Tensor, name: str = "parameter") -> tuple[int, int]:
 def rows_per_chunk(shape: tuple[int, ...], itemsize: int, budget: int) -> int:
     """Whole rows of a tensor of ``shape`` that fit in ``budget`` bytes (at least one)."""
     return max(1, budget // max(1, rows_and_row_numel(shape)[1] * itemsize))
+
+
+def row_ranges(shape: tuple[int, ...], itemsize: int, budget: int, cuts: Iterable[int] = ()) -> Iterator[tuple[int, int]]:
+    """``[start, stop)`` ranges of whole rows (0-D: one row) of at most ``budget`` bytes (at least
+    one row) that never cross a row in ``cuts``: how a tool reads a tensor in bounded memory."""
+    rows, step = rows_and_row_numel(shape)[0], rows_per_chunk(shape, itemsize, budget)
+    bounds = sorted({0, rows, *[c for c in cuts if 0 < c < rows]})
+    for lo, hi in zip(bounds, bounds[1:]):
+        for start in range(lo, hi, step):
+            yield start, min(hi, start + step)
 
 
 def replica_rules(sources: dict, holders: dict) -> dict:

@@ -10,7 +10,6 @@ reaches the optimizer before every rank has agreed that everything arrived intac
 
 from __future__ import annotations
 
-import datetime
 import math
 import struct
 from contextlib import contextmanager
@@ -237,7 +236,7 @@ def _exchange(spans: list[Span], staged: dict, outgoing: dict, held: dict, rank:
     messages = sorted(((batch[0].order, reader, to, batch) for (reader, to), route in by_route.items()
                        if reader == rank or rank in to for batch in _batches(route, sizes, budget)),
                       key=lambda m: m[0])
-    timeout = datetime.timedelta(seconds=collective.current_timeout())
+    timeout = collective.current_timeout()
     dev = collective.device()  # NCCL moves CUDA tensors; the bytes are checked on the host either way
     corrupt, sequence = None, {}  # (src, dst) -> messages so far: the tag both ends count alike
     for _, reader, to, batch in messages:
@@ -284,11 +283,9 @@ def _exchange(spans: list[Span], staged: dict, outgoing: dict, held: dict, rank:
         raise corrupt
 
 
-def _wait(work, timeout: datetime.timedelta, what: str) -> None:
-    """Wait for a send or receive; a peer that stalls past the timeout or dies is named."""
-    with _naming_peer(what):
-        if not work.wait(timeout):
-            raise CheckpointTimeoutError(f"{what}: no transfer within {timeout.total_seconds():g} s (stalled or dead)")
+def _wait(work, seconds: float, what: str) -> None:
+    collective.wait_for(work, seconds, f"{what}: no transfer within {seconds:g} s (stalled or dead)",
+                        f"{what}: the transfer failed; nothing was changed")
 
 
 @contextmanager

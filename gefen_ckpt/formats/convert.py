@@ -175,15 +175,11 @@ def group_defaults(contract: OptimizerContract) -> dict:
     instance's ``defaults``; {} for an optimizer this module does not build). Writers of torch's
     flattened layout fill a group's missing keys from it: torch rebuilds a flattened state dict
     from the keys of the *live* groups, so a converted group must have them all."""
-    if contract.implementation == GEFEN:
-        moments = next((m for m, c in GEFEN_LAYOUTS.items() if c.version == contract.version), None)
-        cls, kwargs = _target_class(GEFEN), ({"moments": moments} if moments else {})
-    elif contract.implementation == MUON:
-        cls, kwargs = _target_class(MUON), {}
-    elif contract.implementation in (ADAMW, ADAM):
-        cls, kwargs = (torch.optim.AdamW if contract.implementation == ADAMW else torch.optim.Adam), {}
-    else:
+    cls = _optimizer_class(contract.implementation)
+    if cls is None:
         return {}
+    moments = next((m for m, c in GEFEN_LAYOUTS.items() if c.version == contract.version), None)
+    kwargs = {"moments": moments} if contract.implementation == GEFEN and moments else {}
     probe = cls([torch.nn.Parameter(torch.zeros(2, 2))], **kwargs).defaults
     return {k: list(v) if isinstance(v, tuple) else v for k, v in probe.items()}
 
@@ -191,14 +187,14 @@ def group_defaults(contract: OptimizerContract) -> dict:
 def _target_group(target: str, g: dict, options: dict) -> dict:
     """The target's hyperparameters for a group: carried where they mean the same, else its defaults."""
     if target in (ADAMW, GEFEN):
-        d = _defaults(torch.optim.AdamW if target == ADAMW else _target_class(GEFEN))
+        d = _defaults(_optimizer_class(target))
         group = {"lr": g["lr"], "betas": [g["beta1"], d["betas"][1] if g["beta2"] is None else g["beta2"]],
                  "eps": d["eps"] if g["eps"] is None else g["eps"], "weight_decay": g["weight_decay"]}
         if target == ADAMW:
             return group | {"amsgrad": False, "maximize": False}
         group["factored_v_2d"] = bool(options["factored_v_2d"])
         return group | ({"moments": "m4v4", "seed": d["seed"]} if options["moments"] == "m4v4" else {})
-    d = _defaults(_target_class(MUON))  # the lr is AdamW's, so Muon's update is scaled to AdamW's RMS
+    d = _defaults(_optimizer_class(MUON))  # the lr is AdamW's, so Muon's update is scaled to AdamW's RMS
     return {**{h: d[h] for h in ("nesterov", "ns_coefficients", "eps", "ns_steps", "normuon", "beta2", "normuon_eps")},
             "lr": g["lr"], "momentum": g["beta1"], "weight_decay": g["weight_decay"],
             "adjust_lr_fn": "match_rms_adamw"}
@@ -225,7 +221,7 @@ def _build_leaf(target: str, groups: list[dict], dense: dict[str, Dense], option
             params[fqn] = _state(d, child, step=torch.tensor(float(d.step), dtype=torch.float32),
                                  exp_avg=d.exp_avg.to(d.dtype), exp_avg_sq=d.exp_avg_sq.to(d.dtype))
     elif members:
-        defaults = _defaults(_target_class(target))
+        defaults = _defaults(_optimizer_class(target))
         size = options["codebook_size"] or defaults["codebook_size"] or 256  # (Gefen's m8 default)
         bins = options["bins_per_code"] or defaults["bins_per_code"]
         periods = {fqn: shape_period(dense[fqn].shape) for fqn in members}
@@ -267,14 +263,17 @@ def _build_m4v4(members: list[str], dense: dict[str, Dense], options: dict, chil
     return params, global_fields
 
 
-def _target_class(target: str):
-    if target == GEFEN:
+def _optimizer_class(implementation: str) -> type | None:
+    """The class of ``implementation`` (Gefen's imported on use: AdamW's conversions need none)."""
+    if implementation == GEFEN:
         from gefen.optimizer import Gefen
 
         return Gefen
-    from gefen.muon import GefenMuon
+    if implementation == MUON:
+        from gefen.muon import GefenMuon
 
-    return GefenMuon
+        return GefenMuon
+    return {ADAMW: torch.optim.AdamW, ADAM: torch.optim.Adam}.get(implementation)
 
 
 def _state(d: Dense, child: str | None, **fields) -> ParamState:

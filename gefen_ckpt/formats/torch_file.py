@@ -11,18 +11,19 @@ fsspec, whole: the format is not lazy.
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import Callable
 
 import fsspec
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from gefen.contract import (
     CHILD_KEY,
     CONTRACT_KEY,
     GLOBAL_STATE_KEY,
     LIKE_PARAM,
+    FieldSpec,
     OptimizerContract,
     composite_children,
     join_composite,
@@ -50,8 +51,6 @@ __all__ = [
     "composite_contract",
     "load_torch_state_dict",
     "save_torch_state_dict",
-    "read_torch",
-    "write_torch",
     "is_torch_file",
 ]
 
@@ -59,15 +58,10 @@ __all__ = [
 TORCH_META_KEY = "gefen_ckpt"
 TORCH_META_VERSION = 1
 
-#: preference when several contracts fit a state_dict equally well
-_PREFERENCE = ("gefen.Gefen", "gefen.GefenMuon", "torch.optim.AdamW", "torch.optim.Adam", "torch.optim.SGD")
-
 
 # ----- contracts ----------------------------------------------------------------------------
 def known_contracts() -> dict[str, OptimizerContract]:
-    """implementation name -> contract (the current version), for torch's AdamW/Adam/SGD and every
-    gefen optimizer whose module exposes a parameter-independent contract (``CONTRACT`` or
-    ``_CONTRACT``, or ``CONTRACTS``: every state layout, the default first)."""
+    """implementation name -> current contract, of every optimizer whose state this module reads."""
     out = {}
     for contract in all_contracts():
         out.setdefault(contract.implementation, contract)
@@ -75,24 +69,13 @@ def known_contracts() -> dict[str, OptimizerContract]:
 
 
 def all_contracts() -> list[OptimizerContract]:
-    """Every readable contract, older layouts of an implementation after its current one (a
-    ``gefen.Gefen`` state_dict of version "1" is told apart from version "2" by its fields)."""
-    out = list(torch_contracts().values())
-    import gefen
+    """Every readable (non-composite) contract, in order of preference when several fit a state_dict;
+    older layouts of an implementation after its current one (a ``gefen.Gefen`` state_dict of
+    version "1" is told apart from version "2" by its fields)."""
+    from gefen.muon import _CONTRACT as MUON_CONTRACT  # GefenMuon's contract is parameter-independent
+    from gefen.state_layouts import CONTRACTS as GEFEN_LAYOUTS
 
-    for name in getattr(gefen, "__all__", dir(gefen)):
-        cls = getattr(gefen, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            continue
-        module = sys.modules.get(cls.__module__)
-        for attr in ("CONTRACTS", "CONTRACT", "_CONTRACT"):
-            found = getattr(module, attr, None)
-            found = list(found.values()) if isinstance(found, dict) else [found]
-            found = [c for c in found if isinstance(c, OptimizerContract) and not c.children and c not in out]
-            if found:
-                out += found
-                break
-    return out
+    return [*GEFEN_LAYOUTS.values(), MUON_CONTRACT, *torch_contracts().values()]
 
 
 def resolve_contract(name: str | OptimizerContract) -> OptimizerContract:
@@ -143,7 +126,6 @@ def infer_contract(state_dict: dict) -> OptimizerContract:
             f"{sorted(set().union(*map(set, groups))) if groups else []}); pass the optimizer explicitly "
             f"(known: {', '.join(sorted(known_contracts()))})"
         )
-    fits.sort(key=lambda c: _PREFERENCE.index(c.implementation) if c.implementation in _PREFERENCE else len(_PREFERENCE))
     return fits[0]
 
 
@@ -157,8 +139,6 @@ def composite_contract(name: str | None, sd: dict) -> OptimizerContract:
     names for the children) whose children's contracts are inferred from their state_dicts (in
     their stored order). Its ``version`` is ``"unrecorded"``: only the file written by
     :func:`state_dict_from_canonical` knows it."""
-    import gefen
-
     names = composite_children(sd)
     if name is None and tuple(names) not in _COMPOSITES:
         known = ", ".join(f"{v} {list(k)}" for k, v in _COMPOSITES.items())
@@ -172,8 +152,7 @@ def composite_contract(name: str | None, sd: dict) -> OptimizerContract:
     else:
         raise CheckpointMismatchError(f"{leaf.implementation} is not a composite optimizer, but the state_dict "
                                       f"has child optimizers {sorted(names)}")
-    name = next((f"gefen.{attr}" for attr in gefen.__all__ if names_optimizer(name, f"gefen.{attr}")
-                 and isinstance(getattr(gefen, attr, None), type)), name)
+    name = next((impl for impl in _COMPOSITES.values() if names_optimizer(name, impl)), name)
     children = []
     for child, child_sd in _split(sd, names, name).items():
         try:
@@ -193,6 +172,23 @@ def check_state_dict(sd, where: str = "state_dict") -> None:
     for gi, g in enumerate(sd["param_groups"]):
         if not isinstance(g, dict) or not isinstance(g.get("params"), (list, tuple)):
             raise CheckpointFormatError(f"{where}: param group {gi} has no 'params' list")
+
+
+def canonical_groups(leaf: OptimizerContract, child: str | None, saved_groups: list[dict], fqns: list[list[str]],
+                     seen: set[str], where: str) -> tuple[list[dict], dict]:
+    """(canonical param groups, state index -> FQN) of one (child) optimizer's saved groups whose
+    members are ``fqns``: the inverse of ``leaf_state_dict``, for files and live optimizers alike.
+    ``seen`` gathers the FQNs of every leaf: each may appear once in ``where``."""
+    groups, owner = [], {}
+    for saved, members in zip(saved_groups, fqns):
+        group = {h: plain(saved[h], f"hyperparameter {h!r}") for h in leaf.hyperparameters if h in saved}
+        groups.append({**group, "params": list(members), **({CHILD_KEY: child} if child is not None else {})})
+        for index, fqn in zip(saved["params"], members):
+            if fqn in seen:
+                raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in {where}")
+            seen.add(fqn)
+            owner[index] = fqn
+    return groups, owner
 
 
 def _split(sd: dict, children: list[str], implementation: str) -> dict[str, dict]:
@@ -262,7 +258,7 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
                 raise CheckpointMismatchError(
                     f"{where}: optimizer-wide field {key!r} is unknown to {leaf.implementation}") from None
             global_fields[global_key(child, key)] = _source(value, spec, "global", key)
-        owner, entries = {}, {}
+        fqns = []
         for gi, saved in enumerate(leaf_sd["param_groups"]):
             names = saved.get("param_names")
             if not names:
@@ -274,23 +270,16 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
             if len(names) != len(saved["params"]):
                 raise CheckpointFormatError(f"{where}: param group {gi} has {len(saved['params'])} params but "
                                             f"{len(names)} param_names")
-            group = {h: plain(saved[h], f"hyperparameter {h!r}") for h in leaf.hyperparameters if h in saved}
-            group["params"] = [str(n) for n in names]
-            if child is not None:
-                group[CHILD_KEY] = child
-            groups.setdefault(child, []).append(group)
-            for index, fqn in zip(saved["params"], group["params"]):
-                if fqn in seen:
-                    raise CheckpointMismatchError(f"parameter FQN {fqn!r} appears twice in the state_dict")
-                seen.add(fqn)
-                owner[index] = fqn
+            fqns.append([str(n) for n in names])
+        groups[child], owner = canonical_groups(leaf, child, leaf_sd["param_groups"], fqns, seen, "the state_dict")
+        entries = {}
         for index, entry in leaf_sd["state"].items():
             if index not in owner:
                 raise CheckpointFormatError(f"{where}: state for parameter index {index!r}, which is in no param group")
             fqn = owner[index]
             if not isinstance(entry, dict):
                 raise CheckpointFormatError(f"{fqn}: state is a {type(entry).__name__}, not a dict")
-            entries[fqn] = {name: _source(v, _spec(leaf, fqn, name), fqn, name)  # (SGD: None buffers)
+            entries[fqn] = {name: _source(v, field_spec(leaf, fqn, name, _ANOTHER), fqn, name)  # (SGD: None buffers)
                             for name, v in entry.items() if v is not None}
         params.update(param_states(leaf, child, entries, global_fields, dtypes))
     order = [g.get(CHILD_KEY) for g in sd["param_groups"]]  # the groups in their saved order (if flat)
@@ -300,13 +289,16 @@ def canonical_from_state_dict(sd: dict, contract: OptimizerContract | str | None
                           metadata={"source_topology": {"kind": "single"}, "source_format": "torch"})
 
 
-def _spec(leaf: OptimizerContract, fqn: str, name: str):
+def field_spec(leaf: OptimizerContract, fqn: str, name: str, hint: str = "") -> FieldSpec:
+    """``leaf``'s field ``name`` (of parameter ``fqn``); a mismatch naming both (and ``hint``) if it has none."""
     try:
         return leaf.field(str(name))
     except KeyError:
-        raise CheckpointMismatchError(
-            f"{fqn}: field {name!r} is unknown to {leaf.implementation} (a checkpoint of another optimizer? "
-            "pass the optimizer explicitly)") from None
+        raise CheckpointMismatchError(f"{fqn}: field {name!r} is unknown to {leaf.implementation}{hint}") from None
+
+
+#: what a field unknown to the contract of a file's state most likely means
+_ANOTHER = " (a checkpoint of another optimizer? pass the optimizer explicitly)"
 
 
 def param_states(leaf: OptimizerContract, child: str | None, entries: dict[str, dict[str, TensorSource]],
@@ -326,7 +318,7 @@ def param_states(leaf: OptimizerContract, child: str | None, entries: dict[str, 
                     raise CheckpointMismatchError(f"{fqn}: its {spec.name} differs from the optimizer's")
         if not fields:
             continue
-        specs = {name: _spec(leaf, fqn, name) for name in fields}
+        specs = {name: field_spec(leaf, fqn, name, _ANOTHER) for name in fields}
         if missing := missing_fields(leaf, fields):
             raise CheckpointMismatchError(f"{fqn}: state lacks {leaf.implementation}'s fields {missing}")
         like = [n for n in fields if specs[n].geometry == "param"]
@@ -434,10 +426,6 @@ def is_torch_file(url: str) -> bool:
     return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
-def _local(fs) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-
-
 def torch_load(url: str, what: str, *, mmap: bool = False):
     """``torch.load(map_location="cpu", weights_only=True)`` (no pickled code runs) of any fsspec
     URL, memory-mapped if ``mmap`` and local; a file that does not load is a format error saying
@@ -445,7 +433,7 @@ def torch_load(url: str, what: str, *, mmap: bool = False):
     fs, path = _fs(url)
     require_regular(fs, path, url)
     try:
-        if mmap and _local(fs):
+        if mmap and isinstance(fs, LocalFileSystem):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         with fs.open(path, "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=True)
@@ -474,7 +462,7 @@ def save_torch_state_dict(sd: dict, url: str) -> None:
     parent = fs._parent(path)
     if parent and not fs.exists(parent):
         fs.makedirs(parent, exist_ok=True)
-    if _local(fs):
+    if isinstance(fs, LocalFileSystem):
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         try:
             with open(tmp, "wb") as f:
@@ -488,14 +476,4 @@ def save_torch_state_dict(sd: dict, url: str) -> None:
     else:  # object stores publish an object only when its upload completes
         with fs.open(path, "wb") as f:
             torch.save(sd, f)
-
-
-def read_torch(url: str, contract: OptimizerContract | str | None = None) -> CanonicalState:
-    """``canonical_from_state_dict`` of a torch file (read whole: the format is not lazy)."""
-    return canonical_from_state_dict(load_torch_state_dict(url), contract)
-
-
-def write_torch(state: CanonicalState, url: str) -> None:
-    """Write ``state`` as a ``torch.save``d ``optimizer.state_dict()``."""
-    save_torch_state_dict(state_dict_from_canonical(state), url)
 

@@ -1,7 +1,7 @@
-"""The optional C library ``gefen_ckpt._native`` (``csrc/``: the fast CRC-32, and the I/O loops that
-must run without the GIL), loaded by ``gefen.clib``: the one module that calls it. ``lib`` is None
-when the library is not built, the CPU lacks the carry-less multiply, or it does not reproduce
-``zlib.crc32``; ``crc32`` then uses zlib (same values), and the I/O callers take their Python paths."""
+"""The optional C library ``gefen_ckpt._native`` (``csrc/``: the fast CRC-32 and the I/O loops that
+run without the GIL); the one module that calls it. ``lib`` is None when it is not built, the CPU
+lacks the carry-less multiply, or it does not reproduce ``zlib.crc32``: then zlib (same values)
+and the callers' Python I/O paths."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The one place that touches files: a thin layer over fsspec (docs/design.md 7).
-
-A ``Store`` is one checkpoint directory on any fsspec filesystem; a ``LocalStore`` (direct system
-calls) is one on a local disk.
-"""
+"""The one place that touches files (docs/design.md 7): a ``Store`` is one checkpoint directory on
+any fsspec filesystem, a ``LocalStore`` (direct system calls) one on a local disk."""
 
 from __future__ import annotations
 
@@ -41,6 +38,13 @@ def _size(entry: os.DirEntry) -> int | None:
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_LINK = "a symbolic link; the files of a checkpoint must be regular files (links are not followed)"
+
+
+def _refuse_kind(where: str, mode: int, directory_ok: bool = False) -> None:
+    kind = next((what for test, what in _KINDS if test(mode)), None)
+    if kind is not None and not (directory_ok and kind == "a directory"):
+        raise CheckpointFormatError(f"{where}: not a regular file ({kind})")
 
 
 def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
@@ -53,24 +57,17 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise CheckpointFormatError(f"{path}: a symbolic link; the files of a checkpoint must be regular files "
-                                        "(links are not followed)") from None
+            raise CheckpointFormatError(f"{path}: {_LINK}") from None
         if exc.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
             raise CheckpointFormatError(f"{path}: not a regular file (a FIFO or socket)") from None
         raise
     try:
-        kind = _kind(os.fstat(fd).st_mode)
-        if kind is not None:
-            raise CheckpointFormatError(f"{path}: not a regular file ({kind})")
+        _refuse_kind(path, os.fstat(fd).st_mode)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
     return fd
-
-
-def _kind(mode: int) -> str | None:
-    return next((what for test, what in _KINDS if test(mode)), None)
 
 
 def require_regular(fs, path: str, url: str) -> None:
@@ -79,11 +76,10 @@ def require_regular(fs, path: str, url: str) -> None:
     if not isinstance(fs, LocalFileSystem):
         return
     try:
-        kind = _kind(os.stat(path).st_mode)
+        mode = os.stat(path).st_mode
     except OSError:
         return  # the open reports it
-    if kind is not None and kind != "a directory":
-        raise CheckpointFormatError(f"{url}: not a regular file ({kind})")
+    _refuse_kind(url, mode, directory_ok=True)
 
 
 def require_regular_entries(fs, root: str, url: str) -> None:
@@ -95,11 +91,8 @@ def require_regular_entries(fs, root: str, url: str) -> None:
         with os.scandir(root) as entries:
             for entry in entries:
                 if entry.is_symlink():
-                    raise CheckpointFormatError(f"{url}/{entry.name}: a symbolic link; the files of a checkpoint "
-                                                "must be regular files (links are not followed)")
-                kind = _kind(entry.stat(follow_symlinks=False).st_mode)
-                if kind is not None and kind != "a directory":
-                    raise CheckpointFormatError(f"{url}/{entry.name}: not a regular file ({kind})")
+                    raise CheckpointFormatError(f"{url}/{entry.name}: {_LINK}")
+                _refuse_kind(f"{url}/{entry.name}", entry.stat(follow_symlinks=False).st_mode, directory_ok=True)
     except (FileNotFoundError, NotADirectoryError):
         return
 
@@ -112,10 +105,10 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _fsync(path: str) -> None:
+def _fsync(path: str, sync: Callable[[int], object] = os.fsync) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        sync(fd)
     finally:
         os.close(fd)
 
@@ -204,41 +197,26 @@ class Prefetch:
             self._cv.notify_all()
 
     def _run(self) -> None:
+        """The loop without the C library, on a Python thread."""
         try:
-            sink = os.open(os.devnull, os.O_WRONLY)
-            try:
+            with suppress(OSError), open(os.devnull, "wb") as sink:
                 for path, size in self._files:
-                    self._read(sink, path, self._base[path], size)
-            finally:
-                os.close(sink)
-        except OSError:
-            pass
+                    base = self._base[path]
+                    with suppress(OSError), open(path, "rb") as f:
+                        offset = 0
+                        while offset < size:
+                            with self._cv:
+                                self._cv.wait_for(lambda at=base + offset: self._stopped or at < self._wanted + self._lead)
+                                if self._stopped:
+                                    return
+                            n = os.sendfile(sink.fileno(), f.fileno(), offset, min(PREFETCH_CHUNK, size - offset))
+                            if n <= 0:
+                                break
+                            offset += n
+                            self._advance(base + offset)
+                    self._advance(base + size)
         finally:
             self.stop()
-
-    def _read(self, sink: int, path: str, base: int, size: int) -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            self._advance(base + size)
-            return
-        try:
-            offset = 0
-            while offset < size:
-                with self._cv:
-                    self._cv.wait_for(lambda at=base + offset: self._stopped or at < self._wanted + self._lead)
-                    if self._stopped:
-                        return
-                n = os.sendfile(sink, fd, offset, min(PREFETCH_CHUNK, size - offset))
-                if n <= 0:
-                    break
-                offset += n
-                self._advance(base + offset)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-        self._advance(base + size)
 
     def _advance(self, position: int) -> None:
         with self._cv:
@@ -308,12 +286,10 @@ class Writer:
 
 
 class LocalWriter(Writer):
-    """Small writes are coalesced, and every ``WRITEBACK_EVERY`` bytes the kernel is asked to start
-    writing the file out (``posix_fadvise(DONTNEED)``), so the disk works while the rest is
-    produced, the final fsync has little left to wait for, and written pages leave the page cache
-    instead of crowding out the training job's. With ``native.io``, ``write_hashed`` writes,
-    hashes and starts writeback in one C call: no GIL between the system calls.
-    """
+    """Small writes are coalesced; every ``WRITEBACK_EVERY`` bytes the kernel is asked to start
+    writing out (``posix_fadvise(DONTNEED)``), so the final fsync has little left and written pages
+    leave the page cache instead of the training job's. With ``native.io``, ``write_hashed`` writes,
+    hashes and starts writeback in one C call: no GIL between the system calls."""
 
     def __init__(self, fs, path: str):
         self.path = path
@@ -372,10 +348,8 @@ class LocalWriter(Writer):
         try:
             self._close_fd()
         finally:
-            try:
+            with suppress(OSError):
                 os.unlink(self.path)
-            except OSError:
-                pass
 
     def _close_fd(self) -> None:
         if self.fd >= 0:
@@ -400,20 +374,15 @@ class RemoteWriter(Writer):
         discard = getattr(self.file, "discard", None)  # fsspec buffered files: drop the upload
         if discard is not None:
             discard()
-        try:
+        with suppress(OSError):
             self.fs.rm_file(self.path)
-        except OSError:
-            pass
 
 
 class Store:
-    """A checkpoint directory: create, read ranges of, list, publish and delete its files.
-
-    The generic way, over fsspec: whole-object writes, which object stores publish atomically on
-    close, and range reads; ``Store(url)`` of a local path is a ``LocalStore``. Failures of the
-    storage itself (disk full, unreachable endpoint, credentials) are ``CheckpointStorageError``
-    naming the path; a missing file stays ``FileNotFoundError``.
-    """
+    """A checkpoint directory over fsspec: whole-object writes (which object stores publish
+    atomically on close), range reads, listing, publishing, deleting; ``Store(url)`` of a local
+    path is a ``LocalStore``. Failures of the storage itself are ``CheckpointStorageError`` naming
+    the path; a missing file stays ``FileNotFoundError``."""
 
     local = False  # files this process can map and lock (reader.py, writelock.py)
     _Reader, _Writer = RemoteReader, RemoteWriter
@@ -440,10 +409,9 @@ class Store:
 
     @contextmanager
     def storage_errors(self, name: str | None = None) -> Iterator[None]:
-        """Storage failures inside the block -- an ``OSError``, or on other filesystems an
-        exception of the backend's own (botocore's, aiohttp's) -- become ``CheckpointStorageError``
-        naming the path. ``FileNotFoundError``, ``FileExistsError``, ``CheckpointError`` and
-        builtin exceptions of the caller's own code pass through."""
+        """Storage failures in the block (an ``OSError``, or a backend's own exception: botocore's,
+        aiohttp's) become ``CheckpointStorageError`` naming the path; missing or existing files,
+        ``CheckpointError`` and builtin exceptions of the caller's code pass through."""
         try:
             yield
         except (FileNotFoundError, FileExistsError, NotADirectoryError, CheckpointError):
@@ -476,12 +444,9 @@ class Store:
 
     @contextmanager
     def create(self, name: str, durable: bool = True) -> Iterator[Writer]:
-        """A new file, complete (and with ``durable``, fsync'd) when the block exits without
-        error; without it, call ``durable_soon`` (and wait) before anything may depend on the file.
-
-        On error the partial file is removed where possible; on a crash it is garbage that no
-        manifest references.
-        """
+        """A new file, complete (with ``durable``, fsync'd; else ``durable_soon`` it) when the block
+        exits without error. On error the partial file is removed; after a crash it is garbage no
+        manifest references."""
         with self.storage_errors(name):
             writer = self._Writer(self.fs, self.path(name))
         iostats.count(files_opened=1, requests=1)
@@ -492,6 +457,12 @@ class Store:
         except BaseException:
             writer.abort()
             raise
+
+    def refuse_special(self, name: str) -> None:
+        """For a name the listing lacks (it lists regular files only): a link, FIFO or device there
+        raises ``CheckpointFormatError``, refused as such rather than reported missing."""
+        with suppress(FileNotFoundError):
+            self.read(name, 0, 0)
 
     def remove(self, name: str) -> None:
         with suppress(FileNotFoundError), self.storage_errors(name):
@@ -623,24 +594,19 @@ class LocalStore(Store):
                 os.close(fd)
 
     def durable_many(self, names: list[str]) -> Callable[[], None]:
-        """One ``syncfs`` of the file system (Linux) on a helper thread: thousands of fsyncs one
-        after another cost ~7 ms each; ``syncfs`` writes every dirty page of the file system in one
-        pass (and reports a write-back error of any file in it since the call, Linux 5.8+). Where
-        it is missing, each file's fsync on its own thread (``durable_soon``)."""
+        """One ``syncfs`` (Linux) on a helper thread: thousands of fsyncs cost ~7 ms each, ``syncfs``
+        writes the file system's dirty pages in one pass (and reports any file's write-back error
+        since the call, Linux 5.8+). Elsewhere each file's ``durable_soon``."""
         libc = _libc()
         if libc is None or not names:
             return super().durable_many(names)
 
-        def syncfs() -> None:
-            fd = os.open(self.root, os.O_RDONLY)
-            try:
-                if libc.syncfs(fd) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, os.strerror(err), self.root)
-            finally:
-                os.close(fd)
+        def syncfs(fd: int) -> None:
+            if libc.syncfs(fd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), self.root)
 
-        return _in_thread(syncfs, "gefen-ckpt-syncfs")
+        return _in_thread(lambda: _fsync(self.root, syncfs), "gefen-ckpt-syncfs")
 
     def publish(self, name: str, data: bytes, temp_name: str) -> None:
         """The directory is synced before the rename too, so the entries of every file written
@@ -657,15 +623,9 @@ class LocalStore(Store):
         with self.storage_errors(name):
             self.sync()
 
-    def create_exclusive(self, name: str, data: bytes) -> None:  # atomic: O_EXCL
-        with self.storage_errors(name):
-            fd = os.open(self.path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        iostats.count(bytes_written=len(data), requests=1, files_opened=1)
+    def create_exclusive(self, name: str, data: bytes) -> None:  # atomic: ``LocalWriter`` opens with O_EXCL
+        with self.create(name) as out:
+            out.write(data)
 
 
 #: Mounted file systems whose reads cross a network (``/proc/self/mountinfo`` names; FUSE mounts,

@@ -1,16 +1,13 @@
-"""The canonical state: an optimizer's state with no topology left in it (docs/design.md 5).
-
-Every per-parameter field is a global logical tensor keyed by the parameter's FQN, held as a
-``TensorSource`` (a live tensor, a memory-mapped region, a remote range read), so offline tools
-read only the rows they need.
-"""
+"""The canonical state: an optimizer's state with no topology left in it (docs/design.md 5). Each
+field is a global tensor held as a ``TensorSource`` (a live tensor, a mapped region, a remote
+range read), so offline tools read only the rows they need."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 from gefen.contract import OptimizerContract
 from gefen_ckpt.errors import CheckpointError
@@ -19,7 +16,6 @@ if TYPE_CHECKING:  # annotations only: a description (``gefen-ckpt inspect``, ``
     import torch
 
 
-@runtime_checkable
 class TensorSource(Protocol):
     """A global tensor that can hand out any range of rows (dim 0) on demand."""
 

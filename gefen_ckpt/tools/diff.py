@@ -14,8 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from gefen.geometry import rows_and_row_numel
-from gefen_ckpt.dist.placement import rows_per_chunk
+from gefen_ckpt.dist.placement import row_ranges
 from gefen_ckpt.state.canonical import CanonicalState
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -36,26 +35,14 @@ def _piece_starts(source) -> list[int]:
         return []
 
 
-def _ranges(rows: int, step: int, cuts: list[int]):
-    """[start, stop) row ranges of at most ``step`` rows that never cross a row in ``cuts``."""
-    bounds = sorted({0, rows, *[c for c in cuts if 0 < c < rows]})
-    for lo, hi in zip(bounds, bounds[1:]):
-        for start in range(lo, hi, step):
-            yield start, min(hi, start + step)
-
-
 def _compare_chunks(a, b, atol: float | None, chunk_bytes: int, advance: Callable[[int], None]) -> tuple[int, float]:
     """(number of differing elements, max |a - b| over them) of two same-shape sources."""
-    shape = tuple(a.shape)
-    rows = rows_and_row_numel(shape)[0]
+    shape, itemsize = tuple(a.shape), a.dtype.itemsize
     row_numel = math.prod(shape[1:])
-    itemsize = a.dtype.itemsize
-    step = rows_per_chunk(shape, itemsize, chunk_bytes)
     batch = max(1, chunk_bytes // 8 // 4)  # elements per float64 comparison batch
     numeric = a.dtype != torch.bool and not a.dtype.is_complex
     count, worst = 0, 0.0
-    cuts = _piece_starts(a) + _piece_starts(b)
-    for start, stop in (_ranges(rows, step, cuts) if shape else [(0, 1)]):
+    for start, stop in row_ranges(shape, itemsize, chunk_bytes, _piece_starts(a) + _piece_starts(b)):
         x = a.read(start, stop).reshape(-1)
         y = b.read(start, stop).reshape(-1)
         for lo in range(0, x.numel(), batch):

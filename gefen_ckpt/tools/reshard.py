@@ -8,6 +8,7 @@ model's size: sources are read piece by piece.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -69,15 +70,9 @@ def plan(state: CanonicalState, shards: int) -> list[RankPlan]:
     """Bytes each of ``shards`` target ranks will hold (reads no tensor data)."""
     from gefen_ckpt.state.canonical import nbytes
 
-    def tensors():
-        for src in state.global_fields.values():
-            yield src.shape, nbytes(src), False
-        for entry in state.params.values():
-            leaf = state.contract.leaf(entry.child)
-            for name, src in entry.fields.items():
-                yield src.shape, nbytes(src), leaf.field(name).row_sharded
-
-    return plan_tensors(tensors(), shards)
+    fields = ((src.shape, nbytes(src), state.contract.leaf(entry.child).field(name).row_sharded)
+              for entry in state.params.values() for name, src in entry.fields.items())
+    return plan_tensors([*((src.shape, nbytes(src), False) for src in state.global_fields.values()), *fields], shards)
 
 
 def plan_manifest(manifest, shards: int) -> list[RankPlan]:
@@ -144,10 +139,6 @@ def plan_tensors(tensors: Iterable[tuple[tuple[int, ...], int, bool]], shards: i
 
 def retarget(state: CanonicalState, mesh: Mesh) -> CanonicalState:
     """``state`` with its topology metadata describing the target ``mesh``."""
-    from gefen_ckpt.state.canonical import CanonicalState
-
-    metadata = dict(state.metadata)
-    metadata["source_topology"] = {"kind": "sharded", "world_size": mesh.world_size,
-                                   "mesh": [mesh.replicate, mesh.shard], "resharded_from": state.metadata.get(
-                                       "source_topology", {})}
-    return CanonicalState(state.contract, state.param_groups, state.params, state.global_fields, metadata)
+    topology = {"kind": "sharded", "world_size": mesh.world_size, "mesh": [mesh.replicate, mesh.shard],
+                "resharded_from": state.metadata.get("source_topology", {})}
+    return dataclasses.replace(state, metadata={**state.metadata, "source_topology": topology})

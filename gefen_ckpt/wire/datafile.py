@@ -5,7 +5,6 @@ index places every piece in it (docs/format.md). The stock safetensors library r
 from __future__ import annotations
 
 import json
-import math
 import struct
 from json.encoder import encode_basestring_ascii
 from typing import NamedTuple
@@ -17,7 +16,6 @@ from gefen_ckpt.wire.dtypes import DTYPES
 ALIGNMENT = 64
 #: safetensors' own limit on the JSON header.
 MAX_HEADER_BYTES = 100 * 2**20
-_CODES = {code: name for name, (code, _) in DTYPES.items()}
 _BIG = 10**16  # a data offset no file reaches: sizes headers conservatively
 _PAD_ENTRY_BOUND = len(json.dumps({f"__pad__/{_BIG}": {"dtype": "U8", "shape": [_BIG],
                                                            "data_offsets": [_BIG, _BIG]}}))
@@ -32,12 +30,6 @@ class Entry(NamedTuple):
     nbytes: int
 
 
-def _entry_json(key: str, code: str, shape, begin: int, end: int) -> str:
-    """One header entry, exactly as ``json.dumps(..., separators=(",", ":"))`` writes it."""
-    dims = ",".join(map(str, shape))
-    return f'{encode_basestring_ascii(key)}:{{"dtype":"{code}","shape":[{dims}],"data_offsets":[{begin},{end}]}}'
-
-
 def entry_bound(entry: Entry) -> int:
     """Bytes an entry may cost in a file, conservatively (its data, padding, and a header entry of
     its own with a padding entry): the budget writers pack files and pieces by."""
@@ -47,57 +39,6 @@ def entry_bound(entry: Entry) -> int:
 
 #: Bytes of a file beyond its entries' bounds (length prefix, braces, metadata, alignment).
 FILE_OVERHEAD = 8 + ALIGNMENT + 256
-
-
-def _prefix(entries: list[str], metadata: dict[str, str]) -> bytes:
-    """The length prefix and the JSON header of ``entries``, padded with spaces so that the data
-    section starts on an ``ALIGNMENT`` boundary."""
-    meta = '"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"))
-    text = ("{" + ",".join([meta, *entries]) + "}").encode()
-    text += b" " * (-(8 + len(text)) % ALIGNMENT)
-    return struct.pack("<Q", len(text)) + text
-
-
-def parse_header(prefix: bytes, file_size: int) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
-    """key -> (safetensors dtype code, shape, absolute begin, absolute end), checked the way the
-    stock safetensors validator checks it (raises ``ValueError``). ``prefix`` must hold at
-    least the length prefix and the whole header."""
-    if len(prefix) < 8:
-        raise ValueError("shorter than the 8-byte header length")
-    (n,) = struct.unpack("<Q", prefix[:8])
-    if n > MAX_HEADER_BYTES or 8 + n > file_size:
-        raise ValueError(f"header length {n} exceeds the file or safetensors' limit")
-    if len(prefix) < 8 + n:
-        raise ValueError("header truncated")
-    try:
-        header = json.loads(prefix[8:8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    header.pop("__metadata__", None)
-    out, spans = {}, []
-    for key, info in header.items():
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise ValueError(f"tensor {key!r}: malformed entry")
-        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if code not in _CODES or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise ValueError(f"tensor {key!r}: bad dtype or shape")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise ValueError(f"tensor {key!r}: bad data_offsets")
-        if math.prod(shape) * DTYPES[_CODES[code]][1] != offsets[1] - offsets[0]:
-            raise ValueError(f"tensor {key!r}: data_offsets do not match its shape and dtype")
-        out[key] = (code, tuple(shape), 8 + n + offsets[0], 8 + n + offsets[1])
-        spans.append((offsets[0], offsets[1], key))
-    pos = 0
-    for begin, end, key in sorted(spans):
-        if begin != pos:
-            raise ValueError(f"tensor {key!r}: data does not follow the previous tensor (gap or overlap)")
-        pos = end
-    if 8 + n + pos != file_size:
-        raise ValueError(f"tensors end at byte {8 + n + pos}, the file has {file_size}")
-    return out
 
 
 #: The one tensor of a data file: its whole data section, where the writer's index places every
@@ -126,5 +67,11 @@ def build_packed(entries: list[Entry], metadata: dict[str, str]) -> tuple[bytes,
 
 
 def packed_prefix(data_bytes: int, metadata: dict[str, str]) -> bytes:
-    """A data file's length prefix and padded JSON header for a data section of ``data_bytes``."""
-    return _prefix([_entry_json(DATA_KEY, "U8", (data_bytes,), 0, data_bytes)], metadata)
+    """A data file's length prefix and JSON header (as ``json.dumps(..., separators=(",", ":"))``
+    writes it) for a data section of ``data_bytes``, padded with spaces so that the data section
+    starts on an ``ALIGNMENT`` boundary."""
+    meta = json.dumps(dict(metadata), separators=(",", ":"))
+    text = (f'{{"__metadata__":{meta},"{DATA_KEY}":{{"dtype":"U8","shape":[{data_bytes}],'
+            f'"data_offsets":[0,{data_bytes}]}}}}').encode()
+    text += b" " * (-(8 + len(text)) % ALIGNMENT)
+    return struct.pack("<Q", len(text)) + text

@@ -77,11 +77,13 @@ def parse_rules(x, writers: int) -> list[Rule]:
 
 
 def parse_split(x, path: str, rows: int, rules: Sequence[Rule], writers: int) -> Split:
-    """A tensor's ``split``: a rule's index, or explicit parts that tile ``[0, rows)`` exactly."""
-    if type(x) is int:
-        if not 0 <= x < len(rules):
-            _fail(path, f"rule {x} does not exist ({len(rules)} rules)")
+    """A tensor's ``split`` (``path``: the tensor's): a rule's index, or explicit parts that tile
+    ``[0, rows)`` exactly."""
+    if type(x) is int and 0 <= x < len(rules):
         return rules[x]
+    path += ".split"
+    if type(x) is int:
+        _fail(path, f"rule {x} does not exist ({len(rules)} rules)")
     if not isinstance(x, list):
         _fail(path, "expected a rule index or a list of [start, stop, writer] parts")
     parts, covered = [], 0
@@ -129,9 +131,6 @@ class SplitTensor(TensorShape):
     def __init__(self, fqn, field, dtype, shape, split: Split, ordinal: int, indexes: IndexSet):
         self.fqn, self.field, self.dtype, self.shape = fqn, field, dtype, shape
         self.split, self.ordinal, self._indexes, self._all = split, ordinal, indexes, None
-
-    def writers_in(self, start: int, stop: int) -> list[int]:
-        return sorted(self.split.writers_in(self.rows, start, stop))
 
     def pieces_in(self, start: int, stop: int) -> tuple:
         """The pieces holding rows ``[start, stop)``, sorted; reads (and validates) only the
@@ -219,11 +218,6 @@ class IndexSet:
         self.reads += 1
         return self.parse(writer, data)
 
-    def _piece_label(self, span: tuple, pieces: dict[int, tuple]) -> str:
-        _, _, _, ordinal, start = span
-        stop = next((p.rows[1] for p in pieces.get(ordinal, ()) if p.rows[0] == start), "?")
-        return f"{self.tensors[ordinal].label} rows [{start}, {stop})"
-
     def parse(self, writer: int, data: bytes) -> dict[int, tuple]:
         """ordinal -> sorted ``PieceRecord`` s of one writer's index, after every check."""
         pin = self.writers[writer]
@@ -249,7 +243,7 @@ class IndexSet:
             bad(f"index version {raw.get('version')!r} is not 2.x")
         files = [(name, self.files[name]) for name, _ in pin.files]
         out: dict[int, tuple] = {}
-        spans: list[tuple[int, int, int, int, int]] = []  # (file, begin, end, ordinal, start row)
+        spans: list[tuple[int, ...]] = []  # (file, begin, end, ordinal, start row, stop row)
         for entry in raw["tensors"]:
             if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int
                     and 0 <= entry[0] < len(self.tensors) and isinstance(entry[1], list)):
@@ -272,7 +266,7 @@ class IndexSet:
                 if offset + nbytes > size:
                     bad(f"{t.label} rows [{start}, {stop}): bytes [{offset}, {offset + nbytes}) lie beyond the end "
                         f"of {name} ({size} bytes)")
-                spans.append((f, offset, offset + nbytes, ordinal, start))
+                spans.append((f, offset, offset + nbytes, ordinal, start, stop))
                 pieces.append(PieceRecord(t.fqn, t.field, (start, stop), name, f"{key}@{start}:{stop}", offset,
                                           nbytes, crc))
             pieces.sort(key=lambda q: q.rows)
@@ -285,7 +279,8 @@ class IndexSet:
         spans.sort()
         for a, b in zip(spans, spans[1:]):
             if a[0] == b[0] and b[1] < a[2]:
-                bad(f"{self._piece_label(b, out)} overlaps {self._piece_label(a, out)} in {files[a[0]][0]}")
+                what = [f"{self.tensors[s[3]].label} rows [{s[4]}, {s[5]})" for s in (b, a)]
+                bad(f"{what[0]} overlaps {what[1]} in {files[a[0]][0]}")
         return out
 
 

@@ -1,19 +1,16 @@
 """The manifest: schema, strict validation, and msgpack encoding (``docs/format.md``).
 
-``validate`` checks everything a reader will act on -- types, ranges, shapes against the
-contract's geometries, piece sizes, file bounds, and that the pieces of every tensor cover
-each of its rows exactly once without overlapping in any file -- *before* anything it
-describes is allocated, so a hostile or corrupt manifest costs no more memory than the
-files it points at. Unknown keys are ignored: minor versions may add optional keys.
-"""
+``validate`` checks everything a reader acts on (types, ranges, shapes against the contract,
+file bounds, every row stored exactly once) *before* anything it describes is allocated, so a
+hostile manifest costs no more memory than the files it points at. Unknown keys are ignored:
+minor versions may add optional keys."""
 
 from __future__ import annotations
 
 import datetime
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import suppress
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,13 +24,13 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     naming,
 )
+from gefen_ckpt.state.canonical import global_key
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.datafile import ALIGNMENT
 from gefen_ckpt.wire.dtypes import DTYPES, dtype_name, plain
 from gefen_ckpt.wire.index import (
     MAX_INDEX_BYTES,
     IndexSet,
-    Split,
     SplitTensor,
     WriterPin,
     parse_rules,
@@ -70,7 +67,7 @@ _MAX_INT = 2**62
 _MAX_NDIM = 16
 _MAX_DEPTH = 24
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
-_FILE_NAMES = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,254}\n)*[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+_FILE_NAMES = re.compile(rf"(?:{_FILE_NAME.pattern}\n)*{_FILE_NAME.pattern}")  # names joined by newlines
 
 
 # ----- records ------------------------------------------------------------------------------
@@ -188,32 +185,19 @@ def _free(x, path: str, depth: int = 0):
     return x
 
 
-def _valid_shape(x) -> tuple[int, ...] | None:
-    """``x`` as a shape if it is one we accept, else None (``_shape`` says why)."""
-    if isinstance(x, list) and len(x) <= _MAX_NDIM and all(type(d) is int and 0 <= d <= _MAX_INT for d in x):
-        shape = tuple(x)
-        if math.prod(shape) <= _MAX_INT:
-            return shape
-    return None
-
-
-def _shape(x, path: str) -> tuple[int, ...]:
-    shape = _valid_shape(x)
-    if shape is not None:
-        return shape
-    dims = _list(x, path)
-    if len(dims) > _MAX_NDIM:
-        fail(path, f"{len(dims)} dimensions (at most {_MAX_NDIM})")
-    shape = tuple(_int(d, f"{path}[{i}]") for i, d in enumerate(dims))
-    if math.prod(shape) > _MAX_INT:
-        fail(path, "too many elements")
-    return shape
-
-
-def _dtype(x, path: str) -> str:
-    if not isinstance(x, str) or x not in DTYPES:
-        fail(path, f"unknown dtype {x!r}"[:200])
-    return x
+def _dtype_shape(x: dict, path: str) -> tuple[str, tuple[int, ...]]:
+    """The ``dtype`` and ``shape`` of a parameter or tensor entry (a map with both keys)."""
+    dtype, dims = x["dtype"], x["shape"]
+    if not (isinstance(dtype, str) and dtype in DTYPES):
+        fail(f"{path}.dtype", f"unknown dtype {dtype!r}"[:200])
+    if not (isinstance(dims, list) and len(dims) <= _MAX_NDIM and all(type(d) is int and 0 <= d <= _MAX_INT for d in dims)):
+        if len(_list(dims, f"{path}.shape")) > _MAX_NDIM:
+            fail(f"{path}.shape", f"{len(dims)} dimensions (at most {_MAX_NDIM})")
+        for i, d in enumerate(dims):
+            _int(d, f"{path}.shape[{i}]")
+    if math.prod(dims) > _MAX_INT:
+        fail(f"{path}.shape", "too many elements")
+    return dtype, tuple(dims)
 
 
 # ----- validation ---------------------------------------------------------------------------
@@ -273,25 +257,6 @@ def missing_fields(leaf: OptimizerContract, present: Iterable[str], shape: Seque
     return sorted(required - have)
 
 
-def _check_required(contract: OptimizerContract, raw: dict) -> None:
-    """Every parameter with state has each required field, and every optimizer (or child) with
-    parameter state has its required global fields (e.g. Gefen's codebook)."""
-    with_state: set[str | None] = set()
-    for fqn, e in raw["params"].items():
-        if not e["fields"]:
-            continue
-        child = e.get("child")
-        with_state.add(child)
-        missing = missing_fields(contract.leaf(child), e["fields"], e["shape"])
-        if missing:
-            fail(f"params[{fqn!r}].fields"[:300], f"required field(s) {missing} are missing")
-    for child in with_state:
-        for f in contract.leaf(child).global_fields:
-            key = f"{child}/{f.name}" if child else f.name
-            if not f.optional and key not in raw["globals"]:
-                fail("globals", f"required field {key!r} is missing (the optimizer has parameter state)")
-
-
 def _groups(x) -> dict[str, str | None]:
     """FQN -> owning child, for every FQN of every group."""
     owner: dict[str, str | None] = {}
@@ -309,11 +274,11 @@ def _groups(x) -> dict[str, str | None]:
     return owner
 
 
-def _spec(contract: OptimizerContract, child: str | None, field: str, where: Callable[[], str]):
+def _spec(contract: OptimizerContract, child: str | None, field: str, path: str):
     try:
         return contract.leaf(child).field(field)
     except KeyError as exc:
-        fail(where(), str(exc)[:300])
+        fail(path, str(exc)[:300])
 
 
 def _head(raw: dict) -> tuple[OptimizerContract, dict[str, str | None]]:
@@ -331,25 +296,23 @@ def _head(raw: dict) -> tuple[OptimizerContract, dict[str, str | None]]:
     return _contract(raw["contract"]), _groups(raw["param_groups"])
 
 
-def _walk(raw: dict, contract: OptimizerContract, owner: dict[str, str | None], make) -> dict:
-    """Every tensor entry, in manifest order (globals, then each parameter's fields: the
-    ordinals of the indexes), as ``make(entry, where, fqn, field)`` (a tensor record with
-    ``dtype`` and ``shape``), checked against the contract and its parameter."""
-    tensors: dict[tuple[str | None, str], SplitTensor] = {}
+def _tensor_entries(raw: dict, contract: OptimizerContract,
+                    owner: dict[str, str | None]) -> Iterator[tuple[str | None, str, str, str, tuple, object]]:
+    """(fqn or None, field, path, dtype, shape, split) of every tensor, in manifest order (globals,
+    then each parameter's fields: the ordinals of the indexes), checked against the contract and
+    its parameter; then that no required field is missing."""
     for key, t in _map(raw["globals"], "globals").items():
         child, _, name = _str(key, "globals key").rpartition("/")
-
-        def gpath(key=key) -> str:
-            return f"globals[{key!r}]"
-
-        spec = _spec(contract, child or None, name, gpath)
+        path = f"globals[{key!r}]"
+        spec = _spec(contract, child or None, name, path)
         if spec.geometry != "global":
-            fail(gpath(), f"field has geometry {spec.geometry!r}, not 'global'")
-        rec = make(t, gpath, None, key)
-        if spec.dtype != LIKE_PARAM and rec.dtype != spec.dtype:
-            fail(f"globals[{key!r}].dtype", f"{rec.dtype}, the contract says {spec.dtype}")
-        tensors[(None, key)] = rec
+            fail(path, f"field has geometry {spec.geometry!r}, not 'global'")
+        dtype, shape = _dtype_shape(_map(t, path, ("dtype", "shape", "split")), path)
+        if spec.dtype not in (LIKE_PARAM, dtype):
+            fail(f"{path}.dtype", f"{dtype}, the contract says {spec.dtype}")
+        yield None, key, path, dtype, shape, t["split"]
 
+    with_state: set[str | None] = set()
     for fqn, e in _map(raw["params"], "params").items():
         path = f"params[{_str(fqn, 'params key')!r}]"[:300]
         _map(e, path, ("shape", "dtype", "fields"))
@@ -358,23 +321,25 @@ def _walk(raw: dict, contract: OptimizerContract, owner: dict[str, str | None], 
         child = e.get("child")
         if child != owner[fqn]:
             fail(f"{path}.child", f"{child!r}, but its param group belongs to {owner[fqn]!r}"[:300])
-        shape, dtype = _shape(e["shape"], f"{path}.shape"), _dtype(e["dtype"], f"{path}.dtype")
+        param_dtype, param_shape = _dtype_shape(e, path)
         for name, t in _map(e["fields"], f"{path}.fields").items():
-            if not (isinstance(name, str) and 0 < len(name) <= MAX_STR):
-                _str(name, f"{path}.fields key")
-
-            def fpath(path=path, name=name) -> str:
-                return f"{path}.fields[{name!r}]"[:400]
-
-            spec = _spec(contract, child, name, fpath)
-            rec = make(t, fpath, fqn, name)
-            if problem := spec.check_dtype(rec.dtype, dtype):
-                fail(f"{fpath()}.dtype", problem)
-            if problem := ("an optimizer-wide field" if spec.geometry == "global" else spec.check_shape(shape, rec.shape)):
-                fail(f"{fpath()}.shape", problem)
-            tensors[(fqn, name)] = rec
-    _check_required(contract, raw)
-    return tensors
+            where = f"{path}.fields[{_str(name, f'{path}.fields key')!r}]"[:400]
+            spec = _spec(contract, child, name, where)
+            dtype, shape = _dtype_shape(_map(t, where, ("dtype", "shape", "split")), where)
+            if problem := spec.check_dtype(dtype, param_dtype):
+                fail(f"{where}.dtype", problem)
+            if problem := ("an optimizer-wide field" if spec.geometry == "global" else spec.check_shape(param_shape, shape)):
+                fail(f"{where}.shape", problem)
+            yield fqn, name, where, dtype, shape, t["split"]
+        if e["fields"]:
+            with_state.add(child)
+            if missing := missing_fields(contract.leaf(child), e["fields"], param_shape):
+                fail(f"{path}.fields", f"required field(s) {missing} are missing")
+    for child in with_state:  # an optimizer (or child) with parameter state has its global fields
+        for f in contract.leaf(child).global_fields:
+            if not f.optional and global_key(child, f.name) not in raw["globals"]:
+                fail("globals", f"required field {global_key(child, f.name)!r} is missing (the optimizer has "
+                                "parameter state)")
 
 
 def validate(raw: dict) -> Manifest:
@@ -384,91 +349,58 @@ def validate(raw: dict) -> Manifest:
     check_version(raw)
     contract, owner = _head(raw)
     writers = _writers(raw["writers"])
-    sizes = {name: nbytes for w in writers for name, nbytes in w.files}
     rules = parse_rules(raw["rules"], len(writers))
     order: list[SplitTensor] = []
-    indexes = IndexSet(writers, order, sizes)
-    split_cache: dict[int, Split] = {}
-
-    def make(t, where, fqn, field):
-        if not (isinstance(t, dict) and t.keys() >= {"dtype", "shape", "split"}):
-            _map(t, where(), ("dtype", "shape", "split"))
-        dtype = t["dtype"] if isinstance(t["dtype"], str) and t["dtype"] in DTYPES else _dtype(t["dtype"], f"{where()}.dtype")
-        shape = _valid_shape(t["shape"]) or _shape(t["shape"], f"{where()}.shape")
-        rows, split = shape[0] if shape else 1, t["split"]
-        if type(split) is int and split in split_cache:
-            parsed = split_cache[split]
-        else:
-            parsed = parse_split(split, f"{where()}.split", rows, rules, len(writers))
-            if type(split) is int:
-                split_cache[split] = parsed
-        rec = SplitTensor(fqn, field, dtype, shape, parsed, len(order), indexes)
-        order.append(rec)
-        return rec
-
-    tensors = _walk(raw, contract, owner, make)
+    indexes = IndexSet(writers, order, {name: nbytes for w in writers for name, nbytes in w.files})
+    tensors: dict[tuple[str | None, str], SplitTensor] = {}
+    for fqn, field, path, dtype, shape, split in _tensor_entries(raw, contract, owner):
+        split = parse_split(split, path, shape[0] if shape else 1, rules, len(writers))
+        tensors[(fqn, field)] = SplitTensor(fqn, field, dtype, shape, split, len(order), indexes)
+        order.append(tensors[(fqn, field)])
     files = tuple(FileRecord(name, nbytes) for w in writers for name, nbytes in w.files)
     return Manifest(raw, contract, files, tensors, tuple(writers), indexes)
 
 
 def _writers(x) -> list[WriterPin]:
     """The ``writers``: ``[index, index_bytes, index_checksum, file, bytes, ...]`` each; every
-    name a plain file name, listed once. Entries are checked one by one, to name the first bad
-    one (``_check_writers``), only when ``_writers_plain`` finds one."""
+    name a plain file name, listed once. All entries are checked at once in a few C-speed passes
+    (16,384 writers in milliseconds); only when that fails are they checked one by one, to name
+    the first bad entry."""
     x = _list(x, "writers")
     if not x:
         fail("writers", "no writers")
-    if not (_writers_plain(x) and max(w[1] for w in x) <= MAX_INDEX_BYTES):
-        _check_writers(x)
-    return [WriterPin.from_raw(w) for w in x]
-
-
-def _check_writers(x: list) -> None:
-    """Raise naming the first bad ``writers`` entry."""
+    if all(type(w) is list and len(w) >= 3 and len(w) % 2 == 1 for w in x):
+        names = [w[0] for w in x] + [n for w in x for n in w[3::2]]
+        sizes = [w[1] for w in x] + [n for w in x for n in w[4::2]]
+        crcs = [w[2] for w in x]
+        if (all(type(n) is str and "\n" not in n for n in names) and all(type(n) is int for n in sizes)
+                and all(type(c) is int for c in crcs) and len(set(names)) == len(names) and MANIFEST_NAME not in names
+                and _FILE_NAMES.fullmatch("\n".join(names)) and min(sizes) >= 0 and max(sizes) <= _MAX_INT
+                and min(crcs) >= 0 and max(crcs) < 2**32 and max(w[1] for w in x) <= MAX_INDEX_BYTES):
+            return [WriterPin.from_raw(w) for w in x]
     seen = set()
     for i, w in enumerate(x):
         if type(w) is not list or len(w) < 3 or len(w) % 2 == 0:
             fail(f"writers[{i}]", "expected [index, bytes, checksum, file, bytes, ...]")
-        crc = w[2]
-        sizes = [w[1], *w[4::2]]
-        names = [w[0], *w[3::2]]
-        for name, size in zip(names, sizes):
+        for name, size in zip([w[0], *w[3::2]], [w[1], *w[4::2]]):
             if type(name) is not str or name in seen or name == MANIFEST_NAME or not _FILE_NAME.fullmatch(name):
                 what = "listed twice" if type(name) is str and name in seen else "not a plain file name"
                 fail(f"writers[{i}]", f"{name!r} is {what}"[:300])
             if type(size) is not int or not 0 <= size <= _MAX_INT:
                 fail(f"writers[{i}]", f"size of {name!r} is not a byte count"[:300])
             seen.add(name)
-        if type(crc) is not int or not 0 <= crc < 2**32:
+        if type(w[2]) is not int or not 0 <= w[2] < 2**32:
             fail(f"writers[{i}]", "the index checksum is not a uint32")
         if w[1] > MAX_INDEX_BYTES:
             fail(f"writers[{i}]", f"index {w[0]!r} is {w[1]:,} bytes, over the limit of {MAX_INDEX_BYTES:,}"[:300])
-
-
-def _writers_plain(x: list) -> bool:
-    """Are all ``writers`` entries well formed (``_writers``' checks, in a few C-speed passes: 16,384
-    writers are checked in milliseconds)? False sends them through the detailed checks, which
-    name the first bad entry."""
-    if not x or not all(type(w) is list and len(w) >= 3 and len(w) % 2 == 1 for w in x):
-        return False
-    names = [w[0] for w in x] + [n for w in x for n in w[3::2]]
-    sizes = [w[1] for w in x] + [n for w in x for n in w[4::2]]
-    crcs = [w[2] for w in x]
-    if not (all(type(n) is str for n in names) and all(type(n) is int for n in sizes)
-            and all(type(c) is int for c in crcs)):
-        return False
-    if len(set(names)) != len(names) or MANIFEST_NAME in names or any("\n" in n for n in names):
-        return False
-    return (_FILE_NAMES.fullmatch("\n".join(names)) is not None and min(sizes) >= 0 and max(sizes) <= _MAX_INT
-            and min(crcs) >= 0 and max(crcs) < 2**32)
+    return [WriterPin.from_raw(w) for w in x]
 
 
 def build(state: CanonicalState, splits: dict, writers: Sequence[WriterPin], *, layout: str,
           world_size: int) -> dict:
-    """The manifest of ``state``: ``splits`` maps each tensor key (fqn or None, field) to
-    ``(parts, writers)`` or ``(parts, writers, sub)`` (a rule) or a list of ``(start, stop, writer)``
-    (explicit parts); ``writers`` are the ``index.WriterPin`` s. A rule whose writer tuple is the
-    same object is stored once (a plan shares them: no 16,384-entry tuple is hashed per tensor)."""
+    """The manifest of ``state``: ``splits`` maps each tensor key (fqn or None, field) to a rule,
+    ``(parts, writers)`` or ``(parts, writers, sub)``, or explicit ``(start, stop, writer)`` parts.
+    Rules sharing one writer tuple object are stored once (no 16,384-entry tuple hashed per tensor)."""
     import torch
 
     from gefen import __version__
@@ -523,7 +455,7 @@ def _params_in_order(state: CanonicalState) -> list:
 
 def tensor_order(state: CanonicalState) -> dict[tuple[str | None, str], int]:
     """Each tensor's ordinal in the manifest built from ``state`` (``build``'s and so
-    ``_walk``'s order: globals by key, parameters in group order, fields by name)."""
+    ``validate``'s order: globals by key, parameters in group order, fields by name)."""
     keys = [(None, k) for k in sorted(state.global_fields)]
     keys += [(fqn, n) for fqn, e in _params_in_order(state) for n in sorted(e.fields)]
     return {k: i for i, k in enumerate(keys)}
@@ -563,8 +495,7 @@ def read_manifest_bytes(store: Store, listing: dict[str, int] | None = None) -> 
     listing = store.listing() if listing is None else listing
     size = listing.get(MANIFEST_NAME)
     if size is None:
-        with suppress(FileNotFoundError):  # a link, FIFO or device there is refused as such, not "missing"
-            store.read(MANIFEST_NAME, 0, 0)
+        store.refuse_special(MANIFEST_NAME)
         leftovers = sum(1 for name in listing if name.endswith(".safetensors"))
         hint = f" ({leftovers} data files of a save that never committed)" if leftovers else ""
         raise CheckpointIncompleteError(f"no committed checkpoint at {store.url}: {MANIFEST_NAME} is missing{hint}")
@@ -638,12 +569,9 @@ def committed_files(store: Store) -> set[str] | None:
 
 
 def open_checkpoint(store: Store, *, whole: bool = True) -> Manifest:
-    """The validated manifest, after checking that every data file exists with its recorded size.
-
-    ``whole=False`` (a reader of some rows: a rank's load, a lazy ``read``): no directory
-    listing, which costs a stat per file of the world's; an index is checked against its
-    pinned size and CRC when first read, and a short data file is refused when read
-    (``records.check_length``)."""
+    """The validated manifest, after checking that every data file exists with its recorded size;
+    with ``whole=False`` (a reader of some rows) without the listing, a stat per file of the
+    world's: an index is checked against its pin when first read, a short data file when read."""
     if whole:
         listing = store.listing()
         manifest = parse_manifest(store, read_manifest_bytes(store, listing))
@@ -653,6 +581,4 @@ def open_checkpoint(store: Store, *, whole: bool = True) -> Manifest:
         data = store.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         data = read_manifest_bytes(store)  # raises naming what is there (or finds it, if it just appeared)
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CheckpointFormatError(f"{store.url}: {MANIFEST_NAME} is over the {MAX_MANIFEST_BYTES}-byte limit")
-    return parse_manifest(store, data)
+    return parse_manifest(store, data)  # ``decode`` refuses one over the size limit

@@ -1,14 +1,12 @@
 """A sharded write to many writers in one pass over the state (``writer.write_state``).
 
-Writer after writer, 4,096 writers of a 200-tensor state cost 2.5M pieces' Python objects,
-source reads and index checks (minutes for 18 MB). When every writer's part of every tensor is
-one piece in one file the layout is regular and computed here as arrays, byte for byte the
-writer-by-writer path's files with one part per writer; from ``GROUP_FROM`` parts on, consecutive
-small parts share a writer. Lock, commit and clean-up stay the caller's."""
+Writer by writer, 4,096 writers of a 200-tensor state cost 2.5M pieces' Python objects (minutes
+for 18 MB). When every writer's part of every tensor is one piece in one file, the layout is
+computed here as arrays: the writer-by-writer path's files byte for byte, except that from
+``GROUP_FROM`` parts on consecutive small parts share a writer. Lock and commit stay the caller's."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
@@ -22,7 +20,7 @@ from gefen_ckpt.wire import checksum, datafile
 from gefen_ckpt.wire.dtypes import dtype_name, itemsize
 from gefen_ckpt.wire.index import WriterPin, encode_index, index_name
 from gefen_ckpt.wire.manifest import FILE_METADATA
-from gefen_ckpt.wire.records import tensor_key
+from gefen_ckpt.wire.records import TensorShape, tensor_key
 
 #: Writers x tensors handled per batch (the arrays of one batch: a few tens of MB).
 BATCH_CELLS = 2**20
@@ -53,10 +51,9 @@ def tensors(state: CanonicalState,
 
 
 def _in_memory(got: torch.Tensor, key: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-    """What a source returned for ``key`` as a contiguous CPU tensor, after checking it is the
-    promised ``shape`` and ``dtype``. A live state's tensors already are such, and then this only
-    reads attributes: every torch operation releases the GIL, and while another thread of the
-    process runs Python each release costs a switch interval (5 ms; docs/decisions.md)."""
+    """What a source returned for ``key`` as a contiguous CPU tensor, checked to be the promised
+    ``shape`` and ``dtype``. A live tensor already is: then only attributes are read, since each
+    torch op releases the GIL and may wait a switch interval to get it back (docs/decisions.md)."""
     if tuple(got.shape) != tuple(shape) or dtype_name(got.dtype) != dtype:
         raise ValueError(f"{key}: the source returned {tuple(got.shape)} {got.dtype}, "
                          f"expected {tuple(shape)} {dtype}")
@@ -66,24 +63,18 @@ def _in_memory(got: torch.Tensor, key: str, shape: tuple[int, ...], dtype: str) 
 
 
 @dataclass(frozen=True)
-class _Tensor:
+class _Tensor(TensorShape):
     fqn: str | None
     field: str
     source: object
     sharded: bool
-    rows: int
-    row_bytes: int
     dtype: str
     shape: tuple[int, ...]
 
 
 def _tensors(state: CanonicalState) -> list[_Tensor]:
-    out = []
-    for fqn, name, src, sharded in tensors(state):
-        shape, dtype = tuple(src.shape), dtype_name(src.dtype)
-        out.append(_Tensor(fqn, name, src, sharded, shape[0] if shape else 1,
-                           math.prod(shape[1:]) * itemsize(dtype), dtype, shape))
-    return out
+    return [_Tensor(fqn, name, src, sharded, dtype_name(src.dtype), tuple(src.shape))
+            for fqn, name, src, sharded in tensors(state)]
 
 
 class WritePlan:
@@ -142,13 +133,13 @@ class WritePlan:
         return out, pos
 
 
-def regular_plan(state: CanonicalState, world_size: int, *, max_file_bytes: int, memory_budget: int,
+def regular_plan(state: CanonicalState, world_size: int | None, *, max_file_bytes: int, memory_budget: int,
                  ordinals: dict) -> WritePlan | None:
-    """The regular layout of ``state`` over ``world_size`` writers, or None when the writer-by-
+    """The regular layout of ``state`` over ``world_size`` (> 1) writers, or None when the writer-by-
     writer path would split a part into several pieces or a writer's data into several files
     (checked with upper bounds of ``writer._split``'s and ``writer._pack``'s sizes, so a layout
     returned here is exactly theirs)."""
-    tensors = _tensors(state)
+    tensors = _tensors(state) if (world_size or 1) > 1 else []
     if not tensors or any(t.rows == 0 or t.row_bytes == 0 for t in tensors):
         return None
     plan = WritePlan(tensors, world_size, ordinals)
@@ -178,12 +169,10 @@ GROUP_FROM = 128
 
 
 def choose_group(plan: WritePlan, rank_bound: int, max_file_bytes: int, most_rows: np.ndarray) -> int:
-    """Parts per writer. Every file costs its creation (measured ~1-2 ms on a loaded ext4, where
-    4,096 ranks' data and index files took 8-16 s to create, more than writing their bytes), so
-    small parts are grouped: consecutive parts per writer while its data stays under
-    ``MIN_WRITER_BYTES``, its piece of each tensor within ``most_rows`` (the memory budget's
-    piece) and its file within ``max_file_bytes``. Large parts keep one writer per part, as a
-    collective save has."""
+    """Parts per writer. Creating a file costs ~1-2 ms on a loaded ext4 (4,096 ranks' files took
+    8-16 s, more than their bytes), so consecutive small parts share a writer while its data stays
+    under ``MIN_WRITER_BYTES``, its pieces within ``most_rows`` and its file within
+    ``max_file_bytes``. Large parts keep one writer each, as a collective save has."""
     if plan.world_size < GROUP_FROM:
         return 1
     per_rank = int((plan.rows * plan.row_bytes).sum()) // plan.world_size + 1

@@ -4,7 +4,6 @@ files are prefetched into the page cache ahead of the hashing (``Store.prefetch`
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,7 +18,6 @@ from gefen_ckpt.wire.manifest import (
     FORMAT_NAME,
     MANIFEST_NAME,
     Manifest,
-    open_checkpoint,
     parse_manifest,
     read_manifest_bytes,
     total_tensor_bytes,
@@ -50,42 +48,11 @@ class VerifyReport:
 
 
 def _header_problems(store: Store, name: str, size: int, pieces: list[tuple[SplitTensor, PieceRecord]],
-                     version: str) -> list[str]:
-    """The safetensors header's problems: compared byte by byte with what the format defines for
-    ``version``, then parsed as the stock validator parses it, every piece inside its data."""
-    if damaged := _packed_header_problems(store, name, size, version):
-        return damaged
-    try:
-        head = store.read(name, 0, min(size, 8))
-        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
-        if n is None or n > datafile.MAX_HEADER_BYTES:
-            raise ValueError("bad header length")
-        header = datafile.parse_header(store.read(name, 0, min(size, 8 + n)), size)
-    except ValueError as exc:
-        return [f"{store.path(name)}: not a valid safetensors file: {exc}"]
-    return _packed_problems(store.path(name), header, size, pieces)
-
-
-def _packed_problems(where: str, header: dict, size: int, pieces: list[tuple[SplitTensor, PieceRecord]]) -> list[str]:
-    """A data file: one ``U8`` tensor spanning the data section, every piece inside it and
-    aligned as the writer aligns it (``datafile.piece_alignment``)."""
-    data = header.get(datafile.DATA_KEY)
-    if set(header) != {datafile.DATA_KEY} or data[0] != "U8" or data[3] != size:
-        return [f"{where}: a data file holds one U8 tensor {datafile.DATA_KEY!r} spanning its data; "
-                f"its header has {sorted(header)[:4]}"]
-    out = []
-    for t, p in pieces:
-        align = datafile.piece_alignment(datafile.Entry(p.key, t.dtype, (), p.nbytes))
-        if p.offset < data[2] or p.offset % align:
-            out.append(f"{where}: {t.label} rows {list(p.rows)} start at byte {p.offset}, outside the data section "
-                       f"or not a multiple of {align}")
-    return out
-
-
-def _packed_header_problems(store: Store, name: str, size: int, version: str) -> list[str]:
-    """A data file of ``size`` bytes starts with exactly what ``datafile.packed_prefix`` writes
-    for it (docs/format.md 5): length, metadata strings and space padding are compared byte by
-    byte, naming the first damaged byte (no checksum covers them; a reader never needs them)."""
+                     version: str) -> tuple[list[str], int]:
+    """(problems, start of the data section) of a data file's header. It must be exactly what
+    ``datafile.packed_prefix`` writes for ``size`` (docs/format.md 5): compared byte by byte, naming
+    the first damaged byte (no checksum covers it; a reader never needs it). Then every piece lies
+    in the data section, aligned as the writer aligns it (``datafile.piece_alignment``)."""
     metadata, length = {"format": FORMAT_NAME, "version": version}, 0
     for _ in range(4):  # the header's length depends on the digits of the data's: a fixed point
         want = datafile.packed_prefix(max(size - length, 0), metadata)
@@ -93,11 +60,17 @@ def _packed_header_problems(store: Store, name: str, size: int, version: str) ->
             break
         length = len(want)
     have = store.read(name, 0, len(want))
-    if have == want:
-        return []
-    at = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
-    return [f"{store.path(name)}: byte {at} of the header differs from the header the format defines "
-            f"(found {have[at:at + 1]!r}, expected {want[at:at + 1]!r}): the header is damaged"]
+    if have != want or len(want) != length:
+        at = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
+        return [f"{store.path(name)}: byte {at} of the header differs from the header the format defines "
+                f"(found {have[at:at + 1]!r}, expected {want[at:at + 1]!r}): the header is damaged"], length
+    out = []
+    for t, p in pieces:
+        align = datafile.piece_alignment(datafile.Entry(p.key, t.dtype, (), p.nbytes))
+        if p.offset < length or p.offset % align:
+            out.append(f"{store.path(name)}: {t.label} rows {list(p.rows)} start at byte {p.offset}, outside the "
+                       f"data section or not a multiple of {align}")
+    return out, length
 
 
 def _gap_problems(store: Store, reader: RangeReader, name: str, size: int, data_start: int,
@@ -127,26 +100,24 @@ def _check_file(store: Store, report: VerifyReport, name: str, expected: int, ac
                 buffer: memoryview, on_bytes, warming: Prefetch | None) -> None:
     where = store.path(name)
     if actual is None:
-        labels = sorted({t.label for t, _ in pieces})
-        try:  # a link, FIFO or device there is refused as such, not reported "missing"
-            store.read(name, 0, 0)
+        holds = f"(holds {', '.join(sorted({t.label for t, _ in pieces})[:4])})"
+        try:
+            store.refuse_special(name)
         except CheckpointError as exc:
-            report.problem(f"{exc} (holds {', '.join(labels[:4])})")
+            report.problem(f"{exc} {holds}")
             return
-        except OSError:
-            pass
-        report.problem(f"{where}: data file is missing (holds {', '.join(labels[:4])})")
+        report.problem(f"{where}: data file is missing {holds}")
         return
     report.files_checked += 1
     if actual != expected:
         report.problem(f"{where}: {actual} bytes, the manifest says {expected} (truncated or replaced)")
-    header = _header_problems(store, name, actual, pieces, ".".join(map(str, manifest.raw["version"])))
+    header, data_start = _header_problems(store, name, actual, pieces, ".".join(map(str, manifest.raw["version"])))
     for message in header:
         report.problem(message)
     wait = (lambda end: warming.wait(where, end)) if warming is not None else (lambda end: None)
     with store.reader(name) as reader:
         if not header and actual == expected:
-            for message in _gap_problems(store, reader, name, actual, _data_start(store, name), pieces):
+            for message in _gap_problems(store, reader, name, actual, data_start, pieces):
                 report.problem(message)
         for run in _runs(sorted(pieces, key=lambda tp: tp[1].offset), len(buffer)):
             for (t, p), (value, got) in zip(run, _hash_run(reader, run, buffer, wait)):
@@ -158,11 +129,6 @@ def _check_file(store: Store, report: VerifyReport, name: str, expected: int, ac
                     report.problem(f"{where}: {t.label} rows {list(p.rows)} (tensor {p.key!r}): checksum mismatch")
             if on_bytes is not None:
                 on_bytes(sum(p.nbytes for _, p in run))
-
-
-def _data_start(store: Store, name: str) -> int:
-    (n,) = struct.unpack("<Q", store.read(name, 0, 8))
-    return 8 + n
 
 
 def _runs(pieces: list, span: int) -> list[list]:
@@ -197,8 +163,10 @@ def _hash_run(reader: RangeReader, run: list, buffer: memoryview, wait: Callable
     return [(next(crcs), p.nbytes) if w else (0, max(0, got - (p.offset - start))) for (_, p), w in zip(run, whole)]
 
 
-def verify_checkpoint(store: Store, on_bytes: Callable[[int], None] | None = None) -> VerifyReport:
-    """Check everything about the checkpoint at ``store``; never raises ``CheckpointError``."""
+def verify(url: str, progress: bool = False, *, storage_options: dict | None = None) -> VerifyReport:
+    """Check every checksum, the coverage of every tensor and every data file's header; all
+    problems go into the report (``ok`` False), none is raised. Torch-free."""
+    store = Store(url, storage_options)
     report = VerifyReport(store.url)
     try:
         listing = store.listing()
@@ -221,9 +189,10 @@ def verify_checkpoint(store: Store, on_bytes: Callable[[int], None] | None = Non
     files = sorted(manifest.files, key=lambda f: f.name)  # the order the prefetch reads them in
     warming = store.prefetch({f.name: listing[f.name] for f in files if f.name in listing})
     try:
-        for f in files:
-            _check_file(store, report, f.name, f.nbytes, listing.get(f.name), by_file[f.name], manifest, buffer,
-                        on_bytes, warming)
+        with progress_bar(progress, f"verifying {url}", total_tensor_bytes(manifest)) as on_bytes:
+            for f in files:
+                _check_file(store, report, f.name, f.nbytes, listing.get(f.name), by_file[f.name], manifest, buffer,
+                            on_bytes, warming)
     finally:
         if warming is not None:
             warming.stop()
@@ -234,17 +203,3 @@ def verify_checkpoint(store: Store, on_bytes: Callable[[int], None] | None = Non
     for name in sorted(set(listing) - referenced):
         report.warnings.append(f"{store.path(name)}: not part of the checkpoint (left by an interrupted save?)")
     return report
-
-
-def verify(url: str, progress: bool = False, *, storage_options: dict | None = None) -> VerifyReport:
-    """Check every checksum, the coverage of every tensor and every data file's header; all
-    problems go into the report (``ok`` False), none is raised. Torch-free."""
-    store = Store(url, storage_options)
-    total = 0
-    if progress:
-        try:
-            total = total_tensor_bytes(open_checkpoint(store))
-        except CheckpointError:
-            pass
-    with progress_bar(progress, f"verifying {url}", total) as on_bytes:
-        return verify_checkpoint(store, on_bytes)

@@ -1,8 +1,6 @@
-"""The writer lock: at most one save at a time to a checkpoint location, since two racing saves
-would delete each other's files (docs/format.md 7.1). Local: an ``fcntl.flock``, dropped by the
-kernel when its holder dies; the file, emptied on release, names a save that died when found
-non-empty and unlocked. Object stores: a lock object created with ``pipe_file(mode="create")``.
-"""
+"""The writer lock: one save at a time per location, since racing saves delete each other's files
+(docs/format.md 7.1). Local: an ``fcntl.flock`` (dropped when its holder dies) on a file emptied on
+release, so one found non-empty names a dead save. Object stores: an object created exclusively."""
 
 from __future__ import annotations
 
@@ -50,8 +48,7 @@ class WriterLock(AbstractContextManager):
             finally:
                 os.close(self._fd)  # closing drops the flock
             return
-        held = _holder(self.store)
-        if held is not None and held.get("token") == self.token:
+        if _token(_holder(self.store)) == self.token:
             self.store.remove(LOCK_NAME)
 
     def __exit__(self, *exc) -> None:
@@ -69,6 +66,10 @@ def _parse(data: bytes) -> dict | None:
     except ValueError:
         return None
     return held if isinstance(held, dict) else None
+
+
+def _token(held: dict | None) -> str | None:
+    return held.get("token") if held and isinstance(held.get("token"), str) else None
 
 
 def _holder(store: Store) -> dict | None:
@@ -110,8 +111,7 @@ def _acquire_local(store: Store, token: str) -> WriterLock:
     except BaseException:
         os.close(fd)
         raise
-    dead_token = dead.get("token") if dead and isinstance(dead.get("token"), str) else None
-    return WriterLock(store, token, dead_token, fd)
+    return WriterLock(store, token, _token(dead), fd)
 
 
 def _stale(held: dict | None) -> bool:
@@ -142,11 +142,11 @@ def _acquire_object(store: Store, token: str) -> WriterLock:
                 held = _holder(store)
             if not _stale(held):
                 raise CheckpointLockedError(_describe(store, held)) from None
-            dead_token = held.get("token") if held and isinstance(held.get("token"), str) else None
+            dead_token = _token(held)
             store.remove(LOCK_NAME)
             continue
         held = _holder(store)  # a check-then-write backend: the last writer wins, the others see it
-        if held is None or held.get("token") != token:
+        if _token(held) != token:
             raise CheckpointLockedError(_describe(store, held))
         return WriterLock(store, token, dead_token)
     raise CheckpointLockedError(_describe(store, _holder(store)))

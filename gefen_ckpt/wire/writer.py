@@ -1,11 +1,7 @@
-"""Streaming writes and the commit protocol, as building blocks a collective save reuses.
-
-Every writer (one process, or each rank) calls ``write_pieces`` with its rows and gets back
-the records; one process builds the manifest and ``commit``s it. Data files get names no
-earlier save used, so nothing of the previous checkpoint is touched until the new manifest has
-atomically replaced the old one. A piece is at most ``memory_budget // 4`` bytes, so a save's
-extra memory is bounded by the budget whatever the model's size.
-"""
+"""Streaming writes and the commit protocol, the building blocks a collective save reuses: each
+writer ``write_pieces`` its rows, one process builds the manifest and ``commit``s it. Data files
+get names no earlier save used, so nothing of the previous checkpoint is touched until the new
+manifest has atomically replaced the old one; a piece is at most ``memory_budget // 4`` bytes."""
 
 from __future__ import annotations
 
@@ -13,6 +9,7 @@ import math
 import re
 import secrets
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -186,12 +183,9 @@ def _put(out: Writer, name: str, spans: list[tuple[int, int]], placed: list[tupl
 def write_pieces(store: Store, stem: str, to_write: Iterable[WriteItem], *, max_file_bytes: int,
                  memory_budget: int, on_bytes: OnBytes | None = None, durable: bool = True,
                  on_file: Callable[[str], None] | None = None) -> tuple[list[PieceRecord], list[FileRecord]]:
-    """Write ``to_write`` into new data files ``<stem>-<n>.safetensors``; the pieces' records.
-
-    Files are complete when this returns, and durable unless ``durable`` is False (then
-    ``store.durable_soon`` them before committing); ``on_file(name)`` is called as each is
-    completed.
-    """
+    """Write ``to_write`` into new data files ``<stem>-<n>.safetensors``; the pieces' records. Files
+    are complete on return, and durable unless ``durable`` is False (then ``store.durable_soon``
+    them before committing); ``on_file(name)`` is called as each is completed."""
     if max_file_bytes < MIN_FILE_BYTES:
         raise ValueError(f"max_file_bytes must be at least {MIN_FILE_BYTES}, got {max_file_bytes}")
     if memory_budget <= 0:
@@ -248,14 +242,11 @@ def _of_save(name: str, token: str) -> bool:
 
 def commit(store: Store, manifest: dict, token: str, *, previous: set[str] | None,
            wait: Callable[[], object] | None = None, indexes: dict[int, bytes] | None = None) -> None:
-    """Publish ``manifest`` atomically, then delete the files of ``previous`` it does not name:
-    only what this commit made unreferenced, never another save's files.
-
-    The manifest (and ``indexes``, writer -> bytes, this process wrote) is validated against the
-    files first: a checkpoint a reader would refuse is never committed. ``wait`` (the data
-    files' fsync) runs before publishing. If the commit fails, this save's files are removed,
-    unless the new manifest did become visible.
-    """
+    """Publish ``manifest`` atomically, then delete the files of ``previous`` it does not name
+    (only what this commit made unreferenced). The manifest, and the ``indexes`` (writer -> bytes)
+    this process wrote, are validated against the files first: a checkpoint a reader would refuse
+    is never committed. ``wait`` (the data files' fsync) runs before publishing. A failed commit
+    removes this save's files, unless the new manifest did become visible."""
     try:
         parsed = mf.validate(manifest)
         for writer, data in (indexes or {}).items():
@@ -279,7 +270,7 @@ def _visible(store: Store, token: str) -> bool:
         named = mf.committed_files(store)
     except Exception:
         return True
-    return named is None or any(n.startswith((f"data-{token}-", f"index-{token}-")) for n in named)
+    return named is None or any(_of_save(n, token) for n in named)
 
 
 def drop(store: Store, names: Iterable[str]) -> None:
@@ -290,14 +281,48 @@ def drop(store: Store, names: Iterable[str]) -> None:
 
 def write_state(state: CanonicalState, store: Store, *, world_size: int | None, max_file_bytes: int,
                 memory_budget: int, on_bytes: OnBytes | None = None) -> dict:
-    """Write and commit ``state``: canonical layout (``world_size`` None) or ``world_size`` shards."""
+    """Write and commit ``state``: canonical layout (``world_size`` None) or ``world_size`` shards,
+    all writers in one pass when every part is one piece and every writer one file
+    (``many_writers``), else writer by writer."""
     if world_size is not None and (type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE):
         raise ValueError(f"world_size must be None or an int in [1, {MAX_WORLD_SIZE:,}], got {world_size!r}")
     token = new_token()
+    ordinals = mf.tensor_order(state)
+    plan = many_writers.regular_plan(state, world_size, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
+                                     ordinals=ordinals)
     lock, previous = begin(store, token)
+    syncing: list[Callable[[], None]] = []  # each file's fsync starts as soon as it is written
+    pins, indexes = [], {}
+
+    def sync(name: str) -> None:
+        syncing.append(store.durable_soon(name))
+
     with lock:
-        return _write_locked(state, store, token, previous, world_size=world_size, max_file_bytes=max_file_bytes,
-                             memory_budget=memory_budget, on_bytes=on_bytes)
+        try:
+            if plan is not None:
+                pins, indexes, durable = many_writers.write(plan, store, token, memory_budget=memory_budget,
+                                                            data_stem=lambda rank: data_stem(token, rank),
+                                                            on_bytes=on_bytes)
+                syncing.append(durable)
+            else:
+                for rank in range(world_size or 1):
+                    recs, fs = write_pieces(store, data_stem(token, rank), items(state, rank, world_size),
+                                            max_file_bytes=max_file_bytes, memory_budget=memory_budget,
+                                            on_bytes=on_bytes, durable=False, on_file=sync)
+                    pin, indexes[rank] = write_index(store, token, rank, recs, fs, ordinals, durable=False)
+                    sync(pin.index)
+                    pins.append(pin)
+            manifest = mf.build(state, splits(state, world_size, plan.writer_of() if plan else None), pins,
+                                layout="canonical" if world_size is None else "sharded", world_size=world_size or 1)
+        except BaseException:
+            _settle(syncing, quiet=True)
+            discard(store, token)
+            raise
+        try:  # the fsyncs run while the manifest is validated and encoded
+            commit(store, manifest, token, previous=previous, wait=lambda: _settle(syncing), indexes=indexes)
+        finally:
+            _settle(syncing, quiet=True)  # whatever commit did not wait for (it failed first)
+    return manifest
 
 
 def splits(state: CanonicalState, world_size: int | None, writers: tuple[int, ...] | None = None) -> dict:
@@ -307,44 +332,6 @@ def splits(state: CanonicalState, world_size: int | None, writers: tuple[int, ..
     whole = (1, (0,))
     spread = (world_size, writers or tuple(range(world_size))) if world_size is not None else whole
     return {(fqn, name): spread if sharded else whole for fqn, name, _, sharded in tensors(state)}
-
-
-def _write_locked(state: CanonicalState, store: Store, token: str, previous: set[str] | None, *,
-                  world_size: int | None, max_file_bytes: int, memory_budget: int, on_bytes: OnBytes | None) -> dict:
-    pins, indexes = [], {}
-    ordinals = mf.tensor_order(state)
-    syncing: list[Callable[[], None]] = []  # each file's fsync starts as soon as it is written
-
-    def sync(name: str) -> None:
-        syncing.append(store.durable_soon(name))
-
-    plan = None
-    if world_size is not None and world_size > 1:
-        plan = many_writers.regular_plan(state, world_size, max_file_bytes=max_file_bytes, memory_budget=memory_budget,
-                                 ordinals=ordinals)
-    try:
-        if plan is not None:  # every part one piece, every writer one file: all writers in one pass
-            pins, indexes, durable = many_writers.write(plan, store, token, memory_budget=memory_budget,
-                                                data_stem=lambda rank: data_stem(token, rank), on_bytes=on_bytes)
-            syncing.append(durable)
-        for rank in range(world_size or 1) if plan is None else ():
-            recs, fs = write_pieces(store, data_stem(token, rank), items(state, rank, world_size),
-                                    max_file_bytes=max_file_bytes, memory_budget=memory_budget, on_bytes=on_bytes,
-                                    durable=False, on_file=sync)
-            pin, indexes[rank] = write_index(store, token, rank, recs, fs, ordinals, durable=False)
-            sync(pin.index)
-            pins.append(pin)
-        manifest = mf.build(state, splits(state, world_size, plan.writer_of() if plan else None), pins,
-                            layout="canonical" if world_size is None else "sharded", world_size=world_size or 1)
-    except BaseException:
-        _settle(syncing, quiet=True)
-        discard(store, token)
-        raise
-    try:  # the fsyncs run while the manifest is validated and encoded
-        commit(store, manifest, token, previous=previous, wait=lambda: _settle(syncing), indexes=indexes)
-    finally:
-        _settle(syncing, quiet=True)  # whatever commit did not wait for (it failed first)
-    return manifest
 
 
 def _settle(waits: list[Callable[[], None]], quiet: bool = False) -> None:
@@ -362,7 +349,5 @@ def _settle(waits: list[Callable[[], None]], quiet: bool = False) -> None:
 def discard(store: Store, token: str, rank: int | None = None) -> None:
     """Best-effort removal of the files of a save that failed before its commit (of one rank's)."""
     prefix = (data_stem(token, rank), index_name(token, rank)) if rank is not None else (f"data-{token}-",)
-    try:
+    with suppress(OSError):  # the failure being reported matters more
         drop(store, [n for n in store.listing() if n.startswith(prefix) or (rank is None and _of_save(n, token))])
-    except OSError:
-        pass  # the failure being reported matters more

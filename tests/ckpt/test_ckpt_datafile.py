@@ -90,11 +90,14 @@ def test_headers_agree_with_stock_parser(written):
         path = os.path.join(url, name)
         with open(path, "rb") as fh:
             data = fh.read()
-        header = datafile.parse_header(data, len(data))
-        assert (8 + int.from_bytes(data[:8], "little")) % datafile.ALIGNMENT == 0
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        assert (8 + n) % datafile.ALIGNMENT == 0
+        assert set(header) == {"__metadata__", datafile.DATA_KEY}
+        assert header[datafile.DATA_KEY]["data_offsets"] == [0, len(data) - 8 - n]
         with safe_open(path, "pt") as sf:
-            for key in sf.keys():
-                assert list(sf.get_slice(key).get_shape()) == list(header[key][1])
+            assert list(sf.keys()) == [datafile.DATA_KEY]
+            assert sf.get_slice(datafile.DATA_KEY).get_shape() == header[datafile.DATA_KEY]["shape"]
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

@@ -179,3 +179,13 @@ def test_saves_with_and_without_the_c_library_write_the_same_bytes(tmp_path, mon
     monkeypatch.setattr(native, "io", False)
     without = saved("python")
     assert len(with_c[0]) > 1 and with_c == without
+
+
+def test_local_create_exclusive_refuses_an_existing_file(tmp_path):
+    """The writer lock's primitive on a local directory: the first create writes the data, a
+    second one raises ``FileExistsError`` and leaves the first file as it was."""
+    store = Store(str(tmp_path))
+    store.create_exclusive("lock", b"first")
+    with pytest.raises(FileExistsError):
+        store.create_exclusive("lock", b"second")
+    assert (tmp_path / "lock").read_bytes() == b"first"

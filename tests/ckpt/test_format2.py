@@ -412,7 +412,7 @@ def test_explicit_parts_round_trip_load_verify_inspect_and_reshard(source, expli
 def test_a_read_of_explicit_rows_reads_only_their_writers_indexes(explicit):
     m = open_checkpoint(Store(explicit), whole=False)
     t = m.tensors[EXPLICIT]
-    assert t.writers_in(0, 3) == [2] and t.writers_in(2, 4) == [0, 2]
+    assert t.split.writers_in(t.rows, 0, 3) == {2} and t.split.writers_in(t.rows, 2, 4) == {0, 2}
     pieces = t.pieces_in(0, 3)
     assert m.indexes.reads == 1 and {p.file for p in pieces} == {n for n, _ in m.writers[2].files}
     full = gefen_ckpt.read(explicit).params[EXPLICIT[0]].fields[EXPLICIT[1]].read()

@@ -17,10 +17,8 @@ from gefen_ckpt.formats.torch_file import (
     infer_contract,
     is_torch_file,
     load_torch_state_dict,
-    read_torch,
     save_torch_state_dict,
     state_dict_from_canonical,
-    write_torch,
 )
 
 
@@ -102,7 +100,7 @@ def test_round_trip_continues_bitwise(kind, tmp_path):
     assert_bitwise_equal(canonical_tensors(exported), canonical_tensors(state))
 
     url = str(tmp_path / "opt.pt")
-    write_torch(state, url)
+    save_torch_state_dict(state_dict_from_canonical(state), url)
     assert is_torch_file(url)
     loaded = torch.load(url, map_location="cpu", weights_only=True)
 
@@ -143,9 +141,9 @@ def test_torch_files_over_memory_fsspec():
     opt = make_opt("gefen", model)
     train(model, opt, 2)
     url = "memory://torch-format-test/sub/opt.pt"
-    write_torch(export_canonical(opt), url)
+    save_torch_state_dict(state_dict_from_canonical(export_canonical(opt)), url)
     assert is_torch_file(url)
-    state = read_torch(url)
+    state = canonical_from_state_dict(load_torch_state_dict(url))
     assert_bitwise_equal(canonical_tensors(state), canonical_tensors(export_canonical(opt)))
     assert not is_torch_file("memory://torch-format-test/sub")
 

@@ -16,7 +16,7 @@ FIRST_PARTY = {"gefen", "gefen_ckpt", "gefen_cli"}
 #: optional imports -> (the extras that declare them, the only modules that import them). Those
 #: modules are imported only behind a guard (gefen.triton.dispatch imports gefen.triton.launch in
 #: a try block) or by the user (nothing imports gefen_ckpt.torchft_transport).
-OPTIONAL = {"triton": (("gpu", "test"), {"gefen/triton/backend.py"}),
+OPTIONAL = {"triton": (("gpu", "test"), {"gefen/triton/kernels.py"}),
             "torchft": (("torchft",), {"gefen_ckpt/torchft_transport.py"})}
 
 
