@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gefen.geometry import period_of_blocks
-from gefen_ckpt.state.canonical import CanonicalState, ParamState
+from gefen_ckpt.state.canonical import CanonicalState
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -49,13 +49,7 @@ def describe_manifest(store, manifest) -> CanonicalState:
         t = manifest.tensors[key]
         return Stored(t.shape, t.dtype, functools.partial(peek.read_values, store, t))
 
-    raw = manifest.raw
-    params = {fqn: ParamState(tuple(e["shape"]), e["dtype"], {name: stored((fqn, name)) for name in e["fields"]},
-                              e.get("child"))
-              for fqn, e in raw["params"].items()}
-    metadata = {**raw.get("metadata", {}), "source_topology": raw.get("topology", {}), "created": raw.get("created", {})}
-    return CanonicalState(manifest.contract, [dict(g, params=list(g["params"])) for g in raw["param_groups"]], params,
-                          {key: stored((None, key)) for key in raw["globals"]}, metadata)
+    return manifest.state({key: stored(key) for key in manifest.tensors})
 
 
 def describe_state(state: CanonicalState) -> CanonicalState:

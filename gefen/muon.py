@@ -27,7 +27,8 @@ __all__ = ["GefenMuon", "lr_scale"]
 MUON_SALT = 0x40000000
 #: ``adjust_lr_fn`` values, as ``torch.optim.Muon`` (None: "original")
 ADJUST_LR = (None, "original", "match_rms_adamw")
-_CONTRACT = OptimizerContract(
+#: GefenMuon's state contract: the same for every parameter, so the offline tools can read it without an instance
+CONTRACT = OptimizerContract(
     implementation="gefen.GefenMuon",
     version="1",
     hyperparameters=("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
@@ -89,7 +90,7 @@ class GefenMuon(CompressedOptimizer):
     torch_name = "Muon"
 
     def contract(self) -> OptimizerContract:
-        return _CONTRACT
+        return CONTRACT
 
     def _check_group(self, group: dict) -> None:
         check_range("lr", group["lr"], 0.0, torch_says="Learning rate should be >= 0 but is: {}")  # Muon's words

@@ -72,7 +72,7 @@ def all_contracts() -> list[OptimizerContract]:
     """Every readable (non-composite) contract, in order of preference when several fit a state_dict;
     older layouts of an implementation after its current one (a ``gefen.Gefen`` state_dict of
     version "1" is told apart from version "2" by its fields)."""
-    from gefen.muon import _CONTRACT as MUON_CONTRACT  # GefenMuon's contract is parameter-independent
+    from gefen.muon import CONTRACT as MUON_CONTRACT  # parameter-independent
     from gefen.state_layouts import CONTRACTS as GEFEN_LAYOUTS
 
     return [*GEFEN_LAYOUTS.values(), MUON_CONTRACT, *torch_contracts().values()]

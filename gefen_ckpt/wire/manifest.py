@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import math
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,7 +24,7 @@ from gefen_ckpt.errors import (
     CheckpointIncompleteError,
     naming,
 )
-from gefen_ckpt.state.canonical import global_key
+from gefen_ckpt.state.canonical import CanonicalState, ParamState, global_key
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.datafile import ALIGNMENT
 from gefen_ckpt.wire.dtypes import DTYPES, dtype_name, plain
@@ -91,6 +91,18 @@ class Manifest:
     @property
     def index_files(self) -> tuple[FileRecord, ...]:
         return tuple(FileRecord(w.index, w.index_bytes) for w in self.writers)
+
+    def state(self, sources: dict, dtype: Callable[[str], object] = str) -> CanonicalState:
+        """The checkpoint as a ``CanonicalState`` whose tensors are ``sources`` (keyed like
+        ``tensors``) and parameter dtypes ``dtype(name)``: torch's for a loader, the format's own
+        names for the torch-free tools."""
+        raw = self.raw
+        params = {fqn: ParamState(tuple(e["shape"]), dtype(e["dtype"]),
+                                  {name: sources[(fqn, name)] for name in e["fields"]}, e.get("child"))
+                  for fqn, e in raw["params"].items()}
+        metadata = {**raw.get("metadata", {}), "source_topology": raw.get("topology", {}), "created": raw.get("created", {})}
+        return CanonicalState(self.contract, [dict(g, params=list(g["params"])) for g in raw["param_groups"]], params,
+                              {key: sources[(None, key)] for key in raw["globals"]}, metadata)
 
 
 # ----- encoding -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from gefen_ckpt.errors import CheckpointCorruptError
 from gefen_ckpt.io import iostats, native
 from gefen_ckpt.io.storage import READ_CHUNK, LocalReader, Prefetch, RangeReader, Store
-from gefen_ckpt.state.canonical import CanonicalState, EagerSource, ParamState, TensorSource
+from gefen_ckpt.state.canonical import CanonicalState, EagerSource
 from gefen_ckpt.wire import checksum
 from gefen_ckpt.wire.dtypes import NUMPY, itemsize, torch_dtype
 from gefen_ckpt.wire.index import SplitTensor
@@ -243,29 +243,11 @@ def _joined(views: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtyp
     return torch.cat(views) if views else torch.empty(shape, dtype=dtype)
 
 
-# ----- a CanonicalState ---------------------------------------------------------------------
-def _state(manifest: Manifest, sources: dict[tuple[str | None, str], TensorSource]) -> CanonicalState:
-    raw = manifest.raw
-    params = {
-        fqn: ParamState(tuple(e["shape"]), torch_dtype(e["dtype"]),
-                        {name: sources[(fqn, name)] for name in e["fields"]}, e.get("child"))
-        for fqn, e in raw["params"].items()
-    }
-    metadata = {**raw.get("metadata", {}), "source_topology": raw.get("topology", {}), "created": raw.get("created", {})}
-    return CanonicalState(
-        contract=manifest.contract,
-        param_groups=[dict(g, params=list(g["params"])) for g in raw["param_groups"]],
-        params=params,
-        global_fields={key: sources[(None, key)] for key in raw["globals"]},
-        metadata=metadata,
-    )
-
-
 def lazy_state(store: Store, manifest: Manifest, *, map_files: bool = False) -> CanonicalState:
     """A ``CanonicalState`` whose tensors are read from the files on demand; with ``map_files``
     (local stores) as verified views of the files, for a caller that copies what it reads."""
     mapped = MappedFiles(store) if map_files and _can_map(store) else None
-    return _state(manifest, {k: PieceSource(store, t, mapped) for k, t in manifest.tensors.items()})
+    return manifest.state({k: PieceSource(store, t, mapped) for k, t in manifest.tensors.items()}, torch_dtype)
 
 
 def _can_map(store: Store) -> bool:
@@ -287,7 +269,7 @@ def stage_state(store: Store, manifest: Manifest, on_bytes: Callable[[int], None
     stage = _stage_mapped if map_files and _can_map(store) else _stage_read
     tensors = stage(store, manifest, {name: sorted(by_file[name], key=lambda x: x[0].offset) for name in sorted(by_file)},
                     on_bytes or (lambda n: None), warming.wait if warming is not None else (lambda path, end: None))
-    return _state(manifest, {k: EagerSource(v) for k, v in tensors.items()})
+    return manifest.state({k: EagerSource(v) for k, v in tensors.items()}, torch_dtype)
 
 
 def stage_checkpoint(store: Store, check: Callable[[Manifest], None] | None = None, *, map_files: bool = False,
