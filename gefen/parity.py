@@ -44,15 +44,11 @@ def kernel_fns(**fns) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{name: strict(fn) for name, fn in fns.items()})
 
 
-def outputs(problems, fns) -> list:
-    """What each problem ``(run, case)`` leaves (the reference's: computed once for several candidates)."""
-    return [run(*case, fns) for run, case in problems]
-
-
-def check(problems, kernels, agree, wants: list) -> str | None:
-    """None when ``kernels`` leave, on every problem, what the reference left (``wants``) under
+def check(problems, kernels, agree) -> str | None:
+    """None when ``kernels`` leave, on every problem, what the reference leaves under
     ``agree(got, want)``; else the first disagreement, a declined problem included."""
-    for (run, case), want in zip(problems, wants):
+    for run, case in problems:
+        want = run(*case, REFERENCE)
         try:
             got = run(*case, kernels)
         except Refused:

@@ -236,11 +236,6 @@ def _place(node, mesh, where: str):
     return node
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements, contiguous, one-dimensional, on the CPU (a view where possible)."""
-    return t.cpu().reshape(-1)
-
-
 @contextmanager
 def _gc_paused():
     """Thousands of small tensors make thousands of objects: the cyclic collector would stop the
@@ -258,7 +253,7 @@ def _packed(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The small tensors' bytes end to end: one concatenation per run of one dtype, then their bytes."""
     if not tensors:
         return torch.empty(0, dtype=torch.uint8)
-    runs = [torch.cat([_flat(t) for t in run]).view(torch.uint8)
+    runs = [torch.cat([t.cpu().reshape(-1) for t in run]).view(torch.uint8)
             for _, run in itertools.groupby(tensors, key=lambda t: t.dtype)]
     return torch.cat(runs) if len(runs) > 1 else runs[0]
 
@@ -299,7 +294,7 @@ def encode_state(state_dict: Any, step: int, *, pack_bytes: int = PACK_BYTES, ha
         "dims": np.fromiter((d for s in shapes for d in s), "<i8").tobytes(),
         "crc": np.asarray(crcs, "<u4").tobytes(), "index": np.asarray(order, "<u4").tobytes(),
         "pack": int(pack.numel())}, use_bin_type=True)
-    large = [_flat(t).view(torch.uint8) for t in ordered[packed:]]  # views: sent from their own memory
+    large = [t.cpu().reshape(-1).view(torch.uint8) for t in ordered[packed:]]  # views: sent from their own memory
     return Encoded(manifest, pack, large, len(ordered), [_crc(t) for t in large] if hash_large else [])
 
 
@@ -334,15 +329,14 @@ class Parsed(NamedTuple):
 
 def _check_runs(runs, bound: int) -> tuple[list[str], int]:
     """Each piece's dtype and how many are packed; at most ``bound`` pieces (the manifest's size)."""
-    if not isinstance(runs, list) or sum(r[1] for r in runs if isinstance(r, list) and len(r) == 3
-                                         and type(r[1]) is int) > bound:
-        _fail("no runs, or more pieces than the manifest has bytes")
+    if not isinstance(runs, list):
+        _fail("no runs")
     dtypes: list[str] = []
     packed = 0
     for k, run in enumerate(runs):
         if not (isinstance(run, list) and len(run) == 3 and isinstance(run[0], str) and type(run[1]) is int
-                and 0 < run[1] <= 2**32 and isinstance(run[2], bool)):
-            _fail(f"run {k} is malformed")
+                and 0 < run[1] <= bound - len(dtypes) and isinstance(run[2], bool)):
+            _fail(f"run {k} is malformed, or more pieces than the manifest has bytes")
         torch_dtype(run[0], f"heal manifest: run {k}")
         if run[2]:
             if packed != len(dtypes):
@@ -476,7 +470,7 @@ class GefenTransport(CheckpointTransport):
     ``pack_bytes``: tensors up to this size travel in the one packed buffer. ``mesh``: the
     replica group's device mesh (FSDP2, tensor parallel), where received DTensor shards are
     checked and rebuilt; its own ranks heal from the same ranks of the healthy group. ``timeout``
-    bounds a whole transfer, not each message.
+    is unused (torchft's signature): the one each transfer is passed bounds it, not each message.
     """
 
     #: Message tags of one transfer: header, manifest, packed buffer, the large tensors' CRC-32s
@@ -486,7 +480,6 @@ class GefenTransport(CheckpointTransport):
     def __init__(self, pg, timeout: timedelta = timedelta(seconds=60), *, pack_bytes: int = PACK_BYTES,
                  mesh=None) -> None:
         self._pg = pg
-        self._timeout = timeout
         self._pack_bytes = pack_bytes
         self._mesh = mesh
         self.last_send = HealStats()

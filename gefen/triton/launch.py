@@ -79,6 +79,15 @@ def _classes(keys) -> dict:
     return classes
 
 
+def _class_tables(idx: list[int], rows: list[int], br: int, ptrs: list, *tables: torch.Tensor) -> list:
+    """What a launch of the class ``idx`` (indices of the step's items) takes first: its program
+    table (item i has ``rows[i]`` rows, ``br`` per program), its pointer table (``ptrs``: a row of
+    tensors per member) and its members' rows of the step's per-item ``tables`` (on the device)."""
+    device = tables[0].device
+    ptr_t, sel = _to(device, _ptr_table(ptrs), torch.tensor(idx, dtype=torch.int64))
+    return [_programs([rows[i] for i in idx], br, device), ptr_t, *(t.index_select(0, sel) for t in tables)]
+
+
 def _launch(kernel, progs: torch.Tensor, *args, **meta) -> None:
     """One program per row of the table ``progs`` (``_programs``), which the kernel gets first."""
     if progs.shape[0] == 0:
@@ -125,24 +134,20 @@ def momentum_(items: list[tuple[dict, torch.Tensor, float]], codebook: torch.Ten
         outs = [torch.empty(tuple(s["m_scale"].shape), dtype=torch.float32, device=g.device) for s, g, _ in items]
     else:
         outs = [torch.empty(g.shape, dtype=torch.float32, device=g.device) for _, g, _ in items]
+    sizes, ptrs = [], []
+    for i, (state, grad, _) in enumerate(items):
+        P = _local_period(state)
+        sizes.append((grad.numel() // P, P, 2 if scales_only else int(scales[i] is not None)))
+        out = outs[i] if not scales_only else state["m_scale"]  # (not written: mode 2 masks it)
+        aux = outs[i] if scales_only else (scales[i] if scales[i] is not None else state["m_scale"])
+        ptrs.append([grad, state["m_code"], state["m_scale"], out, aux])
+    size_t, w_t = _to(items[0][1].device, torch.tensor(sizes, dtype=torch.int64),
+                      torch.tensor([1 - beta for _, _, beta in items], dtype=torch.float32))
     classes = _classes((g.dtype, _geometry(_local_period(s))) if g.numel() else None for s, g, _ in items)
     for (gdt, (br, bc, single)), idx in classes.items():
-        sizes, ptrs, weights = [], [], []
-        for i in idx:
-            state, grad, beta = items[i]
-            P = _local_period(state)
-            mode = 2 if scales_only else int(scales[i] is not None)
-            sizes.append((grad.numel() // P, P, mode))
-            out = outs[i] if not scales_only else state["m_scale"]  # (not written: mode 2 masks it)
-            aux = outs[i] if scales_only else (scales[i] if scales[i] is not None else state["m_scale"])
-            ptrs.append([grad, state["m_code"], state["m_scale"], out, aux])
-            weights.append(1 - beta)
-        device = items[idx[0]][1].device
-        progs = _programs([nb for nb, _, _ in sizes], br, device)
-        ptr_t, size_t, w_t = _to(device, _ptr_table(ptrs), torch.tensor(sizes, dtype=torch.int64),
-                                 torch.tensor(weights, dtype=torch.float32))
-        _launch(kernels.momentum_kernel, progs, ptr_t, size_t, w_t, book.values, book.thr, book.K, LOG2K=book.log2k,
-                BR=br, BC=bc, SINGLE=single, GRAD_T=_TRITON_DT[gdt])
+        tables = _class_tables(idx, [nb for nb, _, _ in sizes], br, [ptrs[i] for i in idx], size_t, w_t)
+        _launch(kernels.momentum_kernel, *tables, book.values, book.thr, book.K, LOG2K=book.log2k, BR=br, BC=bc,
+                SINGLE=single, GRAD_T=_TRITON_DT[gdt])
     return outs
 
 
@@ -222,30 +227,24 @@ def _m4v4_matrices(items: list[Item], codebook, ratios) -> None:
     empty = [i for i, it in enumerate(items) if not it.param.numel()]  # only the statistics move, as in the reference
     cb, R = codebook.contiguous(), ratios.contiguous()
     for (pdt, gdt, (br, bc, single)), idx in classes.items():
-        sel = torch.tensor(idx, dtype=torch.int64)
-        progs = _programs([shapes[i][0] for i in idx], br, device)
-        ptrs = _ptr_table([[items[i].param, items[i].grad, items[i].state["mv_code"], items[i].state["m_row_scale"],
-                            items[i].state["v_row"], items[i].v_row, items[i].state["v_col"], v_new_views[i],
-                            items[i].v_row if items[i].row_max is None else items[i].row_max] for i in idx])
-        ptrs, sel = _to(device, ptrs, sel)
-        _launch(kernels.m4v4_kernel, progs, ptrs, ints.index_select(0, sel), scal.index_select(0, sel), cb, R,
+        ptrs = [[items[i].param, items[i].grad, items[i].state["mv_code"], items[i].state["m_row_scale"],
+                 items[i].state["v_row"], items[i].v_row, items[i].state["v_col"], v_new_views[i],
+                 items[i].v_row if items[i].row_max is None else items[i].row_max] for i in idx]
+        _launch(kernels.m4v4_kernel, *_class_tables(idx, [r for r, _ in shapes], br, ptrs, ints, scal), cb, R,
                 BR=br, BC=bc, SINGLE=single, PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt])
     dst = [it.state["v_col"] for it in items] + [items[i].state["v_row"] for i in empty]
     torch._foreach_copy_(dst, v_new_views + [items[i].v_row for i in empty])
 
 
 def _adamw_vectors(items: list[Item]) -> None:
-    device = items[0].param.device
-    block = 1024
+    block, sizes = 1024, [it.param.numel() for it in items]
+    ints = torch.tensor([_ints(it, n, 1) for it, n in zip(items, sizes)], dtype=torch.int64)
+    scal = torch.tensor([_scalars(it) for it in items], dtype=torch.float32)
+    ints, scal = _to(items[0].param.device, ints, scal)
     for (pdt, gdt), idx in _classes((it.param.dtype, it.grad.dtype) for it in items).items():
-        sel = [items[i] for i in idx]
-        progs = _programs([it.param.numel() for it in sel], block, device)
-        ptrs = _ptr_table([[it.param, it.grad, it.state["exp_avg"], it.state["exp_avg_sq"]] for it in sel])
-        ints = torch.tensor([_ints(it, it.param.numel(), 1) for it in sel], dtype=torch.int64)
-        scal = torch.tensor([_scalars(it) for it in sel], dtype=torch.float32)
-        ptrs, ints, scal = _to(device, ptrs, ints, scal)
-        _launch(kernels.adamw_kernel, progs, ptrs, ints, scal, BLOCK=block, PARAM_T=_TRITON_DT[pdt],
-                GRAD_T=_TRITON_DT[gdt])
+        ptrs = [[items[i].param, items[i].grad, items[i].state["exp_avg"], items[i].state["exp_avg_sq"]] for i in idx]
+        _launch(kernels.adamw_kernel, *_class_tables(idx, sizes, block, ptrs, ints, scal), BLOCK=block,
+                PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt])
 
 
 #: rows per program of the phase-1 kernel (its column partial sums cost 8 / BR bytes per element)
@@ -271,14 +270,12 @@ def m4v4_row_stats(items: list[tuple[torch.Tensor, dict, float]],
     ints = torch.tensor([_row(k.N_INTS, (k.I_ROWS, r), (k.I_C, C)) for r, C in shapes], dtype=torch.int64)
     scal = torch.tensor([_row(k.N_SCALARS, (k.S_B1, b1), (k.S_OMB1, 1 - b1)) for _, _, b1 in items],
                         dtype=torch.float32)
+    ints, scal = _to(device, ints, scal)
     for gdt, idx in _classes(g.dtype if g.numel() else None for g, _, _ in items).items():
-        sel = torch.tensor(idx, dtype=torch.int64)
-        progs = _programs([shapes[i][0] for i in idx], br, device)
-        ptrs = _ptr_table([[items[i][0], items[i][1]["mv_code"], items[i][1]["m_row_scale"], *outs[i]] for i in idx])
-        ptrs, ints_c, scal_c = _to(device, ptrs, ints[sel], scal[sel])
+        ptrs = [[items[i][0], items[i][1]["mv_code"], items[i][1]["m_row_scale"], *outs[i]] for i in idx]
         bc = max(16, min(triton.next_power_of_2(max(shapes[i][1] for i in idx)), 1024))
-        _launch(kernels.row_stats_kernel, progs, ptrs, ints_c, scal_c, codebook.contiguous(), BR=br, BC=bc,
-                GRAD_T=_TRITON_DT[gdt])
+        _launch(kernels.row_stats_kernel, *_class_tables(idx, [r for r, _ in shapes], br, ptrs, ints, scal),
+                codebook.contiguous(), BR=br, BC=bc, GRAD_T=_TRITON_DT[gdt])
     return outs
 
 
@@ -301,17 +298,16 @@ def _partials(items, *, m8: bool, given=None) -> list[tuple[torch.Tensor, torch.
                               (k.I_ROW_LEN, C if rl is None else rl[1])) for (r, C), rl in zip(shapes, given)],
                         dtype=torch.int64)
     betas = torch.tensor([(b2, 1 - b2) for _, _, b2 in items], dtype=torch.float32)
+    ints, betas = _to(device, ints, betas)
     for gdt, idx in _classes(g.dtype for g, _, _ in items).items():
-        sel = torch.tensor(idx, dtype=torch.int64)
-        progs = _programs([shapes[i][0] for i in idx], br, device)
-        ptrs = _ptr_table([[items[i][0], items[i][1]["v_row"], v_rows[i], scratch_views[i],
-                            scratch_views[i] if given[i] is None else given[i][0]] for i in idx])
-        ptrs, ints_c, betas_c = _to(device, ptrs, ints[sel], betas[sel])
+        ptrs = [[items[i][0], items[i][1]["v_row"], v_rows[i], scratch_views[i],
+                 scratch_views[i] if given[i] is None else given[i][0]] for i in idx]
         bc = max(16, min(triton.next_power_of_2(max(shapes[i][1] for i in idx)), 4096 // br))
-        _launch(kernels.partials_kernel, progs, ptrs, ints_c, betas_c, BR=br, BC=bc, GRAD_T=_TRITON_DT[gdt], M8=m8)
+        _launch(kernels.partials_kernel, *_class_tables(idx, [r for r, _ in shapes], br, ptrs, ints, betas), BR=br,
+                BC=bc, GRAD_T=_TRITON_DT[gdt], M8=m8)
     bc = 256
     progs = _programs([C + 2 for _, C in shapes], bc, device)
-    ptrs, ints = _to(device, _ptr_table([[s, p] for s, p in zip(scratch_views, part_views)]), ints)
+    (ptrs,) = _to(device, _ptr_table([[s, p] for s, p in zip(scratch_views, part_views)]))
     _launch(kernels.column_sum_kernel, progs, ptrs, ints, BC=bc, BR=br)
     return list(zip(v_rows, part_views))
 
@@ -347,18 +343,16 @@ def m8_update_(items: list[Item], codebook: torch.Tensor) -> None:
         _prologue(factored, [it.state["v_col"] for it in factored], ints, scal, m8=True)
     classes = _classes((it.param.dtype, it.grad.dtype, _geometry(int(it.state["period"])), "v_row" in it.state)
                        if it.param.numel() else None for it in items)
+    blocks = [it.param.numel() // int(it.state["period"]) for it in items]
     for (pdt, gdt, (br, bc, single), fact), idx in classes.items():
-        sel = torch.tensor(idx, dtype=torch.int64)
-        progs = _programs([items[i].param.numel() // int(items[i].state["period"]) for i in idx], br, device)
         ptrs = []
         for i in idx:
             it, st = items[i], items[i].state
             v = [it.v_row, st["v_col"]] if fact else [st["v"], st["v"]]
             ptrs.append([it.param, it.grad, st["m_code"], st["m_scale"], *v])
-        ptrs, sel = _to(device, _ptr_table(ptrs), sel)
-        _launch(kernels.m8_kernel, progs, ptrs, ints.index_select(0, sel), scal.index_select(0, sel), book.values,
-                book.thr, book.K, LOG2K=book.log2k, BR=br, BC=bc, SINGLE=single, FACTORED=fact,
-                PARAM_T=_TRITON_DT[pdt], GRAD_T=_TRITON_DT[gdt])
+        _launch(kernels.m8_kernel, *_class_tables(idx, blocks, br, ptrs, ints, scal), book.values, book.thr, book.K,
+                LOG2K=book.log2k, BR=br, BC=bc, SINGLE=single, FACTORED=fact, PARAM_T=_TRITON_DT[pdt],
+                GRAD_T=_TRITON_DT[gdt])
     if factored:
         torch._foreach_copy_([it.state["v_row"] for it in factored], [it.v_row for it in factored])
     for it in items:

@@ -5,11 +5,10 @@ only the indexes of the writers that hold them."""
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import NamedTuple
 
 import msgpack
@@ -46,8 +45,7 @@ class Explicit:
         return [(a, b) for a, b, w in self.parts if w == writer]
 
     def writers_in(self, rows: int, start: int, stop: int) -> set[int]:
-        first = max(bisect.bisect_right([p[0] for p in self.parts], start) - 1, 0)
-        return {w for _, b, w in itertools.takewhile(lambda p: p[0] < stop, self.parts[first:]) if b > start}
+        return {w for _, _, w in pieces_overlapping(self.parts, start, stop, itemgetter(0, 1))}
 
 
 Split = Rule | Explicit

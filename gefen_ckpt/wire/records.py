@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from gefen_ckpt.errors import CheckpointCorruptError, CheckpointFormatError
@@ -64,14 +65,14 @@ def fail(path: str, message: str):
     raise CheckpointFormatError(f"manifest {path}: {message}")
 
 
-def pieces_overlapping(pieces: Sequence[PieceRecord], start: int, stop: int) -> tuple[PieceRecord, ...]:
-    """The pieces (sorted by rows, tiling) that overlap rows ``[start, stop)``."""
-    starts = [p.rows[0] for p in pieces]
+def pieces_overlapping(pieces: Sequence, start: int, stop: int, rows: Callable = attrgetter("rows")) -> tuple:
+    """The pieces (sorted, tiling; ``rows(piece)``: its ``(start, stop)``) overlapping ``[start, stop)``."""
     out = []
-    for p in pieces[max(bisect.bisect_right(starts, start) - 1, 0):]:
-        if p.rows[0] >= max(stop, start + 1):
+    for p in pieces[max(bisect.bisect_right(pieces, start, key=lambda p: rows(p)[0]) - 1, 0):]:
+        first, last = rows(p)
+        if first >= max(stop, start + 1):
             break
-        if p.rows[1] > start:
+        if last > start:
             out.append(p)
     return tuple(out)
 

@@ -103,10 +103,9 @@ def _check_file(store: Store, report: VerifyReport, name: str, expected: int, ac
         holds = f"(holds {', '.join(sorted({t.label for t, _ in pieces})[:4])})"
         try:
             store.refuse_special(name)
+            report.problem(f"{where}: data file is missing {holds}")
         except CheckpointError as exc:
             report.problem(f"{exc} {holds}")
-            return
-        report.problem(f"{where}: data file is missing {holds}")
         return
     report.files_checked += 1
     if actual != expected:
@@ -136,14 +135,14 @@ def _runs(pieces: list, span: int) -> list[list]:
     larger piece is a run of its own. A many-rank checkpoint has millions of pieces of a few
     bytes: one read and one checksum call per piece cost more than their data."""
     runs: list[list] = []
-    first = None
+    first = None  # offset of the open run's first piece (``pieces`` are sorted by offset)
     for tp in pieces:
         p = tp[1]
-        if runs and first is not None and p.offset >= first and p.offset + p.nbytes - first <= span:
+        if first is not None and p.offset + p.nbytes - first <= span:
             runs[-1].append(tp)
-            continue
-        runs.append([tp])
-        first = p.offset if p.nbytes <= span else None
+        else:
+            runs.append([tp])
+            first = p.offset if p.nbytes <= span else None
     return runs
 
 

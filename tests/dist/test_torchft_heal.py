@@ -229,7 +229,7 @@ def test_shared_codebooks_sent_once_and_values_round_trip():
             assert got[i][k].dtype == v.dtype and torch.equal(got[i][k], v), (i, k)
 
 
-@pytest.mark.parametrize("change", ["runs", "dtype", "pack", "dims", "index", "tree", "order", "step"])
+@pytest.mark.parametrize("change", ["runs", "many_runs", "dtype", "pack", "dims", "index", "tree", "order", "step"])
 def test_hostile_manifests_are_refused_before_anything_is_built(change):
     import msgpack
 
@@ -237,7 +237,9 @@ def test_hostile_manifests_are_refused_before_anything_is_built(change):
 
     enc = encode_state({"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.int64)}, 1)
     raw = msgpack.unpackb(enc.manifest, raw=False)
-    raw.update({"runs": {"runs": [["float32", 10**9, True]]}, "dtype": {"runs": [["complex64", 2, True]]},
+    raw.update({"runs": {"runs": [["float32", 10**9, True]]},
+                "many_runs": {"runs": [["float32", 50, True]] * 1000},  # each small, together > the manifest
+                "dtype": {"runs": [["complex64", 2, True]]},
                 "pack": {"pack": raw["pack"] + 8}, "dims": {"dims": raw["dims"][:-8]},
                 "index": {"index": bytes(len(raw["index"]))},
                 "tree": {"tree": msgpack.packb({"a": msgpack.ExtType(9, b"")})},
