@@ -35,6 +35,9 @@ PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "B
 def _entry(rank: int, world_size: int, workdir: str, fn, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size)
+    # every rank's connections are up before any rank can finish and close its own: a rank that
+    # returns at once (no collective of its own) would otherwise fail a peer still connecting
+    dist.barrier()
     out = os.path.join(workdir, f"result{rank}.pt")
     try:
         result = {"ok": fn(rank, world_size, *args)}
