@@ -313,12 +313,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Validate and stage everything, then publish: on any error the optimizer is untouched."""
         self.prepare_load_state_dict(state_dict)()
 
-    def prepare_load_state_dict(self, state_dict: dict) -> Callable[[], None]:
+    def prepare_load_state_dict(self, state_dict: dict, *, adopt: bool = False) -> Callable[[], None]:
         """Validate and stage ``state_dict`` without touching the optimizer; the returned callable
         publishes it. gefen_ckpt stages on every rank first and publishes only once all ranks have
-        succeeded, so a load that fails anywhere changes nothing anywhere."""
+        succeeded, so a load that fails anywhere changes nothing anywhere. ``adopt``: the caller
+        hands over the state tensors (fresh memory nothing else holds, as a checkpoint read makes):
+        they are staged as they are, not copied, where they already lie on the parameter's device."""
         state_dict = apply_load_pre_hooks(self, state_dict)
-        groups, state, books = self._stage(state_dict)
+        groups, state, books = self._stage(state_dict, adopt)
 
         def publish() -> None:
             self.__setstate__({"state": state, "param_groups": groups})
@@ -331,7 +333,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
         return publish
 
-    def _stage(self, sd: dict):
+    def _stage(self, sd: dict, adopt: bool = False):
         contract = self.contract()
         for key in ("state", "param_groups"):
             if key not in sd:
@@ -348,7 +350,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 for name in sizes:
                     if name in entry:
                         copies[name].append((f"parameter {param_label(group, i)}", entry.pop(name)))
-            state[group["params"][i]] = self._stage_param(contract, group, i, entry)
+            state[group["params"][i]] = self._stage_param(contract, group, i, entry, adopt)
         for name in sizes:
             if (shared := (sd.get(GLOBAL_STATE_KEY) or {}).get(name)) is not None:
                 copies[name].append(("the optimizer-wide entry", shared))
@@ -371,7 +373,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         fill options its contract does not record, or refuse the group)."""
         return group
 
-    def _stage_param(self, contract: OptimizerContract, group: dict, i: int, entry) -> dict:
+    def _stage_param(self, contract: OptimizerContract, group: dict, i: int, entry, adopt: bool) -> dict:
         param, label = group["params"][i], param_label(group, i)
         if not isinstance(entry, dict):
             raise ValueError(f"state of parameter {label} is not a dict")
@@ -416,7 +418,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             device = value.device if spec.geometry == "scalar" else local.device
             # one torch op per field (detach only when needed): each op releases the GIL, which
             # costs a switch interval while another thread runs Python (docs/decisions.md)
-            staged[name] = (value.detach() if value.requires_grad else value).to(device=device, copy=True)
+            staged[name] = value if adopt and value.device == device else (
+                value.detach() if value.requires_grad else value).to(device=device, copy=True)
         return staged
 
     def _stage_codebook(self, name: str, size: int, copies: list[tuple[str, object]]) -> torch.Tensor | None:

@@ -331,8 +331,9 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         """Stage and validate both children, then publish both: on any error neither changes."""
         self.prepare_load_state_dict(state_dict)()
 
-    def prepare_load_state_dict(self, state_dict: dict) -> Callable[[], None]:
-        """Validate and stage both children without touching either; the returned callable publishes both."""
+    def prepare_load_state_dict(self, state_dict: dict, *, adopt: bool = False) -> Callable[[], None]:
+        """Validate and stage both children without touching either; the returned callable publishes
+        both. ``adopt``: as ``Gefen.prepare_load_state_dict``'s."""
         state_dict = apply_load_pre_hooks(self, state_dict)
         try:
             saved = split_composite(state_dict, list(self.children))
@@ -341,7 +342,7 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         staged = []
         for name, child in self.children.items():
             try:
-                staged.append(_prepare_child_load(child, saved[name]))
+                staged.append(_prepare_child_load(child, saved[name], adopt))
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"child {name!r}: {exc}") from exc
         # a torch child's own load can still refuse (it checks group structure), so it goes first
@@ -357,14 +358,15 @@ class GefenMuonHybrid(torch.optim.Optimizer):
         return publish
 
 
-def _prepare_child_load(child: torch.optim.Optimizer, sd) -> tuple[bool, Callable[[], None]]:
+def _prepare_child_load(child: torch.optim.Optimizer, sd, adopt: bool) -> tuple[bool, Callable[[], None]]:
     """``(may_still_fail, publish)`` for one child, after validating ``sd`` completely (a torch
-    optimizer keeps the very tensors it is given: it gets a copy, as Gefen children do)."""
+    optimizer keeps the very tensors it is given: unless they are adopted, it gets a copy, as
+    Gefen children do)."""
     prepare = getattr(child, "prepare_load_state_dict", None)
     if prepare is not None:
-        return False, prepare(sd)
+        return False, prepare(sd, adopt=adopt)
     _check_plain_state_dict(child, sd)
-    return True, functools.partial(child.load_state_dict, copy.deepcopy(sd))
+    return True, functools.partial(child.load_state_dict, sd if adopt else copy.deepcopy(sd))
 
 
 def _check_plain_state_dict(opt: torch.optim.Optimizer, sd) -> None:

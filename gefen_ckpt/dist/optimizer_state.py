@@ -196,12 +196,15 @@ def _local_state_dict(opt, leaf: OptimizerContract, child: str | None, state: Ca
 
 
 def import_canonical(optimizer: torch.optim.Optimizer, state: CanonicalState, *,
-                     model: torch.nn.Module | None = None) -> None:
+                     model: torch.nn.Module | None = None, adopt: bool = False) -> None:
     """Load ``state`` into ``optimizer``, each rank taking the slices it owns. Everything is read
     and validated first: on any error (``CheckpointMismatchError`` naming the FQN/field, or a read
     error) the optimizer is untouched; under a process group every rank raises together.
+    ``adopt``: every read of ``state`` returns memory nothing else holds (a checkpoint's lazy
+    state): the optimizer keeps it instead of copying.
     """
-    load_agreed(lambda: stage_state_dict(optimizer, local_state_dict(optimizer, state, model)), "import_canonical")
+    load_agreed(lambda: stage_state_dict(optimizer, local_state_dict(optimizer, state, model), adopt),
+                "import_canonical")
 
 
 def load_agreed(stage: Callable[[], Callable[[], None]], what: str, group=None, alone: bool = False) -> None:
@@ -226,14 +229,15 @@ def copies_on_load(optimizer: torch.optim.Optimizer) -> bool:
     return hasattr(optimizer, "prepare_load_state_dict")
 
 
-def stage_state_dict(optimizer: torch.optim.Optimizer, sd: dict) -> Callable[[], None]:
+def stage_state_dict(optimizer: torch.optim.Optimizer, sd: dict, adopt: bool = False) -> Callable[[], None]:
     """Stage the optimizer's own ``sd``; the returned callable publishes it. Gefen optimizers
-    validate and copy in ``prepare_load_state_dict``; torch optimizers load what gefen_ckpt checked."""
+    validate and copy (unless they ``adopt`` the tensors) in ``prepare_load_state_dict``; torch
+    optimizers load what gefen_ckpt checked."""
     prepare = getattr(optimizer, "prepare_load_state_dict", None)
     if prepare is None:
         return functools.partial(optimizer.load_state_dict, sd)
     try:
-        return prepare(sd)
+        return prepare(sd, adopt=adopt)
     except (ValueError, TypeError, KeyError) as exc:
         if isinstance(exc, CheckpointMismatchError):
             raise

@@ -24,7 +24,7 @@ from gefen_ckpt.dist.collective import (
     pack,
     unpack,
 )
-from gefen_ckpt.dist.optimizer_state import check_fits, copies_on_load, export_canonical, import_canonical
+from gefen_ckpt.dist.optimizer_state import check_fits, export_canonical, import_canonical
 from gefen_ckpt.dist.shared_reads import share_reads
 from gefen_ckpt.errors import CheckpointError, CheckpointTimeoutError
 from gefen_ckpt.io.storage import Store
@@ -228,11 +228,11 @@ def load_sharded(optimizer: torch.optim.Optimizer, url: str, *, model, storage_o
     error, state, store = None, None, None
     try:
         store = Store(url, storage_options)
-        state = lazy_state(store, open_checkpoint(store, whole=False), map_files=copies_on_load(optimizer))
+        state = lazy_state(store, open_checkpoint(store, whole=False), map_files=True)
         check_fits(optimizer, state, model)  # refuse before reading any data
     except Exception as exc:
         error = exc
     agree(error, f"load from {url}")
     if read_once if read_once is not None else store.networked:
         state = share_reads(optimizer, state, url, model=model, budget=memory_budget)
-    import_canonical(optimizer, state, model=model)
+    import_canonical(optimizer, state, model=model, adopt=True)  # reads return memory of their own

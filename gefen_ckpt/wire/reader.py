@@ -3,9 +3,10 @@ read and validated first, by ``manifest.open_checkpoint``).
 
 Nothing is allocated before the manifest is validated and the files are found with their
 sizes, so allocations never exceed the files' bytes. A piece is the checksum unit: every read
-verifies the whole pieces it overlaps. Reads go into fresh tensors, or for a caller that copies
-what it stages, views of a private mapping (``map_files``); either way a later save or delete
-cannot change a tensor already read.
+verifies the whole pieces it overlaps. Lazy reads return memory of their own (a Gefen optimizer
+adopts it instead of copying it again); eager staging returns fresh tensors, or for a caller that
+copies what it stages, views of a private mapping (``map_files``). Either way a later save or
+delete cannot change a tensor already read.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def read_piece(store: Store, tensor: SplitTensor, piece: PieceRecord, out: torch
 
 class PieceSource:
     """A stored tensor as a lazy ``TensorSource``: ``read`` fetches and verifies only the pieces
-    that overlap the requested rows (from ``mapped`` files when given: see ``MappedFiles``)."""
+    that overlap the requested rows (from ``mapped`` files when given: see ``MappedFiles``) into
+    a tensor of its own, which the caller may keep."""
 
     def __init__(self, store: Store, tensor: SplitTensor, mapped: MappedFiles | None = None):
         self.store, self.tensor, self.mapped = store, tensor, mapped
@@ -110,7 +112,7 @@ class PieceSource:
     def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         t = self.tensor
         if not t.shape:
-            return self.mapped.piece(t, t.pieces[0]) if self.mapped else read_piece(self.store, t, t.pieces[0])
+            return self.mapped.piece(t, t.pieces[0]).clone() if self.mapped else read_piece(self.store, t, t.pieces[0])
         stop = t.rows if stop is None else stop
         if not 0 <= start <= stop <= t.rows:
             raise IndexError(f"{t.label}: rows [{start}, {stop}) are outside [0, {t.rows})")
@@ -119,7 +121,7 @@ class PieceSource:
             overlapping.append((piece, max(start, piece.rows[0]), min(stop, piece.rows[1])))
         if self.mapped is not None:
             views = [self.mapped.piece(t, piece)[lo - piece.rows[0]:hi - piece.rows[0]] for piece, lo, hi in overlapping]
-            return _joined(views, (stop - start, *t.shape[1:]), self.dtype)
+            return torch.cat(views) if views else torch.empty((0, *t.shape[1:]), dtype=self.dtype)
         out = torch.empty((stop - start, *t.shape[1:]), dtype=self.dtype)
         whole: dict[str, Batch] = {}  # whole pieces, by file: one open and one read call per file
         for piece, lo, hi in overlapping:
@@ -194,9 +196,9 @@ _PARTIAL = _PartialPieces(64 * 2**20)
 
 
 class MappedFiles:
-    """Private (copy-on-write) mappings of a local checkpoint's data files, for lazy reads whose
-    consumer copies what it gets (a Gefen optimizer's collective load): a piece is verified once,
-    on first use, and read as a view, so nothing is copied into fresh memory first."""
+    """Private (copy-on-write) mappings of a local checkpoint's data files, for lazy reads of row
+    ranges (a collective load): a piece is verified once, on first use, and its rows are copied
+    straight from the mapping, with no read into a buffer before."""
 
     def __init__(self, store: Store):
         self.store = store
@@ -245,7 +247,7 @@ def _joined(views: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtyp
 
 def lazy_state(store: Store, manifest: Manifest, *, map_files: bool = False) -> CanonicalState:
     """A ``CanonicalState`` whose tensors are read from the files on demand; with ``map_files``
-    (local stores) as verified views of the files, for a caller that copies what it reads."""
+    (local stores) copied from private mappings of the files (``MappedFiles``)."""
     mapped = MappedFiles(store) if map_files and _can_map(store) else None
     return manifest.state({k: PieceSource(store, t, mapped) for k, t in manifest.tensors.items()}, torch_dtype)
 

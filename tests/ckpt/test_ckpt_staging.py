@@ -61,6 +61,11 @@ def test_mapped_lazy_reads_agree_with_reads_and_verify_pieces(tmp_path, source):
             if src.shape and start <= stop:
                 got = dict(mapped.tensors())[key].read(start, stop)
                 assert bits_equal(got, src.read(start, stop)), (key, start, stop)
+    for _, src in mapped.tensors():  # every read is memory of its own (a load keeps it)
+        first = src.read()
+        if first.numel():
+            first.view(-1).view(torch.uint8)[0] ^= 0xFF
+            assert not bits_equal(first, src.read())
     t = next(t for t in manifest.tensors.values() if len(t.pieces) > 1)
     piece = t.pieces[1]
     with open(os.path.join(url, piece.file), "r+b") as f:  # damage one piece

@@ -283,7 +283,7 @@ def _agree_task(rank: int, task: dict, mesh, placements) -> dict:
     params, _ = _dtensor_params(1, mesh, placements)
     opt = make_opt("gefen", params.items())
     if rank == 1:
-        def refuse(sd):
+        def refuse(sd, **options):
             raise ValueError("injected staging failure")
         opt.prepare_load_state_dict = refuse
     try:

@@ -348,6 +348,26 @@ def test_round_trip_resumes_bitwise(how, dtype, moments):
         assert same_bits(bits(opt.v_codebook), bits(resumed.v_codebook))
 
 
+@pytest.mark.parametrize("adopt", [False, True])
+def test_staging_copies_unless_it_adopts(adopt):
+    """``prepare_load_state_dict`` copies every parameter field, or with ``adopt`` keeps the very
+    tensors it is handed (a checkpoint read's own memory); either way it resumes bitwise."""
+    model, opt = trained(3)
+    sd = copy.deepcopy(opt.state_dict())
+    books = opt.global_books()  # one shared copy each, staged apart
+    given = {(i, name): t for i, entry in sd["state"].items() for name, t in entry.items()
+             if t.dim() and name not in books}
+    resumed_model = copy.deepcopy(model)
+    resumed = Gefen(resumed_model.named_parameters(), lr=1e-2)
+    resumed.prepare_load_state_dict(sd, adopt=adopt)()
+    params = list(resumed_model.parameters())
+    kept = [resumed.state[params[i]][name] is t for (i, name), t in given.items()]
+    assert all(kept) if adopt else not any(kept)
+    train(model, opt, 2, start=3)
+    train(resumed_model, resumed, 2, start=3)
+    assert all(same_bits(a, b) for a, b in zip(params_bits(model), params_bits(resumed_model)))
+
+
 def test_loading_an_empty_state_dict_resets_the_optimizer():
     """A fresh optimizer's state_dict (no state, no codebook) loads and clears state and codebook."""
     model, opt = trained(2)

@@ -379,6 +379,29 @@ def _through_bytes(obj):
     return torch.load(buf, weights_only=True)
 
 
+@pytest.mark.parametrize("adopt", [False, True])
+@pytest.mark.parametrize("backup", BACKUPS)
+def test_staging_copies_both_children_unless_it_adopts(backup, adopt):
+    """A torch backup keeps the tensors it loads: it gets copies, or with ``adopt`` (a checkpoint
+    read's own memory) the very tensors, as the Gefen children do."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=1)
+    opt = GefenMuonHybrid(model, lr=3e-3, backup=backup)
+    _train(model, opt, range(2))
+    sd = _through_bytes(opt.state_dict())
+    books = {b for child in opt.children.values() if hasattr(child, "global_books") for b in child.global_books()}
+    given = {(i, k): t for i, entry in sd["state"].items() for k, t in entry.items() if t.dim() and k not in books}
+    resumed_model = copy.deepcopy(model)
+    resumed = GefenMuonHybrid(resumed_model, lr=3e-3, backup=backup)
+    resumed.prepare_load_state_dict(sd, adopt=adopt)()
+    params = [p for g in resumed.param_groups for p in g["params"]]
+    kept = [resumed.state[params[i]][k] is t for (i, k), t in given.items()]
+    assert all(kept) if adopt else not any(kept)
+    _train(model, opt, range(2, 4))
+    _train(resumed_model, resumed, range(2, 4))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters()))
+
+
 @pytest.mark.parametrize("backup", BACKUPS)
 def test_state_dict_layout_and_round_trip_resumes_bitwise(backup):
     torch.manual_seed(0)
