@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from gefen.contract import OptimizerContract
 from gefen.geometry import rows_and_row_numel
-from gefen.replicas import chunk_rows
 from gefen_ckpt.dist import collective
 from gefen_ckpt.dist.placement import is_dtensor, to_local
 from gefen_ckpt.errors import CheckpointError
@@ -45,11 +44,6 @@ class Move:
     dst: int
     start: int
     stop: int
-
-
-def chunk_ranges(rows: int, parts: int) -> list[Range]:
-    """Every rank's rows when ``rows`` are split over ``parts`` ranks (``gefen.replicas.chunk_rows``)."""
-    return [chunk_rows(rows, parts, r) for r in range(parts)]
 
 
 def assign_rows(rows: int, have: Sequence[Range | None], want: Sequence[Range | None], *,
@@ -174,7 +168,6 @@ class TransportStats:
     staging_bytes: int = 0  # currently held copies (0 after a call)
     peak_staging_bytes: int = 0  # the most bytes held at once in copies made for sending/receiving
     local_copies: int = 0
-    extra: dict = field(default_factory=dict)
 
     def stage(self, nbytes: int) -> None:
         self.staging_bytes += nbytes
@@ -501,7 +494,6 @@ def _move(infos, dtypes, sources, have, want, out_device, stats: TransportStats)
     budget, (rank, _), error = stats.budget_bytes, _world(), None
     moves = plan_moves(infos, have, want, budget)  # deterministic: raises alike on every rank
     rounds = plan_rounds(moves, [i.itemsize for i in infos], budget)
-    stats.extra.update(moves=len(moves), planned_rounds=len(rounds))
     outputs: list[torch.Tensor | None] = [None] * len(infos)
     flats: list[tuple[torch.Tensor, int] | None] = [None] * len(infos)
     try:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gefen import Gefen
+from gefen.replicas import chunk_rows
 from gefen_ckpt import CheckpointError, CheckpointMismatchError, export_canonical
 from gefen_ckpt import transport as T
 from gefen_ckpt.state.canonical import CanonicalState, EagerSource, LocalPart, ParamState
@@ -29,11 +30,16 @@ KINDS = ("gefen_factored", "gefen_block", "adamw")
 TINY = 256
 
 
+def chunk_ranges(rows: int, parts: int) -> list[tuple[int, int]]:
+    """Every rank's rows when ``rows`` are split over ``parts`` ranks."""
+    return [chunk_rows(rows, parts, r) for r in range(parts)]
+
+
 # ===== planning, in-process ===================================================================
 def test_chunk_ranges_match_torch_chunk():
     for rows in range(0, 12):
         for parts in range(1, 6):
-            ranges = T.chunk_ranges(rows, parts)
+            ranges = chunk_ranges(rows, parts)
             sizes = [len(c) for c in torch.arange(rows).chunk(parts)] if rows else []
             sizes += [0] * (parts - len(sizes))
             assert [b - a for a, b in ranges] == sizes
@@ -43,12 +49,12 @@ def test_chunk_ranges_match_torch_chunk():
 
 def test_assign_rows_uneven_and_empty_shards():
     # source: 7 rows on 3 ranks (3, 3, 1); target: 7 rows on 4 ranks (2, 2, 2, 1)
-    have = T.chunk_ranges(7, 3) + [None]
-    want = T.chunk_ranges(7, 4)
+    have = chunk_ranges(7, 3) + [None]
+    want = chunk_ranges(7, 4)
     moves = T.assign_rows(7, have, want)
     assert moves == [(0, 0, 0, 2), (0, 1, 2, 3), (1, 1, 3, 4), (1, 2, 4, 6), (2, 3, 6, 7)]
     # an empty shard wants nothing and sends nothing
-    assert T.assign_rows(3, T.chunk_ranges(3, 4), [(0, 3), None, None, (3, 3)]) == [
+    assert T.assign_rows(3, chunk_ranges(3, 4), [(0, 3), None, None, (3, 3)]) == [
         (0, 0, 0, 1), (1, 0, 1, 2), (2, 0, 2, 3)]
 
 
@@ -125,11 +131,11 @@ def test_plan_covers_every_wanted_element_once_under_tiny_budgets():
             shape = rng.choice([(), (rng.randint(0, 9),), (rng.randint(0, 9), rng.randint(1, 6), rng.randint(1, 3))])
             info = T.TensorInfo(shape, rng.choice([1, 2, 4, 8]), f"t{t}")
             src_parts, dst_parts = rng.randint(1, world), rng.randint(1, world)
-            src = T.chunk_ranges(info.rows, src_parts) + [None] * (world - src_parts)
+            src = chunk_ranges(info.rows, src_parts) + [None] * (world - src_parts)
             rng.shuffle(src)
             if rng.random() < 0.3:  # replicated source (DDP / HSDP replicas)
                 src = [(0, info.rows)] * world
-            dst = [(0, info.rows)] * world if rng.random() < 0.2 else T.chunk_ranges(info.rows, dst_parts) + [
+            dst = [(0, info.rows)] * world if rng.random() < 0.2 else chunk_ranges(info.rows, dst_parts) + [
                 None] * (world - dst_parts)
             infos.append(info)
             have.append(src)
@@ -139,7 +145,7 @@ def test_plan_covers_every_wanted_element_once_under_tiny_budgets():
 
 def test_gather_plan_takes_rows_from_writers_in_chunks():
     info = T.TensorInfo((7, 32), 4)
-    have = [T.chunk_ranges(7, 3)]
+    have = [chunk_ranges(7, 3)]
     moves = _simulate([info], have, [[(0, 7), None, None]], budget=200)  # rows of 128 B: one row a message
     assert len(moves) == 7 and all(m.dst == 0 for m in moves)
     assert [m.src for m in moves] == [0, 0, 0, 1, 1, 1, 2]
