@@ -10,9 +10,10 @@ are the sizes of each rank's files), store requests; the time of a save or load 
 rank's, the median of the repetitions. And the rule alone at scale, with no data: a
 Llama-3-405B-shaped Gefen state on HSDP 8 x 2,048, its balance and one rank's planning time.
 
-Run alone with ``python -m benchmarks.bench_replicas [--quick]``; ``--ab N [--hsdp]``: only the
-default local-disk loads, the balanced checkpoint and the single-writer one (each saved once),
-loaded alternately N times each: medians of the slowest rank's wall time and of each rank's CPU time.
+Run alone with ``python -m benchmarks.bench_replicas [--quick]``; ``--ab N [--hsdp] [--params M]``:
+only the default local-disk loads, the balanced checkpoint and the single-writer one (each saved
+once, of an M-million-parameter state, default 25), loaded alternately N times each: medians of the
+slowest rank's wall time and of each rank's CPU time.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def _files(url: str) -> dict[str, int]:
     return {e["name"].rsplit("/", 1)[-1]: int(e["size"]) for e in fs.ls(root, detail=True) if e["type"] == "file"}
 
 
-def _ab_rank(rank: int, workdir: str, layout: str, reps: int) -> None:
+def _ab_rank(rank: int, workdir: str, layout: str, reps: int, millions: float) -> None:
     """``--ab``: save both checkpoints once, then load them alternately (``reps`` each after a
     warm-up pair); this rank's (checkpoint, slowest rank's wall s, this rank's CPU s) per load."""
     import torch.distributed as dist
@@ -188,8 +189,8 @@ def _ab_rank(rank: int, workdir: str, layout: str, reps: int) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=WORLD)
-    _, opt = _model(layout, 25, steps=2)
-    _, fresh = _model(layout, 25, steps=0)
+    _, opt = _model(layout, millions, steps=2)
+    _, fresh = _model(layout, millions, steps=0)
     urls = {"gefen-ckpt": os.path.join(workdir, "balanced"), "single writer": os.path.join(workdir, "single")}
     real = sharded_io.rules_for
     gefen_ckpt.save(opt, urls["gefen-ckpt"])
@@ -210,19 +211,19 @@ def _ab_rank(rank: int, workdir: str, layout: str, reps: int) -> None:
     dist.destroy_process_group()
 
 
-def ab(layout: str, reps: int) -> str:
+def ab(layout: str, reps: int, millions: float = 25) -> str:
     """The default local-disk load of the balanced checkpoint against the single-writer one, in
     alternating order (drift cancels): a difference of a few percent needs this, not ``run``."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="gefen-bench-replicas-ab-") as workdir:
-        mp.spawn(_ab_rank, args=(workdir, layout, reps), nprocs=WORLD)
+        mp.spawn(_ab_rank, args=(workdir, layout, reps, millions), nprocs=WORLD)
         per_rank = [torch.load(os.path.join(workdir, f"ab{r}.pt")) for r in range(WORLD)]
     lines, wall, cpu = [], {}, {}
     for name in ("gefen-ckpt", "single writer"):
         wall[name] = statistics.median(w for n, w, _ in per_rank[0] if n == name)
         cpu[name] = [statistics.median(c for n, _, c in loads if n == name) for loads in per_rank]
-        lines.append(f"{layout}, local disk, default load, {name}: {wall[name] * 1e3:.1f} ms (median of {reps}, "
+        lines.append(f"{layout}, {millions:g}M params, local disk, default load, {name}: {wall[name] * 1e3:.1f} ms (median of {reps}, "
                      f"slowest rank); CPU per rank {', '.join(f'{c * 1e3:.1f}' for c in cpu[name])} ms")
     ratio = [sum(cpu["gefen-ckpt"]) / sum(cpu["single writer"]), wall["gefen-ckpt"] / wall["single writer"]]
     lines.append(f"gefen-ckpt / single writer: wall {ratio[1]:.3f}, CPU {ratio[0]:.3f}")
@@ -405,6 +406,7 @@ def run(quick: bool) -> dict:
 
 if __name__ == "__main__":
     if "--ab" in sys.argv:
-        print(ab(LAYOUTS[1] if "--hsdp" in sys.argv else LAYOUTS[0], int(sys.argv[sys.argv.index("--ab") + 1])))
+        millions = float(sys.argv[sys.argv.index("--params") + 1]) if "--params" in sys.argv else 25
+        print(ab(LAYOUTS[1] if "--hsdp" in sys.argv else LAYOUTS[0], int(sys.argv[sys.argv.index("--ab") + 1]), millions))
     else:
         print(run("--quick" in sys.argv[1:])["markdown"])
